@@ -1,0 +1,1 @@
+"""tlt plugins (importable as tlt_plugins): hook implementations injected into worker processes."""

@@ -1,0 +1,1 @@
+"""Rollout engines: the embedded in-process engine and its speculative decoding."""

@@ -1,0 +1,96 @@
+"""Data passed into and out of a rollout engine.
+
+The trainer builds `RolloutRequest`s, an engine turns them into `Completion`s under one
+`SamplingParams`; `SpeculativeConfig` names a speculative-decoding shape the way SGLang does
+(steps, topk, draft_tokens). Engines, the adaptive rule table and the SGLang backend all
+speak these types.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How the next token is drawn. temperature 0 means greedy (argmax)."""
+
+    max_new_tokens: int
+    temperature: float = 1.0
+    # keep the smallest set of tokens whose probability reaches top_p (1.0 keeps all)
+    top_p: float = 1.0
+    # keep the top_k most likely tokens (0 keeps all)
+    top_k: int = 0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """One speculative-decoding shape.
+
+    steps: draft depth (tokens drafted along each branch); topk: branches kept per drafted
+    position (1 is a chain); draft_tokens: tokens verified in one target pass (for a chain,
+    steps + 1 including the root).
+    """
+
+    steps: int
+    topk: int = 1
+    draft_tokens: int = 0
+
+    @property
+    def is_chain(self) -> bool:
+        return self.topk == 1
+
+    def label(self) -> str:
+        return f"s{self.steps}-k{self.topk}-t{self.verified_tokens}"
+
+    @property
+    def verified_tokens(self) -> int:
+        return self.draft_tokens if self.draft_tokens > 0 else self.steps + 1
+
+
+@dataclass(frozen=True)
+class RolloutRequest:
+    """One response to generate. prompt_ids: [P] token ids of the prompt."""
+
+    request_id: int
+    prompt_ids: tuple[int, ...]
+
+
+@dataclass
+class SpeculativeStats:
+    """What speculative decoding did for one request (all zero when SD was off)."""
+
+    verify_passes: int = 0
+    # tokens accepted from drafts (not counting the bonus token of each verify pass)
+    accepted_draft_tokens: int = 0
+    # accepted_by_depth[d] = drafts whose token at depth d (0-based) was accepted
+    accepted_by_depth: list[int] = field(default_factory=list)
+    proposed_by_depth: list[int] = field(default_factory=list)
+
+    @property
+    def accept_length(self) -> float:
+        """Tokens emitted per verify pass (accepted drafts + the bonus token)."""
+        if self.verify_passes == 0:
+            return 0.0
+        return (self.accepted_draft_tokens + self.verify_passes) / self.verify_passes
+
+
+@dataclass
+class Completion:
+    """A finished request. response_ids: [R] generated ids, ending with EOS if finished_by_eos.
+
+    start / end: wall-clock seconds (time.time()) when the request entered and left the
+    running batch.
+    """
+
+    request_id: int
+    prompt_ids: tuple[int, ...]
+    response_ids: list[int]
+    finished_by_eos: bool
+    start: float
+    end: float
+    speculative: SpeculativeStats = field(default_factory=SpeculativeStats)

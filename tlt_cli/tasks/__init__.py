@@ -1,0 +1,1 @@
+"""Built-in tasks (prompts with exactly verifiable answers) and their rewards."""
