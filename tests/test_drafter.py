@@ -1,0 +1,242 @@
+"""CPU tests of the EAGLE drafter: shared frozen weights, KV-cached forward, save/load, loss."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from tlt_cli.drafter.loss import drafter_loss
+from tlt_cli.drafter.model import (
+    CONFIG_FILE,
+    DrafterLoadError,
+    DrafterOutput,
+    EagleDrafter,
+    load_drafter,
+    save_drafter,
+)
+
+torch.set_num_threads(1)
+
+VOCAB_SIZE = 48
+HIDDEN_SIZE = 32
+
+
+def tiny_qwen2(seed: int = 0, hidden_size: int = HIDDEN_SIZE) -> Qwen2ForCausalLM:
+    torch.manual_seed(seed)
+    config = Qwen2Config(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=hidden_size,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        tie_word_embeddings=True,
+    )
+    return Qwen2ForCausalLM(config).eval()
+
+
+def tiny_llama_untied(seed: int = 0) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=HIDDEN_SIZE,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+    )
+    return LlamaForCausalLM(config).eval()
+
+
+def confident_logits(shape: tuple[int, int], generator: torch.Generator) -> torch.Tensor:
+    """Logits whose softmax is one-hot up to e^-100, so their entropy (the soft-CE floor) is ~0."""
+    top_tokens = torch.randint(0, VOCAB_SIZE, shape, generator=generator)
+    return torch.nn.functional.one_hot(top_tokens, VOCAB_SIZE).float() * 100.0
+
+
+def random_inputs(batch_size: int = 2, length: int = 9, seed: int = 1):
+    generator = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(0, VOCAB_SIZE, (batch_size, length), generator=generator)
+    target_hidden = torch.randn(batch_size, length, HIDDEN_SIZE, generator=generator)
+    position_ids = torch.arange(length).expand(batch_size, length)
+    return input_ids, target_hidden, position_ids
+
+
+def shared_tensors(target) -> dict[str, torch.Tensor]:
+    modules = {
+        "embed": target.get_input_embeddings(),
+        "norm": target.get_decoder().norm,
+        "lm_head": target.get_output_embeddings(),
+    }
+    return {f"{name}.{key}": value.clone() for name, module in modules.items() for key, value in module.state_dict().items()}
+
+
+@pytest.mark.parametrize("build_target", [tiny_qwen2, tiny_llama_untied])
+def test_shared_target_weights_are_not_drafter_parameters(build_target):
+    target = build_target()
+    drafter = EagleDrafter(target)
+    target_tensor_ids = {id(parameter) for parameter in target.parameters()}
+    assert not any(id(parameter) in target_tensor_ids for parameter in drafter.parameters())
+    assert not any(name.startswith(("shared", "embed", "lm_head")) for name in drafter.state_dict())
+    assert "fc.weight" in drafter.state_dict()
+    assert drafter.shared.lm_head is target.get_output_embeddings()
+    assert drafter.shared.embed_tokens is target.get_input_embeddings()
+    assert isinstance(drafter.decoder_layer.input_layernorm, torch.nn.Identity)
+    assert type(drafter.decoder_layer).__name__ == type(target.get_decoder().layers[0]).__name__
+
+
+@pytest.mark.parametrize("build_target", [tiny_qwen2, tiny_llama_untied])
+def test_forward_shapes_and_logits_come_from_target_head(build_target):
+    target = build_target()
+    drafter = EagleDrafter(target)
+    input_ids, target_hidden, position_ids = random_inputs()
+    output = drafter(input_ids, target_hidden, position_ids, None, None)
+    assert output.hidden.shape == (2, 9, HIDDEN_SIZE)
+    assert output.logits.shape == (2, 9, VOCAB_SIZE)
+    torch.testing.assert_close(output.logits, target.lm_head(output.hidden))
+
+
+def test_gradient_reaches_drafter_but_not_target():
+    target = tiny_qwen2()
+    drafter = EagleDrafter(target)
+    input_ids, target_hidden, position_ids = random_inputs()
+    target_hidden.requires_grad_(True)
+    output = drafter(input_ids, target_hidden, position_ids, None, None)
+    (output.logits.square().mean() + output.hidden.square().mean()).backward()
+    assert all(parameter.grad is None for parameter in target.parameters())
+    assert target_hidden.grad is None
+    assert all(parameter.grad is not None and parameter.grad.abs().sum() > 0 for parameter in drafter.parameters())
+
+
+def test_seed_fixes_initial_weights_without_touching_global_rng():
+    target = tiny_qwen2()
+    torch.manual_seed(123)
+    expected_next = torch.rand(3)
+    torch.manual_seed(123)
+    first = EagleDrafter(target, seed=5)
+    observed_next = torch.rand(3)
+    second = EagleDrafter(target, seed=5)
+    other = EagleDrafter(target, seed=6)
+    torch.testing.assert_close(observed_next, expected_next)
+    torch.testing.assert_close(first.fc.weight, second.fc.weight)
+    assert not torch.equal(first.fc.weight, other.fc.weight)
+
+
+@pytest.mark.parametrize("build_target", [tiny_qwen2, tiny_llama_untied])
+def test_incremental_cached_forward_matches_full_forward(build_target):
+    target = build_target()
+    drafter = EagleDrafter(target)
+    input_ids, target_hidden, position_ids = random_inputs(length=10)
+    with torch.no_grad():
+        full = drafter(input_ids, target_hidden, position_ids, None, None)
+        cache = DynamicCache()
+        chunks = [drafter(input_ids[:, :4], target_hidden[:, :4], position_ids[:, :4], None, cache)]
+        for position in range(4, 10):
+            step = slice(position, position + 1)
+            chunks.append(drafter(input_ids[:, step], target_hidden[:, step], position_ids[:, step], None, cache))
+    assert cache.get_seq_length() == 10
+    torch.testing.assert_close(torch.cat([chunk.hidden for chunk in chunks], 1), full.hidden, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(torch.cat([chunk.logits for chunk in chunks], 1), full.logits, atol=1e-5, rtol=1e-5)
+
+
+def test_explicit_bool_mask_hides_keys():
+    target = tiny_qwen2()
+    drafter = EagleDrafter(target)
+    input_ids, target_hidden, position_ids = random_inputs(batch_size=1, length=6)
+    with torch.no_grad():
+        causal = torch.tril(torch.ones(6, 6, dtype=torch.bool))[None, None]
+        explicit = drafter(input_ids, target_hidden, position_ids, causal, None)
+        default = drafter(input_ids, target_hidden, position_ids, None, None)
+        # hiding key 0 from every later query changes those outputs, not query 0's
+        hidden_first = causal.clone()
+        hidden_first[..., 1:, 0] = False
+        masked = drafter(input_ids, target_hidden, position_ids, hidden_first, None)
+    torch.testing.assert_close(explicit.logits, default.logits)
+    torch.testing.assert_close(masked.logits[:, 0], default.logits[:, 0])
+    assert not torch.allclose(masked.logits[:, 1:], default.logits[:, 1:])
+
+
+@pytest.mark.parametrize("build_target", [tiny_qwen2, tiny_llama_untied])
+def test_save_load_round_trip_gives_identical_logits(tmp_path, build_target):
+    target = build_target()
+    drafter = EagleDrafter(target, seed=3)
+    with torch.no_grad():
+        drafter.fc.weight.mul_(1.5)
+    save_drafter(drafter, tmp_path / "drafter")
+    loaded = load_drafter(tmp_path / "drafter", target)
+    input_ids, target_hidden, position_ids = random_inputs()
+    with torch.no_grad():
+        expected = drafter(input_ids, target_hidden, position_ids, None, None)
+        observed = loaded(input_ids, target_hidden, position_ids, None, None)
+    assert torch.equal(observed.logits, expected.logits)
+    metadata = json.loads((tmp_path / "drafter" / CONFIG_FILE).read_text())
+    assert metadata["architecture"] == type(drafter.decoder_layer).__name__
+    assert metadata["hidden_size"] == HIDDEN_SIZE
+    assert not any(path.name.startswith(".") for path in (tmp_path / "drafter").iterdir())
+
+
+def test_loading_against_a_different_target_is_a_clear_error(tmp_path):
+    save_drafter(EagleDrafter(tiny_qwen2()), tmp_path / "drafter")
+    with pytest.raises(DrafterLoadError, match="trained for a Qwen2DecoderLayer"):
+        load_drafter(tmp_path / "drafter", tiny_qwen2(hidden_size=48))
+    with pytest.raises(DrafterLoadError, match="LlamaDecoderLayer"):
+        load_drafter(tmp_path / "drafter", tiny_llama_untied())
+    with pytest.raises(DrafterLoadError, match="No saved drafter"):
+        load_drafter(tmp_path / "missing", tiny_qwen2())
+
+
+def test_loading_weights_that_do_not_match_the_config_is_a_clear_error(tmp_path):
+    target = tiny_qwen2()
+    save_drafter(EagleDrafter(target, seed=0), tmp_path / "first")
+    save_drafter(EagleDrafter(target, seed=1), tmp_path / "second")
+    (tmp_path / "first" / CONFIG_FILE).write_text((tmp_path / "second" / CONFIG_FILE).read_text())
+    with pytest.raises(DrafterLoadError, match="do not match its config"):
+        load_drafter(tmp_path / "first", target)
+
+
+def test_loss_is_zero_when_prediction_equals_a_confident_target():
+    generator = torch.Generator().manual_seed(0)
+    hidden = torch.randn(2, 5, HIDDEN_SIZE, generator=generator)
+    logits = confident_logits((2, 5), generator)
+    loss = drafter_loss(DrafterOutput(hidden=hidden, logits=logits), hidden, logits, torch.ones(2, 5, dtype=torch.bool))
+    assert loss.hidden_loss.item() == 0.0
+    assert loss.token_loss.item() < 1e-6
+    assert loss.total.item() < 1e-6
+    assert loss.accuracy.item() == 1.0
+    assert loss.token_count == 10
+
+
+def test_token_loss_is_soft_cross_entropy_and_floors_at_target_entropy():
+    generator = torch.Generator().manual_seed(0)
+    hidden = torch.randn(1, 4, HIDDEN_SIZE, generator=generator)
+    target_logits = torch.randn(1, 4, VOCAB_SIZE, generator=generator)
+    target_probs = torch.softmax(target_logits, -1)
+    entropy = -(target_probs * torch.log_softmax(target_logits, -1)).sum(-1).mean()
+    mask = torch.ones(1, 4, dtype=torch.bool)
+    at_target = drafter_loss(DrafterOutput(hidden, target_logits), hidden, target_logits, mask)
+    elsewhere = drafter_loss(DrafterOutput(hidden + 1.0, -target_logits), hidden, target_logits, mask)
+    torch.testing.assert_close(at_target.token_loss, entropy)
+    assert elsewhere.token_loss > at_target.token_loss
+    # smooth L1 of an offset of 1.0 is 0.5 per element
+    torch.testing.assert_close(elsewhere.hidden_loss, torch.tensor(0.5))
+    torch.testing.assert_close(elsewhere.total, elsewhere.hidden_loss + 0.1 * elsewhere.token_loss)
+
+
+def test_loss_counts_only_masked_positions_and_ignores_non_finite_padding():
+    generator = torch.Generator().manual_seed(0)
+    hidden = torch.randn(1, 4, HIDDEN_SIZE, generator=generator)
+    logits = confident_logits((1, 4), generator)
+    predicted_hidden, predicted_logits = hidden.clone(), logits.clone()
+    predicted_hidden[0, 2:] = float("nan")
+    predicted_logits[0, 2:] = float("inf")
+    mask = torch.tensor([[True, True, False, False]])
+    loss = drafter_loss(DrafterOutput(predicted_hidden, predicted_logits), hidden, logits, mask)
+    assert loss.is_finite
+    assert loss.total.item() < 1e-6
+    assert loss.token_count == 2

@@ -1,0 +1,256 @@
+"""The EAGLE-style drafter: one decoder layer of the target's own architecture on top of its features.
+
+At position t the drafter reads `fc(concat(embed(token[t+1]), target_hidden[t]))` (2H -> H, no
+bias), runs it through one decoder layer whose first sublayer has no input norm, then through the
+target's final norm and `lm_head`. It predicts `target_hidden[t+1]` (the `hidden` output, in the
+same post-final-norm space as `target_hidden`) and therefore the token at t+2 (the `logits` output).
+
+The rollout engine calls `EagleDrafter.forward` while drafting (with a KV cache), the drafter
+trainer calls it on whole sequences, and `save_drafter` / `load_drafter` move it to and from disk.
+
+Shared weights: the target's input embedding, final norm and `lm_head` are held in a plain
+`SharedTargetModules` attribute, which `nn.Module` does not register, so they are referenced (never
+copied), absent from `parameters()` and `state_dict()`, and never moved by `drafter.to(...)`; they
+follow the target. The drafter reads them with detached weights, so no gradient ever reaches them.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+from torch.func import functional_call
+from transformers import DynamicCache, PretrainedConfig, PreTrainedModel
+
+DRAFTER_FORMAT_VERSION = 1
+WEIGHTS_FILE = "drafter.safetensors"
+CONFIG_FILE = "drafter_config.json"
+# target config fields that fix the drafter's shapes and the meaning of its inputs and outputs
+FINGERPRINT_FIELDS = (
+    "model_type",
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "hidden_act",
+    "rms_norm_eps",
+    "rope_parameters",
+    "attention_bias",
+    "mlp_bias",
+)
+
+
+class DrafterLoadError(RuntimeError):
+    """A saved drafter cannot be loaded against the given target."""
+
+
+@dataclass
+class DrafterOutput:
+    """hidden: [B,T,H] predicted target_hidden[t+1]; logits: [B,T,V] = lm_head(hidden), for token t+2."""
+
+    hidden: torch.Tensor
+    logits: torch.Tensor
+
+
+@dataclass(frozen=True)
+class SharedTargetModules:
+    """The target's own modules the drafter reads but never owns or trains."""
+
+    embed_tokens: nn.Module
+    final_norm: nn.Module
+    lm_head: nn.Module
+
+
+def drafter_config_from(target_config: PretrainedConfig) -> PretrainedConfig:
+    """A copy of the target config with one decoder layer, attending through SDPA (bool masks)."""
+    config = copy.deepcopy(target_config)
+    config.num_hidden_layers = 1
+    if getattr(config, "layer_types", None) is not None:
+        config.layer_types = config.layer_types[:1]
+    config._attn_implementation = "sdpa"
+    return config
+
+
+def target_fingerprint(target_config: PretrainedConfig) -> str:
+    """sha256 over the config fields that fix the drafter's shapes and semantics."""
+    fields = {name: getattr(target_config, name, None) for name in FINGERPRINT_FIELDS}
+    return hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def causal_attention_mask(batch_size: int, query_length: int, past_length: int, device: torch.device) -> torch.Tensor:
+    """[B,1,T,past+T] bool, True = attend: query i (absolute past+i) sees keys 0..past+i."""
+    query_positions = torch.arange(query_length, device=device)[:, None] + past_length
+    key_positions = torch.arange(past_length + query_length, device=device)[None, :]
+    mask = key_positions <= query_positions
+    return mask[None, None].expand(batch_size, 1, query_length, past_length + query_length)
+
+
+def call_frozen(module: nn.Module, inputs: torch.Tensor) -> torch.Tensor:
+    """Run `module` with its weights detached: gradient flows to `inputs`, never into the weights."""
+    if not torch.is_grad_enabled():
+        return module(inputs)
+    detached = {name: tensor.detach() for name, tensor in module.named_parameters()}
+    return functional_call(module, detached, (inputs,))
+
+
+class EagleDrafter(nn.Module):
+    """One decoder layer of the target's architecture that predicts the target's next hidden state.
+
+    Example:
+        drafter = EagleDrafter(target, seed=0)
+        out = drafter(next_token_ids, target_hidden, position_ids, None, DynamicCache())
+        draft_token = out.logits[:, -1].argmax(-1)
+    """
+
+    def __init__(self, target: PreTrainedModel, seed: int = 0):
+        super().__init__()
+        self.config = drafter_config_from(target.config)
+        self.target_name_or_path = str(getattr(target.config, "_name_or_path", "") or "")
+        self.target_fingerprint = target_fingerprint(target.config)
+        base_model = target.get_decoder()
+        self.shared = SharedTargetModules(
+            embed_tokens=target.get_input_embeddings(),
+            final_norm=base_model.norm,
+            lm_head=target.get_output_embeddings(),
+        )
+        hidden_size = self.config.hidden_size
+        layer_class = type(base_model.layers[0])
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            self.fc = nn.Linear(2 * hidden_size, hidden_size, bias=False)
+            self.decoder_layer = layer_class(self.config, layer_idx=0)
+        # EAGLE: the fc output enters attention un-normalised
+        self.decoder_layer.input_layernorm = nn.Identity()
+        self.rotary_emb = type(base_model.rotary_emb)(config=self.config)
+        reference = target.get_input_embeddings().weight
+        self.to(device=reference.device, dtype=reference.dtype)
+
+    @property
+    def architecture(self) -> str:
+        return type(self.decoder_layer).__name__
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        target_hidden: torch.Tensor,
+        position_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        past_key_values: DynamicCache | None = None,
+    ) -> DrafterOutput:
+        """input_ids[:, t] is token[t+1], paired with target_hidden[:, t]; see the module docstring.
+
+        input_ids: [B,T]; target_hidden: [B,T,H]; position_ids: [B,T] (the position of
+        target_hidden[t]); attention_mask: [B,1,T,past+T] bool, True = attend, or None for causal;
+        past_key_values: the drafter's own cache (updated in place) or None.
+        """
+        batch_size, query_length = input_ids.shape
+        with torch.no_grad():
+            token_embeddings = self.shared.embed_tokens(input_ids)
+        # fc(concat(embed(token[t+1]), target_hidden[t])): 2H -> H
+        features = self.fc(torch.cat((token_embeddings.to(self.fc.weight.dtype), target_hidden.detach()), dim=-1))
+        if attention_mask is None:
+            past_length = past_key_values.get_seq_length() if past_key_values is not None else 0
+            attention_mask = causal_attention_mask(batch_size, query_length, past_length, input_ids.device)
+        position_embeddings = self.rotary_emb(features, position_ids)
+        layer_output = self.decoder_layer(
+            features,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=past_key_values,
+            use_cache=past_key_values is not None,
+            position_embeddings=position_embeddings,
+        )
+        hidden = call_frozen(self.shared.final_norm, layer_output)
+        logits = call_frozen(self.shared.lm_head, hidden)
+        return DrafterOutput(hidden=hidden, logits=logits)
+
+
+def drafter_metadata(drafter: EagleDrafter, weights_sha256: str) -> dict:
+    return {
+        "version": DRAFTER_FORMAT_VERSION,
+        "architecture": drafter.architecture,
+        "hidden_size": drafter.config.hidden_size,
+        "vocab_size": drafter.config.vocab_size,
+        "target_name_or_path": drafter.target_name_or_path,
+        "target_fingerprint": drafter.target_fingerprint,
+        "weights_sha256": weights_sha256,
+    }
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def replace_atomically(temporary: Path, final: Path) -> None:
+    with open(temporary, "rb") as handle:
+        os.fsync(handle.fileno())
+    os.replace(temporary, final)
+
+
+def save_drafter(drafter: EagleDrafter, directory: str | Path) -> Path:
+    """Write drafter.safetensors + drafter_config.json into `directory`, each via temp file + rename.
+
+    The config carries the weights' sha256, so a crash between the two renames is caught at load.
+    """
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    weights_path, config_path = directory / WEIGHTS_FILE, directory / CONFIG_FILE
+    temporary_weights = directory / f".{WEIGHTS_FILE}.tmp-{os.getpid()}"
+    temporary_config = directory / f".{CONFIG_FILE}.tmp-{os.getpid()}"
+    tensors = {name: tensor.detach().contiguous().cpu() for name, tensor in drafter.state_dict().items()}
+    save_file(tensors, str(temporary_weights))
+    metadata = drafter_metadata(drafter, file_sha256(temporary_weights))
+    temporary_config.write_text(json.dumps(metadata, indent=2) + "\n")
+    replace_atomically(temporary_weights, weights_path)
+    replace_atomically(temporary_config, config_path)
+    return directory
+
+
+def read_drafter_metadata(directory: Path) -> dict:
+    config_path, weights_path = directory / CONFIG_FILE, directory / WEIGHTS_FILE
+    if not config_path.is_file() or not weights_path.is_file():
+        raise DrafterLoadError(f"No saved drafter in {directory}: expected {CONFIG_FILE} and {WEIGHTS_FILE}.")
+    metadata = json.loads(config_path.read_text())
+    if metadata.get("version") != DRAFTER_FORMAT_VERSION:
+        raise DrafterLoadError(
+            f"Drafter in {directory} has format version {metadata.get('version')}, this tlt reads "
+            f"{DRAFTER_FORMAT_VERSION}: re-save it with this version."
+        )
+    if metadata["weights_sha256"] != file_sha256(weights_path):
+        raise DrafterLoadError(f"Drafter weights in {directory} do not match its config (interrupted save?): save it again.")
+    return metadata
+
+
+def check_target_matches(metadata: dict, drafter: EagleDrafter, directory: Path) -> None:
+    if metadata["architecture"] != drafter.architecture or metadata["target_fingerprint"] != drafter.target_fingerprint:
+        raise DrafterLoadError(
+            f"Drafter in {directory} was trained for a {metadata['architecture']} target "
+            f"'{metadata['target_name_or_path']}' (hidden {metadata['hidden_size']}, vocab {metadata['vocab_size']}), "
+            f"not this {drafter.architecture} target (hidden {drafter.config.hidden_size}, vocab "
+            f"{drafter.config.vocab_size}): load it with the model it was trained for."
+        )
+
+
+def load_drafter(directory: str | Path, target: PreTrainedModel) -> EagleDrafter:
+    """Rebuild a drafter saved by `save_drafter` on top of `target`; DrafterLoadError on any mismatch."""
+    directory = Path(directory)
+    metadata = read_drafter_metadata(directory)
+    drafter = EagleDrafter(target)
+    check_target_matches(metadata, drafter, directory)
+    reference = next(drafter.parameters())
+    tensors = load_file(str(directory / WEIGHTS_FILE), device=str(reference.device))
+    drafter.load_state_dict(tensors, strict=True)
+    return drafter
