@@ -17,6 +17,7 @@ from tlt_cli.drafter.model import (
     load_drafter,
     save_drafter,
 )
+from tlt_cli.drafter.trainer import DrafterBatch, DrafterTrainer, collect_drafter_batch, evaluate_drafter
 
 torch.set_num_threads(1)
 
@@ -240,3 +241,123 @@ def test_loss_counts_only_masked_positions_and_ignores_non_finite_padding():
     assert loss.is_finite
     assert loss.total.item() < 1e-6
     assert loss.token_count == 2
+
+
+def arithmetic_like_sequences(target, count: int = 4, prompt_length: int = 5, response_length: int = 12, seed: int = 0):
+    """Greedy continuations of random prompts: sequences [N,L] and their response mask [N,L]."""
+    generator = torch.Generator().manual_seed(seed)
+    sequences = torch.randint(0, VOCAB_SIZE, (count, prompt_length), generator=generator)
+    with torch.no_grad():
+        for _ in range(response_length):
+            next_tokens = target(input_ids=sequences).logits[:, -1].argmax(-1, keepdim=True)
+            sequences = torch.cat((sequences, next_tokens), dim=1)
+    response_mask = torch.zeros_like(sequences, dtype=torch.bool)
+    response_mask[:, prompt_length:] = True
+    return sequences, response_mask
+
+
+def test_batch_shift_pairs_token_t_plus_1_with_hidden_t():
+    target = tiny_qwen2()
+    sequences, response_mask = arithmetic_like_sequences(target, count=2, prompt_length=3, response_length=4)
+    batch = collect_drafter_batch(target, sequences, response_mask)
+    with torch.no_grad():
+        hidden_states = target.get_decoder()(input_ids=sequences).last_hidden_state
+    assert torch.equal(batch.input_ids, sequences[:, 1:])
+    torch.testing.assert_close(batch.target_hidden, hidden_states[:, :-1])
+    torch.testing.assert_close(batch.target_hidden_next, hidden_states[:, 1:])
+    # L = 7, response at 3..6: feature t counts iff x[t+1] and x[t+2] are response tokens -> t = 2..4
+    assert batch.loss_mask.tolist() == [[False, False, True, True, True, False]] * 2
+    assert batch.position_ids.tolist() == [list(range(6))] * 2
+
+
+def test_left_padding_gives_the_same_features_and_loss_as_no_padding():
+    target = tiny_qwen2()
+    drafter = EagleDrafter(target)
+    sequences, response_mask = arithmetic_like_sequences(target, count=1)
+    padding = 3
+    padded = torch.cat((torch.zeros(1, padding, dtype=torch.long), sequences), dim=1)
+    padded_response = torch.cat((torch.zeros(1, padding, dtype=torch.bool), response_mask), dim=1)
+    padded_valid = torch.arange(padded.shape[1])[None] >= padding
+    plain_batch = collect_drafter_batch(target, sequences, response_mask)
+    padded_batch = collect_drafter_batch(target, padded, padded_response, padded_valid)
+    torch.testing.assert_close(padded_batch.target_hidden[:, padding:], plain_batch.target_hidden, atol=1e-5, rtol=1e-5)
+    assert torch.equal(padded_batch.position_ids[:, padding:], plain_batch.position_ids)
+    plain_loss, padded_loss = evaluate_drafter(drafter, plain_batch), evaluate_drafter(drafter, padded_batch)
+    torch.testing.assert_close(padded_loss.total, plain_loss.total, atol=1e-5, rtol=1e-5)
+    assert padded_loss.token_count == plain_loss.token_count
+
+
+def test_concatenate_right_pads_without_changing_each_rows_loss():
+    target = tiny_qwen2()
+    drafter = EagleDrafter(target)
+    short = collect_drafter_batch(target, *arithmetic_like_sequences(target, count=1, response_length=6, seed=1))
+    long = collect_drafter_batch(target, *arithmetic_like_sequences(target, count=1, response_length=12, seed=2))
+    both = DrafterBatch.concatenate([short, long])
+    assert both.size == 2 and both.input_ids.shape[1] == long.input_ids.shape[1]
+    torch.testing.assert_close(evaluate_drafter(drafter, both.rows(torch.tensor([0]))).total, evaluate_drafter(drafter, short).total)
+    assert evaluate_drafter(drafter, both).token_count == short.loss_mask.sum() + long.loss_mask.sum()
+
+
+def test_train_steps_change_every_drafter_weight_and_no_target_weight():
+    target = tiny_qwen2()
+    target_before = {name: value.clone() for name, value in target.state_dict().items()}
+    drafter = EagleDrafter(target)
+    drafter_before = {name: value.clone() for name, value in drafter.state_dict().items()}
+    trainer = DrafterTrainer(drafter, lr=1e-3, weight_decay=0.01)
+    batch = collect_drafter_batch(target, *arithmetic_like_sequences(target))
+    for _ in range(3):
+        loss = trainer.train_step(batch)
+        assert not loss.step_skipped
+    assert trainer.steps_taken == 3
+    for name, value in drafter.state_dict().items():
+        assert not torch.equal(value, drafter_before[name]), name
+    for name, value in target.state_dict().items():
+        assert torch.equal(value, target_before[name]), name
+    assert all(parameter.grad is None for parameter in target.parameters())
+
+
+def test_training_on_a_fixed_batch_reduces_the_loss():
+    target = tiny_qwen2()
+    drafter = EagleDrafter(target)
+    trainer = DrafterTrainer(drafter, lr=3e-3)
+    batch = collect_drafter_batch(target, *arithmetic_like_sequences(target))
+    before = evaluate_drafter(drafter, batch)
+    for _ in range(30):
+        trainer.train_step(batch)
+    after = evaluate_drafter(drafter, batch)
+    assert after.total < 0.5 * before.total
+    assert after.hidden_loss < before.hidden_loss and after.token_loss < before.token_loss
+
+
+def test_non_finite_step_is_skipped_and_leaves_parameters_untouched():
+    target = tiny_qwen2()
+    drafter = EagleDrafter(target)
+    trainer = DrafterTrainer(drafter, lr=1e-3)
+    batch = collect_drafter_batch(target, *arithmetic_like_sequences(target))
+    trainer.train_step(batch)
+    drafter_before = {name: value.clone() for name, value in drafter.state_dict().items()}
+    optimizer_step_before = trainer.optimizer.state_dict()["state"][0]["step"].clone()
+    poisoned_hidden = batch.target_hidden_next.clone()
+    poisoned_hidden[0, batch.loss_mask[0].nonzero()[0, 0]] = float("nan")
+    poisoned = DrafterBatch(**{**batch.__dict__, "target_hidden_next": poisoned_hidden})
+    loss = trainer.train_step(poisoned)
+    assert loss.step_skipped and not loss.is_finite
+    assert trainer.steps_skipped == 1 and trainer.steps_taken == 1
+    assert torch.equal(trainer.optimizer.state_dict()["state"][0]["step"], optimizer_step_before)
+    for name, value in drafter.state_dict().items():
+        assert torch.equal(value, drafter_before[name]), name
+    assert all(parameter.grad is None for parameter in drafter.parameters())
+
+
+def test_trainer_state_round_trip_continues_identically():
+    target = tiny_qwen2()
+    batch = collect_drafter_batch(target, *arithmetic_like_sequences(target))
+    trainer = DrafterTrainer(EagleDrafter(target, seed=0), lr=1e-3)
+    trainer.train_step(batch)
+    resumed = DrafterTrainer(EagleDrafter(target, seed=9), lr=1e-3)
+    resumed.load_state_dict(trainer.state_dict())
+    trainer.train_step(batch)
+    resumed.train_step(batch)
+    assert resumed.steps_taken == 2
+    for name, value in trainer.drafter.state_dict().items():
+        torch.testing.assert_close(resumed.drafter.state_dict()[name], value)

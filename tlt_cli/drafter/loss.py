@@ -25,7 +25,8 @@ class DrafterLoss:
     """total = 1.0 * hidden_loss + 0.1 * token_loss (scalars, means over counted tokens).
 
     accuracy: fraction of counted tokens where the drafter's argmax equals the target's argmax;
-    token_count: how many tokens were counted.
+    token_count: how many tokens were counted; step_skipped: set by the trainer when it refused
+    to apply this step (non-finite loss or gradient).
     """
 
     total: torch.Tensor
@@ -33,6 +34,7 @@ class DrafterLoss:
     token_loss: torch.Tensor
     accuracy: torch.Tensor
     token_count: int
+    step_skipped: bool = False
 
     @property
     def is_finite(self) -> bool:
@@ -45,6 +47,7 @@ class DrafterLoss:
             token_loss=self.token_loss.detach(),
             accuracy=self.accuracy.detach(),
             token_count=self.token_count,
+            step_skipped=self.step_skipped,
         )
 
 
