@@ -1,0 +1,140 @@
+"""The policy as a DeepSpeed engine: log-prob recomputation and the GRPO update.
+
+Each worker process builds one `Actor` around its copy of the policy. The rollout engine uses
+`actor.policy` (the very module DeepSpeed trains, no copy), so after `update` the next rollout
+samples from the new weights. ZeRO stages 0-2 keep full parameters on every rank, which is what
+the embedded rollout engine needs. The caller must have initialised torch.distributed
+(`tlt_cli.distributed.init_worker_process`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import PreTrainedModel
+
+from tlt_cli.config import ActorConfig
+from tlt_cli.distributed import import_deepspeed
+from tlt_cli.grpo import PolicyLoss, policy_loss, token_logprobs
+from tlt_cli.policy_batch import PolicyBatch, micro_batches
+
+ADAMW_BETAS = (0.9, 0.999)
+CHECKPOINT_TAG = "actor"
+
+# Called with (micro_batch, last_hidden_state [B,T,H]) during the log-prob pass.
+HiddenStatesCallback = Callable[[PolicyBatch, torch.Tensor], None]
+
+
+@dataclass(frozen=True)
+class UpdateMetrics:
+    """What one GRPO update did, averaged over its micro-batches and epochs."""
+
+    loss: float
+    clip_fraction: float
+    kl: float
+    ratio_mean: float
+    grad_norm: float
+
+
+class Actor:
+    """A DeepSpeed engine around the policy; `update` runs ppo_epochs optimizer steps on a rollout."""
+
+    def __init__(self, policy: PreTrainedModel, config: ActorConfig, sequences_per_update: int,
+                 reference: PreTrainedModel | None = None):
+        self.config = config
+        self.reference = reference
+        self.accumulation_steps = math.ceil(sequences_per_update / config.micro_batch_size)
+        optimizer = torch.optim.AdamW(policy.parameters(), lr=config.lr, betas=ADAMW_BETAS,
+                                      weight_decay=config.weight_decay)
+        self.engine, _, _, _ = import_deepspeed().initialize(model=policy, optimizer=optimizer, config=self._deepspeed_config())
+
+    def _deepspeed_config(self) -> dict:
+        return {
+            "train_micro_batch_size_per_gpu": self.config.micro_batch_size,
+            "gradient_accumulation_steps": self.accumulation_steps,
+            "gradient_clipping": self.config.grad_clip,
+            "zero_optimization": {"stage": self.config.zero_stage},
+            # a torch optimizer on CPU: do not let DeepSpeed swap in its compiled CPU Adam
+            "zero_force_ds_cpu_optimizer": False,
+            "steps_per_print": 2**31,
+        }
+
+    @property
+    def policy(self) -> PreTrainedModel:
+        """The trained module itself; rollout engines share these weights."""
+        return self.engine.module
+
+    @torch.no_grad()
+    def logprobs(self, batch: PolicyBatch, on_hidden_states: HiddenStatesCallback | None = None) -> PolicyBatch:
+        """The batch with old (and reference) log-probs filled, recomputed by the actor."""
+        old_parts, reference_parts = [], []
+        for micro_batch in micro_batches(batch, self.config.micro_batch_size):
+            hidden = self._last_hidden_state(self.policy, micro_batch)
+            if on_hidden_states is not None:
+                on_hidden_states(micro_batch, hidden)
+            old_parts.append(_pad_to(token_logprobs(self.policy.lm_head(hidden), micro_batch.input_ids), batch))
+            if self.reference is not None:
+                reference_hidden = self._last_hidden_state(self.reference, micro_batch)
+                reference_parts.append(_pad_to(token_logprobs(self.reference.lm_head(reference_hidden), micro_batch.input_ids), batch))
+        reference = torch.cat(reference_parts) if reference_parts else None
+        return batch.with_logprobs(torch.cat(old_parts), reference)
+
+    @staticmethod
+    def _last_hidden_state(model: PreTrainedModel, batch: PolicyBatch) -> torch.Tensor:
+        output = model.get_decoder()(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False)
+        return output.last_hidden_state
+
+    def update(self, batch: PolicyBatch) -> UpdateMetrics:
+        """ppo_epochs optimizer steps over the whole batch (one step = all its micro-batches)."""
+        self.engine.train()
+        totals = {"loss": 0.0, "clip_fraction": 0.0, "kl": 0.0, "ratio_mean": 0.0, "grad_norm": 0.0}
+        parts = micro_batches(batch, self.config.micro_batch_size)
+        total_tokens = max(batch.response_token_count, 1)
+        for _ in range(self.config.ppo_epochs):
+            for micro_batch in parts:
+                result = self._micro_batch_loss(micro_batch, total_tokens)
+                # the loss is already normalised over the whole batch: no extra 1/accumulation scaling
+                self.engine.backward(result.loss, scale_wrt_gas=False)
+                self.engine.step()
+                totals["loss"] += float(result.loss)
+                totals["clip_fraction"] += result.clip_fraction / len(parts)
+                totals["kl"] += result.kl / len(parts)
+                totals["ratio_mean"] += result.ratio_mean / len(parts)
+            totals["grad_norm"] += float(self.engine.get_global_grad_norm() or 0.0)
+        self.engine.eval()
+        epochs = self.config.ppo_epochs
+        return UpdateMetrics(**{name: value / epochs for name, value in totals.items()})
+
+    def _micro_batch_loss(self, micro_batch: PolicyBatch, total_tokens: int) -> PolicyLoss:
+        hidden = self._last_hidden_state(self.policy, micro_batch)
+        logprobs = token_logprobs(self.policy.lm_head(hidden), micro_batch.input_ids)
+        return policy_loss(
+            logprobs=logprobs,
+            old_logprobs=micro_batch.old_logprobs,
+            advantages=micro_batch.advantages,
+            response_mask=micro_batch.response_mask,
+            clip_ratio=self.config.clip_ratio,
+            total_response_tokens=total_tokens,
+            ref_logprobs=micro_batch.ref_logprobs,
+            kl_coef=self.config.kl_coef,
+        )
+
+    def save(self, directory: Path) -> None:
+        """Collective: every rank writes its part (weights, ZeRO optimizer shards) under directory."""
+        self.engine.save_checkpoint(str(directory), tag=CHECKPOINT_TAG, save_latest=False)
+
+    def load(self, directory: Path) -> None:
+        """Collective: restore weights and optimizer state saved by `save`."""
+        load_path, _ = self.engine.load_checkpoint(str(directory), tag=CHECKPOINT_TAG,
+                                                   load_optimizer_states=True, load_lr_scheduler_states=True)
+        if load_path is None:
+            raise FileNotFoundError(f"no actor checkpoint under {directory}; the checkpoint is incomplete.")
+
+
+def _pad_to(values: torch.Tensor, batch: PolicyBatch) -> torch.Tensor:
+    """Right-pad a micro-batch's [b,t] values to the full batch width T."""
+    return torch.nn.functional.pad(values, (0, batch.input_ids.shape[1] - values.shape[1]), value=0.0)

@@ -1,0 +1,131 @@
+"""The `tlt` command line: thin Typer commands that resolve arguments and call the core.
+
+    tlt train recipes/tiny-cpu.yaml [key=value ...]      # a new run
+    tlt train --resume runs/tiny-cpu [key=value ...]     # continue it from its last checkpoint
+    tlt recipes list | show NAME | validate PATH ...
+    tlt --version
+
+Errors a user can cause print one line and exit with code 2; a failed run exits with 1.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+
+from tlt_cli import __version__
+from tlt_cli.checkpoint import CheckpointError
+from tlt_cli.config import Recipe, RecipeError, load_recipe, recipe_to_yaml
+from tlt_cli.recipes import resolve_recipe_path, shipped_recipes
+
+app = typer.Typer(help="tlt: faster RL training of reasoning LLMs with lossless speculative decoding in the rollout long tail.",
+                  no_args_is_help=True, pretty_exceptions_enable=False)
+recipes_app = typer.Typer(help="List, show and validate recipes.", no_args_is_help=True)
+app.add_typer(recipes_app, name="recipes")
+console = Console()
+error_console = Console(stderr=True)
+
+USAGE_ERROR = 2
+
+
+def fail(message: str, code: int = USAGE_ERROR) -> typer.Exit:
+    error_console.print(f"[bold red]error:[/] {message}", highlight=False)
+    return typer.Exit(code)
+
+
+def _version(value: bool) -> None:
+    if value:
+        console.print(f"tlt {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def main(version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version and exit.")] = False) -> None:
+    """tlt: faster RL training of reasoning LLMs."""
+
+
+@app.command(context_settings={"allow_extra_args": False})
+def train(
+    arguments: Annotated[list[str] | None, typer.Argument(help="RECIPE (a YAML file or a shipped recipe name) then key=value overrides.", show_default=False)] = None,
+    resume: Annotated[Path | None, typer.Option("--resume", help="Continue the run in this directory from its last checkpoint.")] = None,
+) -> None:
+    """Run GRPO training with the TLT machinery on."""
+    from tlt_cli.trainer import RunDirectoryError, TrainingFailed, new_run_directory
+    from tlt_cli.trainer import train as run_training
+
+    arguments = list(arguments or [])
+    try:
+        recipe, run_directory = _resolve_run(arguments, resume)
+        if run_directory is None:
+            run_directory = new_run_directory(recipe)
+        console.print(f"run directory: {run_directory}")
+        summary = run_training(recipe, run_directory, console, resume=resume is not None)
+    except (RecipeError, RunDirectoryError, CheckpointError) as error:
+        raise fail(str(error)) from None
+    except TrainingFailed as error:
+        raise fail(f"{error} Complete checkpoints are kept; continue with --resume.", code=1) from None
+    except KeyboardInterrupt:
+        raise fail("interrupted; complete checkpoints are kept, continue with --resume <run directory>.", code=130) from None
+    console.print(f"done: {len(summary.steps)} steps, run directory {summary.run_directory}")
+
+
+def _resolve_run(arguments: list[str], resume: Path | None) -> tuple[Recipe, Path | None]:
+    """(recipe, run directory) from the positional arguments and --resume."""
+    has_recipe = bool(arguments) and "=" not in arguments[0]
+    overrides = arguments[1:] if has_recipe else arguments
+    if resume is None:
+        if not has_recipe:
+            raise RecipeError("give a recipe: tlt train RECIPE [key=value ...] (see `tlt recipes list`).")
+        return load_recipe(resolve_recipe_path(arguments[0]), overrides), None
+    if not resume.is_dir():
+        raise CheckpointError(f"--resume {resume} is not a directory; pass the run directory printed when the run started.")
+    recipe_path = resolve_recipe_path(arguments[0]) if has_recipe else resume / "recipe.yaml"
+    return load_recipe(recipe_path, overrides), resume
+
+
+@recipes_app.command("list")
+def recipes_list() -> None:
+    """List the shipped recipes with the command that runs each."""
+    for path in shipped_recipes():
+        first_line = path.read_text(encoding="utf-8").splitlines()[0].lstrip("# ").strip()
+        console.print(f"[bold]{path.stem}[/]  {first_line}", highlight=False)
+
+
+@recipes_app.command("show")
+def recipes_show(name: Annotated[str, typer.Argument(help="A shipped recipe name or a YAML path.")]) -> None:
+    """Print a recipe resolved against the defaults (every key, every value)."""
+    try:
+        console.print(recipe_to_yaml(load_recipe(resolve_recipe_path(name))), highlight=False)
+    except RecipeError as error:
+        raise fail(str(error)) from None
+
+
+@recipes_app.command("validate")
+def recipes_validate(paths: Annotated[list[str], typer.Argument(help="Recipe names or YAML paths.")]) -> None:
+    """Check recipes; exit 2 if any is invalid."""
+    invalid = 0
+    for name in paths:
+        try:
+            load_recipe(resolve_recipe_path(name))
+            console.print(f"ok  {name}", highlight=False)
+        except RecipeError as error:
+            invalid += 1
+            error_console.print(f"[bold red]invalid[/] {error}", highlight=False)
+    if invalid:
+        raise typer.Exit(USAGE_ERROR)
+
+
+@app.command()
+def profile() -> None:
+    """Show the long-tail idle time of rollouts (not built yet)."""
+    raise fail("`tlt profile` is not built yet (issue 6); read runs/<name>/trace.jsonl meanwhile.", code=1)
+
+
+@app.command("export-drafter")
+def export_drafter() -> None:
+    """Export the trained drafter for serving (not built yet)."""
+    raise fail("`tlt export-drafter` is not built yet (issue 6).", code=1)
+

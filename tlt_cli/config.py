@@ -1,0 +1,225 @@
+"""Recipes: YAML merged with `key=value` overrides into typed, frozen dataclasses, validated once.
+
+`load_recipe(path, overrides)` is the only way a recipe enters the program. Structure and types
+are checked by OmegaConf against the dataclasses below; values are then checked by
+`validate_recipe`. Every problem becomes a `RecipeError` whose message is one sentence naming
+the key, which the CLI prints before exiting with code 2.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+from yaml import YAMLError
+
+
+class RecipeError(ValueError):
+    """A recipe (or an override) that cannot be run; the message names the key to fix."""
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    name: str = "run"
+    output_dir: str = "runs"
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    path: str = "builtin:tiny-arith"
+    cache_dir: str | None = None
+
+
+@dataclass(frozen=True)
+class TaskConfig:
+    name: str = "arithmetic"
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 20
+    prompts_per_step: int = 16
+    group_size: int = 4
+
+
+@dataclass(frozen=True)
+class WorkersConfig:
+    count: int = 2
+    threads_per_worker: int = 1
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    backend: str = "embedded"
+    max_new_tokens: int = 320
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+
+
+@dataclass(frozen=True)
+class ActorConfig:
+    lr: float = 1e-5
+    weight_decay: float = 0.0
+    zero_stage: int = 2
+    micro_batch_size: int = 16
+    clip_ratio: float = 0.2
+    kl_coef: float = 0.0
+    ppo_epochs: int = 1
+    grad_clip: float = 1.0
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    every: int = 5
+    keep: int = 2
+
+
+@dataclass(frozen=True)
+class Recipe:
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    workers: WorkersConfig = field(default_factory=WorkersConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+
+ROLLOUT_BACKENDS = ("embedded",)
+
+
+def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Recipe:
+    """Read a YAML recipe, apply `key=value` overrides, and return the validated Recipe."""
+    recipe_path = Path(path)
+    if not recipe_path.is_file():
+        raise RecipeError(f"recipe file {recipe_path} does not exist; pass the path of a YAML recipe (see `tlt recipes list`).")
+    try:
+        loaded = OmegaConf.load(recipe_path)
+    except (YAMLError, OmegaConfBaseException) as error:
+        mark = getattr(error, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark is not None else ""
+        raise RecipeError(f"recipe file {recipe_path} is not valid YAML{where}: {_first_line(error)}.") from None
+    if not isinstance(loaded, DictConfig):
+        raise RecipeError(f"recipe file {recipe_path} must hold a mapping of sections (run:, model:, ...), not a list or a scalar.")
+    _check_sections(loaded, str(recipe_path))
+    return recipe_from_config(loaded, overrides, origin=str(recipe_path))
+
+
+def _check_sections(loaded: DictConfig, origin: str) -> None:
+    sections = [f.name for f in dataclasses.fields(Recipe)]
+    for section, value in loaded.items():
+        _require(section in sections, f"{origin}: section '{section}' is not a recipe section; sections are: {', '.join(sections)}.")
+        _require(isinstance(value, DictConfig), f"{origin}: section '{section}' must be a mapping of keys, got {value!r}.")
+
+
+def recipe_from_config(loaded: DictConfig, overrides: list[str] | tuple[str, ...] = (), origin: str = "recipe") -> Recipe:
+    """Merge a loaded config and overrides onto the schema, then validate values."""
+    schema = OmegaConf.structured(Recipe)
+    try:
+        merged = OmegaConf.merge(schema, loaded)
+    except OmegaConfBaseException as error:
+        raise RecipeError(f"{origin}: {_describe(error)}") from None
+    for override in overrides:
+        merged = _apply_override(merged, override)
+    try:
+        recipe = OmegaConf.to_object(merged)
+    except OmegaConfBaseException as error:
+        raise RecipeError(f"{origin}: {_describe(error)}") from None
+    validate_recipe(recipe)
+    return recipe
+
+
+def _apply_override(merged: DictConfig, override: str) -> DictConfig:
+    if "=" not in override:
+        raise RecipeError(f"override '{override}' must have the form key=value, e.g. train.steps=10.")
+    key = override.split("=", 1)[0].strip()
+    if OmegaConf.select(merged, key, default=_MISSING_KEY) is _MISSING_KEY:
+        raise RecipeError(f"override key '{key}' is not a recipe key; {_suggest(key)}")
+    try:
+        return OmegaConf.merge(merged, OmegaConf.from_dotlist([override]))
+    except OmegaConfBaseException as error:
+        raise RecipeError(f"override '{override}': {_describe(error)}") from None
+
+
+_MISSING_KEY = object()
+
+
+def _describe(error: OmegaConfBaseException) -> str:
+    key = getattr(error, "full_key", None) or "?"
+    message = _first_line(error)
+    if "not in struct" in message or "Key '" in message and "not in" in message:
+        return f"key '{key}' is not a recipe key; {_suggest(key)}"
+    if "Value '" in message or "Invalid type" in message or "could not convert" in message.lower():
+        return f"key '{key}' has the wrong type ({message})."
+    if "Missing mandatory value" in message:
+        return f"key '{key}' must be set."
+    return f"key '{key}': {message}."
+
+
+def _suggest(key: str) -> str:
+    section = key.split(".")[0]
+    sections = [f.name for f in dataclasses.fields(Recipe)]
+    if section not in sections:
+        return f"sections are: {', '.join(sections)}."
+    section_type = {f.name: f.type for f in dataclasses.fields(Recipe)}[section]
+    section_class = globals()[section_type] if isinstance(section_type, str) else section_type
+    names = [f.name for f in dataclasses.fields(section_class)]
+    return f"keys of '{section}' are: {', '.join(names)}."
+
+
+def _first_line(error: Exception) -> str:
+    return str(error).strip().splitlines()[0].rstrip(".") if str(error).strip() else type(error).__name__
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise RecipeError(message)
+
+
+def validate_recipe(recipe: Recipe) -> None:
+    """Check values that types alone cannot (ranges, choices, files); raise RecipeError on the first problem."""
+    _require(recipe.run.name.strip() != "" and "/" not in recipe.run.name,
+             f"run.name must be a non-empty folder name without '/', got '{recipe.run.name}'.")
+    _require(recipe.train.steps >= 1, f"train.steps must be at least 1, got {recipe.train.steps}.")
+    _require(recipe.train.prompts_per_step >= 1, f"train.prompts_per_step must be at least 1, got {recipe.train.prompts_per_step}.")
+    _require(recipe.train.group_size >= 2, f"train.group_size must be at least 2 (GRPO compares responses within a group), got {recipe.train.group_size}.")
+    _require(recipe.workers.count >= 1, f"workers.count must be at least 1, got {recipe.workers.count}.")
+    _require(recipe.train.prompts_per_step % recipe.workers.count == 0,
+             f"train.prompts_per_step ({recipe.train.prompts_per_step}) must be a multiple of workers.count ({recipe.workers.count}) so every worker gets whole groups.")
+    _require(recipe.workers.threads_per_worker >= 1, f"workers.threads_per_worker must be at least 1, got {recipe.workers.threads_per_worker}.")
+    _require(recipe.rollout.backend in ROLLOUT_BACKENDS,
+             f"rollout.backend must be one of {', '.join(ROLLOUT_BACKENDS)}, got '{recipe.rollout.backend}'.")
+    _require(recipe.rollout.max_new_tokens >= 1, f"rollout.max_new_tokens must be at least 1, got {recipe.rollout.max_new_tokens}.")
+    _require(recipe.rollout.temperature >= 0.0, f"rollout.temperature must be >= 0 (0 is greedy), got {recipe.rollout.temperature}.")
+    _require(0.0 < recipe.rollout.top_p <= 1.0, f"rollout.top_p must be in (0, 1], got {recipe.rollout.top_p}.")
+    _require(recipe.rollout.top_k >= 0, f"rollout.top_k must be >= 0 (0 keeps all tokens), got {recipe.rollout.top_k}.")
+    _require(recipe.actor.lr > 0.0, f"actor.lr must be positive, got {recipe.actor.lr}.")
+    _require(recipe.actor.zero_stage in (0, 1, 2, 3), f"actor.zero_stage must be 0, 1, 2 or 3, got {recipe.actor.zero_stage}.")
+    _require(recipe.actor.micro_batch_size >= 1, f"actor.micro_batch_size must be at least 1, got {recipe.actor.micro_batch_size}.")
+    _require(0.0 < recipe.actor.clip_ratio < 1.0, f"actor.clip_ratio must be in (0, 1), got {recipe.actor.clip_ratio}.")
+    _require(recipe.actor.kl_coef >= 0.0, f"actor.kl_coef must be >= 0, got {recipe.actor.kl_coef}.")
+    _require(recipe.actor.ppo_epochs >= 1, f"actor.ppo_epochs must be at least 1, got {recipe.actor.ppo_epochs}.")
+    _require(recipe.actor.grad_clip > 0.0, f"actor.grad_clip must be positive, got {recipe.actor.grad_clip}.")
+    _require(recipe.checkpoint.every >= 1, f"checkpoint.every must be at least 1 (steps between checkpoints), got {recipe.checkpoint.every}.")
+    _require(recipe.checkpoint.keep >= 1, f"checkpoint.keep must be at least 1, got {recipe.checkpoint.keep}.")
+    _validate_model_path(recipe.model.path)
+
+
+def _validate_model_path(path: str) -> None:
+    if path.startswith("builtin:"):
+        _require(path == "builtin:tiny-arith", f"model.path '{path}' is not a built-in model; the built-in model is builtin:tiny-arith.")
+        return
+    _require(Path(path).is_dir(), f"model.path '{path}' is not a local folder; point it at a Hugging Face model folder (no downloads).")
+
+
+def recipe_to_yaml(recipe: Recipe) -> str:
+    """The resolved recipe as YAML, as written into every run directory."""
+    return OmegaConf.to_yaml(OmegaConf.structured(recipe))

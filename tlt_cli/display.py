@@ -1,0 +1,97 @@
+"""What `tlt train` shows: a live table with one row per step, then a summary.
+
+The driver calls `TrainingDisplay.add_step(step_record)` as steps complete. On a terminal the
+table redraws in place (rich Live); elsewhere (pipes, CI, tests) each step prints one line.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.live import Live
+from rich.table import Table
+
+VISIBLE_STEPS = 20
+COLUMNS = (
+    ("step", "step", "{:d}"),
+    ("reward", "mean_reward", "{:.3f}"),
+    ("len p50", "response_length_p50", "{:.0f}"),
+    ("len max", "response_length_max", "{:.0f}"),
+    ("rollout s", "rollout_seconds", "{:.2f}"),
+    ("update s", "update_seconds", "{:.2f}"),
+    ("idle worker-s", "idle_worker_seconds", "{:.2f}"),
+    ("step s", "step_seconds", "{:.2f}"),
+)
+
+
+def _cell(record: dict[str, Any], key: str, template: str) -> str:
+    value = record.get(key)
+    return "-" if value is None else template.format(value)
+
+
+class TrainingDisplay:
+    """Live per-step table for a run; a context manager."""
+
+    def __init__(self, console: Console, title: str, total_steps: int):
+        self.console, self.title, self.total_steps = console, title, total_steps
+        self.records: list[dict[str, Any]] = []
+        self.notes: list[str] = []
+        self._live = Live(self._table(), console=console, auto_refresh=False) if console.is_terminal else None
+
+    def __enter__(self) -> TrainingDisplay:
+        if self._live is not None:
+            self._live.__enter__()
+        return self
+
+    def __exit__(self, *exception: object) -> None:
+        if self._live is not None:
+            self._live.__exit__(*exception)
+
+    def note(self, message: str) -> None:
+        """A one-time message (a warning, a checkpoint) shown under the table."""
+        self.notes.append(message)
+        if self._live is None:
+            self.console.print(message)
+        else:
+            self._live.update(self._table(), refresh=True)
+
+    def add_step(self, record: dict[str, Any]) -> None:
+        self.records.append(record)
+        if self._live is None:
+            cells = "  ".join(f"{name} {_cell(record, key, template)}" for name, key, template in COLUMNS)
+            self.console.print(cells, highlight=False)
+        else:
+            self._live.update(self._table(), refresh=True)
+
+    def _table(self) -> Table:
+        table = Table(title=f"{self.title}: step {len(self.records)}/{self.total_steps}", title_justify="left")
+        for name, _, _ in COLUMNS:
+            table.add_column(name, justify="right")
+        for record in self.records[-VISIBLE_STEPS:]:
+            table.add_row(*(_cell(record, key, template) for _, key, template in COLUMNS))
+        for message in self.notes[-3:]:
+            table.caption = message
+        return table
+
+
+def render_summary(console: Console, records: list[dict[str, Any]], run_directory: Path) -> None:
+    """The end-of-run table: first vs last steps, totals, and where the run lives."""
+    table = Table(title="run summary", title_justify="left", show_header=False)
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    window = min(5, len(records))
+    first, last = records[:window], records[-window:]
+
+    def mean(rows: list[dict[str, Any]], key: str) -> float:
+        return sum(row[key] for row in rows) / max(len(rows), 1)
+
+    table.add_row("steps run", str(len(records)))
+    table.add_row(f"mean reward, first {window} steps", f"{mean(first, 'mean_reward'):.3f}")
+    table.add_row(f"mean reward, last {window} steps", f"{mean(last, 'mean_reward'):.3f}")
+    table.add_row("mean step seconds", f"{mean(records, 'step_seconds'):.2f}")
+    table.add_row("rollout share of step time", f"{sum(r['rollout_seconds'] for r in records) / max(sum(r['step_seconds'] for r in records), 1e-9):.0%}")
+    table.add_row("idle worker-seconds in rollouts", f"{sum(r['idle_worker_seconds'] for r in records):.1f}")
+    table.add_row("run directory", str(run_directory))
+    console.print(table)

@@ -1,0 +1,77 @@
+"""The rollout as the actor sees it: padded token tensors with masks, advantages and log-probs.
+
+`build_policy_batch` turns a worker's completions into one `PolicyBatch` (right-padded
+prompt+response sequences); `micro_batches` slices it for the actor's DeepSpeed steps.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from tlt_cli.rollout.types import Completion
+
+
+@dataclass(frozen=True)
+class PolicyBatch:
+    """N sequences of prompt + response, right-padded to T.
+
+    input_ids: [N,T]; attention_mask: [N,T] (1 on real tokens); response_mask: [N,T] (1 where
+    the token at t is a response token, i.e. scored by the policy loss); advantages: [N];
+    old_logprobs / ref_logprobs: [N,T] log-prob of the token at t, filled by the actor.
+    """
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    response_mask: torch.Tensor
+    advantages: torch.Tensor
+    old_logprobs: torch.Tensor | None = None
+    ref_logprobs: torch.Tensor | None = None
+
+    @property
+    def size(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def response_token_count(self) -> int:
+        return int(self.response_mask.sum())
+
+    def with_logprobs(self, old_logprobs: torch.Tensor, ref_logprobs: torch.Tensor | None) -> PolicyBatch:
+        return replace(self, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs)
+
+    def slice(self, start: int, stop: int) -> PolicyBatch:
+        """Rows start:stop, trimmed to the longest real sequence among them."""
+        length = int(self.attention_mask[start:stop].sum(dim=1).max())
+
+        def cut(tensor: torch.Tensor | None) -> torch.Tensor | None:
+            return None if tensor is None else tensor[start:stop, :length]
+
+        return PolicyBatch(
+            input_ids=cut(self.input_ids),
+            attention_mask=cut(self.attention_mask),
+            response_mask=cut(self.response_mask),
+            advantages=self.advantages[start:stop],
+            old_logprobs=cut(self.old_logprobs),
+            ref_logprobs=cut(self.ref_logprobs),
+        )
+
+
+def build_policy_batch(completions: list[Completion], advantages: torch.Tensor, pad_token_id: int) -> PolicyBatch:
+    """Right-pad prompt + response of each completion into one PolicyBatch (rows in completion order)."""
+    sequences = [list(completion.prompt_ids) + list(completion.response_ids) for completion in completions]
+    length = max(len(sequence) for sequence in sequences)
+    count = len(sequences)
+    input_ids = torch.full((count, length), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((count, length), dtype=torch.long)
+    response_mask = torch.zeros((count, length), dtype=torch.long)
+    for row, (completion, sequence) in enumerate(zip(completions, sequences)):
+        input_ids[row, : len(sequence)] = torch.tensor(sequence, dtype=torch.long)
+        attention_mask[row, : len(sequence)] = 1
+        response_mask[row, len(completion.prompt_ids) : len(sequence)] = 1
+    return PolicyBatch(input_ids, attention_mask, response_mask, advantages.float())
+
+
+def micro_batches(batch: PolicyBatch, micro_batch_size: int) -> list[PolicyBatch]:
+    """Consecutive slices of at most micro_batch_size rows."""
+    return [batch.slice(start, min(start + micro_batch_size, batch.size)) for start in range(0, batch.size, micro_batch_size)]

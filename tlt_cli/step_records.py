@@ -1,0 +1,59 @@
+"""Turn the workers' reports of one step into trace records (request, worker, step).
+
+The driver collects one `WorkerStepReport` per rank and calls `step_records`. Times are
+wall-clock seconds; the step's rollout ends when the slowest worker's shard ends, and every
+other worker is idle from its own end until then.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy
+
+from tlt_cli.worker import WorkerStepReport
+
+
+def step_records(reports: list[WorkerStepReport]) -> list[dict[str, Any]]:
+    """All trace records for one step: requests, then one per worker, then the step summary."""
+    reports = sorted(reports, key=lambda report: report.worker)
+    requests = [record for report in reports for record in report.requests]
+    rollout_start = min(report.rollout_start for report in reports)
+    rollout_end = max(report.busy_end for report in reports)
+    workers = [_worker_record(report, rollout_end) for report in reports]
+    return requests + workers + [_step_record(reports, requests, workers, rollout_start, rollout_end)]
+
+
+def _worker_record(report: WorkerStepReport, rollout_end: float) -> dict[str, Any]:
+    return {
+        "type": "worker", "step": report.step, "worker": report.worker,
+        "busy_start": report.rollout_start, "busy_end": report.busy_end,
+        "idle_start": report.busy_end, "idle_end": rollout_end,
+        "idle_seconds": rollout_end - report.busy_end,
+    }
+
+
+def _step_record(reports: list[WorkerStepReport], requests: list[dict[str, Any]], workers: list[dict[str, Any]],
+                 rollout_start: float, rollout_end: float) -> dict[str, Any]:
+    lengths = numpy.array([record["tokens"] for record in requests], dtype=float)
+    rewards = numpy.array([record["reward"] for record in requests], dtype=float)
+    step_end = max(report.idle_end + report.reward_seconds + report.update_seconds for report in reports)
+    verify_passes = sum(record["verify_passes"] for record in requests)
+    accepted = sum(record["accepted_tokens"] for record in requests)
+    update = {name: float(numpy.mean([report.update[name] for report in reports])) for name in reports[0].update}
+    return {
+        "type": "step", "step": reports[0].step,
+        "rollout_start": rollout_start, "rollout_end": rollout_end,
+        "rollout_seconds": rollout_end - rollout_start,
+        "reward_seconds": max(report.reward_seconds for report in reports),
+        "update_seconds": max(report.update_seconds for report in reports),
+        "step_seconds": step_end - rollout_start,
+        "idle_worker_seconds": sum(worker["idle_seconds"] for worker in workers),
+        "mean_reward": float(rewards.mean()),
+        "response_length_p50": float(numpy.percentile(lengths, 50)),
+        "response_length_p99": float(numpy.percentile(lengths, 99)),
+        "response_length_max": float(lengths.max()),
+        "response_tokens": int(lengths.sum()),
+        "accept_length": (accepted + verify_passes) / verify_passes if verify_passes else None,
+        **{f"actor_{name}": value for name, value in update.items()},
+    }

@@ -1,0 +1,77 @@
+"""The run's JSONL event log: one JSON object per line, each with a "type".
+
+Record types written by the trainer (fields in the README's trace section):
+  run      once per start or resume: recipe name, world size, resumed_from_step
+  request  one per generated response: step, worker, request_id, start, end, prompt_tokens,
+           tokens, reward, finished_by_eos, and speculative-decoding counters
+  worker   one per worker per step: busy_start, busy_end, idle_start, idle_end, idle_seconds
+  step     one per step: timings (rollout, reward, update, step) and metrics
+Only the driver process writes it. `read_trace` is the strict reader used by tools: a
+line that is not a JSON object is an error naming the line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, TextIO
+
+
+class TraceError(ValueError):
+    """A trace file that cannot be read; the message names the file and line."""
+
+
+class TraceWriter:
+    """Appends records to a trace file, one flushed line each, so a killed run loses at most one line."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._file: TextIO = path.open("a", encoding="utf-8")
+
+    def write(self, record: dict[str, Any]) -> None:
+        self._file.write(json.dumps(record, separators=(",", ":")) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def read_trace(path: Path) -> list[dict[str, Any]]:
+    """All records of a trace; TraceError names the first bad line."""
+    if not path.is_file():
+        raise TraceError(f"trace file {path} does not exist.")
+    records = []
+    with path.open(encoding="utf-8") as lines:
+        for number, line in enumerate(lines, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise TraceError(f"{path} line {number} is not valid JSON ({error.msg}); the trace may be truncated.") from None
+            if not isinstance(record, dict) or "type" not in record:
+                raise TraceError(f"{path} line {number} is not a trace record (a JSON object with a 'type').")
+            records.append(record)
+    return records
+
+
+def truncate_trace(path: Path, first_dropped_step: int) -> None:
+    """Drop records of steps >= first_dropped_step (they will be run again), atomically.
+
+    A last line cut short by a kill is dropped too; every complete earlier record is kept.
+    """
+    if not path.is_file():
+        return
+    kept = []
+    with path.open(encoding="utf-8") as lines:
+        for line in lines:
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if record.get("step", -1) < first_dropped_step:
+                kept.append(line if line.endswith("\n") else line + "\n")
+    staging = path.with_suffix(".jsonl.tmp")
+    staging.write_text("".join(kept), encoding="utf-8")
+    os.replace(staging, path)

@@ -1,0 +1,156 @@
+"""The driver of `tlt train`: prepares the run directory, spawns the workers, writes the trace.
+
+`train(recipe, ...)` is what the CLI calls. It builds the model cache once (so workers do not
+race to build it), spawns one process per worker (a DeepSpeed rank each, see worker.py), then
+turns their per-step reports into trace records and the live display. If any worker fails,
+the others are stopped and a `TrainingFailed` names the worker and its error; the run
+directory keeps every complete checkpoint for `--resume`.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import queue
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from tlt_cli.checkpoint import latest_checkpoint
+from tlt_cli.config import Recipe, recipe_to_yaml
+from tlt_cli.display import TrainingDisplay, render_summary
+from tlt_cli.distributed import WorkerAddress, free_port
+from tlt_cli.models.tiny import BUILTIN_TINY_MODEL, default_cache_dir, ensure_tiny_model
+from tlt_cli.step_records import step_records
+from tlt_cli.trace import TraceWriter, read_trace, truncate_trace
+from tlt_cli.worker import WorkerFailed, WorkerFinished, WorkerSpec, WorkerStepReport, worker_main
+
+EVENT_POLL_SECONDS = 1.0
+RECIPE_FILE = "recipe.yaml"
+TRACE_FILE = "trace.jsonl"
+
+
+class TrainingFailed(RuntimeError):
+    """The run stopped because a worker failed; the message names it."""
+
+
+class RunDirectoryError(ValueError):
+    """A run directory that cannot be used as asked (exists already, or is not a run)."""
+
+
+@dataclass(frozen=True)
+class RunSummary:
+    run_directory: Path
+    steps: list[dict[str, Any]]
+
+
+def cache_directory(recipe: Recipe) -> Path:
+    """Where built models and compiled DeepSpeed ops are cached (model.cache_dir or the default)."""
+    return Path(recipe.model.cache_dir).expanduser() if recipe.model.cache_dir else default_cache_dir()
+
+
+def new_run_directory(recipe: Recipe) -> Path:
+    """runs/<name>/ for a fresh run; refuses to reuse one that holds a run."""
+    run_directory = Path(recipe.run.output_dir) / recipe.run.name
+    if (run_directory / TRACE_FILE).exists() or (run_directory / "checkpoints").exists():
+        raise RunDirectoryError(
+            f"run directory {run_directory} already holds a run; resume it with --resume {run_directory} "
+            f"or choose another name with run.name=<name>.")
+    run_directory.mkdir(parents=True, exist_ok=True)
+    (run_directory / RECIPE_FILE).write_text(recipe_to_yaml(recipe), encoding="utf-8")
+    return run_directory
+
+
+def train(recipe: Recipe, run_directory: Path, console: Console, resume: bool = False) -> RunSummary:
+    """Run (or resume) the GRPO loop with recipe.workers.count worker processes."""
+    cache = cache_directory(recipe)
+    if recipe.model.path == BUILTIN_TINY_MODEL:
+        with console.status("preparing the built-in tiny model (built and warmed up once, then cached)"):
+            ensure_tiny_model(cache)
+    resume_from, start_step = _resume_point(run_directory) if resume else (None, 0)
+    trace_path = run_directory / TRACE_FILE
+    if resume:
+        truncate_trace(trace_path, start_step)
+    trace = TraceWriter(trace_path)
+    trace.write({"type": "run", "name": recipe.run.name, "world_size": recipe.workers.count,
+                 "resumed_from_step": start_step if resume else None, "steps": recipe.train.steps})
+    spec_base = dict(recipe=recipe, run_directory=run_directory, model_cache=cache, resume_from=resume_from, start_step=start_step)
+    try:
+        with TrainingDisplay(console, f"tlt train {recipe.run.name}", recipe.train.steps) as display:
+            _run_workers(spec_base, recipe.workers.count, trace, display)
+    finally:
+        trace.close()
+    steps = [record for record in read_trace(trace_path) if record["type"] == "step"]
+    render_summary(console, steps, run_directory)
+    return RunSummary(run_directory, steps)
+
+
+def _resume_point(run_directory: Path) -> tuple[Path, int]:
+    checkpoint, state = latest_checkpoint(run_directory)
+    return checkpoint, int(state["next_step"])
+
+
+def _run_workers(spec_base: dict[str, Any], world_size: int, trace: TraceWriter, display: TrainingDisplay) -> None:
+    context = multiprocessing.get_context("spawn")
+    events = context.Queue()
+    port = free_port()
+    processes = [
+        context.Process(target=worker_main, args=(WorkerSpec(address=WorkerAddress(rank, world_size, port), **spec_base), events),
+                        name=f"tlt-worker-{rank}")
+        for rank in range(world_size)
+    ]
+    for process in processes:
+        process.start()
+    try:
+        _drain_events(events, processes, trace, display)
+    finally:
+        _stop(processes)
+
+
+def _drain_events(events: Any, processes: list, trace: TraceWriter, display: TrainingDisplay) -> None:
+    pending: dict[int, list[WorkerStepReport]] = {}
+    finished: set[int] = set()
+    while len(finished) < len(processes):
+        try:
+            event = events.get(timeout=EVENT_POLL_SECONDS)
+        except queue.Empty:
+            _check_alive(processes, finished)
+            continue
+        if isinstance(event, WorkerFailed):
+            raise TrainingFailed(f"worker {event.worker} failed: {event.message}")
+        if isinstance(event, WorkerFinished):
+            finished.add(event.worker)
+            continue
+        reports = pending.setdefault(event.step, [])
+        reports.append(event)
+        if len(reports) == len(processes):
+            _record_step(pending.pop(event.step), trace, display)
+
+
+def _record_step(reports: list[WorkerStepReport], trace: TraceWriter, display: TrainingDisplay) -> None:
+    records = step_records(reports)
+    for record in records:
+        trace.write(record)
+    display.add_step(records[-1])
+    checkpoint = next((report.checkpoint for report in reports if report.checkpoint), None)
+    if checkpoint:
+        display.note(f"checkpoint saved: {checkpoint}")
+
+
+def _check_alive(processes: list, finished: set[int]) -> None:
+    for rank, process in enumerate(processes):
+        if rank not in finished and not process.is_alive():
+            raise TrainingFailed(f"worker {rank} exited with code {process.exitcode} without reporting an error (killed, or out of memory?).")
+
+
+def _stop(processes: list) -> None:
+    for process in processes:
+        if process.is_alive():
+            process.terminate()
+    for process in processes:
+        process.join(timeout=10)
+        if process.is_alive():
+            process.kill()
+            process.join()
+

@@ -1,0 +1,203 @@
+"""One worker process: a DeepSpeed rank with its rollout shard, running the GRPO step loop.
+
+`worker_main` is the entry point the driver spawns (one per rank). Each step reads as the
+dataflow: rollout the shard -> wait for the others (idle) -> reward -> advantages ->
+log-probs -> actor update -> report to the driver -> checkpoint when due. Every rank sends
+its `WorkerStepReport` to the driver over a queue; the driver writes the trace.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tlt_cli.actor import Actor
+from tlt_cli.checkpoint import save_collectively
+from tlt_cli.config import Recipe
+from tlt_cli.distributed import RolloutBarrier, WorkerAddress, init_worker_process
+from tlt_cli.grpo import group_advantages
+from tlt_cli.models.loading import load_policy
+from tlt_cli.policy_batch import build_policy_batch
+from tlt_cli.rollout.engine import EmbeddedEngine
+from tlt_cli.rollout.types import Completion, RolloutRequest, SamplingParams
+from tlt_cli.tasks.base import Problem
+from tlt_cli.tasks.registry import build_task
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """Everything a spawned worker needs (picklable)."""
+
+    recipe: Recipe
+    run_directory: Path
+    address: WorkerAddress
+    model_cache: Path
+    resume_from: Path | None = None
+    start_step: int = 0
+
+
+@dataclass
+class WorkerStepReport:
+    """One rank's account of one step (sent to the driver)."""
+
+    step: int
+    worker: int
+    rollout_start: float
+    busy_end: float
+    idle_end: float
+    reward_seconds: float
+    update_seconds: float
+    requests: list[dict[str, Any]]
+    update: dict[str, float]
+    checkpoint: str | None = None
+
+
+@dataclass(frozen=True)
+class WorkerFailed:
+    """A worker raised: its rank, one-line message and the traceback (kept for the log)."""
+
+    worker: int
+    message: str
+    details: str
+
+
+@dataclass(frozen=True)
+class WorkerFinished:
+    worker: int
+
+
+@dataclass
+class StepShard:
+    """This rank's problems for one step, with one request per (problem, sample)."""
+
+    problems: list[Problem]
+    requests: list[RolloutRequest] = field(default_factory=list)
+
+
+def worker_main(spec: WorkerSpec, events: Any) -> None:
+    """Process entry point: run the loop, report failure instead of dying silently."""
+    _exit_with_parent()
+    try:
+        WorkerLoop(spec, events).run()
+        events.put(WorkerFinished(spec.address.rank))
+    except BaseException as error:  # reported to the driver, which stops the run
+        events.put(WorkerFailed(spec.address.rank, f"{type(error).__name__}: {error}", traceback.format_exc()))
+        raise SystemExit(1) from None
+
+
+def _exit_with_parent() -> None:
+    """A worker must not outlive `tlt train` (e.g. after SIGKILL of the driver)."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
+class WorkerLoop:
+    """The per-rank GRPO loop."""
+
+    def __init__(self, spec: WorkerSpec, events: Any):
+        recipe = spec.recipe
+        self.spec, self.events, self.recipe = spec, events, recipe
+        self.rank = spec.address.rank
+        init_worker_process(spec.address, recipe.workers.threads_per_worker, spec.model_cache / "torch_extensions")
+        torch.manual_seed(recipe.run.seed)
+        policy, self.tokenizer = load_policy(recipe.model.path, cache_dir=spec.model_cache)
+        reference = load_policy(recipe.model.path, cache_dir=spec.model_cache)[0].eval() if recipe.actor.kl_coef > 0 else None
+        self.task = build_task(recipe.task.name, recipe.run.seed, dict(recipe.task.options))
+        self.prompts_per_worker = recipe.train.prompts_per_step // recipe.workers.count
+        self.actor = Actor(policy, recipe.actor, self.prompts_per_worker * recipe.train.group_size, reference)
+        self.actor.engine.eval()
+        self.engine = EmbeddedEngine(self.actor.policy, eos_token_id=self.tokenizer.eos_token_id,
+                                     pad_token_id=self.tokenizer.pad_token_id)
+        self.barrier = RolloutBarrier(spec.address)
+        self.sampling = SamplingParams(max_new_tokens=recipe.rollout.max_new_tokens, temperature=recipe.rollout.temperature,
+                                       top_p=recipe.rollout.top_p, top_k=recipe.rollout.top_k)
+        if spec.resume_from is not None:
+            self.actor.load(spec.resume_from)
+
+    def run(self) -> None:
+        for step in range(self.spec.start_step, self.recipe.train.steps):
+            report = self.run_step(step)
+            next_step = step + 1
+            if next_step % self.recipe.checkpoint.every == 0 or next_step == self.recipe.train.steps:
+                report.checkpoint = str(self.save_checkpoint(next_step))
+            self.events.put(report)
+
+    def run_step(self, step: int) -> WorkerStepReport:
+        torch.distributed.barrier()
+        rollout_start = time.time()
+        shard = self.shard(step)
+        completions = self.engine.generate(shard.requests, self.sampling, self.generator(step))
+        completions.sort(key=lambda completion: completion.request_id)
+        busy_end = time.time()
+        self.barrier.mark_done(step)
+        self.barrier.wait(step)
+        idle_end = time.time()
+        rewards = self.score(shard, completions)
+        reward_end = time.time()
+        update = self.update(completions, rewards)
+        return WorkerStepReport(
+            step=step, worker=self.rank, rollout_start=rollout_start, busy_end=busy_end, idle_end=idle_end,
+            reward_seconds=reward_end - idle_end, update_seconds=time.time() - reward_end,
+            requests=[self.request_record(step, completion, reward) for completion, reward in zip(completions, rewards.tolist())],
+            update=update,
+        )
+
+    def shard(self, step: int) -> StepShard:
+        """This rank's prompts for `step`: a fixed slice of the step's prompts, so data order is deterministic."""
+        first = step * self.recipe.train.prompts_per_step + self.rank * self.prompts_per_worker
+        problems = [self.task.problem(first + offset) for offset in range(self.prompts_per_worker)]
+        shard = StepShard(problems)
+        group_size = self.recipe.train.group_size
+        for problem_number, problem in enumerate(problems):
+            prompt_ids = tuple(self.tokenizer.encode(problem.prompt, add_special_tokens=False))
+            for sample in range(group_size):
+                shard.requests.append(RolloutRequest(request_id=problem_number * group_size + sample, prompt_ids=prompt_ids))
+        return shard
+
+    def generator(self, step: int) -> torch.Generator:
+        """Sampling randomness derived from (seed, step, rank): a resumed step draws the same samples."""
+        return torch.Generator().manual_seed((self.recipe.run.seed * 1_000_003 + step) * 1009 + self.rank)
+
+    def score(self, shard: StepShard, completions: list[Completion]) -> torch.Tensor:
+        group_size = self.recipe.train.group_size
+        rewards = []
+        for completion in completions:
+            problem = shard.problems[completion.request_id // group_size]
+            response = self.tokenizer.decode(completion.response_ids, skip_special_tokens=True)
+            rewards.append(self.task.reward(problem, response))
+        return torch.tensor(rewards, dtype=torch.float32)
+
+    def update(self, completions: list[Completion], rewards: torch.Tensor) -> dict[str, float]:
+        """GRPO update on this rank's completions (sorted by request id, so groups are consecutive)."""
+        advantages = group_advantages(rewards, self.recipe.train.group_size)
+        batch = build_policy_batch(completions, advantages, self.tokenizer.pad_token_id)
+        batch = self.actor.logprobs(batch)
+        return vars(self.actor.update(batch))
+
+    def request_record(self, step: int, completion: Completion, reward: float) -> dict[str, Any]:
+        stats = completion.speculative
+        return {
+            "type": "request", "step": step, "worker": self.rank, "request_id": completion.request_id,
+            "start": completion.start, "end": completion.end, "prompt_tokens": len(completion.prompt_ids),
+            "tokens": len(completion.response_ids), "reward": reward, "finished_by_eos": completion.finished_by_eos,
+            "verify_passes": stats.verify_passes, "accepted_tokens": stats.accepted_draft_tokens,
+        }
+
+    def save_checkpoint(self, next_step: int) -> Path:
+        return save_collectively(
+            self.spec.run_directory / "checkpoints", next_step, self.rank, torch.distributed.barrier,
+            self.actor.save, extra_state={"world_size": self.spec.address.world_size}, keep=self.recipe.checkpoint.keep,
+        )
