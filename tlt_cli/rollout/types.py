@@ -9,6 +9,10 @@ speak these types.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
@@ -94,3 +98,5 @@ class Completion:
     start: float
     end: float
     speculative: SpeculativeStats = field(default_factory=SpeculativeStats)
+    # [R, H] target last hidden state that produced each response token; only when asked for
+    target_hidden: torch.Tensor | None = None

@@ -1,0 +1,262 @@
+"""The embedded rollout engine: batched generation in-process, on the actor's own module.
+
+The trainer calls `EmbeddedEngine(model, eos_token_id, pad_token_id).generate(requests, sampling,
+generator)`. All requests enter one running batch; each step feeds every running row one token
+(or, with a `speculative` decoder, a verified draft block) through the model with a per-row
+`SlotCache`, explicit position ids and a 4D mask, so rows of different lengths share a forward
+without padding. A request leaves the batch as soon as it ends (EOS or max_new_tokens): its row is
+dropped from the cache and every per-row tensor, so no compute is spent on it afterwards.
+Generation runs under torch.no_grad with the model in eval mode and restores every module's mode
+afterwards. Same requests, parameters and generator state give the same output.
+
+Example:
+    engine = EmbeddedEngine(policy, eos_token_id=tokenizer.eos_token_id, pad_token_id=0)
+    completions = engine.generate(requests, SamplingParams(max_new_tokens=64), torch.Generator().manual_seed(0))
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from tlt_cli.rollout.kv_cache import SlotCache, additive_mask, block_attention_mask, decode_attention_mask
+from tlt_cli.rollout.sampling import next_tokens
+from tlt_cli.rollout.types import Completion, RolloutRequest, SamplingParams, SpeculativeStats
+
+# slots reserved past the longest prompt when the cache is first allocated (it grows by doubling)
+INITIAL_SLACK = 64
+
+
+@dataclass
+class RunningBatch:
+    """Per-row state of the requests still generating (B rows; every tensor shares row order).
+
+    Invariant: row b's target cache holds positions [0, lengths[b]); `pending[b]`, its last
+    emitted token, sits at position lengths[b] and is fed by the next step.
+    """
+
+    # index of each row's request in the list given to generate: [B]
+    request_index: torch.Tensor
+    prompt_lengths: torch.Tensor  # [B]
+    lengths: torch.Tensor  # [B] committed target-cache length
+    pending: torch.Tensor  # [B] token at position lengths[b], not yet in the cache
+    generated: torch.Tensor  # [B] response tokens emitted so far
+    finished_by_eos: torch.Tensor  # [B] bool
+    tokens: torch.Tensor  # [B, capacity] prompt and response ids by position
+    cache: SlotCache
+    return_hidden: bool
+
+    @property
+    def size(self) -> int:
+        return self.request_index.shape[0]
+
+    def keep_rows(self, rows: torch.Tensor) -> None:
+        """Keep rows `rows` of every per-row tensor and of the cache, drop the rest."""
+        for name in ("request_index", "prompt_lengths", "lengths", "pending", "generated", "finished_by_eos", "tokens"):
+            setattr(self, name, getattr(self, name).index_select(0, rows))
+        self.cache.keep_rows(rows)
+
+
+class EmbeddedEngine:
+    """Batched generation with a KV cache, ragged prompts, early exit of finished requests and,
+    when given a speculative decoder (`tlt_cli.rollout.speculative.SpeculativeDecoder`), lossless
+    speculative decoding."""
+
+    def __init__(self, model: nn.Module, eos_token_id: int, pad_token_id: int, speculative=None) -> None:
+        self.model = model
+        self.decoder = model.get_decoder()
+        self.lm_head = model.get_output_embeddings()
+        self.eos_token_id = eos_token_id
+        self.pad_token_id = pad_token_id
+        self.speculative = speculative
+        self.mask_dtype = next(model.parameters()).dtype
+        self.device = next(model.parameters()).device
+
+    def generate(
+        self,
+        requests: Sequence[RolloutRequest],
+        sampling: SamplingParams,
+        generator: torch.Generator,
+        on_request_finished: Callable[[Completion], None] | None = None,
+        return_hidden: bool = False,
+    ) -> list[Completion]:
+        """Complete every request; Completions come back in request order.
+
+        return_hidden: also return each completion's `target_hidden` [R, H], the target's last
+        hidden state at the position that produced each response token (lm_head(target_hidden[i])
+        are the logits of response token i).
+        """
+        _check_inputs(requests, sampling)
+        if not requests:
+            return []
+        with torch.no_grad(), _eval_mode(self.model), _eval_mode(getattr(self.speculative, "drafter", None)):
+            completions = self._run(requests, sampling, generator, on_request_finished, return_hidden)
+        return [completions[index] for index in range(len(requests))]
+
+    def _run(self, requests, sampling, generator, on_request_finished, return_hidden) -> dict[int, Completion]:
+        start = time.time()
+        completions: dict[int, Completion] = {}
+        batch, prefill_hidden = self._prefill(requests, sampling, generator, return_hidden)
+        if self.speculative is not None:
+            self.speculative.begin(batch, prefill_hidden, sampling)
+        finished = self._emit(batch, batch.pending[:, None], torch.ones_like(batch.pending), sampling)
+        self._retire(batch, finished, requests, start, completions, on_request_finished)
+        while batch.size > 0:
+            if self.speculative is not None:
+                new_tokens, counts = self.speculative.step(self, batch, sampling, generator)
+            else:
+                new_tokens, counts = self._decode_step(batch, sampling, generator)
+            finished = self._emit(batch, new_tokens, counts, sampling)
+            self._retire(batch, finished, requests, start, completions, on_request_finished)
+        return completions
+
+    def _prefill(self, requests, sampling, generator, return_hidden) -> tuple[RunningBatch, torch.Tensor]:
+        """Run all prompts (right-padded, causal) and draw each row's first response token."""
+        prompt_lengths = torch.tensor([len(request.prompt_ids) for request in requests], device=self.device)
+        longest = int(prompt_lengths.max())
+        capacity = longest + INITIAL_SLACK
+        tokens = torch.full((len(requests), capacity), self.pad_token_id, dtype=torch.long, device=self.device)
+        for row, request in enumerate(requests):
+            tokens[row, : len(request.prompt_ids)] = torch.tensor(request.prompt_ids, device=self.device)
+        batch = RunningBatch(
+            request_index=torch.arange(len(requests), device=self.device),
+            prompt_lengths=prompt_lengths,
+            lengths=torch.zeros_like(prompt_lengths),
+            pending=torch.zeros_like(prompt_lengths),
+            generated=torch.zeros_like(prompt_lengths),
+            finished_by_eos=torch.zeros_like(prompt_lengths, dtype=torch.bool),
+            tokens=tokens,
+            cache=SlotCache(len(requests), capacity),
+            return_hidden=return_hidden,
+        )
+        causal = torch.ones(longest, longest, dtype=torch.bool, device=self.device).tril()
+        positions = torch.arange(longest, device=self.device).expand(len(requests), longest)
+        hidden = self.forward_block(batch, tokens[:, :longest], positions, causal)
+        last_hidden = hidden[torch.arange(len(requests), device=self.device), prompt_lengths - 1]
+        batch.lengths = prompt_lengths.clone()
+        batch.pending = next_tokens(self.lm_head(last_hidden), sampling, generator)
+        return batch, hidden
+
+    def forward_block(
+        self, batch: RunningBatch, input_ids: torch.Tensor, position_ids: torch.Tensor, block_mask: torch.Tensor
+    ) -> torch.Tensor:
+        """Run the target on T new entries per row, written at slots lengths[b] + [0, T).
+
+        input_ids, position_ids: [B, T]; block_mask: [B, T, T] or [T, T], which new entries each
+        new entry may see (it always sees the row's committed prefix). Returns the last hidden
+        state [B, T, H]; the cache's committed lengths are left to the caller.
+        """
+        block_size = input_ids.shape[1]
+        kv_length = int(batch.lengths.max()) + block_size
+        write_slots = batch.lengths[:, None] + torch.arange(block_size, device=self.device)
+        batch.cache.prepare(write_slots, kv_length)
+        if block_size == 1:
+            visible = decode_attention_mask(batch.lengths, kv_length)
+        else:
+            visible = block_attention_mask(batch.lengths, block_mask, kv_length)
+        hidden = self.decoder(
+            input_ids=input_ids,
+            position_ids=position_ids,
+            attention_mask=additive_mask(visible, self.mask_dtype),
+            past_key_values=batch.cache,
+            use_cache=False,
+        ).last_hidden_state
+        if batch.return_hidden:
+            batch.cache.store_extra(hidden)
+        return hidden
+
+    def _decode_step(self, batch: RunningBatch, sampling, generator) -> tuple[torch.Tensor, torch.Tensor]:
+        """Plain decoding: feed each row's pending token, draw the next one."""
+        no_block_mask = torch.ones(1, 1, dtype=torch.bool, device=self.device)
+        hidden = self.forward_block(batch, batch.pending[:, None], batch.lengths[:, None], no_block_mask)
+        batch.lengths = batch.lengths + 1
+        batch.pending = next_tokens(self.lm_head(hidden[:, -1]), sampling, generator)
+        return batch.pending[:, None], torch.ones_like(batch.pending)
+
+    def _emit(self, batch: RunningBatch, new_tokens: torch.Tensor, counts: torch.Tensor, sampling) -> torch.Tensor:
+        """Append the first counts[b] of new_tokens [B, E] to each response, cut at EOS and at
+        max_new_tokens; return which rows are finished [B] bool."""
+        offsets = torch.arange(new_tokens.shape[1], device=self.device)
+        budget = sampling.max_new_tokens - batch.generated
+        valid = (offsets[None, :] < counts[:, None]) & (offsets[None, :] < budget[:, None])
+        is_eos = (new_tokens == self.eos_token_id) & valid
+        # drop everything after the first EOS (an EOS itself is kept)
+        valid = valid & ((is_eos.long().cumsum(dim=1) - is_eos.long()) == 0)
+        write_positions = batch.prompt_lengths + batch.generated
+        needed = int(write_positions.max()) + new_tokens.shape[1]
+        if needed > batch.tokens.shape[1]:
+            batch.tokens = _grown_columns(batch.tokens, max(needed, 2 * batch.tokens.shape[1]), self.pad_token_id)
+        batch.tokens.scatter_(1, write_positions[:, None] + offsets[None, :], new_tokens)
+        batch.generated = batch.generated + valid.sum(dim=1)
+        batch.finished_by_eos = batch.finished_by_eos | is_eos.any(dim=1)
+        return batch.finished_by_eos | (batch.generated >= sampling.max_new_tokens)
+
+    def _retire(self, batch, finished, requests, start, completions, on_request_finished) -> None:
+        """Turn finished rows into Completions and drop them from the running batch."""
+        if not bool(finished.any()):
+            return
+        end = time.time()
+        for row in finished.nonzero().flatten().tolist():
+            completion = self._completion(batch, row, requests, start, end)
+            completions[int(batch.request_index[row])] = completion
+            if on_request_finished is not None:
+                on_request_finished(completion)
+        keep = (~finished).nonzero().flatten()
+        batch.keep_rows(keep)
+        if self.speculative is not None:
+            self.speculative.keep_rows(keep)
+
+    def _completion(self, batch: RunningBatch, row: int, requests, start: float, end: float) -> Completion:
+        request = requests[int(batch.request_index[row])]
+        prompt_length, generated = int(batch.prompt_lengths[row]), int(batch.generated[row])
+        target_hidden = None
+        if batch.return_hidden:
+            # the hidden state at position P-1+i produced response token i
+            target_hidden = batch.cache.extra[row, 0, prompt_length - 1 : prompt_length - 1 + generated].clone()
+        stats = self.speculative.stats(row) if self.speculative is not None else SpeculativeStats()
+        return Completion(
+            request_id=request.request_id,
+            prompt_ids=request.prompt_ids,
+            response_ids=batch.tokens[row, prompt_length : prompt_length + generated].tolist(),
+            finished_by_eos=bool(batch.finished_by_eos[row]),
+            start=start,
+            end=end,
+            speculative=stats,
+            target_hidden=target_hidden,
+        )
+
+
+def _check_inputs(requests: Sequence[RolloutRequest], sampling: SamplingParams) -> None:
+    if sampling.max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens is {sampling.max_new_tokens}; set it to at least 1.")
+    if sampling.temperature < 0:
+        raise ValueError(f"temperature is {sampling.temperature}; set it to 0 (greedy) or a positive value.")
+    for request in requests:
+        if len(request.prompt_ids) == 0:
+            raise ValueError(f"request {request.request_id} has an empty prompt; give it at least one token.")
+
+
+def _grown_columns(tokens: torch.Tensor, columns: int, pad_token_id: int) -> torch.Tensor:
+    grown = tokens.new_full((tokens.shape[0], columns), pad_token_id)
+    grown[:, : tokens.shape[1]] = tokens
+    return grown
+
+
+@contextlib.contextmanager
+def _eval_mode(module: nn.Module | None) -> Iterator[None]:
+    """Put `module` in eval mode for the block, then give every submodule back its own mode."""
+    if module is None or not isinstance(module, nn.Module):
+        yield
+        return
+    modes = [(submodule, submodule.training) for submodule in module.modules()]
+    module.eval()
+    try:
+        yield
+    finally:
+        for submodule, training in modes:
+            submodule.training = training

@@ -1,0 +1,59 @@
+"""Turn logits into the distribution tokens are drawn from, and draw them.
+
+`apply_sampling` is the one place temperature, top-k and top-p are applied. The embedded engine
+applies it to the target's logits and speculative decoding applies the very same function to the
+drafter's logits, so the draft distribution q and the target distribution p are processed alike and
+acceptance stays exact. Temperature 0 means greedy: the distribution is a point mass on the argmax.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tlt_cli.rollout.types import SamplingParams
+
+
+def apply_sampling(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Probabilities [N, V] of the next token under `params`, from logits [N, V] (float32 out)."""
+    logits = logits.float()
+    if params.greedy:
+        # temperature 0: all mass on the argmax
+        return torch.nn.functional.one_hot(logits.argmax(dim=-1), logits.shape[-1]).float()
+    logits = logits / params.temperature
+    if 0 < params.top_k < logits.shape[-1]:
+        logits = _keep_top_k(logits, params.top_k)
+    probs = torch.softmax(logits, dim=-1)
+    if params.top_p < 1.0:
+        probs = _keep_top_p(probs, params.top_p)
+    return probs
+
+
+def _keep_top_k(logits: torch.Tensor, top_k: int) -> torch.Tensor:
+    """Logits with everything outside the top_k largest set to -inf (exactly top_k survive)."""
+    kept_indices = logits.topk(top_k, dim=-1).indices
+    keep = torch.zeros_like(logits, dtype=torch.bool).scatter_(-1, kept_indices, True)
+    return logits.masked_fill(~keep, float("-inf"))
+
+
+def _keep_top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Renormalised probs restricted to the smallest most-likely set whose mass reaches top_p."""
+    sorted_probs, sorted_indices = probs.sort(dim=-1, descending=True)
+    # a token stays if the mass of the tokens ranked strictly above it is still below top_p
+    mass_above = sorted_probs.cumsum(dim=-1) - sorted_probs
+    keep_sorted = mass_above < top_p
+    keep_sorted[..., 0] = True  # the most likely token always stays (top_p 0 is greedy)
+    keep = torch.zeros_like(keep_sorted).scatter_(-1, sorted_indices, keep_sorted)
+    kept = probs * keep
+    return kept / kept.sum(dim=-1, keepdim=True)
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """One token id per row of probs [N, V], drawn with `generator`: ids [N]."""
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def next_tokens(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> torch.Tensor:
+    """Next token ids [N] from logits [N, V]: the argmax when greedy, else a draw from apply_sampling."""
+    if params.greedy:
+        return logits.argmax(dim=-1)
+    return sample(apply_sampling(logits, params), generator)
