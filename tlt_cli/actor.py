@@ -100,7 +100,7 @@ class Actor:
                 # the loss is already normalised over the whole batch: no extra 1/accumulation scaling
                 self.engine.backward(result.loss, scale_wrt_gas=False)
                 self.engine.step()
-                totals["loss"] += float(result.loss)
+                totals["loss"] += float(result.loss.detach())
                 totals["clip_fraction"] += result.clip_fraction / len(parts)
                 totals["kl"] += result.kl / len(parts)
                 totals["ratio_mean"] += result.ratio_mean / len(parts)

@@ -141,7 +141,8 @@ def _apply_override(merged: DictConfig, override: str) -> DictConfig:
     if "=" not in override:
         raise RecipeError(f"override '{override}' must have the form key=value, e.g. train.steps=10.")
     key = override.split("=", 1)[0].strip()
-    if OmegaConf.select(merged, key, default=_MISSING_KEY) is _MISSING_KEY:
+    free_form = key.startswith(FREE_FORM_SECTIONS)
+    if not free_form and OmegaConf.select(merged, key, default=_MISSING_KEY) is _MISSING_KEY:
         raise RecipeError(f"override key '{key}' is not a recipe key; {_suggest(key)}")
     try:
         return OmegaConf.merge(merged, OmegaConf.from_dotlist([override]))
@@ -150,6 +151,8 @@ def _apply_override(merged: DictConfig, override: str) -> DictConfig:
 
 
 _MISSING_KEY = object()
+# keys under these take any name (options passed through to the chosen task)
+FREE_FORM_SECTIONS = ("task.options.",)
 
 
 def _describe(error: OmegaConfBaseException) -> str:
