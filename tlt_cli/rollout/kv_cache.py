@@ -111,21 +111,21 @@ class SlotCache:
 
 
 def block_attention_mask(lengths: torch.Tensor, block_mask: torch.Tensor, kv_length: int) -> torch.Tensor:
-    """Boolean mask [B, 1, T, kv_length] (True = may attend) for a block of T new entries per row.
+    """Boolean mask [B, 1, T, kv_length] (True = may attend) for T queries past each row's prefix.
 
-    Row b's block is written at slots lengths[b] .. lengths[b] + T - 1. Query j sees every committed
-    slot s < lengths[b], and block entry i iff block_mask[b, j, i] (block_mask: [B, T, T] or a
-    shared [T, T]; causal for a chain, ancestor-or-self for a draft tree).
+    Row b's region of W new slots starts at lengths[b]. Query j sees every committed slot
+    s < lengths[b], and region slot lengths[b] + i iff block_mask[b, j, i] (block_mask: [B, T, W]
+    or a shared [T, W]; causal for a chain, ancestor-or-self for a draft tree).
     """
-    block_size = block_mask.shape[-1]
+    query_count, region_width = block_mask.shape[-2:]
     batch_size = lengths.shape[0]
-    block_mask = block_mask.expand(batch_size, block_size, block_size)
-    # offset of each slot from the row's block start: < 0 committed, [0, T) the new block
+    block_mask = block_mask.expand(batch_size, query_count, region_width)
+    # offset of each slot from the row's region start: < 0 committed, [0, W) the region
     offset = torch.arange(kv_length, device=lengths.device)[None, :] - lengths[:, None]
-    in_block = (offset >= 0) & (offset < block_size)
-    block_index = offset.clamp(0, block_size - 1)[:, None, :].expand(batch_size, block_size, kv_length)
-    visible_in_block = block_mask.gather(2, block_index) & in_block[:, None, :]
-    return ((offset < 0)[:, None, :] | visible_in_block).unsqueeze(1)
+    in_region = (offset >= 0) & (offset < region_width)
+    region_index = offset.clamp(0, region_width - 1)[:, None, :].expand(batch_size, query_count, kv_length)
+    visible_in_region = block_mask.gather(2, region_index) & in_region[:, None, :]
+    return ((offset < 0)[:, None, :] | visible_in_region).unsqueeze(1)
 
 
 def decode_attention_mask(lengths: torch.Tensor, kv_length: int) -> torch.Tensor:

@@ -1,0 +1,110 @@
+"""Exact acceptance of drafted tokens against the target, batched, one verdict per row.
+
+The speculative decoder calls `accept_chain` or `accept_tree` with the target's logits over the
+verified block; both return a `Verdict`: how many drafted tokens each row keeps, the node path
+they form, and the bonus token the target adds. Rows are independent (ragged acceptance).
+
+Why this is lossless (the output has exactly the target's distribution under SamplingParams):
+- Greedy: a drafted token is kept iff it equals the target's argmax, so the output is the
+  target's greedy output.
+- Chain with sampling (Leviathan et al. / Chen et al.): token x ~ q is kept with probability
+  min(1, p(x)/q(x)); on rejection the replacement is drawn from norm(max(p - q, 0)). Then
+  P(emit y) = q(y) min(1, p(y)/q(y)) + (1 - sum_x min(p(x), q(x))) * max(p(y) - q(y), 0) / Z
+  = min(p(y), q(y)) + max(p(y) - q(y), 0) = p(y), as Z = 1 - sum_x min(p(x), q(x)). After k
+  kept tokens the bonus token is drawn from p at the next position.
+- Tree with sampling: tree nodes are chosen deterministically from the drafter (top-k), so the
+  proposal for each child c is a point mass delta_c. Multi-draft recursive rejection (SpecInfer)
+  tries the children in order: child c is kept with probability min(1, p(c)/delta_c(c)) = p(c),
+  and a rejection updates p <- norm(max(p - delta_c, 0)), i.e. p with c removed, renormalised.
+  The first child is thus emitted with probability p(c1), the second with (1 - p(c1)) * p(c2) /
+  (1 - p(c1)) = p(c2), and so on, and the fallback draw from the final residual emits every
+  other token y with probability p(y). That is the law of a single draw y ~ p followed by "move to
+  the child whose token is y, if there is one": `accept_tree` does exactly that at every node, so
+  each emitted token is one draw from the target's distribution given the tokens before it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tlt_cli.rollout.sampling import apply_sampling, sample
+from tlt_cli.rollout.tree import DraftTree
+from tlt_cli.rollout.types import SamplingParams
+
+
+@dataclass
+class Verdict:
+    """accept_length: [B] drafted tokens kept; path: [B, D + 1] tree indices of the root and the
+    kept nodes in depth order (entries past accept_length are unspecified); bonus: [B] the token
+    the target emits after the kept ones."""
+
+    accept_length: torch.Tensor
+    path: torch.Tensor
+    bonus: torch.Tensor
+
+
+def accept_chain(
+    tree: DraftTree, target_logits: torch.Tensor, sampling: SamplingParams, generator: torch.Generator
+) -> Verdict:
+    """Verdict for chains: tree.tokens [B, k + 1] (root first), target_logits [B, k + 1, V]."""
+    drafted = tree.tokens[:, 1:]
+    batch_size, depth = drafted.shape
+    path = torch.arange(depth + 1, device=drafted.device).expand(batch_size, -1)
+    if sampling.greedy:
+        target_choice = target_logits.argmax(dim=-1)
+        # keep a drafted token iff it equals the target's argmax after the kept prefix
+        matches = drafted == target_choice[:, :depth]
+        accept_length = matches.long().cumprod(dim=1).sum(dim=1)
+        return Verdict(accept_length, path, target_choice.gather(1, accept_length[:, None]).squeeze(1))
+    target_probs = apply_sampling(target_logits.flatten(0, 1), sampling).view(*target_logits.shape[:2], -1)
+    draft_probs = tree.draft_probs
+    p_of_draft = target_probs[:, :depth].gather(2, drafted[:, :, None]).squeeze(2)
+    q_of_draft = draft_probs.gather(2, drafted[:, :, None]).squeeze(2)
+    uniform = torch.rand(batch_size, depth, generator=generator, device=drafted.device)
+    # accept with prob min(1, p/q): u < p/q, written u * q < p (q > 0 where x was drawn)
+    accepted = uniform * q_of_draft < p_of_draft
+    accept_length = accepted.long().cumprod(dim=1).sum(dim=1)
+    # q is 0 past the last draft, so the residual there is p itself: the bonus token's law
+    padded_draft_probs = torch.cat([draft_probs, torch.zeros_like(draft_probs[:, :1])], dim=1)
+    rows = torch.arange(batch_size, device=drafted.device)
+    p_next, q_next = target_probs[rows, accept_length], padded_draft_probs[rows, accept_length]
+    bonus = sample(_residual(p_next, q_next), generator)
+    return Verdict(accept_length, path, bonus)
+
+
+def _residual(target_probs: torch.Tensor, draft_probs: torch.Tensor) -> torch.Tensor:
+    """norm(max(p - q, 0)) per row ([B, V]); p itself where that is all zero (then p = q and a
+    rejection had probability 0, so the row's draw never depends on it)."""
+    residual = (target_probs - draft_probs).clamp(min=0)
+    mass = residual.sum(dim=-1, keepdim=True)
+    return torch.where(mass > 0, residual / mass.clamp(min=torch.finfo(mass.dtype).tiny), target_probs)
+
+
+def accept_tree(
+    tree: DraftTree, target_logits: torch.Tensor, sampling: SamplingParams, generator: torch.Generator
+) -> Verdict:
+    """Verdict for trees: tree with N nodes, target_logits [B, N, V] at every node."""
+    batch_size, node_count = tree.tokens.shape
+    if sampling.greedy:
+        target_choice = target_logits.argmax(dim=-1)
+    else:
+        target_probs = apply_sampling(target_logits.flatten(0, 1), sampling)
+        # one draw y ~ p at every node (see the module docstring for why this is the recursive rejection)
+        target_choice = sample(target_probs, generator).view(batch_size, node_count)
+    # a node matches when its token is what the target chose at its parent
+    matches = tree.tokens == target_choice.gather(1, tree.parents)
+    matches[:, 0] = True
+    # a node is reachable when it and all its ancestors match
+    reachable = ~(tree.ancestors & ~matches[:, None, :]).any(dim=2)
+    # siblings carry distinct tokens, so at most one node per depth is reachable: take the deepest
+    deepest = torch.where(reachable, tree.depths, -1).argmax(dim=1)
+    rows = torch.arange(batch_size, device=tree.tokens.device)
+    accept_length = tree.depths[rows, deepest]
+    on_path = tree.ancestors[rows, deepest]
+    node_index = torch.arange(node_count, device=tree.tokens.device)
+    # path nodes in tree order (parents come before children) = depth order
+    path = torch.where(on_path, node_index, node_count + node_index).sort(dim=1).values % node_count
+    max_depth = int(tree.depths.max())
+    return Verdict(accept_length, path[:, : max_depth + 1], target_choice[rows, deepest])

@@ -1,0 +1,166 @@
+"""Draft shapes for speculative decoding: a chain (topk 1) or an EAGLE-2 / SGLang-style tree.
+
+The speculative decoder runs the drafter `steps` times; after each run it hands the drafter's
+logits for the current frontier to a builder, which picks the tokens to draft next and says which
+earlier draft entries each new one may attend to. `finish` returns a `DraftTree`: node 0 is the
+root (the row's pending token, already emitted), nodes are ordered so parents come before their
+children, and `ancestors` is the tree attention mask the target verifies with.
+
+Tree (SGLang's steps / topk / draft_tokens): each step expands every frontier node into its topk
+most likely children, scores a node by the sum of draft log-probabilities along its path, keeps
+the topk best new nodes as the next frontier, and at the end keeps the draft_tokens - 1 best of
+all candidates. A child never scores above its parent and ties go to the shallower node, so the
+kept set always contains every kept node's parent.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tlt_cli.rollout.sampling import apply_sampling, sample
+from tlt_cli.rollout.types import SamplingParams, SpeculativeConfig
+
+
+@dataclass
+class DraftTree:
+    """N = 1 + drafted tokens per row; node 0 is the root.
+
+    tokens: [B, N]; parents: [B, N] tree index of each node's parent (the root points at itself);
+    depths: [B, N] (root 0); ancestors: [B, N, N] or a shared [N, N] bool, ancestors[.., n, m] iff m
+    is n or an ancestor of n; draft_probs: [B, N - 1, V] the distribution each drafted token of a
+    chain was sampled from (None for greedy chains and for trees, whose nodes are chosen, not drawn).
+    """
+
+    tokens: torch.Tensor
+    parents: torch.Tensor
+    depths: torch.Tensor
+    ancestors: torch.Tensor
+    draft_probs: torch.Tensor | None
+
+
+@dataclass
+class Frontier:
+    """The draft nodes the drafter runs on next. tokens: [B, F]; parent_slot: [B, F] which node of
+    the previous frontier each extends (its drafter output is the new node's input hidden state);
+    visible: [B, F, W] which of the W draft entries written so far (plus this block, the last F)
+    each node attends to."""
+
+    tokens: torch.Tensor
+    parent_slot: torch.Tensor
+    visible: torch.Tensor
+
+
+class ChainBuilder:
+    """A chain of `steps` drafted tokens: the argmax when greedy, else one draw from q, the
+    drafter's distribution under the same SamplingParams as the target."""
+
+    def __init__(self, root_tokens: torch.Tensor, steps: int, sampling: SamplingParams, generator: torch.Generator):
+        self.root_tokens = root_tokens
+        self.steps = steps
+        self.sampling = sampling
+        self.generator = generator
+        self.tokens: list[torch.Tensor] = []
+        self.draft_probs: list[torch.Tensor] = []
+
+    def expand(self, frontier_logits: torch.Tensor) -> Frontier:
+        """Draft the next token from logits [B, 1, V] of the last one."""
+        logits = frontier_logits[:, 0]
+        if self.sampling.greedy:
+            token = logits.argmax(dim=-1)
+        else:
+            draft_probs = apply_sampling(logits, self.sampling)
+            token = sample(draft_probs, self.generator)
+            self.draft_probs.append(draft_probs)
+        self.tokens.append(token)
+        written = len(self.tokens)
+        batch_size = token.shape[0]
+        visible = torch.ones(batch_size, 1, written, dtype=torch.bool, device=token.device)
+        return Frontier(token[:, None], torch.zeros_like(token)[:, None], visible)
+
+    def finish(self) -> DraftTree:
+        tokens = torch.stack([self.root_tokens, *self.tokens], dim=1)
+        node_count = tokens.shape[1]
+        index = torch.arange(node_count, device=tokens.device)
+        return DraftTree(
+            tokens=tokens,
+            parents=(index - 1).clamp(min=0).expand_as(tokens),
+            depths=index.expand_as(tokens),
+            ancestors=torch.ones(node_count, node_count, dtype=torch.bool, device=tokens.device).tril(),
+            draft_probs=torch.stack(self.draft_probs, dim=1) if self.draft_probs else None,
+        )
+
+
+class TreeBuilder:
+    """An EAGLE-2 tree: topk children per frontier node, the best draft_tokens - 1 nodes kept."""
+
+    def __init__(self, root_tokens: torch.Tensor, config: SpeculativeConfig):
+        self.root_tokens = root_tokens
+        self.config = config
+        batch_size, device = root_tokens.shape[0], root_tokens.device
+        self.candidate_tokens: list[torch.Tensor] = []
+        self.candidate_scores: list[torch.Tensor] = []
+        # candidate index of each candidate's parent; -1 is the root
+        self.candidate_parents: list[torch.Tensor] = []
+        self.candidate_depths: list[torch.Tensor] = []
+        self.candidate_count = 0
+        self.frontier_index = torch.full((batch_size, 1), -1, dtype=torch.long, device=device)
+        self.frontier_scores = torch.zeros(batch_size, 1, device=device)
+        self.frontier_visible = torch.zeros(batch_size, 1, 0, dtype=torch.bool, device=device)
+
+    def expand(self, frontier_logits: torch.Tensor) -> Frontier:
+        """Add the topk children of every frontier node (logits [B, F, V]); return the new frontier."""
+        topk = self.config.topk
+        batch_size, frontier_size, _ = frontier_logits.shape
+        child_logprobs, child_tokens = torch.log_softmax(frontier_logits.float(), dim=-1).topk(topk, dim=-1)
+        # a node's score is the sum of draft log-probs on its path: parent score + log q(child)
+        scores = (self.frontier_scores[:, :, None] + child_logprobs).reshape(batch_size, frontier_size * topk)
+        tokens = child_tokens.reshape(batch_size, frontier_size * topk)
+        parents = self.frontier_index.repeat_interleave(topk, dim=1)
+        depth = len(self.candidate_tokens) + 1
+        self._add_candidates(tokens, scores, parents, depth)
+        kept = scores.topk(topk, dim=-1).indices  # [B, topk] into this step's candidates
+        parent_slot = kept // topk
+        self.frontier_index = self.candidate_count - tokens.shape[1] + kept
+        self.frontier_scores = scores.gather(1, kept)
+        inherited = self.frontier_visible.gather(1, parent_slot[:, :, None].expand(-1, -1, self.frontier_visible.shape[2]))
+        own = torch.eye(topk, dtype=torch.bool, device=tokens.device).expand(batch_size, topk, topk)
+        self.frontier_visible = torch.cat([inherited, own], dim=2)
+        return Frontier(tokens.gather(1, kept), parent_slot, self.frontier_visible)
+
+    def _add_candidates(self, tokens, scores, parents, depth: int) -> None:
+        self.candidate_tokens.append(tokens)
+        self.candidate_scores.append(scores)
+        self.candidate_parents.append(parents)
+        self.candidate_depths.append(torch.full_like(tokens, depth))
+        self.candidate_count += tokens.shape[1]
+
+    def finish(self) -> DraftTree:
+        """Keep the draft_tokens - 1 best candidates, in candidate order (parents first)."""
+        scores = torch.cat(self.candidate_scores, dim=1)
+        kept_count = min(self.config.verified_tokens - 1, scores.shape[1])
+        # stable sort: equal scores keep candidate order, so a parent ranks before its children
+        best = scores.sort(dim=1, descending=True, stable=True).indices[:, :kept_count]
+        kept = best.sort(dim=1).values
+        batch_size, device = scores.shape[0], scores.device
+        # tree index of every candidate (shifted by one so the root's -1 maps to node 0)
+        tree_index_of = torch.zeros(batch_size, scores.shape[1] + 1, dtype=torch.long, device=device)
+        tree_index_of.scatter_(1, kept + 1, torch.arange(1, kept_count + 1, device=device).expand(batch_size, -1))
+        candidate_parents = torch.cat(self.candidate_parents, dim=1).gather(1, kept)
+        zeros = torch.zeros(batch_size, 1, dtype=torch.long, device=device)
+        parents = torch.cat([zeros, tree_index_of.gather(1, candidate_parents + 1)], dim=1)
+        tokens = torch.cat([self.root_tokens[:, None], torch.cat(self.candidate_tokens, dim=1).gather(1, kept)], dim=1)
+        depths = torch.cat([zeros, torch.cat(self.candidate_depths, dim=1).gather(1, kept)], dim=1)
+        return DraftTree(tokens, parents, depths, ancestor_mask(parents, self.config.steps), None)
+
+
+def ancestor_mask(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
+    """[B, N, N] bool: node n sees m iff m is n or an ancestor of n (parents: [B, N], root -> 0)."""
+    batch_size, node_count = parents.shape
+    mask = torch.eye(node_count, dtype=torch.bool, device=parents.device).expand(batch_size, -1, -1)
+    parent_rows = parents[:, :, None].expand(-1, -1, node_count)
+    for _ in range(max_depth):
+        # each pass adds one more generation: n inherits everything its parent sees
+        mask = mask | mask.gather(1, parent_rows)
+    return mask
