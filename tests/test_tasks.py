@@ -1,0 +1,134 @@
+"""Tasks: deterministic problems, the arithmetic long tail, exact rewards, JSONL errors, the registry."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tlt_cli.tasks.arithmetic import CHARACTERS, ArithmeticTask, make_problem
+from tlt_cli.tasks.jsonl_math import JsonlMathTask, TaskDataError
+from tlt_cli.tasks.registry import TaskOptionError, UnknownTaskError, build_task
+
+DATA_DIR = Path(__file__).parent / "data"
+
+
+def test_arithmetic_problems_are_deterministic_by_seed_and_index():
+    first, again, other_seed = ArithmeticTask(seed=3), ArithmeticTask(seed=3), ArithmeticTask(seed=4)
+    problems = [first.problem(index) for index in range(50)]
+    assert problems == [again.problem(index) for index in range(50)]
+    assert problems != [other_seed.problem(index) for index in range(50)]
+    assert len({problem.prompt for problem in problems}) > 25
+
+
+def test_arithmetic_solution_is_the_running_sum_mod_10():
+    problem = make_problem(0, [3, 1, 4, 1, 5])
+    assert problem.prompt == "a3b1c4d1e5="
+    assert problem.solution == "a3:3,b1:4,c4:8,d1:9,e5:4#4"
+    assert problem.answer == "4"
+
+
+def test_arithmetic_answers_match_their_digits_and_use_the_vocabulary():
+    task = ArithmeticTask(seed=0)
+    for index in range(200):
+        problem = task.problem(index)
+        digits = [int(character) for character in problem.prompt if character.isdigit()]
+        assert problem.answer == str(sum(digits) % 10)
+        assert 1 <= len(digits) <= task.max_terms
+        assert set(problem.prompt + problem.solution) <= set(CHARACTERS)
+        assert task.reward(problem, problem.solution) == 1.0
+
+
+def test_arithmetic_solution_lengths_have_a_long_tail():
+    task = ArithmeticTask(seed=0)
+    lengths = np.array([len(task.problem(index).solution) for index in range(2000)])
+    p50, p99 = np.percentile(lengths, [50, 99])
+    assert p99 / p50 >= 5
+    assert lengths.max() > 150
+
+
+def test_arithmetic_reward_right_wrong_and_malformed():
+    task = ArithmeticTask(seed=0)
+    problem = make_problem(0, [3, 1, 4, 1, 5])
+    assert task.reward(problem, "a3:3,b1:4,c4:8,d1:9,e5:4#4") == 1.0
+    assert task.reward(problem, "#4\n") == 1.0  # the chain is not checked, whitespace is ignored
+    assert task.reward(problem, "a3:3,b1:4,c4:8,d1:9,e5:5#5") == 0.0  # wrong answer
+    assert task.reward(problem, "a3:3,b1:4,c4:8,d1:9,e5:4") == 0.0  # no marker
+    assert task.reward(problem, "#4#4") == 0.0  # two markers
+    assert task.reward(problem, "#44") == 0.0  # trailing text after the answer
+    assert task.reward(problem, "#") == 0.0
+
+
+def test_arithmetic_rejects_more_terms_than_labels():
+    with pytest.raises(ValueError, match="max_terms"):
+        ArithmeticTask(seed=0, max_terms=100)
+
+
+def test_jsonl_math_reads_the_fixture_and_rewards_the_last_number():
+    task = JsonlMathTask(DATA_DIR / "math_small.jsonl", seed=0)
+    problems = [task.problem(index) for index in range(len(task))]
+    answers = sorted(problem.answer for problem in problems)
+    assert answers == sorted(["72", "10", "1200", "-3", "2.5"])
+    by_answer = {problem.answer: problem for problem in problems}
+    assert by_answer["72"].prompt.startswith("Question: Natalia sold clips")
+    assert task.reward(by_answer["1200"], "She pays 3 times 400, so 1,200") == 1.0
+    assert task.reward(by_answer["1200"], "The answer is 1200.00") == 1.0
+    assert task.reward(by_answer["1200"], "1200 is close but the answer is 1100") == 0.0
+    assert task.reward(by_answer["-3"], "it drops to -3") == 1.0
+    assert task.reward(by_answer["-3"], "it drops to 3") == 0.0
+    assert task.reward(by_answer["2.5"], "2.50") == 1.0
+    assert task.reward(by_answer["72"], "no number at all") == 0.0
+
+
+def test_jsonl_math_index_wraps_with_a_seeded_permutation_per_epoch():
+    task = JsonlMathTask(DATA_DIR / "math_small.jsonl", seed=0)
+    size = len(task)
+    first_epoch = [task.problem(index).prompt for index in range(size)]
+    second_epoch = [task.problem(index).prompt for index in range(size, 2 * size)]
+    assert sorted(first_epoch) == sorted(second_epoch)
+    assert len(set(first_epoch)) == size
+    again = JsonlMathTask(DATA_DIR / "math_small.jsonl", seed=0)
+    assert [again.problem(index).prompt for index in range(2 * size)] == first_epoch + second_epoch
+
+
+@pytest.mark.parametrize(
+    ("lines", "bad_line", "reason"),
+    [
+        (['{"question": "q", "answer": "#### 1"}', '{"question": "q"'], 2, "not valid JSON"),
+        (['{"question": "q", "answer": "#### 1"}', "", '{"answer": "#### 2"}'], 3, "missing the string key 'question'"),
+        (['{"question": "q", "answer": "no digits here"}'], 1, "without a final number"),
+        (['{"question": "q", "answer": "1 and then #### none"}'], 1, "without a final number"),
+        (['["question", "answer"]'], 1, "must be a JSON object"),
+    ],
+)
+def test_jsonl_math_bad_lines_name_the_file_and_line(tmp_path, lines, bad_line, reason):
+    path = tmp_path / "bad.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    with pytest.raises(TaskDataError, match=reason) as caught:
+        JsonlMathTask(path, seed=0)
+    assert f"{path}, line {bad_line}" in str(caught.value)
+
+
+def test_jsonl_math_empty_and_missing_files(tmp_path):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n  \n")
+    with pytest.raises(TaskDataError, match=f"{empty} is empty"):
+        JsonlMathTask(empty, seed=0)
+    with pytest.raises(TaskDataError, match="does not exist"):
+        JsonlMathTask(tmp_path / "absent.jsonl", seed=0)
+
+
+def test_registry_builds_tasks_and_names_the_choices(tmp_path):
+    arithmetic = build_task("arithmetic", seed=1, options={"max_terms": 8})
+    assert isinstance(arithmetic, ArithmeticTask) and arithmetic.max_terms == 8
+    path = tmp_path / "one.jsonl"
+    path.write_text(json.dumps({"question": "1+1?", "answer": "#### 2"}) + "\n")
+    assert build_task("jsonl_math", seed=1, options={"path": str(path)}).problem(5).answer == "2"
+    with pytest.raises(UnknownTaskError, match="arithmetic, jsonl_math"):
+        build_task("gsm9k", seed=0, options={})
+    with pytest.raises(TaskOptionError, match="max_digits"):
+        build_task("arithmetic", seed=0, options={"max_digits": 3})
+    with pytest.raises(TaskOptionError, match="path"):
+        build_task("jsonl_math", seed=0, options={})

@@ -1,0 +1,99 @@
+"""Load the policy model and its tokenizer: the built-in tiny model or a local Hugging Face folder.
+
+`load_policy` is what the trainer, the rollout engines and the profiler call. Any causal LM
+that transformers can build from the folder and that exposes `get_decoder()` and an output
+head (`lm_head`) works: Qwen2, Llama and relatives, tied or untied embeddings. Nothing is
+downloaded (`local_files_only=True`). Problems a user can cause raise `ModelLoadError` with
+one sentence naming the folder and what to fix.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import (
+    MODEL_FOR_CAUSAL_LM_MAPPING,
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
+
+from tlt_cli.models.tiny import BUILTIN_TINY_MODEL, ensure_tiny_model
+
+# any one of these files means the folder ships a tokenizer
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+class ModelLoadError(ValueError):
+    """The policy model or its tokenizer cannot be loaded from the given path."""
+
+
+def load_policy(
+    model_path: str, cache_dir: Path | None = None, dtype: torch.dtype = torch.float32
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """The causal LM and tokenizer at `model_path` ("builtin:tiny-arith" or a local folder).
+
+    The tokenizer's pad token falls back to its EOS token. The model is in eval mode.
+    """
+    if model_path == BUILTIN_TINY_MODEL:
+        model_dir = ensure_tiny_model(cache_dir)
+    else:
+        model_dir = _checked_model_dir(model_path)
+    _check_causal_lm_config(model_dir)
+    tokenizer = _load_tokenizer(model_dir)
+    model = _load_model(model_dir, dtype)
+    if model.generation_config.pad_token_id is None:
+        model.generation_config.pad_token_id = tokenizer.pad_token_id
+    return model, tokenizer
+
+
+def _checked_model_dir(model_path: str) -> Path:
+    model_dir = Path(model_path).expanduser()
+    if not model_dir.exists():
+        raise ModelLoadError(
+            f"Model path {model_dir} does not exist; give a local Hugging Face folder or {BUILTIN_TINY_MODEL!r}."
+        )
+    if not (model_dir / "config.json").is_file():
+        raise ModelLoadError(f"Model path {model_dir} is not a Hugging Face model folder (it has no config.json).")
+    return model_dir
+
+
+def _check_causal_lm_config(model_dir: Path) -> None:
+    try:
+        config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    except (ValueError, KeyError) as error:
+        raise ModelLoadError(f"Model at {model_dir} has a config transformers cannot read ({error}).") from None
+    if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
+        raise ModelLoadError(
+            f"Model at {model_dir} has architecture {config.model_type!r}, which is not a causal language model."
+        )
+
+
+def _load_tokenizer(model_dir: Path) -> PreTrainedTokenizerBase:
+    if not any((model_dir / file_name).is_file() for file_name in TOKENIZER_FILES):
+        raise ModelLoadError(f"Model folder {model_dir} has no tokenizer; save one there (e.g. tokenizer.json).")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    except (OSError, ValueError) as error:
+        reason = str(error).splitlines()[0]
+        raise ModelLoadError(f"The tokenizer in {model_dir} cannot be loaded ({reason}).") from None
+    if tokenizer.eos_token_id is None:
+        raise ModelLoadError(f"The tokenizer in {model_dir} has no EOS token; set eos_token in tokenizer_config.json.")
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def _load_model(model_dir: Path, dtype: torch.dtype) -> PreTrainedModel:
+    try:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, local_files_only=True)
+    except OSError as error:
+        raise ModelLoadError(f"Model weights in {model_dir} cannot be loaded ({error}).") from None
+    if not hasattr(model, "get_decoder") or model.get_output_embeddings() is None:
+        raise ModelLoadError(
+            f"Model at {model_dir} ({type(model).__name__}) lacks get_decoder() or an lm_head, which tlt needs."
+        )
+    return model.eval()

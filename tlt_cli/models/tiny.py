@@ -1,0 +1,227 @@
+"""The built-in tiny policy `builtin:tiny-arith`: a small Qwen2 that already half-solves the arithmetic task.
+
+`tiny_model_config` and `build_tiny_model` make a seeded, randomly initialised causal LM over
+the arithmetic task's character vocabulary (Qwen2 by default, Llama for tests). `warm_up`
+teaches it the task's solution format with a short supervised pass, so GRPO starts from a
+clearly non-zero reward with room to improve. `ensure_tiny_model` builds, warms up and saves
+it once as an ordinary Hugging Face folder in a cache directory keyed by a hash of every
+setting, written atomically; `load_policy("builtin:tiny-arith")` calls it.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import math
+import os
+import random
+import shutil
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from transformers import GenerationConfig, LlamaConfig, PretrainedConfig, PreTrainedModel, Qwen2Config
+from transformers import LlamaForCausalLM, PreTrainedTokenizerBase, Qwen2ForCausalLM
+
+from tlt_cli.models.tokenizer import build_char_tokenizer
+from tlt_cli.tasks.arithmetic import CHARACTERS, ArithmeticTask
+from tlt_cli.tasks.base import Task
+
+BUILTIN_TINY_MODEL = "builtin:tiny-arith"
+# bump when the task, tokenizer or warm-up recipe changes, so old cached folders are not reused
+TINY_MODEL_FORMAT = 1
+# label value the loss ignores (prompt and padding positions)
+IGNORED_LABEL = -100
+ARCHITECTURES = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "llama": (LlamaConfig, LlamaForCausalLM)}
+
+
+@dataclass(frozen=True)
+class WarmUpSettings:
+    """How `ensure_tiny_model` warms the model up (part of the cache key).
+
+    tail_exponent: the warm-up task's P(n) ~ n^-alpha; flatter than the RL task's so the
+    model sees enough long chains to learn when to stop.
+    """
+
+    steps: int = 300
+    batch_size: int = 32
+    learning_rate: float = 2e-3
+    tail_exponent: float = 1.0
+
+
+def default_cache_dir() -> Path:
+    """$TLT_CACHE_DIR, else ~/.cache/tlt."""
+    return Path(os.environ.get("TLT_CACHE_DIR", Path.home() / ".cache" / "tlt"))
+
+
+def tiny_tokenizer() -> PreTrainedTokenizerBase:
+    """The character tokenizer of the arithmetic task (specials first, then its characters)."""
+    return build_char_tokenizer(CHARACTERS)
+
+
+def tiny_model_config(
+    tokenizer: PreTrainedTokenizerBase | None = None,
+    architecture: str = "qwen2",
+    hidden_size: int = 256,
+    num_layers: int = 8,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    intermediate_size: int = 512,
+    max_position_embeddings: int = 1024,
+    tie_word_embeddings: bool = True,
+) -> PretrainedConfig:
+    """A Qwen2 (or Llama) config sized for CPU, with the tokenizer's vocabulary and special ids."""
+    if architecture not in ARCHITECTURES:
+        raise ValueError(f"architecture must be one of {sorted(ARCHITECTURES)}, got {architecture!r}.")
+    tokenizer = tokenizer if tokenizer is not None else tiny_tokenizer()
+    config_class, _ = ARCHITECTURES[architecture]
+    return config_class(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        intermediate_size=intermediate_size,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=tie_word_embeddings,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+
+
+def build_tiny_model(seed: int, config: PretrainedConfig | None = None) -> PreTrainedModel:
+    """A randomly initialised causal LM for `config` (default: the tiny Qwen2), seeded."""
+    config = config if config is not None else tiny_model_config()
+    model_classes = {config_class: model_class for config_class, model_class in ARCHITECTURES.values()}
+    torch.manual_seed(seed)
+    model = model_classes[type(config)](config)
+    model.generation_config = GenerationConfig(
+        bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id
+    )
+    return model
+
+
+def warm_up(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    task: Task,
+    steps: int,
+    batch_size: int,
+    lr: float,
+    seed: int,
+) -> list[float]:
+    """Supervised pass on `task`'s reference solutions; returns the loss of every step.
+
+    Each example is prompt + solution + EOS with the loss on the solution and EOS tokens only.
+    Batches are drawn from pools sorted by length so padding stays small despite the long tail.
+    The learning rate warms up linearly over 10% of the steps, then decays on a cosine.
+    """
+    generator = random.Random(seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: _warm_up_lr_scale(step, steps))
+    model.train()
+    losses = []
+    batches = _length_sorted_batches(tokenizer, task, steps, batch_size, generator)
+    for input_ids, attention_mask, labels in batches:
+        loss = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels).loss
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        schedule.step()
+        losses.append(loss.item())
+    model.eval()
+    return losses
+
+
+def _warm_up_lr_scale(step: int, total_steps: int) -> float:
+    warmup_steps = max(1, total_steps // 10)
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+    return 0.5 * (1.0 + math.cos(math.pi * progress))  # cosine from 1 down to 0
+
+
+def _length_sorted_batches(tokenizer, task, steps, batch_size, generator):
+    """Yield `steps` padded batches; each pool of 8 batches is sorted by length, then shuffled."""
+    pool_batches = 8
+    problem_index = 0
+    for pool_start in range(0, steps, pool_batches):
+        pool_size = min(pool_batches, steps - pool_start)
+        problems = [task.problem(problem_index + offset) for offset in range(pool_size * batch_size)]
+        problem_index += len(problems)
+        examples = sorted((_supervised_example(tokenizer, problem) for problem in problems), key=len)
+        chunks = [examples[start : start + batch_size] for start in range(0, len(examples), batch_size)]
+        generator.shuffle(chunks)
+        for chunk in chunks:
+            yield _pad_batch(chunk, tokenizer.pad_token_id)
+
+
+def _supervised_example(tokenizer, problem) -> tuple[list[int], list[int]]:
+    prompt_ids = tokenizer(problem.prompt, add_special_tokens=False)["input_ids"]
+    solution_ids = tokenizer(problem.solution, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    return prompt_ids + solution_ids, [IGNORED_LABEL] * len(prompt_ids) + solution_ids
+
+
+def _pad_batch(examples, pad_token_id: int):
+    """Right-pad to the longest example: input_ids, attention_mask, labels, each [B, L]."""
+    longest = max(len(input_ids) for input_ids, _ in examples)
+    input_rows, mask_rows, label_rows = [], [], []
+    for input_ids, labels in examples:
+        padding = longest - len(input_ids)
+        input_rows.append(input_ids + [pad_token_id] * padding)
+        mask_rows.append([1] * len(input_ids) + [0] * padding)
+        label_rows.append(labels + [IGNORED_LABEL] * padding)
+    return torch.tensor(input_rows), torch.tensor(mask_rows), torch.tensor(label_rows)
+
+
+def tiny_model_key(seed: int, config: PretrainedConfig, settings: WarmUpSettings) -> str:
+    """A short hash of everything that determines the built model."""
+    description = {
+        "format": TINY_MODEL_FORMAT,
+        "seed": seed,
+        "config": config.to_diff_dict(),
+        "warm_up": asdict(settings),
+        "characters": CHARACTERS,
+    }
+    return hashlib.sha256(json.dumps(description, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def ensure_tiny_model(
+    cache_dir: Path | None = None,
+    seed: int = 0,
+    warmup_steps: int = WarmUpSettings.steps,
+    config: PretrainedConfig | None = None,
+) -> Path:
+    """The folder of the warmed-up tiny model, building it first if the cache lacks it.
+
+    The folder is `<cache_dir>/tiny-arith-<hash of settings>`; it is built in a temporary
+    sibling and renamed into place, under a file lock so concurrent ranks build it once.
+    """
+    cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    config = config if config is not None else tiny_model_config()
+    settings = WarmUpSettings(steps=warmup_steps)
+    model_dir = cache_dir / f"tiny-arith-{tiny_model_key(seed, config, settings)}"
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    with open(cache_dir / f"{model_dir.name}.lock", "w") as lock_file:
+        fcntl.flock(lock_file, fcntl.LOCK_EX)  # released when the file closes
+        if not (model_dir / "config.json").is_file():
+            _build_into(model_dir, seed, config, settings)
+    return model_dir
+
+
+def _build_into(model_dir: Path, seed: int, config: PretrainedConfig, settings: WarmUpSettings) -> None:
+    tokenizer = tiny_tokenizer()
+    model = build_tiny_model(seed, config)
+    task = ArithmeticTask(seed=seed, tail_exponent=settings.tail_exponent)
+    warm_up(model, tokenizer, task, settings.steps, settings.batch_size, settings.learning_rate, seed)
+    staging_dir = Path(tempfile.mkdtemp(prefix=f".{model_dir.name}-", dir=model_dir.parent))
+    try:
+        model.save_pretrained(staging_dir)
+        tokenizer.save_pretrained(staging_dir)
+        os.replace(staging_dir, model_dir)
+    finally:
+        shutil.rmtree(staging_dir, ignore_errors=True)

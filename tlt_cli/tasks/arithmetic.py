@@ -1,0 +1,83 @@
+"""The built-in arithmetic task: a running sum mod 10 whose chain of thought has a long tail.
+
+A problem is a list of n labelled digits, `a3b1c4d1e5=`; the reference solution walks the
+list one step per digit, restating the label and digit and the running sum mod 10, then
+writes the answer marker and the answer: `a3:3,b1:4,c4:8,d1:9,e5:4#4`. The number of
+digits n is heavy-tailed, P(n) ~ n^-tail_exponent on 1..max_terms, so most solutions are a
+few steps long and a few run to dozens of steps: the rollout long tail in miniature. Labels
+(a..z, A..V) let a small model find the next digit by content instead of by counting, which
+keeps the built-in tiny model's warm-up short. The trainer and the tiny-model builder use it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from tlt_cli.tasks.base import Problem
+
+# one label per digit position; max_terms is bounded by their number
+LABELS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUV"
+DIGITS = "0123456789"
+QUESTION_END = "="
+STEP_SEPARATOR = ","
+SUM_SEPARATOR = ":"
+ANSWER_MARKER = "#"
+# every character a prompt or a solution can contain (the tiny model's vocabulary)
+CHARACTERS = DIGITS + LABELS + QUESTION_END + STEP_SEPARATOR + SUM_SEPARATOR + ANSWER_MARKER
+
+
+class ArithmeticTask:
+    """Running sum mod 10 over a heavy-tailed number of labelled digits.
+
+    Example:
+        task = ArithmeticTask(seed=0)
+        problem = task.problem(3)          # Problem(prompt="a7b2=", solution="a7:7,b2:9#9", ...)
+        task.reward(problem, "a7:7,b2:9#9")  # 1.0
+
+    Reward: 1.0 when the response (decoded without special tokens, surrounding whitespace
+    ignored) contains exactly one answer marker `#` and the text after it is exactly the
+    answer digit; 0.0 otherwise (wrong answer, missing marker, several markers, or anything
+    after the answer). The chain of thought before the marker is not checked.
+    """
+
+    name = "arithmetic"
+
+    def __init__(self, seed: int, max_terms: int = 48, tail_exponent: float = 1.5) -> None:
+        if not 1 <= max_terms <= len(LABELS):
+            raise ValueError(f"max_terms must be between 1 and {len(LABELS)}, got {max_terms}.")
+        if tail_exponent < 0:
+            raise ValueError(f"tail_exponent must be non-negative, got {tail_exponent}.")
+        self.seed = seed
+        self.max_terms = max_terms
+        self.tail_exponent = tail_exponent
+        term_counts = np.arange(1, max_terms + 1, dtype=np.float64)
+        weights = term_counts**-tail_exponent  # P(n) ~ n^-alpha
+        self._term_probabilities = weights / weights.sum()
+
+    def problem(self, index: int) -> Problem:
+        """The problem at `index`, drawn from a generator seeded by (seed, index)."""
+        rng = np.random.default_rng([self.seed, index])
+        term_count = int(rng.choice(self.max_terms, p=self._term_probabilities)) + 1
+        digits = [int(digit) for digit in rng.integers(0, 10, size=term_count)]
+        return make_problem(index, digits)
+
+    def reward(self, problem: Problem, response: str) -> float:
+        """1.0 iff the single answer marker is followed by exactly the right answer."""
+        _, marker, final = response.strip().partition(ANSWER_MARKER)
+        if not marker or ANSWER_MARKER in final:
+            return 0.0
+        return 1.0 if final == problem.answer else 0.0
+
+
+def make_problem(index: int, digits: list[int]) -> Problem:
+    """The problem for an explicit digit list, with its reference solution."""
+    labels = LABELS[: len(digits)]
+    prompt = "".join(f"{label}{digit}" for label, digit in zip(labels, digits)) + QUESTION_END
+    steps = []
+    running_sum = 0
+    for label, digit in zip(labels, digits):
+        running_sum = (running_sum + digit) % 10  # s_k = (s_{k-1} + d_k) mod 10
+        steps.append(f"{label}{digit}{SUM_SEPARATOR}{running_sum}")
+    answer = str(running_sum)
+    solution = STEP_SEPARATOR.join(steps) + ANSWER_MARKER + answer
+    return Problem(index=index, prompt=prompt, answer=answer, solution=solution)
