@@ -4,7 +4,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 from torch import nn
-from transformers import DynamicCache, Qwen2Config, Qwen2ForCausalLM
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from tlt_cli.drafter.model import DrafterOutput, EagleDrafter
 from tlt_cli.rollout.engine import EmbeddedEngine
@@ -119,6 +119,25 @@ def test_greedy_sd_is_token_identical_at_batch_16(config, drafter_kind):
     speculative = generate(target, requests, greedy, eos_token_id, SpeculativeDecoder(drafter, config))
     assert [c.response_ids for c in speculative] == [c.response_ids for c in plain]
     assert any(c.finished_by_eos for c in plain) and any(not c.finished_by_eos for c in plain)
+
+
+@pytest.mark.parametrize("config", [CHAINS[3], TREES[2]], ids=lambda config: config.label())
+def test_untied_llama_target_and_hidden_states_under_sd(config):
+    torch.manual_seed(2)
+    target = LlamaForCausalLM(LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=4, max_position_embeddings=256, tie_word_embeddings=False,
+    )).eval()
+    greedy = SamplingParams(max_new_tokens=17, temperature=0.0)
+    requests = requests_for(5, seed=50)
+    plain = generate(target, requests, greedy, 64)
+    engine = EmbeddedEngine(target, eos_token_id=64, pad_token_id=0, speculative=SpeculativeDecoder(TargetAsDrafter(target, 0.5), config))
+    speculative = engine.generate(requests, greedy, torch.Generator(), return_hidden=True)
+    assert [c.response_ids for c in speculative] == [c.response_ids for c in plain]
+    for completion in speculative:
+        # kept tree entries were moved into place: the stored hidden state produced each token
+        assert target.lm_head(completion.target_hidden).argmax(dim=-1).tolist() == completion.response_ids
+    assert sum(c.speculative.accepted_draft_tokens for c in speculative) > 0
 
 
 @pytest.mark.parametrize("params", [SamplingParams(13, temperature=0.0), SamplingParams(13, temperature=0.7, top_k=20)])
