@@ -1,0 +1,43 @@
+"""Helpers the SGLang tests share: free loopback ports and launches of the fake server process."""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+from pathlib import Path
+
+from tlt_cli.sglang.server import ServerLaunch
+from tlt_cli.sglang.transport import ServerEndpoint
+
+FAKE_SERVER = Path(__file__).parent / "sglang_fake_server.py"
+API_KEY = "test-key-0123"
+
+
+def free_port() -> int:
+    """A loopback port nothing listens on right now (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def fake_launch(index: int, log_dir: Path, *fake_arguments: str, port: int | None = None) -> ServerLaunch:
+    """A ServerLaunch that runs tests/sglang_fake_server.py with `fake_arguments` on a free port."""
+    port = port or free_port()
+    command = (sys.executable, str(FAKE_SERVER), "--port", str(port), "--api-key", API_KEY, *fake_arguments)
+    return ServerLaunch(
+        endpoint=ServerEndpoint(index=index, url=f"http://127.0.0.1:{port}", api_key=API_KEY),
+        command=command,
+        environment=dict(os.environ),
+        log_path=log_dir / f"server-{index}.log",
+        ports=(port,),
+    )
+
+
+def pid_running(pid: int) -> bool:
+    """True if `pid` exists and is not a zombie."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"

@@ -1,0 +1,134 @@
+"""Server lifecycle with real processes: a fake SGLang server (tests/sglang_fake_server.py) is
+started, health-checked, crashed, hung, interrupted and stopped; no process may outlive a stop."""
+
+from __future__ import annotations
+
+import re
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+from sglang_fakes import FAKE_SERVER, fake_launch, free_port, pid_running
+
+from tlt_cli.sglang.server import ServerGroup, ServerStartError, live_group_members, log_tail
+from tlt_cli.sglang.transport import get_status
+
+
+def child_pid(log_path: Path) -> int:
+    """The pid the fake server logged for its forked child."""
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        match = re.search(r"child pid (\d+)", log_path.read_text() if log_path.exists() else "")
+        if match:
+            return int(match.group(1))
+        time.sleep(0.05)
+    raise AssertionError(f"no child pid in {log_path}")
+
+
+def test_start_waits_for_health_and_stop_leaves_no_process(tmp_path):
+    launch = fake_launch(0, tmp_path, "--spawn-child")
+    group = ServerGroup([launch], startup_timeout_s=20, stop_timeout_s=5).start()
+    server_pid = group.pids[0]
+    grandchild = child_pid(launch.log_path)
+    assert get_status(launch.endpoint, "/health", timeout_s=2) == 200
+    assert pid_running(server_pid) and pid_running(grandchild)
+    group.stop()
+    assert not pid_running(server_pid)
+    assert not pid_running(grandchild), "the server's own child outlived the stop"
+    assert live_group_members(server_pid) == []
+    assert get_status(launch.endpoint, "/health", timeout_s=1) is None
+
+
+def test_slow_start_is_waited_for(tmp_path):
+    launch = fake_launch(0, tmp_path, "--mode", "slow", "--startup-delay", "1.0")
+    with ServerGroup([launch], startup_timeout_s=20, stop_timeout_s=5) as group:
+        assert get_status(launch.endpoint, "/health", timeout_s=2) == 200
+        pid = group.pids[0]
+    assert not pid_running(pid)
+
+
+def test_health_timeout_names_the_server_and_shows_its_log(tmp_path):
+    launch = fake_launch(0, tmp_path, "--mode", "hang")
+    group = ServerGroup([launch], startup_timeout_s=1.5, stop_timeout_s=5)
+    with pytest.raises(ServerStartError) as raised:
+        group.start()
+    message = str(raised.value)
+    assert "did not answer /health within 2 s" in message
+    assert "rollout.sglang.startup_timeout_s" in message
+    assert "pid starting in mode hang" in message
+    assert not pid_running(group.pids[0])
+
+
+def test_crash_during_startup_raises_with_log_tail_and_stops_the_others(tmp_path):
+    healthy = fake_launch(0, tmp_path, "--spawn-child")
+    crashing = fake_launch(1, tmp_path, "--mode", "crash")
+    group = ServerGroup([healthy, crashing], startup_timeout_s=20, stop_timeout_s=5)
+    with pytest.raises(ServerStartError) as raised:
+        group.start()
+    message = str(raised.value)
+    assert message.startswith("SGLang server 1 exited with code 1 while starting")
+    assert "CUDA out of memory (fake crash for the tests)" in message
+    grandchild = child_pid(healthy.log_path)
+    assert all(not pid_running(pid) for pid in [*group.pids, grandchild])
+
+
+def test_port_in_use_is_refused_before_anything_starts(tmp_path):
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        group = ServerGroup([fake_launch(0, tmp_path, port=port)], startup_timeout_s=5, stop_timeout_s=5)
+        with pytest.raises(ServerStartError, match=f"port {port} on 127.0.0.1 .* is in use; set rollout.sglang.port_base"):
+            group.start()
+    assert group.pids == []
+
+
+def test_log_tail_masks_nothing_but_hides_the_api_key_in_the_header(tmp_path):
+    launch = fake_launch(0, tmp_path)
+    with ServerGroup([launch], startup_timeout_s=20, stop_timeout_s=5):
+        pass
+    header = launch.log_path.read_text().splitlines()[0]
+    assert header.startswith("# tlt: starting SGLang server 0:")
+    assert launch.endpoint.api_key not in header and "<api-key>" in header
+    assert "listening on 127.0.0.1" in log_tail(launch.log_path)
+
+
+DRIVER = textwrap.dedent(
+    """
+    import os, sys, time
+    from pathlib import Path
+    from tlt_cli.sglang.server import ServerGroup, ServerLaunch
+    from tlt_cli.sglang.transport import ServerEndpoint
+    port, log_dir = int(sys.argv[1]), Path(sys.argv[2])
+    launch = ServerLaunch(
+        endpoint=ServerEndpoint(0, f"http://127.0.0.1:{port}", "k"),
+        command=(sys.executable, sys.argv[3], "--port", str(port), "--api-key", "k", "--spawn-child"),
+        environment=dict(os.environ), log_path=log_dir / "server-0.log", ports=(port,))
+    with ServerGroup([launch], startup_timeout_s=20, stop_timeout_s=5) as group:
+        print("ready", group.pids[0], flush=True)
+        time.sleep(60)
+    """
+)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_interrupt_or_terminate_of_the_trainer_stops_its_servers(tmp_path, signum):
+    driver = subprocess.Popen(
+        [sys.executable, "-c", DRIVER, str(free_port()), str(tmp_path), str(FAKE_SERVER)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    line = driver.stdout.readline()
+    assert line.startswith("ready"), driver.stderr.read()
+    server_pid = int(line.split()[1])
+    grandchild = child_pid(tmp_path / "server-0.log")
+    driver.send_signal(signum)
+    driver.wait(timeout=15)
+    assert driver.returncode != 0
+    assert not pid_running(server_pid) and not pid_running(grandchild)

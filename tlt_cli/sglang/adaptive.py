@@ -1,0 +1,192 @@
+"""Map tlt's adaptive rule table onto what a stock SGLang server can switch without a restart.
+
+The embedded engine re-reads the rule table at every decode step and can run any shape (steps,
+topk, draft_tokens) or SD off. Stock SGLang cannot change topk or the draft-token count of a
+running server. What it can do (0.5.16 and later) is `--speculative-adaptive`: a JSON file of
+batch-size slots, each with candidate draft depths, where depth 0 means SD off; the scheduler
+picks the slot from the running batch size at every decode step (EAGLE chains only, topk 1).
+
+`plan_for_sglang(rules, features, auto_off_on_collapse)` returns one of three plans:
+
+- **off**: every rule is off; servers launch without speculative flags.
+- **adaptive**: every rule is off or a chain; slot `min_batch` gets candidate steps `[steps]`
+  (plus 0 when `auto_off_on_collapse`, so SGLang's acceptance EMA can turn a collapsed slot
+  off and re-probe it later) or `[0]` for off. Written with `write_adaptive_config`.
+- **static**: a tree rule (topk > 1), or an SGLang without slots: one configuration, taken
+  from the rule that covers `static_batch_size` (the tail), runs at every batch size.
+
+`SGLangSpeculativePlan.differences` lists, in sentences, how the plan differs from the
+embedded engine; the backend logs them at start. The server command line is built from the
+plan by `server_args.speculative_flags`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+from tlt_cli.config import RecipeError
+from tlt_cli.rollout.types import SpeculativeConfig
+from tlt_cli.sglang.version import SGLangFeatures
+
+PLAN_MODES = ("off", "adaptive", "static")
+# batch sizes above SGLang's largest captured CUDA graph are not padded; range ends are checked up to this
+CAPTURE_CHECK_LIMIT = 4096
+
+
+class RuleTableError(RecipeError):
+    """A rule table that cannot be mapped onto SGLang; the message names the rule."""
+
+
+@dataclass(frozen=True)
+class BatchRule:
+    """SD configuration for running batch sizes min_batch..max_batch (None = no upper bound)."""
+
+    min_batch: int
+    max_batch: int | None
+    # None = SD off for this range
+    speculative: SpeculativeConfig | None
+
+    def describe(self) -> str:
+        upper = "" if self.max_batch is None else f"-{self.max_batch}"
+        shape = "off" if self.speculative is None else self.speculative.label()
+        return f"batch {self.min_batch}{upper} -> {shape}"
+
+    def covers(self, batch_size: int) -> bool:
+        return self.min_batch <= batch_size and (self.max_batch is None or batch_size <= self.max_batch)
+
+
+@dataclass(frozen=True)
+class SGLangSpeculativePlan:
+    """What the servers are launched with; slots: (min_batch, candidate steps) in adaptive mode."""
+
+    mode: str
+    launch: SpeculativeConfig | None
+    slots: tuple[tuple[int, tuple[int, ...]], ...]
+    differences: tuple[str, ...]
+
+    def adaptive_config(self) -> dict:
+        """The JSON body of --speculative-adaptive-config: {"<min_batch>": {"candidate_steps": [...]}}."""
+        return {str(min_batch): {"candidate_steps": list(steps)} for min_batch, steps in self.slots}
+
+
+def captured_decode_batch_sizes(max_batch: int) -> list[int]:
+    """Decode batch sizes SGLang (0.5.23) captures CUDA graphs for with speculative decoding on.
+
+    Every size 1-8, then even sizes to 32, every 4th to 64, every 8th to 256, every 16th after,
+    and max_batch itself. A running batch is padded up to the next captured size before SGLang
+    picks its adaptive slot.
+    """
+    sizes = list(range(1, 9)) + list(range(10, 33, 2)) + list(range(40, 65, 4)) + list(range(72, 257, 8))
+    sizes += list(range(272, max_batch + 1, 16))
+    sizes = [size for size in sizes if size <= max_batch]
+    return sizes if max_batch in sizes else sizes + [max_batch]
+
+
+def validate_rules(rules: Sequence[BatchRule]) -> None:
+    """Rules must cover batch sizes 1.. in order without gaps or overlaps; RuleTableError otherwise."""
+    if not rules:
+        raise RuleTableError("the rule table is empty: give at least one rule starting at batch size 1.")
+    expected_min = 1
+    for index, rule in enumerate(rules):
+        where = f"rule {index} ({rule.describe()})"
+        if rule.min_batch != expected_min:
+            raise RuleTableError(f"{where} must start at batch size {expected_min} so the rules cover every batch size once.")
+        if rule.max_batch is not None and rule.max_batch < rule.min_batch:
+            raise RuleTableError(f"{where} ends before it starts: max_batch must be >= min_batch.")
+        if rule.max_batch is None and index != len(rules) - 1:
+            raise RuleTableError(f"{where} has no upper bound but is not the last rule.")
+        if rule.speculative is not None and (rule.speculative.steps < 1 or rule.speculative.topk < 1):
+            raise RuleTableError(f"{where} needs steps >= 1 and topk >= 1.")
+        expected_min = (rule.max_batch or 0) + 1
+
+
+def plan_for_sglang(
+    rules: Sequence[BatchRule],
+    features: SGLangFeatures,
+    auto_off_on_collapse: bool = True,
+    static_batch_size: int = 1,
+) -> SGLangSpeculativePlan:
+    """Choose the off / adaptive / static plan for `rules` on the SGLang release `features` describes."""
+    validate_rules(rules)
+    speculative_rules = [rule for rule in rules if rule.speculative is not None]
+    if not speculative_rules:
+        return SGLangSpeculativePlan("off", None, (), ("SD is off on every server, as every rule of the table says.",))
+    all_chains = all(rule.speculative.is_chain for rule in speculative_rules)
+    if all_chains and features.adaptive_slots:
+        return _adaptive_plan(rules, auto_off_on_collapse, static_batch_size)
+    return _static_plan(rules, features, all_chains, static_batch_size)
+
+
+def _tail_rule(rules: Sequence[BatchRule], static_batch_size: int) -> BatchRule:
+    """The rule covering static_batch_size if it has SD on, else the first rule with SD on."""
+    covering = [rule for rule in rules if rule.covers(static_batch_size) and rule.speculative is not None]
+    return covering[0] if covering else next(rule for rule in rules if rule.speculative is not None)
+
+
+def _adaptive_plan(rules: Sequence[BatchRule], auto_off_on_collapse: bool, static_batch_size: int) -> SGLangSpeculativePlan:
+    launch_rule = _tail_rule(rules, static_batch_size)
+    launch = SpeculativeConfig(steps=launch_rule.speculative.steps, topk=1, draft_tokens=launch_rule.speculative.steps + 1)
+    slots = []
+    for rule in rules:
+        if rule.speculative is None:
+            slots.append((rule.min_batch, (0,)))
+        else:
+            # step 0 beside the rule's depth lets SGLang's acceptance EMA switch a collapsed slot off
+            steps = (0, rule.speculative.steps) if auto_off_on_collapse else (rule.speculative.steps,)
+            slots.append((rule.min_batch, steps))
+    return SGLangSpeculativePlan("adaptive", launch, tuple(slots), _adaptive_differences(rules, auto_off_on_collapse))
+
+
+def _adaptive_differences(rules: Sequence[BatchRule], auto_off_on_collapse: bool) -> tuple[str, ...]:
+    differences = [
+        "SGLang picks the slot per server from its whole running batch at each decode step; "
+        "draft_tokens is always steps + 1 (chains only).",
+        "SGLang pads the running batch to its next CUDA-graph batch size before picking the slot.",
+        "tlt's online bandit does not run: the slots are fixed when the servers start.",
+    ]
+    captured = set(captured_decode_batch_sizes(CAPTURE_CHECK_LIMIT))
+    uncaptured = [rule.max_batch for rule in rules[:-1] if rule.max_batch not in captured]
+    if uncaptured:
+        differences.append(
+            f"range ends {uncaptured} are not CUDA-graph batch sizes, so padding moves those batches into the next slot early."
+        )
+    if auto_off_on_collapse:
+        differences.append(
+            "acceptance conditions are SGLang's: a slot turns SD off when its moving average falls to about "
+            "0.25 accepted drafts per verify (accept length 1.25) and re-probes later."
+        )
+    else:
+        differences.append("no slot turns SD off on collapsed acceptance (auto_off_on_collapse is false).")
+    return tuple(differences)
+
+
+def _static_plan(
+    rules: Sequence[BatchRule], features: SGLangFeatures, all_chains: bool, static_batch_size: int
+) -> SGLangSpeculativePlan:
+    chosen = _tail_rule(rules, static_batch_size)
+    config = chosen.speculative
+    launch = SpeculativeConfig(config.steps, config.topk, config.steps + 1 if config.is_chain else config.verified_tokens)
+    reason = (
+        f"SGLang {features.version} has no adaptive batch-size slots (0.5.16 and later do)"
+        if all_chains
+        else "a rule uses a tree (topk > 1), which SGLang cannot switch without a restart"
+    )
+    differences = [f"{reason}: every server runs {launch.label()} (from {chosen.describe()}) at every batch size."]
+    off_rules = [rule.describe() for rule in rules if rule.speculative is None]
+    if off_rules:
+        differences.append(f"SD stays on where the table says off ({', '.join(off_rules)}), where it costs target compute.")
+    differences.append("acceptance is not acted on inside SGLang; the post-sync probe still checks it.")
+    return SGLangSpeculativePlan("static", launch, (), tuple(differences))
+
+
+def write_adaptive_config(plan: SGLangSpeculativePlan, path: str | Path) -> Path:
+    """Write the plan's slot JSON for --speculative-adaptive-config; only adaptive plans have one."""
+    if plan.mode != "adaptive":
+        raise ValueError(f"only an adaptive plan has a slot config, this plan is '{plan.mode}'.")
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(plan.adaptive_config(), indent=2) + "\n")
+    return path

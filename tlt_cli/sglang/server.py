@@ -1,0 +1,262 @@
+"""Start, watch and stop tlt's SGLang rollout servers, leaving no process behind.
+
+`launch_sglang_servers(config, model_path, run_dir, plan, draft_model_path, seed)` starts one
+`sglang.launch_server` per GPU (or per tp_size GPUs) on 127.0.0.1 with its own ports and a fresh
+API key, writes each server's output to `<run_dir>/sglang/server-<i>.log`, and returns a started
+`ServerGroup` once every server answers `/health`. A server that exits or stays unhealthy past
+`startup_timeout_s` stops the whole group and raises `ServerStartError` with its log tail.
+
+Every server runs in its own process group (a session), so `ServerGroup.stop` reaches the
+scheduler and detokenizer processes SGLang forks: SIGTERM to the group, then SIGKILL after
+`stop_timeout_s`. Stop runs on leaving the `with` block (Ctrl-C included), at interpreter exit
+(atexit), on SIGTERM (turned into SystemExit while a group runs), and, on Linux, the server
+leader gets SIGTERM if the thread that started it dies (PR_SET_PDEATHSIG): start servers from
+the thread that lives for the whole run.
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import functools
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Sequence
+
+from tlt_cli.sglang.adaptive import SGLangSpeculativePlan, write_adaptive_config
+from tlt_cli.sglang.config import SGLangConfig
+from tlt_cli.sglang.server_args import (
+    SERVER_HOST,
+    server_command,
+    server_environment,
+    server_placements,
+    speculative_flags,
+)
+from tlt_cli.sglang.transport import ServerEndpoint, get_status
+
+HEALTH_PATH = "/health"
+HEALTH_POLL_S = 0.25
+LOG_TAIL_LINES = 30
+LOG_TAIL_BYTES = 64 * 1024
+PR_SET_PDEATHSIG = 1
+
+
+class ServerStartError(RuntimeError):
+    """A rollout server could not be started; the message carries the tail of its log."""
+
+
+@dataclass(frozen=True)
+class ServerLaunch:
+    """Everything needed to start one server process and reach it."""
+
+    endpoint: ServerEndpoint
+    command: tuple[str, ...]
+    environment: dict[str, str]
+    log_path: Path
+    # ports the server binds; checked free before it starts
+    ports: tuple[int, ...]
+
+
+def log_tail(log_path: Path, lines: int = LOG_TAIL_LINES) -> str:
+    """The last `lines` lines of a server log ('' if it has none)."""
+    if not log_path.is_file():
+        return ""
+    with open(log_path, "rb") as handle:
+        handle.seek(max(0, log_path.stat().st_size - LOG_TAIL_BYTES))
+        text = handle.read().decode(errors="replace")
+    return "\n".join(text.splitlines()[-lines:])
+
+
+def _parent_death_signal() -> Callable[[], None] | None:
+    """A pre-exec hook that asks Linux to SIGTERM the child when the starting thread dies, or None."""
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    # resolved here, in the parent, so the child only makes the one call between fork and exec
+    return functools.partial(prctl, PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def _raise_system_exit(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
+def live_group_members(process_group: int) -> list[int]:
+    """Pids in `process_group` that are still running (zombies excluded), read from /proc."""
+    members = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        # fields after the parenthesised command: state, ppid, pgrp, ...
+        state, _parent, group = stat.rsplit(")", 1)[1].split()[:3]
+        if int(group) == process_group and state != "Z":
+            members.append(int(entry.name))
+    return members
+
+
+def _port_is_free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind((SERVER_HOST, port))
+        except OSError:
+            return False
+    return True
+
+
+class ServerGroup:
+    """Running rollout servers; use as a context manager or call `start()` and `stop()`."""
+
+    def __init__(self, launches: Sequence[ServerLaunch], startup_timeout_s: float, stop_timeout_s: float):
+        self.launches = list(launches)
+        self.startup_timeout_s = startup_timeout_s
+        self.stop_timeout_s = stop_timeout_s
+        self.processes: list[subprocess.Popen] = []
+        self._previous_sigterm = None
+        self._stopped = threading.Event()
+
+    @property
+    def endpoints(self) -> list[ServerEndpoint]:
+        return [launch.endpoint for launch in self.launches]
+
+    @property
+    def pids(self) -> list[int]:
+        return [process.pid for process in self.processes]
+
+    def __enter__(self) -> "ServerGroup":
+        return self.start() if not self.processes else self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+    def start(self) -> "ServerGroup":
+        """Spawn every server, then wait until all are healthy; stop all and raise on any failure."""
+        self._check_ports_free()
+        atexit.register(self.stop)
+        self._install_sigterm_handler()
+        try:
+            for launch in self.launches:
+                self.processes.append(self._spawn(launch))
+            self._wait_healthy()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _check_ports_free(self) -> None:
+        for launch in self.launches:
+            for port in launch.ports:
+                if not _port_is_free(port):
+                    raise ServerStartError(
+                        f"port {port} on {SERVER_HOST} (SGLang server {launch.endpoint.index}) is in use; "
+                        "set rollout.sglang.port_base to a free range."
+                    )
+
+    def _install_sigterm_handler(self) -> None:
+        if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+            self._previous_sigterm = signal.signal(signal.SIGTERM, _raise_system_exit)
+
+    def _spawn(self, launch: ServerLaunch) -> subprocess.Popen:
+        launch.log_path.parent.mkdir(parents=True, exist_ok=True)
+        shown = " ".join(launch.command).replace(launch.endpoint.api_key, "<api-key>")
+        with open(launch.log_path, "ab") as log:
+            log.write(f"# tlt: starting SGLang server {launch.endpoint.index}: {shown}\n".encode())
+            log.flush()
+            return subprocess.Popen(
+                launch.command,
+                env=launch.environment,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                preexec_fn=_parent_death_signal(),
+            )
+
+    def _wait_healthy(self) -> None:
+        deadline = time.monotonic() + self.startup_timeout_s
+        pending = dict(zip(range(len(self.launches)), self.processes))
+        while pending:
+            for index, process in list(pending.items()):
+                launch = self.launches[index]
+                if process.poll() is not None:
+                    raise ServerStartError(
+                        f"SGLang server {index} exited with code {process.returncode} while starting; "
+                        f"last lines of {launch.log_path}:\n{log_tail(launch.log_path)}"
+                    )
+                if get_status(launch.endpoint, HEALTH_PATH, timeout_s=2.0) == 200:
+                    del pending[index]
+            if pending and time.monotonic() > deadline:
+                index = min(pending)
+                raise ServerStartError(
+                    f"SGLang server {index} did not answer {HEALTH_PATH} within {self.startup_timeout_s:.0f} s "
+                    f"(rollout.sglang.startup_timeout_s); last lines of {self.launches[index].log_path}:\n"
+                    f"{log_tail(self.launches[index].log_path)}"
+                )
+            if pending:
+                time.sleep(HEALTH_POLL_S)
+
+    def stop(self) -> None:
+        """SIGTERM every server's process group, SIGKILL what remains after stop_timeout_s. Idempotent."""
+        if self._stopped.is_set():
+            return
+        self._stopped.set()
+        groups = [process.pid for process in self.processes]
+        for group in groups:
+            self._signal_group(group, signal.SIGTERM)
+        deadline = time.monotonic() + self.stop_timeout_s
+        while time.monotonic() < deadline and any(live_group_members(group) for group in groups):
+            for process in self.processes:
+                process.poll()
+            time.sleep(0.05)
+        for group in groups:
+            self._signal_group(group, signal.SIGKILL)
+        for process in self.processes:
+            process.wait()
+        atexit.unregister(self.stop)
+        if self._previous_sigterm is not None and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, self._previous_sigterm)
+
+    @staticmethod
+    def _signal_group(group: int, signum: int) -> None:
+        try:
+            os.killpg(group, signum)
+        except ProcessLookupError:
+            return
+
+
+def launch_sglang_servers(
+    config: SGLangConfig,
+    model_path: str,
+    run_dir: str | Path,
+    plan: SGLangSpeculativePlan,
+    draft_model_path: str | None,
+    seed: int,
+) -> ServerGroup:
+    """Start every server of `config` for `plan` and return the group once all are healthy."""
+    log_dir = Path(run_dir) / "sglang"
+    adaptive_path = write_adaptive_config(plan, log_dir / "adaptive_speculative.json") if plan.mode == "adaptive" else None
+    flags = speculative_flags(plan, draft_model_path, adaptive_path)
+    api_key = secrets.token_urlsafe(24)
+    launches = []
+    for placement in server_placements(config):
+        launches.append(
+            ServerLaunch(
+                endpoint=ServerEndpoint(index=placement.index, url=placement.url, api_key=api_key),
+                command=tuple(server_command(config, placement, model_path, api_key, flags, seed)),
+                environment=server_environment(placement, os.environ),
+                log_path=log_dir / f"server-{placement.index}.log",
+                ports=(placement.port, placement.nccl_port),
+            )
+        )
+    group = ServerGroup(launches, config.startup_timeout_s, config.stop_timeout_s)
+    return group.start()

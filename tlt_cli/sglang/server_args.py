@@ -1,0 +1,117 @@
+"""The `sglang.launch_server` command line and environment of each rollout server.
+
+`server_placements(config)` gives every server its GPUs (CUDA_VISIBLE_DEVICES) and ports;
+`speculative_flags(plan, draft_model_path, adaptive_config_path)` turns an
+`SGLangSpeculativePlan` into SGLang's speculative flags; `server_command(...)` assembles the whole
+command. Flag names are those of SGLang 0.5.23's `ServerArgs` (checked by
+tests/test_sglang_server_args.py against SGLang's own argument parser when it is installed).
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Mapping
+
+from tlt_cli.rollout.types import SpeculativeConfig
+from tlt_cli.sglang.adaptive import SGLangSpeculativePlan
+from tlt_cli.sglang.config import PORTS_PER_SERVER, SGLangConfig
+
+SERVER_HOST = "127.0.0.1"
+# SGLang's name for the EAGLE drafter: fc(concat(embed, hidden)) -> decoder layer(s) -> lm_head
+SPECULATIVE_ALGORITHM = "EAGLE"
+
+
+class LaunchConfigError(ValueError):
+    """A server cannot be launched as asked (missing drafter, unknown plan)."""
+
+
+@dataclass(frozen=True)
+class ServerPlacement:
+    """Where server `index` runs: its GPUs (as the node numbers them) and its two ports."""
+
+    index: int
+    gpus: tuple[int, ...]
+    port: int
+    nccl_port: int
+
+    @property
+    def url(self) -> str:
+        return f"http://{SERVER_HOST}:{self.port}"
+
+
+def server_placements(config: SGLangConfig) -> list[ServerPlacement]:
+    """One placement per consecutive group of tp_size GPUs; ports from port_base upwards."""
+    placements = []
+    for index in range(config.server_count):
+        gpus = tuple(config.gpus[index * config.tp_size : (index + 1) * config.tp_size])
+        port = config.port_base + PORTS_PER_SERVER * index
+        placements.append(ServerPlacement(index=index, gpus=gpus, port=port, nccl_port=port + 1))
+    return placements
+
+
+def _shape_flags(shape: SpeculativeConfig) -> list[str]:
+    return [
+        "--speculative-num-steps", str(shape.steps),
+        "--speculative-eagle-topk", str(shape.topk),
+        "--speculative-num-draft-tokens", str(shape.verified_tokens),
+    ]
+
+
+def speculative_flags(
+    plan: SGLangSpeculativePlan, draft_model_path: str | None, adaptive_config_path: str | Path | None
+) -> list[str]:
+    """SGLang's speculative flags for `plan`; none for an off plan."""
+    if plan.mode == "off":
+        return []
+    if draft_model_path is None:
+        raise LaunchConfigError(
+            "the rule table turns SD on but no drafter was given: export the drafter in SGLang's EAGLE layout first "
+            "(tlt export-drafter) and pass its folder."
+        )
+    flags = ["--speculative-algorithm", SPECULATIVE_ALGORITHM, "--speculative-draft-model-path", str(draft_model_path)]
+    flags += _shape_flags(plan.launch)
+    if plan.mode == "adaptive":
+        if adaptive_config_path is None:
+            raise LaunchConfigError("an adaptive plan needs the path of its slot file (adaptive.write_adaptive_config).")
+        flags += ["--speculative-adaptive", "--speculative-adaptive-config", str(adaptive_config_path)]
+    elif plan.mode != "static":
+        raise LaunchConfigError(f"unknown plan mode '{plan.mode}'.")
+    return flags
+
+
+def server_command(
+    config: SGLangConfig,
+    placement: ServerPlacement,
+    model_path: str,
+    api_key: str,
+    speculative: list[str],
+    seed: int,
+) -> list[str]:
+    """The full argv of one server; GPUs are chosen by `server_environment`, so base GPU is 0."""
+    python = config.python or sys.executable
+    command = [
+        python, "-m", "sglang.launch_server",
+        "--model-path", model_path,
+        "--host", SERVER_HOST,
+        "--port", str(placement.port),
+        "--nccl-port", str(placement.nccl_port),
+        "--api-key", api_key,
+        "--tp-size", str(config.tp_size),
+        "--base-gpu-id", "0",
+        "--mem-fraction-static", str(config.mem_fraction),
+        "--max-running-requests", str(config.max_running_requests),
+        "--dtype", config.dtype,
+        "--random-seed", str(seed),
+    ]
+    if config.skip_tokenizer_init:
+        command.append("--skip-tokenizer-init")
+    return command + speculative + list(config.extra_args)
+
+
+def server_environment(placement: ServerPlacement, base_environment: Mapping[str, str]) -> dict[str, str]:
+    """The server's environment: the caller's, with only this server's GPUs visible."""
+    environment = dict(base_environment)
+    environment["CUDA_VISIBLE_DEVICES"] = ",".join(str(gpu) for gpu in placement.gpus)
+    return environment
