@@ -18,6 +18,9 @@ from tlt_cli.drafter.model import (
     save_drafter,
 )
 from tlt_cli.drafter.trainer import DrafterBatch, DrafterTrainer, collect_drafter_batch, evaluate_drafter
+from tlt_cli.drafter.warmup import warm_up_drafter
+from tlt_cli.models.tiny import build_tiny_model, tiny_model_config, tiny_tokenizer
+from tlt_cli.tasks.arithmetic import ArithmeticTask
 
 torch.set_num_threads(1)
 
@@ -361,3 +364,29 @@ def test_trainer_state_round_trip_continues_identically():
     assert resumed.steps_taken == 2
     for name, value in trainer.drafter.state_dict().items():
         torch.testing.assert_close(resumed.drafter.state_dict()[name], value)
+
+
+def confident_tiny_target(tokenizer) -> Qwen2ForCausalLM:
+    """A random tiny Qwen2 over the task's vocabulary, made confident (logits x8) so it has habits to learn."""
+    target = build_tiny_model(0, tiny_model_config(tokenizer, hidden_size=64, num_layers=2, intermediate_size=128))
+    with torch.no_grad():
+        target.get_decoder().norm.weight.mul_(8.0)
+    return target.eval()
+
+
+def test_warm_up_teaches_the_drafter_to_agree_with_the_target():
+    tokenizer = tiny_tokenizer()
+    target = confident_tiny_target(tokenizer)
+    target_before = {name: value.clone() for name, value in target.state_dict().items()}
+    settings = dict(steps=60, batch_size=8, lr=3e-3, train_prompts=32, held_out_prompts=8, max_new_tokens=24)
+    drafter, report = warm_up_drafter(target, tokenizer, ArithmeticTask(seed=0), seed=0, **settings)
+    assert report.steps == 60 and report.steps_skipped == 0
+    assert report.train_sequences == 32 and report.held_out_sequences == 8
+    assert report.train_tokens > 0 and report.held_out_tokens > 0
+    assert report.held_out_accuracy > report.held_out_accuracy_before + 0.3
+    assert not drafter.training
+    for name, value in target.state_dict().items():
+        assert torch.equal(value, target_before[name]), name
+    again, _ = warm_up_drafter(target, tokenizer, ArithmeticTask(seed=0), seed=0, **settings)
+    for name, value in drafter.state_dict().items():
+        assert torch.equal(again.state_dict()[name], value), name
