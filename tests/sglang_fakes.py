@@ -21,6 +21,24 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
+def free_port_range(count: int) -> int:
+    """The first of `count` consecutive loopback ports that are all free right now."""
+    for _attempt in range(50):
+        base = free_port()
+        if base + count <= 65535 and all(port_is_free(base + offset) for offset in range(1, count)):
+            return base
+    raise RuntimeError(f"no {count} consecutive free loopback ports found")
+
+
+def port_is_free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
 def fake_launch(index: int, log_dir: Path, *fake_arguments: str, port: int | None = None) -> ServerLaunch:
     """A ServerLaunch that runs tests/sglang_fake_server.py with `fake_arguments` on a free port."""
     port = port or free_port()

@@ -135,11 +135,12 @@ class SGLangClient:
         try:
             for server_index, shard in enumerate(shards):
                 for offset, request in enumerate(shard):
+                    position = server_index + offset * len(self.endpoints)
                     request_seed = None if seed is None else seed + request.request_id
                     future = executors[server_index].submit(
-                        self._generate_one, server_index, request, params, request_seed, rollout_id, on_server_idle
+                        self._generate_one, server_index, request, params, request_seed, f"tlt-{rollout_id}-{position}", on_server_idle
                     )
-                    submitted[server_index + offset * len(self.endpoints)] = (server_index, future)
+                    submitted[position] = (server_index, future)
             return [submitted[position][1].result() for position in range(len(requests))]
         finally:
             for executor in executors:
@@ -162,13 +163,13 @@ class SGLangClient:
         request: RolloutRequest,
         params: SamplingParams,
         seed: int | None,
-        rollout_id: str,
+        sglang_request_id: str,
         on_server_idle: Callable[[int, float], None] | None,
     ) -> Completion:
         body = {
             "input_ids": list(request.prompt_ids),
             "sampling_params": sampling_body(params, self.eos_token_id, seed),
-            "rid": f"tlt-{rollout_id}-{request.request_id}",
+            "rid": sglang_request_id,
             "stream": False,
         }
         start = time.time()
