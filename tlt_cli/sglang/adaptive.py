@@ -31,7 +31,6 @@ from tlt_cli.config import RecipeError
 from tlt_cli.rollout.types import SpeculativeConfig
 from tlt_cli.sglang.version import SGLangFeatures
 
-PLAN_MODES = ("off", "adaptive", "static")
 # batch sizes above SGLang's largest captured CUDA graph are not padded; range ends are checked up to this
 CAPTURE_CHECK_LIMIT = 4096
 
@@ -62,6 +61,7 @@ class BatchRule:
 class SGLangSpeculativePlan:
     """What the servers are launched with; slots: (min_batch, candidate steps) in adaptive mode."""
 
+    # "off", "adaptive" or "static" (see the module docstring)
     mode: str
     launch: SpeculativeConfig | None
     slots: tuple[tuple[int, tuple[int, ...]], ...]

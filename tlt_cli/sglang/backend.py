@@ -123,6 +123,8 @@ class SGLangBackend:
     ) -> SyncReport:
         """Push the new policy (CUDA tensors if colocated, else `target_dir`) and drafter, then probe every server.
 
+        Call it between rollouts: SGLang flushes its prefix cache after an update and fails the
+        update if requests are still running.
         Raises AcceptLengthCollapsed if a server's drafter was accepted at the previous probe and
         no longer is, WeightSyncError if a server still serves another weight version.
         """
