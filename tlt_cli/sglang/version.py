@@ -11,7 +11,7 @@ each feature):
 |---|---|
 | `--speculative-adaptive`, per-batch-size slots with step 0 (= SD off) | 0.5.16 (absent in 0.5.12, slots without step 0 in 0.5.13) |
 | `selector` ("target" / "draft") on update-from-tensor, inside a `/begin_weight_update` ... `/end_weight_update` session | 0.5.21 |
-| target-only update-from-tensor through `disable_draft_model` (no session) | 0.5.10 to 0.5.20 |
+| target-only update-from-tensor through `disable_draft_model` (no session) | 0.5.10 to 0.5.20 (the field is in all; its handling was read in 0.5.20) |
 
 Update from disk has no selector in any of them: it reloads every runner from the one path.
 """
