@@ -165,6 +165,28 @@ def test_a_drafter_equal_to_the_target_always_has_the_greedy_token_in_its_tree()
         assert stats.accept_length > 2.0
 
 
+def test_a_schedule_can_turn_sd_off_and_on_between_steps():
+    # the drafter catches up on what plain steps decoded, so a drafter equal to the target still
+    # accepts every drafted token when SD comes back on
+    target = tiny_target()
+    batch_sizes_seen = []
+
+    def every_other_step(batch_size: int) -> SpeculativeConfig | None:
+        batch_sizes_seen.append(batch_size)
+        return CHAINS[2] if len(batch_sizes_seen) % 2 == 0 else TREES[1] if len(batch_sizes_seen) % 3 == 0 else None
+
+    greedy = SamplingParams(max_new_tokens=25, temperature=0.0)
+    requests = requests_for(6, seed=60)
+    eos_token_id = frequent_token(generate(target, requests, greedy, eos_token_id=64))
+    plain = generate(target, requests, greedy, eos_token_id)
+    switched = generate(target, requests, greedy, eos_token_id, SpeculativeDecoder(TargetAsDrafter(target), every_other_step))
+    assert [c.response_ids for c in switched] == [c.response_ids for c in plain]
+    for completion in switched:
+        stats = completion.speculative
+        assert stats.accepted_by_depth[0] == stats.proposed_by_depth[0] == stats.verify_passes > 0
+    assert max(batch_sizes_seen) == len(requests) and min(batch_sizes_seen) < len(requests)
+
+
 @pytest.mark.parametrize("config", [CHAINS[2], TREES[2]], ids=lambda config: config.label())
 def test_acceptance_is_per_request_not_the_batch_minimum(config):
     target = tiny_target()

@@ -19,7 +19,8 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -27,6 +28,9 @@ from torch import nn
 from tlt_cli.rollout.kv_cache import SlotCache, additive_mask, block_attention_mask, decode_attention_mask
 from tlt_cli.rollout.sampling import next_tokens
 from tlt_cli.rollout.types import Completion, RolloutRequest, SamplingParams, SpeculativeStats
+
+if TYPE_CHECKING:
+    from tlt_cli.rollout.speculative import SpeculativeDecoder
 
 # slots reserved past the longest prompt when the cache is first allocated (it grows by doubling)
 INITIAL_SLACK = 64
@@ -49,7 +53,9 @@ class RunningBatch:
     finished_by_eos: torch.Tensor  # [B] bool
     tokens: torch.Tensor  # [B, capacity] prompt and response ids by position
     cache: SlotCache
-    return_hidden: bool
+    # keep the target's last hidden state of every position in cache.extra (for return_hidden
+    # and for the drafter, which catches up from it after steps without SD)
+    store_hidden: bool
 
     @property
     def size(self) -> int:
@@ -62,12 +68,27 @@ class RunningBatch:
         self.cache.keep_rows(rows)
 
 
+@dataclass
+class _GenerateCall:
+    """What one generate call was asked for, and the Completions it has produced so far."""
+
+    requests: list[RolloutRequest]
+    sampling: SamplingParams
+    generator: torch.Generator
+    on_request_finished: Callable[[Completion], None] | None
+    return_hidden: bool
+    start: float
+    completions: dict[int, Completion] = field(default_factory=dict)
+
+
 class EmbeddedEngine:
     """Batched generation with a KV cache, ragged prompts, early exit of finished requests and,
     when given a speculative decoder (`tlt_cli.rollout.speculative.SpeculativeDecoder`), lossless
     speculative decoding."""
 
-    def __init__(self, model: nn.Module, eos_token_id: int, pad_token_id: int, speculative=None) -> None:
+    def __init__(
+        self, model: nn.Module, eos_token_id: int, pad_token_id: int, speculative: SpeculativeDecoder | None = None
+    ) -> None:
         self.model = model
         self.decoder = model.get_decoder()
         self.lm_head = model.get_output_embeddings()
@@ -94,29 +115,29 @@ class EmbeddedEngine:
         _check_inputs(requests, sampling)
         if not requests:
             return []
-        with torch.no_grad(), _eval_mode(self.model), _eval_mode(getattr(self.speculative, "drafter", None)):
-            completions = self._run(requests, sampling, generator, on_request_finished, return_hidden)
-        return [completions[index] for index in range(len(requests))]
+        call = _GenerateCall(list(requests), sampling, generator, on_request_finished, return_hidden, time.time())
+        drafter = self.speculative.drafter if self.speculative is not None else None
+        with torch.no_grad(), _eval_mode(self.model), _eval_mode(drafter):
+            self._run(call)
+        return [call.completions[index] for index in range(len(requests))]
 
-    def _run(self, requests, sampling, generator, on_request_finished, return_hidden) -> dict[int, Completion]:
-        start = time.time()
-        completions: dict[int, Completion] = {}
-        batch, prefill_hidden = self._prefill(requests, sampling, generator, return_hidden)
+    def _run(self, call: _GenerateCall) -> None:
+        batch = self._prefill(call)
         if self.speculative is not None:
-            self.speculative.begin(batch, prefill_hidden, sampling)
-        finished = self._emit(batch, batch.pending[:, None], torch.ones_like(batch.pending), sampling)
-        self._retire(batch, finished, requests, start, completions, on_request_finished)
+            self.speculative.begin(batch)
+        finished = self._emit(batch, batch.pending[:, None], torch.ones_like(batch.pending), call.sampling)
+        self._retire(batch, finished, call)
         while batch.size > 0:
             if self.speculative is not None:
-                new_tokens, counts = self.speculative.step(self, batch, sampling, generator)
+                new_tokens, counts = self.speculative.step(self, batch, call.sampling, call.generator)
             else:
-                new_tokens, counts = self._decode_step(batch, sampling, generator)
-            finished = self._emit(batch, new_tokens, counts, sampling)
-            self._retire(batch, finished, requests, start, completions, on_request_finished)
-        return completions
+                new_tokens, counts = self.decode_step(batch, call.sampling, call.generator)
+            finished = self._emit(batch, new_tokens, counts, call.sampling)
+            self._retire(batch, finished, call)
 
-    def _prefill(self, requests, sampling, generator, return_hidden) -> tuple[RunningBatch, torch.Tensor]:
+    def _prefill(self, call: _GenerateCall) -> RunningBatch:
         """Run all prompts (right-padded, causal) and draw each row's first response token."""
+        requests = call.requests
         prompt_lengths = torch.tensor([len(request.prompt_ids) for request in requests], device=self.device)
         longest = int(prompt_lengths.max())
         capacity = longest + INITIAL_SLACK
@@ -132,15 +153,15 @@ class EmbeddedEngine:
             finished_by_eos=torch.zeros_like(prompt_lengths, dtype=torch.bool),
             tokens=tokens,
             cache=SlotCache(len(requests), capacity),
-            return_hidden=return_hidden,
+            store_hidden=call.return_hidden or self.speculative is not None,
         )
         causal = torch.ones(longest, longest, dtype=torch.bool, device=self.device).tril()
         positions = torch.arange(longest, device=self.device).expand(len(requests), longest)
         hidden = self.forward_block(batch, tokens[:, :longest], positions, causal)
         last_hidden = hidden[torch.arange(len(requests), device=self.device), prompt_lengths - 1]
         batch.lengths = prompt_lengths.clone()
-        batch.pending = next_tokens(self.lm_head(last_hidden), sampling, generator)
-        return batch, hidden
+        batch.pending = next_tokens(self.lm_head(last_hidden), call.sampling, call.generator)
+        return batch
 
     def forward_block(
         self, batch: RunningBatch, input_ids: torch.Tensor, position_ids: torch.Tensor, block_mask: torch.Tensor
@@ -166,11 +187,11 @@ class EmbeddedEngine:
             past_key_values=batch.cache,
             use_cache=False,
         ).last_hidden_state
-        if batch.return_hidden:
+        if batch.store_hidden:
             batch.cache.store_extra(hidden)
         return hidden
 
-    def _decode_step(self, batch: RunningBatch, sampling, generator) -> tuple[torch.Tensor, torch.Tensor]:
+    def decode_step(self, batch: RunningBatch, sampling, generator) -> tuple[torch.Tensor, torch.Tensor]:
         """Plain decoding: feed each row's pending token, draw the next one."""
         no_block_mask = torch.ones(1, 1, dtype=torch.bool, device=self.device)
         hidden = self.forward_block(batch, batch.pending[:, None], batch.lengths[:, None], no_block_mask)
@@ -196,26 +217,26 @@ class EmbeddedEngine:
         batch.finished_by_eos = batch.finished_by_eos | is_eos.any(dim=1)
         return batch.finished_by_eos | (batch.generated >= sampling.max_new_tokens)
 
-    def _retire(self, batch, finished, requests, start, completions, on_request_finished) -> None:
+    def _retire(self, batch: RunningBatch, finished: torch.Tensor, call: _GenerateCall) -> None:
         """Turn finished rows into Completions and drop them from the running batch."""
         if not bool(finished.any()):
             return
         end = time.time()
         for row in finished.nonzero().flatten().tolist():
-            completion = self._completion(batch, row, requests, start, end)
-            completions[int(batch.request_index[row])] = completion
-            if on_request_finished is not None:
-                on_request_finished(completion)
+            completion = self._completion(batch, row, call, end)
+            call.completions[int(batch.request_index[row])] = completion
+            if call.on_request_finished is not None:
+                call.on_request_finished(completion)
         keep = (~finished).nonzero().flatten()
         batch.keep_rows(keep)
         if self.speculative is not None:
             self.speculative.keep_rows(keep)
 
-    def _completion(self, batch: RunningBatch, row: int, requests, start: float, end: float) -> Completion:
-        request = requests[int(batch.request_index[row])]
+    def _completion(self, batch: RunningBatch, row: int, call: _GenerateCall, end: float) -> Completion:
+        request = call.requests[int(batch.request_index[row])]
         prompt_length, generated = int(batch.prompt_lengths[row]), int(batch.generated[row])
         target_hidden = None
-        if batch.return_hidden:
+        if call.return_hidden:
             # the hidden state at position P-1+i produced response token i
             target_hidden = batch.cache.extra[row, 0, prompt_length - 1 : prompt_length - 1 + generated].clone()
         stats = self.speculative.stats(row) if self.speculative is not None else SpeculativeStats()
@@ -224,7 +245,7 @@ class EmbeddedEngine:
             prompt_ids=request.prompt_ids,
             response_ids=batch.tokens[row, prompt_length : prompt_length + generated].tolist(),
             finished_by_eos=bool(batch.finished_by_eos[row]),
-            start=start,
+            start=call.start,
             end=end,
             speculative=stats,
             target_hidden=target_hidden,

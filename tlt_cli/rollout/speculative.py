@@ -1,8 +1,11 @@
 """Lossless speculative decoding inside the embedded engine: draft, verify, accept, commit.
 
 `EmbeddedEngine(model, eos, pad, speculative=SpeculativeDecoder(drafter, SpeculativeConfig(...)))`
-calls `begin` after the prefill and `step` once per decoding step. A step, for every running row
-at once:
+calls `begin` after the prefill and `step` once per decoding step. The config may instead be a
+schedule (running batch size -> shape or None), consulted at every step: None makes the step plain
+decoding. An SD step, for every running row at once:
+  0. catch up: the drafter reads the committed positions it has not seen (the prompt, and tokens
+     of plain steps) from the target hidden states the engine keeps in its cache;
   1. draft: the drafter (anything with `EagleDrafter`'s forward) runs `steps` times from the row's
      root state, building a chain or a tree (tlt_cli/rollout/tree.py) in its own `SlotCache`;
   2. verify: the target runs once over the root and all drafted nodes, with the tree mask;
@@ -21,6 +24,7 @@ prediction of the first drafted token.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -56,65 +60,106 @@ def check_speculative_config(config: SpeculativeConfig, vocab_size: int) -> None
         )
 
 
-class SpeculativeDecoder:
-    """Drafts with `drafter` in the shape of `config` and verifies exactly (see the module docstring)."""
+# running batch size -> the SD shape for this step, or None for a plain decoding step
+ConfigSchedule = Callable[[int], "SpeculativeConfig | None"]
 
-    def __init__(self, drafter: nn.Module, config: SpeculativeConfig) -> None:
-        check_speculative_config(config, drafter.config.vocab_size)
+
+class SpeculativeDecoder:
+    """Drafts with `drafter` in the shape of `config` and verifies exactly (see the module docstring).
+
+    config: one SpeculativeConfig for every step, or a ConfigSchedule the engine consults before
+    each step with the running batch size (the adaptive rule table). Committed state does not
+    depend on the shape, so shapes may change, and SD may go off and on, from one step to the next.
+    """
+
+    def __init__(self, drafter: nn.Module, config: SpeculativeConfig | ConfigSchedule) -> None:
         self.drafter = drafter
-        self.config = config
+        self.schedule: ConfigSchedule = config if callable(config) else (lambda batch_size: config)
+        self._checked: set[SpeculativeConfig] = set()
+        if isinstance(config, SpeculativeConfig):
+            self._config_for(0)
         self.cache = SlotCache(0, 0)
+        self.drafter_lengths = torch.zeros(0)  # [B] committed drafter entries (lags the target after plain steps)
         self.root_hidden = torch.zeros(0)  # [B, H] drafter hidden of the last committed entry
         self.root_logits = torch.zeros(0)  # [B, V] its logits: the first drafted token's distribution
         self.verify_passes = torch.zeros(0)  # [B]
         self.accepted_draft_tokens = torch.zeros(0)  # [B]
-        self.accepted_by_depth = torch.zeros(0)  # [B, steps]
-        self.proposed_by_depth = torch.zeros(0)  # [B, steps]
+        self.accepted_by_depth = torch.zeros(0)  # [B, deepest steps so far]
+        self.proposed_by_depth = torch.zeros(0)  # [B, deepest steps so far]
 
-    def begin(self, batch: RunningBatch, prefill_hidden: torch.Tensor, sampling: SamplingParams) -> None:
-        """Run the drafter over the prompts (prefill_hidden: [B, P, H], the target's prefill output)."""
-        batch_size, longest = prefill_hidden.shape[:2]
-        device = prefill_hidden.device
+    def begin(self, batch: RunningBatch) -> None:
+        """Start a generate call: empty drafter cache and counters (the drafter reads the prompt
+        at the first SD step, from the target hidden states the engine keeps)."""
+        batch_size, device = batch.size, batch.lengths.device
         self.cache = SlotCache(batch_size, batch.cache.capacity)
-        # entry t pairs target_hidden[t] with token[t+1]; the prompt's last entry gets the first response token
-        next_token_ids = batch.tokens[:, 1 : longest + 1].clone()
-        next_token_ids.scatter_(1, (batch.lengths - 1)[:, None], batch.pending[:, None])
-        positions = torch.arange(longest, device=device).expand(batch_size, longest)
-        causal = torch.ones(longest, longest, dtype=torch.bool, device=device).tril()
-        start = torch.zeros_like(batch.lengths)
-        output = self._run_drafter(next_token_ids, prefill_hidden, start, positions, causal, written=0)
-        rows = torch.arange(batch_size, device=device)
-        self.root_hidden = output.hidden[rows, batch.lengths - 1]
-        self.root_logits = output.logits[rows, batch.lengths - 1]
+        self.drafter_lengths = torch.zeros_like(batch.lengths)
+        hidden_size, vocab_size = self.drafter.config.hidden_size, self.drafter.config.vocab_size
+        self.root_hidden = torch.zeros(batch_size, hidden_size, device=device)
+        self.root_logits = torch.zeros(batch_size, vocab_size, device=device)
         self.verify_passes = torch.zeros_like(batch.lengths)
         self.accepted_draft_tokens = torch.zeros_like(batch.lengths)
-        self.accepted_by_depth = torch.zeros(batch_size, self.config.steps, dtype=torch.long, device=device)
+        self.accepted_by_depth = torch.zeros(batch_size, 0, dtype=torch.long, device=device)
         self.proposed_by_depth = torch.zeros_like(self.accepted_by_depth)
 
     def step(
         self, engine: EmbeddedEngine, batch: RunningBatch, sampling: SamplingParams, generator: torch.Generator
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One draft-verify-accept-commit round; returns the emitted tokens [B, E] and counts [B]."""
-        tree = self._draft(batch, sampling, generator)
+        """One decoding step; returns the emitted tokens [B, E] and counts [B]. With a shape: one
+        draft-verify-accept-commit round; with None from the schedule: plain decoding."""
+        config = self._config_for(batch.size)
+        if config is None:
+            return engine.decode_step(batch, sampling, generator)
+        self._catch_up(batch)
+        tree = self._draft(batch, config, sampling, generator)
         hidden = engine.forward_block(batch, tree.tokens, batch.lengths[:, None] + tree.depths, tree.ancestors)
         target_logits = engine.lm_head(hidden)
-        accept = accept_chain if self.config.is_chain else accept_tree
+        accept = accept_chain if config.is_chain else accept_tree
         verdict = accept(tree, target_logits, sampling, generator)
-        self._count(tree, verdict)
-        emitted = self._commit(batch, tree, verdict, hidden)
+        self._count(config, tree, verdict)
+        emitted = self._commit(batch, config, tree, verdict, hidden)
         return emitted, verdict.accept_length + 1
 
-    def _draft(self, batch: RunningBatch, sampling: SamplingParams, generator: torch.Generator) -> DraftTree:
+    def _config_for(self, batch_size: int) -> SpeculativeConfig | None:
+        config = self.schedule(batch_size)
+        if config is not None and config not in self._checked:
+            check_speculative_config(config, self.drafter.config.vocab_size)
+            self._checked.add(config)
+        return config
+
+    def _catch_up(self, batch: RunningBatch) -> None:
+        """Feed the drafter every committed position it has not seen (the prompt, and whatever
+        plain steps decoded): entry t pairs the stored target hidden state at t with token t+1."""
+        gap = batch.lengths - self.drafter_lengths
+        if not bool((gap > 0).any()):
+            return
+        width = int(gap.max())
+        slots = self.drafter_lengths[:, None] + torch.arange(width, device=gap.device)
+        stored_hidden = batch.cache.extra[:, 0]
+        hidden = stored_hidden.gather(1, slots.clamp(max=stored_hidden.shape[1] - 1)[:, :, None].expand(-1, -1, stored_hidden.shape[2]))
+        # token t+1 of every position up to the pending token at lengths[b]
+        next_token_ids = batch.tokens.gather(1, (slots + 1).clamp(max=batch.tokens.shape[1] - 1))
+        causal = torch.ones(width, width, dtype=torch.bool, device=gap.device).tril()
+        output = self._run_drafter(next_token_ids, hidden, self.drafter_lengths, slots, causal, written=0)
+        caught_up = gap > 0
+        last_entry = (gap - 1).clamp(min=0)
+        rows = torch.arange(batch.size, device=gap.device)
+        self.root_hidden = torch.where(caught_up[:, None], output.hidden[rows, last_entry], self.root_hidden)
+        self.root_logits = torch.where(caught_up[:, None], output.logits[rows, last_entry], self.root_logits)
+        self.drafter_lengths = batch.lengths.clone()
+
+    def _draft(
+        self, batch: RunningBatch, config: SpeculativeConfig, sampling: SamplingParams, generator: torch.Generator
+    ) -> DraftTree:
         """Run the drafter `steps` times from each row's root, expanding the chain or tree."""
-        if self.config.is_chain:
-            builder = ChainBuilder(batch.pending, self.config.steps, sampling, generator)
+        if config.is_chain:
+            builder = ChainBuilder(batch.pending, config.steps, sampling, generator)
         else:
-            builder = TreeBuilder(batch.pending, self.config)
+            builder = TreeBuilder(batch.pending, config)
         frontier_hidden, frontier_logits = self.root_hidden[:, None], self.root_logits[:, None]
         written = 0
-        for step in range(self.config.steps):
+        for step in range(config.steps):
             frontier = builder.expand(frontier_logits)
-            if step == self.config.steps - 1:
+            if step == config.steps - 1:
                 break
             # each node reads its parent's predicted hidden state, at the parent's position + 1
             parent_hidden = frontier_hidden.gather(
@@ -138,12 +183,14 @@ class SpeculativeDecoder:
         mask = block_attention_mask(lengths, visible, kv_length)
         return self.drafter(input_ids, target_hidden, positions, mask, self.cache)
 
-    def _commit(self, batch: RunningBatch, tree: DraftTree, verdict: Verdict, hidden: torch.Tensor) -> torch.Tensor:
+    def _commit(
+        self, batch: RunningBatch, config: SpeculativeConfig, tree: DraftTree, verdict: Verdict, hidden: torch.Tensor
+    ) -> torch.Tensor:
         """Move kept entries into place, catch the drafter up, advance the rows; return the
         emitted tokens [B, D + 1] (kept drafts, then the bonus at index accept_length)."""
         accept_length, path = verdict.accept_length, verdict.path
         offsets = torch.arange(path.shape[1], device=path.device)
-        if not self.config.is_chain:
+        if not config.is_chain:
             # kept node path[j] moves from slot lengths + path[j] to lengths + j; others stay put
             source = torch.where(offsets[None, :] <= accept_length[:, None], path, offsets[None, :])
             batch.cache.move_slots(batch.lengths[:, None] + source, batch.lengths[:, None] + offsets[None, :])
@@ -161,10 +208,15 @@ class SpeculativeDecoder:
         self.root_logits = output.logits[rows, accept_length]
         batch.lengths = batch.lengths + accept_length + 1
         batch.pending = verdict.bonus
+        self.drafter_lengths = batch.lengths.clone()
         return emitted
 
-    def _count(self, tree: DraftTree, verdict: Verdict) -> None:
-        depth_index = torch.arange(self.config.steps, device=verdict.accept_length.device)
+    def _count(self, config: SpeculativeConfig, tree: DraftTree, verdict: Verdict) -> None:
+        missing_depths = config.steps - self.accepted_by_depth.shape[1]
+        if missing_depths > 0:
+            self.accepted_by_depth = torch.nn.functional.pad(self.accepted_by_depth, (0, missing_depths))
+            self.proposed_by_depth = torch.nn.functional.pad(self.proposed_by_depth, (0, missing_depths))
+        depth_index = torch.arange(self.accepted_by_depth.shape[1], device=verdict.accept_length.device)
         self.verify_passes += 1
         self.accepted_draft_tokens += verdict.accept_length
         self.accepted_by_depth += depth_index[None, :] < verdict.accept_length[:, None]
@@ -174,7 +226,10 @@ class SpeculativeDecoder:
     def keep_rows(self, rows: torch.Tensor) -> None:
         """Keep only rows `rows` of the drafter cache and every per-row tensor."""
         self.cache.keep_rows(rows)
-        for name in ("root_hidden", "root_logits", "verify_passes", "accepted_draft_tokens", "accepted_by_depth", "proposed_by_depth"):
+        for name in (
+            "drafter_lengths", "root_hidden", "root_logits", "verify_passes", "accepted_draft_tokens",
+            "accepted_by_depth", "proposed_by_depth",
+        ):
             setattr(self, name, getattr(self, name).index_select(0, rows))
 
     def stats(self, row: int) -> SpeculativeStats:
