@@ -108,6 +108,9 @@ class EmbeddedEngine:
     ) -> list[Completion]:
         """Complete every request; Completions come back in request order.
 
+        generator: drives every random draw (on the model's device); the same state gives the
+        same completions.
+
         return_hidden: also return each completion's `target_hidden` [R, H], the target's last
         hidden state at the position that produced each response token (lm_head(target_hidden[i])
         are the logits of response token i).

@@ -94,8 +94,9 @@ class SpeculativeDecoder:
         self.cache = SlotCache(batch_size, batch.cache.capacity)
         self.drafter_lengths = torch.zeros_like(batch.lengths)
         hidden_size, vocab_size = self.drafter.config.hidden_size, self.drafter.config.vocab_size
-        self.root_hidden = torch.zeros(batch_size, hidden_size, device=device)
-        self.root_logits = torch.zeros(batch_size, vocab_size, device=device)
+        dtype = next(self.drafter.parameters()).dtype
+        self.root_hidden = torch.zeros(batch_size, hidden_size, dtype=dtype, device=device)
+        self.root_logits = torch.zeros(batch_size, vocab_size, dtype=dtype, device=device)
         self.verify_passes = torch.zeros_like(batch.lengths)
         self.accepted_draft_tokens = torch.zeros_like(batch.lengths)
         self.accepted_by_depth = torch.zeros(batch_size, 0, dtype=torch.long, device=device)
