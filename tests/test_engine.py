@@ -79,7 +79,10 @@ def test_finished_rows_leave_the_batch():
     free_run = EmbeddedEngine(model, NEVER_EMITTED, 0).generate(requests, greedy(12), torch.Generator())
     eos_token_id = free_run[0].response_ids[2]
     rows_per_call: list[int] = []
-    hook = model.get_decoder().register_forward_hook(lambda module, args, kwargs, output: rows_per_call.append(kwargs["input_ids"].shape[0]), with_kwargs=True)
+    def count_rows(module, args, kwargs, output):
+        rows_per_call.append(kwargs["input_ids"].shape[0])
+
+    hook = model.get_decoder().register_forward_hook(count_rows, with_kwargs=True)
     try:
         completions = EmbeddedEngine(model, eos_token_id, 0).generate(requests, greedy(12), torch.Generator())
     finally:

@@ -131,7 +131,8 @@ def test_untied_llama_target_and_hidden_states_under_sd(config):
     greedy = SamplingParams(max_new_tokens=17, temperature=0.0)
     requests = requests_for(5, seed=50)
     plain = generate(target, requests, greedy, 64)
-    engine = EmbeddedEngine(target, eos_token_id=64, pad_token_id=0, speculative=SpeculativeDecoder(TargetAsDrafter(target, 0.5), config))
+    speculative_decoder = SpeculativeDecoder(TargetAsDrafter(target, logit_noise=0.5), config)
+    engine = EmbeddedEngine(target, eos_token_id=64, pad_token_id=0, speculative=speculative_decoder)
     speculative = engine.generate(requests, greedy, torch.Generator(), return_hidden=True)
     assert [c.response_ids for c in speculative] == [c.response_ids for c in plain]
     for completion in speculative:
@@ -216,7 +217,10 @@ def exact_three_token_law(target, prompt: tuple[int, ...], params: SamplingParam
 SAMPLING = [SamplingParams(3, temperature=1.0), SamplingParams(3, temperature=0.8, top_k=5, top_p=0.9)]
 
 
-@pytest.mark.parametrize("config", [SpeculativeConfig(3), SpeculativeConfig(2, 2, 5), SpeculativeConfig(2, 3, 6)], ids=lambda config: config.label())
+SAMPLED_SHAPES = [SpeculativeConfig(3), SpeculativeConfig(2, 2, 5), SpeculativeConfig(2, 3, 6)]
+
+
+@pytest.mark.parametrize("config", SAMPLED_SHAPES, ids=lambda config: config.label())
 @pytest.mark.parametrize("params", SAMPLING, ids=["plain", "top-k-top-p"])
 def test_sampled_sd_matches_the_target_distribution(config, params):
     target = tiny_target(vocab_size=8, initializer_range=0.4)

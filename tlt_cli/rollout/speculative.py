@@ -32,7 +32,7 @@ from torch import nn
 
 from tlt_cli.rollout.acceptance import Verdict, accept_chain, accept_tree
 from tlt_cli.rollout.kv_cache import SlotCache, block_attention_mask
-from tlt_cli.rollout.tree import ChainBuilder, DraftTree, TreeBuilder
+from tlt_cli.rollout.tree import ChainBuilder, DraftTree, TreeBuilder, gather_rows
 from tlt_cli.rollout.types import SamplingParams, SpeculativeConfig, SpeculativeStats
 
 if TYPE_CHECKING:
@@ -136,7 +136,7 @@ class SpeculativeDecoder:
         width = int(gap.max())
         slots = self.drafter_lengths[:, None] + torch.arange(width, device=gap.device)
         stored_hidden = batch.cache.extra[:, 0]
-        hidden = stored_hidden.gather(1, slots.clamp(max=stored_hidden.shape[1] - 1)[:, :, None].expand(-1, -1, stored_hidden.shape[2]))
+        hidden = gather_rows(stored_hidden, slots.clamp(max=stored_hidden.shape[1] - 1))
         # token t+1 of every position up to the pending token at lengths[b]
         next_token_ids = batch.tokens.gather(1, (slots + 1).clamp(max=batch.tokens.shape[1] - 1))
         causal = torch.ones(width, width, dtype=torch.bool, device=gap.device).tril()
@@ -163,9 +163,7 @@ class SpeculativeDecoder:
             if step == config.steps - 1:
                 break
             # each node reads its parent's predicted hidden state, at the parent's position + 1
-            parent_hidden = frontier_hidden.gather(
-                1, frontier.parent_slot[:, :, None].expand(-1, -1, frontier_hidden.shape[2])
-            )
+            parent_hidden = gather_rows(frontier_hidden, frontier.parent_slot)
             positions = (batch.lengths + step)[:, None].expand_as(frontier.tokens)
             output = self._run_drafter(
                 frontier.tokens, parent_hidden, batch.lengths, positions, frontier.visible, written
@@ -200,7 +198,7 @@ class SpeculativeDecoder:
         emitted.scatter_(1, accept_length[:, None], verdict.bonus[:, None])
         # drafter catch-up: entry at position lengths + j pairs target_hidden there with emitted[j]
         caught_up = int(accept_length.max()) + 1
-        path_hidden = hidden.gather(1, path[:, :caught_up, None].expand(-1, -1, hidden.shape[2]))
+        path_hidden = gather_rows(hidden, path[:, :caught_up])
         positions = batch.lengths[:, None] + offsets[None, :caught_up]
         causal = torch.ones(caught_up, caught_up, dtype=torch.bool, device=path.device).tril()
         output = self._run_drafter(emitted[:, :caught_up], path_hidden, batch.lengths, positions, causal, written=0)

@@ -124,7 +124,7 @@ class TreeBuilder:
         parent_slot = kept // topk
         self.frontier_index = self.candidate_count - tokens.shape[1] + kept
         self.frontier_scores = scores.gather(1, kept)
-        inherited = self.frontier_visible.gather(1, parent_slot[:, :, None].expand(-1, -1, self.frontier_visible.shape[2]))
+        inherited = gather_rows(self.frontier_visible, parent_slot)
         own = torch.eye(topk, dtype=torch.bool, device=tokens.device).expand(batch_size, topk, topk)
         self.frontier_visible = torch.cat([inherited, own], dim=2)
         return Frontier(tokens.gather(1, kept), parent_slot, self.frontier_visible)
@@ -164,3 +164,8 @@ def ancestor_mask(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
         # each pass adds one more generation: n inherits everything its parent sees
         mask = mask | mask.gather(1, parent_rows)
     return mask
+
+
+def gather_rows(values: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """values [B, N, D] and index [B, K] -> [B, K, D] with out[b, k] = values[b, index[b, k]]."""
+    return values.gather(1, index[:, :, None].expand(-1, -1, values.shape[2]))
