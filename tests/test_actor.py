@@ -29,11 +29,15 @@ def rollout_batch():
     return build_policy_batch(completions, torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, -2.0]), pad_token_id=0)
 
 
-def test_policy_batch_masks_cover_exactly_the_response_tokens():
+def test_policy_batch_sorts_rows_by_length_and_masks_exactly_the_response_tokens():
     batch = rollout_batch()
     assert batch.input_ids.shape == (6, 7)
+    lengths = batch.attention_mask.sum(dim=1).tolist()
+    assert lengths == sorted(lengths) == [4, 5, 5, 6, 6, 7]
+    # the shortest row is request 0: prompt (1, 2), response [5, 6]; advantages travel with their rows
+    assert batch.input_ids[0, :4].tolist() == [1, 2, 5, 6]
     assert batch.response_mask[0].tolist() == [0, 0, 1, 1, 0, 0, 0]
-    assert batch.attention_mask[1].tolist() == [1, 1, 1, 1, 1, 1, 0]
+    assert batch.advantages[0].item() == 1.0 and batch.advantages[-1].item() == -2.0
     assert batch.response_token_count == sum(2 + i % 3 for i in range(6))
 
 
@@ -66,3 +70,16 @@ def test_save_then_load_restores_weights_and_optimizer_exactly(single_process_gr
     second.update(second.logprobs(rollout_batch()))
     for name, value in second.policy.state_dict().items():
         assert torch.equal(value, continued[name]), name
+
+
+def test_single_pass_update_equals_recomputing_old_logprobs_first(single_process_group):
+    config = ActorConfig(lr=1e-2, micro_batch_size=4)
+    fused = Actor(tiny_policy(), config, sequences_per_update=6)
+    seen = []
+    fused.update(rollout_batch(), on_hidden_states=lambda micro_batch, hidden: seen.append((micro_batch.size, hidden.shape)))
+    two_pass = Actor(tiny_policy(), config, sequences_per_update=6)
+    two_pass.update(two_pass.logprobs(rollout_batch()))
+    for (name, value), other in zip(fused.policy.state_dict().items(), two_pass.policy.state_dict().values()):
+        assert torch.allclose(value, other, atol=1e-6), name
+    # the sidecar hook sees every micro-batch's hidden states once: [b, t, hidden]
+    assert [size for size, _ in seen] == [4, 2] and all(shape[-1] == 32 for _, shape in seen)

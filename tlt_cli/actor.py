@@ -69,34 +69,46 @@ class Actor:
         return self.engine.module
 
     @torch.no_grad()
-    def logprobs(self, batch: PolicyBatch, on_hidden_states: HiddenStatesCallback | None = None) -> PolicyBatch:
-        """The batch with old (and reference) log-probs filled, recomputed by the actor."""
+    def logprobs(self, batch: PolicyBatch, on_hidden_states: HiddenStatesCallback | None = None,
+                 include_policy: bool = True) -> PolicyBatch:
+        """The batch with old (and, with a reference model, reference) log-probs recomputed by the actor."""
         old_parts, reference_parts = [], []
         for micro_batch in micro_batches(batch, self.config.micro_batch_size):
-            hidden = self._last_hidden_state(self.policy, micro_batch)
-            if on_hidden_states is not None:
-                on_hidden_states(micro_batch, hidden)
-            old_parts.append(_pad_to(token_logprobs(self.policy.lm_head(hidden), micro_batch.input_ids), batch))
+            if include_policy:
+                hidden = self._last_hidden_state(self.policy, micro_batch)
+                if on_hidden_states is not None:
+                    on_hidden_states(micro_batch, hidden)
+                old_parts.append(_pad_to(token_logprobs(self.policy.lm_head(hidden), micro_batch.input_ids), batch))
             if self.reference is not None:
                 reference_hidden = self._last_hidden_state(self.reference, micro_batch)
                 reference_parts.append(_pad_to(token_logprobs(self.reference.lm_head(reference_hidden), micro_batch.input_ids), batch))
+        old = torch.cat(old_parts) if old_parts else None
         reference = torch.cat(reference_parts) if reference_parts else None
-        return batch.with_logprobs(torch.cat(old_parts), reference)
+        return batch.with_logprobs(old, reference)
 
     @staticmethod
     def _last_hidden_state(model: PreTrainedModel, batch: PolicyBatch) -> torch.Tensor:
         output = model.get_decoder()(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False)
         return output.last_hidden_state
 
-    def update(self, batch: PolicyBatch) -> UpdateMetrics:
-        """ppo_epochs optimizer steps over the whole batch (one step = all its micro-batches)."""
+    def update(self, batch: PolicyBatch, on_hidden_states: HiddenStatesCallback | None = None) -> UpdateMetrics:
+        """ppo_epochs optimizer steps over the whole batch (one step = all its micro-batches).
+
+        With one epoch the weights do not move until every micro-batch has been seen (gradients
+        accumulate to one optimizer step), so the old log-probs are exactly the current ones,
+        detached, from the training forward itself: one forward per micro-batch instead of two.
+        With more epochs they are recomputed first, before any step.
+        """
+        single_pass = self.config.ppo_epochs == 1
+        if not single_pass or self.reference is not None:
+            batch = self.logprobs(batch, on_hidden_states, include_policy=not single_pass)
         self.engine.train()
         totals = {"loss": 0.0, "clip_fraction": 0.0, "kl": 0.0, "ratio_mean": 0.0, "grad_norm": 0.0}
         parts = micro_batches(batch, self.config.micro_batch_size)
         total_tokens = max(batch.response_token_count, 1)
         for _ in range(self.config.ppo_epochs):
             for micro_batch in parts:
-                result = self._micro_batch_loss(micro_batch, total_tokens)
+                result = self._micro_batch_loss(micro_batch, total_tokens, on_hidden_states if single_pass else None)
                 # the loss is already normalised over the whole batch: no extra 1/accumulation scaling
                 self.engine.backward(result.loss, scale_wrt_gas=False)
                 self.engine.step()
@@ -109,12 +121,18 @@ class Actor:
         epochs = self.config.ppo_epochs
         return UpdateMetrics(**{name: value / epochs for name, value in totals.items()})
 
-    def _micro_batch_loss(self, micro_batch: PolicyBatch, total_tokens: int) -> PolicyLoss:
+    def _micro_batch_loss(self, micro_batch: PolicyBatch, total_tokens: int,
+                          on_hidden_states: HiddenStatesCallback | None) -> PolicyLoss:
         hidden = self._last_hidden_state(self.policy, micro_batch)
         logprobs = token_logprobs(self.policy.lm_head(hidden), micro_batch.input_ids)
+        old_logprobs = micro_batch.old_logprobs
+        if old_logprobs is None:  # single pass: the policy has not moved yet
+            old_logprobs = logprobs.detach()
+            if on_hidden_states is not None:
+                on_hidden_states(micro_batch, hidden.detach())
         return policy_loss(
             logprobs=logprobs,
-            old_logprobs=micro_batch.old_logprobs,
+            old_logprobs=old_logprobs,
             advantages=micro_batch.advantages,
             response_mask=micro_batch.response_mask,
             clip_ratio=self.config.clip_ratio,

@@ -68,7 +68,7 @@ class ActorConfig:
     lr: float = 1e-5
     weight_decay: float = 0.0
     zero_stage: int = 2
-    micro_batch_size: int = 16
+    micro_batch_size: int = 4
     clip_ratio: float = 0.2
     kl_coef: float = 0.0
     ppo_epochs: int = 1

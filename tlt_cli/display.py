@@ -61,7 +61,7 @@ class TrainingDisplay:
         self.records.append(record)
         if self._live is None:
             cells = "  ".join(f"{name} {_cell(record, key, template)}" for name, key, template in COLUMNS)
-            self.console.print(cells, highlight=False)
+            self.console.print(cells, highlight=False, soft_wrap=True)
         else:
             self._live.update(self._table(), refresh=True)
 

@@ -37,7 +37,7 @@ class PolicyBatch:
     def response_token_count(self) -> int:
         return int(self.response_mask.sum())
 
-    def with_logprobs(self, old_logprobs: torch.Tensor, ref_logprobs: torch.Tensor | None) -> PolicyBatch:
+    def with_logprobs(self, old_logprobs: torch.Tensor | None, ref_logprobs: torch.Tensor | None) -> PolicyBatch:
         return replace(self, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs)
 
     def slice(self, start: int, stop: int) -> PolicyBatch:
@@ -58,7 +58,15 @@ class PolicyBatch:
 
 
 def build_policy_batch(completions: list[Completion], advantages: torch.Tensor, pad_token_id: int) -> PolicyBatch:
-    """Right-pad prompt + response of each completion into one PolicyBatch (rows in completion order)."""
+    """Right-pad prompt + response of each completion into one PolicyBatch, rows sorted by length.
+
+    advantages[i] belongs to completions[i]. Sorting (stable, shortest first) makes each
+    micro-batch hold sequences of similar length, so a long-tailed rollout does not pad every
+    micro-batch to its longest response.
+    """
+    order = sorted(range(len(completions)), key=lambda index: len(completions[index].prompt_ids) + len(completions[index].response_ids))
+    completions = [completions[index] for index in order]
+    advantages = advantages[order]
     sequences = [list(completion.prompt_ids) + list(completion.response_ids) for completion in completions]
     length = max(len(sequence) for sequence in sequences)
     count = len(sequences)

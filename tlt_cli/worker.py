@@ -84,6 +84,7 @@ class StepShard:
 def worker_main(spec: WorkerSpec, events: Any) -> None:
     """Process entry point: run the loop, report failure instead of dying silently."""
     _exit_with_parent()
+    _redirect_output(spec.run_directory / "workers" / f"worker-{spec.address.rank}.log")
     try:
         WorkerLoop(spec, events).run()
         events.put(WorkerFinished(spec.address.rank))
@@ -102,6 +103,14 @@ def _exit_with_parent() -> None:
         os._exit(1)
 
     threading.Thread(target=watch, daemon=True).start()
+
+
+def _redirect_output(log_path: Path) -> None:
+    """Send this process's stdout/stderr (library chatter, warnings) to its log file, not the user's terminal."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    log = log_path.open("a", encoding="utf-8")
+    os.dup2(log.fileno(), 1)
+    os.dup2(log.fileno(), 2)
 
 
 class WorkerLoop:
@@ -184,7 +193,6 @@ class WorkerLoop:
         """GRPO update on this rank's completions (sorted by request id, so groups are consecutive)."""
         advantages = group_advantages(rewards, self.recipe.train.group_size)
         batch = build_policy_batch(completions, advantages, self.tokenizer.pad_token_id)
-        batch = self.actor.logprobs(batch)
         return vars(self.actor.update(batch))
 
     def request_record(self, step: int, completion: Completion, reward: float) -> dict[str, Any]:
