@@ -10,6 +10,7 @@ setting, written atomically; `load_policy("builtin:tiny-arith")` calls it.
 
 from __future__ import annotations
 
+import copy
 import fcntl
 import hashlib
 import json
@@ -93,8 +94,8 @@ def tiny_model_config(
 
 
 def build_tiny_model(seed: int, config: PretrainedConfig | None = None) -> PreTrainedModel:
-    """A randomly initialised causal LM for `config` (default: the tiny Qwen2), seeded."""
-    config = config if config is not None else tiny_model_config()
+    """A randomly initialised causal LM for a copy of `config` (default: the tiny Qwen2), seeded."""
+    config = copy.deepcopy(config) if config is not None else tiny_model_config()
     model_classes = {config_class: model_class for config_class, model_class in ARCHITECTURES.values()}
     torch.manual_seed(seed)
     model = model_classes[type(config)](config)
@@ -146,8 +147,8 @@ def _warm_up_lr_scale(step: int, total_steps: int) -> float:
 
 
 def _length_sorted_batches(tokenizer, task, steps, batch_size, generator):
-    """Yield `steps` padded batches; each pool of 8 batches is sorted by length, then shuffled."""
-    pool_batches = 8
+    """Yield `steps` padded batches; each pool of 32 batches is sorted by length, then shuffled."""
+    pool_batches = 32
     problem_index = 0
     for pool_start in range(0, steps, pool_batches):
         pool_size = min(pool_batches, steps - pool_start)
@@ -209,15 +210,25 @@ def ensure_tiny_model(
     with open(cache_dir / f"{model_dir.name}.lock", "w") as lock_file:
         fcntl.flock(lock_file, fcntl.LOCK_EX)  # released when the file closes
         if not (model_dir / "config.json").is_file():
-            _build_into(model_dir, seed, config, settings)
+            model, tokenizer, _ = build_warmed_up_model(seed, config, settings)
+            save_model_folder(model, tokenizer, model_dir)
     return model_dir
 
 
-def _build_into(model_dir: Path, seed: int, config: PretrainedConfig, settings: WarmUpSettings) -> None:
+def build_warmed_up_model(
+    seed: int, config: PretrainedConfig, settings: WarmUpSettings
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, list[float]]:
+    """The tiny model built from `config` and warmed up on the arithmetic task; also the losses."""
     tokenizer = tiny_tokenizer()
     model = build_tiny_model(seed, config)
     task = ArithmeticTask(seed=seed, tail_exponent=settings.tail_exponent)
-    warm_up(model, tokenizer, task, settings.steps, settings.batch_size, settings.learning_rate, seed)
+    losses = warm_up(model, tokenizer, task, settings.steps, settings.batch_size, settings.learning_rate, seed)
+    return model, tokenizer, losses
+
+
+def save_model_folder(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, model_dir: Path) -> None:
+    """Save model and tokenizer into a temporary sibling of `model_dir`, then rename it into place."""
+    model_dir.parent.mkdir(parents=True, exist_ok=True)
     staging_dir = Path(tempfile.mkdtemp(prefix=f".{model_dir.name}-", dir=model_dir.parent))
     try:
         model.save_pretrained(staging_dir)

@@ -1,0 +1,135 @@
+"""Build the built-in tiny model into a folder and measure what GRPO will start from.
+
+Builds `builtin:tiny-arith` (seeded Qwen2 + supervised warm-up on the arithmetic task), saves
+it as a Hugging Face folder, then samples with Hugging Face `generate` on held-out problems
+(a different task seed) and prints a table: parameters, warm-up seconds, mean reward with
+greedy and temperature-1 sampling (overall, on short problems of <= 3 terms and on long ones
+of >= 10 terms), and sampled response-length p50/p99. Writes the same numbers as JSON.
+
+    /work/venv/bin/python scripts/make_tiny_model.py /tmp/tiny-arith --json /tmp/tiny-arith.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from tlt_cli.models.tiny import WarmUpSettings, build_warmed_up_model, save_model_folder, tiny_model_config
+from tlt_cli.tasks.arithmetic import ArithmeticTask
+
+# held-out problems come from a task seed the warm-up never uses
+EVALUATION_SEED = 1_000_003
+GENERATION_BATCH = 32
+SHORT_TERMS = 3
+LONG_TERMS = 10
+
+
+def sample_responses(model, tokenizer, task, count: int, temperature: float):
+    """(terms, reward, response tokens incl. EOS) for problems 0..count-1; temperature 0 is greedy."""
+    problems = sorted((task.problem(index) for index in range(count)), key=lambda problem: len(problem.prompt))
+    max_new_tokens = 6 * task.max_terms + 8  # longest solution is 5 * terms + 1 characters, plus EOS
+    tokenizer.padding_side = "left"
+    results = []
+    for start in range(0, count, GENERATION_BATCH):
+        chunk = problems[start : start + GENERATION_BATCH]
+        batch = tokenizer([problem.prompt for problem in chunk], return_tensors="pt", padding=True)
+        sampling = {"do_sample": True, "temperature": temperature, "top_k": 0} if temperature > 0 else {"do_sample": False}
+        with torch.no_grad():
+            generated = model.generate(**batch, max_new_tokens=max_new_tokens, **sampling)
+        for problem, response_ids in zip(chunk, generated[:, batch["input_ids"].shape[1] :].tolist()):
+            response_ids = _until_eos(response_ids, tokenizer.eos_token_id)
+            response = tokenizer.decode(response_ids, skip_special_tokens=True)
+            results.append((len(problem.prompt) // 2, task.reward(problem, response), len(response_ids)))
+    return np.array(results, dtype=np.float64)
+
+
+def _until_eos(response_ids: list[int], eos_token_id: int) -> list[int]:
+    if eos_token_id in response_ids:
+        return response_ids[: response_ids.index(eos_token_id) + 1]
+    return response_ids
+
+
+def reward_summary(results) -> dict[str, float]:
+    terms, rewards = results[:, 0], results[:, 1]
+    return {
+        "mean": float(rewards.mean()),
+        "short": float(rewards[terms <= SHORT_TERMS].mean()),
+        "long": float(rewards[terms >= LONG_TERMS].mean()) if (terms >= LONG_TERMS).any() else float("nan"),
+    }
+
+
+def measure(model, tokenizer, reward_problems: int, length_problems: int, seed: int) -> dict:
+    task = ArithmeticTask(seed=EVALUATION_SEED)
+    torch.manual_seed(seed)
+    greedy = sample_responses(model, tokenizer, task, reward_problems, temperature=0.0)
+    sampled = sample_responses(model, tokenizer, task, max(reward_problems, length_problems), temperature=1.0)
+    response_lengths = sampled[:, 2]
+    reference_lengths = [len(task.problem(index).solution) + 1 for index in range(len(sampled))]
+    p50, p99 = np.percentile(response_lengths, [50, 99])
+    return {
+        "greedy_reward": reward_summary(greedy),
+        "sampled_reward": reward_summary(sampled[:reward_problems]),
+        "sampled_reward_all": reward_summary(sampled),
+        "response_length_p50": float(p50),
+        "response_length_p99": float(p99),
+        "response_length_p99_over_p50": float(p99 / p50),
+        "reference_length_p99_over_p50": float(np.percentile(reference_lengths, 99) / np.percentile(reference_lengths, 50)),
+    }
+
+
+def print_table(report: dict) -> None:
+    table = Table(title="builtin:tiny-arith")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    table.add_row("parameters", f"{report['parameters']:,}")
+    table.add_row("warm-up seconds", f"{report['warm_up_seconds']:.1f}")
+    table.add_row("final warm-up loss", f"{report['final_loss']:.3f}")
+    for label in ("greedy_reward", "sampled_reward", "sampled_reward_all"):
+        rewards = report[label]
+        table.add_row(label, f"{rewards['mean']:.3f} (short {rewards['short']:.3f}, long {rewards['long']:.3f})")
+    table.add_row("response length p50 / p99", f"{report['response_length_p50']:.0f} / {report['response_length_p99']:.0f}")
+    table.add_row("response length p99/p50", f"{report['response_length_p99_over_p50']:.1f}")
+    table.add_row("reference solution p99/p50", f"{report['reference_length_p99_over_p50']:.1f}")
+    Console().print(table)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("output_dir", type=Path, help="folder to write the model into (replaced if absent)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--warmup-steps", type=int, default=WarmUpSettings.steps)
+    parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    parser.add_argument("--reward-problems", type=int, default=64)
+    parser.add_argument("--length-problems", type=int, default=200)
+    parser.add_argument("--json", type=Path, default=None, help="where to write the numbers")
+    arguments = parser.parse_args()
+    torch.set_num_threads(arguments.threads)
+    started = time.perf_counter()
+    model, tokenizer, losses = build_warmed_up_model(
+        arguments.seed, tiny_model_config(), WarmUpSettings(steps=arguments.warmup_steps)
+    )
+    warm_up_seconds = time.perf_counter() - started
+    save_model_folder(model, tokenizer, arguments.output_dir)
+    report = {
+        "output_dir": str(arguments.output_dir),
+        "threads": arguments.threads,
+        "warmup_steps": arguments.warmup_steps,
+        "parameters": sum(parameter.numel() for parameter in model.parameters()),
+        "warm_up_seconds": warm_up_seconds,
+        "final_loss": float(np.mean(losses[-10:])),
+        **measure(model, tokenizer, arguments.reward_problems, arguments.length_problems, arguments.seed),
+    }
+    print_table(report)
+    if arguments.json is not None:
+        arguments.json.write_text(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()

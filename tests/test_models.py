@@ -1,0 +1,168 @@
+"""Models: the char tokenizer round-trip, the tiny model build/warm-up/cache, and load_policy."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import AutoTokenizer, PreTrainedTokenizerFast, ViTConfig
+
+from tlt_cli.models.loading import ModelLoadError, load_policy
+from tlt_cli.models.tiny import (
+    IGNORED_LABEL,
+    build_tiny_model,
+    ensure_tiny_model,
+    tiny_model_config,
+    tiny_tokenizer,
+    warm_up,
+)
+from tlt_cli.models.tiny import _supervised_example
+from tlt_cli.models.tokenizer import build_char_tokenizer
+from tlt_cli.tasks.arithmetic import CHARACTERS, ArithmeticTask, make_problem
+
+torch.set_num_threads(1)
+
+
+def small_config(architecture: str = "qwen2", tie_word_embeddings: bool = True, vocab_size: int | None = None):
+    config = tiny_model_config(
+        architecture=architecture,
+        hidden_size=32,
+        num_layers=2,
+        num_heads=2,
+        num_kv_heads=1,
+        intermediate_size=64,
+        max_position_embeddings=256,
+        tie_word_embeddings=tie_word_embeddings,
+    )
+    if vocab_size is not None:
+        config.vocab_size = vocab_size
+    return config
+
+
+def test_char_tokenizer_one_id_per_character_and_plain_decode():
+    tokenizer = build_char_tokenizer("ab c\n")
+    ids = tokenizer("a b\n\nca", add_special_tokens=True)["input_ids"]
+    assert len(ids) == len("a b\n\nca")
+    assert tokenizer.decode(ids) == "a b\n\nca"
+    assert tokenizer.decode([*ids, tokenizer.eos_token_id], skip_special_tokens=True) == "a b\n\nca"
+    assert tokenizer("z")["input_ids"] == [tokenizer.unk_token_id]
+    assert (tokenizer.pad_token_id, tokenizer.bos_token_id, tokenizer.eos_token_id) == (0, 1, 2)
+
+
+def test_char_tokenizer_save_and_auto_load_round_trip(tmp_path):
+    tokenizer = tiny_tokenizer()
+    tokenizer.save_pretrained(tmp_path)
+    reloaded = AutoTokenizer.from_pretrained(tmp_path, local_files_only=True)
+    text = make_problem(0, [3, 1, 4]).prompt + make_problem(0, [3, 1, 4]).solution
+    assert reloaded(text)["input_ids"] == tokenizer(text)["input_ids"]
+    assert reloaded.decode(reloaded(text)["input_ids"]) == text
+    assert reloaded.eos_token_id == tokenizer.eos_token_id
+    assert len(reloaded) == len(CHARACTERS) + 4
+
+
+def test_tiny_config_defaults_and_seeded_build():
+    config = tiny_model_config()
+    assert (config.hidden_size, config.num_hidden_layers, config.num_attention_heads) == (256, 8, 4)
+    assert (config.num_key_value_heads, config.intermediate_size, config.max_position_embeddings) == (2, 512, 1024)
+    assert config.vocab_size == len(tiny_tokenizer()) and config.tie_word_embeddings
+    first, again, other = (build_tiny_model(seed, small_config()) for seed in (0, 0, 1))
+    assert all(torch.equal(a, b) for a, b in zip(first.parameters(), again.parameters()))
+    assert not torch.equal(first.lm_head.weight, other.lm_head.weight)
+    assert first.lm_head.weight is first.get_input_embeddings().weight
+
+
+def test_supervised_example_masks_the_prompt():
+    tokenizer = tiny_tokenizer()
+    problem = make_problem(0, [3, 1])
+    input_ids, labels = _supervised_example(tokenizer, problem)
+    assert tokenizer.decode(input_ids, skip_special_tokens=True) == problem.prompt + problem.solution
+    assert input_ids[-1] == tokenizer.eos_token_id
+    assert labels[: len(problem.prompt)] == [IGNORED_LABEL] * len(problem.prompt)
+    assert labels[len(problem.prompt) :] == input_ids[len(problem.prompt) :]
+
+
+def test_warm_up_lowers_the_solution_loss():
+    tokenizer = tiny_tokenizer()
+    model = build_tiny_model(0, small_config())
+    losses = warm_up(model, tokenizer, ArithmeticTask(seed=0, max_terms=4), steps=60, batch_size=8, lr=1e-2, seed=0)
+    assert len(losses) == 60
+    assert sum(losses[-5:]) / 5 < 0.5 * sum(losses[:5]) / 5
+    assert not model.training
+
+
+def test_ensure_tiny_model_builds_once_atomically_and_loads(tmp_path):
+    config = small_config()
+    model_dir = ensure_tiny_model(tmp_path, seed=0, warmup_steps=2, config=config)
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= {path.name for path in model_dir.iterdir()}
+    weights_mtime = (model_dir / "model.safetensors").stat().st_mtime_ns
+    assert ensure_tiny_model(tmp_path, seed=0, warmup_steps=2, config=config) == model_dir
+    assert (model_dir / "model.safetensors").stat().st_mtime_ns == weights_mtime
+    assert ensure_tiny_model(tmp_path, seed=1, warmup_steps=2, config=config) != model_dir
+    assert not [path for path in tmp_path.iterdir() if path.name.startswith(".")]  # no staging folder left
+    model, tokenizer = load_policy(str(model_dir))
+    problem = ArithmeticTask(seed=0).problem(1)
+    assert tokenizer(problem.solution)["input_ids"] == tiny_tokenizer()(problem.solution)["input_ids"]
+    prompt_ids = tokenizer("a3b1=", return_tensors="pt")["input_ids"]
+    generated = model.generate(prompt_ids, max_new_tokens=4, do_sample=False)
+    assert prompt_ids.shape[1] < generated.shape[1] <= prompt_ids.shape[1] + 4
+
+
+def test_load_policy_llama_untied_large_vocab(tmp_path):
+    config = small_config("llama", tie_word_embeddings=False, vocab_size=32000)
+    saved = build_tiny_model(3, config)
+    saved.save_pretrained(tmp_path)
+    tiny_tokenizer().save_pretrained(tmp_path)
+    model, tokenizer = load_policy(str(tmp_path))
+    assert type(model).__name__ == "LlamaForCausalLM"
+    assert model.lm_head.weight.shape == (32000, 32)
+    assert model.lm_head.weight.data_ptr() != model.get_input_embeddings().weight.data_ptr()
+    assert torch.equal(model.lm_head.weight, saved.lm_head.weight)
+    assert model.get_decoder() is model.model
+    assert tokenizer.pad_token_id is not None
+
+
+def save_tiny_folder(folder, tokenizer=None, architecture="qwen2"):
+    build_tiny_model(0, small_config(architecture)).save_pretrained(folder)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(folder)
+    return folder
+
+
+def test_load_policy_errors_name_the_problem(tmp_path):
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        load_policy(str(tmp_path / "absent"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ModelLoadError, match="no config.json"):
+        load_policy(str(tmp_path / "empty"))
+    ViTConfig().save_pretrained(tmp_path / "vision")
+    with pytest.raises(ModelLoadError, match="'vit', which is not a causal language model"):
+        load_policy(str(tmp_path / "vision"))
+    with pytest.raises(ModelLoadError, match="has no tokenizer"):
+        load_policy(str(save_tiny_folder(tmp_path / "no_tokenizer")))
+    with pytest.raises(ModelLoadError, match="has no EOS token"):
+        load_policy(str(save_tiny_folder(tmp_path / "no_eos", tokenizer_without_eos(), "llama")))
+
+
+def test_load_policy_sets_pad_to_eos_when_missing(tmp_path):
+    tokenizer = tiny_tokenizer()
+    tokenizer.pad_token = None
+    _, loaded = load_policy(str(save_tiny_folder(tmp_path, tokenizer)))
+    assert loaded.pad_token_id == loaded.eos_token_id == tokenizer.eos_token_id
+
+
+def tokenizer_without_eos():
+    backend = Tokenizer(models.WordLevel(vocab={"<unk>": 0, "a": 1}, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>")
+
+
+@pytest.mark.slow
+def test_builtin_tiny_model_loads_and_has_non_zero_reward(tmp_path):
+    model, tokenizer = load_policy("builtin:tiny-arith", cache_dir=tmp_path)
+    task = ArithmeticTask(seed=99)
+    problems = [task.problem(index) for index in range(32)]
+    tokenizer.padding_side = "left"
+    batch = tokenizer([problem.prompt for problem in problems], return_tensors="pt", padding=True)
+    generated = model.generate(**batch, max_new_tokens=300, do_sample=False)
+    responses = tokenizer.batch_decode(generated[:, batch["input_ids"].shape[1] :], skip_special_tokens=True)
+    assert sum(task.reward(problem, response) for problem, response in zip(problems, responses)) > 0
