@@ -1,0 +1,90 @@
+"""`tlt train` end to end on CPU: two real worker processes, DeepSpeed ZeRO-2, trace and checkpoints.
+
+The fast test runs 2 steps; the slow one kills a run with SIGKILL mid-way, resumes it and checks it
+ends with the same metrics as a run that was never killed.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tlt_cli.models.tiny import ensure_tiny_model
+
+TLT = [sys.executable, "-m", "tlt_cli"]
+RECIPE = Path(__file__).resolve().parent.parent / "recipes" / "tiny-cpu.yaml"
+# metrics that do not depend on wall-clock time
+DETERMINISTIC = ("mean_reward", "response_length_p50", "response_length_max", "response_tokens", "actor_loss", "actor_grad_norm")
+
+
+@pytest.fixture(scope="module")
+def small_model(tmp_path_factory, cache_directory) -> Path:
+    """A briefly warmed-up tiny model folder (a local Hugging Face folder, as users point at)."""
+    return ensure_tiny_model(cache_directory, warmup_steps=40)
+
+
+def small_run(model: Path, output: Path, name: str, steps: int, *extra: str) -> list[str]:
+    return [*TLT, "train", str(RECIPE), f"model.path={model}", f"run.output_dir={output}", f"run.name={name}",
+            f"train.steps={steps}", "train.prompts_per_step=4", "train.group_size=2", "rollout.max_new_tokens=48",
+            "checkpoint.every=2", *extra]
+
+
+def read_records(run_directory: Path, kind: str) -> list[dict]:
+    lines = (run_directory / "trace.jsonl").read_text().splitlines()
+    return [record for record in map(json.loads, lines) if record["type"] == kind]
+
+
+def test_two_steps_write_trace_checkpoint_and_summary(small_model, tmp_path):
+    result = subprocess.run(small_run(small_model, tmp_path, "two", 2), capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "run summary" in result.stdout and str(tmp_path / "two") in result.stdout
+    run_directory = tmp_path / "two"
+    steps = read_records(run_directory, "step")
+    assert [step["step"] for step in steps] == [0, 1]
+    requests = read_records(run_directory, "request")
+    assert len(requests) == 2 * 4 * 2 and {request["worker"] for request in requests} == {0, 1}
+    workers = read_records(run_directory, "worker")
+    assert len(workers) == 4 and all(worker["idle_seconds"] >= 0 for worker in workers)
+    # the slower worker of each step has no idle time; the other waits for it
+    for step in (0, 1):
+        idle = sorted(worker["idle_seconds"] for worker in workers if worker["step"] == step)
+        assert idle[0] == 0.0
+    assert (run_directory / "checkpoints" / "latest").read_text() == "step_000002"
+    assert (run_directory / "recipe.yaml").is_file()
+
+
+def test_a_second_run_with_the_same_name_is_refused(small_model, tmp_path):
+    (tmp_path / "taken" / "checkpoints").mkdir(parents=True)
+    result = subprocess.run(small_run(small_model, tmp_path, "taken", 2), capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "--resume" in result.stderr
+
+
+@pytest.mark.slow
+def test_sigkill_then_resume_ends_with_the_same_metrics(small_model, tmp_path):
+    steps = 6
+    reference = subprocess.run(small_run(small_model, tmp_path, "reference", steps), capture_output=True, text=True, timeout=900)
+    assert reference.returncode == 0, reference.stderr[-3000:]
+
+    killed = subprocess.Popen(small_run(small_model, tmp_path, "killed", steps), stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL, start_new_session=True)
+    checkpoint = tmp_path / "killed" / "checkpoints" / "step_000004"
+    deadline = time.time() + 600
+    while not checkpoint.is_dir() and time.time() < deadline and killed.poll() is None:
+        time.sleep(0.2)
+    os.killpg(killed.pid, signal.SIGKILL)
+    killed.wait()
+    assert checkpoint.is_dir(), "the run ended before it could be killed mid-way"
+
+    resumed = subprocess.run([*TLT, "train", "--resume", str(tmp_path / "killed")], capture_output=True, text=True, timeout=900)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    expected = read_records(tmp_path / "reference", "step")
+    actual = read_records(tmp_path / "killed", "step")
+    assert [record["step"] for record in actual] == list(range(steps))
+    for want, got in zip(expected, actual):
+        for key in DETERMINISTIC:
+            assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-7), (want["step"], key)
