@@ -3,6 +3,8 @@
     tlt train recipes/tiny-cpu.yaml [key=value ...]      # a new run
     tlt train --resume runs/tiny-cpu [key=value ...]     # continue it from its last checkpoint
     tlt recipes list | show NAME | validate PATH ...
+    tlt profile runs/tiny-cpu | trace.jsonl | requests.csv | RECIPE [--json]
+    tlt export-drafter runs/tiny-cpu exported-drafter/
     tlt --version
 
 Errors a user can cause print one line and exit with code 2; a failed run exits with 1.
@@ -10,6 +12,7 @@ Errors a user can cause print one line and exit with code 2; a failed run exits 
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Annotated
 
@@ -32,7 +35,7 @@ USAGE_ERROR = 2
 
 
 def fail(message: str, code: int = USAGE_ERROR) -> typer.Exit:
-    error_console.print(f"[bold red]error:[/] {message}", highlight=False)
+    error_console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
     return typer.Exit(code)
 
 
@@ -113,19 +116,65 @@ def recipes_validate(paths: Annotated[list[str], typer.Argument(help="Recipe nam
             console.print(f"ok  {name}", highlight=False)
         except RecipeError as error:
             invalid += 1
-            error_console.print(f"[bold red]invalid[/] {error}", highlight=False)
+            error_console.print(f"[bold red]invalid[/] {error}", highlight=False, soft_wrap=True)
     if invalid:
         raise typer.Exit(USAGE_ERROR)
 
 
-@app.command()
-def profile() -> None:
-    """Show the long-tail idle time of rollouts (not built yet)."""
-    raise fail("`tlt profile` is not built yet (issue 6); read runs/<name>/trace.jsonl meanwhile.", code=1)
+@app.command(context_settings={"allow_extra_args": False})
+def profile(
+    source: Annotated[str, typer.Argument(help="A run directory, a trace.jsonl, a CSV/JSONL of per-request records (step, worker, start, end, tokens), or a recipe (records a fresh rollout).")],
+    overrides: Annotated[list[str] | None, typer.Argument(help="key=value overrides when SOURCE is a recipe.", show_default=False)] = None,
+    steps: Annotated[int, typer.Option(help="Rollout steps to record when SOURCE is a recipe (no training).")] = 2,
+    output_dir: Annotated[Path | None, typer.Option("--output-dir", help="Folder for the PNGs (default: the run directory, the input's folder, or <run.output_dir>/<run.name>-profile for a recipe).")] = None,
+    tail_batch: Annotated[int, typer.Option(help="A worker is in the tail while it has at most this many requests in flight.")] = 4,
+    sd_speedup: Annotated[float | None, typer.Option(help="SD speedup of tail decoding for the projection (default: measured from the trace, else assumed 2.0).")] = None,
+    json_output: Annotated[bool, typer.Option("--json", help="Print the profile as JSON (for scripts) instead of tables.")] = False,
+    plots: Annotated[bool, typer.Option("--plots/--no-plots", help="Write the timeline and length-histogram PNGs.")] = True,
+) -> None:
+    """Show the long tail of rollouts: lengths, idle workers, SD time and acceptance, projected speedup."""
+    from tlt_cli.models.loading import ModelLoadError
+    from tlt_cli.profile.analysis import profile_to_json
+    from tlt_cli.profile.profiler import profile_source
+    from tlt_cli.profile.records import ProfileInputError
+    from tlt_cli.profile.report import render_profile
+    from tlt_cli.tasks.registry import TaskOptionError, UnknownTaskError
+
+    try:
+        result = profile_source(source, overrides, steps, output_dir, tail_batch, sd_speedup, pictures=plots)
+    except (ProfileInputError, RecipeError, ModelLoadError, TaskOptionError, UnknownTaskError) as error:
+        raise fail(str(error)) from None
+    if json_output:
+        typer.echo(json.dumps({**profile_to_json(result.profile), "pictures": [str(path) for path in result.pictures]}, indent=2))
+        return
+    render_profile(console, result.profile, result.segments, result.lengths, result.pictures)
 
 
 @app.command("export-drafter")
-def export_drafter() -> None:
-    """Export the trained drafter for serving (not built yet)."""
-    raise fail("`tlt export-drafter` is not built yet (issue 6).", code=1)
+def export_drafter(
+    source: Annotated[Path, typer.Argument(help="A run directory (its latest checkpoint), a checkpoint folder, or a drafter folder.")],
+    output: Annotated[Path, typer.Argument(help="Folder to write: config.json, model.safetensors, README.md (the model card).")],
+    recipe: Annotated[str | None, typer.Option(help="Recipe naming the target model and task; required for a drafter folder outside a run.")] = None,
+    include_shared: Annotated[bool, typer.Option("--include-shared", help="Also write the target's embedding (and untied lm_head), which SGLang takes from the target anyway.")] = False,
+    force: Annotated[bool, typer.Option("--force", help="Replace OUTPUT if it is not empty.")] = False,
+    prompts: Annotated[int, typer.Option(help="Held-out prompts the accept length is measured on.")] = 8,
+    draft_steps: Annotated[int, typer.Option(help="Draft tokens per verify pass (a chain) when measuring acceptance.")] = 4,
+    max_new_tokens: Annotated[int | None, typer.Option(help="Longest response when measuring (default: the recipe's rollout.max_new_tokens).")] = None,
+) -> None:
+    """Export the trained drafter as a Hugging Face folder SGLang serves as an EAGLE draft model."""
+    from tlt_cli.export import ExportError
+    from tlt_cli.export import export_drafter as run_export
+    from tlt_cli.models.loading import ModelLoadError
 
+    recipe_path = resolve_recipe_path(recipe) if recipe is not None else None
+    try:
+        summary = run_export(source, output, recipe_path, include_shared, force, prompts, max_new_tokens, draft_steps)
+    except (ExportError, ModelLoadError) as error:
+        raise fail(str(error)) from None
+    measurement = summary.measurement
+    console.print(
+        f"exported {summary.architecture} drafter to {summary.output_dir}: accept length {measurement.accept_length:.3f} "
+        f"({measurement.verify_passes} verify passes on {measurement.prompts} held-out prompts; reload reproduces "
+        f"{summary.reloaded_accept_length:.3f}); model card in README.md",
+        highlight=False,
+    )

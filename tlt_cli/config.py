@@ -82,6 +82,12 @@ class CheckpointConfig:
 
 
 @dataclass(frozen=True)
+class PluginsConfig:
+    enabled: list[str] = field(default_factory=list)
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class Recipe:
     run: RunConfig = field(default_factory=RunConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -91,6 +97,7 @@ class Recipe:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     actor: ActorConfig = field(default_factory=ActorConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    plugins: PluginsConfig = field(default_factory=PluginsConfig)
 
 
 ROLLOUT_BACKENDS = ("embedded",)
@@ -152,7 +159,7 @@ def _apply_override(merged: DictConfig, override: str) -> DictConfig:
 
 _MISSING_KEY = object()
 # keys under these take any name (options passed through to the chosen task)
-FREE_FORM_SECTIONS = ("task.options.",)
+FREE_FORM_SECTIONS = ("task.options.", "plugins.options.")
 
 
 def _describe(error: OmegaConfBaseException) -> str:
@@ -214,6 +221,19 @@ def validate_recipe(recipe: Recipe) -> None:
     _require(recipe.checkpoint.every >= 1, f"checkpoint.every must be at least 1 (steps between checkpoints), got {recipe.checkpoint.every}.")
     _require(recipe.checkpoint.keep >= 1, f"checkpoint.keep must be at least 1, got {recipe.checkpoint.keep}.")
     _validate_model_path(recipe.model.path)
+    _validate_plugins(recipe.plugins)
+
+
+def _validate_plugins(plugins: PluginsConfig) -> None:
+    from tlt_cli.plugins import PluginError, plugin_factory
+
+    for name in plugins.enabled:
+        try:
+            plugin_factory(name)
+        except PluginError as error:
+            raise RecipeError(f"plugins.enabled: {error}") from None
+    for name in plugins.options:
+        _require(name in plugins.enabled, f"plugins.options.{name} is set but '{name}' is not in plugins.enabled.")
 
 
 def _validate_model_path(path: str) -> None:

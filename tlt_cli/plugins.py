@@ -1,8 +1,9 @@
 """Plugin hooks: the Protocol a worker calls at each point of a step, and the host that calls them.
 
 A plugin is any object with some of the `WorkerPlugin` methods (all are optional). Recipes list
-plugins by name under `plugins:`; names are found among the `tlt.plugins` entry points, so a
-third party adds one by declaring an entry point in its own package, without touching tlt.
+plugins under `plugins.enabled`: a name is looked up among the `tlt.plugins` entry points, so a
+third party adds one by declaring an entry point in its own package, without touching tlt; a
+`module:attribute` path imports a plugin that is not packaged (handy for experiments and tests).
 Every worker process builds a `PluginHost` and calls its hooks in this order per step:
 
     on_rollout_start -> on_request_finished (per request) -> on_worker_idle (repeatedly, until
@@ -18,6 +19,7 @@ cannot leave the others waiting.
 
 from __future__ import annotations
 
+import importlib
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -85,16 +87,26 @@ def available_plugins() -> dict[str, Any]:
     return {entry.name: entry for entry in entry_points(group=ENTRY_POINT_GROUP)}
 
 
+def plugin_factory(name: str) -> Callable[..., Any]:
+    """The class (or factory) for a plugin name or a `module:attribute` path; PluginError if absent."""
+    if ":" in name:
+        module_name, _, attribute = name.partition(":")
+        try:
+            return getattr(importlib.import_module(module_name), attribute)
+        except (ImportError, AttributeError) as error:
+            raise PluginError(f"plugin '{name}' cannot be imported ({error}).") from None
+    found = available_plugins()
+    if name not in found:
+        choices = ", ".join(sorted(found)) or "none installed"
+        raise PluginError(f"plugin '{name}' is not installed (entry point group {ENTRY_POINT_GROUP}; available: {choices}).")
+    return found[name].load()
+
+
 def build_plugins(names: list[str] | tuple[str, ...], options: dict[str, dict[str, Any]], recipe: Any) -> list[Any]:
     """Instantiate the named plugins: factory(recipe=..., **options[name])."""
-    found = available_plugins()
     plugins = []
     for name in names:
-        if name not in found:
-            choices = ", ".join(sorted(found)) or "none installed"
-            raise PluginError(f"plugin '{name}' is not installed (entry point group {ENTRY_POINT_GROUP}; available: {choices}).")
-        factory = found[name].load()
-        plugin = factory(recipe=recipe, **options.get(name, {}))
+        plugin = plugin_factory(name)(recipe=recipe, **options.get(name, {}))
         plugin.name = name
         plugins.append(plugin)
     return plugins

@@ -30,6 +30,7 @@ def _worker_record(report: WorkerStepReport, rollout_end: float) -> dict[str, An
         "busy_start": report.rollout_start, "busy_end": report.busy_end,
         "idle_start": report.busy_end, "idle_end": rollout_end,
         "idle_seconds": rollout_end - report.busy_end,
+        **report.plugin_metrics,
     }
 
 
@@ -56,4 +57,15 @@ def _step_record(reports: list[WorkerStepReport], requests: list[dict[str, Any]]
         "response_tokens": int(lengths.sum()),
         "accept_length": (accepted + verify_passes) / verify_passes if verify_passes else None,
         **{f"actor_{name}": value for name, value in update.items()},
+        **_plugin_totals(reports),
     }
+
+
+def _plugin_totals(reports: list[WorkerStepReport]) -> dict[str, float]:
+    """Plugin metrics over workers: counters (names ending in _steps or _seconds) summed, others averaged."""
+    names = sorted({name for report in reports for name in report.plugin_metrics})
+    totals = {}
+    for name in names:
+        values = [report.plugin_metrics[name] for report in reports if name in report.plugin_metrics]
+        totals[name] = float(sum(values)) if name.endswith(("_steps", "_seconds")) else float(numpy.mean(values))
+    return totals

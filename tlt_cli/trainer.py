@@ -133,6 +133,13 @@ def _record_step(reports: list[WorkerStepReport], trace: TraceWriter, display: T
     for record in records:
         trace.write(record)
     display.add_step(records[-1])
+    for report in reports:
+        for failure in report.plugin_failures:
+            message = (f"plugin {failure['plugin']} disabled on worker {report.worker}: "
+                       f"{failure['hook']} raised {failure['message']}")
+            trace.write({"type": "warning", "step": report.step, "worker": report.worker, "message": message,
+                         "details": failure["details"]})
+            display.note(message)
     checkpoint = next((report.checkpoint for report in reports if report.checkpoint), None)
     if checkpoint:
         display.note(f"checkpoint saved: {checkpoint}")

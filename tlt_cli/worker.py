@@ -24,6 +24,7 @@ from tlt_cli.config import Recipe
 from tlt_cli.distributed import RolloutBarrier, WorkerAddress, init_worker_process
 from tlt_cli.grpo import group_advantages
 from tlt_cli.models.loading import load_policy
+from tlt_cli.plugins import PluginHost, StepContext, agree_across_workers, build_plugins
 from tlt_cli.policy_batch import build_policy_batch
 from tlt_cli.rollout.engine import EmbeddedEngine
 from tlt_cli.rollout.types import Completion, RolloutRequest, SamplingParams
@@ -56,6 +57,9 @@ class WorkerStepReport:
     update_seconds: float
     requests: list[dict[str, Any]]
     update: dict[str, float]
+    # numbers plugins added to the step context (e.g. drafter_steps), and plugins disabled this step
+    plugin_metrics: dict[str, float] = field(default_factory=dict)
+    plugin_failures: list[dict[str, str]] = field(default_factory=list)
     checkpoint: str | None = None
 
 
@@ -131,10 +135,13 @@ class WorkerLoop:
         self.engine = EmbeddedEngine(self.actor.policy, eos_token_id=self.tokenizer.eos_token_id,
                                      pad_token_id=self.tokenizer.pad_token_id)
         self.barrier = RolloutBarrier(spec.address)
+        plugins = build_plugins(recipe.plugins.enabled, dict(recipe.plugins.options), recipe)
+        self.plugins = PluginHost(plugins, agree=agree_across_workers)
         self.sampling = SamplingParams(max_new_tokens=recipe.rollout.max_new_tokens, temperature=recipe.rollout.temperature,
                                        top_p=recipe.rollout.top_p, top_k=recipe.rollout.top_k)
         if spec.resume_from is not None:
             self.actor.load(spec.resume_from)
+            self.plugins.call("on_checkpoint_load", spec.resume_from)
 
     def run(self) -> None:
         for step in range(self.spec.start_step, self.recipe.train.steps):
@@ -145,24 +152,37 @@ class WorkerLoop:
             self.events.put(report)
 
     def run_step(self, step: int) -> WorkerStepReport:
+        context = StepContext(step=step, worker=self.rank, world_size=self.spec.address.world_size,
+                              engine=self.engine, policy=self.actor.policy)
         torch.distributed.barrier()
         rollout_start = time.time()
+        self.plugins.call("on_rollout_start", context)
         shard = self.shard(step)
-        completions = self.engine.generate(shard.requests, self.sampling, self.generator(step))
+        completions = self.engine.generate(shard.requests, self.sampling, self.generator(step),
+                                           on_request_finished=self._hook("on_request_finished", context))
         completions.sort(key=lambda completion: completion.request_id)
         busy_end = time.time()
         self.barrier.mark_done(step)
-        self.barrier.wait(step)
+        self.barrier.wait(step, while_idle=self._hook("on_worker_idle", context))
         idle_end = time.time()
+        self.plugins.call("on_rollout_end", context)
         rewards = self.score(shard, completions)
         reward_end = time.time()
-        update = self.update(completions, rewards)
+        update = self.update(completions, rewards, self._hook("on_hidden_states", context))
+        self.plugins.call("on_weights_updated", context)
         return WorkerStepReport(
             step=step, worker=self.rank, rollout_start=rollout_start, busy_end=busy_end, idle_end=idle_end,
             reward_seconds=reward_end - idle_end, update_seconds=time.time() - reward_end,
             requests=[self.request_record(step, completion, reward) for completion, reward in zip(completions, rewards.tolist())],
-            update=update,
+            update=update, plugin_metrics=context.metrics,
+            plugin_failures=[vars(failure) for failure in self.plugins.take_failures()],
         )
+
+    def _hook(self, hook: str, context: StepContext):
+        """A callback that forwards to the plugins' `hook` with the context, or None when no plugin has it."""
+        if not self.plugins.wants(hook):
+            return None
+        return lambda *arguments: self.plugins.call(hook, context, *arguments)
 
     def shard(self, step: int) -> StepShard:
         """This rank's prompts for `step`: a fixed slice of the step's prompts, so data order is deterministic."""
@@ -189,11 +209,11 @@ class WorkerLoop:
             rewards.append(self.task.reward(problem, response))
         return torch.tensor(rewards, dtype=torch.float32)
 
-    def update(self, completions: list[Completion], rewards: torch.Tensor) -> dict[str, float]:
+    def update(self, completions: list[Completion], rewards: torch.Tensor, on_hidden_states=None) -> dict[str, float]:
         """GRPO update on this rank's completions (sorted by request id, so groups are consecutive)."""
         advantages = group_advantages(rewards, self.recipe.train.group_size)
         batch = build_policy_batch(completions, advantages, self.tokenizer.pad_token_id)
-        return vars(self.actor.update(batch))
+        return vars(self.actor.update(batch, on_hidden_states))
 
     def request_record(self, step: int, completion: Completion, reward: float) -> dict[str, Any]:
         stats = completion.speculative
@@ -205,7 +225,11 @@ class WorkerLoop:
         }
 
     def save_checkpoint(self, next_step: int) -> Path:
+        def save_parts(directory: Path) -> None:
+            self.actor.save(directory)
+            self.plugins.call("on_checkpoint_save", directory)
+
         return save_collectively(
             self.spec.run_directory / "checkpoints", next_step, self.rank, torch.distributed.barrier,
-            self.actor.save, extra_state={"world_size": self.spec.address.world_size}, keep=self.recipe.checkpoint.keep,
+            save_parts, extra_state={"world_size": self.spec.address.world_size}, keep=self.recipe.checkpoint.keep,
         )
