@@ -1,0 +1,387 @@
+"""`tlt export-drafter`: write a trained drafter as a Hugging Face-style folder SGLang serves as an EAGLE draft.
+
+`export_drafter(source, output_dir, ...)` reads a drafter saved by `save_drafter` (a drafter folder,
+a run checkpoint's `drafter/`, or a run directory's latest checkpoint), measures its greedy accept
+length on held-out prompts of the run's task with tlt's embedded engine, and writes
+  config.json          the target's config with one layer, architectures [Qwen2|Llama]ForCausalLMEagle
+  model.safetensors    fc.weight, fc.bias, layers.0.* (names from tlt_cli/sglang/weight_sync.py),
+                       plus embed_tokens.weight / lm_head.weight with include_shared
+  README.md            the model card: target, RL step, accept length, serving command, known differences
+  tlt_export.json      what was measured, for `load_exported_drafter` and scripts
+into a temporary sibling folder, reloads that folder into the embedded engine (`load_exported_drafter`),
+checks it reproduces the same accepted tokens, and only then renames it into place. A non-empty
+output folder is replaced only with force. Layout checked against SGLang 0.5.23's source
+(models/llama_eagle.py, models/qwen2_eagle.py, speculative/eagle_worker_v2.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import PretrainedConfig, PreTrainedModel
+
+from tlt_cli.actor import CHECKPOINT_TAG
+from tlt_cli.checkpoint import STATE_FILE, CheckpointError, latest_checkpoint
+from tlt_cli.config import Recipe, RecipeError, load_recipe
+from tlt_cli.drafter.model import CONFIG_FILE, DrafterLoadError, EagleDrafter, load_drafter
+from tlt_cli.drafter.warmup import encode_prompts
+from tlt_cli.models.loading import load_policy
+from tlt_cli.rollout.engine import EmbeddedEngine
+from tlt_cli.rollout.speculative import SpeculativeDecoder
+from tlt_cli.rollout.types import RolloutRequest, SamplingParams, SpeculativeConfig
+from tlt_cli.sglang.weight_sync import drafter_tensors
+from tlt_cli.tasks.registry import build_task
+from tlt_cli.trainer import cache_directory
+
+WEIGHTS_FILE = "model.safetensors"
+EXPORT_CONFIG_FILE = "config.json"
+SUMMARY_FILE = "tlt_export.json"
+CARD_FILE = "README.md"
+# the file DeepSpeed writes the (ZeRO 0-2) module state into, under the actor's checkpoint tag
+ACTOR_WEIGHTS_FILE = "mp_rank_00_model_states.pt"
+SGLANG_ARCHITECTURES = {"qwen2": "Qwen2ForCausalLMEagle", "llama": "LlamaForCausalLMEagle"}
+SGLANG_VERSIONS_CHECKED = "0.5.23"
+SHARED_NAMES = ("embed_tokens.weight", "lm_head.weight")
+
+
+class ExportError(ValueError):
+    """A drafter that cannot be exported as asked; the message says what to fix."""
+
+
+@dataclass(frozen=True)
+class DrafterSource:
+    """Where the drafter and its target come from."""
+
+    drafter_dir: Path
+    recipe: Recipe
+    # RL steps completed when the checkpoint was written (None for a drafter folder outside a run)
+    rl_step: int | None
+    # the checkpoint whose actor weights are the target (None: the recipe's model as it is)
+    checkpoint_dir: Path | None
+
+
+@dataclass(frozen=True)
+class HeldOutProbe:
+    """How acceptance is measured: prompt_ids [N][P_i] of held-out problems, greedy, chain of draft_steps."""
+
+    prompt_ids: list[list[int]]
+    first_problem_index: int
+    eos_token_id: int
+    pad_token_id: int
+    max_new_tokens: int
+    draft_steps: int
+
+
+@dataclass(frozen=True)
+class AcceptMeasurement:
+    """Greedy SD over held-out prompts, one at a time; accept_length = (accepted + passes) / passes."""
+
+    accept_length: float
+    verify_passes: int
+    accepted_draft_tokens: int
+    accepted_by_depth: list[int]
+    proposed_by_depth: list[int]
+    prompts: int
+    first_problem_index: int
+    draft_steps: int
+    max_new_tokens: int
+
+
+@dataclass(frozen=True)
+class ExportSummary:
+    output_dir: str
+    architecture: str
+    target: str
+    rl_step: int | None
+    include_shared: bool
+    measurement: AcceptMeasurement
+    reloaded_accept_length: float
+    files: list[str]
+
+
+def export_drafter(source: Path, output_dir: Path, recipe_path: Path | None = None, include_shared: bool = False,
+                   force: bool = False, prompts: int = 8, max_new_tokens: int | None = None, draft_steps: int = 4) -> ExportSummary:
+    """Export, validate by reloading, then rename into place (see the module docstring)."""
+    output_dir = Path(output_dir)
+    _check_output(output_dir, force)
+    drafter_source = resolve_source(Path(source), recipe_path)
+    target, tokenizer = load_target(drafter_source)
+    try:
+        drafter = load_drafter(drafter_source.drafter_dir, target)
+    except DrafterLoadError as error:
+        raise ExportError(str(error)) from None
+    probe = held_out_probe(drafter_source.recipe, tokenizer, prompts, max_new_tokens, draft_steps)
+    measurement = measure_accept_length(target, drafter, probe)
+    output_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.tmp-", dir=output_dir.parent))
+    try:
+        save_file(sglang_tensors(drafter, target, include_shared), str(staging / WEIGHTS_FILE))
+        (staging / EXPORT_CONFIG_FILE).write_text(json.dumps(sglang_config(drafter, target), indent=2) + "\n", encoding="utf-8")
+        reloaded = measure_accept_length(target, load_exported_drafter(staging, target), probe)
+        _check_reproduced(measurement, reloaded, output_dir)
+        summary = ExportSummary(
+            output_dir=str(output_dir), architecture=sglang_architecture(target), target=target_description(drafter_source, target),
+            rl_step=drafter_source.rl_step, include_shared=include_shared, measurement=measurement,
+            reloaded_accept_length=reloaded.accept_length, files=[EXPORT_CONFIG_FILE, WEIGHTS_FILE, CARD_FILE, SUMMARY_FILE],
+        )
+        (staging / SUMMARY_FILE).write_text(json.dumps(asdict(summary), indent=2) + "\n", encoding="utf-8")
+        (staging / CARD_FILE).write_text(model_card(summary, drafter_source, drafter.config), encoding="utf-8")
+        _replace_directory(staging, output_dir)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return summary
+
+
+def _check_reproduced(measurement: AcceptMeasurement, reloaded: AcceptMeasurement, output_dir: Path) -> None:
+    if (reloaded.verify_passes, reloaded.accepted_draft_tokens) != (measurement.verify_passes, measurement.accepted_draft_tokens):
+        raise ExportError(
+            f"the exported drafter reloaded into tlt accepts {reloaded.accept_length:.3f} tokens per pass, not the "
+            f"{measurement.accept_length:.3f} measured before export; nothing was written to {output_dir}."
+        )
+
+
+def resolve_source(source: Path, recipe_path: Path | None) -> DrafterSource:
+    """A run directory, a checkpoint folder, its drafter/ folder, or a lone drafter folder (needs recipe_path)."""
+    if not source.is_dir():
+        raise ExportError(f"{source} is not a directory; pass a run directory, a checkpoint folder or a drafter folder.")
+    if (source / "checkpoints").is_dir():
+        try:
+            checkpoint_dir, _ = latest_checkpoint(source)
+        except CheckpointError as error:
+            raise ExportError(str(error)) from None
+        return _checkpoint_source(checkpoint_dir, recipe_path)
+    if (source / STATE_FILE).is_file():
+        return _checkpoint_source(source, recipe_path)
+    if (source / CONFIG_FILE).is_file() and (source.parent / STATE_FILE).is_file():
+        return _checkpoint_source(source.parent, recipe_path)
+    if (source / CONFIG_FILE).is_file():
+        if recipe_path is None:
+            raise ExportError(f"{source} is a drafter folder outside a run; pass --recipe RECIPE to name its target model and task.")
+        return DrafterSource(source, _recipe(recipe_path), rl_step=None, checkpoint_dir=None)
+    raise ExportError(f"{source} holds no drafter ({CONFIG_FILE}), checkpoint ({STATE_FILE}) or checkpoints/ folder.")
+
+
+def _checkpoint_source(checkpoint_dir: Path, recipe_path: Path | None) -> DrafterSource:
+    drafter_dir = checkpoint_dir / "drafter"
+    if not (drafter_dir / CONFIG_FILE).is_file():
+        raise ExportError(f"checkpoint {checkpoint_dir} has no drafter/ folder: the run trained no drafter (enable the drafter sidecar).")
+    run_recipe = checkpoint_dir.parent.parent / "recipe.yaml"
+    state = json.loads((checkpoint_dir / STATE_FILE).read_text(encoding="utf-8"))
+    return DrafterSource(drafter_dir, _recipe(recipe_path or run_recipe), rl_step=int(state["next_step"]), checkpoint_dir=checkpoint_dir)
+
+
+def _recipe(path: Path) -> Recipe:
+    try:
+        return load_recipe(path)
+    except RecipeError as error:
+        raise ExportError(str(error)) from None
+
+
+def load_target(source: DrafterSource) -> tuple[PreTrainedModel, object]:
+    """The recipe's model, with the checkpoint's actor weights when the source is a run checkpoint."""
+    target, tokenizer = load_policy(source.recipe.model.path, cache_dir=cache_directory(source.recipe))
+    if source.checkpoint_dir is None:
+        return target, tokenizer
+    weights_path = source.checkpoint_dir / CHECKPOINT_TAG / ACTOR_WEIGHTS_FILE
+    if not weights_path.is_file():
+        raise ExportError(f"checkpoint {source.checkpoint_dir} has no actor weights ({weights_path}); it is incomplete.")
+    state = torch.load(weights_path, map_location="cpu", weights_only=True)["module"]
+    try:
+        target.load_state_dict(state, strict=True)
+    except RuntimeError:
+        raise ExportError(
+            f"actor weights in {weights_path} do not fit {source.recipe.model.path} (another model, or a ZeRO-3 "
+            "checkpoint whose module state is partitioned); pass --recipe with the run's model."
+        ) from None
+    return target.eval(), tokenizer
+
+
+def held_out_probe(recipe: Recipe, tokenizer, prompts: int, max_new_tokens: int | None, draft_steps: int) -> HeldOutProbe:
+    """`prompts` problems of the recipe's task that the run never drew (indexes after its last step's)."""
+    if prompts < 1 or draft_steps < 1:
+        raise ExportError(f"need at least 1 prompt and 1 draft step to measure acceptance, got {prompts} and {draft_steps}.")
+    first_index = recipe.train.steps * recipe.train.prompts_per_step
+    task = build_task(recipe.task.name, recipe.run.seed, dict(recipe.task.options))
+    return HeldOutProbe(
+        prompt_ids=encode_prompts(tokenizer, task, range(first_index, first_index + prompts)), first_problem_index=first_index,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        max_new_tokens=max_new_tokens or recipe.rollout.max_new_tokens, draft_steps=draft_steps,
+    )
+
+
+def measure_accept_length(target: PreTrainedModel, drafter: torch.nn.Module, probe: HeldOutProbe) -> AcceptMeasurement:
+    """Greedy chain SD of `draft_steps` tokens, each prompt alone (batch size 1, where SD is on in the tail)."""
+    decoder = SpeculativeDecoder(drafter, SpeculativeConfig(steps=probe.draft_steps))
+    engine = EmbeddedEngine(target, eos_token_id=probe.eos_token_id, pad_token_id=probe.pad_token_id, speculative=decoder)
+    sampling = SamplingParams(max_new_tokens=probe.max_new_tokens, temperature=0.0)
+    passes, accepted = 0, 0
+    accepted_by_depth, proposed_by_depth = [0] * probe.draft_steps, [0] * probe.draft_steps
+    for index, prompt in enumerate(probe.prompt_ids):
+        stats = engine.generate([RolloutRequest(index, tuple(prompt))], sampling, torch.Generator().manual_seed(0))[0].speculative
+        passes, accepted = passes + stats.verify_passes, accepted + stats.accepted_draft_tokens
+        for depth, (accepted_count, proposed_count) in enumerate(zip(stats.accepted_by_depth, stats.proposed_by_depth)):
+            accepted_by_depth[depth] += accepted_count
+            proposed_by_depth[depth] += proposed_count
+    return AcceptMeasurement(
+        # tokens emitted per verify pass: accepted drafts plus one bonus token per pass
+        accept_length=(accepted + passes) / passes if passes else 0.0,
+        verify_passes=passes, accepted_draft_tokens=accepted, accepted_by_depth=accepted_by_depth,
+        proposed_by_depth=proposed_by_depth, prompts=len(probe.prompt_ids), first_problem_index=probe.first_problem_index,
+        draft_steps=probe.draft_steps, max_new_tokens=probe.max_new_tokens,
+    )
+
+
+def sglang_architecture(target: PreTrainedModel) -> str:
+    model_type = target.config.model_type
+    if model_type not in SGLANG_ARCHITECTURES:
+        raise ExportError(f"SGLang has no EAGLE draft class for a {model_type!r} target; tlt exports Qwen2 and Llama drafters.")
+    return SGLANG_ARCHITECTURES[model_type]
+
+
+def sglang_config(drafter: EagleDrafter, target: PreTrainedModel) -> dict:
+    """The drafter's config (the target's, one layer) as SGLang's EAGLE loader reads it."""
+    config = {name: value for name, value in drafter.config.to_dict().items() if not name.startswith("_")}
+    config["architectures"] = [sglang_architecture(target)]
+    config["num_hidden_layers"] = 1
+    config["dtype"] = str(next(drafter.parameters()).dtype).removeprefix("torch.")
+    rope_parameters = config.get("rope_parameters") or {}
+    if "rope_theta" in rope_parameters:
+        # loaders written for transformers 4 read rope_theta at the top level
+        config["rope_theta"] = rope_parameters["rope_theta"]
+    return config
+
+
+def sglang_tensors(drafter: EagleDrafter, target: PreTrainedModel, include_shared: bool) -> dict[str, torch.Tensor]:
+    """Checkpoint tensors under SGLang's EAGLE names; the shared embedding and lm_head only with include_shared."""
+    tensors = dict(drafter_tensors(drafter.state_dict()))
+    if include_shared:
+        tensors["embed_tokens.weight"] = target.get_input_embeddings().weight.detach()
+        if not target.config.tie_word_embeddings:
+            tensors["lm_head.weight"] = target.get_output_embeddings().weight.detach()
+    return {name: tensor.contiguous().cpu() for name, tensor in tensors.items()}
+
+
+def load_exported_drafter(export_dir: Path, target: PreTrainedModel) -> EagleDrafter:
+    """Rebuild tlt's drafter from an export (the inverse of `sglang_tensors`); ExportError on any mismatch."""
+    config = json.loads((export_dir / EXPORT_CONFIG_FILE).read_text(encoding="utf-8"))
+    expected = sglang_architecture(target)
+    if config.get("architectures") != [expected] or config.get("hidden_size") != target.config.hidden_size:
+        raise ExportError(f"{export_dir} is a {config.get('architectures')} drafter of hidden size {config.get('hidden_size')}, not a {expected} drafter for this target.")
+    drafter = EagleDrafter(target)
+    state = {}
+    for name, tensor in load_file(str(export_dir / WEIGHTS_FILE)).items():
+        if name == "fc.bias":
+            if bool(tensor.any()):
+                raise ExportError(f"{export_dir}: fc.bias is not zero, and tlt's drafter has no fc bias; it was not exported by tlt.")
+        elif name in SHARED_NAMES:
+            shared = target.get_input_embeddings() if name == "embed_tokens.weight" else target.get_output_embeddings()
+            if not torch.equal(tensor, shared.weight.detach().cpu()):
+                raise ExportError(f"{export_dir}: {name} differs from the target's; the export belongs to another target.")
+        elif name == "fc.weight" or name.startswith("layers.0."):
+            state[name.replace("layers.0.", "decoder_layer.", 1)] = tensor
+        else:
+            raise ExportError(f"{export_dir}: tensor {name!r} is not part of an EAGLE drafter exported by tlt.")
+    try:
+        drafter.load_state_dict(state, strict=True)
+    except RuntimeError as error:
+        raise ExportError(f"{export_dir}: the weights do not fit this target's drafter ({str(error).splitlines()[0]}).") from None
+    return drafter
+
+
+def _check_output(output_dir: Path, force: bool) -> None:
+    if output_dir.exists() and not output_dir.is_dir():
+        raise ExportError(f"{output_dir} exists and is not a directory; choose another output folder.")
+    if output_dir.is_dir() and any(output_dir.iterdir()) and not force:
+        raise ExportError(f"{output_dir} is not empty; pass --force to replace it, or choose another output folder.")
+
+
+def _replace_directory(staging: Path, output_dir: Path) -> None:
+    """Rename staging to output_dir; an existing output_dir is moved aside first and removed after."""
+    if not output_dir.exists():
+        os.replace(staging, output_dir)
+        return
+    previous = output_dir.with_name(f".{output_dir.name}.previous-{os.getpid()}")
+    os.replace(output_dir, previous)
+    os.replace(staging, output_dir)
+    shutil.rmtree(previous, ignore_errors=True)
+
+
+def target_description(source: DrafterSource, target: PreTrainedModel) -> str:
+    """The target as the model card names it: the recipe's model, at the checkpoint's RL step if any."""
+    folder = str(target.name_or_path or source.recipe.model.path)
+    if source.rl_step is None:
+        return folder
+    return f"{source.recipe.model.path} after {source.rl_step} RL steps (actor weights in {source.checkpoint_dir / CHECKPOINT_TAG})"
+
+
+def model_card(summary: ExportSummary, source: DrafterSource, drafter_config: PretrainedConfig) -> str:
+    """README.md of the export: what it is, how well it drafts, how to serve it, and what differs under SGLang."""
+    measurement = summary.measurement
+    steps = measurement.draft_steps
+    served_target = summary.target if source.rl_step is None else f"<the policy after RL step {source.rl_step}, as a Hugging Face folder>"
+    shared_names = "embed_tokens.weight" if drafter_config.tie_word_embeddings else "embed_tokens.weight, lm_head.weight"
+    shared = (
+        f"included ({shared_names}) for loaders without the target at hand; SGLang {SGLANG_VERSIONS_CHECKED} binds the target's own"
+        if summary.include_shared
+        else "not included: SGLang shares the target's embedding and lm_head with the draft (eagle_worker_v2.init_lm_head)"
+    )
+    depth_rows = "\n".join(
+        f"| {depth + 1} | {proposed} | {accepted} | {accepted / proposed if proposed else 0.0:.2f} |"
+        for depth, (proposed, accepted) in enumerate(zip(measurement.proposed_by_depth, measurement.accepted_by_depth))
+    )
+    last_problem = measurement.first_problem_index + measurement.prompts - 1
+    return f"""# EAGLE drafter for {summary.target}
+
+Exported by `tlt export-drafter` from `{source.drafter_dir}`: a one-layer EAGLE drafter trained by
+tlt during GRPO, on the target's own hidden states.
+
+| | |
+|---|---|
+| target | {summary.target} |
+| RL step | {source.rl_step if source.rl_step is not None else "none (drafter folder outside a run)"} |
+| architecture | `{summary.architecture}`: 1 decoder layer, hidden {drafter_config.hidden_size}, vocabulary {drafter_config.vocab_size} |
+| accept length | **{measurement.accept_length:.3f}** tokens per verify pass ({measurement.verify_passes} passes) |
+| measured on | {measurement.prompts} held-out prompts of task `{source.recipe.task.name}` (problems {measurement.first_problem_index}-{last_problem}, after every problem the run drew), greedy, chain of {steps} draft tokens, batch size 1, at most {measurement.max_new_tokens} new tokens, in tlt's embedded engine |
+| reload check | this folder reloaded into tlt reproduces accept length {summary.reloaded_accept_length:.3f} |
+| embedding / lm_head | {shared} |
+| layout checked against | SGLang {SGLANG_VERSIONS_CHECKED} source: `models/llama_eagle.py`, `models/qwen2_eagle.py`, `speculative/eagle_worker_v2.py` |
+
+## Serve with SGLang
+
+```bash
+python -m sglang.launch_server --model-path {served_target} \\
+    --speculative-algorithm EAGLE --speculative-draft-model-path {summary.output_dir} \\
+    --speculative-num-steps {steps} --speculative-eagle-topk 1 --speculative-num-draft-tokens {steps + 1}
+```
+
+The drafter belongs to the target named above: with another target (or the same model at
+another RL step) SD stays lossless but acceptance falls.
+
+## Known differences under SGLang
+
+- **Final norm.** tlt's drafter applies the target's final RMSNorm before `lm_head`; SGLang's
+  EAGLE draft model applies none. The same weights therefore draft differently under SGLang,
+  and its accept length can be lower than the {measurement.accept_length:.3f} measured here. Output
+  stays lossless (the target verifies every token).
+- **fc bias.** SGLang's `fc` is `Linear(2H, H)` with a bias; tlt's has none, so `fc.bias` is
+  exported as zeros, which is exact.
+
+## Acceptance per draft depth
+
+| depth | drafted | accepted | rate |
+|---|---|---|---|
+{depth_rows}
+
+## Files
+
+`config.json` (the target's config with one layer and `architectures: [{summary.architecture}]`),
+`model.safetensors` (`fc.weight`, `fc.bias`, `layers.0.*`{", shared weights" if summary.include_shared else ""}),
+`tlt_export.json` (the measurement above, machine-readable).
+"""

@@ -1,0 +1,122 @@
+"""Record a fresh rollout of a recipe for `tlt profile`, without training.
+
+`record_rollout(recipe, steps, trace_path)` loads the recipe's policy and task, then for each
+step generates the same prompts `tlt train` would (step s, worker w gets the w-th slice of step
+s's prompts, `group_size` samples each, sampling seeded by (seed, step, worker)) with the embedded
+engine, and writes a tlt trace (request, worker and step records) that `load_records` reads back.
+
+Simplification, stated in the trace's run record and the README: everything runs in this one
+process. The `workers.count` shards of a step are generated one after the other, each on
+`workers.threads_per_worker` threads, and each shard's times are shifted so that all shards start
+together at the step's start, as parallel workers would. Contention between real worker processes
+is not reproduced, and with no training the policy stays the initial one, so later steps only
+differ by their prompts and samples. Step records carry no step_seconds (rollout only).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tlt_cli.config import Recipe
+from tlt_cli.models.loading import load_policy
+from tlt_cli.profile.records import ProfileRecords, read_trace_records
+from tlt_cli.rollout.engine import EmbeddedEngine
+from tlt_cli.rollout.types import Completion, RolloutRequest, SamplingParams
+from tlt_cli.tasks.base import Task
+from tlt_cli.tasks.registry import build_task
+from tlt_cli.trace import TraceWriter
+from tlt_cli.trainer import cache_directory
+
+SIMPLIFICATION = "one process; worker shards generated one after another and re-timed to start together"
+
+
+def record_rollout(recipe: Recipe, steps: int, trace_path: Path, on_step: Callable[[int], None] | None = None) -> ProfileRecords:
+    """Generate `steps` steps of the recipe's rollout, write them as a trace at trace_path, return its records."""
+    if steps < 1:
+        raise ValueError(f"steps is {steps}; record at least 1 step.")
+    policy, tokenizer = load_policy(recipe.model.path, cache_dir=cache_directory(recipe))
+    task = build_task(recipe.task.name, recipe.run.seed, dict(recipe.task.options))
+    engine = EmbeddedEngine(policy, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    sampling = SamplingParams(
+        max_new_tokens=recipe.rollout.max_new_tokens, temperature=recipe.rollout.temperature,
+        top_p=recipe.rollout.top_p, top_k=recipe.rollout.top_k,
+    )
+    trace_path.parent.mkdir(parents=True, exist_ok=True)
+    trace_path.unlink(missing_ok=True)
+    writer = TraceWriter(trace_path)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(recipe.workers.threads_per_worker)
+    try:
+        writer.write({
+            "type": "run", "name": recipe.run.name, "world_size": recipe.workers.count, "steps": steps,
+            "resumed_from_step": None, "recorded_by": "tlt profile", "simplification": SIMPLIFICATION,
+        })
+        step_start = time.time()
+        for step in range(steps):
+            records = _record_step(recipe, task, tokenizer, engine, sampling, step, step_start)
+            for record in records:
+                writer.write(record)
+            step_start = records[-1]["rollout_end"]
+            if on_step is not None:
+                on_step(step)
+    finally:
+        writer.close()
+        torch.set_num_threads(threads)
+    records = read_trace_records(trace_path)
+    records.kind = "recipe"
+    return records
+
+
+def _record_step(recipe: Recipe, task: Task, tokenizer, engine: EmbeddedEngine, sampling: SamplingParams,
+                 step: int, step_start: float) -> list[dict[str, Any]]:
+    """Request records of every shard, then one worker record per shard, then the step record."""
+    requests, busy_ends = [], []
+    for worker in range(recipe.workers.count):
+        shard = _shard_requests(recipe, task, tokenizer, step, worker)
+        call_start = time.time()
+        completions = engine.generate(shard, sampling, _generator(recipe.run.seed, step, worker))
+        # as if every worker had started its shard at the step's start
+        shift = step_start - call_start
+        busy_ends.append(time.time() + shift)
+        requests += [_request_record(step, worker, completion, shift) for completion in completions]
+    rollout_end = max(busy_ends)
+    workers = [
+        {"type": "worker", "step": step, "worker": worker, "busy_start": step_start, "busy_end": busy_end,
+         "idle_start": busy_end, "idle_end": rollout_end, "idle_seconds": rollout_end - busy_end}
+        for worker, busy_end in enumerate(busy_ends)
+    ]
+    step_record = {
+        "type": "step", "step": step, "rollout_start": step_start, "rollout_end": rollout_end,
+        "rollout_seconds": rollout_end - step_start, "idle_worker_seconds": sum(worker["idle_seconds"] for worker in workers),
+    }
+    return requests + workers + [step_record]
+
+
+def _shard_requests(recipe: Recipe, task: Task, tokenizer, step: int, worker: int) -> list[RolloutRequest]:
+    """The prompts `tlt train` gives this worker at this step (tlt_cli/worker.py, WorkerLoop.shard)."""
+    prompts_per_worker = recipe.train.prompts_per_step // recipe.workers.count
+    first = step * recipe.train.prompts_per_step + worker * prompts_per_worker
+    requests = []
+    for problem_number in range(prompts_per_worker):
+        prompt_ids = tuple(tokenizer.encode(task.problem(first + problem_number).prompt, add_special_tokens=False))
+        for sample in range(recipe.train.group_size):
+            requests.append(RolloutRequest(request_id=problem_number * recipe.train.group_size + sample, prompt_ids=prompt_ids))
+    return requests
+
+
+def _generator(seed: int, step: int, worker: int) -> torch.Generator:
+    """The sampling seed `tlt train` uses for (seed, step, worker)."""
+    return torch.Generator().manual_seed((seed * 1_000_003 + step) * 1009 + worker)
+
+
+def _request_record(step: int, worker: int, completion: Completion, shift: float) -> dict[str, Any]:
+    return {
+        "type": "request", "step": step, "worker": worker, "request_id": completion.request_id,
+        "start": completion.start + shift, "end": completion.end + shift, "prompt_tokens": len(completion.prompt_ids),
+        "tokens": len(completion.response_ids), "finished_by_eos": completion.finished_by_eos,
+    }

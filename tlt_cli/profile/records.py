@@ -1,0 +1,304 @@
+"""Read what `tlt profile` analyses: a tlt trace, a run directory, or per-request records from any trainer.
+
+`load_records(path)` accepts
+  - a run directory (its `trace.jsonl`) or a tlt trace file: request, worker, step, sd_config and
+    warning records (README, "The run directory"); unknown record types are skipped;
+  - a CSV file or a JSONL file of plain objects, one per generated response, with the columns
+    `step, worker, start, end, tokens` (times in seconds, any origin) and optionally
+    `verify_passes, accepted_tokens`: the worker and step timelines are then derived from the
+    requests (a worker is busy from its first request's start to its last request's end).
+Every problem a user can cause is a `ProfileInputError` naming the file and the line. A step of a
+trace whose step record is missing (the run was still going, or was killed) is left out with a
+warning. The CLI and `tlt_cli.profile.analysis` call this module.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+TRACE_FILE = "trace.jsonl"
+REQUIRED_REQUEST_FIELDS = ("step", "worker", "start", "end", "tokens")
+
+
+class ProfileInputError(ValueError):
+    """Input `tlt profile` cannot read; the message names the file, the line and what to fix."""
+
+
+@dataclass(frozen=True)
+class RequestRecord:
+    """One generated response: which step and worker, when it ran (seconds) and how long it is."""
+
+    step: int
+    worker: int
+    start: float
+    end: float
+    tokens: int
+    verify_passes: int = 0
+    # draft tokens accepted (not counting the bonus token of each verify pass)
+    accepted_tokens: int = 0
+    # accepted_by_depth[d] / proposed_by_depth[d]: verify passes whose depth-d draft was accepted / drafted
+    accepted_by_depth: tuple[int, ...] = ()
+    proposed_by_depth: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class WorkerRecord:
+    """One worker in one step: busy on its shard, then idle until the step's rollout ends."""
+
+    step: int
+    worker: int
+    busy_start: float
+    busy_end: float
+    idle_end: float
+    drafter_steps: int = 0
+    drafter_train_seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One step's rollout window; step_seconds is None when the input has no step timings."""
+
+    step: int
+    rollout_start: float
+    rollout_end: float
+    step_seconds: float | None = None
+
+
+@dataclass(frozen=True)
+class SdConfigRecord:
+    """Time one worker spent decoding with one SD configuration ("off", or a label like s4-k1-t5)."""
+
+    step: int
+    worker: int
+    config: str
+    seconds: float
+    decode_steps: int
+
+
+@dataclass
+class ProfileRecords:
+    """Everything read from one input, sorted by step then worker."""
+
+    source: str
+    # "trace", "csv", "jsonl" (plain per-request records) or "recipe" (a fresh recorded rollout)
+    kind: str
+    world_size: int
+    requests: list[RequestRecord]
+    workers: list[WorkerRecord]
+    steps: list[StepRecord]
+    sd_configs: list[SdConfigRecord] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+
+
+def load_records(path: Path) -> ProfileRecords:
+    """Read a run directory, a tlt trace, or a CSV/JSONL of per-request records (see the module docstring)."""
+    path = Path(path)
+    if path.is_dir():
+        trace = path / TRACE_FILE
+        if not trace.is_file():
+            raise ProfileInputError(f"{path} has no {TRACE_FILE}; pass a run directory, a trace file, a CSV/JSONL of requests or a recipe.")
+        return read_trace_records(trace)
+    if not path.is_file():
+        raise ProfileInputError(f"{path} does not exist; pass a run directory, a trace file, a CSV/JSONL of requests or a recipe.")
+    if path.suffix.lower() == ".csv":
+        return records_from_requests(str(path), "csv", list(_csv_requests(path)))
+    if path.suffix.lower() in (".jsonl", ".json"):
+        lines = list(numbered_json_lines(path))
+        if lines and "type" in lines[0][1]:
+            return _trace_records(path, lines)
+        return records_from_requests(str(path), "jsonl", [_plain_request(record, f"{path} line {number}") for number, record in lines])
+    raise ProfileInputError(f"{path} is neither a directory, a .jsonl trace or record file, nor a .csv file.")
+
+
+def read_trace_records(path: Path) -> ProfileRecords:
+    """The records of a tlt trace file."""
+    return _trace_records(path, list(numbered_json_lines(path)))
+
+
+def numbered_json_lines(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
+    """(line number, object) for every non-blank line; a line that is not a JSON object is an error naming it."""
+    text = path.read_text(encoding="utf-8")
+    lines = text.split("\n")
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as error:
+            if number == len(lines):
+                raise ProfileInputError(
+                    f"{path} line {number} (the last) is cut short ({error.msg}): the file is truncated; "
+                    "wait for the run to write it, or delete that line."
+                ) from None
+            raise ProfileInputError(f"{path} line {number} is not valid JSON ({error.msg}); fix or delete that line.") from None
+        if not isinstance(record, dict):
+            raise ProfileInputError(f"{path} line {number} is not a JSON object; each line must be one record.")
+        yield number, record
+
+
+def _trace_records(path: Path, lines: list[tuple[int, dict[str, Any]]]) -> ProfileRecords:
+    requests, workers, steps, sd_configs, warnings = [], [], [], [], []
+    world_size = 0
+    for number, record in lines:
+        where = f"{path} line {number}"
+        kind = record.get("type")
+        if kind == "run":
+            world_size = max(world_size, _number(record, "world_size", int, where, default=0))
+        elif kind == "request":
+            requests.append(_request(record, where))
+        elif kind == "worker":
+            workers.append(_worker(record, where))
+        elif kind == "step":
+            steps.append(_step(record, where))
+        elif kind == "sd_config":
+            sd_configs.append(_sd_config(record, where))
+        elif kind == "warning":
+            warnings.append(str(record.get("message", "")))
+        elif kind is None:
+            raise ProfileInputError(f"{where} has no 'type'; a tlt trace has a type on every line.")
+    complete = {record.step for record in steps}
+    incomplete = sorted({record.step for record in requests + workers} - complete)
+    warnings += [f"step {step} has no step record (run still going, or killed mid-step): left out." for step in incomplete]
+    records = ProfileRecords(
+        source=str(path), kind="trace", world_size=world_size,
+        requests=[record for record in requests if record.step in complete],
+        workers=[record for record in workers if record.step in complete],
+        steps=steps, sd_configs=[record for record in sd_configs if record.step in complete], warnings=warnings,
+    )
+    if not records.steps:
+        raise ProfileInputError(f"{path} has no complete step (no 'step' record); profile a run that finished at least one step.")
+    return _sorted(records)
+
+
+def records_from_requests(source: str, kind: str, requests: list[RequestRecord]) -> ProfileRecords:
+    """Per-request records alone: derive each worker's busy window and each step's rollout window."""
+    if not requests:
+        raise ProfileInputError(f"{source} holds no request records; give one row per generated response.")
+    by_step: dict[int, list[RequestRecord]] = {}
+    for request in requests:
+        by_step.setdefault(request.step, []).append(request)
+    workers, steps = [], []
+    for step, step_requests in sorted(by_step.items()):
+        rollout_start = min(request.start for request in step_requests)
+        rollout_end = max(request.end for request in step_requests)
+        steps.append(StepRecord(step, rollout_start, rollout_end))
+        for worker in sorted({request.worker for request in step_requests}):
+            own = [request for request in step_requests if request.worker == worker]
+            workers.append(WorkerRecord(step, worker, min(r.start for r in own), max(r.end for r in own), rollout_end))
+    world_size = len({request.worker for request in requests})
+    return _sorted(ProfileRecords(source=source, kind=kind, world_size=world_size, requests=requests, workers=workers, steps=steps))
+
+
+def _sorted(records: ProfileRecords) -> ProfileRecords:
+    records.requests.sort(key=lambda record: (record.step, record.worker, record.start))
+    records.workers.sort(key=lambda record: (record.step, record.worker))
+    records.steps.sort(key=lambda record: record.step)
+    records.world_size = max(records.world_size, len({record.worker for record in records.workers}), 1)
+    return records
+
+
+def _csv_requests(path: Path) -> Iterator[RequestRecord]:
+    with path.open(encoding="utf-8", newline="") as handle:
+        reader = csv.DictReader(handle)
+        columns = [name.strip() for name in reader.fieldnames or []]
+        missing = [name for name in REQUIRED_REQUEST_FIELDS if name not in columns]
+        if missing:
+            raise ProfileInputError(
+                f"{path} lacks the column(s) {', '.join(missing)}; the header must name {', '.join(REQUIRED_REQUEST_FIELDS)}."
+            )
+        for row in reader:
+            cleaned = {key.strip(): value.strip() for key, value in row.items() if key is not None and value not in (None, "")}
+            yield _plain_request(cleaned, f"{path} line {reader.line_num}")
+
+
+def _plain_request(record: dict[str, Any], where: str) -> RequestRecord:
+    missing = [name for name in REQUIRED_REQUEST_FIELDS if name not in record]
+    if missing:
+        raise ProfileInputError(f"{where} lacks {', '.join(missing)}; every request needs {', '.join(REQUIRED_REQUEST_FIELDS)}.")
+    return _request(record, where)
+
+
+def _request(record: dict[str, Any], where: str) -> RequestRecord:
+    request = RequestRecord(
+        step=_number(record, "step", int, where),
+        worker=_number(record, "worker", int, where),
+        start=_number(record, "start", float, where),
+        end=_number(record, "end", float, where),
+        tokens=_number(record, "tokens", int, where),
+        verify_passes=_number(record, "verify_passes", int, where, default=0),
+        accepted_tokens=_number(record, "accepted_tokens", int, where, default=0),
+        accepted_by_depth=_counts(record, "accepted_by_depth", where),
+        proposed_by_depth=_counts(record, "proposed_by_depth", where),
+    )
+    if request.end < request.start:
+        raise ProfileInputError(f"{where}: end ({request.end}) is before start ({request.start}).")
+    return request
+
+
+def _worker(record: dict[str, Any], where: str) -> WorkerRecord:
+    return WorkerRecord(
+        step=_number(record, "step", int, where),
+        worker=_number(record, "worker", int, where),
+        busy_start=_number(record, "busy_start", float, where),
+        busy_end=_number(record, "busy_end", float, where),
+        idle_end=_number(record, "idle_end", float, where),
+        drafter_steps=_number(record, "drafter_steps", int, where, default=0),
+        drafter_train_seconds=_number(record, "drafter_train_seconds", float, where, default=0.0),
+    )
+
+
+def _step(record: dict[str, Any], where: str) -> StepRecord:
+    return StepRecord(
+        step=_number(record, "step", int, where),
+        rollout_start=_number(record, "rollout_start", float, where),
+        rollout_end=_number(record, "rollout_end", float, where),
+        step_seconds=_number(record, "step_seconds", float, where, default=None),
+    )
+
+
+def _sd_config(record: dict[str, Any], where: str) -> SdConfigRecord:
+    if not isinstance(record.get("config"), str):
+        raise ProfileInputError(f"{where}: sd_config record lacks a 'config' label (a string such as \"off\" or \"s4-k1-t5\").")
+    return SdConfigRecord(
+        step=_number(record, "step", int, where),
+        worker=_number(record, "worker", int, where),
+        config=record["config"],
+        seconds=_number(record, "seconds", float, where),
+        decode_steps=_number(record, "decode_steps", int, where, default=0),
+    )
+
+
+_MISSING = object()
+
+
+def _number(record: dict[str, Any], name: str, kind: type, where: str, default: Any = _MISSING) -> Any:
+    """record[name] as `kind` (from a JSON number or a CSV string); a clear error when absent or not a number."""
+    value = record.get(name)
+    if value is None:
+        if default is _MISSING:
+            raise ProfileInputError(f"{where} lacks '{name}'.")
+        return default
+    try:
+        if isinstance(value, bool):
+            raise ValueError
+        number = float(value)
+        if kind is int and not number.is_integer():
+            raise ValueError
+        return kind(number)
+    except (TypeError, ValueError):
+        expected = "an integer" if kind is int else "a number"
+        raise ProfileInputError(f"{where}: '{name}' is {value!r}, expected {expected}.") from None
+
+
+def _counts(record: dict[str, Any], name: str, where: str) -> tuple[int, ...]:
+    values = record.get(name)
+    if values is None:
+        return ()
+    if not isinstance(values, list) or not all(isinstance(value, int) and not isinstance(value, bool) for value in values):
+        raise ProfileInputError(f"{where}: '{name}' is {values!r}, expected a list of integers (one count per draft depth).")
+    return tuple(values)
