@@ -41,11 +41,11 @@ def _plot_timeline(profile: Profile, segments: list[Segment], path: Path) -> Non
         for state, colour in STATE_COLOURS.items():
             bars = [(segment.start - origin, segment.end - segment.start) for segment in segments if segment.worker == worker and segment.state == state]
             axes.broken_barh(bars, (row - 0.4, 0.8), facecolors=colour)
-    _mark_steps(axes, segments, origin, len(workers))
+    _mark_steps(axes, segments, origin)
     axes.set_yticks(range(len(workers)), [f"worker {worker}" for worker in workers])
     # worker 0 on top; room above the first row for the step labels
     axes.set_ylim(len(workers) - 0.5, -0.8)
-    axes.set_xlabel("seconds since the first rollout started (blank: outside rollouts, e.g. reward and update)")
+    axes.set_xlabel("seconds since the first rollout started; lines: step starts, numbered (blank: reward, update, sync)")
     axes.set_title(
         f"rollout timeline: idle {profile.idle_fraction:.0%} of worker time, "
         f"projected {profile.projection.speedup_of} speedup {profile.projection.projected_speedup:.2f}x with SD in the tail"
@@ -59,16 +59,19 @@ def _plot_timeline(profile: Profile, segments: list[Segment], path: Path) -> Non
     _save(figure, path)
 
 
-def _mark_steps(axes, segments: list[Segment], origin: float, rows: int) -> None:
-    """Step numbers above the bars, at the start of each step's rollout."""
+def _mark_steps(axes, segments: list[Segment], origin: float) -> None:
+    """A line at the start of each step's rollout, numbered where there is room for the label."""
     starts: dict[int, float] = {}
     for segment in segments:
         starts[segment.step] = min(starts.get(segment.step, segment.start), segment.start)
-    label_every = max(1, len(starts) // 20)
-    for index, (step, start) in enumerate(sorted(starts.items())):
+    span = max((segment.end for segment in segments), default=origin + 1.0) - origin
+    last_label = -span
+    for step, start in sorted(starts.items()):
         axes.axvline(start - origin, color="#999999", linewidth=0.6)
-        if index % label_every == 0:
-            axes.text(start - origin, -0.5, f" step {step}", fontsize=7, color="#555555", va="bottom")
+        # labels closer than 4% of the time axis would overlap
+        if start - origin - last_label >= 0.04 * span:
+            axes.text(start - origin, -0.5, f" {step}", fontsize=7, color="#555555", va="bottom")
+            last_label = start - origin
 
 
 def _plot_lengths(profile: Profile, lengths: list[int], path: Path) -> None:

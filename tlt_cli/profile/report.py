@@ -61,7 +61,7 @@ def _lengths_table(profile: Profile) -> Table:
 
 def _steps_table(profile: Profile) -> Table:
     table = Table(title="rollout per step", title_justify="left")
-    columns = ("step", "rollout s", "step s", "idle worker-s", "idle %", "<half busy %", "some idle %", "tail s", "projected rollout s")
+    columns = ("step", "rollout s", "step s", "idle worker-s", "idle %", "<half busy %", "some idle %", "slowest's tail s", "projected rollout s")
     for column in columns:
         table.add_column(column, justify="right")
     hidden = len(profile.steps) - VISIBLE_STEPS
@@ -100,7 +100,8 @@ def _idle_summary(profile: Profile) -> str:
 def _render_speculative(console: Console, profile: Profile) -> None:
     if profile.sd_time:
         table = Table(title="decoding time by SD configuration", title_justify="left")
-        for column in ("config", "seconds", "share %", "decode steps"):
+        table.add_column("config")
+        for column in ("seconds", "share %", "decode steps"):
             table.add_column(column, justify="right")
         for entry in profile.sd_time:
             table.add_row(entry.config, f"{entry.seconds:.2f}", f"{100 * entry.share:.0f}", str(entry.decode_steps))
