@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import PretrainedConfig, PreTrainedModel
+from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from tlt_cli.actor import CHECKPOINT_TAG
 from tlt_cli.checkpoint import STATE_FILE, CheckpointError, latest_checkpoint
@@ -184,7 +184,7 @@ def _recipe(path: Path) -> Recipe:
         raise ExportError(str(error)) from None
 
 
-def load_target(source: DrafterSource) -> tuple[PreTrainedModel, object]:
+def load_target(source: DrafterSource) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """The recipe's model, with the checkpoint's actor weights when the source is a run checkpoint."""
     target, tokenizer = load_policy(source.recipe.model.path, cache_dir=cache_directory(source.recipe))
     if source.checkpoint_dir is None:
@@ -203,7 +203,7 @@ def load_target(source: DrafterSource) -> tuple[PreTrainedModel, object]:
     return target.eval(), tokenizer
 
 
-def held_out_probe(recipe: Recipe, tokenizer, prompts: int, max_new_tokens: int | None, draft_steps: int) -> HeldOutProbe:
+def held_out_probe(recipe: Recipe, tokenizer: PreTrainedTokenizerBase, prompts: int, max_new_tokens: int | None, draft_steps: int) -> HeldOutProbe:
     """`prompts` problems of the recipe's task that the run never drew (indexes after its last step's)."""
     if prompts < 1 or draft_steps < 1:
         raise ExportError(f"need at least 1 prompt and 1 draft step to measure acceptance, got {prompts} and {draft_steps}.")

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from transformers import PreTrainedTokenizerBase
 
 from tlt_cli.config import Recipe
 from tlt_cli.models.loading import load_policy
@@ -72,7 +73,7 @@ def record_rollout(recipe: Recipe, steps: int, trace_path: Path, on_step: Callab
     return records
 
 
-def _record_step(recipe: Recipe, task: Task, tokenizer, engine: EmbeddedEngine, sampling: SamplingParams,
+def _record_step(recipe: Recipe, task: Task, tokenizer: PreTrainedTokenizerBase, engine: EmbeddedEngine, sampling: SamplingParams,
                  step: int, step_start: float) -> list[dict[str, Any]]:
     """Request records of every shard, then one worker record per shard, then the step record."""
     requests, busy_ends = [], []
@@ -97,7 +98,7 @@ def _record_step(recipe: Recipe, task: Task, tokenizer, engine: EmbeddedEngine, 
     return requests + workers + [step_record]
 
 
-def _shard_requests(recipe: Recipe, task: Task, tokenizer, step: int, worker: int) -> list[RolloutRequest]:
+def _shard_requests(recipe: Recipe, task: Task, tokenizer: PreTrainedTokenizerBase, step: int, worker: int) -> list[RolloutRequest]:
     """The prompts `tlt train` gives this worker at this step (tlt_cli/worker.py, WorkerLoop.shard)."""
     prompts_per_worker = recipe.train.prompts_per_step // recipe.workers.count
     first = step * recipe.train.prompts_per_step + worker * prompts_per_worker
