@@ -82,6 +82,27 @@ class CheckpointConfig:
 
 
 @dataclass(frozen=True)
+class SpeculativeSection:
+    mode: str = "off"
+    steps: int = 4
+    topk: int = 1
+    draft_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class DrafterConfig:
+    init: str = "warmup"
+    warmup_steps: int = 300
+    warmup_lr: float = 3e-3
+    warmup_prompts: int = 256
+    warmup_batch_size: int = 16
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    window_steps: int = 2
+    batch_size: int = 16
+
+
+@dataclass(frozen=True)
 class PluginsConfig:
     enabled: list[str] = field(default_factory=list)
     options: dict[str, Any] = field(default_factory=dict)
@@ -97,10 +118,14 @@ class Recipe:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     actor: ActorConfig = field(default_factory=ActorConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    speculative: SpeculativeSection = field(default_factory=SpeculativeSection)
+    drafter: DrafterConfig = field(default_factory=DrafterConfig)
     plugins: PluginsConfig = field(default_factory=PluginsConfig)
 
 
 ROLLOUT_BACKENDS = ("embedded",)
+SPECULATIVE_MODES = ("off", "fixed")
+DRAFTER_STARTS = ("warmup", "random")
 
 
 def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Recipe:
@@ -221,7 +246,28 @@ def validate_recipe(recipe: Recipe) -> None:
     _require(recipe.checkpoint.every >= 1, f"checkpoint.every must be at least 1 (steps between checkpoints), got {recipe.checkpoint.every}.")
     _require(recipe.checkpoint.keep >= 1, f"checkpoint.keep must be at least 1, got {recipe.checkpoint.keep}.")
     _validate_model_path(recipe.model.path)
+    _validate_speculative(recipe.speculative)
+    _validate_drafter(recipe.drafter)
     _validate_plugins(recipe.plugins)
+
+
+def _validate_speculative(section: SpeculativeSection) -> None:
+    from tlt_cli.rollout.speculative import check_speculative_config
+    from tlt_cli.rollout.types import SpeculativeConfig
+
+    _require(section.mode in SPECULATIVE_MODES, f"speculative.mode must be one of {', '.join(SPECULATIVE_MODES)}, got '{section.mode}'.")
+    try:
+        check_speculative_config(SpeculativeConfig(section.steps, section.topk, section.draft_tokens), vocab_size=2**31)
+    except ValueError as error:
+        raise RecipeError(f"speculative: {error}") from None
+
+
+def _validate_drafter(drafter: DrafterConfig) -> None:
+    _require(drafter.init in DRAFTER_STARTS or Path(drafter.init).is_dir(),
+             f"drafter.init must be warmup, random or a drafter folder, got '{drafter.init}'.")
+    for key in ("warmup_steps", "warmup_prompts", "warmup_batch_size", "window_steps", "batch_size"):
+        _require(getattr(drafter, key) >= 1, f"drafter.{key} must be at least 1, got {getattr(drafter, key)}.")
+    _require(drafter.warmup_lr > 0 and drafter.lr > 0, "drafter.warmup_lr and drafter.lr must be positive.")
 
 
 def _validate_plugins(plugins: PluginsConfig) -> None:

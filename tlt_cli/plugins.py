@@ -40,9 +40,9 @@ class PluginError(ValueError):
 class StepContext:
     """What a hook may look at and act on during one step of one worker.
 
-    engine: the worker's rollout engine (a plugin may give it a speculative decoder);
-    policy: the actor's module (shared weights); metrics: a dict the plugin may add numbers to,
-    reported in the step's worker record.
+    engine: the worker's rollout engine; policy: the actor's module (shared weights); drafter:
+    the drafter the engine speculates with (None when the run has none; a plugin may train it in
+    place); metrics: a dict the plugin may add numbers to, reported in the step's worker record.
     """
 
     step: int
@@ -50,6 +50,7 @@ class StepContext:
     world_size: int
     engine: Any
     policy: torch.nn.Module
+    drafter: torch.nn.Module | None = None
     metrics: dict[str, float] = field(default_factory=dict)
 
 

@@ -20,6 +20,7 @@ from rich.console import Console
 from tlt_cli.checkpoint import latest_checkpoint
 from tlt_cli.config import Recipe, recipe_to_yaml
 from tlt_cli.display import TrainingDisplay, render_summary
+from tlt_cli.drafter.initial import prepare_initial_drafter
 from tlt_cli.distributed import WorkerAddress, free_port
 from tlt_cli.models.tiny import BUILTIN_TINY_MODEL, default_cache_dir, ensure_tiny_model
 from tlt_cli.step_records import step_records
@@ -68,6 +69,7 @@ def train(recipe: Recipe, run_directory: Path, console: Console, resume: bool = 
     if recipe.model.path == BUILTIN_TINY_MODEL:
         with console.status("preparing the built-in tiny model (built and warmed up once, then cached)"):
             ensure_tiny_model(cache)
+    drafter_init = _prepare_drafter(recipe, cache, console)
     resume_from, start_step = _resume_point(run_directory) if resume else (None, 0)
     trace_path = run_directory / TRACE_FILE
     if resume:
@@ -75,7 +77,8 @@ def train(recipe: Recipe, run_directory: Path, console: Console, resume: bool = 
     trace = TraceWriter(trace_path)
     trace.write({"type": "run", "name": recipe.run.name, "world_size": recipe.workers.count,
                  "resumed_from_step": start_step if resume else None, "steps": recipe.train.steps})
-    spec_base = dict(recipe=recipe, run_directory=run_directory, model_cache=cache, resume_from=resume_from, start_step=start_step)
+    spec_base = dict(recipe=recipe, run_directory=run_directory, model_cache=cache, resume_from=resume_from,
+                     start_step=start_step, drafter_init=drafter_init)
     try:
         with TrainingDisplay(console, f"tlt train {recipe.run.name}", recipe.train.steps) as display:
             _run_workers(spec_base, recipe.workers.count, trace, display)
@@ -84,6 +87,15 @@ def train(recipe: Recipe, run_directory: Path, console: Console, resume: bool = 
     steps = [record for record in read_trace(trace_path) if record["type"] == "step"]
     render_summary(console, steps, run_directory)
     return RunSummary(run_directory, steps)
+
+
+def _prepare_drafter(recipe: Recipe, cache: Path, console: Console) -> Path | None:
+    with console.status("preparing the drafter (an offline warm-up runs once per model and task, then is cached)"):
+        folder, report = prepare_initial_drafter(recipe, cache)
+    if report is not None:
+        console.print(f"drafter warmed up offline: top-1 agreement with the target {report['held_out_accuracy']:.1%} "
+                      f"(from {report['held_out_accuracy_before']:.1%}), cached in {folder}")
+    return folder
 
 
 def _resume_point(run_directory: Path) -> tuple[Path, int]:

@@ -22,6 +22,7 @@ from tlt_cli.actor import Actor
 from tlt_cli.checkpoint import save_collectively
 from tlt_cli.config import Recipe
 from tlt_cli.distributed import RolloutBarrier, WorkerAddress, init_worker_process
+from tlt_cli.drafter.initial import initial_drafter, needs_drafter, speculative_decoder
 from tlt_cli.grpo import group_advantages
 from tlt_cli.models.loading import load_policy
 from tlt_cli.plugins import PluginHost, StepContext, agree_across_workers, build_plugins
@@ -42,6 +43,8 @@ class WorkerSpec:
     model_cache: Path
     resume_from: Path | None = None
     start_step: int = 0
+    # folder of the starting drafter (None: random init); used only when the run needs a drafter
+    drafter_init: Path | None = None
 
 
 @dataclass
@@ -132,8 +135,10 @@ class WorkerLoop:
         self.prompts_per_worker = recipe.train.prompts_per_step // recipe.workers.count
         self.actor = Actor(policy, recipe.actor, self.prompts_per_worker * recipe.train.group_size, reference)
         self.actor.engine.eval()
+        self.drafter = initial_drafter(recipe, spec.drafter_init, self.actor.policy) if needs_drafter(recipe) else None
         self.engine = EmbeddedEngine(self.actor.policy, eos_token_id=self.tokenizer.eos_token_id,
-                                     pad_token_id=self.tokenizer.pad_token_id)
+                                     pad_token_id=self.tokenizer.pad_token_id,
+                                     speculative=speculative_decoder(recipe, self.drafter))
         self.barrier = RolloutBarrier(spec.address)
         plugins = build_plugins(recipe.plugins.enabled, dict(recipe.plugins.options), recipe)
         self.plugins = PluginHost(plugins, agree=agree_across_workers)
@@ -153,7 +158,7 @@ class WorkerLoop:
 
     def run_step(self, step: int) -> WorkerStepReport:
         context = StepContext(step=step, worker=self.rank, world_size=self.spec.address.world_size,
-                              engine=self.engine, policy=self.actor.policy)
+                              engine=self.engine, policy=self.actor.policy, drafter=self.drafter)
         torch.distributed.barrier()
         rollout_start = time.time()
         self.plugins.call("on_rollout_start", context)
@@ -222,6 +227,7 @@ class WorkerLoop:
             "start": completion.start, "end": completion.end, "prompt_tokens": len(completion.prompt_ids),
             "tokens": len(completion.response_ids), "reward": reward, "finished_by_eos": completion.finished_by_eos,
             "verify_passes": stats.verify_passes, "accepted_tokens": stats.accepted_draft_tokens,
+            "accepted_by_depth": list(stats.accepted_by_depth), "proposed_by_depth": list(stats.proposed_by_depth),
         }
 
     def save_checkpoint(self, next_step: int) -> Path:
