@@ -161,12 +161,20 @@ def recipe_from_config(loaded: DictConfig, overrides: list[str] | tuple[str, ...
         raise RecipeError(f"{origin}: {_describe(error)}") from None
     for override in overrides:
         merged = _apply_override(merged, override)
+    merged = _unquoted_off(merged)
     try:
         recipe = OmegaConf.to_object(merged)
     except OmegaConfBaseException as error:
         raise RecipeError(f"{origin}: {_describe(error)}") from None
     validate_recipe(recipe)
     return recipe
+
+
+def _unquoted_off(merged: DictConfig) -> DictConfig:
+    """YAML 1.1 reads a bare `off` as false (stored as "False" in a string key): `speculative.mode: off` means "off"."""
+    if merged.speculative.mode == "False":
+        return OmegaConf.merge(merged, {"speculative": {"mode": "off"}})
+    return merged
 
 
 def _apply_override(merged: DictConfig, override: str) -> DictConfig:
