@@ -273,14 +273,13 @@ def _grown_columns(tokens: torch.Tensor, columns: int, pad_token_id: int) -> tor
 
 @contextlib.contextmanager
 def _eval_mode(module: nn.Module | None) -> Iterator[None]:
-    """Put `module` in eval mode for the block, then give every submodule back its own mode."""
-    if module is None or not isinstance(module, nn.Module):
-        yield
-        return
-    modes = [(submodule, submodule.training) for submodule in module.modules()]
-    module.eval()
+    """Put `module` in eval mode for the block, then put back in training mode exactly the
+    submodules that were in it."""
+    training = [submodule for submodule in module.modules() if submodule.training] if module is not None else []
+    for submodule in training:
+        submodule.training = False
     try:
         yield
     finally:
-        for submodule, training in modes:
-            submodule.training = training
+        for submodule in training:
+            submodule.training = True
