@@ -3,16 +3,16 @@
     python scripts/bench_rollout.py --out bench_rollout.json
 
 Target: `builtin:tiny-arith`. Drafter: warmed up offline on the target's own sampled responses
-(tlt_cli/drafter/warmup.py), cached in --drafter-dir. For each batch size B the same prompt pool
+(tlt_cli/drafter/warmup.py), cached under --cache-dir. For each batch size B the same prompt pool
 (held-out arithmetic problems) is split into batches of B and generated greedily; tokens/s is
-generated tokens over wall-clock time, best of --repeats runs after one untimed run. Every SD
-output is checked token-identical to SD off. At B=1 the same prompts also go through
-transformers' `generate`, plain and with `assistant_model=`, the assistant being a one-layer
-copy of the target's first layer (shared embedding and head copied too) fine-tuned on the same
-target responses the drafter learnt from, cached in --assistant-dir. Where the time goes (target
-forwards, drafter forwards, the rest) is measured with forward hooks on the timed runs.
-Prints a table per batch size and writes everything to --out as JSON.
-"""
+generated tokens over wall-clock time. After one untimed pass per method, --repeats rounds run
+every method in turn (the machine is shared: load hits all methods alike) and each keeps its
+fastest pass. Every output is checked token-identical to SD off. At B=1 the same prompts also go
+through transformers' `generate`, plain and with `assistant_model=`: a one-layer copy of the
+target (its first layer, embedding, norm and head) fine-tuned on the same sampled target
+responses and for the same number of steps as the drafter, also cached. Where the time goes
+(target forwards, drafter forwards, the rest) is measured with forward hooks on the timed passes.
+Prints a table per batch size and writes everything to --out as JSON."""
 
 from __future__ import annotations
 
@@ -100,26 +100,39 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     parser.add_argument("--batch-sizes", default=",".join(map(str, BATCH_SIZES)))
     parser.add_argument("--configs", default=",".join(SD_CONFIGS), help="SD configs to run, from: " + ",".join(SD_CONFIGS))
-    parser.add_argument("--drafter-dir", default=str(Path.home() / ".cache" / "tlt" / "bench-drafter"))
-    parser.add_argument("--assistant-dir", default=str(Path.home() / ".cache" / "tlt" / "bench-assistant"))
-    parser.add_argument("--warmup-steps", type=int, default=600, help="drafter (and assistant) training steps")
+    parser.add_argument("--cache-dir", default=str(Path.home() / ".cache" / "tlt"),
+                        help="trained drafter and assistant are cached here, per target folder and settings")
+    parser.add_argument("--warmup-steps", type=int, default=6000, help="drafter (and assistant) training steps")
+    parser.add_argument("--warmup-prompts", type=int, default=2048, help="target responses they train on")
     parser.add_argument("--seed", type=int, default=0)
     return parser.parse_args()
 
 
+def cached_dir(target, kind: str, args) -> Path:
+    """Where the trained `kind` (drafter / assistant) for this target folder and settings lives."""
+    target_name = Path(target.config._name_or_path).name
+    settings = f"{args.warmup_prompts}p-{args.warmup_steps}s-seed{args.seed}"
+    return Path(args.cache_dir) / f"bench-{kind}-{target_name}-{settings}"
+
+
 def prepare_drafter(target, tokenizer, task, args) -> tuple:
-    """The warmed-up drafter from --drafter-dir, trained and saved there first if absent."""
-    directory = Path(args.drafter_dir)
-    if (directory / "drafter_config.json").is_file():
-        return load_drafter(directory, target).eval(), None
-    drafter, report = warm_up_drafter(target, tokenizer, task, steps=args.warmup_steps, batch_size=16, lr=3e-3, seed=args.seed)
+    """The warmed-up drafter (cached), and the warm-up report when it was trained now."""
+    directory = cached_dir(target, "drafter", args)
+    report_path = directory / "warmup_report.json"
+    if report_path.is_file():
+        return load_drafter(directory, target).eval(), json.loads(report_path.read_text())
+    drafter, report = warm_up_drafter(
+        target, tokenizer, task, steps=args.warmup_steps, batch_size=16, lr=3e-3, seed=args.seed,
+        train_prompts=args.warmup_prompts,
+    )
     save_drafter(drafter, directory)
+    report_path.write_text(json.dumps(asdict(report), indent=2) + "\n")
     return drafter.eval(), asdict(report)
 
 
 def prepare_assistant(target, tokenizer, task, args):
-    """A one-layer copy of the target, fine-tuned on the target's own sampled responses."""
-    directory = Path(args.assistant_dir)
+    """A one-layer copy of the target, fine-tuned on the target's own sampled responses (cached)."""
+    directory = cached_dir(target, "assistant", args)
     if (directory / "config.json").is_file():
         return type(target).from_pretrained(directory, local_files_only=True).eval()
     assistant = copy.deepcopy(target)
@@ -127,7 +140,7 @@ def prepare_assistant(target, tokenizer, task, args):
     assistant.config.num_hidden_layers = 1
     if getattr(assistant.config, "layer_types", None) is not None:
         assistant.config.layer_types = assistant.config.layer_types[:1]
-    prompts = encode_prompts(tokenizer, task, range(256))
+    prompts = encode_prompts(tokenizer, task, range(args.warmup_prompts))
     pairs = generate_responses(target, tokenizer, prompts, SamplingParams(args.max_new_tokens, temperature=1.0), args.seed)
     train_causal_lm(assistant, pairs, tokenizer.pad_token_id, steps=args.warmup_steps, seed=args.seed)
     assistant.save_pretrained(directory)
