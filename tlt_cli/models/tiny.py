@@ -32,7 +32,7 @@ from tlt_cli.tasks.base import Task
 
 BUILTIN_TINY_MODEL = "builtin:tiny-arith"
 # bump when the task, tokenizer or warm-up recipe changes, so old cached folders are not reused
-TINY_MODEL_FORMAT = 1
+TINY_MODEL_FORMAT = 2
 # label value the loss ignores (prompt and padding positions)
 IGNORED_LABEL = -100
 ARCHITECTURES = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "llama": (LlamaConfig, LlamaForCausalLM)}

@@ -23,6 +23,7 @@ STEP_SEPARATOR = ","
 SUM_SEPARATOR = ":"
 ANSWER_MARKER = "#"
 # every character a prompt or a solution can contain (the tiny model's vocabulary)
+GOLDEN_RATIO_CONJUGATE = 0.6180339887498949
 CHARACTERS = DIGITS + LABELS + QUESTION_END + STEP_SEPARATOR + SUM_SEPARATOR + ANSWER_MARKER
 
 
@@ -52,12 +53,20 @@ class ArithmeticTask:
         self.tail_exponent = tail_exponent
         term_counts = np.arange(1, max_terms + 1, dtype=np.float64)
         weights = term_counts**-tail_exponent  # P(n) ~ n^-alpha
-        self._term_probabilities = weights / weights.sum()
+        self._term_cdf = np.cumsum(weights / weights.sum())
+        self._quantile_offset = float(np.random.default_rng([seed]).random())
 
     def problem(self, index: int) -> Problem:
-        """The problem at `index`, drawn from a generator seeded by (seed, index)."""
+        """The problem at `index`: digits from a generator seeded by (seed, index).
+
+        The term count is stratified rather than drawn independently: index i takes the quantile
+        u_i = frac(offset + i * golden_ratio) of the term-count distribution (a low-discrepancy
+        sequence), so any run of consecutive indices, such as one RL step's prompts, covers the
+        long tail evenly. Step-to-step reward then reflects the policy, not the luck of the mix.
+        """
         rng = np.random.default_rng([self.seed, index])
-        term_count = int(rng.choice(self.max_terms, p=self._term_probabilities)) + 1
+        quantile = (self._quantile_offset + index * GOLDEN_RATIO_CONJUGATE) % 1.0
+        term_count = min(int(np.searchsorted(self._term_cdf, quantile, side="right")), self.max_terms - 1) + 1
         digits = [int(digit) for digit in rng.integers(0, 10, size=term_count)]
         return make_problem(index, digits)
 
