@@ -1,0 +1,179 @@
+"""The drafter sidecar: trains the run's drafter on workers that are idle in the rollout tail.
+
+Enable it with `plugins.enabled: [drafter_sidecar]`; its settings are the recipe's `drafter`
+section (lr, weight_decay, window_steps, batch_size). In every worker it:
+  - collects training data from what the run computes anyway: the last-layer hidden states and
+    tokens of the actor's log-prob forward (`on_hidden_states`), keeping the last window_steps
+    RL steps;
+  - while its worker waits for the others (`on_worker_idle`), runs short drafter training steps
+    (EAGLE losses, AdamW (0.9, 0.95), grad clip 1.0), checking between steps whether the rollout
+    is over, so it never holds up the rollout or the actor update by more than one short step;
+  - at rollout end (`on_rollout_end`, all workers together) averages the drafter copies, weighted
+    by the steps each worker did; the engines of the next step speculate with the result. An
+    average that is not finite is discarded and the last good drafter kept;
+  - saves and restores its state with checkpoints: drafter weights, optimizer and buffer window.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tlt_cli.drafter.model import save_drafter
+from tlt_cli.drafter.trainer import DrafterBatch, DrafterTrainer
+
+STATE_DIRECTORY = "drafter_sidecar"
+# the averaged drafter of a checkpoint, in the save_drafter format (what export-drafter reads)
+DRAFTER_DIRECTORY = "drafter"
+
+
+@dataclass
+class StepData:
+    """Drafter features collected in one RL step (one DrafterBatch per actor micro-batch)."""
+
+    step: int
+    batches: list[DrafterBatch]
+
+
+class DrafterSidecar:
+    """Online drafter training in the idle tail of each rollout (see the module docstring)."""
+
+    name = "drafter_sidecar"
+
+    def __init__(self, recipe: Any):
+        self.settings = recipe.drafter
+        self.seed = recipe.run.seed
+        self.window: deque[StepData] = deque()
+        self.trainer: DrafterTrainer | None = None
+        self.drafter: torch.nn.Module | None = None
+        self.last_good: dict[str, torch.Tensor] = {}
+        self.version = 0
+        self.rank = 0
+        self.pending_state: dict | None = None
+        self.generator = torch.Generator()
+        self._reset_counters()
+
+    def _reset_counters(self) -> None:
+        self.steps_done = 0
+        self.train_seconds = 0.0
+        self.loss_sum = 0.0
+
+    def on_rollout_start(self, context: Any) -> None:
+        if context.drafter is None:
+            raise ValueError("drafter_sidecar needs a drafter; the worker did not build one.")
+        if self.trainer is None:
+            self._attach(context.drafter, context.worker)
+        self._reset_counters()
+
+    def _attach(self, drafter: torch.nn.Module, rank: int) -> None:
+        self.drafter, self.rank = drafter, rank
+        self.trainer = DrafterTrainer(drafter, lr=self.settings.lr, weight_decay=self.settings.weight_decay)
+        self.generator.manual_seed(self.seed * 7919 + rank)
+        if self.pending_state is not None:
+            self._restore(self.pending_state)
+            self.pending_state = None
+        self.last_good = _copy_parameters(drafter)
+
+    def on_hidden_states(self, context: Any, batch: Any, hidden_states: torch.Tensor) -> None:
+        """Keep this micro-batch's features; drop steps older than the window."""
+        features = DrafterBatch.from_sequences(batch.input_ids, hidden_states.detach(), batch.response_mask.bool(),
+                                               batch.attention_mask.bool())
+        if not self.window or self.window[-1].step != context.step:
+            self.window.append(StepData(context.step, []))
+        self.window[-1].batches.append(features)
+        while self.window and self.window[0].step <= context.step - self.settings.window_steps:
+            self.window.popleft()
+
+    def on_worker_idle(self, context: Any, rollout_over: Any) -> None:
+        """Train until the rollout is over, one short step at a time."""
+        while self.window and not rollout_over():
+            started = time.perf_counter()
+            loss = self.trainer.train_step(self._sample_batch())
+            self.train_seconds += time.perf_counter() - started
+            if loss.is_finite:
+                self.steps_done += 1
+                self.loss_sum += float(loss.total)
+
+    def _sample_batch(self) -> DrafterBatch:
+        """batch_size sequences drawn uniformly from the window (seeded per worker)."""
+        batches = [batch for data in self.window for batch in data.batches]
+        sizes = torch.tensor([batch.size for batch in batches])
+        offsets = torch.cumsum(sizes, 0) - sizes
+        picks = torch.randint(0, int(sizes.sum()), (min(self.settings.batch_size, int(sizes.sum())),), generator=self.generator)
+        rows = []
+        for pick in picks.tolist():
+            source = int(torch.searchsorted(offsets, torch.tensor(pick), right=True)) - 1
+            rows.append(batches[source].rows(torch.tensor([pick - int(offsets[source])])))
+        return DrafterBatch.concatenate(rows)
+
+    def on_rollout_end(self, context: Any) -> None:
+        """Average the workers' drafters, weighted by steps done; keep the last good one if not finite."""
+        weight = torch.tensor([float(self.steps_done)])
+        total = _all_reduce(weight.clone(), context.world_size)
+        if float(total) > 0:
+            with torch.no_grad():
+                for parameter in self.drafter.parameters():
+                    averaged = _all_reduce(parameter.detach() * weight, context.world_size) / total
+                    parameter.copy_(averaged)
+            if all(torch.isfinite(parameter).all() for parameter in self.drafter.parameters()):
+                self.version += 1
+                self.last_good = _copy_parameters(self.drafter)
+            else:
+                _load_parameters(self.drafter, self.last_good)
+                context.metrics["drafter_discarded_steps"] = 1.0
+        context.metrics.update({
+            "drafter_steps": float(self.steps_done),
+            "drafter_train_seconds": self.train_seconds,
+            "drafter_loss": self.loss_sum / self.steps_done if self.steps_done else float("nan"),
+            "drafter_version": float(self.version),
+        })
+
+    def on_checkpoint_save(self, directory: Path) -> None:
+        state_directory = directory / STATE_DIRECTORY
+        state_directory.mkdir(parents=True, exist_ok=True)
+        torch.save(self._state(), state_directory / f"rank-{self.rank}.pt")
+        if self.rank == 0 and self.drafter is not None:
+            save_drafter(self.drafter, directory / DRAFTER_DIRECTORY)
+
+    def on_checkpoint_load(self, directory: Path) -> None:
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        path = directory / STATE_DIRECTORY / f"rank-{rank}.pt"
+        if not path.is_file():
+            raise FileNotFoundError(f"checkpoint {directory} has no drafter sidecar state ({path}).")
+        self.pending_state = torch.load(path, weights_only=False)
+
+    def _state(self) -> dict:
+        return {
+            "trainer": self.trainer.state_dict() if self.trainer else None,
+            "window": list(self.window),
+            "version": self.version,
+            "generator": self.generator.get_state(),
+        }
+
+    def _restore(self, state: dict) -> None:
+        if state["trainer"] is not None:
+            self.trainer.load_state_dict(state["trainer"])
+        self.window = deque(state["window"])
+        self.version = state["version"]
+        self.generator.set_state(state["generator"])
+
+
+def _all_reduce(tensor: torch.Tensor, world_size: int) -> torch.Tensor:
+    if world_size > 1:
+        torch.distributed.all_reduce(tensor)
+    return tensor
+
+
+def _copy_parameters(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {name: parameter.detach().clone() for name, parameter in module.named_parameters()}
+
+
+def _load_parameters(module: torch.nn.Module, values: dict[str, torch.Tensor]) -> None:
+    with torch.no_grad():
+        for name, parameter in module.named_parameters():
+            parameter.copy_(values[name])

@@ -1,0 +1,151 @@
+"""The drafter sidecar plugin: data window, preemptible idle training, weighted averaging, checkpoints."""
+
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.multiprocessing
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from tlt_cli.config import DrafterConfig
+from tlt_cli.distributed import free_port
+from tlt_cli.drafter.model import EagleDrafter
+from tlt_cli.plugins import StepContext
+from tlt_cli.policy_batch import build_policy_batch
+from tlt_cli.rollout.types import Completion
+from tlt_plugins.drafter_sidecar import DrafterSidecar
+
+torch.set_num_threads(1)
+
+
+def tiny_target():
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=24, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    return Qwen2ForCausalLM(config).eval()
+
+
+def recipe(window_steps=2, batch_size=4, lr=1e-2):
+    return SimpleNamespace(drafter=DrafterConfig(lr=lr, window_steps=window_steps, batch_size=batch_size),
+                           run=SimpleNamespace(seed=0))
+
+
+def context(step, target, drafter, world_size=1, worker=0):
+    return StepContext(step=step, worker=worker, world_size=world_size, engine=None, policy=target, drafter=drafter)
+
+
+def feed(sidecar, target, step, seed=0):
+    """One actor micro-batch of 4 sequences and its hidden states, as the actor hands them over."""
+    generator = torch.Generator().manual_seed(seed + step)
+    completions = [Completion(i, tuple(torch.randint(3, 24, (3,), generator=generator).tolist()),
+                              torch.randint(3, 24, (6 + i,), generator=generator).tolist(), True, 0.0, 1.0)
+                   for i in range(4)]
+    batch = build_policy_batch(completions, torch.zeros(4), pad_token_id=0)
+    with torch.no_grad():
+        hidden = target.get_decoder()(input_ids=batch.input_ids, attention_mask=batch.attention_mask).last_hidden_state
+    sidecar.on_hidden_states(context(step, target, sidecar.drafter), batch, hidden)
+
+
+def started_sidecar(target, **settings):
+    sidecar = DrafterSidecar(recipe(**settings))
+    drafter = EagleDrafter(target, seed=1)
+    sidecar.on_rollout_start(context(0, target, drafter))
+    return sidecar, drafter
+
+
+def test_window_keeps_only_recent_steps():
+    target = tiny_target()
+    sidecar, _ = started_sidecar(target, window_steps=2)
+    for step in range(4):
+        feed(sidecar, target, step)
+    assert [data.step for data in sidecar.window] == [2, 3]
+
+
+def test_idle_training_runs_until_the_rollout_is_over_and_reduces_the_loss():
+    target = tiny_target()
+    sidecar, drafter = started_sidecar(target)
+    feed(sidecar, target, 0)
+    before = {name: value.clone() for name, value in drafter.state_dict().items()}
+    polls = iter([False] * 30 + [True])
+    sidecar.on_worker_idle(context(1, target, drafter), lambda: next(polls))
+    assert sidecar.steps_done == 30
+    assert all(not torch.equal(before[name], value) for name, value in drafter.state_dict().items())
+    # the target's shared modules are untouched
+    assert drafter.shared.lm_head is target.lm_head
+
+
+def test_nothing_to_train_on_returns_at_once():
+    target = tiny_target()
+    sidecar, drafter = started_sidecar(target)
+    sidecar.on_worker_idle(context(0, target, drafter), lambda: False)
+    assert sidecar.steps_done == 0
+
+
+def test_a_non_finite_average_is_discarded_and_the_last_good_drafter_kept():
+    target = tiny_target()
+    sidecar, drafter = started_sidecar(target)
+    good = {name: value.clone() for name, value in drafter.state_dict().items()}
+    sidecar.steps_done = 1
+    with torch.no_grad():
+        drafter.fc.weight[0, 0] = float("nan")
+    step_context = context(0, target, drafter)
+    sidecar.on_rollout_end(step_context)
+    assert step_context.metrics["drafter_discarded_steps"] == 1.0
+    for name, value in drafter.state_dict().items():
+        assert torch.equal(value, good[name]), name
+
+
+def test_checkpoint_round_trip_restores_drafter_optimizer_and_window(tmp_path):
+    target = tiny_target()
+    sidecar, drafter = started_sidecar(target)
+    feed(sidecar, target, 0)
+    polls = iter([False] * 5 + [True])
+    sidecar.on_worker_idle(context(1, target, drafter), lambda: next(polls))
+    sidecar.on_checkpoint_save(tmp_path)
+    assert (tmp_path / "drafter" / "drafter.safetensors").is_file()
+
+    restored = DrafterSidecar(recipe())
+    restored.on_checkpoint_load(tmp_path)
+    fresh_drafter = EagleDrafter(target, seed=2)
+    restored.on_rollout_start(context(1, target, fresh_drafter))
+    for name, value in drafter.state_dict().items():
+        assert torch.equal(value, fresh_drafter.state_dict()[name]), name
+    assert [data.step for data in restored.window] == [0]
+    # the next training step is identical in both: same optimizer state, same data draw
+    for each in (sidecar, restored):
+        polls = iter([False, True])
+        each.on_worker_idle(context(1, target, each.drafter), lambda: next(polls))
+    for name, value in drafter.state_dict().items():
+        assert torch.equal(value, fresh_drafter.state_dict()[name]), name
+
+
+def _average_worker(rank, port, steps_by_rank, results):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=2)
+    target = tiny_target()
+    sidecar = DrafterSidecar(recipe())
+    drafter = EagleDrafter(target, seed=10 + rank)  # each worker's copy differs
+    sidecar.on_rollout_start(context(0, target, drafter, world_size=2, worker=rank))
+    sidecar.steps_done = steps_by_rank[rank]
+    step_context = context(0, target, drafter, world_size=2, worker=rank)
+    sidecar.on_rollout_end(step_context)
+    results[rank] = ({name: value.clone() for name, value in drafter.state_dict().items()}, step_context.metrics)
+    torch.distributed.destroy_process_group()
+
+
+@pytest.mark.parametrize("steps_by_rank", [(3, 1), (0, 2)])
+def test_averaging_across_two_processes_is_weighted_by_steps(steps_by_rank):
+    manager = torch.multiprocessing.get_context("spawn").Manager()
+    results = manager.dict()
+    torch.multiprocessing.spawn(_average_worker, args=(free_port(), steps_by_rank, results), nprocs=2)
+    target = tiny_target()
+    copies = [EagleDrafter(target, seed=10 + rank).state_dict() for rank in range(2)]
+    total = sum(steps_by_rank)
+    for rank in range(2):
+        state, metrics = results[rank]
+        assert metrics["drafter_version"] == 1.0
+        for name, value in state.items():
+            expected = sum(copies[r][name] * steps_by_rank[r] for r in range(2)) / total
+            assert torch.allclose(value, expected, atol=1e-6), (rank, name)
