@@ -1,0 +1,228 @@
+"""The adaptive rollout engine's brain: which SD configuration each decode step uses.
+
+`AdaptiveSchedule` is the ConfigSchedule the speculative decoder consults before every decode
+step with the running batch size, and tells afterwards what the step did (`observe`). It
+  - walks the recipe's rule table (first match on batch-size range and measured accept length)
+    to the rule's configuration, or "off";
+  - optionally refines it with an epsilon-greedy bandit per rule over the rule's candidates,
+    rewarded by emitted tokens per second (median over a window), state checkpointable;
+  - turns SD off for a rule whose measured accept length has collapsed below a threshold (a stale
+    or broken drafter, a bad weight sync), warns once, and re-probes it every so many steps;
+  - accounts decode steps, tokens and seconds per configuration for the trace.
+Accept length here is tokens emitted per verify pass (accepted drafts + the bonus token).
+"""
+
+from __future__ import annotations
+
+import bisect
+import random
+import statistics
+from collections import defaultdict, deque
+from dataclasses import dataclass, field
+
+from tlt_cli.rollout.types import SpeculativeConfig
+
+OFF = "off"
+ACCEPT_SMOOTHING = 0.3  # weight of the newest step in the accept-length moving average
+UNBOUNDED = float("inf")
+
+
+class RuleTableError(ValueError):
+    """A rule table that cannot be used; the message names the rule."""
+
+
+def parse_label(label: str) -> SpeculativeConfig | None:
+    """'off' -> None; 's4-k1-t5' (steps, topk, draft tokens; '-tN' optional) -> SpeculativeConfig."""
+    if label == OFF:
+        return None
+    parts = {part[0]: part[1:] for part in label.split("-") if part}
+    try:
+        return SpeculativeConfig(steps=int(parts["s"]), topk=int(parts.get("k", 1)), draft_tokens=int(parts.get("t", 0)))
+    except (KeyError, ValueError):
+        raise RuleTableError(f"'{label}' is not an SD configuration; write off or s<steps>-k<topk>-t<draft tokens>, e.g. s4-k1-t5.") from None
+
+
+def label_of(config: SpeculativeConfig | None) -> str:
+    return OFF if config is None else config.label()
+
+
+@dataclass(frozen=True)
+class Rule:
+    """Batch sizes [batch_min, batch_max] and accept lengths [accept_min, accept_max) -> configs[0] (or a candidate)."""
+
+    batch_min: int
+    batch_max: float
+    accept_min: float
+    accept_max: float
+    configs: tuple[SpeculativeConfig | None, ...]
+
+    def matches(self, batch_size: int, accept_length: float) -> bool:
+        below_max = accept_length < self.accept_max or self.accept_max == UNBOUNDED  # an unmeasured bucket counts as unbounded
+        return self.batch_min <= batch_size <= self.batch_max and self.accept_min <= accept_length and below_max
+
+
+def build_rules(entries: list[dict]) -> list[Rule]:
+    """Rules from recipe entries {batch: [min, max|null], accept: [min, max|null], use: label, candidates: [labels]}."""
+    rules = []
+    for number, entry in enumerate(entries, start=1):
+        batch = list(entry.get("batch") or [1, None])
+        accept = list(entry.get("accept") or [0.0, None])
+        if len(batch) != 2 or len(accept) != 2 or batch[0] is None or accept[0] is None:
+            raise RuleTableError(f"rule {number}: batch and accept are [min, max] pairs (max may be null for no bound).")
+        configs = (parse_label(str(entry.get("use", OFF))), *(parse_label(str(label)) for label in entry.get("candidates") or []))
+        rule = Rule(int(batch[0]), UNBOUNDED if batch[1] is None else int(batch[1]),
+                    float(accept[0]), UNBOUNDED if accept[1] is None else float(accept[1]), configs)
+        if rule.batch_min < 1 or rule.batch_max < rule.batch_min:
+            raise RuleTableError(f"rule {number}: batch range {batch} is empty or starts below 1.")
+        if rule.accept_min < 0 or rule.accept_max <= rule.accept_min:
+            raise RuleTableError(f"rule {number}: accept range {accept} is empty or negative.")
+        rules.append(rule)
+    check_coverage(rules)
+    return rules
+
+
+def bucket_edges(rules: list[Rule]) -> list[int]:
+    """Sorted first batch sizes of the intervals on which the set of covering rules is constant."""
+    return sorted({1, *(rule.batch_min for rule in rules), *(int(rule.batch_max) + 1 for rule in rules if rule.batch_max < UNBOUNDED)})
+
+
+def check_coverage(rules: list[Rule]) -> None:
+    """Every (batch size >= 1, accept length >= 0) is matched by exactly one rule: no gaps, no overlaps."""
+    if not rules:
+        raise RuleTableError("the rule table is empty; add at least one rule covering batch [1, null].")
+    for batch_size in bucket_edges(rules):
+        covering = sorted((rule.accept_min, rule.accept_max, number) for number, rule in enumerate(rules, start=1)
+                          if rule.batch_min <= batch_size <= rule.batch_max)
+        reach = 0.0
+        for accept_min, accept_max, number in covering:
+            if accept_min > reach:
+                raise RuleTableError(f"no rule covers batch size {batch_size} with accept length in [{reach}, {accept_min}) (gap before rule {number}).")
+            if accept_min < reach:
+                raise RuleTableError(f"rule {number} overlaps an earlier rule at batch size {batch_size}, accept length {accept_min}.")
+            reach = accept_max
+        if reach < UNBOUNDED:
+            raise RuleTableError(f"no rule covers batch size {batch_size} with accept length >= {reach}.")
+
+
+@dataclass
+class ConfigUsage:
+    """Time spent in one configuration during a rollout."""
+
+    decode_steps: int = 0
+    tokens: int = 0
+    seconds: float = 0.0
+
+
+@dataclass
+class BucketState:
+    """What the schedule has learned about one batch-size bucket (checkpointed)."""
+
+    accept_length: float = UNBOUNDED  # optimistic until measured
+    collapsed: bool = False
+    steps_since_probe: int = 0
+    rewards: dict[str, deque] = field(default_factory=dict)
+
+
+class AdaptiveSchedule:
+    """Rule table + bandit + collapse detection; the speculative decoder calls it every decode step.
+
+    Buckets are the batch-size intervals between the rules' edges; each keeps its own measured
+    accept length (a moving average over its SD steps), collapse flag and bandit rewards.
+    """
+
+    def __init__(self, rules: list[Rule], collapse_accept_length: float = 1.3, reprobe_steps: int = 64,
+                 epsilon: float = 0.0, reward_window: int = 300, seed: int = 0):
+        self.rules = rules
+        self.collapse_accept_length = collapse_accept_length
+        self.reprobe_steps = reprobe_steps
+        self.epsilon = epsilon
+        self.reward_window = reward_window
+        self.random = random.Random(seed)
+        self.edges = bucket_edges(rules)
+        self.states = [BucketState() for _ in self.edges]
+        self.usage: dict[str, ConfigUsage] = defaultdict(ConfigUsage)
+        self.warnings: list[str] = []
+        self._last: tuple[int, SpeculativeConfig | None] | None = None
+
+    def __call__(self, batch_size: int) -> SpeculativeConfig | None:
+        bucket = bisect.bisect_right(self.edges, batch_size) - 1
+        config = self._choose(bucket, batch_size)
+        self._last = (bucket, config)
+        return config
+
+    @property
+    def last_config(self) -> SpeculativeConfig | None:
+        """The configuration returned by the latest call (None: plain decoding)."""
+        return None if self._last is None else self._last[1]
+
+    def _rule_for(self, batch_size: int, accept_length: float) -> Rule:
+        return next(rule for rule in self.rules if rule.matches(batch_size, accept_length))
+
+    def _choose(self, bucket: int, batch_size: int) -> SpeculativeConfig | None:
+        state = self.states[bucket]
+        if state.collapsed:
+            state.steps_since_probe += 1
+            if state.steps_since_probe < self.reprobe_steps:
+                return None
+            state.steps_since_probe = 0  # re-probe with the configuration an unmeasured bucket would use
+            return self._rule_for(batch_size, UNBOUNDED).configs[0]
+        rule = self._rule_for(batch_size, state.accept_length)
+        if len(rule.configs) == 1:
+            return rule.configs[0]
+        if self.random.random() < self.epsilon:
+            return self.random.choice(rule.configs)
+        return max(rule.configs, key=lambda config: self._median_reward(state, config))
+
+    def _median_reward(self, state: BucketState, config: SpeculativeConfig | None) -> float:
+        rewards = state.rewards.get(label_of(config))
+        return statistics.median(rewards) if rewards else UNBOUNDED  # untried candidates first
+
+    def observe(self, emitted_tokens: int, verify_passes: int, seconds: float) -> None:
+        """What the last chosen step did: tokens emitted over the batch, verify passes (rows that speculated), time."""
+        if self._last is None:
+            return
+        bucket, config = self._last
+        label = label_of(config)
+        usage = self.usage[label]
+        usage.decode_steps += 1
+        usage.tokens += emitted_tokens
+        usage.seconds += seconds
+        state = self.states[bucket]
+        state.rewards.setdefault(label, deque(maxlen=self.reward_window)).append(emitted_tokens / max(seconds, 1e-9))
+        if config is not None and verify_passes > 0:
+            self._measure(bucket, emitted_tokens / verify_passes)
+
+    def _measure(self, bucket: int, accept_length: float) -> None:
+        state = self.states[bucket]
+        previous = state.accept_length
+        state.accept_length = accept_length if previous == UNBOUNDED else (1 - ACCEPT_SMOOTHING) * previous + ACCEPT_SMOOTHING * accept_length
+        collapsed = state.accept_length < self.collapse_accept_length
+        if collapsed and not state.collapsed:
+            self.warnings.append(f"SD accept length collapsed to {state.accept_length:.2f} at batch sizes {self._range(bucket)}: "
+                                 f"SD off there, re-probed every {self.reprobe_steps} decode steps")
+        elif state.collapsed and not collapsed:
+            self.warnings.append(f"SD accept length recovered to {state.accept_length:.2f} at batch sizes {self._range(bucket)}: SD back on")
+        state.collapsed = collapsed
+
+    def _range(self, bucket: int) -> str:
+        upper = self.edges[bucket + 1] - 1 if bucket + 1 < len(self.edges) else None
+        return f"{self.edges[bucket]}-{upper if upper is not None else 'up'}"
+
+    def take_usage(self) -> dict[str, ConfigUsage]:
+        usage, self.usage = dict(self.usage), defaultdict(ConfigUsage)
+        return usage
+
+    def take_warnings(self) -> list[str]:
+        warnings, self.warnings = self.warnings, []
+        return warnings
+
+    def state_dict(self) -> dict:
+        return {"states": [(state.accept_length, state.collapsed, state.steps_since_probe,
+                            {label: list(values) for label, values in state.rewards.items()}) for state in self.states],
+                "random": self.random.getstate()}
+
+    def load_state_dict(self, saved: dict) -> None:
+        for state, (accept_length, collapsed, steps_since_probe, rewards) in zip(self.states, saved["states"]):
+            state.accept_length, state.collapsed, state.steps_since_probe = accept_length, collapsed, steps_since_probe
+            state.rewards = {label: deque(values, maxlen=self.reward_window) for label, values in rewards.items()}
+        self.random.setstate(saved["random"])
