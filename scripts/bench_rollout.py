@@ -102,7 +102,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--configs", default=",".join(SD_CONFIGS), help="SD configs to run, from: " + ",".join(SD_CONFIGS))
     parser.add_argument("--cache-dir", default=str(Path.home() / ".cache" / "tlt"),
                         help="trained drafter and assistant are cached here, per target folder and settings")
-    parser.add_argument("--warmup-steps", type=int, default=6000, help="drafter (and assistant) training steps")
+    parser.add_argument("--warmup-steps", type=int, default=2000, help="drafter (and assistant) training steps")
     parser.add_argument("--warmup-prompts", type=int, default=2048, help="target responses they train on")
     parser.add_argument("--seed", type=int, default=0)
     return parser.parse_args()
