@@ -72,15 +72,6 @@ def random_inputs(batch_size: int = 2, length: int = 9, seed: int = 1):
     return input_ids, target_hidden, position_ids
 
 
-def shared_tensors(target) -> dict[str, torch.Tensor]:
-    modules = {
-        "embed": target.get_input_embeddings(),
-        "norm": target.get_decoder().norm,
-        "lm_head": target.get_output_embeddings(),
-    }
-    return {f"{name}.{key}": value.clone() for name, module in modules.items() for key, value in module.state_dict().items()}
-
-
 @pytest.mark.parametrize("build_target", [tiny_qwen2, tiny_llama_untied])
 def test_shared_target_weights_are_not_drafter_parameters(build_target):
     target = build_target()
@@ -297,7 +288,8 @@ def test_concatenate_right_pads_without_changing_each_rows_loss():
     long = collect_drafter_batch(target, *arithmetic_like_sequences(target, count=1, response_length=12, seed=2))
     both = DrafterBatch.concatenate([short, long])
     assert both.size == 2 and both.input_ids.shape[1] == long.input_ids.shape[1]
-    torch.testing.assert_close(evaluate_drafter(drafter, both.rows(torch.tensor([0]))).total, evaluate_drafter(drafter, short).total)
+    first_row = both.rows(torch.tensor([0]))
+    torch.testing.assert_close(evaluate_drafter(drafter, first_row).total, evaluate_drafter(drafter, short).total)
     assert evaluate_drafter(drafter, both).token_count == short.loss_mask.sum() + long.loss_mask.sum()
 
 

@@ -230,7 +230,9 @@ def read_drafter_metadata(directory: Path) -> dict:
             f"{DRAFTER_FORMAT_VERSION}: re-save it with this version."
         )
     if metadata["weights_sha256"] != file_sha256(weights_path):
-        raise DrafterLoadError(f"Drafter weights in {directory} do not match its config (interrupted save?): save it again.")
+        raise DrafterLoadError(
+            f"Drafter weights in {directory} do not match its config (interrupted save?): save it again."
+        )
     return metadata
 
 

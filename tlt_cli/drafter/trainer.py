@@ -27,6 +27,11 @@ from tlt_cli.drafter.model import EagleDrafter
 logger = logging.getLogger(__name__)
 
 
+def real_token_mask(sequence_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+    """[B,L] bool, true on real tokens: the attention mask, or all true when there is none."""
+    return torch.ones_like(sequence_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
+
+
 @dataclass
 class DrafterBatch:
     """Drafter training features of B sequences, already shifted (see the module docstring).
@@ -53,7 +58,7 @@ class DrafterBatch:
     ) -> DrafterBatch:
         """sequence_ids: [B,L]; hidden_states: [B,L,H] target last_hidden_state; response_mask: [B,L]
         bool, true on response tokens; attention_mask: [B,L] bool, true on real (non-padding) tokens."""
-        token_valid = torch.ones_like(sequence_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
+        token_valid = real_token_mask(sequence_ids, attention_mask)
         response = response_mask.bool() & token_valid
         # feature t predicts x[t+2]: counts when x[t+1] and x[t+2] are response tokens; the last feature never does
         predicts_response = torch.zeros_like(response[:, 1:])
@@ -113,7 +118,7 @@ def collect_drafter_batch(
     sequences: [B,L] prompt + response ids (padded on either side); response_mask: [B,L] bool;
     attention_mask: [B,L] bool, true on real tokens (None: no padding).
     """
-    token_valid = torch.ones_like(sequences, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
+    token_valid = real_token_mask(sequences, attention_mask)
     position_ids = (token_valid.long().cumsum(-1) - 1).clamp(min=0)
     hidden_states = target.get_decoder()(
         input_ids=sequences, attention_mask=token_valid.long(), position_ids=position_ids

@@ -109,10 +109,19 @@ def held_out_metrics(drafter: EagleDrafter, buckets: list[DrafterBatch]) -> tupl
 def train_on_buckets(
     trainer: DrafterTrainer, buckets: list[DrafterBatch], steps: int, seed: int
 ) -> list[float]:
-    """`steps` train steps, each on a bucket drawn uniformly (seeded); returns each step's total loss."""
+    """`steps` train steps, each on a bucket drawn uniformly (seeded), the learning rate decaying
+    on a cosine from the trainer's to a tenth of it; returns each step's total loss."""
     generator = torch.Generator().manual_seed(seed)
     choices = torch.randint(0, len(buckets), (steps,), generator=generator).tolist()
-    return [float(trainer.train_step(buckets[choice]).total) for choice in choices]
+    base_lr = trainer.optimizer.param_groups[0]["lr"]
+    schedule = torch.optim.lr_scheduler.CosineAnnealingLR(
+        trainer.optimizer, T_max=max(steps, 1), eta_min=0.1 * base_lr
+    )
+    losses = []
+    for choice in choices:
+        losses.append(float(trainer.train_step(buckets[choice]).total))
+        schedule.step()
+    return losses
 
 
 def collect_warmup_buckets(
@@ -150,17 +159,17 @@ def warm_up_drafter(
     batch_size: int,
     lr: float,
     seed: int,
-    train_prompts: int = 256,
+    train_prompts: int = 1024,
     held_out_prompts: int = 64,
     max_new_tokens: int = 256,
     temperature: float = 1.0,
-    weight_decay: float = 0.0,
+    weight_decay: float = 0.1,
 ) -> tuple[EagleDrafter, WarmupReport]:
     """Train a fresh drafter on the target's own sampled responses to `task` (temperature given).
 
     Example:
-        drafter, report = warm_up_drafter(policy, tokenizer, ArithmeticTask(seed=0), steps=300,
-                                          batch_size=16, lr=3e-3, seed=0)
+        drafter, report = warm_up_drafter(policy, tokenizer, ArithmeticTask(seed=0), steps=600,
+                                          batch_size=16, lr=1e-3, seed=0)
     """
     generate_start = time.perf_counter()
     sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature)
