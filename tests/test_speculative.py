@@ -253,3 +253,5 @@ def test_bad_configs_name_the_field_to_fix():
         check_speculative_config(SpeculativeConfig(0), vocab_size=64)
     with pytest.raises(ValueError, match="draft_tokens"):
         check_speculative_config(SpeculativeConfig(3, 1, 7), vocab_size=64)
+    with pytest.raises(ValueError, match="topk"):
+        SpeculativeDecoder(EagleDrafter(tiny_target(vocab_size=8)), SpeculativeConfig(2, 9, 4))

@@ -75,9 +75,11 @@ class SpeculativeDecoder:
     def __init__(self, drafter: nn.Module, config: SpeculativeConfig | ConfigSchedule) -> None:
         self.drafter = drafter
         self.schedule: ConfigSchedule = config if callable(config) else (lambda batch_size: config)
+        # shapes already validated against the drafter's vocabulary
         self._checked: set[SpeculativeConfig] = set()
         if isinstance(config, SpeculativeConfig):
-            self._config_for(0)
+            check_speculative_config(config, drafter.config.vocab_size)
+            self._checked.add(config)
         self.cache = SlotCache(0, 0)
         self.drafter_lengths = torch.zeros(0)  # [B] committed drafter entries (lags the target after plain steps)
         self.root_hidden = torch.zeros(0)  # [B, H] drafter hidden of the last committed entry
