@@ -382,3 +382,13 @@ def test_warm_up_teaches_the_drafter_to_agree_with_the_target():
     again, _ = warm_up_drafter(target, tokenizer, ArithmeticTask(seed=0), seed=0, **settings)
     for name, value in drafter.state_dict().items():
         assert torch.equal(again.state_dict()[name], value), name
+
+
+def test_drafter_follows_the_target_dtype():
+    target = tiny_qwen2().to(torch.bfloat16)
+    drafter = EagleDrafter(target)
+    input_ids, target_hidden, position_ids = random_inputs()
+    with torch.no_grad():
+        output = drafter(input_ids, target_hidden.to(torch.bfloat16), position_ids, None, None)
+    assert all(parameter.dtype == torch.bfloat16 for parameter in drafter.parameters())
+    assert output.logits.dtype == torch.bfloat16 and torch.isfinite(output.logits).all()

@@ -130,9 +130,10 @@ class EagleDrafter(nn.Module):
             self.decoder_layer = layer_class(self.config, layer_idx=0)
         # EAGLE: the fc output enters attention un-normalised
         self.decoder_layer.input_layernorm = nn.Identity()
-        self.rotary_emb = type(base_model.rotary_emb)(config=self.config)
         reference = target.get_input_embeddings().weight
         self.to(device=reference.device, dtype=reference.dtype)
+        # built after the dtype cast so its inverse frequencies stay float32, as in the target
+        self.rotary_emb = type(base_model.rotary_emb)(config=self.config).to(reference.device)
 
     @property
     def architecture(self) -> str:
