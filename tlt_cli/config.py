@@ -87,6 +87,10 @@ class SpeculativeSection:
     steps: int = 4
     topk: int = 1
     draft_tokens: int = 0
+    rules: list[dict[str, Any]] = field(default_factory=list)
+    collapse_accept_length: float = 1.3
+    reprobe_steps: int = 64
+    bandit_epsilon: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -124,7 +128,7 @@ class Recipe:
 
 
 ROLLOUT_BACKENDS = ("embedded",)
-SPECULATIVE_MODES = ("off", "fixed")
+SPECULATIVE_MODES = ("off", "fixed", "adaptive")
 DRAFTER_STARTS = ("warmup", "random")
 
 
@@ -185,7 +189,11 @@ def _apply_override(merged: DictConfig, override: str) -> DictConfig:
     if not free_form and OmegaConf.select(merged, key, default=_MISSING_KEY) is _MISSING_KEY:
         raise RecipeError(f"override key '{key}' is not a recipe key; {_suggest(key)}")
     try:
-        return OmegaConf.merge(merged, OmegaConf.from_dotlist([override]))
+        parsed = OmegaConf.from_dotlist([override])
+    except (YAMLError, OmegaConfBaseException) as error:
+        raise RecipeError(f"override '{override}': the value is not valid YAML ({_first_line(error)}).") from None
+    try:
+        return OmegaConf.merge(merged, parsed)
     except OmegaConfBaseException as error:
         raise RecipeError(f"override '{override}': {_describe(error)}") from None
 
@@ -263,11 +271,35 @@ def _validate_speculative(section: SpeculativeSection) -> None:
     from tlt_cli.rollout.speculative import check_speculative_config
     from tlt_cli.rollout.types import SpeculativeConfig
 
+    from tlt_cli.adaptive import RuleTableError, build_rules
+
     _require(section.mode in SPECULATIVE_MODES, f"speculative.mode must be one of {', '.join(SPECULATIVE_MODES)}, got '{section.mode}'.")
     try:
         check_speculative_config(SpeculativeConfig(section.steps, section.topk, section.draft_tokens), vocab_size=2**31)
     except ValueError as error:
         raise RecipeError(f"speculative: {error}") from None
+    _require(section.collapse_accept_length >= 1.0, f"speculative.collapse_accept_length must be >= 1 (1 means no draft accepted), got {section.collapse_accept_length}.")
+    _require(section.reprobe_steps >= 1, f"speculative.reprobe_steps must be at least 1, got {section.reprobe_steps}.")
+    _require(0.0 <= section.bandit_epsilon <= 1.0, f"speculative.bandit_epsilon must be in [0, 1], got {section.bandit_epsilon}.")
+    if section.mode != "adaptive":
+        return
+    try:
+        rules = build_rules([dict(rule) for rule in section.rules])
+        for number, rule in enumerate(rules, start=1):
+            for config in rule.configs:
+                if config is not None:
+                    _check_rule_config(number, config)
+    except RuleTableError as error:
+        raise RecipeError(f"speculative.rules: {error}") from None
+
+
+def _check_rule_config(number: int, config) -> None:
+    from tlt_cli.rollout.speculative import check_speculative_config
+
+    try:
+        check_speculative_config(config, vocab_size=2**31)
+    except ValueError as error:
+        raise RecipeError(f"speculative.rules: rule {number}: {error}") from None
 
 
 def _validate_drafter(drafter: DrafterConfig) -> None:

@@ -21,7 +21,13 @@ def step_records(reports: list[WorkerStepReport]) -> list[dict[str, Any]]:
     rollout_start = min(report.rollout_start for report in reports)
     rollout_end = max(report.busy_end for report in reports)
     workers = [_worker_record(report, rollout_end) for report in reports]
-    return requests + workers + [_step_record(reports, requests, workers, rollout_start, rollout_end)]
+    configurations = [_configuration_record(report, label, usage) for report in reports for label, usage in sorted(report.sd_usage.items())]
+    return requests + workers + configurations + [_step_record(reports, requests, workers, rollout_start, rollout_end)]
+
+
+def _configuration_record(report: WorkerStepReport, label: str, usage: dict[str, float]) -> dict[str, Any]:
+    """Time one worker spent decoding in one SD configuration ("off" = plain decoding) during the step."""
+    return {"type": "sd_config", "step": report.step, "worker": report.worker, "config": label, **usage}
 
 
 def _worker_record(report: WorkerStepReport, rollout_end: float) -> dict[str, Any]:
@@ -57,6 +63,8 @@ def _step_record(reports: list[WorkerStepReport], requests: list[dict[str, Any]]
         "response_tokens": int(lengths.sum()),
         "accept_length": (accepted + verify_passes) / verify_passes if verify_passes else None,
         **{f"actor_{name}": value for name, value in update.items()},
+        "sd_on_seconds": sum(usage["seconds"] for report in reports for label, usage in report.sd_usage.items() if label != "off"),
+        "sd_off_seconds": sum(usage["seconds"] for report in reports for label, usage in report.sd_usage.items() if label == "off"),
         **_plugin_totals(reports),
     }
 

@@ -65,12 +65,12 @@ def new_run_directory(recipe: Recipe) -> Path:
 
 def train(recipe: Recipe, run_directory: Path, console: Console, resume: bool = False) -> RunSummary:
     """Run (or resume) the GRPO loop with recipe.workers.count worker processes."""
+    resume_from, start_step = _resume_point(run_directory) if resume else (None, 0)
     cache = cache_directory(recipe)
     if recipe.model.path == BUILTIN_TINY_MODEL:
         with console.status("preparing the built-in tiny model (built and warmed up once, then cached)"):
             ensure_tiny_model(cache)
     drafter_init = _prepare_drafter(recipe, cache, console)
-    resume_from, start_step = _resume_point(run_directory) if resume else (None, 0)
     trace_path = run_directory / TRACE_FILE
     if resume:
         truncate_trace(trace_path, start_step)
@@ -146,6 +146,10 @@ def _record_step(reports: list[WorkerStepReport], trace: TraceWriter, display: T
         trace.write(record)
     display.add_step(records[-1])
     for report in reports:
+        for warning in report.sd_warnings:
+            message = f"worker {report.worker}: {warning}"
+            trace.write({"type": "warning", "step": report.step, "worker": report.worker, "message": message})
+            display.note(message)
         for failure in report.plugin_failures:
             message = (f"plugin {failure['plugin']} disabled on worker {report.worker}: "
                        f"{failure['hook']} raised {failure['message']}")

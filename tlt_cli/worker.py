@@ -63,6 +63,9 @@ class WorkerStepReport:
     # numbers plugins added to the step context (e.g. drafter_steps), and plugins disabled this step
     plugin_metrics: dict[str, float] = field(default_factory=dict)
     plugin_failures: list[dict[str, str]] = field(default_factory=list)
+    # adaptive SD: decode steps, tokens and seconds per configuration label; warnings (collapse, recovery)
+    sd_usage: dict[str, dict[str, float]] = field(default_factory=dict)
+    sd_warnings: list[str] = field(default_factory=list)
     checkpoint: str | None = None
 
 
@@ -144,8 +147,11 @@ class WorkerLoop:
         self.plugins = PluginHost(plugins, agree=agree_across_workers)
         self.sampling = SamplingParams(max_new_tokens=recipe.rollout.max_new_tokens, temperature=recipe.rollout.temperature,
                                        top_p=recipe.rollout.top_p, top_k=recipe.rollout.top_k)
+        self.schedule = getattr(self.engine.speculative, "adaptive_schedule", None)
         if spec.resume_from is not None:
             self.actor.load(spec.resume_from)
+            if self.schedule is not None:
+                self.schedule.load_state_dict(torch.load(self._schedule_path(spec.resume_from), weights_only=False))
             self.plugins.call("on_checkpoint_load", spec.resume_from)
 
     def run(self) -> None:
@@ -181,6 +187,8 @@ class WorkerLoop:
             requests=[self.request_record(step, completion, reward) for completion, reward in zip(completions, rewards.tolist())],
             update=update, plugin_metrics=context.metrics,
             plugin_failures=[vars(failure) for failure in self.plugins.take_failures()],
+            sd_usage={label: vars(usage) for label, usage in self.schedule.take_usage().items()} if self.schedule else {},
+            sd_warnings=self.schedule.take_warnings() if self.schedule else [],
         )
 
     def _hook(self, hook: str, context: StepContext):
@@ -230,9 +238,14 @@ class WorkerLoop:
             "accepted_by_depth": list(stats.accepted_by_depth), "proposed_by_depth": list(stats.proposed_by_depth),
         }
 
+    def _schedule_path(self, directory: Path) -> Path:
+        return directory / f"adaptive-schedule-rank-{self.rank}.pt"
+
     def save_checkpoint(self, next_step: int) -> Path:
         def save_parts(directory: Path) -> None:
             self.actor.save(directory)
+            if self.schedule is not None:
+                torch.save(self.schedule.state_dict(), self._schedule_path(directory))
             self.plugins.call("on_checkpoint_save", directory)
 
         return save_collectively(

@@ -16,8 +16,10 @@ from pathlib import Path
 
 from transformers import PreTrainedModel
 
+from tlt_cli.adaptive import AdaptiveSchedule, build_rules
 from tlt_cli.config import Recipe
 from tlt_cli.drafter.model import CONFIG_FILE, EagleDrafter, load_drafter, save_drafter
+from tlt_cli.rollout.adaptive_decoding import AdaptiveSpeculativeDecoder
 from tlt_cli.rollout.speculative import SpeculativeDecoder
 from tlt_cli.rollout.types import SpeculativeConfig
 
@@ -80,6 +82,10 @@ def speculative_decoder(recipe: Recipe, drafter: EagleDrafter | None) -> Specula
     if recipe.speculative.mode == "off" or drafter is None:
         return None
     section = recipe.speculative
+    if section.mode == "adaptive":
+        schedule = AdaptiveSchedule(build_rules([dict(rule) for rule in section.rules]), section.collapse_accept_length,
+                                    section.reprobe_steps, section.bandit_epsilon, seed=recipe.run.seed)
+        return AdaptiveSpeculativeDecoder(drafter, schedule)
     return SpeculativeDecoder(drafter, SpeculativeConfig(section.steps, section.topk, section.draft_tokens))
 
 
