@@ -32,22 +32,26 @@ LONG_TERMS = 10
 
 
 def sample_responses(model, tokenizer, task, count: int, temperature: float):
-    """(terms, reward, response tokens incl. EOS) for problems 0..count-1; temperature 0 is greedy."""
+    """Rows (terms, reward, response tokens incl. EOS) for problems 0..count-1 in index order.
+
+    Temperature 0 is greedy; otherwise full-vocabulary sampling (top_k 0) at `temperature`.
+    Prompts are batched by length so left padding stays small.
+    """
     problems = sorted((task.problem(index) for index in range(count)), key=lambda problem: len(problem.prompt))
-    max_new_tokens = 6 * task.max_terms + 8  # longest solution is 5 * terms + 1 characters, plus EOS
+    max_new_tokens = task.max_solution_length + 8  # room for EOS and a little overshoot
     tokenizer.padding_side = "left"
-    results = []
+    sampling = {"do_sample": True, "temperature": temperature, "top_k": 0} if temperature > 0 else {"do_sample": False}
+    rows = {}
     for start in range(0, count, GENERATION_BATCH):
         chunk = problems[start : start + GENERATION_BATCH]
         batch = tokenizer([problem.prompt for problem in chunk], return_tensors="pt", padding=True)
-        sampling = {"do_sample": True, "temperature": temperature, "top_k": 0} if temperature > 0 else {"do_sample": False}
         with torch.no_grad():
             generated = model.generate(**batch, max_new_tokens=max_new_tokens, **sampling)
         for problem, response_ids in zip(chunk, generated[:, batch["input_ids"].shape[1] :].tolist()):
             response_ids = _until_eos(response_ids, tokenizer.eos_token_id)
             response = tokenizer.decode(response_ids, skip_special_tokens=True)
-            results.append((len(problem.prompt) // 2, task.reward(problem, response), len(response_ids)))
-    return np.array(results, dtype=np.float64)
+            rows[problem.index] = (len(problem.prompt) // 2, task.reward(problem, response), len(response_ids))
+    return np.array([rows[index] for index in range(count)], dtype=np.float64)
 
 
 def _until_eos(response_ids: list[int], eos_token_id: int) -> list[int]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
@@ -16,7 +18,7 @@ from tlt_cli.models.tiny import (
     tiny_tokenizer,
     warm_up,
 )
-from tlt_cli.models.tiny import _supervised_example
+from tlt_cli.models.tiny import _length_sorted_batches, _supervised_example
 from tlt_cli.models.tokenizer import build_char_tokenizer
 from tlt_cli.tasks.arithmetic import CHARACTERS, ArithmeticTask, make_problem
 
@@ -79,6 +81,18 @@ def test_supervised_example_masks_the_prompt():
     assert input_ids[-1] == tokenizer.eos_token_id
     assert labels[: len(problem.prompt)] == [IGNORED_LABEL] * len(problem.prompt)
     assert labels[len(problem.prompt) :] == input_ids[len(problem.prompt) :]
+
+
+def test_warm_up_batches_are_length_sorted_so_padding_stays_small():
+    tokenizer = tiny_tokenizer()
+    batches = list(_length_sorted_batches(tokenizer, ArithmeticTask(seed=0), 64, 12, random.Random(0)))
+    assert len(batches) == 64 and all(input_ids.shape[0] == 12 for input_ids, _, _ in batches)
+    real_tokens = sum(int(attention_mask.sum()) for _, attention_mask, _ in batches)
+    padded_tokens = sum(input_ids.numel() for input_ids, _, _ in batches)
+    assert padded_tokens < 1.2 * real_tokens
+    for input_ids, attention_mask, labels in batches:
+        assert torch.all(labels[attention_mask == 0] == IGNORED_LABEL)
+        assert torch.all(input_ids[attention_mask == 0] == tokenizer.pad_token_id)
 
 
 def test_warm_up_lowers_the_solution_loss():

@@ -24,10 +24,11 @@ def test_arithmetic_problems_are_deterministic_by_seed_and_index():
 
 
 def test_arithmetic_solution_is_the_running_sum_mod_10():
-    problem = make_problem(0, [3, 1, 4, 1, 5])
-    assert problem.prompt == "a3b1c4d1e5="
-    assert problem.solution == "a3:3,b1:4,c4:8,d1:9,e5:4#4"
-    assert problem.answer == "4"
+    problem = make_problem(0, [3, 1, 4, 1, 5, 9, 9])
+    assert problem.prompt == "a3b1c4d1e5f9g9="
+    assert problem.solution == "a3:03,b1:04,c4:08,d1:09,e5:14,f9:13,g9:12#2"
+    assert problem.answer == "2"
+    assert ArithmeticTask(seed=0, max_terms=7).max_solution_length == len(problem.solution)
 
 
 def test_arithmetic_answers_match_their_digits_and_use_the_vocabulary():
@@ -49,13 +50,26 @@ def test_arithmetic_solution_lengths_have_a_long_tail():
     assert lengths.max() > 150
 
 
+def test_arithmetic_term_counts_follow_the_power_law():
+    task = ArithmeticTask(seed=0, max_terms=48, tail_exponent=1.5)
+    term_counts = np.array([len(task.problem(index).prompt) // 2 for index in range(4000)])  # "a3b1=" has 2
+    weights = np.arange(1, 49, dtype=np.float64) ** -1.5
+    expected = weights / weights.sum()
+    observed = np.bincount(term_counts, minlength=49)[1:] / len(term_counts)
+    assert abs(observed[0] - expected[0]) < 0.02  # P(n=1) is about 0.43
+    assert abs(observed[:3].sum() - expected[:3].sum()) < 0.02
+    assert abs((term_counts >= 20).mean() - expected[19:].sum()) < 0.02
+    # consecutive indices (one RL step's prompts) cover the tail: every window of 64 has a long problem
+    assert all((term_counts[start : start + 64] >= 10).any() for start in range(0, 4000 - 64, 64))
+
+
 def test_arithmetic_reward_right_wrong_and_malformed():
     task = ArithmeticTask(seed=0)
     problem = make_problem(0, [3, 1, 4, 1, 5])
-    assert task.reward(problem, "a3:3,b1:4,c4:8,d1:9,e5:4#4") == 1.0
+    assert task.reward(problem, "a3:03,b1:04,c4:08,d1:09,e5:14#4") == 1.0
     assert task.reward(problem, "#4\n") == 1.0  # the chain is not checked, whitespace is ignored
-    assert task.reward(problem, "a3:3,b1:4,c4:8,d1:9,e5:5#5") == 0.0  # wrong answer
-    assert task.reward(problem, "a3:3,b1:4,c4:8,d1:9,e5:4") == 0.0  # no marker
+    assert task.reward(problem, "a3:03,b1:04,c4:08,d1:09,e5:15#5") == 0.0  # wrong answer
+    assert task.reward(problem, "a3:03,b1:04,c4:08,d1:09,e5:14") == 0.0  # no marker
     assert task.reward(problem, "#4#4") == 0.0  # two markers
     assert task.reward(problem, "#44") == 0.0  # trailing text after the answer
     assert task.reward(problem, "#") == 0.0

@@ -1,8 +1,11 @@
 """The built-in arithmetic task: a running sum mod 10 whose chain of thought has a long tail.
 
 A problem is a list of n labelled digits, `a3b1c4d1e5=`; the reference solution walks the
-list one step per digit, restating the label and digit and the running sum mod 10, then
-writes the answer marker and the answer: `a3:3,b1:4,c4:8,d1:9,e5:4#4`. The number of
+list one step per digit, restating the label and digit and writing the previous running sum
+plus the digit as two digits (`b1:04`), whose last digit is the new running sum mod 10; then
+the answer marker and the answer: `a3:03,b1:04,c4:08,d1:09,e5:14#4`. Writing the unreduced
+total gives gradient descent a carry digit that depends smoothly on both operands, which a
+bare mod-10 digit (parity-like in its operands) does not. The number of
 digits n is heavy-tailed, P(n) ~ n^-tail_exponent on 1..max_terms, so most solutions are a
 few steps long and a few run to dozens of steps: the rollout long tail in miniature. Labels
 (a..z, A..V) let a small model find the next digit by content instead of by counting, which
@@ -22,8 +25,9 @@ QUESTION_END = "="
 STEP_SEPARATOR = ","
 SUM_SEPARATOR = ":"
 ANSWER_MARKER = "#"
-# every character a prompt or a solution can contain (the tiny model's vocabulary)
+# stride of the low-discrepancy sequence that stratifies term counts across indices
 GOLDEN_RATIO_CONJUGATE = 0.6180339887498949
+# every character a prompt or a solution can contain (the tiny model's vocabulary)
 CHARACTERS = DIGITS + LABELS + QUESTION_END + STEP_SEPARATOR + SUM_SEPARATOR + ANSWER_MARKER
 
 
@@ -32,8 +36,9 @@ class ArithmeticTask:
 
     Example:
         task = ArithmeticTask(seed=0)
-        problem = task.problem(3)          # Problem(prompt="a7b2=", solution="a7:7,b2:9#9", ...)
-        task.reward(problem, "a7:7,b2:9#9")  # 1.0
+        problem = make_problem(0, [3, 1, 4])    # prompt "a3b1c4=", solution "a3:03,b1:04,c4:08#8"
+        task.reward(problem, "a3:03,b1:04,c4:08#8")  # 1.0
+        task.reward(problem, "a3:03,b1:04,c4:07#7")  # 0.0
 
     Reward: 1.0 when the response (decoded without special tokens, surrounding whitespace
     ignored) contains exactly one answer marker `#` and the text after it is exactly the
@@ -55,6 +60,8 @@ class ArithmeticTask:
         weights = term_counts**-tail_exponent  # P(n) ~ n^-alpha
         self._term_cdf = np.cumsum(weights / weights.sum())
         self._quantile_offset = float(np.random.default_rng([seed]).random())
+        # characters in the longest reference solution (EOS not counted): a budget for max_new_tokens
+        self.max_solution_length = len(make_problem(0, [9] * max_terms).solution)
 
     def problem(self, index: int) -> Problem:
         """The problem at `index`: digits from a generator seeded by (seed, index).
@@ -85,8 +92,9 @@ def make_problem(index: int, digits: list[int]) -> Problem:
     steps = []
     running_sum = 0
     for label, digit in zip(labels, digits):
-        running_sum = (running_sum + digit) % 10  # s_k = (s_{k-1} + d_k) mod 10
-        steps.append(f"{label}{digit}{SUM_SEPARATOR}{running_sum}")
+        step_total = running_sum + digit  # t_k = s_{k-1} + d_k in 0..18, written as two digits
+        steps.append(f"{label}{digit}{SUM_SEPARATOR}{step_total:02d}")
+        running_sum = step_total % 10  # s_k = t_k mod 10, the last digit written
     answer = str(running_sum)
     solution = STEP_SEPARATOR.join(steps) + ANSWER_MARKER + answer
     return Problem(index=index, prompt=prompt, answer=answer, solution=solution)
