@@ -176,5 +176,5 @@ def export_drafter(
         f"exported {summary.architecture} drafter to {summary.output_dir}: accept length {measurement.accept_length:.3f} "
         f"({measurement.verify_passes} verify passes on {measurement.prompts} held-out prompts; reload reproduces "
         f"{summary.reloaded_accept_length:.3f}); model card in README.md",
-        highlight=False,
+        highlight=False, soft_wrap=True,
     )

@@ -19,12 +19,11 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file, save
 from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from tlt_cli.actor import CHECKPOINT_TAG
@@ -120,9 +119,12 @@ def export_drafter(source: Path, output_dir: Path, recipe_path: Path | None = No
     probe = held_out_probe(drafter_source.recipe, tokenizer, prompts, max_new_tokens, draft_steps)
     measurement = measure_accept_length(target, drafter, probe)
     output_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.tmp-", dir=output_dir.parent))
+    # created like any folder (the umask decides its mode), under a name no other export uses
+    staging = output_dir.with_name(f".{output_dir.name}.tmp-{os.getpid()}")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir()
     try:
-        save_file(sglang_tensors(drafter, target, include_shared), str(staging / WEIGHTS_FILE))
+        (staging / WEIGHTS_FILE).write_bytes(save(sglang_tensors(drafter, target, include_shared)))
         (staging / EXPORT_CONFIG_FILE).write_text(json.dumps(sglang_config(drafter, target), indent=2) + "\n", encoding="utf-8")
         reloaded = measure_accept_length(target, load_exported_drafter(staging, target), probe)
         _check_reproduced(measurement, reloaded, output_dir)
