@@ -96,9 +96,9 @@ class SpeculativeSection:
 @dataclass(frozen=True)
 class DrafterConfig:
     init: str = "warmup"
-    warmup_steps: int = 300
-    warmup_lr: float = 3e-3
-    warmup_prompts: int = 256
+    warmup_steps: int = 600
+    warmup_lr: float = 1e-3
+    warmup_prompts: int = 1024
     warmup_batch_size: int = 16
     lr: float = 1e-3
     weight_decay: float = 0.0
