@@ -146,3 +146,13 @@ def test_registry_builds_tasks_and_names_the_choices(tmp_path):
         build_task("arithmetic", seed=0, options={"max_digits": 3})
     with pytest.raises(TaskOptionError, match="path"):
         build_task("jsonl_math", seed=0, options={})
+
+
+def test_arithmetic_reward_requires_the_whole_chain():
+    from tlt_cli.tasks.arithmetic import ArithmeticTask, make_problem
+
+    task, problem = ArithmeticTask(seed=0), make_problem(0, [3, 1, 4])
+    assert task.reward(problem, "a3:03,b1:04,c4:08#8") == 1.0
+    assert task.reward(problem, "#8") == 0.0  # a guess without working
+    assert task.reward(problem, "a3:03,b1:04#8") == 0.0  # a skipped step
+    assert task.reward(problem, "a3:03,b2:04,c4:08#8") == 0.0  # a misread term

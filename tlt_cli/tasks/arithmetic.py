@@ -41,9 +41,9 @@ class ArithmeticTask:
         task.reward(problem, "a3:03,b1:04,c4:07#7")  # 0.0
 
     Reward: 1.0 when the response (decoded without special tokens, surrounding whitespace
-    ignored) contains exactly one answer marker `#` and the text after it is exactly the
-    answer digit; 0.0 otherwise (wrong answer, missing marker, several markers, or anything
-    after the answer). The chain of thought before the marker is not checked.
+    ignored) has one well-formed step per term, then exactly one answer marker `#` and after it
+    exactly the answer digit; 0.0 otherwise (a skipped or malformed step, wrong answer, missing
+    marker, several markers, or anything after the answer). The step totals are not checked.
     """
 
     name = "arithmetic"
@@ -78,11 +78,26 @@ class ArithmeticTask:
         return make_problem(index, digits)
 
     def reward(self, problem: Problem, response: str) -> float:
-        """1.0 iff the single answer marker is followed by exactly the right answer."""
-        _, marker, final = response.strip().partition(ANSWER_MARKER)
-        if not marker or ANSWER_MARKER in final:
+        """1.0 iff the chain has one step per term and the single answer marker is followed by the right answer.
+
+        Requiring the whole chain (each step restating its term, then a two-digit total) keeps the
+        policy from learning to guess long problems' answers without working them out, which would
+        also erase the long tail of response lengths that the task exists to produce.
+        """
+        chain, marker, final = response.strip().partition(ANSWER_MARKER)
+        if not marker or ANSWER_MARKER in final or not _chain_is_complete(problem.prompt, chain):
             return 0.0
         return 1.0 if final == problem.answer else 0.0
+
+
+def _chain_is_complete(prompt: str, chain: str) -> bool:
+    """One step "<label><digit>:<two digits>" per labelled term of the prompt, in order."""
+    terms = [prompt[position : position + 2] for position in range(0, len(prompt) - 1, 2)]
+    steps = chain.split(STEP_SEPARATOR)
+    return len(steps) == len(terms) and all(
+        len(step) == 5 and step[:2] == term and step[2] == SUM_SEPARATOR and step[3:].isdigit()
+        for step, term in zip(steps, terms)
+    )
 
 
 def make_problem(index: int, digits: list[int]) -> Problem:
