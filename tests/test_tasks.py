@@ -67,11 +67,13 @@ def test_arithmetic_reward_right_wrong_and_malformed():
     task = ArithmeticTask(seed=0)
     problem = make_problem(0, [3, 1, 4, 1, 5])
     assert task.reward(problem, "a3:03,b1:04,c4:08,d1:09,e5:14#4") == 1.0
-    assert task.reward(problem, "#4\n") == 1.0  # the chain is not checked, whitespace is ignored
+    assert task.reward(problem, " a3:03,b1:04,c4:08,d1:09,e5:14#4\n") == 1.0  # surrounding whitespace is ignored
+    assert task.reward(problem, "#4") == 0.0  # the chain is required
     assert task.reward(problem, "a3:03,b1:04,c4:08,d1:09,e5:15#5") == 0.0  # wrong answer
     assert task.reward(problem, "a3:03,b1:04,c4:08,d1:09,e5:14") == 0.0  # no marker
-    assert task.reward(problem, "#4#4") == 0.0  # two markers
-    assert task.reward(problem, "#44") == 0.0  # trailing text after the answer
+    chain = "a3:03,b1:04,c4:08,d1:09,e5:14"
+    assert task.reward(problem, chain + "#4#4") == 0.0  # two markers
+    assert task.reward(problem, chain + "#44") == 0.0  # trailing text after the answer
     assert task.reward(problem, "#") == 0.0
 
 
