@@ -191,7 +191,8 @@ class SpeculativeDecoder:
         emitted tokens [B, D + 1] (kept drafts, then the bonus at index accept_length)."""
         accept_length, path = verdict.accept_length, verdict.path
         offsets = torch.arange(path.shape[1], device=path.device)
-        if not config.is_chain:
+        caught_up = int(accept_length.max()) + 1
+        if not config.is_chain and caught_up > 1:
             # kept node path[j] moves from slot lengths + path[j] to lengths + j; others stay put
             source = torch.where(offsets[None, :] <= accept_length[:, None], path, offsets[None, :])
             batch.cache.move_slots(batch.lengths[:, None] + source, batch.lengths[:, None] + offsets[None, :])
@@ -199,7 +200,6 @@ class SpeculativeDecoder:
         emitted = torch.cat([path_tokens[:, 1:], torch.zeros_like(path_tokens[:, :1])], dim=1)
         emitted.scatter_(1, accept_length[:, None], verdict.bonus[:, None])
         # drafter catch-up: entry at position lengths + j pairs target_hidden there with emitted[j]
-        caught_up = int(accept_length.max()) + 1
         path_hidden = gather_rows(hidden, path[:, :caught_up])
         positions = batch.lengths[:, None] + offsets[None, :caught_up]
         causal = torch.ones(caught_up, caught_up, dtype=torch.bool, device=path.device).tril()

@@ -103,8 +103,8 @@ class TreeBuilder:
         self.candidate_scores: list[torch.Tensor] = []
         # candidate index of each candidate's parent; -1 is the root
         self.candidate_parents: list[torch.Tensor] = []
-        self.candidate_depths: list[torch.Tensor] = []
         self.candidate_count = 0
+        self.own_entry = torch.eye(config.topk, dtype=torch.bool, device=device).expand(batch_size, -1, -1)
         self.frontier_index = torch.full((batch_size, 1), -1, dtype=torch.long, device=device)
         self.frontier_scores = torch.zeros(batch_size, 1, device=device)
         self.frontier_visible = torch.zeros(batch_size, 1, 0, dtype=torch.bool, device=device)
@@ -118,22 +118,19 @@ class TreeBuilder:
         scores = (self.frontier_scores[:, :, None] + child_logprobs).reshape(batch_size, frontier_size * topk)
         tokens = child_tokens.reshape(batch_size, frontier_size * topk)
         parents = self.frontier_index.repeat_interleave(topk, dim=1)
-        depth = len(self.candidate_tokens) + 1
-        self._add_candidates(tokens, scores, parents, depth)
+        self._add_candidates(tokens, scores, parents)
         kept = scores.topk(topk, dim=-1).indices  # [B, topk] into this step's candidates
         parent_slot = kept // topk
         self.frontier_index = self.candidate_count - tokens.shape[1] + kept
         self.frontier_scores = scores.gather(1, kept)
         inherited = gather_rows(self.frontier_visible, parent_slot)
-        own = torch.eye(topk, dtype=torch.bool, device=tokens.device).expand(batch_size, topk, topk)
-        self.frontier_visible = torch.cat([inherited, own], dim=2)
+        self.frontier_visible = torch.cat([inherited, self.own_entry], dim=2)
         return Frontier(tokens.gather(1, kept), parent_slot, self.frontier_visible)
 
-    def _add_candidates(self, tokens, scores, parents, depth: int) -> None:
+    def _add_candidates(self, tokens, scores, parents) -> None:
         self.candidate_tokens.append(tokens)
         self.candidate_scores.append(scores)
         self.candidate_parents.append(parents)
-        self.candidate_depths.append(torch.full_like(tokens, depth))
         self.candidate_count += tokens.shape[1]
 
     def finish(self) -> DraftTree:
@@ -151,7 +148,12 @@ class TreeBuilder:
         zeros = torch.zeros(batch_size, 1, dtype=torch.long, device=device)
         parents = torch.cat([zeros, tree_index_of.gather(1, candidate_parents + 1)], dim=1)
         tokens = torch.cat([self.root_tokens[:, None], torch.cat(self.candidate_tokens, dim=1).gather(1, kept)], dim=1)
-        depths = torch.cat([zeros, torch.cat(self.candidate_depths, dim=1).gather(1, kept)], dim=1)
+        # the candidates of expansion d (1-based) all have depth d
+        candidate_depths = torch.cat([
+            torch.full((step_tokens.shape[1],), depth, device=device)
+            for depth, step_tokens in enumerate(self.candidate_tokens, start=1)
+        ])
+        depths = torch.cat([zeros, candidate_depths[kept]], dim=1)
         return DraftTree(tokens, parents, depths, ancestor_mask(parents, self.config.steps), None)
 
 
