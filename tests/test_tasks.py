@@ -69,7 +69,8 @@ def test_arithmetic_reward_right_wrong_and_malformed():
     assert task.reward(problem, "a3:03,b1:04,c4:08,d1:09,e5:14#4") == 1.0
     assert task.reward(problem, " a3:03,b1:04,c4:08,d1:09,e5:14#4\n") == 1.0  # surrounding whitespace is ignored
     assert task.reward(problem, "#4") == 0.0  # the chain is required
-    assert task.reward(problem, "a3:03,b1:04,c4:08,d1:09,e5:15#5") == 0.0  # wrong answer
+    # a wrong answer: partial credit 0.5 x 4 of 5 right step totals
+    assert task.reward(problem, "a3:03,b1:04,c4:08,d1:09,e5:15#5") == pytest.approx(0.4)
     assert task.reward(problem, "a3:03,b1:04,c4:08,d1:09,e5:14") == 0.0  # no marker
     chain = "a3:03,b1:04,c4:08,d1:09,e5:14"
     assert task.reward(problem, chain + "#4#4") == 0.0  # two markers

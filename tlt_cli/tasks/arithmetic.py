@@ -25,6 +25,8 @@ QUESTION_END = "="
 STEP_SEPARATOR = ","
 SUM_SEPARATOR = ":"
 ANSWER_MARKER = "#"
+# most a complete chain with a wrong answer can score (scaled by its share of right step totals)
+PARTIAL_CREDIT = 0.5
 # stride of the low-discrepancy sequence that stratifies term counts across indices
 GOLDEN_RATIO_CONJUGATE = 0.6180339887498949
 # every character a prompt or a solution can contain (the tiny model's vocabulary)
@@ -38,12 +40,13 @@ class ArithmeticTask:
         task = ArithmeticTask(seed=0)
         problem = make_problem(0, [3, 1, 4])    # prompt "a3b1c4=", solution "a3:03,b1:04,c4:08#8"
         task.reward(problem, "a3:03,b1:04,c4:08#8")  # 1.0
-        task.reward(problem, "a3:03,b1:04,c4:07#7")  # 0.0
+        task.reward(problem, "a3:03,b1:04,c4:07#7")  # 1/3: complete chain, 2 of 3 totals right, wrong answer
 
-    Reward: 1.0 when the response (decoded without special tokens, surrounding whitespace
-    ignored) has one well-formed step per term, then exactly one answer marker `#` and after it
-    exactly the answer digit; 0.0 otherwise (a skipped or malformed step, wrong answer, missing
-    marker, several markers, or anything after the answer). The step totals are not checked.
+    Reward (see `reward`): 1.0 when the response (decoded without special tokens, surrounding
+    whitespace ignored) has one well-formed step per term, then exactly one answer marker `#`
+    and after it exactly the answer digit; a complete chain with a wrong answer gets partial
+    credit for its right step totals; anything malformed (a skipped step, no marker, several
+    markers, text after the answer) gets 0.0.
     """
 
     name = "arithmetic"
@@ -78,16 +81,24 @@ class ArithmeticTask:
         return make_problem(index, digits)
 
     def reward(self, problem: Problem, response: str) -> float:
-        """1.0 iff the chain has one step per term and the single answer marker is followed by the right answer.
+        """1.0 for a complete chain with the right answer; partial credit for right step totals.
 
-        Requiring the whole chain (each step restating its term, then a two-digit total) keeps the
-        policy from learning to guess long problems' answers without working them out, which would
-        also erase the long tail of response lengths that the task exists to produce.
+        A complete chain has one step per term (each restating its term, then a two-digit total)
+        and a single answer marker; anything else scores 0, so guessing long problems' answers
+        without working them out never pays (which would also erase the long tail of response
+        lengths the task exists to produce). A complete chain with a wrong answer scores
+        0.5 x the fraction of step totals equal to the reference's, so samples of the same
+        problem differ in reward and GRPO has a signal before whole answers come out right.
         """
         chain, marker, final = response.strip().partition(ANSWER_MARKER)
-        if not marker or ANSWER_MARKER in final or not _chain_is_complete(problem.prompt, chain):
+        answer_is_one_digit = len(final) == 1 and final.isdigit()
+        if not marker or not answer_is_one_digit or not _chain_is_complete(problem.prompt, chain):
             return 0.0
-        return 1.0 if final == problem.answer else 0.0
+        if final == problem.answer:
+            return 1.0
+        reference = problem.solution.partition(ANSWER_MARKER)[0].split(STEP_SEPARATOR)
+        right_steps = sum(step == expected for step, expected in zip(chain.split(STEP_SEPARATOR), reference))
+        return PARTIAL_CREDIT * right_steps / len(reference)
 
 
 def _chain_is_complete(prompt: str, chain: str) -> bool:
