@@ -7,6 +7,9 @@ greedy and temperature-1 sampling (overall, on short problems of <= 3 terms and 
 of >= 10 terms), and sampled response-length p50/p99. Writes the same numbers as JSON.
 
     /work/venv/bin/python scripts/make_tiny_model.py /tmp/tiny-arith --json /tmp/tiny-arith.json
+
+On a shared 2-core machine keep --threads 1: with other jobs running, 2 torch threads spin
+on each other and the warm-up runs several times slower.
 """
 
 from __future__ import annotations
@@ -109,7 +112,7 @@ def main() -> None:
     parser.add_argument("output_dir", type=Path, help="folder to write the model into (replaced if absent)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--warmup-steps", type=int, default=WarmUpSettings.steps)
-    parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     parser.add_argument("--reward-problems", type=int, default=64)
     parser.add_argument("--length-problems", type=int, default=200)
     parser.add_argument("--json", type=Path, default=None, help="where to write the numbers")

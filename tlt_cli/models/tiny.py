@@ -43,12 +43,12 @@ class WarmUpSettings:
     """How `ensure_tiny_model` warms the model up (part of the cache key).
 
     tail_exponent: the warm-up task's P(n) ~ n^-alpha (the RL task's default).
-    The defaults (about 300k tokens, 1.5-2 CPU-minutes) teach the format, one-term problems
+    The defaults (about 240k tokens, under 2 CPU-minutes) teach the format, one-term problems
     and part of two-term ones; digit look-up, addition and stopping on long problems are
     left for RL to learn.
     """
 
-    steps: int = 500
+    steps: int = 400
     batch_size: int = 12
     learning_rate: float = 3e-3
     tail_exponent: float = 1.5
