@@ -3,10 +3,12 @@
 Builds `builtin:tiny-arith` (seeded Qwen2 + supervised warm-up on the arithmetic task), saves
 it as a Hugging Face folder, then samples with Hugging Face `generate` on held-out problems
 (a different task seed) and prints a table: parameters, warm-up seconds, mean reward with
-greedy and temperature-1 sampling (overall, on short problems of <= 3 terms and on long ones
-of >= 10 terms), and sampled response-length p50/p99. Writes the same numbers as JSON.
+greedy and temperature-1 sampling (overall, the share solved exactly, and the mean on short
+problems of <= 3 terms and on long ones of >= 10 terms), and sampled response-length p50/p99.
+Writes the same numbers as JSON. With --measure-only it measures an existing folder instead.
 
     /work/venv/bin/python scripts/make_tiny_model.py /tmp/tiny-arith --json /tmp/tiny-arith.json
+    /work/venv/bin/python scripts/make_tiny_model.py /tmp/tiny-arith --measure-only
 
 On a shared 2-core machine keep --threads 1: with other jobs running, 2 torch threads spin
 on each other and the warm-up runs several times slower.
@@ -24,6 +26,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from tlt_cli.models.loading import load_policy
 from tlt_cli.models.tiny import WarmUpSettings, build_warmed_up_model, save_model_folder, tiny_model_config
 from tlt_cli.tasks.arithmetic import ArithmeticTask
 
@@ -67,6 +70,7 @@ def reward_summary(results) -> dict[str, float]:
     terms, rewards = results[:, 0], results[:, 1]
     return {
         "mean": float(rewards.mean()),
+        "solved": float((rewards == 1.0).mean()),
         "short": float(rewards[terms <= SHORT_TERMS].mean()),
         "long": float(rewards[terms >= LONG_TERMS].mean()) if (terms >= LONG_TERMS).any() else float("nan"),
     }
@@ -80,6 +84,7 @@ def measure(model, tokenizer, reward_problems: int, length_problems: int, seed: 
     response_lengths = sampled[:, 2]
     reference_lengths = [len(task.problem(index).solution) + 1 for index in range(len(sampled))]
     p50, p99 = np.percentile(response_lengths, [50, 99])
+    reference_p50, reference_p99 = np.percentile(reference_lengths, [50, 99])
     return {
         "greedy_reward": reward_summary(greedy),
         "sampled_reward": reward_summary(sampled[:reward_problems]),
@@ -87,7 +92,7 @@ def measure(model, tokenizer, reward_problems: int, length_problems: int, seed: 
         "response_length_p50": float(p50),
         "response_length_p99": float(p99),
         "response_length_p99_over_p50": float(p99 / p50),
-        "reference_length_p99_over_p50": float(np.percentile(reference_lengths, 99) / np.percentile(reference_lengths, 50)),
+        "reference_length_p99_over_p50": float(reference_p99 / reference_p50),
     }
 
 
@@ -100,11 +105,22 @@ def print_table(report: dict) -> None:
     table.add_row("final warm-up loss", f"{report['final_loss']:.3f}")
     for label in ("greedy_reward", "sampled_reward", "sampled_reward_all"):
         rewards = report[label]
-        table.add_row(label, f"{rewards['mean']:.3f} (short {rewards['short']:.3f}, long {rewards['long']:.3f})")
-    table.add_row("response length p50 / p99", f"{report['response_length_p50']:.0f} / {report['response_length_p99']:.0f}")
+        by_length = f"short {rewards['short']:.3f}, long {rewards['long']:.3f}"
+        table.add_row(label, f"{rewards['mean']:.3f} (solved {rewards['solved']:.3f}; {by_length})")
+    lengths = f"{report['response_length_p50']:.0f} / {report['response_length_p99']:.0f}"
+    table.add_row("response length p50 / p99", lengths)
     table.add_row("response length p99/p50", f"{report['response_length_p99_over_p50']:.1f}")
     table.add_row("reference solution p99/p50", f"{report['reference_length_p99_over_p50']:.1f}")
     Console().print(table)
+
+
+def build_and_save(output_dir: Path, seed: int, warmup_steps: int):
+    """Build and warm up the default tiny model, save it; also the warm-up time and final loss."""
+    started = time.perf_counter()
+    model, tokenizer, losses = build_warmed_up_model(seed, tiny_model_config(), WarmUpSettings(steps=warmup_steps))
+    build_report = {"warm_up_seconds": time.perf_counter() - started, "final_loss": float(np.mean(losses[-10:]))}
+    save_model_folder(model, tokenizer, output_dir)
+    return model, tokenizer, build_report
 
 
 def main() -> None:
@@ -116,21 +132,20 @@ def main() -> None:
     parser.add_argument("--reward-problems", type=int, default=64)
     parser.add_argument("--length-problems", type=int, default=200)
     parser.add_argument("--json", type=Path, default=None, help="where to write the numbers")
+    parser.add_argument("--measure-only", action="store_true", help="measure the model already in output_dir")
     arguments = parser.parse_args()
     torch.set_num_threads(arguments.threads)
-    started = time.perf_counter()
-    model, tokenizer, losses = build_warmed_up_model(
-        arguments.seed, tiny_model_config(), WarmUpSettings(steps=arguments.warmup_steps)
-    )
-    warm_up_seconds = time.perf_counter() - started
-    save_model_folder(model, tokenizer, arguments.output_dir)
+    if arguments.measure_only:
+        model, tokenizer = load_policy(str(arguments.output_dir))
+        build_report = {"warm_up_seconds": float("nan"), "final_loss": float("nan")}
+    else:
+        model, tokenizer, build_report = build_and_save(arguments.output_dir, arguments.seed, arguments.warmup_steps)
     report = {
         "output_dir": str(arguments.output_dir),
         "threads": arguments.threads,
         "warmup_steps": arguments.warmup_steps,
         "parameters": sum(parameter.numel() for parameter in model.parameters()),
-        "warm_up_seconds": warm_up_seconds,
-        "final_loss": float(np.mean(losses[-10:])),
+        **build_report,
         **measure(model, tokenizer, arguments.reward_problems, arguments.length_problems, arguments.seed),
     }
     print_table(report)

@@ -5,9 +5,9 @@ list one step per digit, restating the label and digit and writing the previous 
 plus the digit as two digits (`b1:04`), whose last digit is the new running sum mod 10; then
 the answer marker and the answer: `a3:03,b1:04,c4:08,d1:09,e5:14#4`. Writing the unreduced
 total gives gradient descent a carry digit that depends smoothly on both operands, which a
-bare mod-10 digit (parity-like in its operands) does not. The number of
-digits n is heavy-tailed, P(n) ~ n^-tail_exponent on 1..max_terms, so most solutions are a
-few steps long and a few run to dozens of steps: the rollout long tail in miniature. Labels
+bare mod-10 digit (parity-like in its operands) does not. The number of digits n is
+heavy-tailed, P(n) ~ n^-tail_exponent on 1..max_terms, so most solutions are a few steps
+long and a few run to dozens of steps: the rollout long tail in miniature. Labels
 (a..z, A..V) let a small model find the next digit by content instead of by counting, which
 keeps the built-in tiny model's warm-up short. The trainer and the tiny-model builder use it.
 """
