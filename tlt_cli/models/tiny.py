@@ -14,6 +14,7 @@ import copy
 import fcntl
 import hashlib
 import json
+import logging
 import math
 import os
 import random
@@ -30,6 +31,7 @@ from tlt_cli.models.tokenizer import build_char_tokenizer
 from tlt_cli.tasks.arithmetic import CHARACTERS, ArithmeticTask
 from tlt_cli.tasks.base import Task
 
+LOGGER = logging.getLogger(__name__)
 BUILTIN_TINY_MODEL = "builtin:tiny-arith"
 # bump when the task, tokenizer or warm-up recipe changes, so old cached folders are not reused
 TINY_MODEL_FORMAT = 3
@@ -213,6 +215,7 @@ def ensure_tiny_model(
     with open(cache_dir / f"{model_dir.name}.lock", "w") as lock_file:
         fcntl.flock(lock_file, fcntl.LOCK_EX)  # released when the file closes
         if not (model_dir / "config.json").is_file():
+            LOGGER.info("Building %s into %s (about 2 CPU-minutes, once).", BUILTIN_TINY_MODEL, model_dir)
             model, tokenizer, _ = build_warmed_up_model(seed, config, settings)
             save_model_folder(model, tokenizer, model_dir)
     return model_dir
