@@ -3,8 +3,8 @@
     python scripts/bench_online_drafter.py --steps 20 --out bench-online.json
 
 Runs `tlt train` on the tiny recipe four times with the same seed, one after another:
-  off          SD off, no sidecar (the baseline for step time)
-  off+sidecar  SD off, drafter sidecar on (its critical-path overhead: same rollouts as `off`)
+  plain          SD off, no sidecar (the baseline for step time)
+  plain+sidecar  SD off, drafter sidecar on (its critical-path overhead: same rollouts as `plain`)
   frozen       SD on (fixed chain), drafter warmed up offline at step 0, then frozen
   online       SD on (fixed chain), the same warmed-up drafter trained on idle workers (sidecar)
 and prints, per step, the accept length of `frozen` and `online`, then a summary: accept length
@@ -26,8 +26,8 @@ from rich.table import Table
 
 RECIPE = Path(__file__).resolve().parent.parent / "recipes" / "tiny-cpu.yaml"
 VARIANTS = {
-    "off": ["speculative.mode=off"],
-    "off+sidecar": ["speculative.mode=off", "plugins.enabled=[drafter_sidecar]"],
+    "plain": ["speculative.mode=off"],
+    "plain+sidecar": ["speculative.mode=off", "plugins.enabled=[drafter_sidecar]"],
     "frozen": ["speculative.mode=fixed"],
     "online": ["speculative.mode=fixed", "plugins.enabled=[drafter_sidecar]"],
 }
@@ -49,7 +49,7 @@ def mean(values: list[float]) -> float:
 
 def summarize(results: dict[str, list[dict]]) -> dict:
     steps = {name: [record for record in records if record["type"] == "step"] for name, records in results.items()}
-    last = {name: [record["accept_length"] or 0.0 for record in rows[-5:]] for name, rows in steps.items()}
+    last = {name: [record["accept_length"] or 0.0 for record in rows[-5:]] for name, rows in steps.items()}  # SD off: 0
     online_workers = [record for record in results["online"] if record["type"] == "worker"]
     idle_available = sum(record["idle_seconds"] for record in online_workers)
     idle_used = sum(record.get("drafter_train_seconds", 0.0) for record in online_workers)
@@ -57,9 +57,9 @@ def summarize(results: dict[str, list[dict]]) -> dict:
         "accept_length_last5_frozen": mean(last["frozen"]),
         "accept_length_last5_online": mean(last["online"]),
         "online_over_frozen": mean(last["online"]) / max(mean(last["frozen"]), 1e-9),
-        "step_seconds_off": mean([row["step_seconds"] for row in steps["off"]]),
-        "step_seconds_off_sidecar": mean([row["step_seconds"] for row in steps["off+sidecar"]]),
-        "sidecar_overhead": mean([row["step_seconds"] for row in steps["off+sidecar"]]) / mean([row["step_seconds"] for row in steps["off"]]) - 1.0,
+        "step_seconds_plain": mean([row["step_seconds"] for row in steps["plain"]]),
+        "step_seconds_plain_sidecar": mean([row["step_seconds"] for row in steps["plain+sidecar"]]),
+        "sidecar_overhead": mean([row["step_seconds"] for row in steps["plain+sidecar"]]) / mean([row["step_seconds"] for row in steps["plain"]]) - 1.0,
         "idle_seconds_available": idle_available,
         "idle_seconds_training": idle_used,
         "idle_used_fraction": idle_used / max(idle_available, 1e-9),
