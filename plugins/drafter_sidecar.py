@@ -129,9 +129,10 @@ class DrafterSidecar:
         context.metrics.update({
             "drafter_steps": float(self.steps_done),
             "drafter_train_seconds": self.train_seconds,
-            "drafter_loss": self.loss_sum / self.steps_done if self.steps_done else float("nan"),
             "drafter_version": float(self.version),
         })
+        if self.steps_done:  # a worker that trained no step has no loss to average in
+            context.metrics["drafter_loss"] = self.loss_sum / self.steps_done
 
     def on_checkpoint_save(self, directory: Path) -> None:
         state_directory = directory / STATE_DIRECTORY
