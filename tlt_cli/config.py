@@ -206,7 +206,7 @@ FREE_FORM_SECTIONS = ("task.options.", "plugins.options.")
 def _describe(error: OmegaConfBaseException) -> str:
     key = getattr(error, "full_key", None) or "?"
     message = _first_line(error)
-    if "not in struct" in message or "Key '" in message and "not in" in message:
+    if "not in struct" in message or ("Key '" in message and "not in" in message):
         return f"key '{key}' is not a recipe key; {_suggest(key)}"
     if "Value '" in message or "Invalid type" in message or "could not convert" in message.lower():
         return f"key '{key}' has the wrong type ({message})."
@@ -268,16 +268,11 @@ def validate_recipe(recipe: Recipe) -> None:
 
 
 def _validate_speculative(section: SpeculativeSection) -> None:
-    from tlt_cli.rollout.speculative import check_speculative_config
+    from tlt_cli.adaptive import RuleTableError, build_rules
     from tlt_cli.rollout.types import SpeculativeConfig
 
-    from tlt_cli.adaptive import RuleTableError, build_rules
-
     _require(section.mode in SPECULATIVE_MODES, f"speculative.mode must be one of {', '.join(SPECULATIVE_MODES)}, got '{section.mode}'.")
-    try:
-        check_speculative_config(SpeculativeConfig(section.steps, section.topk, section.draft_tokens), vocab_size=2**31)
-    except ValueError as error:
-        raise RecipeError(f"speculative: {error}") from None
+    _check_shape("speculative", SpeculativeConfig(section.steps, section.topk, section.draft_tokens))
     _require(section.collapse_accept_length >= 1.0, f"speculative.collapse_accept_length must be >= 1 (1 means no draft accepted), got {section.collapse_accept_length}.")
     _require(section.reprobe_steps >= 1, f"speculative.reprobe_steps must be at least 1, got {section.reprobe_steps}.")
     _require(0.0 <= section.bandit_epsilon <= 1.0, f"speculative.bandit_epsilon must be in [0, 1], got {section.bandit_epsilon}.")
@@ -285,21 +280,22 @@ def _validate_speculative(section: SpeculativeSection) -> None:
         return
     try:
         rules = build_rules([dict(rule) for rule in section.rules])
-        for number, rule in enumerate(rules, start=1):
-            for config in rule.configs:
-                if config is not None:
-                    _check_rule_config(number, config)
     except RuleTableError as error:
         raise RecipeError(f"speculative.rules: {error}") from None
+    for number, rule in enumerate(rules, start=1):
+        for config in rule.configs:
+            if config is not None:
+                _check_shape(f"speculative.rules: rule {number}", config)
 
 
-def _check_rule_config(number: int, config) -> None:
+def _check_shape(where: str, config) -> None:
+    """An SD shape the engine can draft (any vocabulary: the model is not loaded here)."""
     from tlt_cli.rollout.speculative import check_speculative_config
 
     try:
         check_speculative_config(config, vocab_size=2**31)
     except ValueError as error:
-        raise RecipeError(f"speculative.rules: rule {number}: {error}") from None
+        raise RecipeError(f"{where}: {error}") from None
 
 
 def _validate_drafter(drafter: DrafterConfig) -> None:

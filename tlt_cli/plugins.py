@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol
 
 import torch
 
@@ -54,7 +54,6 @@ class StepContext:
     metrics: dict[str, float] = field(default_factory=dict)
 
 
-@runtime_checkable
 class WorkerPlugin(Protocol):
     """The hooks (every one optional: implement the ones you need)."""
 
@@ -78,8 +77,6 @@ class WorkerPlugin(Protocol):
     def on_checkpoint_load(self, directory: Path) -> None: ...
 
 
-HOOKS = ("on_rollout_start", "on_request_finished", "on_worker_idle", "on_rollout_end", "on_hidden_states",
-         "on_weights_updated", "on_checkpoint_save", "on_checkpoint_load")
 COLLECTIVE_HOOKS = ("on_rollout_end", "on_checkpoint_save", "on_checkpoint_load")
 
 

@@ -147,18 +147,21 @@ def _record_step(reports: list[WorkerStepReport], trace: TraceWriter, display: T
     display.add_step(records[-1])
     for report in reports:
         for warning in report.sd_warnings:
-            message = f"worker {report.worker}: {warning}"
-            trace.write({"type": "warning", "step": report.step, "worker": report.worker, "message": message})
-            display.note(message)
+            _warn(report, f"worker {report.worker}: {warning}", trace, display)
         for failure in report.plugin_failures:
-            message = (f"plugin {failure['plugin']} disabled on worker {report.worker}: "
-                       f"{failure['hook']} raised {failure['message']}")
-            trace.write({"type": "warning", "step": report.step, "worker": report.worker, "message": message,
-                         "details": failure["details"]})
-            display.note(message)
+            _warn(report, f"plugin {failure['plugin']} disabled on worker {report.worker}: {failure['hook']} raised "
+                          f"{failure['message']}", trace, display, details=failure["details"])
     checkpoint = next((report.checkpoint for report in reports if report.checkpoint), None)
     if checkpoint:
         display.note(f"checkpoint saved: {checkpoint}")
+
+
+def _warn(report: WorkerStepReport, message: str, trace: TraceWriter, display: TrainingDisplay,
+          details: str | None = None) -> None:
+    """A warning shown once under the live table and kept in the trace."""
+    record = {"type": "warning", "step": report.step, "worker": report.worker, "message": message}
+    trace.write(record if details is None else {**record, "details": details})
+    display.note(message)
 
 
 def _check_alive(processes: list, finished: set[int]) -> None:

@@ -4,7 +4,8 @@ The driver calls `prepare_initial_drafter` once before spawning workers: with `d
 warmup` it trains a drafter on the target's own generations (tlt_cli/drafter/warmup.py) and
 caches it under the model cache, keyed by everything that determines it, so the next run with
 the same model and task starts at once. Each worker then calls `initial_drafter` to build its
-copy on top of its own policy (the drafter shares the policy's embedding, norm and lm_head).
+copy on top of its own policy (the drafter shares the policy's embedding, norm and lm_head), and
+`speculative_decoder` to wrap it in the decoder the recipe's `speculative` section asks for.
 """
 
 from __future__ import annotations
