@@ -3,7 +3,9 @@
 Each worker process builds one `Actor` around its copy of the policy. The rollout engine uses
 `actor.policy` (the very module DeepSpeed trains, no copy), so after `update` the next rollout
 samples from the new weights. ZeRO stages 0-2 keep full parameters on every rank, which is what
-the embedded rollout engine needs. The caller must have initialised torch.distributed
+the embedded rollout engine (and the SGLang weight sync) needs. DeepSpeed moves the policy to the
+rank's device (`cuda:<local rank>` on GPUs) and, with `actor.precision: bf16`, to bfloat16; the
+reference model and every batch follow it. The caller must have initialised torch.distributed
 (`tlt_cli.distributed.init_worker_process`).
 """
 
@@ -11,7 +13,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 import torch
@@ -46,22 +48,19 @@ class Actor:
     def __init__(self, policy: PreTrainedModel, config: ActorConfig, sequences_per_update: int,
                  reference: PreTrainedModel | None = None):
         self.config = config
-        self.reference = reference
         self.accumulation_steps = math.ceil(sequences_per_update / config.micro_batch_size)
         optimizer = torch.optim.AdamW(policy.parameters(), lr=config.lr, betas=ADAMW_BETAS,
                                       weight_decay=config.weight_decay)
-        self.engine, _, _, _ = import_deepspeed().initialize(model=policy, optimizer=optimizer, config=self._deepspeed_config())
+        self.engine, _, _, _ = import_deepspeed().initialize(model=policy, optimizer=optimizer, config=deepspeed_config(config, self.accumulation_steps))
+        self.reference = reference.to(self.device, self.dtype) if reference is not None else None
 
-    def _deepspeed_config(self) -> dict:
-        return {
-            "train_micro_batch_size_per_gpu": self.config.micro_batch_size,
-            "gradient_accumulation_steps": self.accumulation_steps,
-            "gradient_clipping": self.config.grad_clip,
-            "zero_optimization": {"stage": self.config.zero_stage},
-            # a torch optimizer on CPU: do not let DeepSpeed swap in its compiled CPU Adam
-            "zero_force_ds_cpu_optimizer": False,
-            "steps_per_print": 2**31,
-        }
+    @property
+    def device(self) -> torch.device:
+        return self.engine.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.policy.parameters()).dtype
 
     @property
     def policy(self) -> PreTrainedModel:
@@ -99,6 +98,7 @@ class Actor:
         detached, from the training forward itself: one forward per micro-batch instead of two.
         With more epochs they are recomputed first, before any step.
         """
+        batch = _to_device(batch, self.device)
         single_pass = self.config.ppo_epochs == 1
         if not single_pass or self.reference is not None:
             batch = self.logprobs(batch, on_hidden_states, include_policy=not single_pass)
@@ -151,6 +151,29 @@ class Actor:
                                                    load_optimizer_states=True, load_lr_scheduler_states=True)
         if load_path is None:
             raise FileNotFoundError(f"no actor checkpoint under {directory}; the checkpoint is incomplete.")
+
+
+def deepspeed_config(config: ActorConfig, accumulation_steps: int) -> dict:
+    """The DeepSpeed config of the actor: ZeRO stage, clipping, micro-batching and precision from the recipe."""
+    settings = {
+        "train_micro_batch_size_per_gpu": config.micro_batch_size,
+        "gradient_accumulation_steps": accumulation_steps,
+        "gradient_clipping": config.grad_clip,
+        "zero_optimization": {"stage": config.zero_stage},
+        # a torch optimizer on CPU: do not let DeepSpeed swap in its compiled CPU Adam
+        "zero_force_ds_cpu_optimizer": False,
+        "steps_per_print": 2**31,
+    }
+    if config.precision == "bf16":
+        # DeepSpeed casts the module to bfloat16 and keeps fp32 master weights in its optimizer wrapper
+        settings["bf16"] = {"enabled": True}
+    return settings
+
+
+def _to_device(batch: PolicyBatch, device: torch.device) -> PolicyBatch:
+    """The batch with every tensor on `device` (the same tensors when they are there already)."""
+    moved = {item.name: getattr(batch, item.name) for item in fields(batch)}
+    return replace(batch, **{name: tensor.to(device) for name, tensor in moved.items() if tensor is not None})
 
 
 def _pad_to(values: torch.Tensor, batch: PolicyBatch) -> torch.Tensor:

@@ -52,6 +52,52 @@ class TrainConfig:
 class WorkersConfig:
     count: int = 2
     threads_per_worker: int = 1
+    # DeepSpeed hostfile (one line per node: "<host> slots=<gpus>"); null = one node
+    hostfile: str | None = None
+
+
+@dataclass(frozen=True)
+class SGLangConfig:
+    """How tlt runs its SGLang rollout servers (one per GPU, or per group of tp_size GPUs)."""
+
+    # GPU indices on this node the servers use, split into consecutive groups of tp_size
+    gpus: tuple[int, ...] = (0,)
+    # tensor-parallel size of each server (1 = one server per GPU)
+    tp_size: int = 1
+    # first port of the servers' range on 127.0.0.1; server i takes port_base + 2*i (HTTP) and the next (NCCL)
+    port_base: int = 30100
+    # seconds to wait for every server to answer /health before giving up with its log tail
+    startup_timeout_s: float = 900.0
+    # seconds a server gets to exit after SIGTERM before its process group is killed
+    stop_timeout_s: float = 30.0
+    # fraction of GPU memory for SGLang's weights and KV cache (leave room for a colocated actor)
+    mem_fraction: float = 0.6
+    # most requests one server runs at once; set explicitly because SGLang caps it at 48 when EAGLE is on
+    max_running_requests: int = 256
+    # weight and activation dtype of the served model
+    dtype: str = "bfloat16"
+    # Python interpreter whose environment has sglang installed ("" = the one running tlt)
+    python: str = ""
+    # send and receive token ids only (no tokenizer in the server)
+    skip_tokenizer_init: bool = True
+    # actor ranks and servers share a node: push weights as CUDA tensors; false = through a checkpoint on disk
+    colocated: bool = True
+    # seconds one /generate request may take before the rollout fails
+    request_timeout_s: float = 3600.0
+    # most requests tlt keeps in flight on one server at a time
+    max_in_flight_per_server: int = 1024
+    # tokens generated per prompt by the post-sync acceptance probe
+    probe_max_new_tokens: int = 64
+    # accept length at or below which a drafter that worked before a sync counts as collapsed
+    collapse_accept_length: float = 1.1
+    # let SGLang turn SD off in a batch-size slot whose acceptance collapses (adaptive mode only)
+    auto_off_on_collapse: bool = True
+    # more command-line flags for sglang.launch_server, e.g. ["--attention-backend", "fa3"]
+    extra_args: tuple[str, ...] = ()
+
+    @property
+    def server_count(self) -> int:
+        return len(self.gpus) // self.tp_size
 
 
 @dataclass(frozen=True)
@@ -61,6 +107,8 @@ class RolloutConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    # SGLang servers, used when backend is sglang (checked by tlt_cli/sglang/config.py)
+    sglang: SGLangConfig = field(default_factory=SGLangConfig)
 
 
 @dataclass(frozen=True)
@@ -73,6 +121,10 @@ class ActorConfig:
     kl_coef: float = 0.0
     ppo_epochs: int = 1
     grad_clip: float = 1.0
+    # "cpu", or GPU indices of this node, one per worker rank (e.g. [0, 1])
+    devices: Any = "cpu"
+    # fp32, or bf16 (GPUs only)
+    precision: str = "fp32"
 
 
 @dataclass(frozen=True)
@@ -127,7 +179,9 @@ class Recipe:
     plugins: PluginsConfig = field(default_factory=PluginsConfig)
 
 
-ROLLOUT_BACKENDS = ("embedded",)
+ROLLOUT_BACKENDS = ("embedded", "sglang")
+PRECISIONS = ("fp32", "bf16")
+CPU_DEVICES = "cpu"
 SPECULATIVE_MODES = ("off", "fixed", "adaptive")
 DRAFTER_STARTS = ("warmup", "random")
 
@@ -265,6 +319,64 @@ def validate_recipe(recipe: Recipe) -> None:
     _validate_speculative(recipe.speculative)
     _validate_drafter(recipe.drafter)
     _validate_plugins(recipe.plugins)
+    _validate_actor_placement(recipe)
+    if recipe.rollout.backend == "sglang":
+        _validate_sglang_backend(recipe)
+
+
+def _validate_actor_placement(recipe: Recipe) -> None:
+    """actor.devices, actor.precision and workers.hostfile: possible on some machine (CUDA is checked at run time)."""
+    devices, precision = recipe.actor.devices, recipe.actor.precision
+    on_gpus = devices != CPU_DEVICES
+    if on_gpus:
+        _require(isinstance(devices, list) and len(devices) >= 1
+                 and all(isinstance(device, int) and not isinstance(device, bool) and device >= 0 for device in devices),
+                 f"actor.devices must be cpu or a list of GPU indices like [0, 1], got {devices!r}.")
+        _require(len(set(devices)) == len(devices), f"actor.devices lists a GPU twice: {devices}.")
+    _require(precision in PRECISIONS, f"actor.precision must be one of {', '.join(PRECISIONS)}, got '{precision}'.")
+    _require(precision == "fp32" or on_gpus, f"actor.precision {precision} needs GPUs in actor.devices; on cpu use fp32.")
+    if recipe.workers.hostfile is None:
+        _require(not on_gpus or len(devices) == recipe.workers.count,
+                 f"actor.devices lists {len(devices) if on_gpus else 0} GPUs for workers.count {recipe.workers.count}; "
+                 "give one GPU per worker rank.")
+        return
+    _validate_hostfile(recipe)
+
+
+def _validate_hostfile(recipe: Recipe) -> None:
+    from tlt_cli.launcher import HostfileError, read_hostfile
+
+    devices = recipe.actor.devices
+    _require(devices != CPU_DEVICES, "workers.hostfile runs ranks on the GPUs of several nodes: set actor.devices to the GPUs of each node.")
+    try:
+        hosts = read_hostfile(Path(recipe.workers.hostfile))
+    except HostfileError as error:
+        raise RecipeError(f"workers.hostfile: {error}") from None
+    ranks = len(hosts) * len(devices)
+    _require(recipe.workers.count == ranks,
+             f"workers.count must be {ranks} ({len(hosts)} nodes in workers.hostfile x {len(devices)} actor.devices each), "
+             f"got {recipe.workers.count}.")
+
+
+def _validate_sglang_backend(recipe: Recipe) -> None:
+    """rollout.sglang on its own, then how it fits the workers and the speculative section."""
+    from tlt_cli.sglang.config import validate_sglang_config
+    from tlt_cli.sglang.rules import batch_rules
+
+    config = recipe.rollout.sglang
+    validate_sglang_config(config)
+    _require(config.server_count % recipe.workers.count == 0,
+             f"rollout.sglang.gpus gives {config.server_count} server(s) of tp_size {config.tp_size} for workers.count "
+             f"{recipe.workers.count}; each worker owns whole servers, so give a multiple of workers.count.")
+    _require(recipe.actor.zero_stage <= 2,
+             "actor.zero_stage 3 shards the parameters, but each worker pushes its full policy to its SGLang servers; use 0, 1 or 2.")
+    _require(not config.colocated or recipe.actor.devices != CPU_DEVICES,
+             "rollout.sglang.colocated: true sends the actor's CUDA tensors to the servers, so actor.devices must list GPUs; "
+             "with the actor on cpu set rollout.sglang.colocated: false (weights go through a checkpoint on disk).")
+    try:
+        batch_rules(recipe.speculative)
+    except RecipeError as error:
+        raise RecipeError(f"speculative.rules: {error}") from None
 
 
 def _validate_speculative(section: SpeculativeSection) -> None:

@@ -1,16 +1,21 @@
 """Process-group plumbing for worker processes: DeepSpeed init on CPU or GPU, and the rollout barrier.
 
-`init_worker_process` is the first thing a worker does. `RolloutBarrier` lets a worker that
-finished its rollout shard keep doing useful work (the idle hook) while it waits for the
-others: it counts finished workers in a key-value store instead of blocking in a collective.
+`init_worker_process` is the first thing a worker does: on CPU (`actor.devices: cpu`) its rank
+joins a gloo group; on GPUs it joins an NCCL group on `cuda:<local rank>`, the convention of the
+DeepSpeed launcher. The driver starts its workers inside `visible_gpus(actor.devices)`, so every
+rank sees exactly the actor's GPUs and rank r of this node uses the r-th of them.
+`RolloutBarrier` lets a worker that finished its rollout shard keep doing useful work (the idle
+hook) while it waits for the others: it counts finished workers in a key-value store instead of
+blocking in a collective.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -57,8 +62,25 @@ def import_deepspeed() -> ModuleType:
     return deepspeed
 
 
-def init_worker_process(address: WorkerAddress, threads: int, extensions_dir: Path) -> None:
-    """Set the environment DeepSpeed reads, then join the process group (gloo on CPU, nccl on GPU)."""
+@contextlib.contextmanager
+def visible_gpus(gpus: Sequence[int]) -> Iterator[None]:
+    """While open, processes started from here see only `gpus` (CUDA_VISIBLE_DEVICES); no-op for none."""
+    if not gpus:
+        yield
+        return
+    previous = os.environ.get("CUDA_VISIBLE_DEVICES")
+    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(gpu) for gpu in gpus)
+    try:
+        yield
+    finally:
+        if previous is None:
+            del os.environ["CUDA_VISIBLE_DEVICES"]
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = previous
+
+
+def init_worker_process(address: WorkerAddress, threads: int, extensions_dir: Path, on_gpus: bool = False) -> torch.device:
+    """Set the environment DeepSpeed reads, join the process group (gloo on CPU, NCCL on GPUs); the rank's device."""
     os.environ.update(
         RANK=str(address.rank),
         LOCAL_RANK=str(address.rank),
@@ -66,9 +88,15 @@ def init_worker_process(address: WorkerAddress, threads: int, extensions_dir: Pa
         MASTER_ADDR=address.master_address,
         MASTER_PORT=str(address.master_port),
         TORCH_EXTENSIONS_DIR=str(extensions_dir),
+        # DeepSpeed picks its accelerator from this at import: a CPU actor stays on CPU on a GPU machine too
+        DS_ACCELERATOR="cuda" if on_gpus else "cpu",
     )
     torch.set_num_threads(threads)
-    import_deepspeed().init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+    device = torch.device("cuda", address.rank) if on_gpus else torch.device("cpu")
+    if on_gpus:
+        torch.cuda.set_device(device)
+    import_deepspeed().init_distributed(dist_backend="nccl" if on_gpus else "gloo")
+    return device
 
 
 class RolloutBarrier:

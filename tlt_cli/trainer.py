@@ -5,6 +5,12 @@ race to build it), spawns one process per worker (a DeepSpeed rank each, see wor
 turns their per-step reports into trace records and the live display. If any worker fails,
 the others are stopped and a `TrainingFailed` names the worker and its error; the run
 directory keeps every complete checkpoint for `--resume`.
+
+Before anything starts, `check_machine` makes sure this machine has what the recipe asks for
+(GPUs for `actor.devices`, SGLang for `rollout.backend: sglang`). Workers start with only the
+actor's GPUs visible. With SGLang each worker owns its servers; whatever way the run ends
+(finished, Ctrl-C, a failure, a worker killed), the driver finally stops every server process
+group the workers recorded in the run directory, so none is left behind.
 """
 
 from __future__ import annotations
@@ -18,11 +24,14 @@ from typing import Any
 from rich.console import Console
 
 from tlt_cli.checkpoint import latest_checkpoint
-from tlt_cli.config import Recipe, recipe_to_yaml
+from tlt_cli.config import CPU_DEVICES, Recipe, RecipeError, recipe_to_yaml
 from tlt_cli.display import TrainingDisplay, render_summary
 from tlt_cli.drafter.initial import prepare_initial_drafter
-from tlt_cli.distributed import WorkerAddress, free_port
+from tlt_cli.distributed import WorkerAddress, free_port, visible_gpus
+from tlt_cli.launcher import deepspeed_launch_command
+from tlt_cli.machine_checks import check_machine
 from tlt_cli.models.tiny import BUILTIN_TINY_MODEL, default_cache_dir, ensure_tiny_model
+from tlt_cli.sglang.registry import stop_recorded_servers
 from tlt_cli.step_records import step_records
 from tlt_cli.trace import TraceWriter, read_trace, truncate_trace
 from tlt_cli.worker import WorkerFailed, WorkerFinished, WorkerSpec, WorkerStepReport, worker_main
@@ -65,6 +74,11 @@ def new_run_directory(recipe: Recipe) -> Path:
 
 def train(recipe: Recipe, run_directory: Path, console: Console, resume: bool = False) -> RunSummary:
     """Run (or resume) the GRPO loop with recipe.workers.count worker processes."""
+    if recipe.workers.hostfile is not None:
+        launch = " ".join(deepspeed_launch_command(recipe, run_directory / RECIPE_FILE))
+        raise RecipeError(f"workers.hostfile is set, but tlt train does not run ranks across nodes yet (docs/gpu.md, "
+                          f"Multi node); the launch it is built for: {launch}")
+    check_machine(recipe)
     resume_from, start_step = _resume_point(run_directory) if resume else (None, 0)
     cache = cache_directory(recipe)
     if recipe.model.path == BUILTIN_TINY_MODEL:
@@ -79,9 +93,10 @@ def train(recipe: Recipe, run_directory: Path, console: Console, resume: bool = 
                  "resumed_from_step": start_step if resume else None, "steps": recipe.train.steps})
     spec_base = dict(recipe=recipe, run_directory=run_directory, model_cache=cache, resume_from=resume_from,
                      start_step=start_step, drafter_init=drafter_init)
+    gpus = [] if recipe.actor.devices == CPU_DEVICES else recipe.actor.devices
     try:
         with TrainingDisplay(console, f"tlt train {recipe.run.name}", recipe.train.steps) as display:
-            _run_workers(spec_base, recipe.workers.count, trace, display)
+            _run_workers(spec_base, recipe.workers.count, gpus, trace, display)
     finally:
         trace.close()
     steps = [record for record in read_trace(trace_path) if record["type"] == "step"]
@@ -103,7 +118,8 @@ def _resume_point(run_directory: Path) -> tuple[Path, int]:
     return checkpoint, int(state["next_step"])
 
 
-def _run_workers(spec_base: dict[str, Any], world_size: int, trace: TraceWriter, display: TrainingDisplay) -> None:
+def _run_workers(spec_base: dict[str, Any], world_size: int, gpus: list[int], trace: TraceWriter,
+                 display: TrainingDisplay) -> None:
     context = multiprocessing.get_context("spawn")
     events = context.Queue()
     port = free_port()
@@ -112,12 +128,14 @@ def _run_workers(spec_base: dict[str, Any], world_size: int, trace: TraceWriter,
                         name=f"tlt-worker-{rank}")
         for rank in range(world_size)
     ]
-    for process in processes:
-        process.start()
+    with visible_gpus(gpus):
+        for process in processes:
+            process.start()
     try:
         _drain_events(events, processes, trace, display)
     finally:
         _stop(processes)
+        stop_recorded_servers(spec_base["run_directory"], spec_base["recipe"].rollout.sglang.stop_timeout_s)
 
 
 def _drain_events(events: Any, processes: list, trace: TraceWriter, display: TrainingDisplay) -> None:
@@ -130,7 +148,7 @@ def _drain_events(events: Any, processes: list, trace: TraceWriter, display: Tra
             _check_alive(processes, finished)
             continue
         if isinstance(event, WorkerFailed):
-            raise TrainingFailed(f"worker {event.worker} failed: {event.message}")
+            raise TrainingFailed(_failure_message(event))
         if isinstance(event, WorkerFinished):
             finished.add(event.worker)
             continue
@@ -138,6 +156,12 @@ def _drain_events(events: Any, processes: list, trace: TraceWriter, display: Tra
         reports.append(event)
         if len(reports) == len(processes):
             _record_step(pending.pop(event.step), trace, display)
+
+
+def _failure_message(event: WorkerFailed) -> str:
+    """One line naming the worker and its error; lines the error carries (a server's log tail) follow on their own."""
+    first_line, _, more = event.message.partition("\n")
+    return f"worker {event.worker} failed: {first_line}" + (f"\n{more}\n" if more else "")
 
 
 def _record_step(reports: list[WorkerStepReport], trace: TraceWriter, display: TrainingDisplay) -> None:

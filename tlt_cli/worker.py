@@ -2,8 +2,11 @@
 
 `worker_main` is the entry point the driver spawns (one per rank). Each step reads as the
 dataflow: rollout the shard -> wait for the others (idle) -> reward -> advantages ->
-log-probs -> actor update -> report to the driver -> checkpoint when due. Every rank sends
-its `WorkerStepReport` to the driver over a queue; the driver writes the trace.
+log-probs -> actor update -> (SGLang: push weights, probe) -> report to the driver ->
+checkpoint when due. Every rank sends its `WorkerStepReport` to the driver over a queue; the
+driver writes the trace. The rollout runs in the embedded engine (sharing the actor's weights)
+or, with `rollout.backend: sglang`, on the SGLang servers this rank owns
+(tlt_cli/sglang/rollout.py), which it starts before its first step and stops however it ends.
 """
 
 from __future__ import annotations
@@ -20,17 +23,21 @@ import torch
 
 from tlt_cli.actor import Actor
 from tlt_cli.checkpoint import save_collectively
-from tlt_cli.config import Recipe
+from tlt_cli.config import CPU_DEVICES, Recipe
 from tlt_cli.distributed import RolloutBarrier, WorkerAddress, init_worker_process
 from tlt_cli.drafter.initial import initial_drafter, needs_drafter, speculative_decoder
 from tlt_cli.grpo import group_advantages
 from tlt_cli.models.loading import load_policy
+from tlt_cli.models.tiny import BUILTIN_TINY_MODEL, ensure_tiny_model
 from tlt_cli.plugins import PluginHost, StepContext, agree_across_workers, build_plugins
 from tlt_cli.policy_batch import build_policy_batch
 from tlt_cli.rollout.engine import EmbeddedEngine
 from tlt_cli.rollout.types import Completion, RolloutRequest, SamplingParams
 from tlt_cli.tasks.base import Problem
 from tlt_cli.tasks.registry import build_task
+
+# prompts of the step (one per group) each SGLang server decodes greedily after a weight sync
+PROBE_PROMPTS = 2
 
 
 @dataclass(frozen=True)
@@ -96,7 +103,11 @@ def worker_main(spec: WorkerSpec, events: Any) -> None:
     _exit_with_parent()
     _redirect_output(spec.run_directory / "workers" / f"worker-{spec.address.rank}.log")
     try:
-        WorkerLoop(spec, events).run()
+        loop = WorkerLoop(spec, events)
+        try:
+            loop.run()
+        finally:
+            loop.stop_servers()
         events.put(WorkerFinished(spec.address.rank))
     except BaseException as error:  # reported to the driver, which stops the run
         events.put(WorkerFailed(spec.address.rank, f"{type(error).__name__}: {error}", traceback.format_exc()))
@@ -130,7 +141,8 @@ class WorkerLoop:
         recipe = spec.recipe
         self.spec, self.events, self.recipe = spec, events, recipe
         self.rank = spec.address.rank
-        init_worker_process(spec.address, recipe.workers.threads_per_worker, spec.model_cache / "torch_extensions")
+        init_worker_process(spec.address, recipe.workers.threads_per_worker, spec.model_cache / "torch_extensions",
+                            on_gpus=recipe.actor.devices != CPU_DEVICES)
         torch.manual_seed(recipe.run.seed)
         policy, self.tokenizer = load_policy(recipe.model.path, cache_dir=spec.model_cache)
         reference = load_policy(recipe.model.path, cache_dir=spec.model_cache)[0].eval() if recipe.actor.kl_coef > 0 else None
@@ -138,23 +150,53 @@ class WorkerLoop:
         self.prompts_per_worker = recipe.train.prompts_per_step // recipe.workers.count
         self.actor = Actor(policy, recipe.actor, self.prompts_per_worker * recipe.train.group_size, reference)
         self.actor.engine.eval()
-        self.drafter = initial_drafter(recipe, spec.drafter_init, self.actor.policy) if needs_drafter(recipe) else None
-        self.engine = EmbeddedEngine(self.actor.policy, eos_token_id=self.tokenizer.eos_token_id,
-                                     pad_token_id=self.tokenizer.pad_token_id,
-                                     speculative=speculative_decoder(recipe, self.drafter))
+        self.drafter = None
+        if needs_drafter(recipe):
+            # on the policy's device and dtype (the drafter shares its embedding, norm and lm_head)
+            self.drafter = initial_drafter(recipe, spec.drafter_init, self.actor.policy).to(self.actor.device, self.actor.dtype)
+        self.engine, self.sglang = None, None
+        if recipe.rollout.backend == "sglang":
+            self.sglang = self._sglang_rollout()
+        else:
+            self.engine = EmbeddedEngine(self.actor.policy, eos_token_id=self.tokenizer.eos_token_id,
+                                         pad_token_id=self.tokenizer.pad_token_id,
+                                         speculative=speculative_decoder(recipe, self.drafter))
+        self.sync_warnings: list[str] = []
         self.barrier = RolloutBarrier(spec.address)
         plugins = build_plugins(recipe.plugins.enabled, dict(recipe.plugins.options), recipe)
         self.plugins = PluginHost(plugins, agree=agree_across_workers)
         self.sampling = SamplingParams(max_new_tokens=recipe.rollout.max_new_tokens, temperature=recipe.rollout.temperature,
                                        top_p=recipe.rollout.top_p, top_k=recipe.rollout.top_k)
-        self.schedule = getattr(self.engine.speculative, "adaptive_schedule", None)
+        self.schedule = getattr(self.engine.speculative, "adaptive_schedule", None) if self.engine is not None else None
         if spec.resume_from is not None:
             self.actor.load(spec.resume_from)
             if self.schedule is not None:
                 self.schedule.load_state_dict(torch.load(self._schedule_path(spec.resume_from), weights_only=False))
             self.plugins.call("on_checkpoint_load", spec.resume_from)
 
+    def _sglang_rollout(self):
+        from tlt_cli.sglang.rollout import SGLangRollout
+
+        model_path = self.recipe.model.path
+        model_folder = ensure_tiny_model(self.spec.model_cache) if model_path == BUILTIN_TINY_MODEL else Path(model_path)
+        return SGLangRollout(self.recipe, self.rank, self.spec.run_directory, model_folder, self.tokenizer.eos_token_id,
+                             bool(self.actor.policy.config.tie_word_embeddings))
+
+    def start_servers(self) -> None:
+        """SGLang: start this rank's servers; after a resume, push the checkpoint's weights into them."""
+        if self.sglang is None:
+            return
+        for line in self.sglang.start(self.drafter, self.actor.policy):
+            print(f"worker {self.rank}: {line}", flush=True)
+        if self.spec.resume_from is not None:
+            self.sglang.sync(f"step-{self.spec.start_step}", self.actor.policy, None, None, probe_prompts=())
+
+    def stop_servers(self) -> None:
+        if self.sglang is not None:
+            self.sglang.stop()
+
     def run(self) -> None:
+        self.start_servers()
         for step in range(self.spec.start_step, self.recipe.train.steps):
             report = self.run_step(step)
             next_step = step + 1
@@ -164,15 +206,13 @@ class WorkerLoop:
 
     def run_step(self, step: int) -> WorkerStepReport:
         context = StepContext(step=step, worker=self.rank, world_size=self.spec.address.world_size,
-                              engine=self.engine, policy=self.actor.policy, drafter=self.drafter)
+                              engine=self.engine if self.sglang is None else self.sglang, policy=self.actor.policy,
+                              drafter=self.drafter)
         torch.distributed.barrier()
         rollout_start = time.time()
         self.plugins.call("on_rollout_start", context)
         shard = self.shard(step)
-        completions = self.engine.generate(shard.requests, self.sampling, self.generator(step),
-                                           on_request_finished=self._hook("on_request_finished", context))
-        completions.sort(key=lambda completion: completion.request_id)
-        busy_end = time.time()
+        completions, busy_end = self.rollout(step, shard, context)
         self.barrier.mark_done(step)
         self.barrier.wait(step, while_idle=self._hook("on_worker_idle", context))
         idle_end = time.time()
@@ -180,6 +220,8 @@ class WorkerLoop:
         rewards = self.score(shard, completions)
         reward_end = time.time()
         update = self.update(completions, rewards, self._hook("on_hidden_states", context))
+        if self.sglang is not None:
+            self.sync_servers(step + 1, shard, context)
         self.plugins.call("on_weights_updated", context)
         return WorkerStepReport(
             step=step, worker=self.rank, rollout_start=rollout_start, busy_end=busy_end, idle_end=idle_end,
@@ -188,8 +230,42 @@ class WorkerLoop:
             update=update, plugin_metrics=context.metrics,
             plugin_failures=[vars(failure) for failure in self.plugins.take_failures()],
             sd_usage={label: vars(usage) for label, usage in self.schedule.take_usage().items()} if self.schedule else {},
-            sd_warnings=self.schedule.take_warnings() if self.schedule else [],
+            sd_warnings=self.take_warnings(),
         )
+
+    def rollout(self, step: int, shard: StepShard, context: StepContext) -> tuple[list[Completion], float]:
+        """This rank's completions, sorted by request id, and when its last request finished."""
+        on_request_finished = self._hook("on_request_finished", context)
+        if self.sglang is None:
+            completions = self.engine.generate(shard.requests, self.sampling, self.generator(step),
+                                               on_request_finished=on_request_finished)
+            busy_end = time.time()
+        else:
+            # SGLang seeds request r with seed + r; kept within a 32-bit signed range
+            completions, busy_end = self.sglang.generate(shard.requests, self.sampling, self.sampling_seed(step) % 2**31)
+            if on_request_finished is not None:
+                # the servers answer on client threads; plugin hooks run here, once the shard is back, in finishing order
+                for completion in sorted(completions, key=lambda completion: completion.end):
+                    on_request_finished(completion)
+        completions.sort(key=lambda completion: completion.request_id)
+        return completions, busy_end
+
+    def sync_servers(self, next_step: int, shard: StepShard, context: StepContext) -> None:
+        """Push the updated policy (and a drafter the sidecar moved) into this rank's servers and probe them."""
+        group_size = self.recipe.train.group_size
+        probe_prompts = [request.prompt_ids for request in shard.requests[::group_size][:PROBE_PROMPTS]]
+        outcome = self.sglang.sync(f"step-{next_step}", self.actor.policy, self.drafter,
+                                   context.metrics.get("drafter_version"), probe_prompts)
+        context.metrics["weight_sync_seconds"] = outcome.seconds
+        if outcome.probe_accept_length is not None:
+            context.metrics["probe_accept_length"] = outcome.probe_accept_length
+        self.sync_warnings.extend(outcome.warnings)
+
+    def take_warnings(self) -> list[str]:
+        """Warnings of this step: the adaptive schedule's (collapse, recovery) and the SGLang syncs'."""
+        warnings = (self.schedule.take_warnings() if self.schedule else []) + self.sync_warnings
+        self.sync_warnings = []
+        return warnings
 
     def _hook(self, hook: str, context: StepContext):
         """A callback that forwards to the plugins' `hook` with the context, or None when no plugin has it."""
@@ -209,9 +285,13 @@ class WorkerLoop:
                 shard.requests.append(RolloutRequest(request_id=problem_number * group_size + sample, prompt_ids=prompt_ids))
         return shard
 
-    def generator(self, step: int) -> torch.Generator:
+    def sampling_seed(self, step: int) -> int:
         """Sampling randomness derived from (seed, step, rank): a resumed step draws the same samples."""
-        return torch.Generator().manual_seed((self.recipe.run.seed * 1_000_003 + step) * 1009 + self.rank)
+        return (self.recipe.run.seed * 1_000_003 + step) * 1009 + self.rank
+
+    def generator(self, step: int) -> torch.Generator:
+        """The embedded engine's random draws, on the policy's device, seeded by `sampling_seed`."""
+        return torch.Generator(self.actor.device).manual_seed(self.sampling_seed(step))
 
     def score(self, shard: StepShard, completions: list[Completion]) -> torch.Tensor:
         group_size = self.recipe.train.group_size

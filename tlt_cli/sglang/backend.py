@@ -27,6 +27,7 @@ from tlt_cli.sglang.config import SGLangConfig
 from tlt_cli.sglang.server import ServerGroup, launch_sglang_servers
 from tlt_cli.sglang.version import SGLangFeatures, installed_sglang_version, sglang_features
 from tlt_cli.sglang.weight_sync import (
+    AcceptLengthCollapsed,
     ProbeResult,
     WeightSyncError,
     check_sync_landed,
@@ -46,6 +47,8 @@ class SyncReport:
     drafter_pushed: bool
     probes: list[ProbeResult] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    # one message per server whose accept length collapsed across this sync
+    collapsed: list[str] = field(default_factory=list)
 
 
 class SGLangBackend:
@@ -61,6 +64,7 @@ class SGLangBackend:
         eos_token_id: int,
         seed: int = 0,
         tie_word_embeddings: bool = False,
+        on_servers_spawned: Callable[[list[int]], None] | None = None,
     ):
         self.config = config
         self.model_path = model_path
@@ -70,6 +74,7 @@ class SGLangBackend:
         self.eos_token_id = eos_token_id
         self.seed = seed
         self.tie_word_embeddings = tie_word_embeddings
+        self.on_servers_spawned = on_servers_spawned
         self.features: SGLangFeatures | None = None
         self.plan: SGLangSpeculativePlan | None = None
         self.group: ServerGroup | None = None
@@ -87,7 +92,8 @@ class SGLangBackend:
         """Detect SGLang, plan, start every server; returns the lines to show the user (support, differences)."""
         self.features = sglang_features(installed_sglang_version(self.config.python or sys.executable))
         self.plan = plan_for_sglang(self.rules, self.features, self.config.auto_off_on_collapse)
-        self.group = launch_sglang_servers(self.config, self.model_path, self.run_dir, self.plan, self.draft_model_path, self.seed)
+        self.group = launch_sglang_servers(self.config, self.model_path, self.run_dir, self.plan, self.draft_model_path, self.seed,
+                                           self.on_servers_spawned)
         self.client = SGLangClient(
             self.group.endpoints, self.eos_token_id, self.config.request_timeout_s, self.config.max_in_flight_per_server
         )
@@ -124,15 +130,16 @@ class SGLangBackend:
         """Push the new policy (CUDA tensors if colocated, else `target_dir`) and drafter, then probe every server.
 
         Call it between rollouts: SGLang flushes its prefix cache after an update and fails the
-        update if requests are still running.
-        Raises AcceptLengthCollapsed if a server's drafter was accepted at the previous probe and
-        no longer is, WeightSyncError if a server still serves another weight version.
+        update if requests are still running. Every server is updated before any is probed. A
+        server whose drafter was accepted at the previous probe and no longer is goes into
+        `report.collapsed` (the run can go on and show it); WeightSyncError if a server still
+        serves another weight version.
         """
         self._running_client()
         report = SyncReport(weight_version=weight_version, drafter_pushed=False)
         tensors = self._target_payload(target_parameters, target_dir)
         drafter = drafter_tensors(drafter_state) if drafter_state is not None else None
-        for index, endpoint in enumerate(self.group.endpoints):
+        for endpoint in self.group.endpoints:
             if tensors is not None:
                 push_tensors(endpoint, self.features, tensors, "target", self.config.tp_size, weight_version)
             else:
@@ -140,12 +147,20 @@ class SGLangBackend:
             if drafter is not None and self._can_push_drafter(report):
                 push_tensors(endpoint, self.features, drafter, "draft", self.config.tp_size, weight_version)
                 report.drafter_pushed = True
-            if probe_prompts:
-                probe = probe_accept_length(endpoint, probe_prompts, self.config.probe_max_new_tokens, self.eos_token_id)
-                check_sync_landed(endpoint, self._last_probes[index], probe, weight_version, self.config.collapse_accept_length)
-                self._last_probes[index] = probe
-                report.probes.append(probe)
+        if probe_prompts:
+            self._probe_every_server(report, probe_prompts)
         return report
+
+    def _probe_every_server(self, report: SyncReport, probe_prompts: Sequence[Sequence[int]]) -> None:
+        """Probe each server; a collapse is noted in the report (once, until acceptance recovers), not raised."""
+        for index, endpoint in enumerate(self.group.endpoints):
+            probe = probe_accept_length(endpoint, probe_prompts, self.config.probe_max_new_tokens, self.eos_token_id)
+            try:
+                check_sync_landed(endpoint, self._last_probes[index], probe, report.weight_version, self.config.collapse_accept_length)
+            except AcceptLengthCollapsed as collapse:
+                report.collapsed.append(str(collapse))
+            self._last_probes[index] = probe
+            report.probes.append(probe)
 
     def _target_payload(
         self, target_parameters: Iterable[tuple[str, torch.Tensor]] | None, target_dir: str | Path | None

@@ -1,15 +1,16 @@
-"""`SGLangConfig`: the recipe section `rollout.sglang`, read when `rollout.backend: sglang`.
+"""Checks of the recipe section `rollout.sglang` (`SGLangConfig`, defined with the other sections).
 
-The recipe loader (tlt_cli/config.py) embeds this frozen dataclass; `validate_sglang_config`
-checks its values once and raises a `RecipeError` naming the key. Everything the SGLang backend
-launches or sends is derived from these fields, the model path and the run directory.
+`SGLangConfig` lives in tlt_cli/config.py beside the other frozen recipe sections (re-exported
+here); the recipe loader calls `validate_sglang_config` once when `rollout.backend: sglang` and it
+raises a `RecipeError` naming the key. Everything the SGLang backend launches or sends is derived
+from these fields, the model path and the run directory.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from tlt_cli.config import RecipeError, SGLangConfig
 
-from tlt_cli.config import RecipeError
+__all__ = ["DTYPES", "FLAGS_SET_BY_TLT", "PORTS_PER_SERVER", "SGLangConfig", "validate_sglang_config"]
 
 # flags that tlt sets itself on every server; extra_args may not repeat them
 FLAGS_SET_BY_TLT = (
@@ -38,50 +39,6 @@ FLAGS_SET_BY_TLT = (
 # ports one server takes from its range: HTTP at the start of the range, NCCL on the next port
 PORTS_PER_SERVER = 2
 DTYPES = ("auto", "bfloat16", "float16", "float32")
-
-
-@dataclass(frozen=True)
-class SGLangConfig:
-    """How tlt runs its SGLang rollout servers (one per GPU, or per group of tp_size GPUs)."""
-
-    # GPU indices on this node the servers use, split into consecutive groups of tp_size
-    gpus: tuple[int, ...] = (0,)
-    # tensor-parallel size of each server (1 = one server per GPU)
-    tp_size: int = 1
-    # first port of the servers' range on 127.0.0.1; server i takes port_base + 2*i (HTTP) and the next (NCCL)
-    port_base: int = 30100
-    # seconds to wait for every server to answer /health before giving up with its log tail
-    startup_timeout_s: float = 900.0
-    # seconds a server gets to exit after SIGTERM before its process group is killed
-    stop_timeout_s: float = 30.0
-    # fraction of GPU memory for SGLang's weights and KV cache (leave room for a colocated actor)
-    mem_fraction: float = 0.6
-    # most requests one server runs at once; set explicitly because SGLang caps it at 48 when EAGLE is on
-    max_running_requests: int = 256
-    # weight and activation dtype of the served model
-    dtype: str = "bfloat16"
-    # Python interpreter whose environment has sglang installed ("" = the one running tlt)
-    python: str = ""
-    # send and receive token ids only (no tokenizer in the server)
-    skip_tokenizer_init: bool = True
-    # actor ranks and servers share a node: push weights as CUDA tensors; false = through a checkpoint on disk
-    colocated: bool = True
-    # seconds one /generate request may take before the rollout fails
-    request_timeout_s: float = 3600.0
-    # most requests tlt keeps in flight on one server at a time
-    max_in_flight_per_server: int = 1024
-    # tokens generated per prompt by the post-sync acceptance probe
-    probe_max_new_tokens: int = 64
-    # accept length at or below which a drafter that worked before a sync counts as collapsed
-    collapse_accept_length: float = 1.1
-    # let SGLang turn SD off in a batch-size slot whose acceptance collapses (adaptive mode only)
-    auto_off_on_collapse: bool = True
-    # more command-line flags for sglang.launch_server, e.g. ["--attention-backend", "fa3"]
-    extra_args: tuple[str, ...] = ()
-
-    @property
-    def server_count(self) -> int:
-        return len(self.gpus) // self.tp_size
 
 
 def _require(condition: bool, message: str) -> None:

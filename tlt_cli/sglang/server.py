@@ -117,10 +117,13 @@ def _port_is_free(port: int) -> bool:
 class ServerGroup:
     """Running rollout servers; use as a context manager or call `start()` and `stop()`."""
 
-    def __init__(self, launches: Sequence[ServerLaunch], startup_timeout_s: float, stop_timeout_s: float):
+    def __init__(self, launches: Sequence[ServerLaunch], startup_timeout_s: float, stop_timeout_s: float,
+                 on_spawned: Callable[[list[int]], None] | None = None):
         self.launches = list(launches)
         self.startup_timeout_s = startup_timeout_s
         self.stop_timeout_s = stop_timeout_s
+        # told the servers' process groups once all are spawned, before the (long) wait for health
+        self.on_spawned = on_spawned
         self.processes: list[subprocess.Popen] = []
         self._previous_sigterm = None
         self._stopped = threading.Event()
@@ -147,6 +150,8 @@ class ServerGroup:
         try:
             for launch in self.launches:
                 self.processes.append(self._spawn(launch))
+            if self.on_spawned is not None:
+                self.on_spawned(self.pids)
             self._wait_healthy()
         except BaseException:
             self.stop()
@@ -241,8 +246,12 @@ def launch_sglang_servers(
     plan: SGLangSpeculativePlan,
     draft_model_path: str | None,
     seed: int,
+    on_spawned: Callable[[list[int]], None] | None = None,
 ) -> ServerGroup:
-    """Start every server of `config` for `plan` and return the group once all are healthy."""
+    """Start every server of `config` for `plan` and return the group once all are healthy.
+
+    on_spawned, if given, gets the servers' process groups (= leader pids) as soon as all are spawned.
+    """
     log_dir = Path(run_dir) / "sglang"
     adaptive_path = write_adaptive_config(plan, log_dir / "adaptive_speculative.json") if plan.mode == "adaptive" else None
     flags = speculative_flags(plan, draft_model_path, adaptive_path)
@@ -258,5 +267,5 @@ def launch_sglang_servers(
                 ports=(placement.port, placement.nccl_port),
             )
         )
-    group = ServerGroup(launches, config.startup_timeout_s, config.stop_timeout_s)
+    group = ServerGroup(launches, config.startup_timeout_s, config.stop_timeout_s, on_spawned)
     return group.start()

@@ -1,0 +1,63 @@
+"""Which SGLang server process groups a run started, written where the driver can reach them.
+
+Each worker owns and stops its own servers (tlt_cli/sglang/rollout.py), but a worker can die
+before it does (SIGKILL, out of memory). So, once its servers are up, a worker records their
+process groups with `record_server_groups(run_directory, worker, groups)` in
+`<run_directory>/sglang-servers/worker-<rank>.json`, and the driver calls
+`stop_recorded_servers(run_directory)` when the run ends, however it ends: every recorded group
+that still has a live process gets SIGTERM, then SIGKILL after the timeout, and the records go.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+from tlt_cli.sglang.server import live_group_members
+
+REGISTRY_DIRECTORY = "sglang-servers"
+POLL_SECONDS = 0.05
+
+
+def record_server_groups(run_directory: Path, worker: int, process_groups: list[int]) -> Path:
+    """Write worker `worker`'s server process groups (written whole, then renamed into place)."""
+    directory = run_directory / REGISTRY_DIRECTORY
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"worker-{worker}.json"
+    staging = path.with_suffix(".json.tmp")
+    staging.write_text(json.dumps({"worker": worker, "process_groups": process_groups}), encoding="utf-8")
+    staging.replace(path)
+    return path
+
+
+def recorded_server_groups(run_directory: Path) -> list[int]:
+    """Every process group recorded for the run (empty when none was)."""
+    groups = []
+    for path in sorted((run_directory / REGISTRY_DIRECTORY).glob("worker-*.json")):
+        groups += json.loads(path.read_text(encoding="utf-8"))["process_groups"]
+    return groups
+
+
+def stop_recorded_servers(run_directory: Path, timeout_s: float) -> list[int]:
+    """Stop the recorded groups that still run (SIGTERM, SIGKILL after timeout_s), drop the records; the groups stopped."""
+    running = [group for group in recorded_server_groups(run_directory) if live_group_members(group)]
+    for group in running:
+        _signal_group(group, signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and any(live_group_members(group) for group in running):
+        time.sleep(POLL_SECONDS)
+    for group in running:
+        _signal_group(group, signal.SIGKILL)
+    for path in (run_directory / REGISTRY_DIRECTORY).glob("worker-*.json"):
+        path.unlink()
+    return running
+
+
+def _signal_group(group: int, signum: int) -> None:
+    try:
+        os.killpg(group, signum)
+    except ProcessLookupError:
+        return
