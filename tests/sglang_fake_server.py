@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -154,6 +155,7 @@ def main() -> None:
     parser.add_argument("--break-draft-on-update", action="store_true")
     arguments = parser.parse_args()
     print(f"fake-sglang: pid starting in mode {arguments.mode}", flush=True)
+    print(f"fake-sglang: server pid {os.getpid()}", flush=True)
     if arguments.spawn_child:
         child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
         print(f"fake-sglang: child pid {child.pid}", flush=True)

@@ -1,10 +1,13 @@
-"""Helpers the SGLang tests share: free loopback ports and launches of the fake server process."""
+"""Helpers the SGLang tests share: free loopback ports, launches of the fake server process, and an
+importable stand-in `sglang` package whose `python -m sglang.launch_server` runs the fake server.
+"""
 
 from __future__ import annotations
 
 import os
 import socket
 import sys
+import textwrap
 from pathlib import Path
 
 from tlt_cli.sglang.server import ServerLaunch
@@ -12,6 +15,32 @@ from tlt_cli.sglang.transport import ServerEndpoint
 
 FAKE_SERVER = Path(__file__).parent / "sglang_fake_server.py"
 API_KEY = "test-key-0123"
+# extra arguments for the fake server (e.g. "--mode crash"), read by the stand-in launch_server
+FAKE_ARGUMENTS_VARIABLE = "TLT_FAKE_SGLANG_ARGS"
+
+
+def write_stand_in_sglang(site: Path, version: str = "0.5.23") -> Path:
+    """A `sglang` package (with dist-info saying `version`) under site; put site on PYTHONPATH.
+
+    Its launch_server logs the argv it got, then runs the fake server on the --port and --api-key
+    tlt passed, plus the arguments in $TLT_FAKE_SGLANG_ARGS.
+    """
+    (site / "sglang").mkdir(parents=True)
+    (site / "sglang" / "__init__.py").write_text("")
+    (site / "sglang" / "launch_server.py").write_text(textwrap.dedent(f"""
+        import argparse, os, runpy, sys
+        print("argv:", " ".join(sys.argv[1:]), flush=True)
+        parser = argparse.ArgumentParser()
+        parser.add_argument("--port")
+        parser.add_argument("--api-key")
+        known, _ = parser.parse_known_args()
+        extra = os.environ.get({FAKE_ARGUMENTS_VARIABLE!r}, "").split()
+        sys.argv = [{str(FAKE_SERVER)!r}, "--port", known.port, "--api-key", known.api_key, *extra]
+        runpy.run_path({str(FAKE_SERVER)!r}, run_name="__main__")
+    """))
+    (site / f"sglang-{version}.dist-info").mkdir()
+    (site / f"sglang-{version}.dist-info" / "METADATA").write_text(f"Metadata-Version: 2.1\nName: sglang\nVersion: {version}\n")
+    return site
 
 
 def free_port() -> int:

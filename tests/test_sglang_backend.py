@@ -7,11 +7,9 @@ runs tests/sglang_fake_server.py on the --port and --api-key tlt passed.
 
 from __future__ import annotations
 
-import textwrap
-
 import pytest
 import torch
-from sglang_fakes import FAKE_SERVER, free_port_range, pid_running
+from sglang_fakes import free_port_range, pid_running, write_stand_in_sglang
 
 from tlt_cli.rollout.types import RolloutRequest, SamplingParams, SpeculativeConfig
 from tlt_cli.sglang.adaptive import BatchRule
@@ -24,21 +22,7 @@ RULES = [BatchRule(1, 4, SpeculativeConfig(3)), BatchRule(5, None, None)]
 
 @pytest.fixture()
 def stand_in_sglang(tmp_path, monkeypatch):
-    site = tmp_path / "site"
-    (site / "sglang").mkdir(parents=True)
-    (site / "sglang" / "__init__.py").write_text("")
-    (site / "sglang" / "launch_server.py").write_text(textwrap.dedent(f"""
-        import argparse, runpy, sys
-        print("argv:", " ".join(sys.argv[1:]), flush=True)
-        parser = argparse.ArgumentParser()
-        parser.add_argument("--port")
-        parser.add_argument("--api-key")
-        known, _ = parser.parse_known_args()
-        sys.argv = [{str(FAKE_SERVER)!r}, "--port", known.port, "--api-key", known.api_key]
-        runpy.run_path({str(FAKE_SERVER)!r}, run_name="__main__")
-    """))
-    (site / "sglang-0.5.23.dist-info").mkdir()
-    (site / "sglang-0.5.23.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nName: sglang\nVersion: 0.5.23\n")
+    site = write_stand_in_sglang(tmp_path / "site")
     monkeypatch.setenv("PYTHONPATH", str(site))
     return site
 

@@ -365,9 +365,11 @@ def _validate_sglang_backend(recipe: Recipe) -> None:
 
     config = recipe.rollout.sglang
     validate_sglang_config(config)
-    _require(config.server_count % recipe.workers.count == 0,
-             f"rollout.sglang.gpus gives {config.server_count} server(s) of tp_size {config.tp_size} for workers.count "
-             f"{recipe.workers.count}; each worker owns whole servers, so give a multiple of workers.count.")
+    # every node runs its own servers for its own ranks
+    ranks_per_node = recipe.workers.count if recipe.workers.hostfile is None else len(recipe.actor.devices)
+    _require(config.server_count % ranks_per_node == 0,
+             f"rollout.sglang.gpus gives {config.server_count} server(s) of tp_size {config.tp_size} for {ranks_per_node} "
+             "worker ranks per node; each worker owns whole servers, so give a multiple of that.")
     _require(recipe.actor.zero_stage <= 2,
              "actor.zero_stage 3 shards the parameters, but each worker pushes its full policy to its SGLang servers; use 0, 1 or 2.")
     _require(not config.colocated or recipe.actor.devices != CPU_DEVICES,

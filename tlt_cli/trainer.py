@@ -78,8 +78,8 @@ def train(recipe: Recipe, run_directory: Path, console: Console, resume: bool = 
         launch = " ".join(deepspeed_launch_command(recipe, run_directory / RECIPE_FILE))
         raise RecipeError(f"workers.hostfile is set, but tlt train does not run ranks across nodes yet (docs/gpu.md, "
                           f"Multi node); the launch it is built for: {launch}")
-    check_machine(recipe)
     resume_from, start_step = _resume_point(run_directory) if resume else (None, 0)
+    check_machine(recipe)
     cache = cache_directory(recipe)
     if recipe.model.path == BUILTIN_TINY_MODEL:
         with console.status("preparing the built-in tiny model (built and warmed up once, then cached)"):

@@ -74,6 +74,11 @@ def log_tail(log_path: Path, lines: int = LOG_TAIL_LINES) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
 
+def _shown_tail(launch: ServerLaunch) -> str:
+    """The log tail for an error message, with the server's API key masked (SGLang logs its arguments)."""
+    return log_tail(launch.log_path).replace(launch.endpoint.api_key, "<api-key>")
+
+
 def _parent_death_signal() -> Callable[[], None] | None:
     """A pre-exec hook that asks Linux to SIGTERM the child when the starting thread dies, or None."""
     try:
@@ -196,7 +201,7 @@ class ServerGroup:
                 if process.poll() is not None:
                     raise ServerStartError(
                         f"SGLang server {index} exited with code {process.returncode} while starting; "
-                        f"last lines of {launch.log_path}:\n{log_tail(launch.log_path)}"
+                        f"last lines of {launch.log_path}:\n{_shown_tail(launch)}"
                     )
                 if get_status(launch.endpoint, HEALTH_PATH, timeout_s=2.0) == 200:
                     del pending[index]
@@ -205,7 +210,7 @@ class ServerGroup:
                 raise ServerStartError(
                     f"SGLang server {index} did not answer {HEALTH_PATH} within {self.startup_timeout_s:.0f} s "
                     f"(rollout.sglang.startup_timeout_s); last lines of {self.launches[index].log_path}:\n"
-                    f"{log_tail(self.launches[index].log_path)}"
+                    f"{_shown_tail(self.launches[index])}"
                 )
             if pending:
                 time.sleep(HEALTH_POLL_S)
