@@ -17,7 +17,7 @@ import time
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -35,6 +35,9 @@ from tlt_cli.rollout.engine import EmbeddedEngine
 from tlt_cli.rollout.types import Completion, RolloutRequest, SamplingParams
 from tlt_cli.tasks.base import Problem
 from tlt_cli.tasks.registry import build_task
+
+if TYPE_CHECKING:
+    from tlt_cli.sglang.rollout import SGLangRollout
 
 # prompts of the step (one per group) each SGLang server decodes greedily after a weight sync
 PROBE_PROMPTS = 2
@@ -174,7 +177,8 @@ class WorkerLoop:
                 self.schedule.load_state_dict(torch.load(self._schedule_path(spec.resume_from), weights_only=False))
             self.plugins.call("on_checkpoint_load", spec.resume_from)
 
-    def _sglang_rollout(self):
+    def _sglang_rollout(self) -> SGLangRollout:
+        """This rank's SGLang servers (not started yet); imported here so the CPU path never loads the SGLang package."""
         from tlt_cli.sglang.rollout import SGLangRollout
 
         model_path = self.recipe.model.path
