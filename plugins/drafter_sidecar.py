@@ -100,16 +100,18 @@ class DrafterSidecar:
                 self.loss_sum += float(loss.total)
 
     def _sample_batch(self) -> DrafterBatch:
-        """batch_size sequences drawn uniformly from the window (seeded per worker)."""
+        """Up to batch_size sequences of one stored actor micro-batch, drawn at random (seeded per worker).
+
+        The actor's micro-batches hold sequences of similar length (rows are sorted by length), so
+        a step pads little and its duration is bounded by one micro-batch: preemption stays tight.
+        A micro-batch is picked with probability proportional to its rows, so every stored
+        sequence is equally likely to be trained on.
+        """
         batches = [batch for data in self.window for batch in data.batches]
-        sizes = torch.tensor([batch.size for batch in batches])
-        offsets = torch.cumsum(sizes, 0) - sizes
-        picks = torch.randint(0, int(sizes.sum()), (min(self.settings.batch_size, int(sizes.sum())),), generator=self.generator)
-        rows = []
-        for pick in picks.tolist():
-            source = int(torch.searchsorted(offsets, torch.tensor(pick), right=True)) - 1
-            rows.append(batches[source].rows(torch.tensor([pick - int(offsets[source])])))
-        return DrafterBatch.concatenate(rows)
+        sizes = torch.tensor([batch.size for batch in batches], dtype=torch.float)
+        source = batches[int(torch.multinomial(sizes, 1, generator=self.generator))]
+        order = torch.randperm(source.size, generator=self.generator)[: self.settings.batch_size]
+        return source.rows(order)
 
     def on_rollout_end(self, context: Any) -> None:
         """Average the workers' drafters, weighted by steps done; keep the last good one if not finite."""

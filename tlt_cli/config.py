@@ -155,7 +155,7 @@ class DrafterConfig:
     lr: float = 1e-3
     weight_decay: float = 0.0
     window_steps: int = 2
-    batch_size: int = 16
+    batch_size: int = 4
 
 
 @dataclass(frozen=True)

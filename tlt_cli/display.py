@@ -24,6 +24,13 @@ COLUMNS = (
     ("idle worker-s", "idle_worker_seconds", "{:.2f}"),
     ("step s", "step_seconds", "{:.2f}"),
 )
+# shown once a run's records carry them (speculative decoding on, the drafter sidecar enabled)
+OPTIONAL_COLUMNS = (
+    ("accept len", "accept_length", "{:.2f}"),
+    ("drafter steps", "drafter_steps", "{:.0f}"),
+    ("drafter train s", "drafter_train_seconds", "{:.2f}"),
+    ("drafter loss", "drafter_loss", "{:.3f}"),
+)
 
 
 def _cell(record: dict[str, Any], key: str, template: str) -> str:
@@ -60,17 +67,23 @@ class TrainingDisplay:
     def add_step(self, record: dict[str, Any]) -> None:
         self.records.append(record)
         if self._live is None:
-            cells = "  ".join(f"{name} {_cell(record, key, template)}" for name, key, template in COLUMNS)
+            cells = "  ".join(f"{name} {_cell(record, key, template)}" for name, key, template in self._columns())
             self.console.print(cells, highlight=False, soft_wrap=True)
         else:
             self._live.update(self._table(), refresh=True)
 
+    def _columns(self) -> tuple[tuple[str, str, str], ...]:
+        """The base columns, then each optional one some record has a value for."""
+        present = tuple(column for column in OPTIONAL_COLUMNS if any(record.get(column[1]) is not None for record in self.records))
+        return COLUMNS + present
+
     def _table(self) -> Table:
         table = Table(title=f"{self.title}: step {len(self.records)}/{self.total_steps}", title_justify="left")
-        for name, _, _ in COLUMNS:
+        columns = self._columns()
+        for name, _, _ in columns:
             table.add_column(name, justify="right")
         for record in self.records[-VISIBLE_STEPS:]:
-            table.add_row(*(_cell(record, key, template) for _, key, template in COLUMNS))
+            table.add_row(*(_cell(record, key, template) for _, key, template in columns))
         for message in self.notes[-3:]:
             table.caption = message
         return table
@@ -85,13 +98,25 @@ def render_summary(console: Console, records: list[dict[str, Any]], run_director
     first, last = records[:window], records[-window:]
 
     def mean(rows: list[dict[str, Any]], key: str) -> float:
-        return sum(row[key] for row in rows) / max(len(rows), 1)
+        return mean_of([row[key] for row in rows])
 
     table.add_row("steps run", str(len(records)))
     table.add_row(f"mean reward, first {window} steps", f"{mean(first, 'mean_reward'):.3f}")
     table.add_row(f"mean reward, last {window} steps", f"{mean(last, 'mean_reward'):.3f}")
     table.add_row("mean step seconds", f"{mean(records, 'step_seconds'):.2f}")
     table.add_row("rollout share of step time", f"{sum(r['rollout_seconds'] for r in records) / max(sum(r['step_seconds'] for r in records), 1e-9):.0%}")
-    table.add_row("idle worker-seconds in rollouts", f"{sum(r['idle_worker_seconds'] for r in records):.1f}")
+    idle_seconds = sum(r['idle_worker_seconds'] for r in records)
+    table.add_row("idle worker-seconds in rollouts", f"{idle_seconds:.1f}")
+    if any(r.get("drafter_train_seconds") is not None for r in records):
+        used = sum(r.get("drafter_train_seconds") or 0.0 for r in records)
+        table.add_row("idle worker-seconds spent training the drafter", f"{used:.1f} ({used / max(idle_seconds, 1e-9):.0%})")
+    accept_lengths = [r["accept_length"] for r in records if r.get("accept_length") is not None]
+    if accept_lengths:
+        table.add_row(f"accept length, first {window} -> last {window} SD steps",
+                      f"{mean_of(accept_lengths[:window]):.2f} -> {mean_of(accept_lengths[-window:]):.2f}")
     table.add_row("run directory", str(run_directory))
     console.print(table)
+
+
+def mean_of(values: list[float]) -> float:
+    return sum(values) / max(len(values), 1)

@@ -56,6 +56,9 @@ def _step_record(reports: list[WorkerStepReport], requests: list[dict[str, Any]]
         "update_seconds": max(report.update_seconds for report in reports),
         "step_seconds": step_end - rollout_start,
         "idle_worker_seconds": sum(worker["idle_seconds"] for worker in workers),
+        # from the end of the slowest shard to the last worker leaving the rollout barrier: the
+        # critical-path cost of the barrier's polling and of any idle-time work that overran
+        "release_delay_seconds": max(report.idle_end for report in reports) - rollout_end,
         "mean_reward": float(rewards.mean()),
         "response_length_p50": float(numpy.percentile(lengths, 50)),
         "response_length_p99": float(numpy.percentile(lengths, 99)),
