@@ -4,6 +4,7 @@
     tlt train --resume runs/tiny-cpu [key=value ...]     # continue it from its last checkpoint
     tlt recipes list | show NAME | validate PATH ...
     tlt profile runs/tiny-cpu | trace.jsonl | requests.csv | RECIPE [--json]
+    tlt calibrate RECIPE [key=value ...] [--batch-sizes 1,2,4] [--write-recipe RECIPE]
     tlt export-drafter runs/tiny-cpu exported-drafter/
     tlt --version
 
@@ -20,6 +21,12 @@ import typer
 from rich.console import Console
 
 from tlt_cli import __version__
+from tlt_cli.calibration.settings import (
+    DEFAULT_CONFIGS,
+    CalibrationError,
+    CalibrationSettings,
+    parse_batch_sizes,
+)
 from tlt_cli.checkpoint import CheckpointError
 from tlt_cli.config import Recipe, RecipeError, load_recipe, recipe_to_yaml
 from tlt_cli.recipes import resolve_recipe_path, shipped_recipes
@@ -148,6 +155,46 @@ def profile(
         typer.echo(json.dumps({**profile_to_json(result.profile), "pictures": [str(path) for path in result.pictures]}, indent=2))
         return
     render_profile(console, result.profile, result.segments, result.lengths, result.pictures)
+
+
+@app.command(context_settings={"allow_extra_args": False})
+def calibrate(
+    recipe: Annotated[str, typer.Argument(help="A YAML recipe or a shipped recipe name: its target model, initial drafter, task and sampling are measured.")],
+    overrides: Annotated[list[str] | None, typer.Argument(help="key=value overrides of the recipe.", show_default=False)] = None,
+    batch_sizes: Annotated[str, typer.Option(help="Running batch sizes to measure, e.g. 1,2,4,8 (default: powers of two up to a worker's first running batch).")] = "",
+    configs: Annotated[str, typer.Option(help="SD configurations to compare with off: off or s<steps>-k<topk>-t<draft tokens>, comma-separated.")] = ",".join(DEFAULT_CONFIGS),
+    warmup_steps: Annotated[int, typer.Option(help="Untimed decode steps before each timed window.")] = CalibrationSettings.warmup_steps,
+    timed_steps: Annotated[int, typer.Option(help="Decode steps timed per window.")] = CalibrationSettings.timed_steps,
+    repeats: Annotated[int, typer.Option(help="Windows per batch size and configuration; the median counts.")] = CalibrationSettings.repeats,
+    margin: Annotated[float, typer.Option(help="SD is chosen only where it beats off by more than this fraction; runners-up within it become bandit candidates.")] = CalibrationSettings.margin,
+    candidates: Annotated[int, typer.Option(help="Most runners-up kept per rule as the bandit's candidates (0: none).")] = CalibrationSettings.candidates,
+    output: Annotated[Path | None, typer.Option("--output", help="JSON of every measurement; the YAML fragment goes next to it (default: <run.output_dir>/<run.name>-calibration/calibration.json).")] = None,
+    write_recipe: Annotated[Path | None, typer.Option("--write-recipe", help="Also rewrite the speculative.rules block of this recipe file in place (comments kept).")] = None,
+) -> None:
+    """Measure SD off vs SD configurations by running batch size on this machine and write the adaptive rule table."""
+    from tlt_cli.calibration.calibrate import calibrate as run_calibration
+    from tlt_cli.calibration.calibrate import default_output
+    from tlt_cli.calibration.recipe_text import RecipeEditError, write_rules_into_recipe
+    from tlt_cli.calibration.report import render_calibration, write_calibration
+    from tlt_cli.models.loading import ModelLoadError
+    from tlt_cli.tasks.registry import TaskOptionError, UnknownTaskError
+
+    def show(batch_size: int, label: str, repeat: int) -> None:
+        status.update(f"calibrating: batch size {batch_size}, {label}, window {repeat + 1} of {repeats}")
+
+    try:
+        settings = CalibrationSettings(parse_batch_sizes(batch_sizes), tuple(part for part in configs.split(",") if part.strip()),
+                                       warmup_steps, timed_steps, repeats, margin, candidates)
+        with console.status("loading the model pair (the tiny model and the drafter warm-up run once, then are cached)") as status:
+            result = run_calibration(resolve_recipe_path(recipe), list(overrides or []), settings, on_window=show)
+        render_calibration(console, result)
+        json_path, fragment_path = write_calibration(result, output or default_output(result.recipe))
+        console.print(f"wrote {json_path} and {fragment_path}", highlight=False)
+        if write_recipe is not None:
+            write_rules_into_recipe(write_recipe, result.rules, result.command)
+            console.print(f"rewrote speculative.rules in {write_recipe}", highlight=False)
+    except (CalibrationError, RecipeEditError, RecipeError, ModelLoadError, TaskOptionError, UnknownTaskError) as error:
+        raise fail(str(error)) from None
 
 
 @app.command("export-drafter")

@@ -1,0 +1,182 @@
+"""`tlt calibrate`: rules from measurements (pure), the YAML fragment as a recipe, --write-recipe, the CLI on a tiny pair, errors."""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+from typer.testing import CliRunner
+
+from tlt_cli.adaptive import build_rules
+from tlt_cli.calibration.calibrate import batch_size_grid
+from tlt_cli.calibration.recipe_text import RecipeEditError, write_rules_into_recipe
+from tlt_cli.calibration.rules import (
+    CALIBRATED_BY,
+    RULES_COMMENT,
+    BatchChoice,
+    calibrated_rules,
+    fragment_text,
+    rules_from_choices,
+)
+from tlt_cli.cli import app
+from tlt_cli.config import load_recipe, recipe_from_config
+from tlt_cli.drafter.model import EagleDrafter, save_drafter
+from tlt_cli.models.tiny import (
+    build_tiny_model,
+    save_model_folder,
+    tiny_model_config,
+    tiny_tokenizer,
+)
+from tlt_cli.recipes import RECIPES_DIRECTORY
+
+torch.set_num_threads(1)
+runner = CliRunner()
+TINY_RECIPE = RECIPES_DIRECTORY / "tiny-cpu.yaml"
+
+
+def test_sd_is_chosen_only_where_it_beats_off_by_the_margin_and_equal_neighbours_merge():
+    throughput = {
+        1: {"off": 100.0, "s2-k1-t3": 180.0, "s4-k1-t5": 175.0},
+        2: {"off": 100.0, "s2-k1-t3": 150.0, "s4-k1-t5": 120.0},
+        4: {"off": 100.0, "s2-k1-t3": 104.0, "s4-k1-t5": 80.0},  # +4%: not worth it at a 5% margin
+        8: {"off": 100.0, "s2-k1-t3": 70.0, "s4-k1-t5": 50.0},
+    }
+    choices, rules = calibrated_rules(throughput, margin=0.05, max_candidates=2)
+    assert [(choice.batch_size, choice.use) for choice in choices] == [(1, "s2-k1-t3"), (2, "s2-k1-t3"), (4, "off"), (8, "off")]
+    assert choices[0].candidates == ("s4-k1-t5",) and choices[2].candidates == ("s2-k1-t3",)
+    # candidates of a merged rule are those every merged batch size kept
+    assert rules == [{"batch": [1, 3], "use": "s2-k1-t3"}, {"batch": [4, None], "use": "off"}]
+    assert len(build_rules(rules)) == 2
+
+
+def test_buckets_start_at_one_end_open_and_keep_shared_candidates():
+    choices = [BatchChoice(2, "s4-k1-t5", ("s2-k1-t3", "off")), BatchChoice(4, "s4-k1-t5", ("s2-k1-t3",)),
+               BatchChoice(16, "off", ())]
+    assert rules_from_choices(choices) == [
+        {"batch": [1, 15], "use": "s4-k1-t5", "candidates": ["s2-k1-t3"]},
+        {"batch": [16, None], "use": "off"},
+    ]
+    assert rules_from_choices([BatchChoice(1, "off", ())]) == [{"batch": [1, None], "use": "off"}]
+
+
+def test_no_candidates_when_asked_for_none_and_off_everywhere_when_sd_never_pays():
+    throughput = {1: {"off": 100.0, "s2-k1-t3": 99.0}, 8: {"off": 100.0, "s2-k1-t3": 60.0}}
+    choices, rules = calibrated_rules(throughput, margin=0.05, max_candidates=0)
+    assert all(choice.candidates == () for choice in choices)
+    assert rules == [{"batch": [1, None], "use": "off"}]
+
+
+def test_default_grid_is_powers_of_two_up_to_the_first_running_batch():
+    assert batch_size_grid((), 32) == [1, 2, 4, 8, 16, 32]
+    assert batch_size_grid((), 24) == [1, 2, 4, 8, 16, 24]
+    assert batch_size_grid((4, 1), 8) == [1, 4]
+
+
+def test_fragment_merged_into_the_tiny_recipe_validates():
+    _, rules = calibrated_rules({1: {"off": 100.0, "s4-k2-t8": 150.0, "s2-k1-t3": 148.0}, 4: {"off": 100.0, "s4-k2-t8": 90.0, "s2-k1-t3": 96.0}},
+                                margin=0.05, max_candidates=2)
+    fragment = fragment_text(rules, "tlt calibrate recipes/tiny-cpu.yaml --batch-sizes 1,4")
+    assert fragment.startswith("speculative:") and "# calibrated by: tlt calibrate recipes/tiny-cpu.yaml" in fragment
+    merged = OmegaConf.merge(OmegaConf.load(TINY_RECIPE), OmegaConf.create(fragment))
+    recipe = recipe_from_config(merged)
+    assert recipe.speculative.mode == "adaptive" and recipe.speculative.rules == rules
+    assert rules[-1] == {"batch": [4, None], "use": "off", "candidates": ["s2-k1-t3"]}
+
+
+def test_write_recipe_replaces_only_the_rules_block_and_keeps_comments(tmp_path):
+    recipe_path = tmp_path / "tiny.yaml"
+    shutil.copy(TINY_RECIPE, recipe_path)
+    original = recipe_path.read_text()
+    _, first = calibrated_rules({1: {"off": 100.0, "s2-k1-t3": 150.0}, 8: {"off": 100.0, "s2-k1-t3": 80.0}}, 0.05, 2)
+    write_rules_into_recipe(recipe_path, first, "tlt calibrate first")
+    _, second = calibrated_rules({1: {"off": 100.0, "s4-k1-t5": 150.0}, 2: {"off": 100.0, "s4-k1-t5": 140.0}}, 0.05, 2)
+    write_rules_into_recipe(recipe_path, second, "tlt calibrate second")
+    edited = recipe_path.read_text()
+    assert "tlt calibrate first" not in edited and edited.count("# calibrated by: tlt calibrate second") == 1
+    assert edited.count("rules:") == 1 and "mode: adaptive" in edited
+    added = (CALIBRATED_BY, RULES_COMMENT)
+    assert [line for line in original.splitlines() if line.lstrip().startswith("#")] == \
+        [line for line in edited.splitlines() if line.lstrip().startswith("#") and not line.lstrip().startswith(added)]
+    before, after = load_recipe(TINY_RECIPE), load_recipe(recipe_path)
+    assert after.speculative.rules == second and after.drafter == before.drafter and after.rollout == before.rollout
+
+
+def test_write_recipe_appends_a_missing_section_and_refuses_what_it_cannot_edit(tmp_path):
+    plain = tmp_path / "plain.yaml"
+    plain.write_text("# tlt train plain.yaml\nrun:\n  name: plain\n")
+    rules = [{"batch": [1, None], "use": "s2-k1-t3"}]
+    write_rules_into_recipe(plain, rules, "tlt calibrate plain.yaml")
+    assert load_recipe(plain).speculative.rules == rules and plain.read_text().startswith("# tlt train plain.yaml\nrun:")
+    flow = tmp_path / "flow.yaml"
+    flow.write_text("run: {name: flow}\nspeculative: {mode: fixed}\n")
+    with pytest.raises(RecipeEditError, match="paste the printed fragment"):
+        write_rules_into_recipe(flow, rules, "tlt calibrate flow.yaml")
+    assert flow.read_text() == "run: {name: flow}\nspeculative: {mode: fixed}\n"
+    assert list(tmp_path.glob(".*")) == []
+
+
+@pytest.fixture(scope="module")
+def tiny_pair_recipe(tmp_path_factory) -> Path:
+    """A recipe over a tiny random model folder and a random drafter folder (no warm-up)."""
+    folder = tmp_path_factory.mktemp("pair")
+    tokenizer = tiny_tokenizer()
+    config = tiny_model_config(tokenizer, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64)
+    target = build_tiny_model(0, config)
+    save_model_folder(target, tokenizer, folder / "model")
+    save_drafter(EagleDrafter(target, seed=0), folder / "drafter")
+    recipe = folder / "recipe.yaml"
+    recipe.write_text(
+        f"# tlt train {recipe}\nrun: {{name: probe, output_dir: {folder}}}\nmodel: {{path: {folder / 'model'}}}\n"
+        "train: {prompts_per_step: 2, group_size: 2}\nworkers: {count: 1}\n"
+        f"speculative:\n  # plain decoding until calibrated\n  mode: off\ndrafter: {{init: {folder / 'drafter'}}}\n"
+    )
+    return recipe
+
+
+def test_cli_measures_a_tiny_pair_and_writes_json_fragment_and_recipe(tiny_pair_recipe, tmp_path):
+    output = tmp_path / "out" / "calibration.json"
+    rewritten = tmp_path / "rewritten.yaml"
+    shutil.copy(tiny_pair_recipe, rewritten)
+    result = runner.invoke(app, [
+        "calibrate", str(tiny_pair_recipe), "rollout.temperature=0", "--batch-sizes", "1,4", "--configs", "off,s2-k1-t3,s2-k2-t4",
+        "--warmup-steps", "1", "--timed-steps", "3", "--repeats", "2", "--output", str(output), "--write-recipe", str(rewritten),
+    ])
+    assert result.exit_code == 0, result.output
+    for text in ("decode throughput by running batch size", "s2-k1-t3", "s2-k2-t4", "speculative:", "mode: adaptive", "rules:"):
+        assert text in result.output, text
+    written = json.loads(output.read_text())
+    assert written["settings"]["batch_sizes"] == [1, 4] and written["settings"]["configs"] == ["off", "s2-k1-t3", "s2-k2-t4"]
+    cells = {(cell["batch_size"], cell["config"]): cell for cell in written["measurements"]}
+    assert len(cells) == 6 and all(len(cell["windows"]) == 2 for cell in cells.values())
+    assert all(window["decode_steps"] == 3 for cell in cells.values() for window in cell["windows"])
+    assert cells[(1, "off")]["accept_length"] == 1.0 and cells[(4, "off")]["ratio_vs_off"] == 1.0
+    # off emits one token per row and step; a chain of 2 at most three
+    assert all(window["tokens"] == 4 * 3 for window in cells[(4, "off")]["windows"])
+    assert 1.0 <= cells[(4, "s2-k1-t3")]["accept_length"] <= 3.0
+    assert written["command"].startswith(f"tlt calibrate {tiny_pair_recipe} rollout.temperature=0 --batch-sizes 1,4")
+    rules = written["rules"]
+    assert rules[0]["batch"][0] == 1 and rules[-1]["batch"][1] is None and len(build_rules(rules)) == len(rules)
+    fragment = output.with_suffix(".yaml").read_text()
+    recipe = recipe_from_config(OmegaConf.merge(OmegaConf.load(tiny_pair_recipe), OmegaConf.create(fragment)))
+    assert recipe.speculative.rules == rules
+    assert load_recipe(rewritten).speculative.rules == rules and "# plain decoding until calibrated" in rewritten.read_text()
+
+
+@pytest.mark.parametrize(("arguments", "message"), [
+    (["no-such-recipe.yaml"], "does not exist"),
+    (["{recipe}", "--batch-sizes", "1,x"], "--batch-sizes '1,x'"),
+    (["{recipe}", "--batch-sizes", "0,2"], "distinct sizes of at least 1"),
+    (["{recipe}", "--batch-sizes", "64"], "never exceeds 4"),
+    (["{recipe}", "--configs", "off,bogus"], "'bogus' is not an SD configuration"),
+    (["{recipe}", "--configs", "off"], "no SD configuration"),
+    (["{recipe}", "--configs", "s2-k1-t7"], "--configs s2-k1-t7"),
+    (["{recipe}", "--repeats", "0"], "--repeats is 0"),
+    (["{recipe}", "drafter.init=random"], "drafter.init is random"),
+    (["{recipe}", "train.nope=1"], "train.nope"),
+])
+def test_bad_input_is_one_line_and_exit_2(tiny_pair_recipe, arguments, message):
+    result = runner.invoke(app, ["calibrate", *[argument.format(recipe=tiny_pair_recipe) for argument in arguments]])
+    assert result.exit_code == 2, result.output
+    assert message in result.output and len(result.output.strip().splitlines()) == 1 and "Traceback" not in result.output

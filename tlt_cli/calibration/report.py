@@ -1,0 +1,92 @@
+"""Print a calibration (batch size x configuration table, the chosen rules) and write its JSON and YAML fragment.
+
+`render_calibration(console, result)` prints one row per batch size and one column per
+configuration (median tokens/s, ratio vs off, accept length, spread of the repeats), then the
+YAML fragment. `write_calibration(result, json_path)` writes every measurement to `json_path` and
+the fragment next to it (same name, `.yaml`), and returns both paths.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from tlt_cli.adaptive import OFF
+from tlt_cli.calibration.calibrate import CalibrationResult
+from tlt_cli.calibration.measure import Cell
+from tlt_cli.calibration.rules import fragment_text
+
+
+def cell_for(result: CalibrationResult, batch_size: int, label: str) -> Cell:
+    return next(cell for cell in result.cells if cell.batch_size == batch_size and cell.label == label)
+
+
+def render_calibration(console: Console, result: CalibrationResult) -> None:
+    settings = result.settings
+    table = Table(title=f"decode throughput by running batch size: median of {settings.repeats} windows of "
+                        f"{settings.timed_steps} steps, {result.threads} thread(s) on {result.device}")
+    table.add_column("batch", justify="right")
+    for label in result.labels:
+        table.add_column(label, justify="right")
+    table.add_column("choice")
+    for choice in result.choices:
+        off = cell_for(result, choice.batch_size, OFF).tokens_per_second
+        cells = [_cell_text(cell_for(result, choice.batch_size, label), off) for label in result.labels]
+        table.add_row(str(choice.batch_size), *cells, _choice_text(choice.use, choice.candidates))
+    console.print(table)
+    console.print("cell: tokens/s, ratio vs off / accept length (tokens per row per step), ± half the range of the repeats; "
+                  f"SD is chosen where it beats off by more than {settings.margin:.0%}", highlight=False)
+    console.print(fragment_text(result.rules, result.command), highlight=False, markup=False, soft_wrap=True)
+
+
+def _cell_text(cell: Cell, off_tokens_per_second: float) -> str:
+    ratio = cell.tokens_per_second / off_tokens_per_second
+    return f"{cell.tokens_per_second:.0f} {ratio:.2f}x\n{cell.accept_length:.2f} ±{cell.spread / 2:.0%}"
+
+
+def _choice_text(use: str, candidates: tuple[str, ...]) -> str:
+    return use + (f"\n(+{', '.join(candidates)})" if candidates else "")
+
+
+def write_calibration(result: CalibrationResult, json_path: Path) -> tuple[Path, Path]:
+    """Write the measurements (JSON) and the recipe fragment (YAML, next to it); return both paths."""
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    fragment_path = json_path.with_suffix(".yaml")
+    json_path.write_text(json.dumps(calibration_json(result), indent=2) + "\n", encoding="utf-8")
+    fragment_path.write_text(fragment_text(result.rules, result.command), encoding="utf-8")
+    return json_path, fragment_path
+
+
+def calibration_json(result: CalibrationResult) -> dict:
+    recipe = result.recipe
+    return {
+        "command": result.command,
+        "machine": {"platform": platform.platform(), "processor": platform.processor(), "torch": torch.__version__,
+                    "device": result.device, "threads": result.threads},
+        "model": recipe.model.path,
+        "drafter": result.drafter,
+        "task": recipe.task.name,
+        "sampling": {"temperature": recipe.rollout.temperature, "top_p": recipe.rollout.top_p, "top_k": recipe.rollout.top_k},
+        "settings": {"batch_sizes": result.batch_sizes, "configs": result.labels, "warmup_steps": result.settings.warmup_steps,
+                     "timed_steps": result.settings.timed_steps, "repeats": result.settings.repeats,
+                     "margin": result.settings.margin, "candidates": result.settings.candidates},
+        "measurements": [_cell_json(result, cell) for cell in result.cells],
+        "choices": [{"batch_size": choice.batch_size, "use": choice.use, "candidates": list(choice.candidates)}
+                    for choice in result.choices],
+        "rules": result.rules,
+    }
+
+
+def _cell_json(result: CalibrationResult, cell: Cell) -> dict:
+    off = cell_for(result, cell.batch_size, OFF).tokens_per_second
+    return {
+        "batch_size": cell.batch_size, "config": cell.label, "tokens_per_second": cell.tokens_per_second,
+        "ratio_vs_off": cell.tokens_per_second / off, "accept_length": cell.accept_length, "spread": cell.spread,
+        "windows": [{"decode_steps": window.decode_steps, "tokens": window.tokens, "seconds": window.seconds}
+                    for window in cell.windows],
+    }
