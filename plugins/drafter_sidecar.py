@@ -56,6 +56,9 @@ class DrafterSidecar:
         self.rank = 0
         self.pending_state: dict | None = None
         self.generator = torch.Generator()
+        # time in hooks on the critical path (feature collection during the previous update, then
+        # averaging): the sidecar's direct cost to a step, reported at rollout end and reset there
+        self.critical_seconds = 0.0
         self._reset_counters()
 
     def _reset_counters(self) -> None:
@@ -81,6 +84,7 @@ class DrafterSidecar:
 
     def on_hidden_states(self, context: Any, batch: Any, hidden_states: torch.Tensor) -> None:
         """Keep this micro-batch's features; drop steps older than the window."""
+        started = time.perf_counter()
         features = DrafterBatch.from_sequences(batch.input_ids, hidden_states.detach(), batch.response_mask.bool(),
                                                batch.attention_mask.bool())
         if not self.window or self.window[-1].step != context.step:
@@ -88,6 +92,7 @@ class DrafterSidecar:
         self.window[-1].batches.append(features)
         while self.window and self.window[0].step <= context.step - self.settings.window_steps:
             self.window.popleft()
+        self.critical_seconds += time.perf_counter() - started
 
     def on_worker_idle(self, context: Any, rollout_over: Any) -> None:
         """Train until the rollout is over, one short step at a time."""
@@ -115,24 +120,27 @@ class DrafterSidecar:
 
     def on_rollout_end(self, context: Any) -> None:
         """Average the workers' drafters, weighted by steps done; keep the last good one if not finite."""
+        started = time.perf_counter()
         weight = torch.tensor([float(self.steps_done)])
         total = _all_reduce(weight.clone(), context.world_size)
         if float(total) > 0:
-            with torch.no_grad():
-                for parameter in self.drafter.parameters():
-                    averaged = _all_reduce(parameter.detach() * weight, context.world_size) / total
-                    parameter.copy_(averaged)
+            with torch.no_grad():  # one flat all_reduce instead of one per parameter tensor
+                flat = torch.nn.utils.parameters_to_vector(self.drafter.parameters()) * weight
+                torch.nn.utils.vector_to_parameters(_all_reduce(flat, context.world_size) / total, self.drafter.parameters())
             if all(torch.isfinite(parameter).all() for parameter in self.drafter.parameters()):
                 self.version += 1
                 self.last_good = _copy_parameters(self.drafter)
             else:
                 _load_parameters(self.drafter, self.last_good)
                 context.metrics["drafter_discarded_steps"] = 1.0
+        self.critical_seconds += time.perf_counter() - started
         context.metrics.update({
             "drafter_steps": float(self.steps_done),
             "drafter_train_seconds": self.train_seconds,
+            "drafter_critical_seconds": self.critical_seconds,  # collection in the last update + averaging
             "drafter_version": float(self.version),
         })
+        self.critical_seconds = 0.0
         if self.steps_done:  # a worker that trained no step has no loss to average in
             context.metrics["drafter_loss"] = self.loss_sum / self.steps_done
 

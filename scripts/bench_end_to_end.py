@@ -1,0 +1,120 @@
+"""End to end: step time and reward of the tiny recipe with tlt on vs SD off, over several seeds.
+
+    python scripts/bench_end_to_end.py --steps 20 --seeds 0 1 2 --out benchmarks/bench_end_to_end.json
+
+For every seed it runs `tlt train recipes/tiny-cpu.yaml` twice, back to back so both see the
+same machine load:
+  off   speculative.mode=off, no plugins (plain decoding)
+  tlt   speculative.mode=adaptive (the recipe's rule table) and the drafter sidecar
+then prints per seed the mean step time of each and their ratio, the mean reward over the first
+and last 5 steps, and whether the tlt run's per-step reward stays within the band the SD-off
+seeds span (sampled SD is lossless in distribution, not sample for sample, so curves differ by
+sampling noise only). The breakdown of a step (rollout, reward, actor update, idle, release
+delay) says what bounds the ratio: speculative decoding only shortens the rollout. Writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+from training_runs import mean, run_training, step_rows
+
+VARIANTS = {
+    "off": ["speculative.mode=off", "plugins.enabled=[]"],
+    "tlt": ["speculative.mode=adaptive", "plugins.enabled=[drafter_sidecar]"],
+}
+BREAKDOWN = ("rollout_seconds", "reward_seconds", "update_seconds", "idle_worker_seconds", "release_delay_seconds")
+
+
+def run_seeds(seeds: list[int], steps: int, output: Path, extra: list[str]) -> dict[str, dict[int, list[dict]]]:
+    results: dict[str, dict[int, list[dict]]] = {name: {} for name in VARIANTS}
+    for seed in seeds:
+        for name, overrides in VARIANTS.items():
+            records = run_training(f"{name}-seed{seed}", [*overrides, f"run.seed={seed}", *extra], steps, output)
+            results[name][seed] = step_rows(records)
+    return results
+
+
+def summarize(results: dict[str, dict[int, list[dict]]]) -> dict:
+    per_seed = {}
+    for seed, off_rows in results["off"].items():
+        tlt_rows = results["tlt"][seed]
+        off_time, tlt_time = mean([row["step_seconds"] for row in off_rows]), mean([row["step_seconds"] for row in tlt_rows])
+        per_seed[seed] = {
+            "step_seconds_off": off_time, "step_seconds_tlt": tlt_time, "speedup": off_time / tlt_time,
+            "rollout_seconds_off": mean([row["rollout_seconds"] for row in off_rows]),
+            "rollout_seconds_tlt": mean([row["rollout_seconds"] for row in tlt_rows]),
+            **{f"reward_{name}_first5": mean([row["mean_reward"] for row in rows[:5]]) for name, rows in (("off", off_rows), ("tlt", tlt_rows))},
+            **{f"reward_{name}_last5": mean([row["mean_reward"] for row in rows[-5:]]) for name, rows in (("off", off_rows), ("tlt", tlt_rows))},
+            "accept_length_tlt": mean([row["accept_length"] for row in tlt_rows if row["accept_length"] is not None]),
+        }
+    return {"per_seed": per_seed, "reward_band": reward_band(results),
+            "breakdown": {name: {key: mean([row[key] for rows in runs.values() for row in rows]) for key in BREAKDOWN}
+                          for name, runs in results.items()}}
+
+
+def reward_band(results: dict[str, dict[int, list[dict]]]) -> dict:
+    """Share of steps where each tlt run's mean reward lies within [min, max] of the SD-off seeds, and the
+    same for a 5-step moving average (per-step rewards of 64 samples are noisy)."""
+    off_curves = [[row["mean_reward"] for row in rows] for rows in results["off"].values()]
+    band = {}
+    for seed, rows in results["tlt"].items():
+        curve = [row["mean_reward"] for row in rows]
+        band[seed] = {"per_step": _inside(curve, off_curves), "moving_average_5": _inside(_smooth(curve), [_smooth(c) for c in off_curves])}
+    return band
+
+
+def _smooth(curve: list[float], window: int = 5) -> list[float]:
+    return [mean(curve[max(0, index - window + 1): index + 1]) for index in range(len(curve))]
+
+
+def _inside(curve: list[float], references: list[list[float]]) -> float:
+    steps = range(min(len(curve), *(len(reference) for reference in references)))
+    hits = [min(reference[step] for reference in references) <= curve[step] <= max(reference[step] for reference in references) for step in steps]
+    return sum(hits) / max(len(hits), 1)
+
+
+def render(summary: dict) -> None:
+    console = Console()
+    table = Table(title="tlt on vs SD off, tiny recipe (means over steps)")
+    columns = ("seed", "step s off", "step s tlt", "speedup", "rollout s off", "rollout s tlt", "accept len",
+               "reward off first5->last5", "reward tlt first5->last5")
+    for column in columns:
+        table.add_column(column, justify="right")
+    for seed, row in summary["per_seed"].items():
+        table.add_row(str(seed), f"{row['step_seconds_off']:.2f}", f"{row['step_seconds_tlt']:.2f}", f"{row['speedup']:.2f}x",
+                      f"{row['rollout_seconds_off']:.2f}", f"{row['rollout_seconds_tlt']:.2f}", f"{row['accept_length_tlt']:.2f}",
+                      f"{row['reward_off_first5']:.3f} -> {row['reward_off_last5']:.3f}",
+                      f"{row['reward_tlt_first5']:.3f} -> {row['reward_tlt_last5']:.3f}")
+    console.print(table)
+    breakdown = Table(title="where a step's time goes (seconds, mean per step)")
+    breakdown.add_column("variant")
+    for key in BREAKDOWN:
+        breakdown.add_column(key.removesuffix("_seconds"), justify="right")
+    for name, values in summary["breakdown"].items():
+        breakdown.add_row(name, *(f"{values[key]:.2f}" for key in BREAKDOWN))
+    console.print(breakdown)
+    console.print({"tlt reward inside the SD-off seeds' band": summary["reward_band"]})
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--output-dir", type=Path, default=Path("runs/bench-end-to-end"))
+    parser.add_argument("--out", type=Path, default=Path("bench-end-to-end.json"))
+    parser.add_argument("overrides", nargs="*", help="extra key=value recipe overrides for every run")
+    arguments = parser.parse_args()
+    arguments.output_dir.mkdir(parents=True, exist_ok=True)
+    results = run_seeds(arguments.seeds, arguments.steps, arguments.output_dir, arguments.overrides)
+    summary = summarize(results)
+    render(summary)
+    arguments.out.write_text(json.dumps({"summary": summary, "steps": results}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

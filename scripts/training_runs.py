@@ -1,0 +1,33 @@
+"""Run `tlt train` on the tiny recipe as a subprocess and read back its trace: shared by the benchmarks.
+
+    records = run_training("off-seed0", ["speculative.mode=off", "run.seed=0"], steps=20, output=Path("runs/bench"))
+    steps = [record for record in records if record["type"] == "step"]
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+RECIPE = Path(__file__).resolve().parent.parent / "recipes" / "tiny-cpu.yaml"
+
+
+def run_training(run_name: str, overrides: list[str], steps: int, output: Path) -> list[dict]:
+    """Train `steps` steps of the tiny recipe with `overrides`; the step and worker records of its trace."""
+    shutil.rmtree(output / run_name, ignore_errors=True)  # the benchmark's own scratch run from an earlier call
+    command = [sys.executable, "-m", "tlt_cli", "train", str(RECIPE), f"train.steps={steps}", f"run.name={run_name}",
+               f"run.output_dir={output}", f"checkpoint.every={steps}", *overrides]
+    subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
+    lines = (output / run_name / "trace.jsonl").read_text().splitlines()
+    return [record for record in map(json.loads, lines) if record["type"] in ("step", "worker", "warning")]
+
+
+def step_rows(records: list[dict]) -> list[dict]:
+    return [record for record in records if record["type"] == "step"]
+
+
+def mean(values: list[float]) -> float:
+    return sum(values) / max(len(values), 1)
