@@ -19,6 +19,7 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from tlt_cli import __version__
 from tlt_cli.calibration.settings import (
@@ -42,7 +43,8 @@ USAGE_ERROR = 2
 
 
 def fail(message: str, code: int = USAGE_ERROR) -> typer.Exit:
-    error_console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    # escaped: a message can quote text with brackets (a gloo error's "[/path/pair.cc:537]"), which is not markup
+    error_console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
     return typer.Exit(code)
 
 
