@@ -3,13 +3,13 @@
 Validation never looks at the machine (the shipped GPU recipe validates here); what the machine
 lacks is found by `check_machine` when a run starts, as one line naming the key (exit 2). Also
 the multi-node DeepSpeed launch command, the actor's DeepSpeed config, and how the rule table
-and the servers are split for SGLang.
+and the servers are split for SGLang. Hostfile runs on CPU: tests/test_hostfile_launch.py.
 """
 
 from __future__ import annotations
 
 import os
-from pathlib import Path
+import sys
 
 import pytest
 import torch
@@ -71,7 +71,6 @@ BAD = {
     "rule table gap": ([*SGLANG_ON_CPU, "speculative.mode=adaptive", "speculative.rules=[{batch: [2, null], use: s2-k1}]"],
                                 "speculative.rules"),
     "missing hostfile": (["actor.devices=[0,1]", "workers.hostfile=/nonexistent/hostfile"], "workers.hostfile: /nonexistent/hostfile does not exist"),
-    "hostfile on cpu": (["workers.hostfile=/etc/hostname"], "workers.hostfile runs ranks on the GPUs of several nodes"),
 }
 
 
@@ -89,7 +88,7 @@ def test_hostfile_ranks_must_match_nodes_times_devices(tmp_path):
     with pytest.raises(RecipeError, match=r"workers.count must be 4 \(2 nodes"):
         load_recipe(TINY, ["actor.devices=[0,1]", f"workers.hostfile={hostfile}"])
     hostfile.write_text("node-a slots=two\n")
-    with pytest.raises(RecipeError, match="line 1 must read '<host> slots=<gpus>'"):
+    with pytest.raises(RecipeError, match="line 1 must read '<host> slots=<n>'"):
         load_recipe(TINY, ["actor.devices=[0,1]", f"workers.hostfile={hostfile}"])
 
 
@@ -98,19 +97,11 @@ def test_multi_node_launch_command_from_a_recipe(tmp_path):
     hostfile.write_text("node-a slots=8\nnode-b slots=8  # second node\n")
     recipe = load_recipe(GPU, [f"workers.hostfile={hostfile}", "workers.count=4", "train.prompts_per_step=32",
                                "rollout.sglang.gpus=[0,1]"])
-    assert deepspeed_launch_command(recipe, Path("runs/gpu-sglang/recipe.yaml")) == [
-        "deepspeed", "--hostfile", str(hostfile), "--include", "node-a:0,1@node-b:0,1", "--no_local_rank",
-        "--module", "tlt_cli", "train", "runs/gpu-sglang/recipe.yaml",
+    assert deepspeed_launch_command(recipe, tmp_path / "runs" / "gpu-sglang", 29500) == [
+        sys.executable, "-m", "deepspeed.launcher.runner", "--hostfile", str(hostfile), "--master_port", "29500",
+        "--include", "node-a:0,1@node-b:0,1", "--no_local_rank", "--module", "tlt_cli.launched_rank",
+        str(tmp_path / "runs" / "gpu-sglang"),
     ]
-
-
-def test_train_with_a_hostfile_says_it_is_not_wired_and_names_the_command(tmp_path):
-    hostfile = tmp_path / "hostfile"
-    hostfile.write_text("node-a slots=2\nnode-b slots=2\n")
-    result = runner.invoke(app, ["train", str(GPU), f"workers.hostfile={hostfile}", "workers.count=4",
-                                 f"run.output_dir={tmp_path}"])
-    assert result.exit_code == 2 and "Traceback" not in result.output
-    assert "does not run ranks across nodes yet" in result.output and "deepspeed --hostfile" in result.output
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a machine without CUDA")

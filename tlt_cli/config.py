@@ -52,7 +52,8 @@ class TrainConfig:
 class WorkersConfig:
     count: int = 2
     threads_per_worker: int = 1
-    # DeepSpeed hostfile (one line per node: "<host> slots=<gpus>"); null = one node
+    # DeepSpeed hostfile (one line per node: "<host> slots=<n>", n GPUs or, with actor.devices cpu, CPU ranks);
+    # null = the workers are spawned on this machine without the DeepSpeed launcher
     hostfile: str | None = None
 
 
@@ -344,31 +345,26 @@ def _validate_actor_placement(recipe: Recipe) -> None:
 
 
 def _validate_hostfile(recipe: Recipe) -> None:
-    from tlt_cli.launcher import HostfileError, read_hostfile
+    from tlt_cli.launcher import HostfileError, check_hostfile
 
-    devices = recipe.actor.devices
-    _require(devices != CPU_DEVICES, "workers.hostfile runs ranks on the GPUs of several nodes: set actor.devices to the GPUs of each node.")
     try:
-        hosts = read_hostfile(Path(recipe.workers.hostfile))
+        check_hostfile(recipe)
     except HostfileError as error:
         raise RecipeError(f"workers.hostfile: {error}") from None
-    ranks = len(hosts) * len(devices)
-    _require(recipe.workers.count == ranks,
-             f"workers.count must be {ranks} ({len(hosts)} nodes in workers.hostfile x {len(devices)} actor.devices each), "
-             f"got {recipe.workers.count}.")
 
 
 def _validate_sglang_backend(recipe: Recipe) -> None:
     """rollout.sglang on its own, then how it fits the workers and the speculative section."""
+    from tlt_cli.launcher import ranks_per_node
     from tlt_cli.sglang.config import validate_sglang_config
     from tlt_cli.sglang.rules import batch_rules
 
     config = recipe.rollout.sglang
     validate_sglang_config(config)
     # every node runs its own servers for its own ranks
-    ranks_per_node = recipe.workers.count if recipe.workers.hostfile is None else len(recipe.actor.devices)
-    _require(config.server_count % ranks_per_node == 0,
-             f"rollout.sglang.gpus gives {config.server_count} server(s) of tp_size {config.tp_size} for {ranks_per_node} "
+    node_ranks = ranks_per_node(recipe)
+    _require(config.server_count % node_ranks == 0,
+             f"rollout.sglang.gpus gives {config.server_count} server(s) of tp_size {config.tp_size} for {node_ranks} "
              "worker ranks per node; each worker owns whole servers, so give a multiple of that.")
     _require(recipe.actor.zero_stage <= 2,
              "actor.zero_stage 3 shards the parameters, but each worker pushes its full policy to its SGLang servers; use 0, 1 or 2.")

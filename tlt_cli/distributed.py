@@ -2,8 +2,9 @@
 
 `init_worker_process` is the first thing a worker does: on CPU (`actor.devices: cpu`) its rank
 joins a gloo group; on GPUs it joins an NCCL group on `cuda:<local rank>`, the convention of the
-DeepSpeed launcher. The driver starts its workers inside `visible_gpus(actor.devices)`, so every
-rank sees exactly the actor's GPUs and rank r of this node uses the r-th of them.
+DeepSpeed launcher. The driver starts its workers inside `visible_gpus(actor.devices)` (the
+DeepSpeed launcher does the same from its `--include`), so every rank sees exactly the actor's
+GPUs and local rank r of a node uses the r-th of them.
 `RolloutBarrier` lets a worker that finished its rollout shard keep doing useful work (the idle
 hook) while it waits for the others: it counts finished workers in a key-value store instead of
 blocking in a collective.
@@ -30,12 +31,22 @@ STORE_TIMEOUT = timedelta(minutes=30)
 
 @dataclass(frozen=True)
 class WorkerAddress:
-    """Where a worker's process group meets: rank of world_size at master_port (store on port + 1)."""
+    """Where a worker's process group meets: rank of world_size at master_port (store on port + 1).
+
+    local_rank is the rank's index on its own node (the DeepSpeed launcher's LOCAL_RANK, which
+    picks its GPU); None when every rank runs on one node, where it equals rank.
+    """
 
     rank: int
     world_size: int
     master_port: int
     master_address: str = "127.0.0.1"
+    local_rank: int | None = None
+
+    @property
+    def rank_on_node(self) -> int:
+        """This rank's index on its node: LOCAL_RANK under the launcher, the rank itself otherwise."""
+        return self.rank if self.local_rank is None else self.local_rank
 
 
 def free_port() -> int:
@@ -83,7 +94,7 @@ def init_worker_process(address: WorkerAddress, threads: int, extensions_dir: Pa
     """Set the environment DeepSpeed reads, join the process group (gloo on CPU, NCCL on GPUs); the rank's device."""
     os.environ.update(
         RANK=str(address.rank),
-        LOCAL_RANK=str(address.rank),
+        LOCAL_RANK=str(address.rank_on_node),
         WORLD_SIZE=str(address.world_size),
         MASTER_ADDR=address.master_address,
         MASTER_PORT=str(address.master_port),
@@ -92,7 +103,7 @@ def init_worker_process(address: WorkerAddress, threads: int, extensions_dir: Pa
         DS_ACCELERATOR="cuda" if on_gpus else "cpu",
     )
     torch.set_num_threads(threads)
-    device = torch.device("cuda", address.rank) if on_gpus else torch.device("cpu")
+    device = torch.device("cuda", address.rank_on_node) if on_gpus else torch.device("cpu")
     if on_gpus:
         torch.cuda.set_device(device)
     import_deepspeed().init_distributed(dist_backend="nccl" if on_gpus else "gloo")

@@ -1,50 +1,109 @@
-"""The DeepSpeed launcher command for a recipe whose actor ranks span several nodes.
+"""Hostfiles and the DeepSpeed launcher command that runs a recipe's actor ranks on them.
 
-`read_hostfile(path)` reads a DeepSpeed hostfile (one `<host> slots=<gpus>` line per node, `#`
-comments); `deepspeed_launch_command(recipe, recipe_path)` builds the argv that starts one rank
-per GPU of `actor.devices` on every host with the `deepspeed` launcher. tlt's driver does not yet
-run as those ranks (it spawns its worker processes itself, on one node), so `tlt train` refuses a
-recipe with `workers.hostfile` and names this command instead (see docs/gpu.md, Multi node).
+`read_hostfile(path)` reads a DeepSpeed hostfile (one `<host> slots=<n>` line per node, `#`
+comments); `check_hostfile(recipe)` says whether it fits the recipe (recipe validation calls it);
+`deepspeed_launch_command(recipe, run_directory, master_port)` builds the argv the driver runs
+(tlt_cli/launched_workers.py): DeepSpeed's launcher starts `python -m tlt_cli.launched_rank
+RUN_DIR` as every rank, one per GPU of `actor.devices` on each host, or one per slot with
+`actor.devices: cpu`.
+
+What DeepSpeed 0.19's launcher does with a hostfile (read in its runner): it checks passwordless
+ssh to the first host and asks it for its address (`ssh host hostname -I`), unless told
+`--no_ssh_check` and `--master_addr`; then, if only one host is left, it starts the ranks on this
+machine (no ssh, no pdsh), otherwise through pdsh (`--launcher` picks another backend). So a
+one-host hostfile runs locally with the first two flags; several hosts need pdsh and ssh.
 """
 
 from __future__ import annotations
 
+import sys
+from dataclasses import dataclass
 from pathlib import Path
 
-from tlt_cli.config import Recipe
+from tlt_cli.config import CPU_DEVICES, Recipe
 
-LAUNCHER = "deepspeed"
+# the module every launched rank runs
+RANK_MODULE = "tlt_cli.launched_rank"
+LOCAL_ADDRESS = "127.0.0.1"
 
 
 class HostfileError(ValueError):
-    """A hostfile that cannot be read; the message names the file and line."""
+    """A hostfile that cannot be read or does not fit the recipe; the message names the file and line."""
 
 
-def read_hostfile(path: Path) -> list[str]:
-    """Host names in file order; HostfileError for a missing file, a bad line or a repeated host."""
+@dataclass(frozen=True)
+class Host:
+    """One line of a hostfile: a node and how many ranks (GPUs, or CPU processes) it offers."""
+
+    name: str
+    slots: int
+
+
+def read_hostfile(path: Path) -> list[Host]:
+    """Hosts in file order; HostfileError for a missing file, a bad line or a repeated host."""
     if not path.is_file():
         raise HostfileError(f"{path} does not exist; write one line per node, e.g. 'node-a slots=8'.")
-    hosts = []
+    hosts: list[Host] = []
     for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
         content = line.split("#", 1)[0].strip()
         if not content:
             continue
         parts = content.split()
-        if len(parts) != 2 or not parts[1].startswith("slots=") or not parts[1].removeprefix("slots=").isdigit():
-            raise HostfileError(f"{path} line {number} must read '<host> slots=<gpus>', got '{content}'.")
-        if parts[0] in hosts:
+        slots = parts[1].removeprefix("slots=") if len(parts) == 2 else ""
+        if not parts[-1].startswith("slots=") or not slots.isdigit() or int(slots) < 1:
+            raise HostfileError(f"{path} line {number} must read '<host> slots=<n>' with n >= 1, got '{content}'.")
+        if parts[0] in [host.name for host in hosts]:
             raise HostfileError(f"{path} line {number} repeats host {parts[0]}.")
-        hosts.append(parts[0])
+        hosts.append(Host(parts[0], int(slots)))
     if not hosts:
         raise HostfileError(f"{path} lists no host; write one line per node, e.g. 'node-a slots=8'.")
     return hosts
 
 
-def deepspeed_launch_command(recipe: Recipe, recipe_path: Path) -> list[str]:
-    """deepspeed --hostfile H --include host:gpus@... --no_local_rank --module tlt_cli train RECIPE."""
-    hosts = read_hostfile(Path(recipe.workers.hostfile))
-    gpus = ",".join(str(device) for device in recipe.actor.devices)
-    include = "@".join(f"{host}:{gpus}" for host in hosts)
+def check_hostfile(recipe: Recipe) -> None:
+    """HostfileError unless the hostfile's nodes give exactly workers.count ranks (one per GPU or CPU slot)."""
+    path = Path(recipe.workers.hostfile)
+    hosts = read_hostfile(path)
+    devices = recipe.actor.devices
+    if devices == CPU_DEVICES:
+        if len({host.slots for host in hosts}) > 1:
+            raise HostfileError(f"{path} gives hosts different slots; with actor.devices cpu every node runs the same "
+                                "number of ranks, one per slot.")
+        ranks, why = sum(host.slots for host in hosts), f"the slots of {path}, one CPU rank each"
+    else:
+        short = [host for host in hosts if host.slots <= max(devices)]
+        if short:
+            raise HostfileError(f"{path} gives {short[0].name} slots={short[0].slots}, but actor.devices uses GPU "
+                                f"{max(devices)}; slots must count the node's GPUs.")
+        ranks, why = len(hosts) * len(devices), f"{len(hosts)} nodes in {path} x {len(devices)} actor.devices each"
+    if recipe.workers.count != ranks:
+        raise HostfileError(f"workers.count must be {ranks} ({why}), got {recipe.workers.count}.")
+
+
+def ranks_per_node(recipe: Recipe) -> int:
+    """Worker ranks on each node: all of them without a hostfile, else one per GPU (or per CPU slot)."""
+    if recipe.workers.hostfile is None:
+        return recipe.workers.count
+    if recipe.actor.devices != CPU_DEVICES:
+        return len(recipe.actor.devices)
+    return read_hostfile(Path(recipe.workers.hostfile))[0].slots
+
+
+def runs_on_this_machine(recipe: Recipe) -> bool:
+    """Whether the launcher starts every rank here (a one-host hostfile: DeepSpeed's local path)."""
+    return len(read_hostfile(Path(recipe.workers.hostfile))) == 1
+
+
+def deepspeed_launch_command(recipe: Recipe, run_directory: Path, master_port: int) -> list[str]:
+    """The DeepSpeed launcher (its `deepspeed` command, run by this interpreter) starting every rank of the run."""
+    hostfile = Path(recipe.workers.hostfile)
+    command = [sys.executable, "-m", "deepspeed.launcher.runner", "--hostfile", str(hostfile.resolve()),
+               "--master_port", str(master_port)]
+    if recipe.actor.devices != CPU_DEVICES:
+        gpus = ",".join(str(device) for device in recipe.actor.devices)
+        command += ["--include", "@".join(f"{host.name}:{gpus}" for host in read_hostfile(hostfile))]
+    if runs_on_this_machine(recipe):
+        # one host: DeepSpeed launches locally, so neither its ssh check nor its ssh address lookup applies
+        command += ["--no_ssh_check", "--master_addr", LOCAL_ADDRESS]
     # ranks read RANK / LOCAL_RANK from the environment the launcher sets, not from a --local_rank argument
-    return [LAUNCHER, "--hostfile", str(recipe.workers.hostfile), "--include", include, "--no_local_rank",
-            "--module", "tlt_cli", "train", str(recipe_path)]
+    return [*command, "--no_local_rank", "--module", RANK_MODULE, str(run_directory.resolve())]

@@ -1,40 +1,43 @@
 """The driver of `tlt train`: prepares the run directory, spawns the workers, writes the trace.
 
 `train(recipe, ...)` is what the CLI calls. It builds the model cache once (so workers do not
-race to build it), spawns one process per worker (a DeepSpeed rank each, see worker.py), then
-turns their per-step reports into trace records and the live display. If any worker fails,
-the others are stopped and a `TrainingFailed` names the worker and its error; the run
-directory keeps every complete checkpoint for `--resume`.
+race to build it), starts one process per worker (a DeepSpeed rank each, see worker.py), then
+turns their per-step reports into trace records and the live display. Without
+`workers.hostfile` it spawns the workers itself (tlt_cli/spawned_workers.py); with one, it runs
+them on the hostfile's nodes with the DeepSpeed launcher and receives their reports over TCP
+(tlt_cli/launched_workers.py); the loop here is the same for both. If any worker fails, the
+others are stopped and a `TrainingFailed` names the worker and its error; the run directory
+keeps every complete checkpoint for `--resume`.
 
 Before anything starts, `check_machine` makes sure this machine has what the recipe asks for
 (GPUs for `actor.devices`, SGLang for `rollout.backend: sglang`). Workers start with only the
 actor's GPUs visible. With SGLang each worker owns its servers; whatever way the run ends
 (finished, Ctrl-C, a failure, a worker killed), the driver finally stops every server process
-group the workers recorded in the run directory, so none is left behind.
+group the workers recorded in the run directory, so none is left behind (on this machine: with a
+hostfile of several nodes each worker stops its own, and DeepSpeed ends the ranks' process trees).
 """
 
 from __future__ import annotations
 
-import multiprocessing
-import queue
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from rich.console import Console
 
 from tlt_cli.checkpoint import latest_checkpoint
-from tlt_cli.config import CPU_DEVICES, Recipe, RecipeError, recipe_to_yaml
+from tlt_cli.config import CPU_DEVICES, Recipe, recipe_to_yaml
 from tlt_cli.display import TrainingDisplay, render_summary
 from tlt_cli.drafter.initial import prepare_initial_drafter
-from tlt_cli.distributed import WorkerAddress, free_port, visible_gpus
-from tlt_cli.launcher import deepspeed_launch_command
+from tlt_cli.launched_workers import LaunchedWorkers
+from tlt_cli.launcher import runs_on_this_machine
 from tlt_cli.machine_checks import check_machine
 from tlt_cli.models.tiny import BUILTIN_TINY_MODEL, default_cache_dir, ensure_tiny_model
 from tlt_cli.sglang.registry import stop_recorded_servers
 from tlt_cli.step_records import step_records
 from tlt_cli.trace import TraceWriter, read_trace, truncate_trace
-from tlt_cli.worker import WorkerFailed, WorkerFinished, WorkerSpec, WorkerStepReport, worker_main
+from tlt_cli.spawned_workers import SpawnedWorkers
+from tlt_cli.worker import WorkerFailed, WorkerFinished, WorkerStepReport
 
 EVENT_POLL_SECONDS = 1.0
 RECIPE_FILE = "recipe.yaml"
@@ -47,6 +50,18 @@ class TrainingFailed(RuntimeError):
 
 class RunDirectoryError(ValueError):
     """A run directory that cannot be used as asked (exists already, or is not a run)."""
+
+
+class WorkerGroup(Protocol):
+    """The running workers as the driver loop sees them (SpawnedWorkers or LaunchedWorkers)."""
+
+    size: int
+
+    def next_event(self, timeout: float) -> Any: ...
+
+    def failure(self, finished: set[int]) -> str | None: ...
+
+    def stop(self) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -74,10 +89,6 @@ def new_run_directory(recipe: Recipe) -> Path:
 
 def train(recipe: Recipe, run_directory: Path, console: Console, resume: bool = False) -> RunSummary:
     """Run (or resume) the GRPO loop with recipe.workers.count worker processes."""
-    if recipe.workers.hostfile is not None:
-        launch = " ".join(deepspeed_launch_command(recipe, run_directory / RECIPE_FILE))
-        raise RecipeError(f"workers.hostfile is set, but tlt train does not run ranks across nodes yet (docs/gpu.md, "
-                          f"Multi node); the launch it is built for: {launch}")
     resume_from, start_step = _resume_point(run_directory) if resume else (None, 0)
     check_machine(recipe)
     cache = cache_directory(recipe)
@@ -93,10 +104,9 @@ def train(recipe: Recipe, run_directory: Path, console: Console, resume: bool = 
                  "resumed_from_step": start_step if resume else None, "steps": recipe.train.steps})
     spec_base = dict(recipe=recipe, run_directory=run_directory, model_cache=cache, resume_from=resume_from,
                      start_step=start_step, drafter_init=drafter_init)
-    gpus = [] if recipe.actor.devices == CPU_DEVICES else recipe.actor.devices
     try:
         with TrainingDisplay(console, f"tlt train {recipe.run.name}", recipe.train.steps) as display:
-            _run_workers(spec_base, recipe.workers.count, gpus, trace, display)
+            _run_workers(spec_base, trace, display)
     finally:
         trace.close()
     steps = [record for record in read_trace(trace_path) if record["type"] == "step"]
@@ -118,34 +128,35 @@ def _resume_point(run_directory: Path) -> tuple[Path, int]:
     return checkpoint, int(state["next_step"])
 
 
-def _run_workers(spec_base: dict[str, Any], world_size: int, gpus: list[int], trace: TraceWriter,
-                 display: TrainingDisplay) -> None:
-    context = multiprocessing.get_context("spawn")
-    events = context.Queue()
-    port = free_port()
-    processes = [
-        context.Process(target=worker_main, args=(WorkerSpec(address=WorkerAddress(rank, world_size, port), **spec_base), events),
-                        name=f"tlt-worker-{rank}")
-        for rank in range(world_size)
-    ]
-    with visible_gpus(gpus):
-        for process in processes:
-            process.start()
+def _run_workers(spec_base: dict[str, Any], trace: TraceWriter, display: TrainingDisplay) -> None:
+    recipe: Recipe = spec_base["recipe"]
+    workers = _start_workers(spec_base)
     try:
-        _drain_events(events, processes, trace, display)
+        _drain_events(workers, trace, display)
     finally:
-        _stop(processes)
-        stop_recorded_servers(spec_base["run_directory"], spec_base["recipe"].rollout.sglang.stop_timeout_s)
+        workers.stop()
+        if recipe.workers.hostfile is None or runs_on_this_machine(recipe):
+            stop_recorded_servers(spec_base["run_directory"], recipe.rollout.sglang.stop_timeout_s)
 
 
-def _drain_events(events: Any, processes: list, trace: TraceWriter, display: TrainingDisplay) -> None:
+def _start_workers(spec_base: dict[str, Any]) -> WorkerGroup:
+    """Spawned on this machine, or started on the hostfile's nodes by the DeepSpeed launcher."""
+    recipe: Recipe = spec_base["recipe"]
+    if recipe.workers.hostfile is not None:
+        return LaunchedWorkers(spec_base)
+    gpus = [] if recipe.actor.devices == CPU_DEVICES else recipe.actor.devices
+    return SpawnedWorkers(spec_base, recipe.workers.count, gpus)
+
+
+def _drain_events(workers: WorkerGroup, trace: TraceWriter, display: TrainingDisplay) -> None:
     pending: dict[int, list[WorkerStepReport]] = {}
     finished: set[int] = set()
-    while len(finished) < len(processes):
-        try:
-            event = events.get(timeout=EVENT_POLL_SECONDS)
-        except queue.Empty:
-            _check_alive(processes, finished)
+    while len(finished) < workers.size:
+        event = workers.next_event(EVENT_POLL_SECONDS)
+        if event is None:
+            failure = workers.failure(finished)
+            if failure is not None:
+                raise TrainingFailed(failure)
             continue
         if isinstance(event, WorkerFailed):
             raise TrainingFailed(_failure_message(event))
@@ -154,7 +165,7 @@ def _drain_events(events: Any, processes: list, trace: TraceWriter, display: Tra
             continue
         reports = pending.setdefault(event.step, [])
         reports.append(event)
-        if len(reports) == len(processes):
+        if len(reports) == workers.size:
             _record_step(pending.pop(event.step), trace, display)
 
 
@@ -186,21 +197,3 @@ def _warn(report: WorkerStepReport, message: str, trace: TraceWriter, display: T
     record = {"type": "warning", "step": report.step, "worker": report.worker, "message": message}
     trace.write(record if details is None else {**record, "details": details})
     display.note(message)
-
-
-def _check_alive(processes: list, finished: set[int]) -> None:
-    for rank, process in enumerate(processes):
-        if rank not in finished and not process.is_alive():
-            raise TrainingFailed(f"worker {rank} exited with code {process.exitcode} without reporting an error (killed, or out of memory?).")
-
-
-def _stop(processes: list) -> None:
-    for process in processes:
-        if process.is_alive():
-            process.terminate()
-    for process in processes:
-        process.join(timeout=10)
-        if process.is_alive():
-            process.kill()
-            process.join()
-

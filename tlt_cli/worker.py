@@ -1,10 +1,11 @@
 """One worker process: a DeepSpeed rank with its rollout shard, running the GRPO step loop.
 
-`worker_main` is the entry point the driver spawns (one per rank). Each step reads as the
+`worker_main` is the entry point of every rank: spawned by the driver (one per rank), or called
+by tlt_cli/launched_rank.py in a rank the DeepSpeed launcher started. Each step reads as the
 dataflow: rollout the shard -> wait for the others (idle) -> reward -> advantages ->
 log-probs -> actor update -> (SGLang: push weights, probe) -> report to the driver ->
-checkpoint when due. Every rank sends its `WorkerStepReport` to the driver over a queue; the
-driver writes the trace. The rollout runs in the embedded engine (sharing the actor's weights)
+checkpoint when due. Every rank sends its `WorkerStepReport` to the driver with `events.put`
+(a multiprocessing queue, or the TCP channel of tlt_cli/events.py); the driver writes the trace. The rollout runs in the embedded engine (sharing the actor's weights)
 or, with `rollout.backend: sglang`, on the SGLang servers this rank owns
 (tlt_cli/sglang/rollout.py), which it starts before its first step and stops however it ends.
 """
@@ -183,8 +184,8 @@ class WorkerLoop:
 
         model_path = self.recipe.model.path
         model_folder = ensure_tiny_model(self.spec.model_cache) if model_path == BUILTIN_TINY_MODEL else Path(model_path)
-        return SGLangRollout(self.recipe, self.rank, self.spec.run_directory, model_folder, self.tokenizer.eos_token_id,
-                             bool(self.actor.policy.config.tie_word_embeddings))
+        return SGLangRollout(self.recipe, self.rank, self.spec.address.rank_on_node, self.spec.run_directory, model_folder,
+                             self.tokenizer.eos_token_id, bool(self.actor.policy.config.tie_word_embeddings))
 
     def start_servers(self) -> None:
         """SGLang: start this rank's servers; after a resume, push the checkpoint's weights into them."""

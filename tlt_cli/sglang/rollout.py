@@ -1,7 +1,8 @@
 """One worker's rollout through its own SGLang servers (`rollout.backend: sglang`).
 
-Ownership: `rollout.sglang.gpus` split into groups of tp_size gives S servers; with N workers,
-worker r owns servers r*S/N .. (r+1)*S/N - 1 (their GPUs and their slice of the port range).
+Ownership: `rollout.sglang.gpus` split into groups of tp_size gives S servers on each node; with N
+worker ranks on the node, the rank of local index r owns servers r*S/N .. (r+1)*S/N - 1 (their
+GPUs and their slice of the port range).
 It starts them (`start`), generates its shard on them (`generate`), pushes its actor's weights
 into them after every update and probes them (`sync`), and stops them (`stop`). Nothing is
 shared between workers, so no server is updated twice or by the wrong rank. Server logs go to
@@ -27,6 +28,7 @@ import torch
 from transformers import PreTrainedModel
 
 from tlt_cli.config import Recipe, SGLangConfig
+from tlt_cli.launcher import ranks_per_node
 from tlt_cli.rollout.types import Completion, RolloutRequest, SamplingParams
 from tlt_cli.sglang.backend import SGLangBackend
 from tlt_cli.sglang.config import PORTS_PER_SERVER
@@ -68,13 +70,14 @@ def export_drafter_for_sglang(drafter: torch.nn.Module, target: PreTrainedModel,
 class SGLangRollout:
     """The SGLang servers of one worker, from start to stop (see the module docstring)."""
 
-    def __init__(self, recipe: Recipe, worker: int, run_directory: Path, model_folder: Path, eos_token_id: int,
-                 tie_word_embeddings: bool):
+    def __init__(self, recipe: Recipe, worker: int, rank_on_node: int, run_directory: Path, model_folder: Path,
+                 eos_token_id: int, tie_word_embeddings: bool):
         self.recipe = recipe
         self.worker = worker
         self.run_directory = run_directory
         self.directory = run_directory / "workers" / f"worker-{worker}"
-        config = servers_of_worker(recipe.rollout.sglang, worker, recipe.workers.count)
+        # rollout.sglang.gpus are the GPUs of each node, shared among the ranks of that node
+        config = servers_of_worker(recipe.rollout.sglang, rank_on_node, ranks_per_node(recipe))
         self.backend = SGLangBackend(config, str(model_folder), self.directory, batch_rules(recipe.speculative),
                                      draft_model_path=None, eos_token_id=eos_token_id, seed=recipe.run.seed,
                                      tie_word_embeddings=tie_word_embeddings,

@@ -1,0 +1,188 @@
+"""`tlt train` with `workers.hostfile` on CPU: the ranks run under the real DeepSpeed launcher.
+
+A one-host hostfile (`localhost slots=2`) with `actor.devices: cpu` takes DeepSpeed's local launch
+path, the same driver, event channel and rank entry point as several nodes, without ssh. Checked:
+a 2-step run (trace records of both ranks, checkpoint, exit 0) and its resume (slow); a rank that
+raises and ranks that die silently (one line, exit 1, no process left, within a timeout); Ctrl-C
+(exit 130); hostfile mistakes (one line naming the key, exit 2); the event channel on its own.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from typer.testing import CliRunner
+
+from tlt_cli.cli import app
+from tlt_cli.config import load_recipe
+from tlt_cli.events import EventListener, connect_to_driver
+from tlt_cli.launcher import deepspeed_launch_command
+from tlt_cli.models.tiny import ensure_tiny_model
+
+TESTS = Path(__file__).resolve().parent
+RECIPE = TESTS.parent / "recipes" / "tiny-cpu.yaml"
+TLT = [sys.executable, "-m", "tlt_cli"]
+# no test waits longer than this for tlt train to end
+RUN_TIMEOUT_SECONDS = 240
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def small_model(cache_directory) -> Path:
+    return ensure_tiny_model(cache_directory, warmup_steps=40)
+
+
+@pytest.fixture()
+def hostfile(tmp_path) -> Path:
+    path = tmp_path / "hostfile"
+    path.write_text("# this machine, two CPU ranks\nlocalhost slots=2\n")
+    return path
+
+
+def hostfile_run(model: Path, hostfile: Path, output: Path, name: str, steps: int, *extra: str) -> list[str]:
+    return [*TLT, "train", str(RECIPE), f"model.path={model}", f"workers.hostfile={hostfile}", f"run.output_dir={output}",
+            f"run.name={name}", f"train.steps={steps}", "train.prompts_per_step=4", "train.group_size=2",
+            "rollout.max_new_tokens=48", "checkpoint.every=2", *extra]
+
+
+def records(run_directory: Path, kind: str) -> list[dict]:
+    lines = (run_directory / "trace.jsonl").read_text().splitlines()
+    return [record for record in map(json.loads, lines) if record["type"] == kind]
+
+
+def processes_of(run_directory: Path) -> list[psutil.Process]:
+    """Live processes (launcher, per-node launcher, ranks) whose command line names the run directory."""
+    found = []
+    for process in psutil.process_iter(["cmdline", "status"]):
+        command = " ".join(process.info["cmdline"] or [])
+        if str(run_directory) in command and process.info["status"] != psutil.STATUS_ZOMBIE:
+            found.append(process)
+    return found
+
+
+def test_one_host_launches_locally_without_ssh(hostfile, tmp_path):
+    recipe = load_recipe(RECIPE, [f"workers.hostfile={hostfile}"])
+    assert deepspeed_launch_command(recipe, tmp_path / "run", 29500) == [
+        sys.executable, "-m", "deepspeed.launcher.runner", "--hostfile", str(hostfile), "--master_port", "29500",
+        "--no_ssh_check", "--master_addr", "127.0.0.1", "--no_local_rank", "--module", "tlt_cli.launched_rank",
+        str(tmp_path / "run"),
+    ]
+
+
+HOSTFILE_MISTAKES = {
+    "missing": (None, [], "workers.hostfile: {hostfile} does not exist"),
+    "malformed line": ("localhost slots=2\nnode-b 4\n", [], "line 2 must read '<host> slots=<n>'"),
+    "zero slots": ("localhost slots=0\n", [], "line 1 must read '<host> slots=<n>' with n >= 1"),
+    "slots do not give workers.count": ("localhost slots=3\n", [], "workers.count must be 3 (the slots of {hostfile}"),
+    "uneven cpu slots": ("node-a slots=1\nnode-b slots=3\n", ["workers.count=4"], "gives hosts different slots"),
+    "gpu missing on a node": ("node-a slots=2\nnode-b slots=1\n", ["actor.devices=[0,1]", "workers.count=4"],
+                              "gives node-b slots=1, but actor.devices uses GPU 1"),
+}
+
+
+@pytest.mark.parametrize("name", list(HOSTFILE_MISTAKES))
+def test_hostfile_mistakes_are_one_line_naming_the_key_and_exit_2(name, tmp_path):
+    content, overrides, expected = HOSTFILE_MISTAKES[name]
+    hostfile = tmp_path / "hostfile"
+    if content is not None:
+        hostfile.write_text(content)
+    result = runner.invoke(app, ["train", str(RECIPE), f"workers.hostfile={hostfile}", f"run.output_dir={tmp_path}", *overrides])
+    assert result.exit_code == 2, result.output
+    assert "Traceback" not in result.output and len(result.output.strip().splitlines()) == 1, result.output
+    assert "workers" in result.output and expected.format(hostfile=hostfile) in result.output.replace("\n", "")
+
+
+def test_two_steps_with_the_deepspeed_launcher(small_model, hostfile, tmp_path):
+    run_directory = tmp_path / "launched"
+    result = subprocess.run(hostfile_run(small_model, hostfile, tmp_path, "launched", 2), capture_output=True, text=True,
+                            timeout=RUN_TIMEOUT_SECONDS)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "run summary" in result.stdout and "step 1" in result.stdout
+    assert [step["step"] for step in records(run_directory, "step")] == [0, 1]
+    requests = records(run_directory, "request")
+    assert len(requests) == 2 * 4 * 2 and {request["worker"] for request in requests} == {0, 1}
+    assert sorted((worker["step"], worker["worker"]) for worker in records(run_directory, "worker")) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert (run_directory / "checkpoints" / "latest").read_text() == "step_000002"
+    launcher_log = (run_directory / "workers" / "launcher.log").read_text()
+    assert "deepspeed.launcher.launch" in launcher_log and launcher_log.count("-m', 'tlt_cli.launched_rank'") == 2
+    assert stat.S_IMODE((run_directory / "launch" / "driver.json").stat().st_mode) == 0o600
+    assert not processes_of(run_directory)
+
+
+@pytest.mark.slow
+def test_resume_with_the_deepspeed_launcher(small_model, hostfile, tmp_path):
+    run_directory = tmp_path / "resumed"
+    first = subprocess.run(hostfile_run(small_model, hostfile, tmp_path, "resumed", 2), capture_output=True, text=True,
+                           timeout=RUN_TIMEOUT_SECONDS)
+    assert first.returncode == 0, first.stderr[-3000:]
+    resumed = subprocess.run([*TLT, "train", "--resume", str(run_directory), "train.steps=3"], capture_output=True, text=True,
+                             timeout=RUN_TIMEOUT_SECONDS)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert [step["step"] for step in records(run_directory, "step")] == [0, 1, 2]
+    assert (run_directory / "checkpoints" / "latest").read_text() == "step_000003"
+    assert not processes_of(run_directory)
+
+
+@pytest.mark.parametrize("plugin, expected", [
+    ("RaiseOnRankOne", "error: worker 1 failed: RuntimeError: rank 1 was told to fail"),
+    ("ExitOnEveryRank", "error: the DeepSpeed launcher exited with code 3 before rank(s) 0, 1 finished"),
+])
+def test_a_failing_rank_is_one_line_exit_1_and_leaves_no_process(plugin, expected, small_model, hostfile, tmp_path):
+    run_directory = tmp_path / "failing"
+    command = hostfile_run(small_model, hostfile, tmp_path, "failing", 2, f"plugins.enabled=[rank_failure_plugins:{plugin}]")
+    result = subprocess.run(command, capture_output=True, text=True, timeout=RUN_TIMEOUT_SECONDS,
+                            env={**os.environ, "PYTHONPATH": str(TESTS)})
+    assert result.returncode == 1, result.stderr[-3000:]
+    first_line = result.stderr.strip().splitlines()[0]
+    assert first_line.startswith(expected), result.stderr[-3000:]
+    assert "Traceback" not in result.stderr and "--resume" in result.stderr
+    assert not processes_of(run_directory)
+
+
+def test_ctrl_c_stops_every_rank_and_exits_130(small_model, hostfile, tmp_path):
+    run_directory = tmp_path / "interrupted"
+    driver = subprocess.Popen(hostfile_run(small_model, hostfile, tmp_path, "interrupted", 50), stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + RUN_TIMEOUT_SECONDS
+    while time.time() < deadline and driver.poll() is None and not _has_step(run_directory):
+        time.sleep(0.2)
+    driver.send_signal(signal.SIGINT)
+    _, stderr = driver.communicate(timeout=RUN_TIMEOUT_SECONDS)
+    assert driver.returncode == 130 and "interrupted" in stderr and "Traceback" not in stderr, stderr[-3000:]
+    assert not processes_of(run_directory)
+
+
+def test_event_channel_delivers_in_order_rejects_strangers_and_ends_ranks_when_closed(tmp_path):
+    listener = EventListener("127.0.0.1", b"secret of the run")
+    rank = connect_to_driver("127.0.0.1", listener.port, b"secret of the run")
+    for number in range(3):
+        rank.put({"event": number})
+    assert [listener.get(timeout=10) for _ in range(3)] == [{"event": number} for number in range(3)]
+    with pytest.raises(ConnectionError, match=f"cannot reach the tlt train driver's event channel at 127.0.0.1:{listener.port}"):
+        connect_to_driver("127.0.0.1", listener.port, b"another secret")
+    rank.close()
+    listener.wait_for_senders(timeout=10)
+    assert not listener.pending()
+
+    # a rank in another process exits as soon as the driver closes the channel
+    child = subprocess.Popen([sys.executable, "-c", (
+        "import sys, time; from tlt_cli.events import connect_to_driver; "
+        f"connect_to_driver('127.0.0.1', {listener.port}, b'secret of the run').put('ready'); time.sleep(60); sys.exit(0)")])
+    assert listener.get(timeout=60) == "ready"
+    listener.close()
+    assert child.wait(timeout=30) == 1
+
+
+def _has_step(run_directory: Path) -> bool:
+    trace = run_directory / "trace.jsonl"
+    return trace.is_file() and '"type":"step"' in trace.read_text()
+

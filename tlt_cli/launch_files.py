@@ -1,0 +1,65 @@
+"""What the driver leaves in the run directory for the ranks the DeepSpeed launcher starts.
+
+A launched rank gets only the run directory on its command line; everything else it reads from
+`<run_dir>/launch/`, so every node (the run directory is on a file system they all mount) runs
+exactly what the driver prepared:
+  recipe.yaml   the recipe of this launch, resolved (overrides and a --resume included), its
+                workers.hostfile pointing at the copy below
+  hostfile      a copy of the recipe's hostfile (every rank validates the recipe, on any node)
+  driver.json   readable by its owner only: the driver's event channel (host, port, secret) and
+                what the driver prepared once (model cache, checkpoint to resume, starting drafter)
+Written by tlt_cli/launched_workers.py, read by tlt_cli/launched_rank.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from tlt_cli.config import Recipe, load_recipe, recipe_to_yaml
+
+LAUNCH_DIRECTORY = "launch"
+RECIPE_FILE = "recipe.yaml"
+HOSTFILE = "hostfile"
+PLAN_FILE = "driver.json"
+OWNER_ONLY = 0o600
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """Where the driver listens and what it prepared; paths as strings, None where nothing applies."""
+
+    driver_host: str
+    driver_port: int
+    # hex of the event channel's secret
+    authkey: str
+    model_cache: str
+    resume_from: str | None
+    start_step: int
+    drafter_init: str | None
+
+
+def write_launch_files(run_directory: Path, recipe: Recipe, plan: LaunchPlan) -> Path:
+    """Write recipe.yaml, the hostfile and driver.json (created owner-only, before the secret goes in); the folder."""
+    directory = (run_directory / LAUNCH_DIRECTORY).resolve()
+    directory.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(recipe.workers.hostfile, directory / HOSTFILE)
+    workers = dataclasses.replace(recipe.workers, hostfile=str(directory / HOSTFILE))
+    (directory / RECIPE_FILE).write_text(recipe_to_yaml(dataclasses.replace(recipe, workers=workers)), encoding="utf-8")
+    plan_path = directory / PLAN_FILE
+    plan_path.unlink(missing_ok=True)
+    descriptor = os.open(plan_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, OWNER_ONLY)
+    with os.fdopen(descriptor, "w", encoding="utf-8") as plan_file:
+        json.dump(asdict(plan), plan_file, indent=2)
+    return directory
+
+
+def read_launch_files(run_directory: Path) -> tuple[Recipe, LaunchPlan]:
+    """The recipe and plan the driver wrote for this launch."""
+    directory = run_directory / LAUNCH_DIRECTORY
+    plan = LaunchPlan(**json.loads((directory / PLAN_FILE).read_text(encoding="utf-8")))
+    return load_recipe(directory / RECIPE_FILE), plan

@@ -1,0 +1,47 @@
+"""Entry point of one rank started by the DeepSpeed launcher: `python -m tlt_cli.launched_rank RUN_DIR`.
+
+`tlt train` with `workers.hostfile` runs the launcher (tlt_cli/launched_workers.py), which starts
+this module once per rank on every node with RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and
+MASTER_PORT set. The rank reads the recipe and the driver's plan from the run directory
+(tlt_cli/launch_files.py), connects to the driver's event channel (tlt_cli/events.py) and runs
+the same worker loop as a spawned worker (tlt_cli/worker.py), joining the process group with
+env:// from those variables: NCCL on `cuda:<LOCAL_RANK>`, gloo with `actor.devices: cpu`.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+from tlt_cli.distributed import WorkerAddress
+from tlt_cli.events import connect_to_driver
+from tlt_cli.launch_files import read_launch_files
+from tlt_cli.worker import WorkerSpec, worker_main
+
+
+def launched_address() -> WorkerAddress:
+    """This rank's place in the job, from the variables the DeepSpeed launcher sets."""
+    environment = os.environ
+    return WorkerAddress(rank=int(environment["RANK"]), world_size=int(environment["WORLD_SIZE"]),
+                         master_port=int(environment["MASTER_PORT"]), master_address=environment["MASTER_ADDR"],
+                         local_rank=int(environment["LOCAL_RANK"]))
+
+
+def main(arguments: list[str]) -> None:
+    run_directory = Path(arguments[0])
+    recipe, plan = read_launch_files(run_directory)
+    spec = WorkerSpec(recipe=recipe, run_directory=run_directory, address=launched_address(),
+                      model_cache=Path(plan.model_cache),
+                      resume_from=Path(plan.resume_from) if plan.resume_from is not None else None,
+                      start_step=plan.start_step,
+                      drafter_init=Path(plan.drafter_init) if plan.drafter_init is not None else None)
+    events = connect_to_driver(plan.driver_host, plan.driver_port, bytes.fromhex(plan.authkey))
+    try:
+        worker_main(spec, events)
+    finally:
+        events.close()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,117 @@
+"""The driver's side of a hostfile run: every rank started by the DeepSpeed launcher, events over TCP.
+
+With `workers.hostfile`, `tlt train` stays the driver (live display, trace, checkpoint notes) and
+`LaunchedWorkers` replaces the processes it would spawn:
+1. it opens the event channel (tlt_cli/events.py) on 127.0.0.1 when the hostfile has one host,
+   else on every interface, announced under this machine's host name;
+2. writes the recipe and its plan for the ranks under `<run_dir>/launch/` (tlt_cli/launch_files.py);
+3. runs the DeepSpeed launcher (the command of tlt_cli/launcher.py) in its own session, its
+   output in `<run_dir>/workers/launcher.log` (each rank logs to `workers/worker-<rank>.log`).
+The driver loop reads events with `next_event`, asks `failure` when none comes (has the launcher
+exited before every rank finished?), and calls `stop` however the run ends: after a clean finish
+it lets the launcher exit on its own; otherwise it sends the launcher's session SIGTERM (DeepSpeed
+passes it to the ranks of every node) and SIGKILL after a grace period, and closes the channel,
+which ends any rank still running anywhere.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import secrets
+import signal
+import socket
+import subprocess
+from pathlib import Path
+from typing import Any
+
+from tlt_cli.distributed import free_port
+from tlt_cli.events import EventListener
+from tlt_cli.launch_files import LaunchPlan, write_launch_files
+from tlt_cli.launcher import LOCAL_ADDRESS, deepspeed_launch_command, runs_on_this_machine
+from tlt_cli.worker import WorkerFinished
+
+LAUNCHER_LOG = "launcher.log"
+# seconds the launcher gets to exit after every rank finished, and after SIGTERM
+EXIT_GRACE_SECONDS = 30.0
+# seconds to wait for a rank's last events after the launcher exited
+LAST_EVENTS_SECONDS = 5.0
+ALL_INTERFACES = "0.0.0.0"
+
+
+class LaunchedWorkers:
+    """The ranks of one DeepSpeed launch, as the driver sees them."""
+
+    def __init__(self, spec_base: dict[str, Any]):
+        recipe, run_directory = spec_base["recipe"], spec_base["run_directory"]
+        self.size = recipe.workers.count
+        self.finished: set[int] = set()
+        local = runs_on_this_machine(recipe)
+        authkey = secrets.token_bytes(32)
+        self.channel = EventListener(LOCAL_ADDRESS if local else ALL_INTERFACES, authkey)
+        plan = LaunchPlan(
+            driver_host=LOCAL_ADDRESS if local else socket.getfqdn(), driver_port=self.channel.port, authkey=authkey.hex(),
+            model_cache=str(Path(spec_base["model_cache"]).resolve()),
+            resume_from=_absolute(spec_base["resume_from"]), start_step=spec_base["start_step"],
+            drafter_init=_absolute(spec_base["drafter_init"]),
+        )
+        write_launch_files(run_directory, recipe, plan)
+        self.log_path = run_directory / "workers" / LAUNCHER_LOG
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        command = deepspeed_launch_command(recipe, run_directory, free_port())
+        with self.log_path.open("a", encoding="utf-8") as log:
+            self.launcher = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                             start_new_session=True)
+
+    def next_event(self, timeout: float) -> Any:
+        """The next rank event, or None after `timeout` seconds without one."""
+        try:
+            event = self.channel.get(timeout)
+        except queue.Empty:
+            return None
+        if isinstance(event, WorkerFinished):
+            self.finished.add(event.worker)
+        return event
+
+    def failure(self, finished: set[int]) -> str | None:
+        """Why the run cannot go on (the launcher exited with ranks unfinished), or None while it can."""
+        code = self.launcher.poll()
+        if code is None:
+            return None
+        self.channel.wait_for_senders(LAST_EVENTS_SECONDS)
+        if self.channel.pending():
+            return None  # the ranks' last events are still to be read
+        missing = ", ".join(str(rank) for rank in range(self.size) if rank not in finished)
+        return (f"the DeepSpeed launcher exited with code {code} before rank(s) {missing} finished (killed, or a "
+                f"start-up error?); see {self.log_path} and the rank logs beside it.")
+
+    def stop(self) -> None:
+        """End the launch: let it exit on its own if every rank finished, else terminate it; close the channel."""
+        if len(self.finished) < self.size or not _wait(self.launcher, EXIT_GRACE_SECONDS):
+            _signal_session(self.launcher, signal.SIGTERM)
+            _wait(self.launcher, EXIT_GRACE_SECONDS)
+            # whatever of the session is left (a rank that ignored SIGTERM, or the launcher itself)
+            _signal_session(self.launcher, signal.SIGKILL)
+            self.launcher.wait()
+        self.channel.close()
+
+
+def _absolute(path: Path | None) -> str | None:
+    return str(Path(path).resolve()) if path is not None else None
+
+
+def _wait(process: subprocess.Popen, seconds: float) -> bool:
+    """Whether `process` exited within `seconds`."""
+    try:
+        process.wait(timeout=seconds)
+        return True
+    except subprocess.TimeoutExpired:
+        return False
+
+
+def _signal_session(process: subprocess.Popen, signum: int) -> None:
+    """Signal the process group the launcher leads (it started its own session), if any member is left."""
+    try:
+        os.killpg(process.pid, signum)
+    except ProcessLookupError:
+        return
