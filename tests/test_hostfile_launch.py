@@ -4,7 +4,8 @@ A one-host hostfile (`localhost slots=2`) with `actor.devices: cpu` takes DeepSp
 path, the same driver, event channel and rank entry point as several nodes, without ssh. Checked:
 a 2-step run (trace records of both ranks, checkpoint, exit 0) and its resume (slow); a rank that
 raises and ranks that die silently (one line, exit 1, no process left, within a timeout); Ctrl-C
-(exit 130); hostfile mistakes (one line naming the key, exit 2); the event channel on its own.
+(exit 130); stand-in SGLang servers owned by the launched ranks (slow); hostfile mistakes (one
+line naming the key, exit 2); the event channel on its own.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from sglang_fakes import free_port_range, write_stand_in_sglang
 from typer.testing import CliRunner
 
 from tlt_cli.cli import app
@@ -27,6 +29,7 @@ from tlt_cli.config import load_recipe
 from tlt_cli.events import EventListener, connect_to_driver
 from tlt_cli.launcher import deepspeed_launch_command
 from tlt_cli.models.tiny import ensure_tiny_model
+from tlt_cli.sglang.server import live_group_members
 
 TESTS = Path(__file__).resolve().parent
 RECIPE = TESTS.parent / "recipes" / "tiny-cpu.yaml"
@@ -129,6 +132,29 @@ def test_resume_with_the_deepspeed_launcher(small_model, hostfile, tmp_path):
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert [step["step"] for step in records(run_directory, "step")] == [0, 1, 2]
     assert (run_directory / "checkpoints" / "latest").read_text() == "step_000003"
+    assert not processes_of(run_directory)
+
+
+@pytest.mark.slow
+def test_launched_ranks_own_their_sglang_servers_and_leave_none(small_model, hostfile, tmp_path):
+    run_directory = tmp_path / "sglang"
+    port_base = free_port_range(4)
+    command = hostfile_run(small_model, hostfile, tmp_path, "sglang", 2, "rollout.max_new_tokens=12", "rollout.backend=sglang",
+                           "rollout.sglang.gpus=[0,1,2,3]", "rollout.sglang.colocated=false",
+                           f"rollout.sglang.port_base={port_base}", "rollout.sglang.startup_timeout_s=60",
+                           "rollout.sglang.stop_timeout_s=5")
+    environment = {**os.environ, "PYTHONPATH": str(write_stand_in_sglang(tmp_path / "site"))}
+    result = subprocess.run(command, capture_output=True, text=True, timeout=RUN_TIMEOUT_SECONDS, env=environment)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert {request["worker"] for request in records(run_directory, "request")} == {0, 1}
+    # rank r (local index r of the one node) owns servers 2r and 2r+1 and their ports
+    server_pids = []
+    for worker in (0, 1):
+        for server in (0, 1):
+            log = (run_directory / "workers" / f"worker-{worker}" / "sglang" / f"server-{server}.log").read_text()
+            assert f"--port {port_base + 2 * (2 * worker + server)} " in log
+            server_pids += [int(line.rsplit(" ", 1)[1]) for line in log.splitlines() if "fake-sglang: server pid" in line]
+    assert len(server_pids) == 4 and not any(live_group_members(pid) for pid in server_pids)
     assert not processes_of(run_directory)
 
 
