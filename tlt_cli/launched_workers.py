@@ -10,8 +10,8 @@ With `workers.hostfile`, `tlt train` stays the driver (live display, trace, chec
 The driver loop reads events with `next_event`, asks `failure` when none comes (has the launcher
 exited before every rank finished?), and calls `stop` however the run ends: after a clean finish
 it lets the launcher exit on its own; otherwise it sends the launcher's session SIGTERM (DeepSpeed
-passes it to the ranks of every node) and SIGKILL after a grace period, and closes the channel,
-which ends any rank still running anywhere.
+passes it on to its ranks, which stop their SGLang servers) and SIGKILL to what is left after a
+grace period, and closes the channel, which ends any rank still running anywhere.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import secrets
 import signal
 import socket
 import subprocess
+import time
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,7 @@ EXIT_GRACE_SECONDS = 30.0
 # seconds to wait for a rank's last events after the launcher exited
 LAST_EVENTS_SECONDS = 5.0
 ALL_INTERFACES = "0.0.0.0"
+SESSION_POLL_SECONDS = 0.1
 
 
 class LaunchedWorkers:
@@ -89,9 +91,9 @@ class LaunchedWorkers:
         """End the launch: let it exit on its own if every rank finished, else terminate it; close the channel."""
         if len(self.finished) < self.size or not _wait(self.launcher, EXIT_GRACE_SECONDS):
             _signal_session(self.launcher, signal.SIGTERM)
-            _wait(self.launcher, EXIT_GRACE_SECONDS)
-            # whatever of the session is left (a rank that ignored SIGTERM, or the launcher itself)
-            _signal_session(self.launcher, signal.SIGKILL)
+            # ranks stop their SGLang servers on SIGTERM: give the whole session the grace, not just the launcher
+            if not _session_ended(self.launcher, EXIT_GRACE_SECONDS):
+                _signal_session(self.launcher, signal.SIGKILL)
             self.launcher.wait()
         self.channel.close()
 
@@ -107,6 +109,19 @@ def _wait(process: subprocess.Popen, seconds: float) -> bool:
         return True
     except subprocess.TimeoutExpired:
         return False
+
+
+def _session_ended(process: subprocess.Popen, seconds: float) -> bool:
+    """Whether every process of the launcher's session (the launcher reaped) was gone within `seconds`."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        process.poll()
+        try:
+            os.killpg(process.pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(SESSION_POLL_SECONDS)
+    return False
 
 
 def _signal_session(process: subprocess.Popen, signum: int) -> None:
