@@ -188,7 +188,7 @@ def calibrate(
         settings = CalibrationSettings(parse_batch_sizes(batch_sizes), tuple(part for part in configs.split(",") if part.strip()),
                                        warmup_steps, timed_steps, repeats, margin, candidates)
         with console.status("loading the model pair (the tiny model and the drafter warm-up run once, then are cached)") as status:
-            result = run_calibration(resolve_recipe_path(recipe), list(overrides or []), settings, on_window=show)
+            result = run_calibration(recipe, list(overrides or []), settings, on_window=show)
         render_calibration(console, result)
         json_path, fragment_path = write_calibration(result, output or default_output(result.recipe))
         console.print(f"wrote {json_path} and {fragment_path}", highlight=False)

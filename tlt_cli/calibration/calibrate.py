@@ -36,6 +36,7 @@ from tlt_cli.calibration.settings import (
     check_settings,
 )
 from tlt_cli.config import CPU_DEVICES, Recipe, load_recipe
+from tlt_cli.recipes import resolve_recipe_path
 from tlt_cli.rollout.speculative import check_speculative_config
 from tlt_cli.rollout.types import RolloutRequest, SamplingParams, SpeculativeConfig
 from tlt_cli.tasks.base import Task
@@ -60,10 +61,13 @@ class CalibrationResult:
     drafter: str
 
 
-def calibrate(recipe_path: Path, overrides: list[str], settings: CalibrationSettings,
+def calibrate(recipe_name: str, overrides: list[str], settings: CalibrationSettings,
               on_window: Callable[[int, str, int], None] | None = None) -> CalibrationResult:
-    """Measure the recipe's model pair on this machine and choose its rule table (see the module docstring)."""
-    recipe = load_recipe(recipe_path, overrides)
+    """Measure the recipe's model pair on this machine and choose its rule table (see the module docstring).
+
+    recipe_name: a YAML path or a shipped recipe name, written into the command as given.
+    """
+    recipe = load_recipe(resolve_recipe_path(recipe_name), overrides)
     check_settings(settings)
     check_recipe(recipe)
     largest = largest_running_batch(recipe)
@@ -85,7 +89,7 @@ def calibrate(recipe_path: Path, overrides: list[str], settings: CalibrationSett
         torch.set_num_threads(threads)
     throughput = {size: {cell.label: cell.tokens_per_second for cell in cells if cell.batch_size == size} for size in batch_sizes}
     choices, rules = calibrated_rules(throughput, settings.margin, settings.candidates)
-    return CalibrationResult(recipe, command_line(recipe_path, overrides, settings), settings, batch_sizes, list(configs),
+    return CalibrationResult(recipe, command_line(recipe_name, overrides, settings), settings, batch_sizes, list(configs),
                              cells, choices, rules, recipe.workers.threads_per_worker, str(pair.device), drafter_source)
 
 
@@ -170,9 +174,9 @@ def _request_maker(task: Task, tokenizer: PreTrainedTokenizerBase, group_size: i
     return requests_for
 
 
-def command_line(recipe_path: Path, overrides: list[str], settings: CalibrationSettings) -> str:
+def command_line(recipe_name: str, overrides: list[str], settings: CalibrationSettings) -> str:
     """The `tlt calibrate` command that reproduces this calibration, every setting explicit."""
-    words = ["tlt", "calibrate", str(recipe_path), *overrides]
+    words = ["tlt", "calibrate", recipe_name, *overrides]
     if settings.batch_sizes:
         words += ["--batch-sizes", ",".join(map(str, settings.batch_sizes))]
     words += ["--configs", ",".join(settings.configs), "--warmup-steps", str(settings.warmup_steps),
