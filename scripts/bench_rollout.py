@@ -4,10 +4,11 @@
 
 Target: `builtin:tiny-arith`. Drafter: warmed up offline on the target's own sampled responses
 (tlt_cli/drafter/warmup.py), cached under --cache-dir. For each batch size B the same prompt pool
-(held-out arithmetic problems) is split into batches of B and generated greedily; tokens/s is
+(held-out arithmetic problems) is split into batches of B and generated greedily (or sampled at
+--temperature, as RL rollouts are); tokens/s is
 generated tokens over wall-clock time. After one untimed pass per method, --repeats rounds run
 every method in turn (the machine is shared: load hits all methods alike) and each keeps its
-fastest pass. Every output is checked token-identical to SD off. At B=1 the same prompts also go
+fastest pass. Greedy outputs are checked token-identical to SD off. At B=1 the same prompts also go
 through transformers' `generate`, plain and with `assistant_model=`: a one-layer copy of the
 target (its first layer, embedding, norm and head) fine-tuned on the same sampled target
 responses and for the same number of steps as the drafter, also cached. Where the time goes
@@ -66,7 +67,7 @@ class RunResult:
     drafter_seconds: float
     other_seconds: float
     target_calls: int
-    identical_to_off: bool
+    identical_to_off: bool | None  # None when sampled: not comparable sample for sample
 
 
 class ForwardTimer:
@@ -97,6 +98,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--model", default="builtin:tiny-arith", help="target: the built-in tiny model or a local folder")
     parser.add_argument("--prompts", type=int, default=32, help="prompt pool size (a multiple of the largest batch)")
     parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="0: greedy, every output checked token-identical to SD off; above 0: sampled as in RL "
+                             "rollouts (outputs differ from SD off sample for sample; tests check the distribution)")
     parser.add_argument("--repeats", type=int, default=2, help="timed runs per cell; the best counts")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     parser.add_argument("--batch-sizes", default=",".join(map(str, BATCH_SIZES)))
@@ -211,19 +215,22 @@ def engine_runner(target, drafter, tokenizer, prompt_pool, batch_size, config, s
     return run
 
 
-def transformers_runner(target, assistant, tokenizer, prompt_pool, max_new_tokens):
-    """A callable that generates the pool one prompt at a time with transformers' generate."""
+def transformers_runner(target, assistant, tokenizer, prompt_pool, sampling):
+    """A callable that generates the pool one prompt at a time with transformers' generate (greedy or sampled)."""
     eos_token_id = tokenizer.eos_token_id
 
     def run() -> Measured:
         target_timer = ForwardTimer([target])
         responses = []
         start = time.perf_counter()
+        torch.manual_seed(0)
         for prompt in prompt_pool:
             input_ids = torch.tensor([prompt])
             output = target.generate(
-                input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens, do_sample=False,
-                eos_token_id=eos_token_id, pad_token_id=tokenizer.pad_token_id, assistant_model=assistant,
+                input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=sampling.max_new_tokens,
+                do_sample=not sampling.greedy, temperature=sampling.temperature if not sampling.greedy else None,
+                top_p=None, top_k=None, eos_token_id=eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                assistant_model=assistant,
             )[0, len(prompt) :].tolist()
             responses.append(output[: output.index(eos_token_id) + 1] if eos_token_id in output else output)
         seconds = time.perf_counter() - start
@@ -233,7 +240,7 @@ def transformers_runner(target, assistant, tokenizer, prompt_pool, max_new_token
     return run
 
 
-def measure_batch_size(runners: dict, batch_size: int, repeats: int) -> list[RunResult]:
+def measure_batch_size(runners: dict, batch_size: int, repeats: int, sampling_is_greedy: bool) -> list[RunResult]:
     """One untimed pass per method, then `repeats` rounds over all methods in turn (so load on a
     shared machine hits every method alike); each method keeps its fastest pass."""
     for run in runners.values():
@@ -244,7 +251,8 @@ def measure_batch_size(runners: dict, batch_size: int, repeats: int) -> list[Run
             measured = run()
             if method not in best or measured.seconds < best[method].seconds:
                 best[method] = measured
-    reference = best["off"].responses
+    # sampled outputs differ from SD off sample for sample (RNG draws differ); only greedy is compared
+    reference = best["off"].responses if sampling_is_greedy else None
     results = []
     for method, measured in best.items():
         tokens = sum(len(response) for response in measured.responses)
@@ -252,15 +260,16 @@ def measure_batch_size(runners: dict, batch_size: int, repeats: int) -> list[Run
         results.append(RunResult(
             batch_size, method, tokens, measured.seconds, tokens / measured.seconds, measured.accept_length,
             measured.target_seconds, measured.drafter_seconds, other, measured.target_calls,
-            measured.responses == reference,
+            measured.responses == reference if reference is not None else None,
         ))
     return results
 
 
-def render(console: Console, results: list[RunResult], batch_size: int) -> None:
+def render(console: Console, results: list[RunResult], batch_size: int, sampling: SamplingParams) -> None:
     rows = [result for result in results if result.batch_size == batch_size]
     off = next(result for result in rows if result.method == "off")
-    table = Table(title=f"B={batch_size}: greedy, {off.tokens} tokens, best of the timed passes")
+    decoding = "greedy" if sampling.greedy else f"sampled at T={sampling.temperature}"
+    table = Table(title=f"B={batch_size}: {decoding}, {off.tokens} tokens (SD off), best of the timed passes")
     for column in ("method", "tok/s", "vs off", "accept", "target s", "drafter s", "other s", "target calls", "same"):
         table.add_column(column, justify="right")
     for result in rows:
@@ -268,7 +277,7 @@ def render(console: Console, results: list[RunResult], batch_size: int) -> None:
             result.method, f"{result.tokens_per_second:.0f}", f"{result.tokens_per_second / off.tokens_per_second:.2f}x",
             "-" if math.isnan(result.accept_length) else f"{result.accept_length:.2f}", f"{result.target_seconds:.2f}",
             f"{result.drafter_seconds:.2f}", f"{result.other_seconds:.2f}", str(result.target_calls),
-            "yes" if result.identical_to_off else "NO",
+            {True: "yes", False: "NO", None: "n/a"}[result.identical_to_off],
         )
     console.print(table)
 
@@ -282,7 +291,7 @@ def main() -> None:
     drafter, warmup_report = prepare_drafter(target, tokenizer, task, args)
     assistant = prepare_assistant(target, tokenizer, task, args)
     prompt_pool = encode_prompts(tokenizer, task, range(FIRST_BENCH_PROBLEM, FIRST_BENCH_PROBLEM + args.prompts))
-    sampling = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=0.0)
+    sampling = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature)
     results: list[RunResult] = []
     for batch_size in [int(size) for size in args.batch_sizes.split(",")]:
         runners = {
@@ -290,10 +299,10 @@ def main() -> None:
             for method in ["off", *[name for name in args.configs.split(",") if name != "off"]]
         }
         if batch_size == 1:
-            runners["hf-generate"] = transformers_runner(target, None, tokenizer, prompt_pool, args.max_new_tokens)
-            runners["hf-assisted"] = transformers_runner(target, assistant, tokenizer, prompt_pool, args.max_new_tokens)
-        results += measure_batch_size(runners, batch_size, args.repeats)
-        render(console, results, batch_size)
+            runners["hf-generate"] = transformers_runner(target, None, tokenizer, prompt_pool, sampling)
+            runners["hf-assisted"] = transformers_runner(target, assistant, tokenizer, prompt_pool, sampling)
+        results += measure_batch_size(runners, batch_size, args.repeats, sampling.greedy)
+        render(console, results, batch_size, sampling)
     output = {
         "command": "python scripts/bench_rollout.py "
         + " ".join(f"--{key.replace('_', '-')} {value}" for key, value in vars(args).items()),

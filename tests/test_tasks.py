@@ -159,3 +159,18 @@ def test_arithmetic_reward_requires_the_whole_chain():
     assert task.reward(problem, "#8") == 0.0  # a guess without working
     assert task.reward(problem, "a3:03,b1:04#8") == 0.0  # a skipped step
     assert task.reward(problem, "a3:03,b2:04,c4:08#8") == 0.0  # a misread term
+
+
+def test_min_terms_moves_the_whole_tail_up():
+    task = ArithmeticTask(seed=0, min_terms=2, max_terms=12)
+    counts = [(len(task.problem(index).prompt) - 1) // 2 for index in range(400)]
+    assert min(counts) == 2 and max(counts) <= 12
+    assert counts.count(2) > counts.count(3) > counts.count(6)  # still heavy-tailed, from 2 up
+    with pytest.raises(ValueError, match="min_terms"):
+        ArithmeticTask(seed=0, min_terms=13, max_terms=12)
+
+
+def test_default_min_terms_keeps_the_term_counts_of_earlier_versions():
+    # the cached tiny model is warmed up on these problems: its cache key assumes they never change
+    task = ArithmeticTask(seed=0)
+    assert [(len(task.problem(index).prompt) - 1) // 2 for index in range(12)] == [3, 1, 12, 2, 1, 5, 1, 29, 2, 1, 8, 2]

@@ -6,7 +6,7 @@ plus the digit as two digits (`b1:04`), whose last digit is the new running sum 
 the answer marker and the answer: `a3:03,b1:04,c4:08,d1:09,e5:14#4`. Writing the unreduced
 total gives gradient descent a carry digit that depends smoothly on both operands, which a
 bare mod-10 digit (parity-like in its operands) does not. The number of digits n is
-heavy-tailed, P(n) ~ n^-tail_exponent on 1..max_terms, so most solutions are a few steps
+heavy-tailed, P(n) ~ n^-tail_exponent on min_terms..max_terms, so most solutions are a few steps
 long and a few run to dozens of steps: the rollout long tail in miniature. Labels
 (a..z, A..V) let a small model find the next digit by content instead of by counting, which
 keeps the built-in tiny model's warm-up short. The trainer and the tiny-model builder use it.
@@ -51,15 +51,18 @@ class ArithmeticTask:
 
     name = "arithmetic"
 
-    def __init__(self, seed: int, max_terms: int = 48, tail_exponent: float = 1.5) -> None:
+    def __init__(self, seed: int, max_terms: int = 48, tail_exponent: float = 1.5, min_terms: int = 1) -> None:
         if not 1 <= max_terms <= len(LABELS):
             raise ValueError(f"max_terms must be between 1 and {len(LABELS)}, got {max_terms}.")
+        if not 1 <= min_terms <= max_terms:
+            raise ValueError(f"min_terms must be between 1 and max_terms ({max_terms}), got {min_terms}.")
         if tail_exponent < 0:
             raise ValueError(f"tail_exponent must be non-negative, got {tail_exponent}.")
         self.seed = seed
+        self.min_terms = min_terms
         self.max_terms = max_terms
         self.tail_exponent = tail_exponent
-        term_counts = np.arange(1, max_terms + 1, dtype=np.float64)
+        term_counts = np.arange(min_terms, max_terms + 1, dtype=np.float64)
         weights = term_counts**-tail_exponent  # P(n) ~ n^-alpha
         self._term_cdf = np.cumsum(weights / weights.sum())
         self._quantile_offset = float(np.random.default_rng([seed]).random())
@@ -76,7 +79,7 @@ class ArithmeticTask:
         """
         rng = np.random.default_rng([self.seed, index])
         quantile = (self._quantile_offset + index * GOLDEN_RATIO_CONJUGATE) % 1.0
-        term_count = min(int(np.searchsorted(self._term_cdf, quantile, side="right")), self.max_terms - 1) + 1
+        term_count = self.min_terms + min(int(np.searchsorted(self._term_cdf, quantile, side="right")), len(self._term_cdf) - 1)
         digits = [int(digit) for digit in rng.integers(0, 10, size=term_count)]
         return make_problem(index, digits)
 
