@@ -29,7 +29,6 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from tlt_cli.drafter.initial import WARMUP_FORMAT
 from tlt_cli.drafter.model import load_drafter, save_drafter
 from tlt_cli.drafter.warmup import encode_prompts, generate_responses, warm_up_drafter
 from tlt_cli.models.loading import load_policy
@@ -116,7 +115,7 @@ def parse_args() -> argparse.Namespace:
 def cached_dir(target, kind: str, args) -> Path:
     """Where the trained `kind` (drafter / assistant) for this target folder and settings lives."""
     target_name = Path(target.config._name_or_path).name
-    settings = f"f{WARMUP_FORMAT}-{args.warmup_prompts}p-{args.warmup_steps}s-seed{args.seed}"
+    settings = f"{args.warmup_prompts}p-{args.warmup_steps}s-seed{args.seed}"
     return Path(args.cache_dir) / f"bench-{kind}-{target_name}-{settings}"
 
 

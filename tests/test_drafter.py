@@ -17,14 +17,7 @@ from tlt_cli.drafter.model import (
     load_drafter,
     save_drafter,
 )
-from tlt_cli.drafter.trainer import (
-    DrafterBatch,
-    DrafterTrainer,
-    collect_drafter_batch,
-    drafter_forward_loss,
-    evaluate_drafter,
-    unrolled_second_step,
-)
+from tlt_cli.drafter.trainer import DrafterBatch, DrafterTrainer, collect_drafter_batch, evaluate_drafter
 from tlt_cli.drafter.warmup import warm_up_drafter
 from tlt_cli.models.tiny import build_tiny_model, tiny_model_config, tiny_tokenizer
 from tlt_cli.tasks.arithmetic import ArithmeticTask
@@ -269,35 +262,6 @@ def test_batch_shift_pairs_token_t_plus_1_with_hidden_t():
     # L = 7, response at 3..6: feature t counts iff x[t+1] and x[t+2] are response tokens -> t = 2..4
     assert batch.loss_mask.tolist() == [[False, False, True, True, True, False]] * 2
     assert batch.position_ids.tolist() == [list(range(6))] * 2
-
-
-def test_unrolled_second_step_is_what_a_depth_two_draft_computes():
-    target = tiny_qwen2()
-    drafter = EagleDrafter(target)
-    batch = collect_drafter_batch(target, *arithmetic_like_sequences(target, count=2))
-    with torch.no_grad():
-        cache = DynamicCache()
-        first = drafter(batch.input_ids, batch.target_hidden, batch.position_ids, batch.attention_mask(), cache)
-        second = unrolled_second_step(drafter, batch, first, cache)
-        for verified in range(batch.input_ids.shape[1] - 1):
-            draft_cache = DynamicCache()  # a draft after position `verified`: real features 0..verified cached
-            known = slice(0, verified + 1)
-            drafter(batch.input_ids[:, known], batch.target_hidden[:, known], batch.position_ids[:, known], None, draft_cache)
-            depth_two = slice(verified + 1, verified + 2)
-            step = drafter(batch.input_ids[:, depth_two], first.hidden[:, verified:verified + 1], batch.position_ids[:, depth_two],
-                           None, draft_cache)
-            torch.testing.assert_close(step.hidden, second.hidden[:, verified:verified + 1], atol=1e-5, rtol=1e-5)
-
-
-def test_loss_total_includes_the_second_step():
-    target = tiny_qwen2()
-    drafter = EagleDrafter(target)
-    batch = collect_drafter_batch(target, *arithmetic_like_sequences(target, count=2))
-    with torch.no_grad():
-        loss = drafter_forward_loss(drafter, batch)
-    first_step_total = loss.hidden_loss + 0.1 * loss.token_loss
-    assert loss.second_step_total is not None and float(loss.second_step_total) > 0
-    torch.testing.assert_close(loss.total, first_step_total + loss.second_step_total)
 
 
 def test_left_padding_gives_the_same_features_and_loss_as_no_padding():

@@ -24,8 +24,7 @@ from tlt_cli.rollout.adaptive_decoding import AdaptiveSpeculativeDecoder
 from tlt_cli.rollout.speculative import SpeculativeDecoder
 from tlt_cli.rollout.types import SpeculativeConfig
 
-# 2: drafters trained with the unrolled second draft step (drafter.trainer.drafter_forward_loss)
-WARMUP_FORMAT = 2
+WARMUP_FORMAT = 1
 # the plugin that trains the drafter online (plugins/drafter_sidecar.py)
 DRAFTER_PLUGIN = "drafter_sidecar"
 

@@ -9,7 +9,7 @@ its top-1 accuracy (drafter argmax == target argmax) is the greedy acceptance ra
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -18,14 +18,11 @@ from tlt_cli.drafter.model import DrafterOutput
 
 HIDDEN_LOSS_WEIGHT = 1.0
 TOKEN_LOSS_WEIGHT = 0.1
-# weight of the unrolled second draft step (the drafter fed its own predicted hidden state)
-SECOND_STEP_WEIGHT = 1.0
 
 
 @dataclass
 class DrafterLoss:
-    """total = 1.0 * hidden_loss + 0.1 * token_loss, plus SECOND_STEP_WEIGHT * second_step_total when
-    the drafter was unrolled one more step (scalars, means over counted tokens).
+    """total = 1.0 * hidden_loss + 0.1 * token_loss (scalars, means over counted tokens).
 
     accuracy: fraction of counted tokens where the drafter's argmax equals the target's argmax;
     token_count: how many tokens were counted; step_skipped: set by the trainer when it refused
@@ -38,8 +35,6 @@ class DrafterLoss:
     accuracy: torch.Tensor
     token_count: int
     step_skipped: bool = False
-    # the total of the unrolled second draft step, already included in `total` (None: not unrolled)
-    second_step_total: torch.Tensor | None = None
 
     @property
     def is_finite(self) -> bool:
@@ -53,12 +48,7 @@ class DrafterLoss:
             accuracy=self.accuracy.detach(),
             token_count=self.token_count,
             step_skipped=self.step_skipped,
-            second_step_total=None if self.second_step_total is None else self.second_step_total.detach(),
         )
-
-    def with_second_step(self, second_step: DrafterLoss) -> DrafterLoss:
-        """This (first-step) loss with the second step's total added, weighted SECOND_STEP_WEIGHT."""
-        return replace(self, total=self.total + SECOND_STEP_WEIGHT * second_step.total, second_step_total=second_step.total)
 
 
 def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -19,10 +19,10 @@ import logging
 from dataclasses import dataclass, fields
 
 import torch
-from transformers import DynamicCache, PreTrainedModel
+from transformers import PreTrainedModel
 
 from tlt_cli.drafter.loss import DrafterLoss, drafter_loss
-from tlt_cli.drafter.model import DrafterOutput, EagleDrafter
+from tlt_cli.drafter.model import EagleDrafter
 
 logger = logging.getLogger(__name__)
 
@@ -127,45 +127,11 @@ def collect_drafter_batch(
 
 
 def drafter_forward_loss(drafter: EagleDrafter, batch: DrafterBatch) -> DrafterLoss:
-    """The drafter's loss on a batch: its first draft step, plus its second on its own prediction.
-
-    When drafting, depth 1 pairs a token with the target's hidden state, but depth 2 onwards pairs
-    it with the drafter's own predicted hidden state. Training only on the target's states leaves
-    the deeper drafts poor, so the loss also unrolls one more step (as EAGLE-3's training-time
-    test does): feature t+1 is fed token x[t+2] with the drafter's prediction of h[t+1] (detached),
-    attends to the real features up to t (the drafter cache of a draft) and itself, and is trained
-    to predict h[t+2]. The result's accuracy and component losses are the first step's.
-    """
+    """The drafter's loss on a batch; the target's next-token logits come from its own lm_head."""
     with torch.no_grad():
         target_logits_next = drafter.shared.lm_head(batch.target_hidden_next)
-    cache = DynamicCache() if batch.input_ids.shape[1] > 1 else None
-    output = drafter(batch.input_ids, batch.target_hidden, batch.position_ids, batch.attention_mask(), cache)
-    first_step = drafter_loss(output, batch.target_hidden_next, target_logits_next, batch.loss_mask)
-    if cache is None:
-        return first_step
-    second_output = unrolled_second_step(drafter, batch, output, cache)
-    second_step = drafter_loss(second_output, batch.target_hidden_next[:, 1:], target_logits_next[:, 1:], batch.loss_mask[:, 1:])
-    return first_step.with_second_step(second_step)
-
-
-def unrolled_second_step(drafter: EagleDrafter, batch: DrafterBatch, first_output: DrafterOutput,
-                         cache: DynamicCache) -> DrafterOutput:
-    """The drafter's second draft step at every position, after a first-step forward that filled `cache`.
-
-    Query t (position of h[t+1]) takes token x[t+2] and the first step's predicted h[t+1], exactly
-    what a depth-2 draft after a verified position t sees; output t predicts h[t+2].
-    """
-    return drafter(batch.input_ids[:, 1:], first_output.hidden[:, :-1].detach(), batch.position_ids[:, 1:],
-                   _second_step_mask(batch), cache)
-
-
-def _second_step_mask(batch: DrafterBatch) -> torch.Tensor:
-    """[B,1,T-1,2T-1] bool: second-step query t sees real features 0..t (valid ones) and itself."""
-    length = batch.input_ids.shape[1]
-    device = batch.input_ids.device
-    real = torch.tril(torch.ones(length - 1, length, dtype=torch.bool, device=device)) & batch.valid_mask[:, None, :]
-    itself = torch.eye(length - 1, dtype=torch.bool, device=device).expand(batch.size, -1, -1)
-    return torch.cat((real, itself), dim=-1)[:, None]
+    output = drafter(batch.input_ids, batch.target_hidden, batch.position_ids, batch.attention_mask(), None)
+    return drafter_loss(output, batch.target_hidden_next, target_logits_next, batch.loss_mask)
 
 
 @torch.no_grad()
