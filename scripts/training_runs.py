@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -15,14 +16,18 @@ from pathlib import Path
 RECIPE = Path(__file__).resolve().parent.parent / "recipes" / "tiny-cpu.yaml"
 
 
-def run_training(run_name: str, overrides: list[str], steps: int, output: Path) -> list[dict]:
-    """Train `steps` steps of the tiny recipe with `overrides`; the step and worker records of its trace."""
+def run_training(run_name: str, overrides: list[str], steps: int, output: Path, python_path: Path | None = None) -> list[dict]:
+    """Train `steps` steps of the tiny recipe with `overrides`; the step, worker, sd_config and warning
+    records of its trace. `python_path` is prepended to PYTHONPATH (for `module:attribute` plugins)."""
     shutil.rmtree(output / run_name, ignore_errors=True)  # the benchmark's own scratch run from an earlier call
     command = [sys.executable, "-m", "tlt_cli", "train", str(RECIPE), f"train.steps={steps}", f"run.name={run_name}",
                f"run.output_dir={output}", f"checkpoint.every={steps}", *overrides]
-    subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
+    environment = dict(os.environ)
+    if python_path is not None:
+        environment["PYTHONPATH"] = os.pathsep.join(filter(None, (str(python_path), environment.get("PYTHONPATH"))))
+    subprocess.run(command, check=True, stdout=subprocess.DEVNULL, env=environment)
     lines = (output / run_name / "trace.jsonl").read_text().splitlines()
-    return [record for record in map(json.loads, lines) if record["type"] in ("step", "worker", "warning")]
+    return [record for record in map(json.loads, lines) if record["type"] in ("step", "worker", "sd_config", "warning")]
 
 
 def step_rows(records: list[dict]) -> list[dict]:
