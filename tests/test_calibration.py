@@ -11,6 +11,7 @@ from typer.testing import CliRunner
 
 from tlt_cli.adaptive import build_rules
 from tlt_cli.calibration.calibrate import batch_size_grid
+from tlt_cli.calibration.measure import ModelPair, prompts_by_response_length
 from tlt_cli.calibration.recipe_text import RecipeEditError, write_rules_into_recipe
 from tlt_cli.calibration.rules import (
     CALIBRATED_BY,
@@ -30,6 +31,8 @@ from tlt_cli.models.tiny import (
     tiny_tokenizer,
 )
 from tlt_cli.recipes import RECIPES_DIRECTORY
+from tlt_cli.rollout.engine import EmbeddedEngine
+from tlt_cli.rollout.types import RolloutRequest, SamplingParams
 
 torch.set_num_threads(1)
 runner = CliRunner()
@@ -97,7 +100,7 @@ def test_write_recipe_replaces_only_the_rules_block_and_keeps_comments(tmp_path)
     assert "tlt calibrate first" not in edited and edited.count("# calibrated by: tlt calibrate second") == 1
     assert edited.count("rules:") == 1 and "mode: adaptive" in edited
     added = (CALIBRATED_BY, RULES_COMMENT)
-    assert [line for line in original.splitlines() if line.lstrip().startswith("#")] == \
+    assert [line for line in original.splitlines() if line.lstrip().startswith("#") and not line.lstrip().startswith(added)] == \
         [line for line in edited.splitlines() if line.lstrip().startswith("#") and not line.lstrip().startswith(added)]
     before, after = load_recipe(TINY_RECIPE), load_recipe(recipe_path)
     assert after.speculative.rules == second and after.drafter == before.drafter and after.rollout == before.rollout
@@ -180,3 +183,21 @@ def test_bad_input_is_one_line_and_exit_2(tiny_pair_recipe, arguments, message):
     result = runner.invoke(app, ["calibrate", *[argument.format(recipe=tiny_pair_recipe) for argument in arguments]])
     assert result.exit_code == 2, result.output
     assert message in result.output and len(result.output.strip().splitlines()) == 1 and "Traceback" not in result.output
+
+
+def test_tail_prompts_come_longest_response_first():
+    tokenizer = tiny_tokenizer()
+    config = tiny_model_config(tokenizer, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64)
+    target = build_tiny_model(0, config).eval()
+    pair = ModelPair(target, EagleDrafter(target, seed=0), tokenizer.pad_token_id, tokenizer.eos_token_id, torch.device("cpu"))
+    prompts = [tuple(tokenizer.encode(text, add_special_tokens=False)) for text in ("a1=", "a2b3=", "a4b5c6=")]
+    sampling = SamplingParams(max_new_tokens=200, temperature=1.0)  # a random model ends a row with p ~ 1/66 per token
+    ordered = prompts_by_response_length(pair, prompts, group_size=2, sampling=sampling, seed=3)
+    # the same generation, repeated: each row's response length, in row order
+    engine = EmbeddedEngine(target, tokenizer.eos_token_id, tokenizer.pad_token_id)
+    requests = [RolloutRequest(row, prompts[row // 2]) for row in range(6)]
+    lengths = {completion.request_id: len(completion.response_ids)
+               for completion in engine.generate(requests, sampling, torch.Generator().manual_seed(3))}
+    rows = sorted(lengths, key=lambda row: (-lengths[row], row))
+    assert ordered == [prompts[row // 2] for row in rows]
+    assert len(set(lengths.values())) > 1  # a random tiny model ends rows at different lengths

@@ -5,7 +5,8 @@ that calibrating it makes sense (embedded engine, a trained drafter), builds the
 initial drafter exactly as a training run starts them (built-in tiny model and offline drafter
 warm-up cached under the model cache, on the first actor device, in the actor's precision),
 measures the grid (tlt_cli/calibration/measure.py) on `workers.threads_per_worker` threads with the
-recipe's task prompts (`group_size` samples of each, as a worker's shard) and sampling settings,
+recipe's sampling settings; at running batch size B it times the prompts of the B longest responses
+of a worker's shard (`group_size` samples of each prompt), the rows a rollout's tail consists of,
 and returns the measurements with the rules chosen from them (tlt_cli/calibration/rules.py).
 Simplification: one process measures one worker's engine; contention between the recipe's
 parallel workers is not reproduced.
@@ -27,6 +28,7 @@ from tlt_cli.calibration.measure import (
     Cell,
     ModelPair,
     measure_grid,
+    prompts_by_response_length,
     window_token_budget,
 )
 from tlt_cli.calibration.rules import BatchChoice, calibrated_rules
@@ -83,7 +85,9 @@ def calibrate(recipe_name: str, overrides: list[str], settings: CalibrationSetti
     threads = torch.get_num_threads()
     torch.set_num_threads(recipe.workers.threads_per_worker)
     try:
-        cells = measure_grid(pair, batch_sizes, configs, _request_maker(task, tokenizer, recipe.train.group_size), sampling, recipe.run.seed,
+        shard_sampling = replace(sampling, max_new_tokens=recipe.rollout.max_new_tokens)
+        requests_for = _tail_request_maker(pair, task, tokenizer, recipe, shard_sampling)
+        cells = measure_grid(pair, batch_sizes, configs, requests_for, sampling, recipe.run.seed,
                              settings.warmup_steps, settings.timed_steps, settings.repeats, on_window)
     finally:
         torch.set_num_threads(threads)
@@ -159,17 +163,31 @@ def load_model_pair(recipe: Recipe) -> tuple[ModelPair, PreTrainedTokenizerBase,
     # the drafter a run would start with, whatever the recipe's speculative mode is now
     folder, _ = prepare_initial_drafter(replace(recipe, speculative=replace(recipe.speculative, mode="fixed")), cache)
     drafter = initial_drafter(recipe, folder, target).to(device, dtype).eval()
-    return ModelPair(target, drafter, tokenizer.pad_token_id, device), tokenizer, str(folder)
+    return ModelPair(target, drafter, tokenizer.pad_token_id, tokenizer.eos_token_id, device), tokenizer, str(folder)
 
 
-def _request_maker(task: Task, tokenizer: PreTrainedTokenizerBase, group_size: int) -> Callable[[int, int], list[RolloutRequest]]:
-    """requests_for(batch_size, repeat): the task's prompts from problem repeat x batch_size on, group_size samples each."""
+def _tail_request_maker(pair: ModelPair, task: Task, tokenizer: PreTrainedTokenizerBase, recipe: Recipe,
+                        sampling: SamplingParams) -> Callable[[int, int], list[RolloutRequest]]:
+    """requests_for(batch_size, repeat): the rows a worker's batch has shrunk to at that size.
+
+    A rollout's running batch shrinks as responses end, so at batch size B the rows still running
+    are the B with the longest responses. For each repeat this generates one worker shard of the
+    task (its next prompts, group_size samples each, plain decoding with the recipe's sampling and
+    max_new_tokens) and hands out the prompts of its B longest responses: windows are timed on the
+    requests that really make up the tail, not on short ones that would have ended.
+    """
+    shards: dict[int, list[tuple[int, ...]]] = {}
+
+    def longest_first(repeat: int) -> list[tuple[int, ...]]:
+        if repeat not in shards:
+            first = repeat * (recipe.train.prompts_per_step // recipe.workers.count)
+            prompts = [tuple(tokenizer.encode(task.problem(first + number).prompt, add_special_tokens=False))
+                       for number in range(recipe.train.prompts_per_step // recipe.workers.count)]
+            shards[repeat] = prompts_by_response_length(pair, prompts, recipe.train.group_size, sampling, recipe.run.seed + repeat)
+        return shards[repeat]
 
     def requests_for(batch_size: int, repeat: int) -> list[RolloutRequest]:
-        first = repeat * batch_size
-        prompts = [tuple(tokenizer.encode(task.problem(first + number).prompt, add_special_tokens=False))
-                   for number in range(math.ceil(batch_size / group_size))]
-        return [RolloutRequest(row, prompts[row // group_size]) for row in range(batch_size)]
+        return [RolloutRequest(row, prompt) for row, prompt in enumerate(longest_first(repeat)[:batch_size])]
 
     return requests_for
 

@@ -7,8 +7,10 @@ the same speculative decoder, as the adaptive engine runs them); `warmup_steps` 
 untimed, then `timed_steps` are timed from the start of the first to the start of the step after
 the last, so the engine's own bookkeeping counts too. The engine is given no end token and a token
 budget the window cannot exhaust, so no row leaves and the running batch stays at B throughout:
-rows that reach EOS inside the window keep decoding past it (the window is short, so most tokens
-are still response tokens). Accept length is tokens emitted per row per decode step (1.0 for off).
+rows that reach EOS inside the window keep decoding past it. `prompts_by_response_length` orders a
+shard's prompts by how long their responses naturally run, so a window at batch size B can use the
+rows a rollout's tail is made of, which are long enough that the window stays inside real response
+text. Accept length is tokens emitted per row per decode step (1.0 for off).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ class ModelPair:
     target: nn.Module
     drafter: nn.Module
     pad_token_id: int
+    eos_token_id: int
     device: torch.device
 
 
@@ -136,6 +139,16 @@ def time_window(pair: ModelPair, config: SpeculativeConfig | None, requests: lis
     with contextlib.suppress(WindowComplete):
         engine.generate(requests, sampling, generator)
     return clock.window()
+
+
+def prompts_by_response_length(pair: ModelPair, prompts: list[tuple[int, ...]], group_size: int,
+                               sampling: SamplingParams, seed: int) -> list[tuple[int, ...]]:
+    """One row per (prompt, sample), generated plainly to their natural end; their prompts, longest response first."""
+    engine = EmbeddedEngine(pair.target, eos_token_id=pair.eos_token_id, pad_token_id=pair.pad_token_id)
+    requests = [RolloutRequest(row, prompts[row // group_size]) for row in range(len(prompts) * group_size)]
+    completions = engine.generate(requests, sampling, torch.Generator(device=pair.device).manual_seed(seed))
+    ordered = sorted(completions, key=lambda completion: (-len(completion.response_ids), completion.request_id))
+    return [prompts[completion.request_id // group_size] for completion in ordered]
 
 
 def measure_grid(pair: ModelPair, batch_sizes: list[int], configs: dict[str, SpeculativeConfig | None],
