@@ -109,6 +109,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--warmup-steps", type=int, default=2000, help="drafter (and assistant) training steps")
     parser.add_argument("--warmup-prompts", type=int, default=2048, help="target responses they train on")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--drafter", default=None,
+                        help="a drafter folder to use instead of training one (e.g. the one `tlt train` warmed up "
+                             "and cached under <cache>/drafters/)")
     return parser.parse_args()
 
 
@@ -121,6 +124,8 @@ def cached_dir(target, kind: str, args) -> Path:
 
 def prepare_drafter(target, tokenizer, task, args) -> tuple:
     """The warmed-up drafter (cached), and the warm-up report when it was trained now."""
+    if args.drafter is not None:
+        return load_drafter(args.drafter, target).eval(), {"folder": args.drafter}
     directory = cached_dir(target, "drafter", args)
     report_path = directory / "warmup_report.json"
     if report_path.is_file():
