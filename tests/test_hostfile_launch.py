@@ -21,6 +21,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from recipe_overrides import PLAIN_DECODING
 from sglang_fakes import free_port_range, write_stand_in_sglang
 from typer.testing import CliRunner
 
@@ -52,7 +53,7 @@ def hostfile(tmp_path) -> Path:
 
 
 def hostfile_run(model: Path, hostfile: Path, output: Path, name: str, steps: int, *extra: str) -> list[str]:
-    return [*TLT, "train", str(RECIPE), f"model.path={model}", f"workers.hostfile={hostfile}", f"run.output_dir={output}",
+    return [*TLT, "train", str(RECIPE), f"model.path={model}", *PLAIN_DECODING, f"workers.hostfile={hostfile}", f"run.output_dir={output}",
             f"run.name={name}", f"train.steps={steps}", "train.prompts_per_step=4", "train.group_size=2",
             "rollout.max_new_tokens=48", "checkpoint.every=2", *extra]
 

@@ -7,9 +7,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from recipe_overrides import PLAIN_DECODING
 
 from tlt_cli.config import RecipeError, load_recipe
-from tlt_cli.plugins import PluginHost, PluginError, plugin_factory
+from tlt_cli.plugins import PluginError, PluginHost, plugin_factory
 
 TESTS = Path(__file__).resolve().parent
 RECIPE = TESTS.parent / "recipes" / "tiny-cpu.yaml"
@@ -67,7 +68,7 @@ def test_hooks_fire_in_order_in_each_worker_and_a_crashing_plugin_is_disabled(tm
     model = ensure_tiny_model(cache_directory, warmup_steps=40)
     record_directory = tmp_path / "hooks"
     record_directory.mkdir()
-    command = [sys.executable, "-m", "tlt_cli", "train", str(RECIPE), f"model.path={model}", f"run.output_dir={tmp_path}",
+    command = [sys.executable, "-m", "tlt_cli", "train", str(RECIPE), f"model.path={model}", *PLAIN_DECODING, f"run.output_dir={tmp_path}",
                "run.name=plugins", "train.steps=1", "train.prompts_per_step=4", "train.group_size=2",
                "rollout.max_new_tokens=48", "checkpoint.every=1",
                "plugins.enabled=[plugins_for_tests:RecordingPlugin,plugins_for_tests:CrashingPlugin]",

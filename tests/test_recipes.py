@@ -26,6 +26,14 @@ def test_overrides_are_typed_and_applied():
     assert recipe.task.options["path"] == "data.jsonl"
 
 
+def test_string_keys_keep_words_yaml_reads_as_booleans():
+    recipe = load_recipe(shipped_recipes()[0], ["run.name=off", "speculative.mode=off"])
+    assert recipe.run.name == "off" and recipe.speculative.mode == "off"
+    assert load_recipe(shipped_recipes()[0], ["run.name=Yes"]).run.name == "Yes"
+    with pytest.raises(RecipeError, match="train.steps"):
+        load_recipe(shipped_recipes()[0], ["train.steps=off"])
+
+
 def test_recipe_is_frozen():
     recipe = load_recipe(shipped_recipes()[0])
     with pytest.raises(Exception):

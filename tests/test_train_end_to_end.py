@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+from recipe_overrides import PLAIN_DECODING
 
 from tlt_cli.models.tiny import ensure_tiny_model
 
@@ -29,7 +30,7 @@ def small_model(tmp_path_factory, cache_directory) -> Path:
 
 
 def small_run(model: Path, output: Path, name: str, steps: int, *extra: str) -> list[str]:
-    return [*TLT, "train", str(RECIPE), f"model.path={model}", f"run.output_dir={output}", f"run.name={name}",
+    return [*TLT, "train", str(RECIPE), f"model.path={model}", *PLAIN_DECODING, f"run.output_dir={output}", f"run.name={name}",
             f"train.steps={steps}", "train.prompts_per_step=4", "train.group_size=2", "rollout.max_new_tokens=48",
             "checkpoint.every=2", *extra]
 

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
+from recipe_overrides import PLAIN_DECODING
 from sglang_fakes import FAKE_ARGUMENTS_VARIABLE, free_port_range, write_stand_in_sglang
 
 from tlt_cli.models.tiny import ensure_tiny_model
@@ -40,7 +41,7 @@ def sglang_environment(tmp_path) -> dict[str, str]:
 
 def sglang_run(model: Path, output: Path, name: str, workers: int, servers: int, *extra: str) -> list[str]:
     gpus = ",".join(str(gpu) for gpu in range(servers))
-    return [*TLT, "train", str(RECIPE), f"model.path={model}", f"run.output_dir={output}", f"run.name={name}",
+    return [*TLT, "train", str(RECIPE), f"model.path={model}", *PLAIN_DECODING, f"run.output_dir={output}", f"run.name={name}",
             "train.steps=2", f"workers.count={workers}", f"train.prompts_per_step={2 * workers}", "train.group_size=2",
             "rollout.max_new_tokens=12", "checkpoint.every=2", "rollout.backend=sglang", f"rollout.sglang.gpus=[{gpus}]",
             "rollout.sglang.colocated=false", f"rollout.sglang.port_base={free_port_range(2 * servers)}",

@@ -243,6 +243,12 @@ def _apply_override(merged: DictConfig, override: str) -> DictConfig:
     free_form = key.startswith(FREE_FORM_SECTIONS)
     if not free_form and OmegaConf.select(merged, key, default=_MISSING_KEY) is _MISSING_KEY:
         raise RecipeError(f"override key '{key}' is not a recipe key; {_suggest(key)}")
+    value_text = override.split("=", 1)[1].strip()
+    if value_text.lower() in YAML_BOOLEAN_WORDS and isinstance(OmegaConf.select(merged, key, default=None), str):
+        # a string key keeps the word YAML 1.1 would read as a boolean: run.name=off names the run "off"
+        verbatim = OmegaConf.create()
+        OmegaConf.update(verbatim, key, value_text)
+        return OmegaConf.merge(merged, verbatim)
     try:
         parsed = OmegaConf.from_dotlist([override])
     except (YAMLError, OmegaConfBaseException) as error:
@@ -254,6 +260,8 @@ def _apply_override(merged: DictConfig, override: str) -> DictConfig:
 
 
 _MISSING_KEY = object()
+# words YAML 1.1 reads as booleans
+YAML_BOOLEAN_WORDS = frozenset({"y", "yes", "n", "no", "on", "off", "true", "false"})
 # keys under these take any name (options passed through to the chosen task)
 FREE_FORM_SECTIONS = ("task.options.", "plugins.options.")
 
