@@ -119,7 +119,7 @@ def test_sglang_backend_without_sglang_installed_is_one_line(tmp_path):
 
 
 def test_speculative_section_as_sglang_batch_rules():
-    assert batch_rules(load_recipe(TINY).speculative) == [BatchRule(1, None, None)]
+    assert batch_rules(load_recipe(TINY, ["speculative.mode=off"]).speculative) == [BatchRule(1, None, None)]
     fixed = load_recipe(TINY, ["speculative.mode=fixed", "speculative.steps=3", "speculative.topk=2", "speculative.draft_tokens=6"])
     assert batch_rules(fixed.speculative) == [BatchRule(1, None, SpeculativeConfig(3, 2, 6))]
     # accept ranges collapse to the rule an unmeasured bucket starts with; equal neighbours merge
