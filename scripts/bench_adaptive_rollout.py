@@ -1,0 +1,133 @@
+"""Whole rollouts: the adaptive engine vs always off vs always on (each fixed configuration).
+
+    python scripts/bench_adaptive_rollout.py --repeats 5 --out benchmarks/bench_adaptive_rollout.json
+
+Loads the recipe's target and its initial drafter exactly as `tlt train` starts them, then
+generates one worker's shard per repeat (prompts_per_step / workers prompts x group_size samples,
+the recipe's sampling and max_new_tokens; the running batch shrinks as responses end) with:
+  off       plain decoding steps
+  fixed     one SD configuration at every step, for each configuration the rule table uses
+  adaptive  the recipe's rule table (speculative.mode=adaptive)
+Variants run in turn within each repeat, so machine load hits them alike. Every decode step is
+timed and counted in its phase: `large` while the running batch is at least --large-batch (where
+SD costs more than it saves), `tail` below. Prints emitted tokens per second over the whole
+rollout and per phase, with ratios to off (sampled outputs differ between variants sample for
+sample, so rates, not times, are compared), and writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from tlt_cli.adaptive import OFF, build_rules, parse_label
+from tlt_cli.calibration.calibrate import load_model_pair
+from tlt_cli.config import load_recipe
+from tlt_cli.drafter.initial import speculative_decoder
+from tlt_cli.recipes import resolve_recipe_path
+from tlt_cli.rollout.engine import EmbeddedEngine
+from tlt_cli.rollout.speculative import SpeculativeDecoder
+from tlt_cli.rollout.types import RolloutRequest, SamplingParams
+from tlt_cli.tasks.registry import build_task
+
+PHASES = ("large", "tail")
+
+
+def timed(decoder: SpeculativeDecoder, large_batch: int) -> dict[str, list[float]]:
+    """Instrument `decoder.step` in place: per phase, [seconds, emitted tokens] of its decode steps."""
+    phases = {phase: [0.0, 0.0] for phase in PHASES}
+    original_step = decoder.step
+
+    def step(engine, batch, sampling, generator):
+        phase = "large" if batch.size >= large_batch else "tail"
+        started = time.perf_counter()
+        emitted, counts = original_step(engine, batch, sampling, generator)
+        phases[phase][0] += time.perf_counter() - started
+        phases[phase][1] += float(counts.sum())
+        return emitted, counts
+
+    decoder.step = step
+    return phases
+
+
+def variants(recipe, drafter) -> dict[str, callable]:
+    """name -> a factory of a fresh decoder (a new schedule per rollout, as each worker step starts one)."""
+    labels = sorted({label for rule in recipe.speculative.rules for label in [rule["use"], *rule.get("candidates", [])]} - {OFF})
+    factories = {"off": lambda: SpeculativeDecoder(drafter, lambda batch_size: None)}
+    for label in labels:
+        factories[f"fixed {label}"] = fixed_factory(drafter, label)
+    factories["adaptive"] = lambda: speculative_decoder(recipe, drafter)
+    return factories
+
+
+def fixed_factory(drafter, label: str):
+    config = parse_label(label)
+    return lambda: SpeculativeDecoder(drafter, config)
+
+
+def run_shard(pair, decoder, requests, sampling, seed: int, large_batch: int) -> dict[str, list[float]]:
+    phases = timed(decoder, large_batch)
+    engine = EmbeddedEngine(pair.target, pair.eos_token_id, pair.pad_token_id, speculative=decoder)
+    engine.generate(requests, sampling, torch.Generator().manual_seed(seed))
+    return phases
+
+
+def summarize(measurements: dict[str, list[dict[str, list[float]]]]) -> dict:
+    """Per variant and phase: the median over repeats of emitted tokens per second, and its ratio to off."""
+    def rate(runs, phases):
+        return statistics.median([sum(run[p][1] for p in phases) / max(sum(run[p][0] for p in phases), 1e-9) for run in runs])
+
+    scopes = {"whole rollout": PHASES, "large": ("large",), "tail": ("tail",)}
+    rates = {name: {scope: rate(runs, phases) for scope, phases in scopes.items()} for name, runs in measurements.items()}
+    return {name: {scope: {"tokens_per_second": value, "vs_off": value / rates["off"][scope]} for scope, value in by_scope.items()}
+            for name, by_scope in rates.items()}
+
+
+def render(summary: dict, large_batch: int) -> None:
+    table = Table(title=f"whole rollouts of one worker shard: tokens/s (ratio to off); large = running batch >= {large_batch}")
+    for column in ("variant", "whole rollout", "large-batch phase", "tail phase"):
+        table.add_column(column, justify="right")
+    for name, by_scope in summary.items():
+        table.add_row(name, *(f"{by_scope[scope]['tokens_per_second']:.0f} ({by_scope[scope]['vs_off']:.2f}x)"
+                              for scope in ("whole rollout", "large", "tail")))
+    Console().print(table)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--recipe", default="tiny-cpu")
+    parser.add_argument("--repeats", type=int, default=5, help="shards generated per variant; the median counts")
+    parser.add_argument("--large-batch", type=int, default=8, help="running batch sizes from here on count as the large phase")
+    parser.add_argument("--out", type=Path, default=Path("bench-adaptive-rollout.json"))
+    parser.add_argument("overrides", nargs="*", help="key=value recipe overrides")
+    arguments = parser.parse_args()
+    recipe = load_recipe(resolve_recipe_path(arguments.recipe), ["speculative.mode=adaptive", *arguments.overrides])
+    build_rules([dict(rule) for rule in recipe.speculative.rules])  # a bad table fails here, before any work
+    torch.set_num_threads(recipe.workers.threads_per_worker)
+    pair, tokenizer, _ = load_model_pair(recipe)
+    task = build_task(recipe.task.name, recipe.run.seed, dict(recipe.task.options))
+    sampling = SamplingParams(recipe.rollout.max_new_tokens, recipe.rollout.temperature, recipe.rollout.top_p, recipe.rollout.top_k)
+    prompts_per_shard = recipe.train.prompts_per_step // recipe.workers.count
+    factories = variants(recipe, pair.drafter)
+    measurements: dict[str, list[dict[str, list[float]]]] = {name: [] for name in factories}
+    for repeat in range(arguments.repeats):
+        prompts = [tuple(tokenizer.encode(task.problem(repeat * prompts_per_shard + number).prompt, add_special_tokens=False))
+                   for number in range(prompts_per_shard)]
+        requests = [RolloutRequest(row, prompts[row // recipe.train.group_size]) for row in range(prompts_per_shard * recipe.train.group_size)]
+        for name, factory in factories.items():
+            measurements[name].append(run_shard(pair, factory(), requests, sampling, recipe.run.seed + repeat, arguments.large_batch))
+    summary = summarize(measurements)
+    render(summary, arguments.large_batch)
+    arguments.out.write_text(json.dumps({"rules": [dict(rule) for rule in recipe.speculative.rules], "summary": summary,
+                                         "measurements": measurements}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
