@@ -72,9 +72,11 @@ def compare(problems, start: list[list[float]], trained: list[list[float]], term
         pair = (sum(before) / len(before), sum(after) / len(after))
         buckets["all"].append(pair)
         buckets[term_count(problem)].append(pair)
-    return {label: {"start": mean_and_error([before for before, _ in pairs]), "trained": mean_and_error([after for _, after in pairs]),
-                    "difference": mean_and_error([after - before for before, after in pairs]), "problems": len(pairs)}
-            for label, pairs in buckets.items()}
+    order = ["all", *sorted((label for label in buckets if label != "all"), key=lambda label: int(label.split("-")[0].rstrip("+")))]
+    return {label: {"start": mean_and_error([before for before, _ in buckets[label]]),
+                    "trained": mean_and_error([after for _, after in buckets[label]]),
+                    "difference": mean_and_error([after - before for before, after in buckets[label]]), "problems": len(buckets[label])}
+            for label in order}
 
 
 def main() -> None:
