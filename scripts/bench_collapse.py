@@ -8,8 +8,10 @@ Runs the tiny recipe three times with the same seed, back to back:
   fault     adaptive, and at the start of step 10 every worker's drafter is overwritten with noise
             (scripts/drafter_faults.py, as after a broken weight sync); no sidecar, so nothing repairs it
 and prints per step the step time of each, the accept length and SD decode steps of `fault`, the
-collapse warnings it wrote, and the mean step time after the fault relative to SD off (the goal:
-within 5%). Writes JSON.
+collapse warnings it wrote, and after the fault: the mean step time relative to SD off, the
+rollout seconds per token of each step's longest response relative to SD off (each run samples
+its own responses, so raw step times mostly compare the lengths of their longest responses; the
+goal is within 5%), and the worker-seconds the fault run still decoded with SD (re-probes). Writes JSON.
 """
 
 from __future__ import annotations
@@ -41,9 +43,17 @@ def summarize(results: dict[str, list[dict]]) -> dict:
     steps = {name: step_rows(records) for name, records in results.items()}
     after = slice(FAULT_STEP + 1, None)  # the fault step itself holds the detection
     seconds_after = {name: mean([row["step_seconds"] for row in rows[after]]) for name, rows in steps.items()}
+    # each run samples its own responses, so one step's rollout time mostly says how long its longest
+    # response was: rollout seconds per token of the longest response compares decoding speed itself
+    per_tail_token = {name: mean([row["rollout_seconds"] / row["response_length_max"] for row in rows[after]]) for name, rows in steps.items()}
     return {
         "fault_step": FAULT_STEP,
         "step_seconds_after_fault": seconds_after,
+        "rollout_seconds_per_tail_token_after_fault": per_tail_token,
+        "fault_over_off_per_tail_token": per_tail_token["fault"] / per_tail_token["off"],
+        "adaptive_over_off_per_tail_token": per_tail_token["adaptive"] / per_tail_token["off"],
+        "sd_seconds_per_step_after_fault": mean([row["sd_on_seconds"] for row in steps["fault"][after]]),
+        "sd_seconds_per_step_before_fault": mean([row["sd_on_seconds"] for row in steps["fault"][:FAULT_STEP]]),
         "fault_over_off_after_fault": seconds_after["fault"] / seconds_after["off"],
         "adaptive_over_off_after_fault": seconds_after["adaptive"] / seconds_after["off"],
         "sd_decode_steps_in_fault_step": sd_decode_steps(results["fault"], FAULT_STEP),

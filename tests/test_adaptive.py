@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from tlt_cli.adaptive import AdaptiveSchedule, RuleTableError, build_rules, parse_label
+from tlt_cli.adaptive import COLLAPSE_MIN_STEPS, AdaptiveSchedule, RuleTableError, build_rules, parse_label
 from tlt_cli.drafter.model import EagleDrafter
 from tlt_cli.rollout.adaptive_decoding import AdaptiveSpeculativeDecoder
 from tlt_cli.rollout.engine import EmbeddedEngine
@@ -59,10 +59,13 @@ def test_choice_follows_batch_size_then_measured_acceptance():
 def test_collapse_turns_sd_off_warns_once_and_reprobes():
     table = [{"batch": [1, None], "use": "s4-k1"}]
     schedule = AdaptiveSchedule(build_rules(table), collapse_accept_length=1.3, reprobe_steps=10)
-    schedule(2)
-    schedule.observe(emitted_tokens=2, verify_passes=2, seconds=0.01)  # accept length 1.0: collapsed
-    warnings = schedule.take_warnings()
-    assert len(warnings) == 1 and "collapsed to 1.00" in warnings[0]
+    warnings = []
+    for _ in range(COLLAPSE_MIN_STEPS):
+        assert schedule(2) == SpeculativeConfig(4)  # SD until the bucket is measured enough
+        schedule.observe(emitted_tokens=2, verify_passes=2, seconds=0.01)  # accept length 1.0
+        warnings.append(schedule.take_warnings())
+    assert warnings[:-1] == [[]] * (COLLAPSE_MIN_STEPS - 1)  # one bad step is not yet a collapse
+    assert len(warnings[-1]) == 1 and "collapsed to 1.00" in warnings[-1][0]
     choices = []
     for _ in range(10):
         choices.append(schedule(2))
@@ -110,3 +113,12 @@ def test_switching_configurations_mid_rollout_is_lossless(drafter_kind):
     assert [completion.response_ids for completion in adaptive] == [completion.response_ids for completion in plain]
     usage = schedule.take_usage()
     assert usage["off"].decode_steps > 0 and sum(usage[label].decode_steps for label in usage if label != "off") > 0
+
+
+def test_schedule_state_from_before_measured_steps_loads():
+    table = [{"batch": [1, None], "use": "s4-k1"}]
+    schedule = AdaptiveSchedule(build_rules(table))
+    older = {"states": [(1.1, True, 3, {"s4-k1-t5": [120.0]})], "random": schedule.random.getstate()}
+    schedule.load_state_dict(older)
+    state = schedule.states[0]
+    assert state.collapsed and state.steps_since_probe == 3 and state.measured_steps == COLLAPSE_MIN_STEPS

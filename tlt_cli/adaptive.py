@@ -24,6 +24,7 @@ from tlt_cli.rollout.types import SpeculativeConfig
 
 OFF = "off"
 ACCEPT_SMOOTHING = 0.3  # weight of the newest step in the accept-length moving average
+COLLAPSE_MIN_STEPS = 4  # SD steps a bucket must have measured before its accept length can count as collapsed
 UNBOUNDED = float("inf")
 
 
@@ -118,6 +119,7 @@ class BucketState:
     """What the schedule has learned about one batch-size bucket (checkpointed)."""
 
     accept_length: float = UNBOUNDED  # optimistic until measured
+    measured_steps: int = 0
     collapsed: bool = False
     steps_since_probe: int = 0
     rewards: dict[str, deque] = field(default_factory=dict)
@@ -196,7 +198,9 @@ class AdaptiveSchedule:
         state = self.states[bucket]
         previous = state.accept_length
         state.accept_length = accept_length if previous == UNBOUNDED else (1 - ACCEPT_SMOOTHING) * previous + ACCEPT_SMOOTHING * accept_length
-        collapsed = state.accept_length < self.collapse_accept_length
+        state.measured_steps += 1
+        # one unlucky first step is not a collapse: judge only a bucket measured a few times
+        collapsed = state.accept_length < self.collapse_accept_length and state.measured_steps >= COLLAPSE_MIN_STEPS
         if collapsed and not state.collapsed:
             self.warnings.append(f"SD accept length collapsed to {state.accept_length:.2f} at batch sizes {self._range(bucket)}: "
                                  f"SD off there, re-probed every {self.reprobe_steps} decode steps")
@@ -218,11 +222,14 @@ class AdaptiveSchedule:
 
     def state_dict(self) -> dict:
         return {"states": [(state.accept_length, state.collapsed, state.steps_since_probe,
-                            {label: list(values) for label, values in state.rewards.items()}) for state in self.states],
+                            {label: list(values) for label, values in state.rewards.items()}, state.measured_steps)
+                           for state in self.states],
                 "random": self.random.getstate()}
 
     def load_state_dict(self, saved: dict) -> None:
-        for state, (accept_length, collapsed, steps_since_probe, rewards) in zip(self.states, saved["states"]):
+        for state, (accept_length, collapsed, steps_since_probe, rewards, *measured) in zip(self.states, saved["states"]):
             state.accept_length, state.collapsed, state.steps_since_probe = accept_length, collapsed, steps_since_probe
             state.rewards = {label: deque(values, maxlen=self.reward_window) for label, values in rewards.items()}
+            # checkpoints written before measured_steps existed: a measured bucket counts as measured enough
+            state.measured_steps = measured[0] if measured else (COLLAPSE_MIN_STEPS if accept_length != UNBOUNDED else 0)
         self.random.setstate(saved["random"])
