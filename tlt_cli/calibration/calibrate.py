@@ -6,7 +6,7 @@ initial drafter exactly as a training run starts them (built-in tiny model and o
 warm-up cached under the model cache, on the first actor device, in the actor's precision),
 measures the grid (tlt_cli/calibration/measure.py) on `workers.threads_per_worker` threads with the
 recipe's sampling settings; at running batch size B it times the prompts of the B longest responses
-of a worker's shard (`group_size` samples of each prompt), the rows a rollout's tail consists of,
+of a pool of worker shards (`group_size` samples of each prompt), so windows stay inside real responses,
 and returns the measurements with the rules chosen from them (tlt_cli/calibration/rules.py).
 Simplification: one process measures one worker's engine; contention between the recipe's
 parallel workers is not reproduced.
@@ -46,6 +46,8 @@ from tlt_cli.tasks.registry import build_task
 
 CALIBRATION_DIRECTORY_SUFFIX = "-calibration"
 OUTPUT_FILE = "calibration.json"
+# worker shards generated per repeat to find rows with long responses
+POOL_SHARDS = 4
 
 
 @dataclass(frozen=True)
@@ -86,7 +88,7 @@ def calibrate(recipe_name: str, overrides: list[str], settings: CalibrationSetti
     torch.set_num_threads(recipe.workers.threads_per_worker)
     try:
         shard_sampling = replace(sampling, max_new_tokens=recipe.rollout.max_new_tokens)
-        requests_for = _tail_request_maker(pair, task, tokenizer, recipe, shard_sampling)
+        requests_for = _long_request_maker(pair, task, tokenizer, recipe, shard_sampling)
         cells = measure_grid(pair, batch_sizes, configs, requests_for, sampling, recipe.run.seed,
                              settings.warmup_steps, settings.timed_steps, settings.repeats, on_window)
     finally:
@@ -166,25 +168,27 @@ def load_model_pair(recipe: Recipe) -> tuple[ModelPair, PreTrainedTokenizerBase,
     return ModelPair(target, drafter, tokenizer.pad_token_id, tokenizer.eos_token_id, device), tokenizer, str(folder)
 
 
-def _tail_request_maker(pair: ModelPair, task: Task, tokenizer: PreTrainedTokenizerBase, recipe: Recipe,
+def _long_request_maker(pair: ModelPair, task: Task, tokenizer: PreTrainedTokenizerBase, recipe: Recipe,
                         sampling: SamplingParams) -> Callable[[int, int], list[RolloutRequest]]:
-    """requests_for(batch_size, repeat): the rows a worker's batch has shrunk to at that size.
+    """requests_for(batch_size, repeat): B rows whose natural responses are among the longest.
 
-    A rollout's running batch shrinks as responses end, so at batch size B the rows still running
-    are the B with the longest responses. For each repeat this generates one worker shard of the
-    task (its next prompts, group_size samples each, plain decoding with the recipe's sampling and
-    max_new_tokens) and hands out the prompts of its B longest responses: windows are timed on the
-    requests that really make up the tail, not on short ones that would have ended.
+    A window holds the batch at B rows for a fixed number of decode steps, and a row that would
+    have ended keeps decoding past its end, into text no rollout ever produces (and that drafts
+    badly). So for each repeat this generates POOL_SHARDS worker shards of the task (their
+    prompts, group_size samples each, plain decoding with the recipe's sampling and
+    max_new_tokens) and hands out the prompts of the B longest responses of that pool: at small B
+    exactly the rows a rollout's tail is made of, at large B rows that stay inside real responses
+    for the whole window.
     """
-    shards: dict[int, list[tuple[int, ...]]] = {}
+    pools: dict[int, list[tuple[int, ...]]] = {}
+    prompts_per_pool = POOL_SHARDS * (recipe.train.prompts_per_step // recipe.workers.count)
 
     def longest_first(repeat: int) -> list[tuple[int, ...]]:
-        if repeat not in shards:
-            first = repeat * (recipe.train.prompts_per_step // recipe.workers.count)
-            prompts = [tuple(tokenizer.encode(task.problem(first + number).prompt, add_special_tokens=False))
-                       for number in range(recipe.train.prompts_per_step // recipe.workers.count)]
-            shards[repeat] = prompts_by_response_length(pair, prompts, recipe.train.group_size, sampling, recipe.run.seed + repeat)
-        return shards[repeat]
+        if repeat not in pools:
+            prompts = [tuple(tokenizer.encode(task.problem(repeat * prompts_per_pool + number).prompt, add_special_tokens=False))
+                       for number in range(prompts_per_pool)]
+            pools[repeat] = prompts_by_response_length(pair, prompts, recipe.train.group_size, sampling, recipe.run.seed + repeat)
+        return pools[repeat]
 
     def requests_for(batch_size: int, repeat: int) -> list[RolloutRequest]:
         return [RolloutRequest(row, prompt) for row, prompt in enumerate(longest_first(repeat)[:batch_size])]
