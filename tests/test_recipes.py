@@ -34,6 +34,16 @@ def test_string_keys_keep_words_yaml_reads_as_booleans():
         load_recipe(shipped_recipes()[0], ["train.steps=off"])
 
 
+def test_recipe_files_read_yes_no_on_off_as_words_and_refuse_repeated_keys(tmp_path):
+    recipe_file = tmp_path / "words.yaml"
+    recipe_file.write_text("run:\n  name: off\nspeculative:\n  mode: off\nrollout:\n  sglang:\n    colocated: no\n")
+    recipe = load_recipe(recipe_file)
+    assert recipe.run.name == "off" and recipe.speculative.mode == "off" and recipe.rollout.sglang.colocated is False
+    recipe_file.write_text("run:\n  name: a\nrun:\n  name: b\n")
+    with pytest.raises(RecipeError, match="line 3: key 'run' appears twice"):
+        load_recipe(recipe_file)
+
+
 def test_recipe_is_frozen():
     recipe = load_recipe(shipped_recipes()[0])
     with pytest.raises(Exception):

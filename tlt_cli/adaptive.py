@@ -34,7 +34,7 @@ class RuleTableError(ValueError):
 
 def parse_label(label: str) -> SpeculativeConfig | None:
     """'off' -> None; 's4-k1-t5' (steps, topk, draft tokens; '-tN' optional) -> SpeculativeConfig."""
-    if label in (OFF, "False"):  # YAML 1.1 reads a bare `off` as false
+    if label == OFF:
         return None
     parts = {part[0]: part[1:] for part in label.split("-") if part}
     try:

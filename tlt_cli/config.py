@@ -9,10 +9,12 @@ the key, which the CLI prints before exiting with code 2.
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from yaml import YAMLError
@@ -187,19 +189,51 @@ SPECULATIVE_MODES = ("off", "fixed", "adaptive")
 DRAFTER_STARTS = ("warmup", "random")
 
 
+class _RecipeYamlLoader(yaml.SafeLoader):
+    """YAML 1.2 booleans: only true and false. YAML 1.1 also reads yes/no/on/off as booleans, which
+    would turn `speculative.mode: off` or `run.name=off` into False; as words they stay strings, and
+    boolean keys still accept them (OmegaConf converts "off" to False for a bool field). A key given
+    twice in one mapping is an error, not a silent override."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen = []
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"key {key!r} appears twice in one mapping", key_node.start_mark)
+            seen.append(key)
+        return super().construct_mapping(node, deep)
+
+
+_RecipeYamlLoader.yaml_implicit_resolvers = {
+    first: [(tag, pattern) for tag, pattern in resolvers if tag != "tag:yaml.org,2002:bool"]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_RecipeYamlLoader.add_implicit_resolver("tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF"))
+
+
+def read_yaml(text: str) -> Any:
+    """A recipe file's or an override value's YAML, with YAML 1.2 booleans (see _RecipeYamlLoader)."""
+    return yaml.load(text, Loader=_RecipeYamlLoader)
+
+
 def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Recipe:
     """Read a YAML recipe, apply `key=value` overrides, and return the validated Recipe."""
     recipe_path = Path(path)
     if not recipe_path.is_file():
         raise RecipeError(f"recipe file {recipe_path} does not exist; pass the path of a YAML recipe (see `tlt recipes list`).")
     try:
-        loaded = OmegaConf.load(recipe_path)
-    except (YAMLError, OmegaConfBaseException) as error:
+        content = read_yaml(recipe_path.read_text(encoding="utf-8"))
+    except YAMLError as error:
         mark = getattr(error, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark is not None else ""
         raise RecipeError(f"recipe file {recipe_path} is not valid YAML{where}: {_first_line(error)}.") from None
-    if not isinstance(loaded, DictConfig):
+    if not isinstance(content, dict | None):
         raise RecipeError(f"recipe file {recipe_path} must hold a mapping of sections (run:, model:, ...), not a list or a scalar.")
+    try:
+        loaded = OmegaConf.create(content or {})
+    except OmegaConfBaseException as error:
+        raise RecipeError(f"recipe file {recipe_path} is not a valid recipe: {_first_line(error)}.") from None
     _check_sections(loaded, str(recipe_path))
     return recipe_from_config(loaded, overrides, origin=str(recipe_path))
 
@@ -220,20 +254,12 @@ def recipe_from_config(loaded: DictConfig, overrides: list[str] | tuple[str, ...
         raise RecipeError(f"{origin}: {_describe(error)}") from None
     for override in overrides:
         merged = _apply_override(merged, override)
-    merged = _unquoted_off(merged)
     try:
         recipe = OmegaConf.to_object(merged)
     except OmegaConfBaseException as error:
         raise RecipeError(f"{origin}: {_describe(error)}") from None
     validate_recipe(recipe)
     return recipe
-
-
-def _unquoted_off(merged: DictConfig) -> DictConfig:
-    """YAML 1.1 reads a bare `off` as false (stored as "False" in a string key): `speculative.mode: off` means "off"."""
-    if merged.speculative.mode == "False":
-        return OmegaConf.merge(merged, {"speculative": {"mode": "off"}})
-    return merged
 
 
 def _apply_override(merged: DictConfig, override: str) -> DictConfig:
@@ -243,14 +269,9 @@ def _apply_override(merged: DictConfig, override: str) -> DictConfig:
     free_form = key.startswith(FREE_FORM_SECTIONS)
     if not free_form and OmegaConf.select(merged, key, default=_MISSING_KEY) is _MISSING_KEY:
         raise RecipeError(f"override key '{key}' is not a recipe key; {_suggest(key)}")
-    value_text = override.split("=", 1)[1].strip()
-    if value_text.lower() in YAML_BOOLEAN_WORDS and isinstance(OmegaConf.select(merged, key, default=None), str):
-        # a string key keeps the word YAML 1.1 would read as a boolean: run.name=off names the run "off"
-        verbatim = OmegaConf.create()
-        OmegaConf.update(verbatim, key, value_text)
-        return OmegaConf.merge(merged, verbatim)
     try:
-        parsed = OmegaConf.from_dotlist([override])
+        parsed = OmegaConf.create()
+        OmegaConf.update(parsed, key, read_yaml(override.split("=", 1)[1]))
     except (YAMLError, OmegaConfBaseException) as error:
         raise RecipeError(f"override '{override}': the value is not valid YAML ({_first_line(error)}).") from None
     try:
@@ -260,8 +281,6 @@ def _apply_override(merged: DictConfig, override: str) -> DictConfig:
 
 
 _MISSING_KEY = object()
-# words YAML 1.1 reads as booleans
-YAML_BOOLEAN_WORDS = frozenset({"y", "yes", "n", "no", "on", "off", "true", "false"})
 # keys under these take any name (options passed through to the chosen task)
 FREE_FORM_SECTIONS = ("task.options.", "plugins.options.")
 
