@@ -16,14 +16,13 @@ goal is within 5%), and the worker-seconds the fault run still decoded with SD (
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
 from drafter_faults import FAULT_STEP
 from rich.console import Console
 from rich.table import Table
-from training_runs import mean, run_training, step_rows
+from training_runs import benchmark_parser, mean, run_variants, step_rows
 
 SCRIPTS = Path(__file__).resolve().parent
 VARIANTS = {
@@ -79,17 +78,11 @@ def render(results: dict[str, list[dict]], summary: dict) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--output-dir", type=Path, default=Path("runs/bench-collapse"))
-    parser.add_argument("--out", type=Path, default=Path("bench-collapse.json"))
-    parser.add_argument("overrides", nargs="*", help="extra key=value recipe overrides for every run")
+    parser = benchmark_parser(__doc__.splitlines()[0], "bench-collapse")
     arguments = parser.parse_args()
     if arguments.steps <= FAULT_STEP + 2:
         parser.error(f"--steps must exceed {FAULT_STEP + 2}: the fault hits step {FAULT_STEP}.")
-    arguments.output_dir.mkdir(parents=True, exist_ok=True)
-    results = {name: run_training(name, VARIANTS[name] + arguments.overrides, arguments.steps, arguments.output_dir, SCRIPTS)
-               for name in VARIANTS}
+    results = run_variants(VARIANTS, arguments.overrides, arguments.steps, arguments.output_dir, SCRIPTS)
     summary = summarize(results)
     render(results, summary)
     arguments.out.write_text(json.dumps({"summary": summary, "records": results}, indent=1))

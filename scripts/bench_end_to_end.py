@@ -15,13 +15,12 @@ delay) says what bounds the ratio: speculative decoding only shortens the rollou
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
-from training_runs import mean, run_training, step_rows
+from training_runs import benchmark_parser, mean, run_training, step_rows
 
 VARIANTS = {
     "off": ["speculative.mode=off", "plugins.enabled=[]"],
@@ -102,14 +101,9 @@ def render(summary: dict) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=20)
+    parser = benchmark_parser(__doc__.splitlines()[0], "bench-end-to-end")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--output-dir", type=Path, default=Path("runs/bench-end-to-end"))
-    parser.add_argument("--out", type=Path, default=Path("bench-end-to-end.json"))
-    parser.add_argument("overrides", nargs="*", help="extra key=value recipe overrides for every run")
     arguments = parser.parse_args()
-    arguments.output_dir.mkdir(parents=True, exist_ok=True)
     results = run_seeds(arguments.seeds, arguments.steps, arguments.output_dir, arguments.overrides)
     summary = summarize(results)
     render(summary)

@@ -19,13 +19,11 @@ Writes everything as JSON.
 
 from __future__ import annotations
 
-import argparse
 import json
-from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
-from training_runs import mean, run_training
+from training_runs import benchmark_parser, mean, run_variants
 
 VARIANTS = {
     "plain": ["speculative.mode=off"],
@@ -88,18 +86,12 @@ def render(results: dict[str, list[dict]], summary: dict) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--output-dir", type=Path, default=Path("runs/bench-online"))
-    parser.add_argument("--out", type=Path, default=Path("bench-online.json"))
+    parser = benchmark_parser(__doc__.splitlines()[0], "bench-online")
     parser.add_argument("--accept-only", action="store_true",
                         help="run only `frozen` and `online` (accept lengths and idle use; no overhead numbers)")
-    parser.add_argument("overrides", nargs="*", help="extra key=value recipe overrides for every variant")
     arguments = parser.parse_args()
-    arguments.output_dir.mkdir(parents=True, exist_ok=True)
     names = ["frozen", "online"] if arguments.accept_only else list(VARIANTS)
-    results = {name: run_training(name.replace("+", "-"), VARIANTS[name] + arguments.overrides, arguments.steps, arguments.output_dir)
-               for name in names}
+    results = run_variants({name: VARIANTS[name] for name in names}, arguments.overrides, arguments.steps, arguments.output_dir)
     summary = summarize(results)
     render(results, summary)
     arguments.out.write_text(json.dumps({"summary": summary, "records": results}, indent=1))

@@ -20,11 +20,11 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
-from omegaconf import OmegaConf
 from rich.console import Console
 from rich.table import Table
 
 from tlt_cli.checkpoint import latest_checkpoint
+from tlt_cli.config import load_recipe
 from tlt_cli.models.loading import load_policy
 from tlt_cli.rollout.engine import EmbeddedEngine
 from tlt_cli.rollout.types import RolloutRequest, SamplingParams
@@ -88,7 +88,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("eval_policy.json"))
     arguments = parser.parse_args()
     torch.set_num_threads(1)
-    recipe = OmegaConf.load(arguments.run_directory / "recipe.yaml")
+    recipe = load_recipe(arguments.run_directory / "recipe.yaml")
     task = build_task(recipe.task.name, recipe.run.seed, dict(recipe.task.options))
     problems = [task.problem(HELD_OUT_START + index) for index in range(arguments.problems)]
     sampling = SamplingParams(max_new_tokens=recipe.rollout.max_new_tokens, temperature=recipe.rollout.temperature,

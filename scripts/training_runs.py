@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shutil
@@ -19,6 +20,7 @@ RECIPE = Path(__file__).resolve().parent.parent / "recipes" / "tiny-cpu.yaml"
 def run_training(run_name: str, overrides: list[str], steps: int, output: Path, python_path: Path | None = None) -> list[dict]:
     """Train `steps` steps of the tiny recipe with `overrides`; the step, worker, sd_config and warning
     records of its trace. `python_path` is prepended to PYTHONPATH (for `module:attribute` plugins)."""
+    output.mkdir(parents=True, exist_ok=True)
     shutil.rmtree(output / run_name, ignore_errors=True)  # the benchmark's own scratch run from an earlier call
     command = [sys.executable, "-m", "tlt_cli", "train", str(RECIPE), f"train.steps={steps}", f"run.name={run_name}",
                f"run.output_dir={output}", f"checkpoint.every={steps}", *overrides]
@@ -28,6 +30,23 @@ def run_training(run_name: str, overrides: list[str], steps: int, output: Path, 
     subprocess.run(command, check=True, stdout=subprocess.DEVNULL, env=environment)
     lines = (output / run_name / "trace.jsonl").read_text().splitlines()
     return [record for record in map(json.loads, lines) if record["type"] in ("step", "worker", "sd_config", "warning")]
+
+
+def run_variants(variants: dict[str, list[str]], overrides: list[str], steps: int, output: Path,
+                 python_path: Path | None = None) -> dict[str, list[dict]]:
+    """run_training for each named variant in turn, with the shared overrides after its own."""
+    return {name: run_training(name.replace("+", "-"), [*variant, *overrides], steps, output, python_path)
+            for name, variant in variants.items()}
+
+
+def benchmark_parser(description: str, name: str, default_steps: int = 20) -> argparse.ArgumentParser:
+    """What every training benchmark takes: --steps, --output-dir (runs/<name>), --out (<name>.json), overrides."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--steps", type=int, default=default_steps)
+    parser.add_argument("--output-dir", type=Path, default=Path("runs") / name)
+    parser.add_argument("--out", type=Path, default=Path(f"{name}.json"))
+    parser.add_argument("overrides", nargs="*", help="extra key=value recipe overrides for every run")
+    return parser
 
 
 def step_rows(records: list[dict]) -> list[dict]:
