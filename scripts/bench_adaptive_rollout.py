@@ -3,14 +3,17 @@
     python scripts/bench_adaptive_rollout.py --repeats 5 --out benchmarks/bench_adaptive_rollout.json
 
 Loads the recipe's target and its initial drafter exactly as `tlt train` starts them, then
-generates one worker's shard per repeat (prompts_per_step / workers prompts x group_size samples,
+generates one worker's shard per repeat, from task problem --first-prompt on (default 100000, so
+not the problems `tlt calibrate` measured the rule table on) (prompts_per_step / workers prompts x group_size samples,
 the recipe's sampling and max_new_tokens; the running batch shrinks as responses end) with:
   off       plain decoding steps
-  fixed     one SD configuration at every step, for each configuration the rule table uses
+  fixed     one SD configuration at every step: each one --fixed lists (default: tlt calibrate's
+            default configurations) and each one the rule table uses
   adaptive  the recipe's rule table (speculative.mode=adaptive)
 Variants run in turn within each repeat, so machine load hits them alike. Every decode step is
 timed and counted in its phase: `large` while the running batch is at least --large-batch (where
-SD costs more than it saves), `tail` below. Prints emitted tokens per second over the whole
+SD costs more than it saves), `tail` below; a step counts with the running batch it began with,
+from its start to the end of its bookkeeping, and for the response tokens it added. Prints emitted tokens per second over the whole
 rollout and per phase, with ratios to off (sampled outputs differ between variants sample for
 sample, so rates, not times, are compared), and writes JSON.
 """
@@ -20,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 from pathlib import Path
 
 import torch
@@ -29,37 +31,22 @@ from rich.table import Table
 
 from tlt_cli.adaptive import OFF, build_rules, parse_label
 from tlt_cli.calibration.calibrate import load_model_pair
+from tlt_cli.calibration.settings import DEFAULT_CONFIGS
 from tlt_cli.config import load_recipe
 from tlt_cli.drafter.initial import speculative_decoder
 from tlt_cli.recipes import resolve_recipe_path
 from tlt_cli.rollout.engine import EmbeddedEngine
 from tlt_cli.rollout.speculative import SpeculativeDecoder
-from tlt_cli.rollout.types import RolloutRequest, SamplingParams
+from tlt_cli.rollout.types import DecodeStep, RolloutRequest, SamplingParams
 from tlt_cli.tasks.registry import build_task
 
 PHASES = ("large", "tail")
 
 
-def timed(decoder: SpeculativeDecoder, large_batch: int) -> dict[str, list[float]]:
-    """Instrument `decoder.step` in place: per phase, [seconds, emitted tokens] of its decode steps."""
-    phases = {phase: [0.0, 0.0] for phase in PHASES}
-    original_step = decoder.step
-
-    def step(engine, batch, sampling, generator):
-        phase = "large" if batch.size >= large_batch else "tail"
-        started = time.perf_counter()
-        emitted, counts = original_step(engine, batch, sampling, generator)
-        phases[phase][0] += time.perf_counter() - started
-        phases[phase][1] += float(counts.sum())
-        return emitted, counts
-
-    decoder.step = step
-    return phases
-
-
-def variants(recipe, drafter) -> dict[str, callable]:
+def variants(recipe, drafter, fixed: list[str]) -> dict[str, callable]:
     """name -> a factory of a fresh decoder (a new schedule per rollout, as each worker step starts one)."""
-    labels = sorted({label for rule in recipe.speculative.rules for label in [rule["use"], *rule.get("candidates", [])]} - {OFF})
+    in_table = {label for rule in recipe.speculative.rules for label in [rule["use"], *rule.get("candidates", [])]}
+    labels = sorted((in_table | set(fixed)) - {OFF}, key=lambda label: (parse_label(label).steps, label))
     factories = {"off": lambda: SpeculativeDecoder(drafter, lambda batch_size: None)}
     for label in labels:
         factories[f"fixed {label}"] = fixed_factory(drafter, label)
@@ -73,9 +60,16 @@ def fixed_factory(drafter, label: str):
 
 
 def run_shard(pair, decoder, requests, sampling, seed: int, large_batch: int) -> dict[str, list[float]]:
-    phases = timed(decoder, large_batch)
+    """Per phase, [seconds, response tokens] of the shard's decode steps (each counted with the batch it began with)."""
+    phases = {phase: [0.0, 0.0] for phase in PHASES}
+
+    def record(step: DecodeStep) -> None:
+        phase = phases["large" if step.batch_size >= large_batch else "tail"]
+        phase[0] += step.seconds
+        phase[1] += step.tokens
+
     engine = EmbeddedEngine(pair.target, pair.eos_token_id, pair.pad_token_id, speculative=decoder)
-    engine.generate(requests, sampling, torch.Generator().manual_seed(seed))
+    engine.generate(requests, sampling, torch.Generator().manual_seed(seed), on_decode_step=record)
     return phases
 
 
@@ -105,6 +99,8 @@ def main() -> None:
     parser.add_argument("--recipe", default="tiny-cpu")
     parser.add_argument("--repeats", type=int, default=5, help="shards generated per variant; the median counts")
     parser.add_argument("--large-batch", type=int, default=8, help="running batch sizes from here on count as the large phase")
+    parser.add_argument("--fixed", default=",".join(DEFAULT_CONFIGS), help="fixed SD configurations to compare, comma-separated")
+    parser.add_argument("--first-prompt", type=int, default=100_000, help="index of the first task problem used")
     parser.add_argument("--out", type=Path, default=Path("bench-adaptive-rollout.json"))
     parser.add_argument("overrides", nargs="*", help="key=value recipe overrides")
     arguments = parser.parse_args()
@@ -115,10 +111,10 @@ def main() -> None:
     task = build_task(recipe.task.name, recipe.run.seed, dict(recipe.task.options))
     sampling = SamplingParams(recipe.rollout.max_new_tokens, recipe.rollout.temperature, recipe.rollout.top_p, recipe.rollout.top_k)
     prompts_per_shard = recipe.train.prompts_per_step // recipe.workers.count
-    factories = variants(recipe, pair.drafter)
+    factories = variants(recipe, pair.drafter, [label for label in arguments.fixed.split(",") if label.strip()])
     measurements: dict[str, list[dict[str, list[float]]]] = {name: [] for name in factories}
     for repeat in range(arguments.repeats):
-        prompts = [tuple(tokenizer.encode(task.problem(repeat * prompts_per_shard + number).prompt, add_special_tokens=False))
+        prompts = [tuple(tokenizer.encode(task.problem(arguments.first_prompt + repeat * prompts_per_shard + number).prompt, add_special_tokens=False))
                    for number in range(prompts_per_shard)]
         requests = [RolloutRequest(row, prompts[row // recipe.train.group_size]) for row in range(prompts_per_shard * recipe.train.group_size)]
         for name, factory in factories.items():

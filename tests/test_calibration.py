@@ -1,4 +1,5 @@
-"""`tlt calibrate`: rules from measurements (pure), the YAML fragment as a recipe, --write-recipe, the CLI on a tiny pair, errors."""
+"""`tlt calibrate`: steps bucketed by batch size, rules from measurements (pure), the YAML fragment as a recipe,
+--write-recipe, the CLI on a tiny pair, errors."""
 
 import json
 import shutil
@@ -11,7 +12,7 @@ from typer.testing import CliRunner
 
 from tlt_cli.adaptive import build_rules
 from tlt_cli.calibration.calibrate import batch_size_grid
-from tlt_cli.calibration.measure import ModelPair, prompts_by_response_length
+from tlt_cli.calibration.measure import ModelPair, bucket_of, bucket_totals, time_shard
 from tlt_cli.calibration.recipe_text import RecipeEditError, write_rules_into_recipe
 from tlt_cli.calibration.rules import (
     CALIBRATED_BY,
@@ -32,11 +33,22 @@ from tlt_cli.models.tiny import (
 )
 from tlt_cli.recipes import RECIPES_DIRECTORY
 from tlt_cli.rollout.engine import EmbeddedEngine
-from tlt_cli.rollout.types import RolloutRequest, SamplingParams
+from tlt_cli.rollout.speculative import SpeculativeDecoder
+from tlt_cli.rollout.types import DecodeStep, RolloutRequest, SamplingParams, SpeculativeConfig
 
 torch.set_num_threads(1)
 runner = CliRunner()
 TINY_RECIPE = RECIPES_DIRECTORY / "tiny-cpu.yaml"
+
+
+def test_a_step_counts_for_the_largest_grid_size_not_above_its_batch():
+    grid = [2, 4, 8]
+    assert [bucket_of(size, grid) for size in (1, 2, 3, 4, 7, 8, 32)] == [2, 2, 2, 4, 4, 8, 8]
+    steps = [DecodeStep(8, 8, 0.5), DecodeStep(6, 9, 0.25), DecodeStep(5, 7, 0.25), DecodeStep(1, 3, 0.125)]
+    totals = bucket_totals(steps, grid)
+    assert (totals[8].decode_steps, totals[8].row_steps, totals[8].tokens, totals[8].seconds) == (1, 8, 8, 0.5)
+    assert (totals[4].decode_steps, totals[4].row_steps, totals[4].tokens, totals[4].seconds) == (2, 11, 16, 0.5)
+    assert (totals[2].decode_steps, totals[2].row_steps, totals[2].tokens) == (1, 1, 3)
 
 
 def test_sd_is_chosen_only_where_it_beats_off_by_the_margin_and_equal_neighbours_merge():
@@ -143,8 +155,8 @@ def test_cli_measures_a_tiny_pair_and_writes_json_fragment_and_recipe(tiny_pair_
     rewritten = tmp_path / "rewritten.yaml"
     shutil.copy(tiny_pair_recipe, rewritten)
     result = runner.invoke(app, [
-        "calibrate", str(tiny_pair_recipe), "rollout.temperature=0", "--batch-sizes", "1,4", "--configs", "off,s2-k1-t3,s2-k2-t4",
-        "--warmup-steps", "1", "--timed-steps", "3", "--repeats", "2", "--output", str(output), "--write-recipe", str(rewritten),
+        "calibrate", str(tiny_pair_recipe), "rollout.max_new_tokens=40", "--batch-sizes", "1,4",
+        "--configs", "off,s2-k1-t3,s2-k2-t4", "--repeats", "2", "--output", str(output), "--write-recipe", str(rewritten),
     ])
     assert result.exit_code == 0, result.output
     for text in ("decode throughput by running batch size", "s2-k1-t3", "s2-k2-t4", "speculative:", "mode: adaptive", "rules:"):
@@ -152,13 +164,17 @@ def test_cli_measures_a_tiny_pair_and_writes_json_fragment_and_recipe(tiny_pair_
     written = json.loads(output.read_text())
     assert written["settings"]["batch_sizes"] == [1, 4] and written["settings"]["configs"] == ["off", "s2-k1-t3", "s2-k2-t4"]
     cells = {(cell["batch_size"], cell["config"]): cell for cell in written["measurements"]}
-    assert len(cells) == 6 and all(len(cell["windows"]) == 2 for cell in cells.values())
-    assert all(window["decode_steps"] == 3 for cell in cells.values() for window in cell["windows"])
+    assert len(cells) == 6 and all(len(cell["shards"]) == 2 for cell in cells.values())
     assert cells[(1, "off")]["accept_length"] == 1.0 and cells[(4, "off")]["ratio_vs_off"] == 1.0
-    # off emits one token per row and step; a chain of 2 at most three
-    assert all(window["tokens"] == 4 * 3 for window in cells[(4, "off")]["windows"])
+    # off emits one token per running row and step; a chain of 2 at most three
+    assert all(shard["tokens"] == shard["row_steps"] for cell in (cells[(1, "off")], cells[(4, "off")]) for shard in cell["shards"])
     assert 1.0 <= cells[(4, "s2-k1-t3")]["accept_length"] <= 3.0
-    assert written["command"].startswith(f"tlt calibrate {tiny_pair_recipe} rollout.temperature=0 --batch-sizes 1,4")
+    # every shard runs 4 rows of at most 40 tokens: the buckets share out all of its tokens
+    for label in ("off", "s2-k1-t3", "s2-k2-t4"):
+        for repeat in range(2):
+            shard_tokens = sum(cells[(size, label)]["shards"][repeat]["tokens"] for size in (1, 4))
+            assert 4 <= shard_tokens <= 4 * 40
+    assert written["command"].startswith(f"tlt calibrate {tiny_pair_recipe} rollout.max_new_tokens=40 --batch-sizes 1,4")
     rules = written["rules"]
     assert rules[0]["batch"][0] == 1 and rules[-1]["batch"][1] is None and len(build_rules(rules)) == len(rules)
     fragment = output.with_suffix(".yaml").read_text()
@@ -185,19 +201,25 @@ def test_bad_input_is_one_line_and_exit_2(tiny_pair_recipe, arguments, message):
     assert message in result.output and len(result.output.strip().splitlines()) == 1 and "Traceback" not in result.output
 
 
-def test_tail_prompts_come_longest_response_first():
+@pytest.mark.parametrize("config", [None, SpeculativeConfig(2), SpeculativeConfig(3, topk=2, draft_tokens=6)])
+def test_decode_steps_count_every_response_token_once_as_the_batch_shrinks(config):
     tokenizer = tiny_tokenizer()
-    config = tiny_model_config(tokenizer, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64)
-    target = build_tiny_model(0, config).eval()
-    pair = ModelPair(target, EagleDrafter(target, seed=0), tokenizer.pad_token_id, tokenizer.eos_token_id, torch.device("cpu"))
+    model_config = tiny_model_config(tokenizer, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64)
+    target = build_tiny_model(0, model_config).eval()
+    drafter = EagleDrafter(target, seed=0)
     prompts = [tuple(tokenizer.encode(text, add_special_tokens=False)) for text in ("a1=", "a2b3=", "a4b5c6=")]
-    sampling = SamplingParams(max_new_tokens=200, temperature=1.0)  # a random model ends a row with p ~ 1/66 per token
-    ordered = prompts_by_response_length(pair, prompts, group_size=2, sampling=sampling, seed=3)
-    # the same generation, repeated: each row's response length, in row order
-    engine = EmbeddedEngine(target, tokenizer.eos_token_id, tokenizer.pad_token_id)
     requests = [RolloutRequest(row, prompts[row // 2]) for row in range(6)]
-    lengths = {completion.request_id: len(completion.response_ids)
-               for completion in engine.generate(requests, sampling, torch.Generator().manual_seed(3))}
-    rows = sorted(lengths, key=lambda row: (-lengths[row], row))
-    assert ordered == [prompts[row // 2] for row in rows]
-    assert len(set(lengths.values())) > 1  # a random tiny model ends rows at different lengths
+    sampling = SamplingParams(max_new_tokens=120, temperature=1.0)  # a random model ends a row with p ~ 1/66 per token
+    engine = EmbeddedEngine(target, tokenizer.eos_token_id, tokenizer.pad_token_id,
+                            speculative=SpeculativeDecoder(drafter, lambda batch_size: config))
+    steps = []
+    completions = engine.generate(requests, sampling, torch.Generator().manual_seed(3), on_decode_step=steps.append)
+    sizes = [step.batch_size for step in steps]
+    assert sizes == sorted(sizes, reverse=True) and sizes[0] == 6 and len(set(sizes)) > 1
+    assert all(step.seconds > 0 and 1 <= step.tokens <= step.batch_size * (1 + (config.steps if config else 0)) for step in steps)
+    # the prefill emits each row's first token; every other response token comes from exactly one decode step
+    assert sum(step.tokens for step in steps) == sum(len(completion.response_ids) - 1 for completion in completions)
+    # time_shard is that generation with the configuration fixed: the same steps, timed afresh
+    pair = ModelPair(target, drafter, tokenizer.pad_token_id, tokenizer.eos_token_id, torch.device("cpu"))
+    timed = time_shard(pair, config, requests, sampling, seed=3)
+    assert [(step.batch_size, step.tokens) for step in timed] == [(step.batch_size, step.tokens) for step in steps]

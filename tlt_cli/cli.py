@@ -165,9 +165,7 @@ def calibrate(
     overrides: Annotated[list[str] | None, typer.Argument(help="key=value overrides of the recipe.", show_default=False)] = None,
     batch_sizes: Annotated[str, typer.Option(help="Running batch sizes to measure, e.g. 1,2,4,8 (default: powers of two up to a worker's first running batch).")] = "",
     configs: Annotated[str, typer.Option(help="SD configurations to compare with off: off or s<steps>-k<topk>-t<draft tokens>, comma-separated.")] = ",".join(DEFAULT_CONFIGS),
-    warmup_steps: Annotated[int, typer.Option(help="Untimed decode steps before each timed window.")] = CalibrationSettings.warmup_steps,
-    timed_steps: Annotated[int, typer.Option(help="Decode steps timed per window.")] = CalibrationSettings.timed_steps,
-    repeats: Annotated[int, typer.Option(help="Windows per batch size and configuration; the median counts.")] = CalibrationSettings.repeats,
+    repeats: Annotated[int, typer.Option(help="Worker shards each configuration generates to their natural end.")] = CalibrationSettings.repeats,
     margin: Annotated[float, typer.Option(help="SD is chosen only where it beats off by more than this fraction; runners-up within it become bandit candidates.")] = CalibrationSettings.margin,
     candidates: Annotated[int, typer.Option(help="Most runners-up kept per rule as the bandit's candidates (0: none).")] = CalibrationSettings.candidates,
     output: Annotated[Path | None, typer.Option("--output", help="JSON of every measurement; the YAML fragment goes next to it (default: <run.output_dir>/<run.name>-calibration/calibration.json).")] = None,
@@ -181,14 +179,14 @@ def calibrate(
     from tlt_cli.models.loading import ModelLoadError
     from tlt_cli.tasks.registry import TaskOptionError, UnknownTaskError
 
-    def show(batch_size: int, label: str, repeat: int) -> None:
-        status.update(f"calibrating: batch size {batch_size}, {label}, window {repeat + 1} of {repeats}")
+    def show(label: str, repeat: int) -> None:
+        status.update(f"calibrating: shard {repeat + 1} of {repeats}, {label}")
 
     try:
         settings = CalibrationSettings(parse_batch_sizes(batch_sizes), tuple(part for part in configs.split(",") if part.strip()),
-                                       warmup_steps, timed_steps, repeats, margin, candidates)
+                                       repeats, margin, candidates)
         with console.status("loading the model pair (the tiny model and the drafter warm-up run once, then are cached)") as status:
-            result = run_calibration(recipe, list(overrides or []), settings, on_window=show)
+            result = run_calibration(recipe, list(overrides or []), settings, on_shard=show)
         render_calibration(console, result)
         json_path, fragment_path = write_calibration(result, output or default_output(result.recipe))
         console.print(f"wrote {json_path} and {fragment_path}", highlight=False)

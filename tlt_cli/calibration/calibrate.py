@@ -4,10 +4,10 @@
 that calibrating it makes sense (embedded engine, a trained drafter), builds the target and its
 initial drafter exactly as a training run starts them (built-in tiny model and offline drafter
 warm-up cached under the model cache, on the first actor device, in the actor's precision),
-measures the grid (tlt_cli/calibration/measure.py) on `workers.threads_per_worker` threads with the
-recipe's sampling settings; at running batch size B it times the prompts of the B longest responses
-of a pool of worker shards (`group_size` samples of each prompt), so windows stay inside real responses,
-and returns the measurements with the rules chosen from them (tlt_cli/calibration/rules.py).
+and on `workers.threads_per_worker` threads generates `repeats` worker shards of the task
+(prompts_per_step / workers.count prompts x group_size samples, the recipe's sampling and
+max_new_tokens) with every configuration (tlt_cli/calibration/measure.py); it returns the
+measurements by running batch size with the rules chosen from them (tlt_cli/calibration/rules.py).
 Simplification: one process measures one worker's engine; contention between the recipe's
 parallel workers is not reproduced.
 """
@@ -24,13 +24,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from tlt_cli.adaptive import OFF, RuleTableError, parse_label
-from tlt_cli.calibration.measure import (
-    Cell,
-    ModelPair,
-    measure_grid,
-    prompts_by_response_length,
-    window_token_budget,
-)
+from tlt_cli.calibration.measure import Cell, ModelPair, measure_shards
 from tlt_cli.calibration.rules import BatchChoice, calibrated_rules
 from tlt_cli.calibration.settings import (
     CalibrationError,
@@ -46,8 +40,6 @@ from tlt_cli.tasks.registry import build_task
 
 CALIBRATION_DIRECTORY_SUFFIX = "-calibration"
 OUTPUT_FILE = "calibration.json"
-# worker shards generated per repeat to find rows with long responses
-POOL_SHARDS = 4
 
 
 @dataclass(frozen=True)
@@ -66,7 +58,7 @@ class CalibrationResult:
 
 
 def calibrate(recipe_name: str, overrides: list[str], settings: CalibrationSettings,
-              on_window: Callable[[int, str, int], None] | None = None) -> CalibrationResult:
+              on_shard: Callable[[str, int], None] | None = None) -> CalibrationResult:
     """Measure the recipe's model pair on this machine and choose its rule table (see the module docstring).
 
     recipe_name: a YAML path or a shipped recipe name, written into the command as given.
@@ -82,17 +74,15 @@ def calibrate(recipe_name: str, overrides: list[str], settings: CalibrationSetti
     for config in configs.values():
         if config is not None:
             _check_shape(config, pair.drafter.config.vocab_size)
-    sampling = SamplingParams(window_token_budget(settings.warmup_steps, settings.timed_steps, configs),
-                              recipe.rollout.temperature, recipe.rollout.top_p, recipe.rollout.top_k)
+    sampling = SamplingParams(recipe.rollout.max_new_tokens, recipe.rollout.temperature, recipe.rollout.top_p, recipe.rollout.top_k)
     threads = torch.get_num_threads()
     torch.set_num_threads(recipe.workers.threads_per_worker)
     try:
-        shard_sampling = replace(sampling, max_new_tokens=recipe.rollout.max_new_tokens)
-        requests_for = _long_request_maker(pair, task, tokenizer, recipe, shard_sampling)
-        cells = measure_grid(pair, batch_sizes, configs, requests_for, sampling, recipe.run.seed,
-                             settings.warmup_steps, settings.timed_steps, settings.repeats, on_window)
+        requests_for = _shard_maker(task, tokenizer, recipe)
+        cells = measure_shards(pair, batch_sizes, configs, requests_for, sampling, recipe.run.seed, settings.repeats, on_shard)
     finally:
         torch.set_num_threads(threads)
+    _check_every_cell_ran(cells, settings.repeats)
     throughput = {size: {cell.label: cell.tokens_per_second for cell in cells if cell.batch_size == size} for size in batch_sizes}
     choices, rules = calibrated_rules(throughput, settings.margin, settings.candidates)
     return CalibrationResult(recipe, command_line(recipe_name, overrides, settings), settings, batch_sizes, list(configs),
@@ -168,32 +158,24 @@ def load_model_pair(recipe: Recipe) -> tuple[ModelPair, PreTrainedTokenizerBase,
     return ModelPair(target, drafter, tokenizer.pad_token_id, tokenizer.eos_token_id, device), tokenizer, str(folder)
 
 
-def _long_request_maker(pair: ModelPair, task: Task, tokenizer: PreTrainedTokenizerBase, recipe: Recipe,
-                        sampling: SamplingParams) -> Callable[[int, int], list[RolloutRequest]]:
-    """requests_for(batch_size, repeat): B rows whose natural responses are among the longest.
+def _shard_maker(task: Task, tokenizer: PreTrainedTokenizerBase, recipe: Recipe) -> Callable[[int], list[RolloutRequest]]:
+    """requests_for(repeat): one worker shard of fresh prompts, group_size rows of each, as a training step hands out."""
+    prompts_per_shard = recipe.train.prompts_per_step // recipe.workers.count
 
-    A window holds the batch at B rows for a fixed number of decode steps, and a row that would
-    have ended keeps decoding past its end, into text no rollout ever produces (and that drafts
-    badly). So for each repeat this generates POOL_SHARDS worker shards of the task (their
-    prompts, group_size samples each, plain decoding with the recipe's sampling and
-    max_new_tokens) and hands out the prompts of the B longest responses of that pool: at small B
-    exactly the rows a rollout's tail is made of, at large B rows that stay inside real responses
-    for the whole window.
-    """
-    pools: dict[int, list[tuple[int, ...]]] = {}
-    prompts_per_pool = POOL_SHARDS * (recipe.train.prompts_per_step // recipe.workers.count)
-
-    def longest_first(repeat: int) -> list[tuple[int, ...]]:
-        if repeat not in pools:
-            prompts = [tuple(tokenizer.encode(task.problem(repeat * prompts_per_pool + number).prompt, add_special_tokens=False))
-                       for number in range(prompts_per_pool)]
-            pools[repeat] = prompts_by_response_length(pair, prompts, recipe.train.group_size, sampling, recipe.run.seed + repeat)
-        return pools[repeat]
-
-    def requests_for(batch_size: int, repeat: int) -> list[RolloutRequest]:
-        return [RolloutRequest(row, prompt) for row, prompt in enumerate(longest_first(repeat)[:batch_size])]
+    def requests_for(repeat: int) -> list[RolloutRequest]:
+        prompts = [tuple(tokenizer.encode(task.problem(repeat * prompts_per_shard + number).prompt, add_special_tokens=False))
+                   for number in range(prompts_per_shard)]
+        return [RolloutRequest(row, prompts[row // recipe.train.group_size]) for row in range(prompts_per_shard * recipe.train.group_size)]
 
     return requests_for
+
+
+def _check_every_cell_ran(cells: list[Cell], repeats: int) -> None:
+    """A bucket no decode step reached has no rate to compare; say how to get one."""
+    for cell in cells:
+        if cell.decode_steps == 0:
+            raise CalibrationError(f"no decode step ran at running batch size {cell.batch_size} with {cell.label} in {repeats} "
+                                   "shard(s) (responses ended together); raise --repeats or measure other --batch-sizes.")
 
 
 def command_line(recipe_name: str, overrides: list[str], settings: CalibrationSettings) -> str:
@@ -201,8 +183,7 @@ def command_line(recipe_name: str, overrides: list[str], settings: CalibrationSe
     words = ["tlt", "calibrate", recipe_name, *overrides]
     if settings.batch_sizes:
         words += ["--batch-sizes", ",".join(map(str, settings.batch_sizes))]
-    words += ["--configs", ",".join(settings.configs), "--warmup-steps", str(settings.warmup_steps),
-              "--timed-steps", str(settings.timed_steps), "--repeats", str(settings.repeats),
+    words += ["--configs", ",".join(settings.configs), "--repeats", str(settings.repeats),
               "--margin", str(settings.margin), "--candidates", str(settings.candidates)]
     return shlex.join(words)
 

@@ -1,7 +1,7 @@
 """Print a calibration (batch size x configuration table, the chosen rules) and write its JSON and YAML fragment.
 
 `render_calibration(console, result)` prints one row per batch size and one column per
-configuration (median tokens/s, ratio vs off, accept length, spread of the repeats), then the
+configuration (tokens/s, ratio vs off, accept length, spread of the shards), then the
 YAML fragment. `write_calibration(result, json_path)` writes every measurement to `json_path` and
 the fragment next to it (same name, `.yaml`), and returns both paths.
 """
@@ -28,8 +28,8 @@ def cell_for(result: CalibrationResult, batch_size: int, label: str) -> Cell:
 
 def render_calibration(console: Console, result: CalibrationResult) -> None:
     settings = result.settings
-    table = Table(title=f"decode throughput by running batch size: median of {settings.repeats} windows of "
-                        f"{settings.timed_steps} steps, {result.threads} thread(s) on {result.device}")
+    table = Table(title=f"decode throughput by running batch size over {settings.repeats} whole worker shards per "
+                        f"configuration, {result.threads} thread(s) on {result.device}")
     table.add_column("batch", justify="right")
     for label in result.labels:
         table.add_column(label, justify="right")
@@ -39,7 +39,8 @@ def render_calibration(console: Console, result: CalibrationResult) -> None:
         cells = [_cell_text(cell_for(result, choice.batch_size, label), off) for label in result.labels]
         table.add_row(str(choice.batch_size), *cells, _choice_text(choice.use, choice.candidates))
     console.print(table)
-    console.print("cell: tokens/s, ratio vs off / accept length (tokens per row per step), ± half the range of the repeats; "
+    console.print("batch b: decode steps whose running batch was b up to the next row's b; cell: tokens/s, ratio vs off / "
+                  "accept length (tokens per row per step), ± half the range of the shards' own rates; "
                   f"SD is chosen where it beats off by more than {settings.margin:.0%}", highlight=False)
     console.print(fragment_text(result.rules, result.command), highlight=False, markup=False, soft_wrap=True)
 
@@ -72,8 +73,7 @@ def calibration_json(result: CalibrationResult) -> dict:
         "drafter": result.drafter,
         "task": recipe.task.name,
         "sampling": {"temperature": recipe.rollout.temperature, "top_p": recipe.rollout.top_p, "top_k": recipe.rollout.top_k},
-        "settings": {"batch_sizes": result.batch_sizes, "configs": result.labels, "warmup_steps": result.settings.warmup_steps,
-                     "timed_steps": result.settings.timed_steps, "repeats": result.settings.repeats,
+        "settings": {"batch_sizes": result.batch_sizes, "configs": result.labels, "repeats": result.settings.repeats,
                      "margin": result.settings.margin, "candidates": result.settings.candidates},
         "measurements": [_cell_json(result, cell) for cell in result.cells],
         "choices": [{"batch_size": choice.batch_size, "use": choice.use, "candidates": list(choice.candidates)}
@@ -87,6 +87,6 @@ def _cell_json(result: CalibrationResult, cell: Cell) -> dict:
     return {
         "batch_size": cell.batch_size, "config": cell.label, "tokens_per_second": cell.tokens_per_second,
         "ratio_vs_off": cell.tokens_per_second / off, "accept_length": cell.accept_length, "spread": cell.spread,
-        "windows": [{"decode_steps": window.decode_steps, "tokens": window.tokens, "seconds": window.seconds}
-                    for window in cell.windows],
+        "shards": [{"decode_steps": shard.decode_steps, "row_steps": shard.row_steps, "tokens": shard.tokens,
+                    "seconds": shard.seconds} for shard in cell.shards],
     }

@@ -18,9 +18,8 @@ class CalibrationSettings:
 
     batch_sizes: tuple[int, ...] = ()
     configs: tuple[str, ...] = DEFAULT_CONFIGS
-    warmup_steps: int = 4
-    timed_steps: int = 16
-    repeats: int = 3
+    # worker shards each configuration generates
+    repeats: int = 6
     # SD must beat off by more than this fraction; runners-up within it become bandit candidates
     margin: float = 0.05
     candidates: int = 2
@@ -28,9 +27,8 @@ class CalibrationSettings:
 
 def check_settings(settings: CalibrationSettings) -> None:
     """Raise CalibrationError naming the option that is out of range."""
-    for name in ("warmup_steps", "timed_steps", "repeats"):
-        if getattr(settings, name) < 1:
-            raise CalibrationError(f"--{name.replace('_', '-')} is {getattr(settings, name)}; set it to at least 1.")
+    if settings.repeats < 1:
+        raise CalibrationError(f"--repeats is {settings.repeats}; set it to at least 1.")
     if not 0.0 <= settings.margin < 1.0:
         raise CalibrationError(f"--margin is {settings.margin}; give a fraction in [0, 1), e.g. 0.05 for 5%.")
     if settings.candidates < 0:

@@ -27,7 +27,7 @@ from torch import nn
 
 from tlt_cli.rollout.kv_cache import SlotCache, additive_mask, block_attention_mask, decode_attention_mask
 from tlt_cli.rollout.sampling import next_tokens
-from tlt_cli.rollout.types import Completion, RolloutRequest, SamplingParams, SpeculativeStats
+from tlt_cli.rollout.types import Completion, DecodeStep, RolloutRequest, SamplingParams, SpeculativeStats
 
 if TYPE_CHECKING:
     from tlt_cli.rollout.speculative import SpeculativeDecoder
@@ -78,6 +78,7 @@ class _GenerateCall:
     on_request_finished: Callable[[Completion], None] | None
     return_hidden: bool
     start: float
+    on_decode_step: Callable[[DecodeStep], None] | None
     completions: dict[int, Completion] = field(default_factory=dict)
 
 
@@ -105,6 +106,7 @@ class EmbeddedEngine:
         generator: torch.Generator,
         on_request_finished: Callable[[Completion], None] | None = None,
         return_hidden: bool = False,
+        on_decode_step: Callable[[DecodeStep], None] | None = None,
     ) -> list[Completion]:
         """Complete every request; Completions come back in request order.
 
@@ -114,11 +116,14 @@ class EmbeddedEngine:
         return_hidden: also return each completion's `target_hidden` [R, H], the target's last
         hidden state at the position that produced each response token (lm_head(target_hidden[i])
         are the logits of response token i).
+
+        on_decode_step: called after every decode step (not the prefill) with its DecodeStep.
         """
         _check_inputs(requests, sampling)
         if not requests:
             return []
-        call = _GenerateCall(list(requests), sampling, generator, on_request_finished, return_hidden, time.time())
+        call = _GenerateCall(list(requests), sampling, generator, on_request_finished, return_hidden, time.time(),
+                             on_decode_step)
         drafter = self.speculative.drafter if self.speculative is not None else None
         with torch.no_grad(), _eval_mode(self.model), _eval_mode(drafter):
             self._run(call)
@@ -131,12 +136,17 @@ class EmbeddedEngine:
         finished = self._emit(batch, batch.pending[:, None], torch.ones_like(batch.pending), call.sampling)
         self._retire(batch, finished, call)
         while batch.size > 0:
+            started, batch_size = time.perf_counter(), batch.size
+            generated_before = int(batch.generated.sum()) if call.on_decode_step is not None else 0
             if self.speculative is not None:
                 new_tokens, counts = self.speculative.step(self, batch, call.sampling, call.generator)
             else:
                 new_tokens, counts = self.decode_step(batch, call.sampling, call.generator)
             finished = self._emit(batch, new_tokens, counts, call.sampling)
+            tokens = int(batch.generated.sum()) - generated_before if call.on_decode_step is not None else 0
             self._retire(batch, finished, call)
+            if call.on_decode_step is not None:
+                call.on_decode_step(DecodeStep(batch_size, tokens, time.perf_counter() - started))
 
     def _prefill(self, call: _GenerateCall) -> RunningBatch:
         """Run all prompts (right-padded, causal) and draw each row's first response token."""

@@ -57,6 +57,20 @@ class SpeculativeConfig:
 
 
 @dataclass(frozen=True)
+class DecodeStep:
+    """One decode step of a generate call, as `on_decode_step` sees it.
+
+    batch_size: rows running when the step began; tokens: response tokens it added (cut at EOS
+    and max_new_tokens, as the completions hold them); seconds: from its start to the end of its
+    bookkeeping (finished rows retired), so consecutive steps tile the decode loop.
+    """
+
+    batch_size: int
+    tokens: int
+    seconds: float
+
+
+@dataclass(frozen=True)
 class RolloutRequest:
     """One response to generate. prompt_ids: [P] token ids of the prompt."""
 
