@@ -3,23 +3,29 @@
 from __future__ import annotations
 
 import random
+import shutil
+import time
 
 import pytest
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast, ViTConfig
 
-from tlt_cli.models.loading import ModelLoadError, load_policy
+from tlt_cli.config import load_recipe
+from tlt_cli.drafter.initial import warmup_key
+from tlt_cli.models.loading import ModelLoadError, load_policy, model_fingerprint
 from tlt_cli.models.tiny import (
     IGNORED_LABEL,
     build_tiny_model,
     ensure_tiny_model,
+    save_model_folder,
     tiny_model_config,
     tiny_tokenizer,
     warm_up,
 )
 from tlt_cli.models.tiny import _length_sorted_batches, _supervised_example
 from tlt_cli.models.tokenizer import build_char_tokenizer
+from tlt_cli.recipes import RECIPES_DIRECTORY
 from tlt_cli.tasks.arithmetic import CHARACTERS, ArithmeticTask, make_problem
 
 torch.set_num_threads(1)
@@ -119,6 +125,19 @@ def test_ensure_tiny_model_builds_once_atomically_and_loads(tmp_path):
     prompt_ids = tokenizer("a3b1=", return_tensors="pt")["input_ids"]
     generated = model.generate(prompt_ids, max_new_tokens=4, do_sample=False)
     assert prompt_ids.shape[1] < generated.shape[1] <= prompt_ids.shape[1] + 4
+
+
+def test_fingerprint_and_drafter_warm_up_key_change_with_the_weights_not_the_path(tmp_path):
+    model_dir = tmp_path / "model"
+    save_model_folder(build_tiny_model(0, small_config()), tiny_tokenizer(), model_dir)
+    recipe = load_recipe(RECIPES_DIRECTORY / "tiny-cpu.yaml", [f"model.path={model_dir}"])
+    fingerprint, key = model_fingerprint(str(model_dir)), warmup_key(recipe, tmp_path)
+    assert model_fingerprint(str(model_dir)) == fingerprint and warmup_key(recipe, tmp_path) == key
+    time.sleep(0.01)  # a distinct modification time even on coarse clocks
+    save_model_folder(build_tiny_model(1, small_config()), tiny_tokenizer(), model_dir.with_name("retrained"))
+    shutil.rmtree(model_dir)
+    model_dir.with_name("retrained").rename(model_dir)
+    assert model_fingerprint(str(model_dir)) != fingerprint and warmup_key(recipe, tmp_path) != key
 
 
 def test_load_policy_llama_untied_large_vocab(tmp_path):

@@ -29,11 +29,14 @@ WARMUP_FORMAT = 1
 DRAFTER_PLUGIN = "drafter_sidecar"
 
 
-def warmup_key(recipe: Recipe) -> str:
-    """A short hash of what determines the warmed-up drafter."""
+def warmup_key(recipe: Recipe, cache: Path) -> str:
+    """A short hash of what determines the warmed-up drafter (the model by its files, not only its path)."""
+    from tlt_cli.models.loading import model_fingerprint
+
     description = {
         "format": WARMUP_FORMAT,
         "model": recipe.model.path,
+        "model_files": model_fingerprint(recipe.model.path, cache),
         "task": recipe.task.name,
         "task_options": dict(recipe.task.options),
         "seed": recipe.run.seed,
@@ -50,7 +53,7 @@ def prepare_initial_drafter(recipe: Recipe, cache: Path) -> tuple[Path | None, d
         return None, None
     if recipe.drafter.init != "warmup":
         return Path(recipe.drafter.init), None
-    folder = cache / "drafters" / f"warmup-{warmup_key(recipe)}"
+    folder = cache / "drafters" / f"warmup-{warmup_key(recipe, cache)}"
     if (folder / CONFIG_FILE).is_file():
         return folder, None
     return folder, _warm_up_into(recipe, cache, folder)

@@ -9,6 +9,8 @@ one sentence naming the folder and what to fix.
 
 from __future__ import annotations
 
+import hashlib
+import json
 from pathlib import Path
 
 import torch
@@ -25,6 +27,8 @@ from tlt_cli.models.tiny import BUILTIN_TINY_MODEL, ensure_tiny_model
 
 # any one of these files means the folder ships a tokenizer
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+# weight files a Hugging Face folder may hold (their names, sizes and times fingerprint the model)
+WEIGHT_SUFFIXES = (".safetensors", ".bin")
 
 
 class ModelLoadError(ValueError):
@@ -38,16 +42,35 @@ def load_policy(
 
     The tokenizer's pad token falls back to its EOS token. The model is in eval mode.
     """
-    if model_path == BUILTIN_TINY_MODEL:
-        model_dir = ensure_tiny_model(cache_dir)
-    else:
-        model_dir = _checked_model_dir(model_path)
+    model_dir = model_folder(model_path, cache_dir)
     _check_causal_lm_config(model_dir)
     tokenizer = _load_tokenizer(model_dir)
     model = _load_model(model_dir, dtype)
     if model.generation_config.pad_token_id is None:
         model.generation_config.pad_token_id = tokenizer.pad_token_id
     return model, tokenizer
+
+
+def model_folder(model_path: str, cache_dir: Path | None = None) -> Path:
+    """The Hugging Face folder `model_path` names (the built-in tiny model's, built if need be), checked."""
+    if model_path == BUILTIN_TINY_MODEL:
+        return ensure_tiny_model(cache_dir)
+    return _checked_model_dir(model_path)
+
+
+def model_fingerprint(model_path: str, cache_dir: Path | None = None) -> str:
+    """A short hash of the model's config and weight files (name, size, modification time).
+
+    Caches derived from a model (the warmed-up drafter) key on it, so replacing the weights in a
+    folder, or a new built-in model, never reuses what was made from the old ones.
+    """
+    model_dir = model_folder(model_path, cache_dir)
+    weights = sorted(path for path in model_dir.iterdir() if path.suffix in WEIGHT_SUFFIXES)
+    description = {
+        "config": (model_dir / "config.json").read_text(encoding="utf-8"),
+        "weights": [(path.name, path.stat().st_size, path.stat().st_mtime_ns) for path in weights],
+    }
+    return hashlib.sha256(json.dumps(description, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def _checked_model_dir(model_path: str) -> Path:
