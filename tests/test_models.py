@@ -23,7 +23,7 @@ from tlt_cli.models.tiny import (
     tiny_tokenizer,
     warm_up,
 )
-from tlt_cli.models.tiny import _length_sorted_batches, _supervised_example
+from tlt_cli.models.tiny import _length_sorted_batches, _supervised_example, slipped_solution
 from tlt_cli.models.tokenizer import build_char_tokenizer
 from tlt_cli.recipes import RECIPES_DIRECTORY
 from tlt_cli.tasks.arithmetic import CHARACTERS, ArithmeticTask, make_problem
@@ -70,7 +70,7 @@ def test_char_tokenizer_save_and_auto_load_round_trip(tmp_path):
 
 def test_tiny_config_defaults_and_seeded_build():
     config = tiny_model_config()
-    assert (config.hidden_size, config.num_hidden_layers, config.num_attention_heads) == (256, 8, 4)
+    assert (config.hidden_size, config.num_hidden_layers, config.num_attention_heads) == (256, 4, 4)
     assert (config.num_key_value_heads, config.intermediate_size, config.max_position_embeddings) == (2, 512, 1024)
     assert config.vocab_size == len(tiny_tokenizer()) and config.tie_word_embeddings
     first, again, other = (build_tiny_model(seed, small_config()) for seed in (0, 0, 1))
@@ -82,11 +82,28 @@ def test_tiny_config_defaults_and_seeded_build():
 def test_supervised_example_masks_the_prompt():
     tokenizer = tiny_tokenizer()
     problem = make_problem(0, [3, 1])
-    input_ids, labels = _supervised_example(tokenizer, problem)
+    input_ids, labels = _supervised_example(tokenizer, problem.prompt, problem.solution)
     assert tokenizer.decode(input_ids, skip_special_tokens=True) == problem.prompt + problem.solution
     assert input_ids[-1] == tokenizer.eos_token_id
     assert labels[: len(problem.prompt)] == [IGNORED_LABEL] * len(problem.prompt)
     assert labels[len(problem.prompt) :] == input_ids[len(problem.prompt) :]
+
+
+def test_slips_are_off_by_one_and_carry_into_later_totals_and_the_answer():
+    problem = make_problem(0, [3, 9, 0, 9, 9, 1])
+    assert slipped_solution(problem, 0.0, random.Random(0)) == problem.solution
+    always = slipped_solution(problem, 1.0, random.Random(0))
+    steps, _, answer = always.partition("#")
+    totals = [int(step[3:]) for step in steps.split(",")]
+    running_sum = 0
+    for digit, total in zip([3, 9, 0, 9, 9, 1], totals):
+        assert abs(total - (running_sum + digit)) == 1 and 0 <= total <= 18  # every step slipped, from its own running sum
+        running_sum = total % 10
+    assert answer == str(running_sum) and always != problem.solution
+    generator = random.Random(1)
+    solutions = [slipped_solution(problem, 0.1, generator) for _ in range(400)]
+    slipped_steps = sum(solution.split("#")[0].split(",")[0] != "a3:03" for solution in solutions)
+    assert 20 <= slipped_steps <= 65  # the first step slips about 40 times in 400
 
 
 def test_warm_up_batches_are_length_sorted_so_padding_stays_small():

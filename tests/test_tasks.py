@@ -151,14 +151,17 @@ def test_registry_builds_tasks_and_names_the_choices(tmp_path):
         build_task("jsonl_math", seed=0, options={})
 
 
-def test_arithmetic_reward_requires_the_whole_chain():
+def test_arithmetic_reward_requires_the_whole_chain_and_credits_a_misread_term_partially():
     from tlt_cli.tasks.arithmetic import ArithmeticTask, make_problem
 
     task, problem = ArithmeticTask(seed=0), make_problem(0, [3, 1, 4])
     assert task.reward(problem, "a3:03,b1:04,c4:08#8") == 1.0
     assert task.reward(problem, "#8") == 0.0  # a guess without working
     assert task.reward(problem, "a3:03,b1:04#8") == 0.0  # a skipped step
-    assert task.reward(problem, "a3:03,b2:04,c4:08#8") == 0.0  # a misread term
+    # a misread term: a complete chain with errors, credited for its right steps, never in full
+    assert task.reward(problem, "a3:03,b2:04,c4:08#8") == pytest.approx(0.5 * 2 / 3)
+    assert task.reward(problem, "a3:03,b2:05,c4:09#9") == pytest.approx(0.5 * 1 / 3)
+    assert task.reward(problem, "a3:03,c1:04,c4:08#8") == 0.0  # a wrong label is a skipped step
 
 
 def test_min_terms_moves_the_whole_tail_up():

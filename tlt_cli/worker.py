@@ -28,8 +28,7 @@ from tlt_cli.config import CPU_DEVICES, Recipe
 from tlt_cli.distributed import RolloutBarrier, WorkerAddress, init_worker_process
 from tlt_cli.drafter.initial import initial_drafter, needs_drafter, speculative_decoder
 from tlt_cli.grpo import group_advantages
-from tlt_cli.models.loading import load_policy
-from tlt_cli.models.tiny import BUILTIN_TINY_MODEL, ensure_tiny_model
+from tlt_cli.models.loading import load_policy, model_folder
 from tlt_cli.plugins import PluginHost, StepContext, agree_across_workers, build_plugins
 from tlt_cli.policy_batch import build_policy_batch
 from tlt_cli.rollout.engine import EmbeddedEngine
@@ -182,9 +181,8 @@ class WorkerLoop:
         """This rank's SGLang servers (not started yet); imported here so the CPU path never loads the SGLang package."""
         from tlt_cli.sglang.rollout import SGLangRollout
 
-        model_path = self.recipe.model.path
-        model_folder = ensure_tiny_model(self.spec.model_cache) if model_path == BUILTIN_TINY_MODEL else Path(model_path)
-        return SGLangRollout(self.recipe, self.rank, self.spec.address.rank_on_node, self.spec.run_directory, model_folder,
+        folder = model_folder(self.recipe.model.path, self.spec.model_cache)
+        return SGLangRollout(self.recipe, self.rank, self.spec.address.rank_on_node, self.spec.run_directory, folder,
                              self.tokenizer.eos_token_id, bool(self.actor.policy.config.tie_word_embeddings))
 
     def start_servers(self) -> None:

@@ -1,9 +1,12 @@
-"""The built-in tiny policy `builtin:tiny-arith`: a small Qwen2 that already half-solves the arithmetic task.
+"""The built-in tiny policy `builtin:tiny-arith`: a small Qwen2 that half-solves the arithmetic task, with slips.
 
 `tiny_model_config` and `build_tiny_model` make a seeded, randomly initialised causal LM over
 the arithmetic task's character vocabulary (Qwen2 by default, Llama for tests). `warm_up`
-teaches it the task's solution format with a short supervised pass, so GRPO starts from a
-clearly non-zero reward with room to improve. `ensure_tiny_model` builds, warms up and saves
+teaches it the task with a supervised pass on worked solutions in which each step's total is
+off by one with a small probability (a slip that carries forward): the model learns the method
+(solid up to three or four terms, shaky beyond) and, sampled at temperature 1, slips as often
+as its teacher did. So GRPO starts from a clearly non-zero reward with two kinds of room to
+improve within minutes: unlearning the slips, and longer problems. `ensure_tiny_model` builds, warms up and saves
 it once as an ordinary Hugging Face folder in a cache directory keyed by a hash of every
 setting, written atomically; `load_policy("builtin:tiny-arith")` calls it.
 """
@@ -28,13 +31,13 @@ from transformers import GenerationConfig, LlamaConfig, PretrainedConfig, PreTra
 from transformers import LlamaForCausalLM, PreTrainedTokenizerBase, Qwen2ForCausalLM
 
 from tlt_cli.models.tokenizer import build_char_tokenizer
-from tlt_cli.tasks.arithmetic import CHARACTERS, ArithmeticTask
-from tlt_cli.tasks.base import Task
+from tlt_cli.tasks.arithmetic import CHARACTERS, ArithmeticTask, prompt_digits, worked_solution
+from tlt_cli.tasks.base import Problem, Task
 
 LOGGER = logging.getLogger(__name__)
 BUILTIN_TINY_MODEL = "builtin:tiny-arith"
 # bump when the task, tokenizer or warm-up recipe changes, so old cached folders are not reused
-TINY_MODEL_FORMAT = 3
+TINY_MODEL_FORMAT = 4
 # label value the loss ignores (prompt and padding positions)
 IGNORED_LABEL = -100
 ARCHITECTURES = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "llama": (LlamaConfig, LlamaForCausalLM)}
@@ -45,15 +48,18 @@ class WarmUpSettings:
     """How `ensure_tiny_model` warms the model up (part of the cache key).
 
     tail_exponent: the warm-up task's P(n) ~ n^-alpha (the RL task's default).
-    The defaults (about 240k tokens, under 2 CPU-minutes) teach the format, one-term problems
-    and part of two-term ones; digit look-up, addition and stopping on long problems are
-    left for RL to learn.
+    slip_probability: the chance that a step of a worked solution has its total off by one.
+    The defaults (1500 steps of 16 solutions, about 2.5 minutes on 2 CPU cores) teach the format,
+    addition and the look-up of the first three or four terms: sampled at temperature 1 the model
+    solves about 90% of one-term problems (the rest are slips), 30% of four-term ones and almost
+    none past eight, so the long responses are mostly wrong, as in real reasoning RL.
     """
 
-    steps: int = 400
-    batch_size: int = 12
-    learning_rate: float = 3e-3
+    steps: int = 1500
+    batch_size: int = 16
+    learning_rate: float = 1e-3
     tail_exponent: float = 1.5
+    slip_probability: float = 0.1
 
 
 def default_cache_dir() -> Path:
@@ -70,7 +76,7 @@ def tiny_model_config(
     tokenizer: PreTrainedTokenizerBase | None = None,
     architecture: str = "qwen2",
     hidden_size: int = 256,
-    num_layers: int = 8,
+    num_layers: int = 4,
     num_heads: int = 4,
     num_kv_heads: int = 2,
     intermediate_size: int = 512,
@@ -117,10 +123,13 @@ def warm_up(
     batch_size: int,
     lr: float,
     seed: int,
+    slip_probability: float = 0.0,
 ) -> list[float]:
-    """Supervised pass on `task`'s reference solutions; returns the loss of every step.
+    """Supervised pass on worked solutions of arithmetic problems; returns the loss of every step.
 
-    Each example is prompt + solution + EOS with the loss on the solution and EOS tokens only.
+    Each example is prompt + solution + EOS with the loss on the solution and EOS tokens only;
+    the solution is the reference one with, per step, a slip of probability `slip_probability`
+    (see `slipped_solution`).
     Batches are drawn from pools sorted by length so padding stays small despite the long tail.
     The learning rate warms up linearly over 10% of the steps, then decays on a cosine.
     """
@@ -129,7 +138,7 @@ def warm_up(
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: _warm_up_lr_scale(step, steps))
     model.train()
     losses = []
-    batches = _length_sorted_batches(tokenizer, task, steps, batch_size, generator)
+    batches = _length_sorted_batches(tokenizer, task, steps, batch_size, generator, slip_probability)
     for input_ids, attention_mask, labels in batches:
         loss = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels).loss
         optimizer.zero_grad(set_to_none=True)
@@ -150,7 +159,7 @@ def _warm_up_lr_scale(step: int, total_steps: int) -> float:
     return 0.5 * (1.0 + math.cos(math.pi * progress))  # cosine from 1 down to 0
 
 
-def _length_sorted_batches(tokenizer, task, steps, batch_size, generator):
+def _length_sorted_batches(tokenizer, task, steps, batch_size, generator, slip_probability=0.0):
     """Yield `steps` padded batches; each pool of 32 batches is sorted by length, then shuffled."""
     pool_batches = 32
     problem_index = 0
@@ -158,7 +167,8 @@ def _length_sorted_batches(tokenizer, task, steps, batch_size, generator):
         pool_size = min(pool_batches, steps - pool_start)
         problems = [task.problem(problem_index + offset) for offset in range(pool_size * batch_size)]
         problem_index += len(problems)
-        examples = [_supervised_example(tokenizer, problem) for problem in problems]
+        examples = [_supervised_example(tokenizer, problem.prompt, slipped_solution(problem, slip_probability, generator))
+                    for problem in problems]
         examples.sort(key=lambda example: len(example[0]))  # by token count, so padding stays small
         chunks = [examples[start : start + batch_size] for start in range(0, len(examples), batch_size)]
         generator.shuffle(chunks)
@@ -166,9 +176,25 @@ def _length_sorted_batches(tokenizer, task, steps, batch_size, generator):
             yield _pad_batch(chunk, tokenizer.pad_token_id)
 
 
-def _supervised_example(tokenizer, problem) -> tuple[list[int], list[int]]:
-    prompt_ids = tokenizer(problem.prompt, add_special_tokens=False)["input_ids"]
-    solution_ids = tokenizer(problem.solution, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+def slipped_solution(problem: Problem, slip_probability: float, generator: random.Random) -> str:
+    """The problem's worked solution where each step's total is, with `slip_probability`, one too
+    high or one too low (staying within 0..18); the slipped total's ones digit is the running sum
+    the next step adds to, so a slip carries into every later total and the answer."""
+    if slip_probability == 0.0:
+        return problem.solution
+    digits, totals, running_sum = prompt_digits(problem.prompt), [], 0
+    for digit in digits:
+        total = running_sum + digit
+        if generator.random() < slip_probability:
+            total += 1 if total == 0 or (total < 18 and generator.random() < 0.5) else -1
+        totals.append(total)
+        running_sum = total % 10
+    return worked_solution(digits, totals)
+
+
+def _supervised_example(tokenizer, prompt: str, solution: str) -> tuple[list[int], list[int]]:
+    prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    solution_ids = tokenizer(solution, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
     return prompt_ids + solution_ids, [IGNORED_LABEL] * len(prompt_ids) + solution_ids
 
 
@@ -215,7 +241,7 @@ def ensure_tiny_model(
     with open(cache_dir / f"{model_dir.name}.lock", "w") as lock_file:
         fcntl.flock(lock_file, fcntl.LOCK_EX)  # released when the file closes
         if not (model_dir / "config.json").is_file():
-            LOGGER.info("Building %s into %s (about 2 CPU-minutes, once).", BUILTIN_TINY_MODEL, model_dir)
+            LOGGER.info("Building %s into %s (about 2.5 minutes on 2 CPU cores, once).", BUILTIN_TINY_MODEL, model_dir)
             model, tokenizer, _ = build_warmed_up_model(seed, config, settings)
             save_model_folder(model, tokenizer, model_dir)
     return model_dir
@@ -228,7 +254,8 @@ def build_warmed_up_model(
     tokenizer = tiny_tokenizer()
     model = build_tiny_model(seed, config)
     task = ArithmeticTask(seed=seed, tail_exponent=settings.tail_exponent)
-    losses = warm_up(model, tokenizer, task, settings.steps, settings.batch_size, settings.learning_rate, seed)
+    losses = warm_up(model, tokenizer, task, settings.steps, settings.batch_size, settings.learning_rate, seed,
+                     settings.slip_probability)
     return model, tokenizer, losses
 
 

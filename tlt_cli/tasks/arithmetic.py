@@ -40,12 +40,13 @@ class ArithmeticTask:
         task = ArithmeticTask(seed=0)
         problem = make_problem(0, [3, 1, 4])    # prompt "a3b1c4=", solution "a3:03,b1:04,c4:08#8"
         task.reward(problem, "a3:03,b1:04,c4:08#8")  # 1.0
-        task.reward(problem, "a3:03,b1:04,c4:07#7")  # 1/3: complete chain, 2 of 3 totals right, wrong answer
+        task.reward(problem, "a3:03,b1:04,c4:07#7")  # 1/3: complete chain, 2 of 3 steps right, wrong answer
+        task.reward(problem, "a3:03,b2:05,c4:09#9")  # 1/6: a misread term, 1 of 3 steps right
 
     Reward (see `reward`): 1.0 when the response (decoded without special tokens, surrounding
-    whitespace ignored) has one well-formed step per term, then exactly one answer marker `#`
-    and after it exactly the answer digit; a complete chain with a wrong answer gets partial
-    credit for its right step totals; anything malformed (a skipped step, no marker, several
+    whitespace ignored) has one well-formed step per term, each restating its term, then exactly
+    one answer marker `#` and after it exactly the answer digit; any other complete chain gets
+    partial credit for its right steps; anything malformed (a skipped step, no marker, several
     markers, text after the answer) gets 0.0.
     """
 
@@ -84,46 +85,70 @@ class ArithmeticTask:
         return make_problem(index, digits)
 
     def reward(self, problem: Problem, response: str) -> float:
-        """1.0 for a complete chain with the right answer; partial credit for right step totals.
+        """1.0 for a right chain with the right answer; partial credit for right steps of a complete chain.
 
-        A complete chain has one step per term (each restating its term, then a two-digit total)
-        and a single answer marker; anything else scores 0, so guessing long problems' answers
-        without working them out never pays (which would also erase the long tail of response
-        lengths the task exists to produce). A complete chain with a wrong answer scores
-        0.5 x the fraction of step totals equal to the reference's, so samples of the same
-        problem differ in reward and GRPO has a signal before whole answers come out right.
+        A complete chain has one step per term, each with its term's label, a digit, and a
+        two-digit total, then a single answer marker and one answer digit; anything else scores 0,
+        so guessing long problems' answers without working them out never pays (which would also
+        erase the long tail of response lengths the task exists to produce). It scores 1.0 when
+        every term is restated right and the answer is right; otherwise 0.5 x the fraction of its
+        steps equal to the reference's. A misread term is an error in a complete chain, not a
+        malformed one, so samples of a long problem that go wrong at different steps differ in
+        reward and GRPO has a signal on problems the policy does not solve yet.
         """
         chain, marker, final = response.strip().partition(ANSWER_MARKER)
         answer_is_one_digit = len(final) == 1 and final.isdigit()
-        if not marker or not answer_is_one_digit or not _chain_is_complete(problem.prompt, chain):
+        terms = _terms(problem.prompt)
+        steps = chain.split(STEP_SEPARATOR)
+        if not marker or not answer_is_one_digit or not _chain_is_complete(terms, steps):
             return 0.0
-        if final == problem.answer:
+        if final == problem.answer and all(step[:2] == term for step, term in zip(steps, terms)):
             return 1.0
         reference = problem.solution.partition(ANSWER_MARKER)[0].split(STEP_SEPARATOR)
-        right_steps = sum(step == expected for step, expected in zip(chain.split(STEP_SEPARATOR), reference))
+        right_steps = sum(step == expected for step, expected in zip(steps, reference))
         return PARTIAL_CREDIT * right_steps / len(reference)
 
 
-def _chain_is_complete(prompt: str, chain: str) -> bool:
-    """One step "<label><digit>:<two digits>" per labelled term of the prompt, in order."""
-    terms = [prompt[position : position + 2] for position in range(0, len(prompt) - 1, 2)]
-    steps = chain.split(STEP_SEPARATOR)
+def _terms(prompt: str) -> list[str]:
+    """The prompt's labelled terms, e.g. ["a3", "b1"] for "a3b1="."""
+    return [prompt[position : position + 2] for position in range(0, len(prompt) - 1, 2)]
+
+
+def _chain_is_complete(terms: list[str], steps: list[str]) -> bool:
+    """One step "<label><digit>:<two digits>" per term, in order, each with its term's label."""
     return len(steps) == len(terms) and all(
-        len(step) == 5 and step[:2] == term and step[2] == SUM_SEPARATOR and step[3:].isdigit()
+        len(step) == 5 and step[0] == term[0] and step[1].isdigit() and step[2] == SUM_SEPARATOR and step[3:].isdigit()
         for step, term in zip(steps, terms)
     )
 
 
 def make_problem(index: int, digits: list[int]) -> Problem:
     """The problem for an explicit digit list, with its reference solution."""
-    labels = LABELS[: len(digits)]
-    prompt = "".join(f"{label}{digit}" for label, digit in zip(labels, digits)) + QUESTION_END
-    steps = []
+    prompt = "".join(f"{label}{digit}" for label, digit in zip(LABELS, digits)) + QUESTION_END
+    solution = worked_solution(digits, step_totals(digits))
+    return Problem(index=index, prompt=prompt, answer=solution.partition(ANSWER_MARKER)[2], solution=solution)
+
+
+def prompt_digits(prompt: str) -> list[int]:
+    """The digits of a problem's prompt, in order: [3, 1] for "a3b1="."""
+    return [int(term[1]) for term in _terms(prompt)]
+
+
+def step_totals(digits: list[int]) -> list[int]:
+    """The right total of every step: t_k = s_{k-1} + d_k in 0..18, where s_k = t_k mod 10 and s_0 = 0."""
+    totals = []
     running_sum = 0
-    for label, digit in zip(labels, digits):
-        step_total = running_sum + digit  # t_k = s_{k-1} + d_k in 0..18, written as two digits
-        steps.append(f"{label}{digit}{SUM_SEPARATOR}{step_total:02d}")
-        running_sum = step_total % 10  # s_k = t_k mod 10, the last digit written
-    answer = str(running_sum)
-    solution = STEP_SEPARATOR.join(steps) + ANSWER_MARKER + answer
-    return Problem(index=index, prompt=prompt, answer=answer, solution=solution)
+    for digit in digits:
+        totals.append(running_sum + digit)
+        running_sum = totals[-1] % 10
+    return totals
+
+
+def worked_solution(digits: list[int], totals: list[int]) -> str:
+    """The chain for `digits` with the given step totals, then the marker and the last total's ones digit.
+
+    With `step_totals(digits)` this is the reference solution; any other totals are written as
+    given (the tiny model's warm-up passes totals with slips that carry forward).
+    """
+    steps = [f"{label}{digit}{SUM_SEPARATOR}{total:02d}" for label, digit, total in zip(LABELS, digits, totals)]
+    return STEP_SEPARATOR.join(steps) + ANSWER_MARKER + str(totals[-1] % 10)
