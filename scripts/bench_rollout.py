@@ -31,7 +31,7 @@ from rich.table import Table
 
 from tlt_cli.drafter.model import load_drafter, save_drafter
 from tlt_cli.drafter.warmup import encode_prompts, generate_responses, warm_up_drafter
-from tlt_cli.models.loading import load_policy
+from tlt_cli.models.loading import load_policy, model_fingerprint
 from tlt_cli.rollout.engine import EmbeddedEngine
 from tlt_cli.rollout.speculative import SpeculativeDecoder
 from tlt_cli.rollout.types import RolloutRequest, SamplingParams, SpeculativeConfig
@@ -116,8 +116,8 @@ def parse_args() -> argparse.Namespace:
 
 
 def cached_dir(target, kind: str, args) -> Path:
-    """Where the trained `kind` (drafter / assistant) for this target folder and settings lives."""
-    target_name = Path(target.config._name_or_path).name
+    """Where the trained `kind` (drafter / assistant) for this target (its folder and files) and settings lives."""
+    target_name = f"{Path(target.config._name_or_path).name}-{model_fingerprint(args.model)}"
     settings = f"{args.warmup_prompts}p-{args.warmup_steps}s-seed{args.seed}"
     return Path(args.cache_dir) / f"bench-{kind}-{target_name}-{settings}"
 

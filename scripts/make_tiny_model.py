@@ -1,14 +1,16 @@
 """Build the built-in tiny model into a folder and measure what GRPO will start from.
 
-Builds `builtin:tiny-arith` (seeded Qwen2 + supervised warm-up on the arithmetic task), saves
-it as a Hugging Face folder, then samples with Hugging Face `generate` on held-out problems
+Builds `builtin:tiny-arith` (seeded Qwen2 + supervised warm-up on the arithmetic task, the
+defaults of tlt_cli/models/tiny.py), saves it as a Hugging Face folder in bfloat16 (the
+committed folder tlt_cli/models/tiny_arith is this script's output, under 10 MB), reloads it as
+tlt does (float32), then samples with Hugging Face `generate` on held-out problems
 (a different task seed) and prints a table: parameters, warm-up seconds, mean reward with
 greedy and temperature-1 sampling (overall, the share solved exactly, and the mean on short
 problems of <= 3 terms and on long ones of >= 10 terms), and sampled response-length p50/p99.
 Writes the same numbers as JSON. With --measure-only it measures an existing folder instead.
 
-    /work/venv/bin/python scripts/make_tiny_model.py /tmp/tiny-arith --json /tmp/tiny-arith.json
-    /work/venv/bin/python scripts/make_tiny_model.py /tmp/tiny-arith --measure-only
+    python scripts/make_tiny_model.py tlt_cli/models/tiny_arith --threads 2 --json benchmarks/tiny_arith.json
+    python scripts/make_tiny_model.py tlt_cli/models/tiny_arith --measure-only
 
 On a shared 2-core machine keep --threads 1: with other jobs running, 2 torch threads spin
 on each other and the warm-up runs several times slower.
@@ -114,18 +116,18 @@ def print_table(report: dict) -> None:
     Console().print(table)
 
 
-def build_and_save(output_dir: Path, seed: int, warmup_steps: int):
-    """Build and warm up the default tiny model, save it; also the warm-up time and final loss."""
+def build_and_save(output_dir: Path, seed: int, warmup_steps: int) -> dict:
+    """Build and warm up the default tiny model, save it in bfloat16; the warm-up time and final loss."""
     started = time.perf_counter()
     model, tokenizer, losses = build_warmed_up_model(seed, tiny_model_config(), WarmUpSettings(steps=warmup_steps))
     build_report = {"warm_up_seconds": time.perf_counter() - started, "final_loss": float(np.mean(losses[-10:]))}
-    save_model_folder(model, tokenizer, output_dir)
-    return model, tokenizer, build_report
+    save_model_folder(model.to(torch.bfloat16), tokenizer, output_dir)
+    return build_report
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("output_dir", type=Path, help="folder to write the model into (replaced if absent)")
+    parser.add_argument("output_dir", type=Path, help="folder to write the model into (an existing one is replaced)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--warmup-steps", type=int, default=WarmUpSettings.steps)
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
@@ -135,11 +137,10 @@ def main() -> None:
     parser.add_argument("--measure-only", action="store_true", help="measure the model already in output_dir")
     arguments = parser.parse_args()
     torch.set_num_threads(arguments.threads)
-    if arguments.measure_only:
-        model, tokenizer = load_policy(str(arguments.output_dir))
-        build_report = {"warm_up_seconds": float("nan"), "final_loss": float("nan")}
-    else:
-        model, tokenizer, build_report = build_and_save(arguments.output_dir, arguments.seed, arguments.warmup_steps)
+    build_report = {"warm_up_seconds": float("nan"), "final_loss": float("nan")}
+    if not arguments.measure_only:
+        build_report = build_and_save(arguments.output_dir, arguments.seed, arguments.warmup_steps)
+    model, tokenizer = load_policy(str(arguments.output_dir))
     report = {
         "output_dir": str(arguments.output_dir),
         "threads": arguments.threads,

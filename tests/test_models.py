@@ -13,9 +13,10 @@ from transformers import AutoTokenizer, PreTrainedTokenizerFast, ViTConfig
 
 from tlt_cli.config import load_recipe
 from tlt_cli.drafter.initial import warmup_key
-from tlt_cli.models.loading import ModelLoadError, load_policy, model_fingerprint
+from tlt_cli.models.loading import ModelLoadError, load_policy, model_fingerprint, model_folder
 from tlt_cli.models.tiny import (
     IGNORED_LABEL,
+    SHIPPED_TINY_MODEL,
     build_tiny_model,
     ensure_tiny_model,
     save_model_folder,
@@ -206,13 +207,17 @@ def tokenizer_without_eos():
     return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>")
 
 
-@pytest.mark.slow
-def test_builtin_tiny_model_loads_and_has_non_zero_reward(tmp_path):
-    model, tokenizer = load_policy("builtin:tiny-arith", cache_dir=tmp_path)
+def test_builtin_tiny_model_is_the_shipped_folder_small_and_half_solves_the_task():
+    folder = model_folder("builtin:tiny-arith")
+    assert folder == SHIPPED_TINY_MODEL and sum(path.stat().st_size for path in folder.iterdir()) < 20 * 2**20
+    model, tokenizer = load_policy("builtin:tiny-arith")
+    assert model.config.to_diff_dict() | {"dtype": None} == tiny_model_config().to_diff_dict() | {"dtype": None}
+    assert next(model.parameters()).dtype == torch.float32  # stored in bfloat16, loaded as tlt trains it
     task = ArithmeticTask(seed=99)
-    problems = [task.problem(index) for index in range(32)]
+    problems = [problem for problem in (task.problem(index) for index in range(64)) if len(problem.prompt) <= 7][:16]
     tokenizer.padding_side = "left"
     batch = tokenizer([problem.prompt for problem in problems], return_tensors="pt", padding=True)
-    generated = model.generate(**batch, max_new_tokens=300, do_sample=False)
+    generated = model.generate(**batch, max_new_tokens=24, do_sample=False)
     responses = tokenizer.batch_decode(generated[:, batch["input_ids"].shape[1] :], skip_special_tokens=True)
-    assert sum(task.reward(problem, response) for problem, response in zip(problems, responses)) > 0
+    # greedy, the warmed-up model solves short problems (its slips are the less likely tokens)
+    assert sum(task.reward(problem, response) == 1.0 for problem, response in zip(problems, responses)) >= 12

@@ -37,7 +37,6 @@ from tlt_cli.rollout.speculative import SpeculativeDecoder
 from tlt_cli.rollout.types import RolloutRequest, SamplingParams, SpeculativeConfig
 from tlt_cli.sglang.weight_sync import drafter_tensors
 from tlt_cli.tasks.registry import build_task
-from tlt_cli.trainer import cache_directory
 
 WEIGHTS_FILE = "model.safetensors"
 EXPORT_CONFIG_FILE = "config.json"
@@ -188,7 +187,7 @@ def _recipe(path: Path) -> Recipe:
 
 def load_target(source: DrafterSource) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """The recipe's model, with the checkpoint's actor weights when the source is a run checkpoint."""
-    target, tokenizer = load_policy(source.recipe.model.path, cache_dir=cache_directory(source.recipe))
+    target, tokenizer = load_policy(source.recipe.model.path)
     if source.checkpoint_dir is None:
         return target, tokenizer
     weights_path = source.checkpoint_dir / CHECKPOINT_TAG / ACTOR_WEIGHTS_FILE

@@ -32,7 +32,7 @@ from tlt_cli.drafter.initial import prepare_initial_drafter
 from tlt_cli.launched_workers import LaunchedWorkers
 from tlt_cli.launcher import runs_on_this_machine
 from tlt_cli.machine_checks import check_machine
-from tlt_cli.models.tiny import BUILTIN_TINY_MODEL, default_cache_dir, ensure_tiny_model
+from tlt_cli.models.tiny import default_cache_dir
 from tlt_cli.sglang.registry import stop_recorded_servers
 from tlt_cli.step_records import step_records
 from tlt_cli.trace import TraceWriter, read_trace, truncate_trace
@@ -92,9 +92,6 @@ def train(recipe: Recipe, run_directory: Path, console: Console, resume: bool = 
     resume_from, start_step = _resume_point(run_directory) if resume else (None, 0)
     check_machine(recipe)
     cache = cache_directory(recipe)
-    if recipe.model.path == BUILTIN_TINY_MODEL:
-        with console.status("preparing the built-in tiny model (built and warmed up once, then cached)"):
-            ensure_tiny_model(cache)
     drafter_init = _prepare_drafter(recipe, cache, console)
     trace_path = run_directory / TRACE_FILE
     if resume:

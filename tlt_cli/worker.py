@@ -147,8 +147,8 @@ class WorkerLoop:
         init_worker_process(spec.address, recipe.workers.threads_per_worker, spec.model_cache / "torch_extensions",
                             on_gpus=recipe.actor.devices != CPU_DEVICES)
         torch.manual_seed(recipe.run.seed)
-        policy, self.tokenizer = load_policy(recipe.model.path, cache_dir=spec.model_cache)
-        reference = load_policy(recipe.model.path, cache_dir=spec.model_cache)[0].eval() if recipe.actor.kl_coef > 0 else None
+        policy, self.tokenizer = load_policy(recipe.model.path)
+        reference = load_policy(recipe.model.path)[0].eval() if recipe.actor.kl_coef > 0 else None
         self.task = build_task(recipe.task.name, recipe.run.seed, dict(recipe.task.options))
         self.prompts_per_worker = recipe.train.prompts_per_step // recipe.workers.count
         self.actor = Actor(policy, recipe.actor, self.prompts_per_worker * recipe.train.group_size, reference)
@@ -181,7 +181,7 @@ class WorkerLoop:
         """This rank's SGLang servers (not started yet); imported here so the CPU path never loads the SGLang package."""
         from tlt_cli.sglang.rollout import SGLangRollout
 
-        folder = model_folder(self.recipe.model.path, self.spec.model_cache)
+        folder = model_folder(self.recipe.model.path)
         return SGLangRollout(self.recipe, self.rank, self.spec.address.rank_on_node, self.spec.run_directory, folder,
                              self.tokenizer.eos_token_id, bool(self.actor.policy.config.tie_word_embeddings))
 

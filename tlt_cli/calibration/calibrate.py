@@ -150,7 +150,7 @@ def load_model_pair(recipe: Recipe) -> tuple[ModelPair, PreTrainedTokenizerBase,
     cache = cache_directory(recipe)
     dtype = torch.bfloat16 if recipe.actor.precision == "bf16" else torch.float32
     device = torch.device("cpu" if recipe.actor.devices == CPU_DEVICES else f"cuda:{recipe.actor.devices[0]}")
-    target, tokenizer = load_policy(recipe.model.path, cache_dir=cache)
+    target, tokenizer = load_policy(recipe.model.path)
     target = target.to(device, dtype).eval()
     # the drafter a run would start with, whatever the recipe's speculative mode is now
     folder, _ = prepare_initial_drafter(replace(recipe, speculative=replace(recipe.speculative, mode="fixed")), cache)

@@ -36,7 +36,7 @@ def warmup_key(recipe: Recipe, cache: Path) -> str:
     description = {
         "format": WARMUP_FORMAT,
         "model": recipe.model.path,
-        "model_files": model_fingerprint(recipe.model.path, cache),
+        "model_files": model_fingerprint(recipe.model.path),
         "task": recipe.task.name,
         "task_options": dict(recipe.task.options),
         "seed": recipe.run.seed,
@@ -64,7 +64,7 @@ def _warm_up_into(recipe: Recipe, cache: Path, folder: Path) -> dict:
     from tlt_cli.models.loading import load_policy
     from tlt_cli.tasks.registry import build_task
 
-    target, tokenizer = load_policy(recipe.model.path, cache_dir=cache)
+    target, tokenizer = load_policy(recipe.model.path)
     task = build_task(recipe.task.name, recipe.run.seed, dict(recipe.task.options))
     drafter, report = warm_up_drafter(
         target, tokenizer, task, steps=recipe.drafter.warmup_steps, batch_size=recipe.drafter.warmup_batch_size,

@@ -23,7 +23,7 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-from tlt_cli.models.tiny import BUILTIN_TINY_MODEL, ensure_tiny_model
+from tlt_cli.models.tiny import BUILTIN_TINY_MODEL, SHIPPED_TINY_MODEL
 
 # any one of these files means the folder ships a tokenizer
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -35,14 +35,12 @@ class ModelLoadError(ValueError):
     """The policy model or its tokenizer cannot be loaded from the given path."""
 
 
-def load_policy(
-    model_path: str, cache_dir: Path | None = None, dtype: torch.dtype = torch.float32
-) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+def load_policy(model_path: str, dtype: torch.dtype = torch.float32) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """The causal LM and tokenizer at `model_path` ("builtin:tiny-arith" or a local folder).
 
     The tokenizer's pad token falls back to its EOS token. The model is in eval mode.
     """
-    model_dir = model_folder(model_path, cache_dir)
+    model_dir = model_folder(model_path)
     _check_causal_lm_config(model_dir)
     tokenizer = _load_tokenizer(model_dir)
     model = _load_model(model_dir, dtype)
@@ -51,20 +49,22 @@ def load_policy(
     return model, tokenizer
 
 
-def model_folder(model_path: str, cache_dir: Path | None = None) -> Path:
-    """The Hugging Face folder `model_path` names (the built-in tiny model's, built if need be), checked."""
+def model_folder(model_path: str) -> Path:
+    """The Hugging Face folder `model_path` names (the built-in tiny model's shipped folder), checked."""
     if model_path == BUILTIN_TINY_MODEL:
-        return ensure_tiny_model(cache_dir)
+        if not (SHIPPED_TINY_MODEL / "config.json").is_file():
+            raise ModelLoadError(f"The built-in model folder {SHIPPED_TINY_MODEL} is missing from this install; reinstall tlt.")
+        return SHIPPED_TINY_MODEL
     return _checked_model_dir(model_path)
 
 
-def model_fingerprint(model_path: str, cache_dir: Path | None = None) -> str:
+def model_fingerprint(model_path: str) -> str:
     """A short hash of the model's config and weight files (name, size, modification time).
 
     Caches derived from a model (the warmed-up drafter) key on it, so replacing the weights in a
     folder, or a new built-in model, never reuses what was made from the old ones.
     """
-    model_dir = model_folder(model_path, cache_dir)
+    model_dir = model_folder(model_path)
     weights = sorted(path for path in model_dir.iterdir() if path.suffix in WEIGHT_SUFFIXES)
     description = {
         "config": (model_dir / "config.json").read_text(encoding="utf-8"),

@@ -4,11 +4,15 @@
 the arithmetic task's character vocabulary (Qwen2 by default, Llama for tests). `warm_up`
 teaches it the task with a supervised pass on worked solutions in which each step's total is
 off by one with a small probability (a slip that carries forward): the model learns the method
-(solid up to three or four terms, shaky beyond) and, sampled at temperature 1, slips as often
+(solid up to three terms, shaky beyond) and, sampled at temperature 1, slips as often
 as its teacher did. So GRPO starts from a clearly non-zero reward with two kinds of room to
-improve within minutes: unlearning the slips, and longer problems. `ensure_tiny_model` builds, warms up and saves
-it once as an ordinary Hugging Face folder in a cache directory keyed by a hash of every
-setting, written atomically; `load_policy("builtin:tiny-arith")` calls it.
+improve within minutes: unlearning the slips, and longer problems.
+
+`builtin:tiny-arith` is the folder SHIPPED_TINY_MODEL, committed with the package: the defaults
+below built and warmed up by `scripts/make_tiny_model.py` (about 6 minutes on 2 CPU cores, too
+long to make every new user wait) and saved in bfloat16. `ensure_tiny_model` builds a model with
+other settings (tests use short warm-ups) once into a cache directory keyed by a hash of every
+setting, written atomically.
 """
 
 from __future__ import annotations
@@ -36,6 +40,8 @@ from tlt_cli.tasks.base import Problem, Task
 
 LOGGER = logging.getLogger(__name__)
 BUILTIN_TINY_MODEL = "builtin:tiny-arith"
+# the committed folder `builtin:tiny-arith` names (made by scripts/make_tiny_model.py)
+SHIPPED_TINY_MODEL = Path(__file__).resolve().parent / "tiny_arith"
 # bump when the task, tokenizer or warm-up recipe changes, so old cached folders are not reused
 TINY_MODEL_FORMAT = 4
 # label value the loss ignores (prompt and padding positions)
@@ -49,17 +55,19 @@ class WarmUpSettings:
 
     tail_exponent: the warm-up task's P(n) ~ n^-alpha (the RL task's default).
     slip_probability: the chance that a step of a worked solution has its total off by one.
-    The defaults (1500 steps of 16 solutions, about 2.5 minutes on 2 CPU cores) teach the format,
-    addition and the look-up of the first three or four terms: sampled at temperature 1 the model
-    solves about 90% of one-term problems (the rest are slips), 30% of four-term ones and almost
-    none past eight, so the long responses are mostly wrong, as in real reasoning RL.
+    The defaults (2000 steps of 16 solutions, about 6 minutes on 2 CPU cores for the default
+    8-layer model) teach the format, addition and the look-up of the first terms: sampled at
+    temperature 1 the model solves about 80% of one-term problems (the rest are slips), 60% of
+    two-term, 45% of four-term, 30% of five- to eight-term ones and almost none past sixteen, so
+    the long responses are mostly wrong, as in real reasoning RL, and most GRPO groups differ in
+    reward.
     """
 
-    steps: int = 1500
+    steps: int = 2000
     batch_size: int = 16
     learning_rate: float = 1e-3
     tail_exponent: float = 1.5
-    slip_probability: float = 0.1
+    slip_probability: float = 0.2
 
 
 def default_cache_dir() -> Path:
@@ -76,7 +84,7 @@ def tiny_model_config(
     tokenizer: PreTrainedTokenizerBase | None = None,
     architecture: str = "qwen2",
     hidden_size: int = 256,
-    num_layers: int = 4,
+    num_layers: int = 8,
     num_heads: int = 4,
     num_kv_heads: int = 2,
     intermediate_size: int = 512,
@@ -228,7 +236,7 @@ def ensure_tiny_model(
     warmup_steps: int = WarmUpSettings.steps,
     config: PretrainedConfig | None = None,
 ) -> Path:
-    """The folder of the warmed-up tiny model, building it first if the cache lacks it.
+    """The folder of a warmed-up tiny model (default config and warm-up unless given), building it first if the cache lacks it.
 
     The folder is `<cache_dir>/tiny-arith-<hash of settings>`; it is built in a temporary
     sibling and renamed into place, under a file lock so concurrent ranks build it once.
@@ -241,7 +249,7 @@ def ensure_tiny_model(
     with open(cache_dir / f"{model_dir.name}.lock", "w") as lock_file:
         fcntl.flock(lock_file, fcntl.LOCK_EX)  # released when the file closes
         if not (model_dir / "config.json").is_file():
-            LOGGER.info("Building %s into %s (about 2.5 minutes on 2 CPU cores, once).", BUILTIN_TINY_MODEL, model_dir)
+            LOGGER.info("Building a tiny model into %s (once).", model_dir)
             model, tokenizer, _ = build_warmed_up_model(seed, config, settings)
             save_model_folder(model, tokenizer, model_dir)
     return model_dir
@@ -260,12 +268,19 @@ def build_warmed_up_model(
 
 
 def save_model_folder(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, model_dir: Path) -> None:
-    """Save model and tokenizer into a temporary sibling of `model_dir`, then rename it into place."""
+    """Save model and tokenizer into a temporary sibling of `model_dir`, then rename it into place.
+
+    An existing `model_dir` is moved aside first and deleted only once the new folder is in place.
+    """
     model_dir.parent.mkdir(parents=True, exist_ok=True)
     staging_dir = Path(tempfile.mkdtemp(prefix=f".{model_dir.name}-", dir=model_dir.parent))
+    previous_dir = model_dir.parent / f".{model_dir.name}-previous"
     try:
         model.save_pretrained(staging_dir)
         tokenizer.save_pretrained(staging_dir)
+        if model_dir.exists():
+            os.replace(model_dir, previous_dir)
         os.replace(staging_dir, model_dir)
     finally:
         shutil.rmtree(staging_dir, ignore_errors=True)
+        shutil.rmtree(previous_dir, ignore_errors=True)

@@ -31,7 +31,6 @@ from tlt_cli.rollout.types import Completion, RolloutRequest, SamplingParams
 from tlt_cli.tasks.base import Task
 from tlt_cli.tasks.registry import build_task
 from tlt_cli.trace import TraceWriter
-from tlt_cli.trainer import cache_directory
 
 SIMPLIFICATION = "one process; worker shards generated one after another and re-timed to start together"
 
@@ -40,7 +39,7 @@ def record_rollout(recipe: Recipe, steps: int, trace_path: Path, on_step: Callab
     """Generate `steps` steps of the recipe's rollout, write them as a trace at trace_path, return its records."""
     if steps < 1:
         raise ValueError(f"steps is {steps}; record at least 1 step.")
-    policy, tokenizer = load_policy(recipe.model.path, cache_dir=cache_directory(recipe))
+    policy, tokenizer = load_policy(recipe.model.path)
     task = build_task(recipe.task.name, recipe.run.seed, dict(recipe.task.options))
     engine = EmbeddedEngine(policy, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     sampling = SamplingParams(
