@@ -260,7 +260,8 @@ def launch_sglang_servers(
     log_dir = Path(run_dir) / "sglang"
     adaptive_path = write_adaptive_config(plan, log_dir / "adaptive_speculative.json") if plan.mode == "adaptive" else None
     flags = speculative_flags(plan, draft_model_path, adaptive_path)
-    api_key = secrets.token_urlsafe(24)
+    # hex: a URL-safe token may start with "-", which the server's argument parser reads as a flag
+    api_key = secrets.token_hex(24)
     launches = []
     for placement in server_placements(config):
         launches.append(
