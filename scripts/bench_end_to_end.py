@@ -1,6 +1,6 @@
 """End to end: step time and reward of the tiny recipe with tlt on vs SD off, over several seeds.
 
-    python scripts/bench_end_to_end.py --steps 20 --seeds 0 1 2 --out benchmarks/bench_end_to_end.json
+    python scripts/bench_end_to_end.py --steps 60 --seeds 0 1 2 --out benchmarks/bench_end_to_end.json
 
 For every seed it runs `tlt train recipes/tiny-cpu.yaml` twice, back to back so both see the
 same machine load:
@@ -58,7 +58,7 @@ def summarize(results: dict[str, dict[int, list[dict]]]) -> dict:
 
 def reward_band(results: dict[str, dict[int, list[dict]]]) -> dict:
     """Share of steps where each tlt run's mean reward lies within [min, max] of the SD-off seeds, and the
-    same for a 5-step moving average (per-step rewards of 64 samples are noisy)."""
+    same for a 5-step moving average (per-step rewards are noisy)."""
     off_curves = [[row["mean_reward"] for row in rows] for rows in results["off"].values()]
     band = {}
     for seed, rows in results["tlt"].items():

@@ -51,7 +51,7 @@ ARCHITECTURES = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "llama": (LlamaConfig
 
 @dataclass(frozen=True)
 class WarmUpSettings:
-    """How `ensure_tiny_model` warms the model up (part of the cache key).
+    """How a tiny model is warmed up: the shipped one with these defaults (part of ensure_tiny_model's cache key).
 
     tail_exponent: the warm-up task's P(n) ~ n^-alpha (the RL task's default).
     slip_probability: the chance that a step of a worked solution has its total off by one.
