@@ -1,12 +1,20 @@
-"""Shared test fixtures: one thread per test process, and a process group for DeepSpeed tests."""
+"""Shared test fixtures: one thread per test process, and a process group for DeepSpeed tests.
+
+Also gives the test process a terminal's Ctrl-C: a shell starts background jobs (`pytest &`,
+some CI runners) with SIGINT ignored, children inherit that, and the tests that press Ctrl-C on a
+`tlt train` subprocess would then see it run on untouched.
+"""
 
 import os
+import signal
 from pathlib import Path
 
 import pytest
 import torch
 
 torch.set_num_threads(1)
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(scope="session")
