@@ -31,13 +31,13 @@ from rich.table import Table
 
 from tlt_cli.adaptive import OFF, build_rules, parse_label
 from tlt_cli.calibration.calibrate import load_model_pair
+from tlt_cli.calibration.measure import bucket_totals, time_shard
 from tlt_cli.calibration.settings import DEFAULT_CONFIGS
 from tlt_cli.config import load_recipe
 from tlt_cli.drafter.initial import speculative_decoder
 from tlt_cli.recipes import resolve_recipe_path
-from tlt_cli.rollout.engine import EmbeddedEngine
 from tlt_cli.rollout.speculative import SpeculativeDecoder
-from tlt_cli.rollout.types import DecodeStep, RolloutRequest, SamplingParams
+from tlt_cli.rollout.types import RolloutRequest, SamplingParams
 from tlt_cli.tasks.registry import build_task
 
 PHASES = ("large", "tail")
@@ -61,16 +61,8 @@ def fixed_factory(drafter, label: str):
 
 def run_shard(pair, decoder, requests, sampling, seed: int, large_batch: int) -> dict[str, list[float]]:
     """Per phase, [seconds, response tokens] of the shard's decode steps (each counted with the batch it began with)."""
-    phases = {phase: [0.0, 0.0] for phase in PHASES}
-
-    def record(step: DecodeStep) -> None:
-        phase = phases["large" if step.batch_size >= large_batch else "tail"]
-        phase[0] += step.seconds
-        phase[1] += step.tokens
-
-    engine = EmbeddedEngine(pair.target, pair.eos_token_id, pair.pad_token_id, speculative=decoder)
-    engine.generate(requests, sampling, torch.Generator().manual_seed(seed), on_decode_step=record)
-    return phases
+    totals = bucket_totals(time_shard(pair, decoder, requests, sampling, seed), [1, large_batch])
+    return {phase: [totals[size].seconds, totals[size].tokens] for phase, size in (("tail", 1), ("large", large_batch))}
 
 
 def summarize(measurements: dict[str, list[dict[str, list[float]]]]) -> dict:

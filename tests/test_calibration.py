@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 from tlt_cli.adaptive import build_rules
 from tlt_cli.calibration.calibrate import batch_size_grid
-from tlt_cli.calibration.measure import ModelPair, bucket_of, bucket_totals, time_shard
+from tlt_cli.calibration.measure import ModelPair, bucket_of, bucket_totals, fixed_decoder, time_shard
 from tlt_cli.calibration.recipe_text import RecipeEditError, write_rules_into_recipe
 from tlt_cli.calibration.rules import (
     CALIBRATED_BY,
@@ -221,5 +221,5 @@ def test_decode_steps_count_every_response_token_once_as_the_batch_shrinks(confi
     assert sum(step.tokens for step in steps) == sum(len(completion.response_ids) - 1 for completion in completions)
     # time_shard is that generation with the configuration fixed: the same steps, timed afresh
     pair = ModelPair(target, drafter, tokenizer.pad_token_id, tokenizer.eos_token_id, torch.device("cpu"))
-    timed = time_shard(pair, config, requests, sampling, seed=3)
+    timed = time_shard(pair, fixed_decoder(pair, config), requests, sampling, seed=3)
     assert [(step.batch_size, step.tokens) for step in timed] == [(step.batch_size, step.tokens) for step in steps]

@@ -96,10 +96,14 @@ def bucket_totals(steps: list[DecodeStep], grid: list[int]) -> dict[int, ShardTo
     return {size: ShardTotals(*totals) for size, totals in sums.items()}
 
 
-def time_shard(pair: ModelPair, config: SpeculativeConfig | None, requests: list[RolloutRequest], sampling: SamplingParams,
+def fixed_decoder(pair: ModelPair, config: SpeculativeConfig | None) -> SpeculativeDecoder:
+    """A decoder with `config` at every step (None: plain decoding steps inside it, as the adaptive engine runs them)."""
+    return SpeculativeDecoder(pair.drafter, lambda batch_size: config)
+
+
+def time_shard(pair: ModelPair, decoder: SpeculativeDecoder, requests: list[RolloutRequest], sampling: SamplingParams,
                seed: int) -> list[DecodeStep]:
-    """Generate `requests` to their natural end with `config` fixed at every step; each decode step's record."""
-    decoder = SpeculativeDecoder(pair.drafter, lambda batch_size: config)
+    """Generate `requests` to their natural end with `decoder`; each decode step's record."""
     engine = EmbeddedEngine(pair.target, eos_token_id=pair.eos_token_id, pad_token_id=pair.pad_token_id, speculative=decoder)
     steps: list[DecodeStep] = []
     engine.generate(requests, sampling, torch.Generator(device=pair.device).manual_seed(seed), on_decode_step=steps.append)
@@ -117,6 +121,6 @@ def measure_shards(pair: ModelPair, grid: list[int], configs: dict[str, Speculat
         for label, config in configs.items():
             if on_shard is not None:
                 on_shard(label, repeat)
-            steps = time_shard(pair, config, requests, sampling, seed + repeat)
+            steps = time_shard(pair, fixed_decoder(pair, config), requests, sampling, seed + repeat)
             totals[label].append(bucket_totals(steps, grid))
     return [Cell(size, label, tuple(shard[size] for shard in totals[label])) for size in grid for label in configs]

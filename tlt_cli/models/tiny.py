@@ -35,7 +35,7 @@ from transformers import GenerationConfig, LlamaConfig, PretrainedConfig, PreTra
 from transformers import LlamaForCausalLM, PreTrainedTokenizerBase, Qwen2ForCausalLM
 
 from tlt_cli.models.tokenizer import build_char_tokenizer
-from tlt_cli.tasks.arithmetic import CHARACTERS, ArithmeticTask, prompt_digits, worked_solution
+from tlt_cli.tasks.arithmetic import CHARACTERS, ArithmeticTask, prompt_digits, step_totals, worked_solution
 from tlt_cli.tasks.base import Problem, Task
 
 LOGGER = logging.getLogger(__name__)
@@ -190,14 +190,14 @@ def slipped_solution(problem: Problem, slip_probability: float, generator: rando
     the next step adds to, so a slip carries into every later total and the answer."""
     if slip_probability == 0.0:
         return problem.solution
-    digits, totals, running_sum = prompt_digits(problem.prompt), [], 0
-    for digit in digits:
-        total = running_sum + digit
-        if generator.random() < slip_probability:
-            total += 1 if total == 0 or (total < 18 and generator.random() < 0.5) else -1
-        totals.append(total)
-        running_sum = total % 10
-    return worked_solution(digits, totals)
+
+    def as_written(total: int) -> int:
+        if generator.random() >= slip_probability:
+            return total
+        return total + 1 if total == 0 or (total < 18 and generator.random() < 0.5) else total - 1
+
+    digits = prompt_digits(problem.prompt)
+    return worked_solution(digits, step_totals(digits, as_written))
 
 
 def _supervised_example(tokenizer, prompt: str, solution: str) -> tuple[list[int], list[int]]:

@@ -136,17 +136,26 @@ class EmbeddedEngine:
         finished = self._emit(batch, batch.pending[:, None], torch.ones_like(batch.pending), call.sampling)
         self._retire(batch, finished, call)
         while batch.size > 0:
-            started, batch_size = time.perf_counter(), batch.size
-            generated_before = int(batch.generated.sum()) if call.on_decode_step is not None else 0
-            if self.speculative is not None:
-                new_tokens, counts = self.speculative.step(self, batch, call.sampling, call.generator)
+            if call.on_decode_step is None:
+                self._retire(batch, self._advance(batch, call), call)
             else:
-                new_tokens, counts = self.decode_step(batch, call.sampling, call.generator)
-            finished = self._emit(batch, new_tokens, counts, call.sampling)
-            tokens = int(batch.generated.sum()) - generated_before if call.on_decode_step is not None else 0
-            self._retire(batch, finished, call)
-            if call.on_decode_step is not None:
-                call.on_decode_step(DecodeStep(batch_size, tokens, time.perf_counter() - started))
+                call.on_decode_step(self._timed_step(batch, call))
+
+    def _advance(self, batch: RunningBatch, call: _GenerateCall) -> torch.Tensor:
+        """One decode step (plain or speculative) with its tokens emitted; which rows finished [B] bool."""
+        if self.speculative is not None:
+            new_tokens, counts = self.speculative.step(self, batch, call.sampling, call.generator)
+        else:
+            new_tokens, counts = self.decode_step(batch, call.sampling, call.generator)
+        return self._emit(batch, new_tokens, counts, call.sampling)
+
+    def _timed_step(self, batch: RunningBatch, call: _GenerateCall) -> DecodeStep:
+        """A decode step and its retirements, measured (only calls with an on_decode_step observer pay for it)."""
+        started, batch_size, generated_before = time.perf_counter(), batch.size, int(batch.generated.sum())
+        finished = self._advance(batch, call)
+        tokens = int(batch.generated.sum()) - generated_before  # counted before finished rows leave
+        self._retire(batch, finished, call)
+        return DecodeStep(batch_size, tokens, time.perf_counter() - started)
 
     def _prefill(self, call: _GenerateCall) -> RunningBatch:
         """Run all prompts (right-padded, causal) and draw each row's first response token."""

@@ -14,6 +14,8 @@ keeps the built-in tiny model's warm-up short. The trainer and the tiny-model bu
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
 from tlt_cli.tasks.base import Problem
@@ -134,12 +136,16 @@ def prompt_digits(prompt: str) -> list[int]:
     return [int(term[1]) for term in _terms(prompt)]
 
 
-def step_totals(digits: list[int]) -> list[int]:
-    """The right total of every step: t_k = s_{k-1} + d_k in 0..18, where s_k = t_k mod 10 and s_0 = 0."""
+def step_totals(digits: list[int], as_written: Callable[[int], int] = lambda total: total) -> list[int]:
+    """The total of every step: t_k = s_{k-1} + d_k in 0..18, where s_k = t_k mod 10 and s_0 = 0.
+
+    as_written(t) is the total a solver writes down instead of t (the tiny model's warm-up
+    passes slips); its ones digit is the running sum the next step adds to.
+    """
     totals = []
     running_sum = 0
     for digit in digits:
-        totals.append(running_sum + digit)
+        totals.append(as_written(running_sum + digit))
         running_sum = totals[-1] % 10
     return totals
 
