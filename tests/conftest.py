@@ -26,7 +26,7 @@ def cache_directory() -> Path:
 @pytest.fixture(scope="session")
 def single_process_group(cache_directory):
     """A world of one gloo rank, as a worker process would have, for in-process DeepSpeed tests."""
-    from tlt_cli.distributed import WorkerAddress, free_port, init_worker_process
+    from tlt_cli.processes.distributed import WorkerAddress, free_port, init_worker_process
 
     if not torch.distributed.is_initialized():
         init_worker_process(WorkerAddress(0, 1, free_port()), threads=1, extensions_dir=cache_directory / "torch_extensions")

@@ -18,9 +18,9 @@ from typer.testing import CliRunner
 from tlt_cli.actor import deepspeed_config
 from tlt_cli.cli import app
 from tlt_cli.config import RecipeError, load_recipe
-from tlt_cli.distributed import visible_gpus
-from tlt_cli.launcher import deepspeed_launch_command
-from tlt_cli.machine_checks import check_machine
+from tlt_cli.processes.distributed import visible_gpus
+from tlt_cli.processes.hostfile import deepspeed_launch_command
+from tlt_cli.processes.machine_checks import check_machine
 from tlt_cli.recipes import RECIPES_DIRECTORY
 from tlt_cli.rollout.types import SpeculativeConfig
 from tlt_cli.sglang.adaptive import BatchRule
@@ -99,7 +99,7 @@ def test_multi_node_launch_command_from_a_recipe(tmp_path):
                                "rollout.sglang.gpus=[0,1]"])
     assert deepspeed_launch_command(recipe, tmp_path / "runs" / "gpu-sglang", 29500) == [
         sys.executable, "-m", "deepspeed.launcher.runner", "--hostfile", str(hostfile), "--master_port", "29500",
-        "--include", "node-a:0,1@node-b:0,1", "--no_local_rank", "--module", "tlt_cli.launched_rank",
+        "--include", "node-a:0,1@node-b:0,1", "--no_local_rank", "--module", "tlt_cli.processes.launched_rank",
         str(tmp_path / "runs" / "gpu-sglang"),
     ]
 

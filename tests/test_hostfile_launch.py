@@ -27,9 +27,9 @@ from typer.testing import CliRunner
 
 from tlt_cli.cli import app
 from tlt_cli.config import load_recipe
-from tlt_cli.events import EventListener, connect_to_driver
-from tlt_cli.launcher import deepspeed_launch_command
 from tlt_cli.models.tiny import ensure_tiny_model
+from tlt_cli.processes.event_channel import EventListener, connect_to_driver
+from tlt_cli.processes.hostfile import deepspeed_launch_command
 from tlt_cli.sglang.server import live_group_members
 
 TESTS = Path(__file__).resolve().parent
@@ -77,7 +77,8 @@ def test_one_host_launches_locally_without_ssh(hostfile, tmp_path):
     recipe = load_recipe(RECIPE, [f"workers.hostfile={hostfile}"])
     assert deepspeed_launch_command(recipe, tmp_path / "run", 29500) == [
         sys.executable, "-m", "deepspeed.launcher.runner", "--hostfile", str(hostfile), "--master_port", "29500",
-        "--no_ssh_check", "--master_addr", "127.0.0.1", "--no_local_rank", "--module", "tlt_cli.launched_rank",
+        "--no_ssh_check", "--master_addr", "127.0.0.1", "--no_local_rank",
+        "--module", "tlt_cli.processes.launched_rank",
         str(tmp_path / "run"),
     ]
 
@@ -117,7 +118,8 @@ def test_two_steps_with_the_deepspeed_launcher(small_model, hostfile, tmp_path):
     assert sorted((worker["step"], worker["worker"]) for worker in records(run_directory, "worker")) == [(0, 0), (0, 1), (1, 0), (1, 1)]
     assert (run_directory / "checkpoints" / "latest").read_text() == "step_000002"
     launcher_log = (run_directory / "workers" / "launcher.log").read_text()
-    assert "deepspeed.launcher.launch" in launcher_log and launcher_log.count("-m', 'tlt_cli.launched_rank'") == 2
+    assert "deepspeed.launcher.launch" in launcher_log
+    assert launcher_log.count("-m', 'tlt_cli.processes.launched_rank'") == 2
     assert stat.S_IMODE((run_directory / "launch" / "driver.json").stat().st_mode) == 0o600
     assert not processes_of(run_directory)
 
@@ -202,7 +204,7 @@ def test_event_channel_delivers_in_order_rejects_strangers_and_ends_ranks_when_c
 
     # a rank in another process exits as soon as the driver closes the channel
     child = subprocess.Popen([sys.executable, "-c", (
-        "import sys, time; from tlt_cli.events import connect_to_driver; "
+        "import sys, time; from tlt_cli.processes.event_channel import connect_to_driver; "
         f"connect_to_driver('127.0.0.1', {listener.port}, b'secret of the run').put('ready'); time.sleep(60); sys.exit(0)")])
     assert listener.get(timeout=60) == "ready"
     listener.close()

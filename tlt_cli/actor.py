@@ -6,7 +6,7 @@ samples from the new weights. ZeRO stages 0-2 keep full parameters on every rank
 the embedded rollout engine (and the SGLang weight sync) needs. DeepSpeed moves the policy to the
 rank's device (`cuda:<local rank>` on GPUs) and, with `actor.precision: bf16`, to bfloat16; the
 reference model and every batch follow it. The caller must have initialised torch.distributed
-(`tlt_cli.distributed.init_worker_process`).
+(`tlt_cli.processes.distributed.init_worker_process`).
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ import torch
 from transformers import PreTrainedModel
 
 from tlt_cli.config import ActorConfig
-from tlt_cli.distributed import import_deepspeed
 from tlt_cli.grpo import PolicyLoss, policy_loss, token_logprobs
 from tlt_cli.policy_batch import PolicyBatch, micro_batches
+from tlt_cli.processes.distributed import import_deepspeed
 
 ADAMW_BETAS = (0.9, 0.999)
 CHECKPOINT_TAG = "actor"

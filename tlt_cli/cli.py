@@ -65,8 +65,8 @@ def train(
     resume: Annotated[Path | None, typer.Option("--resume", help="Continue the run in this directory from its last checkpoint.")] = None,
 ) -> None:
     """Run GRPO training with the TLT machinery on."""
-    from tlt_cli.trainer import RunDirectoryError, TrainingFailed, new_run_directory
-    from tlt_cli.trainer import train as run_training
+    from tlt_cli.processes.driver import RunDirectoryError, TrainingFailed, new_run_directory
+    from tlt_cli.processes.driver import train as run_training
 
     arguments = list(arguments or [])
     try:

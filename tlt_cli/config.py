@@ -372,7 +372,7 @@ def _validate_actor_placement(recipe: Recipe) -> None:
 
 
 def _validate_hostfile(recipe: Recipe) -> None:
-    from tlt_cli.launcher import HostfileError, check_hostfile
+    from tlt_cli.processes.hostfile import HostfileError, check_hostfile
 
     try:
         check_hostfile(recipe)
@@ -382,7 +382,7 @@ def _validate_hostfile(recipe: Recipe) -> None:
 
 def _validate_sglang_backend(recipe: Recipe) -> None:
     """rollout.sglang on its own, then how it fits the workers and the speculative section."""
-    from tlt_cli.launcher import ranks_per_node
+    from tlt_cli.processes.hostfile import ranks_per_node
     from tlt_cli.sglang.config import validate_sglang_config
     from tlt_cli.sglang.rules import batch_rules
 

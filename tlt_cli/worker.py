@@ -1,11 +1,12 @@
 """One worker process: a DeepSpeed rank with its rollout shard, running the GRPO step loop.
 
 `worker_main` is the entry point of every rank: spawned by the driver (one per rank), or called
-by tlt_cli/launched_rank.py in a rank the DeepSpeed launcher started. Each step reads as the
+by tlt_cli/processes/launched_rank.py in a rank the DeepSpeed launcher started. Each step reads as the
 dataflow: rollout the shard -> wait for the others (idle) -> reward -> advantages ->
 log-probs -> actor update -> (SGLang: push weights, probe) -> report to the driver ->
 checkpoint when due. Every rank sends its `WorkerStepReport` to the driver with `events.put`
-(a multiprocessing queue, or the TCP channel of tlt_cli/events.py); the driver writes the trace. The rollout runs in the embedded engine (sharing the actor's weights)
+(a multiprocessing queue, or the TCP channel of tlt_cli/processes/event_channel.py); the driver
+writes the trace. The rollout runs in the embedded engine (sharing the actor's weights)
 or, with `rollout.backend: sglang`, on the SGLang servers this rank owns
 (tlt_cli/sglang/rollout.py), which it starts before its first step and stops however it ends.
 """
@@ -25,12 +26,12 @@ import torch
 from tlt_cli.actor import Actor
 from tlt_cli.checkpoint import save_collectively
 from tlt_cli.config import CPU_DEVICES, Recipe
-from tlt_cli.distributed import RolloutBarrier, WorkerAddress, init_worker_process
 from tlt_cli.drafter.initial import initial_drafter, needs_drafter, speculative_decoder
 from tlt_cli.grpo import group_advantages
 from tlt_cli.models.loading import load_policy, model_folder
 from tlt_cli.plugins import PluginHost, StepContext, agree_across_workers, build_plugins
 from tlt_cli.policy_batch import build_policy_batch
+from tlt_cli.processes.distributed import RolloutBarrier, WorkerAddress, init_worker_process
 from tlt_cli.rollout.engine import EmbeddedEngine
 from tlt_cli.rollout.types import Completion, RolloutRequest, SamplingParams
 from tlt_cli.tasks.base import Problem

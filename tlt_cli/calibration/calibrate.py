@@ -145,7 +145,7 @@ def load_model_pair(recipe: Recipe) -> tuple[ModelPair, PreTrainedTokenizerBase,
     """(the target and its initial drafter as a training run starts them, the tokenizer, where the drafter came from)."""
     from tlt_cli.drafter.initial import initial_drafter, prepare_initial_drafter
     from tlt_cli.models.loading import load_policy
-    from tlt_cli.trainer import cache_directory
+    from tlt_cli.processes.driver import cache_directory
 
     cache = cache_directory(recipe)
     dtype = torch.bfloat16 if recipe.actor.precision == "bf16" else torch.float32

@@ -28,7 +28,7 @@ import torch
 from transformers import PreTrainedModel
 
 from tlt_cli.config import Recipe, SGLangConfig
-from tlt_cli.launcher import ranks_per_node
+from tlt_cli.processes.hostfile import ranks_per_node
 from tlt_cli.rollout.types import Completion, RolloutRequest, SamplingParams
 from tlt_cli.sglang.backend import SGLangBackend
 from tlt_cli.sglang.config import PORTS_PER_SERVER

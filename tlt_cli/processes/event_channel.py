@@ -1,9 +1,9 @@
 """The event channel from launched ranks to the driver: authenticated TCP, across nodes.
 
 Workers report to the driver with `put(event)` (step reports, a failure, a finish; see
-worker.py) and the driver reads with `get(timeout)`, which raises `queue.Empty` when nothing
+tlt_cli/worker.py) and the driver reads with `get(timeout)`, which raises `queue.Empty` when nothing
 came. Workers the driver spawns on its own machine use a multiprocessing queue, which offers
-exactly these two calls (tlt_cli/spawned_workers.py). Ranks the DeepSpeed launcher starts may
+exactly these two calls (local_workers.py). Ranks the DeepSpeed launcher starts may
 run on other nodes, so for them the driver opens an `EventListener`, a TCP socket of
 `multiprocessing.connection` authenticated with a secret of the run (no other process can make
 the driver unpickle its data), and each rank connects with `connect_to_driver`.

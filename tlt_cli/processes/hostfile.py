@@ -3,7 +3,7 @@
 `read_hostfile(path)` reads a DeepSpeed hostfile (one `<host> slots=<n>` line per node, `#`
 comments); `check_hostfile(recipe)` says whether it fits the recipe (recipe validation calls it);
 `deepspeed_launch_command(recipe, run_directory, master_port)` builds the argv the driver runs
-(tlt_cli/launched_workers.py): DeepSpeed's launcher starts `python -m tlt_cli.launched_rank
+(launched_workers.py): DeepSpeed's launcher starts `python -m tlt_cli.processes.launched_rank
 RUN_DIR` as every rank, one per GPU of `actor.devices` on each host, or one per slot with
 `actor.devices: cpu`.
 
@@ -23,7 +23,7 @@ from pathlib import Path
 from tlt_cli.config import CPU_DEVICES, Recipe
 
 # the module every launched rank runs
-RANK_MODULE = "tlt_cli.launched_rank"
+RANK_MODULE = "tlt_cli.processes.launched_rank"
 LOCAL_ADDRESS = "127.0.0.1"
 
 

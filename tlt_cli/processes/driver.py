@@ -1,11 +1,11 @@
 """The driver of `tlt train`: prepares the run directory, spawns the workers, writes the trace.
 
 `train(recipe, ...)` is what the CLI calls. It builds the model cache once (so workers do not
-race to build it), starts one process per worker (a DeepSpeed rank each, see worker.py), then
+race to build it), starts one process per worker (a DeepSpeed rank each, see tlt_cli/worker.py), then
 turns their per-step reports into trace records and the live display. Without
-`workers.hostfile` it spawns the workers itself (tlt_cli/spawned_workers.py); with one, it runs
+`workers.hostfile` it spawns the workers itself (local_workers.py); with one, it runs
 them on the hostfile's nodes with the DeepSpeed launcher and receives their reports over TCP
-(tlt_cli/launched_workers.py); the loop here is the same for both. If any worker fails, the
+(launched_workers.py); the loop here is the same for both. If any worker fails, the
 others are stopped and a `TrainingFailed` names the worker and its error; the run directory
 keeps every complete checkpoint for `--resume`.
 
@@ -29,14 +29,14 @@ from tlt_cli.checkpoint import latest_checkpoint
 from tlt_cli.config import CPU_DEVICES, Recipe, recipe_to_yaml
 from tlt_cli.display import TrainingDisplay, render_summary
 from tlt_cli.drafter.initial import prepare_initial_drafter
-from tlt_cli.launched_workers import LaunchedWorkers
-from tlt_cli.launcher import runs_on_this_machine
-from tlt_cli.machine_checks import check_machine
 from tlt_cli.models.tiny import default_cache_dir
+from tlt_cli.processes.hostfile import runs_on_this_machine
+from tlt_cli.processes.launched_workers import LaunchedWorkers
+from tlt_cli.processes.local_workers import LocalWorkers
+from tlt_cli.processes.machine_checks import check_machine
+from tlt_cli.processes.step_records import step_records
 from tlt_cli.sglang.registry import stop_recorded_servers
-from tlt_cli.step_records import step_records
 from tlt_cli.trace import TraceWriter, read_trace, truncate_trace
-from tlt_cli.spawned_workers import SpawnedWorkers
 from tlt_cli.worker import WorkerFailed, WorkerFinished, WorkerStepReport
 
 EVENT_POLL_SECONDS = 1.0
@@ -53,7 +53,7 @@ class RunDirectoryError(ValueError):
 
 
 class WorkerGroup(Protocol):
-    """The running workers as the driver loop sees them (SpawnedWorkers or LaunchedWorkers)."""
+    """The running workers as the driver loop sees them (LocalWorkers or LaunchedWorkers)."""
 
     size: int
 
@@ -142,7 +142,7 @@ def _start_workers(spec_base: dict[str, Any]) -> WorkerGroup:
     if recipe.workers.hostfile is not None:
         return LaunchedWorkers(spec_base)
     gpus = [] if recipe.actor.devices == CPU_DEVICES else recipe.actor.devices
-    return SpawnedWorkers(spec_base, recipe.workers.count, gpus)
+    return LocalWorkers(spec_base, recipe.workers.count, gpus)
 
 
 def _drain_events(workers: WorkerGroup, trace: TraceWriter, display: TrainingDisplay) -> None:

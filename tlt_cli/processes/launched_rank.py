@@ -1,9 +1,9 @@
-"""Entry point of one rank started by the DeepSpeed launcher: `python -m tlt_cli.launched_rank RUN_DIR`.
+"""Entry point of one rank the DeepSpeed launcher starts: `python -m tlt_cli.processes.launched_rank RUN_DIR`.
 
-`tlt train` with `workers.hostfile` runs the launcher (tlt_cli/launched_workers.py), which starts
+`tlt train` with `workers.hostfile` runs the launcher (launched_workers.py), which starts
 this module once per rank on every node with RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and
 MASTER_PORT set. The rank reads the recipe and the driver's plan from the run directory
-(tlt_cli/launch_files.py), connects to the driver's event channel (tlt_cli/events.py) and runs
+(launch_files.py), connects to the driver's event channel (event_channel.py) and runs
 the same worker loop as a spawned worker (tlt_cli/worker.py), joining the process group with
 env:// from those variables: NCCL on `cuda:<LOCAL_RANK>`, gloo with `actor.devices: cpu`.
 """
@@ -14,9 +14,9 @@ import os
 import sys
 from pathlib import Path
 
-from tlt_cli.distributed import WorkerAddress
-from tlt_cli.events import connect_to_driver
-from tlt_cli.launch_files import read_launch_files
+from tlt_cli.processes.distributed import WorkerAddress
+from tlt_cli.processes.event_channel import connect_to_driver
+from tlt_cli.processes.launch_files import read_launch_files
 from tlt_cli.worker import WorkerSpec, worker_main
 
 

@@ -8,7 +8,7 @@ exactly what the driver prepared:
   hostfile      a copy of the recipe's hostfile (every rank validates the recipe, on any node)
   driver.json   readable by its owner only: the driver's event channel (host, port, secret) and
                 what the driver prepared once (model cache, checkpoint to resume, starting drafter)
-Written by tlt_cli/launched_workers.py, read by tlt_cli/launched_rank.py.
+Written by launched_workers.py, read by launched_rank.py.
 """
 
 from __future__ import annotations

@@ -2,10 +2,10 @@
 
 With `workers.hostfile`, `tlt train` stays the driver (live display, trace, checkpoint notes) and
 `LaunchedWorkers` replaces the processes it would spawn:
-1. it opens the event channel (tlt_cli/events.py) on 127.0.0.1 when the hostfile has one host,
+1. it opens the event channel (event_channel.py) on 127.0.0.1 when the hostfile has one host,
    else on every interface, announced under this machine's host name;
-2. writes the recipe and its plan for the ranks under `<run_dir>/launch/` (tlt_cli/launch_files.py);
-3. runs the DeepSpeed launcher (the command of tlt_cli/launcher.py) in its own session, its
+2. writes the recipe and its plan for the ranks under `<run_dir>/launch/` (launch_files.py);
+3. runs the DeepSpeed launcher (the command of hostfile.py) in its own session, its
    output in `<run_dir>/workers/launcher.log` (each rank logs to `workers/worker-<rank>.log`).
 The driver loop reads events with `next_event`, asks `failure` when none comes (has the launcher
 exited before every rank finished?), and calls `stop` however the run ends: after a clean finish
@@ -26,10 +26,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tlt_cli.distributed import free_port
-from tlt_cli.events import EventListener
-from tlt_cli.launch_files import LaunchPlan, write_launch_files
-from tlt_cli.launcher import LOCAL_ADDRESS, deepspeed_launch_command, runs_on_this_machine
+from tlt_cli.processes.distributed import free_port
+from tlt_cli.processes.event_channel import EventListener
+from tlt_cli.processes.hostfile import LOCAL_ADDRESS, deepspeed_launch_command, runs_on_this_machine
+from tlt_cli.processes.launch_files import LaunchPlan, write_launch_files
 from tlt_cli.worker import WorkerFinished
 
 LAUNCHER_LOG = "launcher.log"

@@ -1,8 +1,8 @@
 """Workers on the driver's own machine: one spawned process per rank, events on a multiprocessing queue.
 
-The default of `tlt train` (no `workers.hostfile`). `SpawnedWorkers` starts `worker_main` in
+The default of `tlt train` (no `workers.hostfile`). `LocalWorkers` starts `worker_main` in
 `workers.count` processes (with only the actor's GPUs visible) and offers the driver loop
-(tlt_cli/trainer.py) the same three calls as a DeepSpeed launch (tlt_cli/launched_workers.py):
+(driver.py) the same three calls as a DeepSpeed launch (launched_workers.py):
 `next_event`, `failure` when none comes (a worker died without reporting) and `stop`.
 """
 
@@ -13,14 +13,14 @@ import queue
 from collections.abc import Sequence
 from typing import Any
 
-from tlt_cli.distributed import WorkerAddress, free_port, visible_gpus
+from tlt_cli.processes.distributed import WorkerAddress, free_port, visible_gpus
 from tlt_cli.worker import WorkerSpec, worker_main
 
 # seconds a terminated worker gets to exit before it is killed
 STOP_SECONDS = 10
 
 
-class SpawnedWorkers:
+class LocalWorkers:
     """workers.count processes of this machine, rank r the r-th."""
 
     def __init__(self, spec_base: dict[str, Any], world_size: int, gpus: Sequence[int]):

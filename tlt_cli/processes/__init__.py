@@ -1,0 +1,15 @@
+"""Process plumbing of `tlt train`: how the GRPO workers are started, joined and heard from.
+
+None of it is the algorithm (that is tlt_cli/worker.py, actor.py, grpo.py, policy_batch.py); it is
+what runs the algorithm in several processes:
+  driver.py            `train(recipe)`: run directory, starting the workers, trace and live display
+  local_workers.py     workers spawned on the driver's machine, events on a multiprocessing queue
+  launched_workers.py  the driver's side of a hostfile run: the DeepSpeed launcher starts the ranks
+  launched_rank.py     the entry point of one rank the DeepSpeed launcher starts (`python -m`)
+  launch_files.py      what the driver leaves in the run directory for launched ranks
+  hostfile.py          DeepSpeed hostfiles: parsing, checks, the launcher command
+  event_channel.py     authenticated TCP channel from launched ranks to the driver
+  distributed.py       process-group init (gloo / NCCL) and the rollout barrier
+  machine_checks.py    does this machine have the GPUs and SGLang the recipe asks for
+  step_records.py      the workers' step reports turned into trace records
+"""
