@@ -6,11 +6,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.multiprocessing
-from tlt_plugins.drafter_sidecar import DrafterSidecar
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from tlt_cli.config import DrafterConfig
 from tlt_cli.drafter.model import EagleDrafter
+from tlt_cli.drafter.sidecar import DrafterSidecar
 from tlt_cli.plugins import StepContext
 from tlt_cli.policy_batch import build_policy_batch
 from tlt_cli.processes.distributed import free_port

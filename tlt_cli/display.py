@@ -13,6 +13,8 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
+from tlt_cli.drafter import sidecar
+
 VISIBLE_STEPS = 20
 COLUMNS = (
     ("step", "step", "{:d}"),
@@ -27,9 +29,9 @@ COLUMNS = (
 # shown once a run's records carry them (speculative decoding on, the drafter sidecar enabled)
 OPTIONAL_COLUMNS = (
     ("accept len", "accept_length", "{:.2f}"),
-    ("drafter steps", "drafter_steps", "{:.0f}"),
-    ("drafter train s", "drafter_train_seconds", "{:.2f}"),
-    ("drafter loss", "drafter_loss", "{:.3f}"),
+    ("drafter steps", sidecar.STEPS_METRIC, "{:.0f}"),
+    ("drafter train s", sidecar.TRAIN_SECONDS_METRIC, "{:.2f}"),
+    ("drafter loss", sidecar.LOSS_METRIC, "{:.3f}"),
 )
 
 
@@ -107,8 +109,8 @@ def render_summary(console: Console, records: list[dict[str, Any]], run_director
     table.add_row("rollout share of step time", f"{sum(r['rollout_seconds'] for r in records) / max(sum(r['step_seconds'] for r in records), 1e-9):.0%}")
     idle_seconds = sum(r['idle_worker_seconds'] for r in records)
     table.add_row("idle worker-seconds in rollouts", f"{idle_seconds:.1f}")
-    if any(r.get("drafter_train_seconds") is not None for r in records):
-        used = sum(r.get("drafter_train_seconds") or 0.0 for r in records)
+    if any(r.get(sidecar.TRAIN_SECONDS_METRIC) is not None for r in records):
+        used = sum(r.get(sidecar.TRAIN_SECONDS_METRIC) or 0.0 for r in records)
         table.add_row("idle worker-seconds spent training the drafter", f"{used:.1f} ({used / max(idle_seconds, 1e-9):.0%})")
     accept_lengths = [r["accept_length"] for r in records if r.get("accept_length") is not None]
     if accept_lengths:

@@ -29,6 +29,7 @@ from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerB
 from tlt_cli.actor import CHECKPOINT_TAG
 from tlt_cli.checkpoint import STATE_FILE, CheckpointError, latest_checkpoint
 from tlt_cli.config import Recipe, RecipeError, load_recipe
+from tlt_cli.drafter import sidecar
 from tlt_cli.drafter.model import CONFIG_FILE, DrafterLoadError, EagleDrafter, load_drafter
 from tlt_cli.drafter.warmup import encode_prompts
 from tlt_cli.models.loading import load_policy
@@ -170,7 +171,7 @@ def resolve_source(source: Path, recipe_path: Path | None) -> DrafterSource:
 
 
 def _checkpoint_source(checkpoint_dir: Path, recipe_path: Path | None) -> DrafterSource:
-    drafter_dir = checkpoint_dir / "drafter"
+    drafter_dir = checkpoint_dir / sidecar.DRAFTER_DIRECTORY
     if not (drafter_dir / CONFIG_FILE).is_file():
         raise ExportError(f"checkpoint {checkpoint_dir} has no drafter/ folder: the run trained no drafter (enable the drafter sidecar).")
     run_recipe = checkpoint_dir.parent.parent / "recipe.yaml"

@@ -26,6 +26,7 @@ import torch
 from tlt_cli.actor import Actor
 from tlt_cli.checkpoint import save_collectively
 from tlt_cli.config import CPU_DEVICES, Recipe
+from tlt_cli.drafter import sidecar
 from tlt_cli.drafter.initial import initial_drafter, needs_drafter, speculative_decoder
 from tlt_cli.grpo import group_advantages
 from tlt_cli.models.loading import load_policy, model_folder
@@ -259,7 +260,7 @@ class WorkerLoop:
         group_size = self.recipe.train.group_size
         probe_prompts = [request.prompt_ids for request in shard.requests[::group_size][:PROBE_PROMPTS]]
         outcome = self.sglang.sync(f"step-{next_step}", self.actor.policy, self.drafter,
-                                   context.metrics.get("drafter_version"), probe_prompts)
+                                   context.metrics.get(sidecar.VERSION_METRIC), probe_prompts)
         context.metrics["weight_sync_seconds"] = outcome.seconds
         if outcome.probe_accept_length is not None:
             context.metrics["probe_accept_length"] = outcome.probe_accept_length

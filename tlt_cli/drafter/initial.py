@@ -19,14 +19,13 @@ from transformers import PreTrainedModel
 
 from tlt_cli.adaptive import AdaptiveSchedule, build_rules
 from tlt_cli.config import Recipe
+from tlt_cli.drafter import sidecar
 from tlt_cli.drafter.model import CONFIG_FILE, EagleDrafter, load_drafter, save_drafter
 from tlt_cli.rollout.adaptive_decoding import AdaptiveSpeculativeDecoder
 from tlt_cli.rollout.speculative import SpeculativeDecoder
 from tlt_cli.rollout.types import SpeculativeConfig
 
 WARMUP_FORMAT = 1
-# the plugin that trains the drafter online (plugins/drafter_sidecar.py)
-DRAFTER_PLUGIN = "drafter_sidecar"
 
 
 def warmup_key(recipe: Recipe, cache: Path) -> str:
@@ -78,7 +77,7 @@ def _warm_up_into(recipe: Recipe, cache: Path, folder: Path) -> dict:
 
 def needs_drafter(recipe: Recipe) -> bool:
     """A run needs a drafter when it speculates or when a plugin trains one."""
-    return recipe.speculative.mode != "off" or DRAFTER_PLUGIN in recipe.plugins.enabled
+    return recipe.speculative.mode != "off" or sidecar.PLUGIN_NAME in recipe.plugins.enabled
 
 
 def speculative_decoder(recipe: Recipe, drafter: EagleDrafter | None) -> SpeculativeDecoder | None:

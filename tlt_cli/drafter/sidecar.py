@@ -12,6 +12,9 @@ section (lr, weight_decay, window_steps, batch_size). In every worker it:
     by the steps each worker did; the engines of the next step speculate with the result. An
     average that is not finite is discarded and the last good drafter kept;
   - saves and restores its state with checkpoints: drafter weights, optimizer and buffer window.
+It is part of tlt's core but plugs in like any plugin (tlt_cli/plugins.py): the entry point
+`drafter_sidecar` of the `tlt.plugins` group names this class. The core refers to it only through
+the names below (`PLUGIN_NAME`, the `*_METRIC` keys of its step metrics).
 """
 
 from __future__ import annotations
@@ -27,9 +30,23 @@ import torch
 from tlt_cli.drafter.model import save_drafter
 from tlt_cli.drafter.trainer import DrafterBatch, DrafterTrainer
 
+# what recipes enable it by (`plugins.enabled: [drafter_sidecar]`): its entry point in the tlt.plugins group
+PLUGIN_NAME = "drafter_sidecar"
 STATE_DIRECTORY = "drafter_sidecar"
 # the averaged drafter of a checkpoint, in the save_drafter format (what export-drafter reads)
 DRAFTER_DIRECTORY = "drafter"
+# the metrics it adds to each worker's step report at rollout end (the driver sums the counters
+# over workers: names ending in _steps or _seconds); the display and the SGLang push read them
+STEPS_METRIC = "drafter_steps"
+TRAIN_SECONDS_METRIC = "drafter_train_seconds"
+# collection in the last update + averaging: the sidecar's direct cost on the critical path
+CRITICAL_SECONDS_METRIC = "drafter_critical_seconds"
+# how many averages the drafter has taken; the SGLang servers reload it when this moves
+VERSION_METRIC = "drafter_version"
+# mean training loss of the worker's steps (only when it took some)
+LOSS_METRIC = "drafter_loss"
+# 1.0 when the average was not finite and the last good drafter was kept
+DISCARDED_STEPS_METRIC = "drafter_discarded_steps"
 
 
 @dataclass
@@ -43,7 +60,7 @@ class StepData:
 class DrafterSidecar:
     """Online drafter training in the idle tail of each rollout (see the module docstring)."""
 
-    name = "drafter_sidecar"
+    name = PLUGIN_NAME
 
     def __init__(self, recipe: Any):
         self.settings = recipe.drafter
@@ -68,7 +85,7 @@ class DrafterSidecar:
 
     def on_rollout_start(self, context: Any) -> None:
         if context.drafter is None:
-            raise ValueError("drafter_sidecar needs a drafter; the worker did not build one.")
+            raise ValueError(f"{PLUGIN_NAME} needs a drafter; the worker did not build one.")
         if self.trainer is None:
             self._attach(context.drafter, context.worker)
         self._reset_counters()
@@ -121,7 +138,8 @@ class DrafterSidecar:
     def on_rollout_end(self, context: Any) -> None:
         """Average the workers' drafters, weighted by steps done; keep the last good one if not finite."""
         started = time.perf_counter()
-        weight = torch.tensor([float(self.steps_done)])
+        # on the drafter's device, the process group's (an NCCL group all-reduces only GPU tensors)
+        weight = torch.tensor([float(self.steps_done)], device=next(self.drafter.parameters()).device)
         total = _all_reduce(weight.clone(), context.world_size)
         if float(total) > 0:
             with torch.no_grad():  # one flat all_reduce instead of one per parameter tensor
@@ -132,17 +150,17 @@ class DrafterSidecar:
                 self.last_good = _copy_parameters(self.drafter)
             else:
                 _load_parameters(self.drafter, self.last_good)
-                context.metrics["drafter_discarded_steps"] = 1.0
+                context.metrics[DISCARDED_STEPS_METRIC] = 1.0
         self.critical_seconds += time.perf_counter() - started
         context.metrics.update({
-            "drafter_steps": float(self.steps_done),
-            "drafter_train_seconds": self.train_seconds,
-            "drafter_critical_seconds": self.critical_seconds,  # collection in the last update + averaging
-            "drafter_version": float(self.version),
+            STEPS_METRIC: float(self.steps_done),
+            TRAIN_SECONDS_METRIC: self.train_seconds,
+            CRITICAL_SECONDS_METRIC: self.critical_seconds,
+            VERSION_METRIC: float(self.version),
         })
         self.critical_seconds = 0.0
         if self.steps_done:  # a worker that trained no step has no loss to average in
-            context.metrics["drafter_loss"] = self.loss_sum / self.steps_done
+            context.metrics[LOSS_METRIC] = self.loss_sum / self.steps_done
 
     def on_checkpoint_save(self, directory: Path) -> None:
         state_directory = directory / STATE_DIRECTORY

@@ -1,1 +1,0 @@
-"""tlt plugins (importable as tlt_plugins): hook implementations injected into worker processes."""
