@@ -1,13 +1,20 @@
 """The run's JSONL event log: one JSON object per line, each with a "type".
 
-Record types written by the trainer (fields in the README's trace section):
-  run      once per start or resume: recipe name, world size, resumed_from_step
-  request  one per generated response: step, worker, request_id, start, end, prompt_tokens,
-           tokens, reward, finished_by_eos, and speculative-decoding counters
-  worker   one per worker per step: busy_start, busy_end, idle_start, idle_end, idle_seconds
-  step     one per step: timings (rollout, reward, update, step) and metrics
-Only the driver process writes it. `read_trace` is the strict reader used by tools: a
-line that is not a JSON object is an error naming the line.
+Record types written by the driver of `tlt train` (tlt_cli/processes/driver.py and
+step_records.py; fields in the README's trace section):
+  run        once per start or resume: recipe name, world size, steps, resumed_from_step
+  request    one per generated response: step, worker, request_id, start, end, prompt_tokens,
+             tokens, reward, finished_by_eos, and speculative-decoding counters
+  worker     one per worker per step: busy_start, busy_end, idle_start, idle_end, idle_seconds,
+             and the numbers plugins added (the drafter sidecar's drafter_* metrics)
+  sd_config  one per worker per step per SD configuration it decoded in ("off" = plain):
+             config, and the decode steps, tokens and seconds spent in it
+  warning    one per warning shown under the live table (SD collapse, a plugin disabled, an
+             SGLang sync): step, worker, message, and details (a failing plugin's traceback)
+  step       one per step: timings (rollout, reward, update, step) and metrics
+`tlt profile` of a recipe writes run, request, worker and step records the same way. Only one
+process writes a trace. `read_trace` is the strict reader used by tools: a line that is not a
+JSON object is an error naming the line.
 """
 
 from __future__ import annotations
