@@ -1,0 +1,120 @@
+"""The rollout-backend interface: what a trainer asks of whatever generates its rollouts.
+
+A worker (tlt_cli/worker.py), or any other trainer, holds one `RolloutBackend` and uses only this:
+
+    lines = backend.start()                       # before the first rollout; lines for the log
+    completions, busy_end = backend.generate(requests, sampling, seed, on_request_finished)
+    ...actor update...
+    metrics = backend.after_update("step-1", drafter_version, probe_prompts)   # weight push + probe
+    usage, warnings = backend.take_usage(), backend.take_warnings()           # per step, for the trace
+    backend.save_state(path) / backend.load_state(path)                       # with the checkpoint
+    backend.stop()                                                            # however the run ends
+
+Two implementations, chosen by name from the recipe's `rollout.backend` through `ROLLOUT_BACKENDS`
+(name -> factory of a `BackendSetup`):
+  - `embedded` (tlt_cli/rollout/embedded.py): the in-process engine on the actor's own module, so
+    there is nothing to start, push or stop; constructible without a recipe or a worker;
+  - `sglang` (tlt_cli/sglang/rollout.py): this worker's SGLang servers, imported only when chosen so
+    the CPU path never loads the SGLang package.
+This module imports neither torch nor SGLang, so recipe checks can read the names cheaply.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from tlt_cli.config import Recipe
+    from tlt_cli.rollout.adaptive import ConfigUsage
+    from tlt_cli.rollout.types import Completion, RolloutRequest, SamplingParams
+
+
+class RolloutBackend(Protocol):
+    """Generates a trainer's rollouts and keeps its generator in step with the trained weights."""
+
+    def start(self) -> list[str]:
+        """Get ready to generate (SGLang: start the servers); lines to show in the log."""
+
+    def generate(
+        self,
+        requests: Sequence[RolloutRequest],
+        sampling: SamplingParams,
+        seed: int,
+        on_request_finished: Callable[[Completion], None] | None = None,
+    ) -> tuple[list[Completion], float]:
+        """Complete every request; (completions sorted by request id, time.time() when the last finished).
+
+        seed: all sampling randomness (the same seed, requests and weights give the same samples).
+        on_request_finished: called once per completion, in the order they finished.
+        """
+
+    def after_update(
+        self, weight_version: str, drafter_version: float | None, probe_prompts: Sequence[Sequence[int]]
+    ) -> dict[str, float]:
+        """The actor's weights changed: bring the generator up to date; metrics of the step.
+
+        weight_version: a name for the new weights (e.g. "step-3"). drafter_version: the drafter's
+        version if a plugin trains it (a changed version is pushed too), else None. probe_prompts:
+        prompt ids to check acceptance on after the push (empty: no probe).
+        """
+
+    def take_usage(self) -> dict[str, ConfigUsage]:
+        """Decode steps, tokens and seconds per SD configuration label since the last call."""
+
+    def take_warnings(self) -> list[str]:
+        """Warnings since the last call (SD collapse or recovery, weight-sync notes), each once."""
+
+    def save_state(self, path: Path) -> None:
+        """Save what must survive a resume (the adaptive schedule's learning) to `path`, if anything."""
+
+    def load_state(self, path: Path) -> None:
+        """Restore what `save_state` wrote to `path`."""
+
+    def stop(self) -> None:
+        """Release what `start` took (idempotent; also safe when `start` never ran)."""
+
+
+@dataclass(frozen=True)
+class BackendSetup:
+    """What a backend is built from inside a worker: the recipe, this rank's modules and place."""
+
+    recipe: Recipe
+    # the actor's module (the embedded engine generates with it; SGLang gets its weights pushed)
+    policy: nn.Module
+    eos_token_id: int
+    pad_token_id: int
+    # the drafter the run speculates with or trains (None when it has none)
+    drafter: nn.Module | None
+    worker: int
+    rank_on_node: int
+    run_directory: Path
+
+
+def _embedded(setup: BackendSetup) -> RolloutBackend:
+    from tlt_cli.rollout.embedded import EmbeddedRollout
+
+    return EmbeddedRollout(setup.policy, setup.eos_token_id, setup.pad_token_id, setup.recipe.speculative,
+                           setup.drafter, seed=setup.recipe.run.seed)
+
+
+def _sglang(setup: BackendSetup) -> RolloutBackend:
+    from tlt_cli.sglang.rollout import SGLangRollout
+
+    return SGLangRollout.from_setup(setup)
+
+
+ROLLOUT_BACKENDS: dict[str, Callable[[BackendSetup], RolloutBackend]] = {"embedded": _embedded, "sglang": _sglang}
+
+
+def build_rollout_backend(setup: BackendSetup) -> RolloutBackend:
+    """The backend the recipe's `rollout.backend` names (not started yet)."""
+    name = setup.recipe.rollout.backend
+    if name not in ROLLOUT_BACKENDS:
+        raise ValueError(f"rollout.backend is '{name}'; use one of {', '.join(ROLLOUT_BACKENDS)}.")
+    return ROLLOUT_BACKENDS[name](setup)
+
