@@ -17,10 +17,11 @@ from typer.testing import CliRunner
 
 from tlt_cli.actor import deepspeed_config
 from tlt_cli.cli import app
-from tlt_cli.config import RecipeError, load_recipe
+from tlt_cli.config import RecipeError
 from tlt_cli.processes.distributed import visible_gpus
 from tlt_cli.processes.hostfile import deepspeed_launch_command
 from tlt_cli.processes.machine_checks import check_machine
+from tlt_cli.recipe_checks import load_checked_recipe
 from tlt_cli.recipes import RECIPES_DIRECTORY
 from tlt_cli.rollout.types import SpeculativeConfig
 from tlt_cli.sglang.adaptive import BatchRule
@@ -34,21 +35,21 @@ SGLANG_ON_CPU = ["rollout.backend=sglang", "rollout.sglang.colocated=false", "ro
 
 
 def test_the_default_recipe_keeps_the_actor_on_cpu_in_fp32_with_the_embedded_engine():
-    recipe = load_recipe(TINY)
+    recipe = load_checked_recipe(TINY)
     assert recipe.actor.devices == "cpu" and recipe.actor.precision == "fp32"
     assert recipe.rollout.backend == "embedded" and recipe.workers.hostfile is None
     assert "bf16" not in deepspeed_config(recipe.actor, 1)
 
 
 def test_the_gpu_recipe_asks_for_gpus_bf16_and_sglang():
-    recipe = load_recipe(GPU)
+    recipe = load_checked_recipe(GPU)
     assert recipe.actor.devices == [0, 1] and recipe.actor.precision == "bf16"
     assert recipe.rollout.backend == "sglang" and recipe.rollout.sglang.gpus == (0, 1) and recipe.rollout.sglang.colocated
     assert deepspeed_config(recipe.actor, 2)["bf16"] == {"enabled": True}
 
 
 def test_sglang_section_is_typed_from_overrides():
-    recipe = load_recipe(TINY, [*SGLANG_ON_CPU, "rollout.sglang.gpus=[0,1,2,3]", "rollout.sglang.tp_size=2",
+    recipe = load_checked_recipe(TINY, [*SGLANG_ON_CPU, "rollout.sglang.gpus=[0,1,2,3]", "rollout.sglang.tp_size=2",
                                 'rollout.sglang.extra_args=["--attention-backend","triton"]'])
     assert recipe.rollout.sglang.gpus == (0, 1, 2, 3) and recipe.rollout.sglang.server_count == 2
     assert recipe.rollout.sglang.extra_args == ("--attention-backend", "triton")
@@ -67,7 +68,7 @@ BAD = {
     "servers per worker": (["rollout.backend=sglang", "rollout.sglang.colocated=false", "rollout.sglang.gpus=[0,1,2]"],
                            "each worker owns whole servers"),
     "colocated on cpu": (["rollout.backend=sglang", "rollout.sglang.gpus=[0,1]"], "rollout.sglang.colocated: true"),
-    "zero 3 with sglang": ([*SGLANG_ON_CPU, "actor.zero_stage=3"], "actor.zero_stage 3"),
+    "zero 3": (["actor.zero_stage=3"], "actor.zero_stage must be 0, 1 or 2"),
     "rule table gap": ([*SGLANG_ON_CPU, "speculative.mode=adaptive", "speculative.rules=[{batch: [2, null], use: s2-k1}]"],
                                 "speculative.rules"),
     "missing hostfile": (["actor.devices=[0,1]", "workers.hostfile=/nonexistent/hostfile"], "workers.hostfile: /nonexistent/hostfile does not exist"),
@@ -78,7 +79,7 @@ BAD = {
 def test_impossible_gpu_settings_are_one_line_naming_the_key(name):
     overrides, expected = BAD[name]
     with pytest.raises(RecipeError) as caught:
-        load_recipe(TINY, overrides)
+        load_checked_recipe(TINY, overrides)
     assert expected in str(caught.value) and "\n" not in str(caught.value)
 
 
@@ -86,16 +87,16 @@ def test_hostfile_ranks_must_match_nodes_times_devices(tmp_path):
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("# two nodes\nnode-a slots=2\nnode-b slots=2\n")
     with pytest.raises(RecipeError, match=r"workers.count must be 4 \(2 nodes"):
-        load_recipe(TINY, ["actor.devices=[0,1]", f"workers.hostfile={hostfile}"])
+        load_checked_recipe(TINY, ["actor.devices=[0,1]", f"workers.hostfile={hostfile}"])
     hostfile.write_text("node-a slots=two\n")
     with pytest.raises(RecipeError, match="line 1 must read '<host> slots=<n>'"):
-        load_recipe(TINY, ["actor.devices=[0,1]", f"workers.hostfile={hostfile}"])
+        load_checked_recipe(TINY, ["actor.devices=[0,1]", f"workers.hostfile={hostfile}"])
 
 
 def test_multi_node_launch_command_from_a_recipe(tmp_path):
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("node-a slots=8\nnode-b slots=8  # second node\n")
-    recipe = load_recipe(GPU, [f"workers.hostfile={hostfile}", "workers.count=4", "train.prompts_per_step=32",
+    recipe = load_checked_recipe(GPU, [f"workers.hostfile={hostfile}", "workers.count=4", "train.prompts_per_step=32",
                                "rollout.sglang.gpus=[0,1]"])
     assert deepspeed_launch_command(recipe, tmp_path / "runs" / "gpu-sglang", 29500) == [
         sys.executable, "-m", "deepspeed.launcher.runner", "--hostfile", str(hostfile), "--master_port", "29500",
@@ -107,30 +108,30 @@ def test_multi_node_launch_command_from_a_recipe(tmp_path):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a machine without CUDA")
 def test_gpu_recipe_on_a_machine_without_cuda_is_one_line_exit_2(tmp_path):
     with pytest.raises(RecipeError, match="actor.devices lists GPUs \\[0, 1\\], but CUDA is not available"):
-        check_machine(load_recipe(GPU))
+        check_machine(load_checked_recipe(GPU))
     result = runner.invoke(app, ["train", str(GPU), f"run.output_dir={tmp_path}"])
     assert result.exit_code == 2 and "CUDA is not available" in result.output and "Traceback" not in result.output
 
 
 def test_sglang_backend_without_sglang_installed_is_one_line(tmp_path):
-    recipe = load_recipe(TINY, [*SGLANG_ON_CPU, f"rollout.sglang.python={tmp_path / 'no-python'}"])
+    recipe = load_checked_recipe(TINY, [*SGLANG_ON_CPU, f"rollout.sglang.python={tmp_path / 'no-python'}"])
     with pytest.raises(RecipeError, match="rollout.backend is sglang, but Python interpreter .* does not exist"):
         check_machine(recipe)
 
 
 def test_speculative_section_as_sglang_batch_rules():
-    assert batch_rules(load_recipe(TINY, ["speculative.mode=off"]).speculative) == [BatchRule(1, None, None)]
-    fixed = load_recipe(TINY, ["speculative.mode=fixed", "speculative.steps=3", "speculative.topk=2", "speculative.draft_tokens=6"])
+    assert batch_rules(load_checked_recipe(TINY, ["speculative.mode=off"]).speculative) == [BatchRule(1, None, None)]
+    fixed = load_checked_recipe(TINY, ["speculative.mode=fixed", "speculative.steps=3", "speculative.topk=2", "speculative.draft_tokens=6"])
     assert batch_rules(fixed.speculative) == [BatchRule(1, None, SpeculativeConfig(3, 2, 6))]
     # accept ranges collapse to the rule an unmeasured bucket starts with; equal neighbours merge
     rules = ("[{batch: [1, 4], accept: [0, 1.5], use: 'off'}, {batch: [1, 4], accept: [1.5, null], use: s4-k1-t5},"
              " {batch: [5, 8], use: s4-k1-t5, candidates: [s2-k1-t3]}, {batch: [9, null], use: 'off'}]")
-    adaptive = load_recipe(TINY, ["speculative.mode=adaptive", f"speculative.rules={rules}"])
+    adaptive = load_checked_recipe(TINY, ["speculative.mode=adaptive", f"speculative.rules={rules}"])
     assert batch_rules(adaptive.speculative) == [BatchRule(1, 8, SpeculativeConfig(4, 1, 5)), BatchRule(9, None, None)]
 
 
 def test_each_worker_owns_consecutive_servers_and_their_ports():
-    recipe = load_recipe(GPU, ["rollout.sglang.gpus=[0,1,2,3,4,5,6,7]", "rollout.sglang.tp_size=2", "rollout.sglang.port_base=31000"])
+    recipe = load_checked_recipe(GPU, ["rollout.sglang.gpus=[0,1,2,3,4,5,6,7]", "rollout.sglang.tp_size=2", "rollout.sglang.port_base=31000"])
     first, second = (servers_of_worker(recipe.rollout.sglang, worker, 2) for worker in (0, 1))
     assert (first.gpus, first.port_base, first.server_count) == ((0, 1, 2, 3), 31000, 2)
     assert (second.gpus, second.port_base, second.server_count) == ((4, 5, 6, 7), 31004, 2)

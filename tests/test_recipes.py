@@ -6,7 +6,8 @@ import pytest
 from typer.testing import CliRunner
 
 from tlt_cli.cli import app
-from tlt_cli.config import RecipeError, load_recipe
+from tlt_cli.config import RecipeError
+from tlt_cli.recipe_checks import load_checked_recipe
 from tlt_cli.recipes import shipped_recipes
 
 runner = CliRunner()
@@ -14,38 +15,38 @@ runner = CliRunner()
 
 @pytest.mark.parametrize("path", shipped_recipes(), ids=lambda path: path.name)
 def test_every_shipped_recipe_loads_and_says_how_to_run_it(path):
-    recipe = load_recipe(path)
+    recipe = load_checked_recipe(path)
     first_line = path.read_text().splitlines()[0]
     assert first_line.startswith("# tlt train ") and path.name in first_line
     assert recipe.train.steps >= 1
 
 
 def test_overrides_are_typed_and_applied():
-    recipe = load_recipe(shipped_recipes()[0], ["train.steps=3", "actor.lr=1e-4", "task.options.path=data.jsonl"])
+    recipe = load_checked_recipe(shipped_recipes()[0], ["train.steps=3", "actor.lr=1e-4", "task.options.path=data.jsonl"])
     assert recipe.train.steps == 3 and recipe.actor.lr == 1e-4
     assert recipe.task.options["path"] == "data.jsonl"
 
 
 def test_string_keys_keep_words_yaml_reads_as_booleans():
-    recipe = load_recipe(shipped_recipes()[0], ["run.name=off", "speculative.mode=off"])
+    recipe = load_checked_recipe(shipped_recipes()[0], ["run.name=off", "speculative.mode=off"])
     assert recipe.run.name == "off" and recipe.speculative.mode == "off"
-    assert load_recipe(shipped_recipes()[0], ["run.name=Yes"]).run.name == "Yes"
+    assert load_checked_recipe(shipped_recipes()[0], ["run.name=Yes"]).run.name == "Yes"
     with pytest.raises(RecipeError, match="train.steps"):
-        load_recipe(shipped_recipes()[0], ["train.steps=off"])
+        load_checked_recipe(shipped_recipes()[0], ["train.steps=off"])
 
 
 def test_recipe_files_read_yes_no_on_off_as_words_and_refuse_repeated_keys(tmp_path):
     recipe_file = tmp_path / "words.yaml"
     recipe_file.write_text("run:\n  name: off\nspeculative:\n  mode: off\nrollout:\n  sglang:\n    colocated: no\n")
-    recipe = load_recipe(recipe_file)
+    recipe = load_checked_recipe(recipe_file)
     assert recipe.run.name == "off" and recipe.speculative.mode == "off" and recipe.rollout.sglang.colocated is False
     recipe_file.write_text("run:\n  name: a\nrun:\n  name: b\n")
     with pytest.raises(RecipeError, match="line 3: key 'run' appears twice"):
-        load_recipe(recipe_file)
+        load_checked_recipe(recipe_file)
 
 
 def test_recipe_is_frozen():
-    recipe = load_recipe(shipped_recipes()[0])
+    recipe = load_checked_recipe(shipped_recipes()[0])
     with pytest.raises(Exception):
         recipe.train.steps = 5
 
@@ -66,9 +67,9 @@ MALFORMED = {
     "top_p range": ("rollout:\n  top_p: 1.5\n", [], "rollout.top_p"),
     "missing model folder": ("model:\n  path: /nonexistent/model\n", [], "model.path"),
     "unknown builtin": ("model:\n  path: builtin:huge\n", [], "builtin:tiny-arith"),
-    "override unknown key": ("", ["train.stepz=3"], "train.stepz"),
-    "override without =": ("", ["train.steps"], "key=value"),
-    "override wrong type": ("", ["train.steps=abc"], "train.steps"),
+    "override unknown key": ("run: {name: t}\n", ["train.stepz=3"], "train.stepz"),
+    "override without =": ("run: {name: t}\n", ["train.steps"], "key=value"),
+    "override wrong type": ("run: {name: t}\n", ["train.steps=abc"], "train.steps"),
     "bad zero stage": ("actor:\n  zero_stage: 4\n", [], "actor.zero_stage"),
 }
 
@@ -79,7 +80,7 @@ def test_malformed_recipe_is_one_clear_line(tmp_path, name):
     path = tmp_path / "recipe.yaml"
     path.write_text(text)
     with pytest.raises(RecipeError) as caught:
-        load_recipe(path, overrides)
+        load_checked_recipe(path, overrides)
     message = str(caught.value)
     assert expected in message
     assert "\n" not in message

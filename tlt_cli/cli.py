@@ -29,7 +29,7 @@ from tlt_cli.calibration.settings import (
     parse_batch_sizes,
 )
 from tlt_cli.checkpoint import CheckpointError
-from tlt_cli.config import Recipe, RecipeError, load_recipe, recipe_to_yaml
+from tlt_cli.config import Recipe, RecipeError
 from tlt_cli.recipes import resolve_recipe_path, shipped_recipes
 
 app = typer.Typer(help="tlt: faster RL training of reasoning LLMs with lossless speculative decoding in the rollout long tail.",
@@ -91,11 +91,17 @@ def _resolve_run(arguments: list[str], resume: Path | None) -> tuple[Recipe, Pat
     if resume is None:
         if not has_recipe:
             raise RecipeError("give a recipe: tlt train RECIPE [key=value ...] (see `tlt recipes list`).")
-        return load_recipe(resolve_recipe_path(arguments[0]), overrides), None
+        return _checked_recipe(arguments[0], overrides), None
     if not resume.is_dir():
         raise CheckpointError(f"--resume {resume} is not a directory; pass the run directory printed when the run started.")
-    recipe_path = resolve_recipe_path(arguments[0]) if has_recipe else resume / "recipe.yaml"
-    return load_recipe(recipe_path, overrides), resume
+    return _checked_recipe(arguments[0] if has_recipe else str(resume / "recipe.yaml"), overrides), resume
+
+
+def _checked_recipe(name: str, overrides: list[str] | tuple[str, ...] = ()) -> Recipe:
+    """The recipe a name or path and overrides give, its values checked."""
+    from tlt_cli.recipe_checks import load_checked_recipe
+
+    return load_checked_recipe(resolve_recipe_path(name), overrides)
 
 
 @recipes_app.command("list")
@@ -108,9 +114,11 @@ def recipes_list() -> None:
 
 @recipes_app.command("show")
 def recipes_show(name: Annotated[str, typer.Argument(help="A shipped recipe name or a YAML path.")]) -> None:
-    """Print a recipe resolved against the defaults (every key, every value)."""
+    """Print a recipe resolved against the defaults: every key with its value, under its help as comments."""
+    from tlt_cli.recipe_help import commented_yaml
+
     try:
-        console.print(recipe_to_yaml(load_recipe(resolve_recipe_path(name))), highlight=False)
+        console.print(commented_yaml(_checked_recipe(name)), highlight=False, markup=False, soft_wrap=True)
     except RecipeError as error:
         raise fail(str(error)) from None
 
@@ -121,7 +129,7 @@ def recipes_validate(paths: Annotated[list[str], typer.Argument(help="Recipe nam
     invalid = 0
     for name in paths:
         try:
-            load_recipe(resolve_recipe_path(name))
+            _checked_recipe(name)
             console.print(f"ok  {name}", highlight=False)
         except RecipeError as error:
             invalid += 1

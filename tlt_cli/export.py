@@ -28,11 +28,12 @@ from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerB
 
 from tlt_cli.actor import CHECKPOINT_TAG
 from tlt_cli.checkpoint import STATE_FILE, CheckpointError, latest_checkpoint
-from tlt_cli.config import Recipe, RecipeError, load_recipe
+from tlt_cli.config import Recipe, RecipeError
 from tlt_cli.drafter import sidecar
 from tlt_cli.drafter.model import CONFIG_FILE, DrafterLoadError, EagleDrafter, load_drafter
 from tlt_cli.drafter.warmup import encode_prompts
 from tlt_cli.models.loading import load_policy
+from tlt_cli.recipe_checks import load_checked_recipe
 from tlt_cli.rollout.engine import EmbeddedEngine
 from tlt_cli.rollout.speculative import SpeculativeDecoder
 from tlt_cli.rollout.types import RolloutRequest, SamplingParams, SpeculativeConfig
@@ -181,7 +182,7 @@ def _checkpoint_source(checkpoint_dir: Path, recipe_path: Path | None) -> Drafte
 
 def _recipe(path: Path) -> Recipe:
     try:
-        return load_recipe(path)
+        return load_checked_recipe(path)
     except RecipeError as error:
         raise ExportError(str(error)) from None
 

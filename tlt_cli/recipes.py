@@ -1,14 +1,16 @@
 """Where shipped recipes live and how a name on the command line becomes a recipe file.
 
 `tlt train tiny-cpu` and `tlt train recipes/tiny-cpu.yaml` both work: a name that is not an
-existing file is looked up among the shipped recipes.
+existing file is looked up among the shipped recipes, which install with tlt as package data of
+`tlt_recipes` (the repository's recipes/ folder), so a plain `pip install .` finds them too.
 """
 
 from __future__ import annotations
 
+from importlib.resources import files
 from pathlib import Path
 
-RECIPES_DIRECTORY = Path(__file__).resolve().parent.parent / "recipes"
+RECIPES_DIRECTORY = Path(str(files("tlt_recipes")))
 
 
 def shipped_recipes() -> list[Path]:

@@ -31,7 +31,8 @@ from tlt_cli.calibration.settings import (
     CalibrationSettings,
     check_settings,
 )
-from tlt_cli.config import CPU_DEVICES, Recipe, load_recipe
+from tlt_cli.config import CPU_DEVICES, Recipe
+from tlt_cli.recipe_checks import load_checked_recipe
 from tlt_cli.recipes import resolve_recipe_path
 from tlt_cli.rollout.speculative import check_speculative_config
 from tlt_cli.rollout.types import RolloutRequest, SamplingParams, SpeculativeConfig
@@ -63,7 +64,7 @@ def calibrate(recipe_name: str, overrides: list[str], settings: CalibrationSetti
 
     recipe_name: a YAML path or a shipped recipe name, written into the command as given.
     """
-    recipe = load_recipe(resolve_recipe_path(recipe_name), overrides)
+    recipe = load_checked_recipe(resolve_recipe_path(recipe_name), overrides)
     check_settings(settings)
     check_recipe(recipe)
     largest = largest_running_batch(recipe)

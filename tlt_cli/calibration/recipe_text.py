@@ -17,11 +17,12 @@ from pathlib import Path
 
 from tlt_cli.calibration.rules import (
     CALIBRATED_BY,
-    RULES_COMMENT,
     fragment_text,
     rules_block,
+    rules_comment,
 )
-from tlt_cli.config import RecipeError, load_recipe
+from tlt_cli.config import RecipeError
+from tlt_cli.recipe_checks import load_checked_recipe
 
 SECTION = re.compile(r"^speculative:\s*(#.*)?$")
 TOP_LEVEL = re.compile(r"^[^\s#]")
@@ -34,7 +35,7 @@ class RecipeEditError(ValueError):
 def write_rules_into_recipe(path: Path, rules: list[dict], command: str) -> None:
     """Rewrite `path` so its speculative section is adaptive with `rules` (see the module docstring)."""
     try:
-        before = load_recipe(path)
+        before = load_checked_recipe(path)
     except RecipeError as error:
         raise RecipeEditError(f"--write-recipe {path}: {error}") from None
     text = path.read_text(encoding="utf-8")
@@ -42,7 +43,7 @@ def write_rules_into_recipe(path: Path, rules: list[dict], command: str) -> None
     candidate.write_text(edited_recipe_text(text, rules, command), encoding="utf-8")
     expected = replace(before, speculative=replace(before.speculative, mode="adaptive", rules=rules))
     try:
-        after = load_recipe(candidate)
+        after = load_checked_recipe(candidate)
     except RecipeError as error:
         candidate.unlink()
         raise RecipeEditError(f"--write-recipe {path}: the rewritten file is not a valid recipe ({error}); "
@@ -100,7 +101,7 @@ def _with_mode_adaptive(body: list[str], indent: str) -> list[str]:
 
 def _is_calibration_comment(line: str, indent: str) -> bool:
     """The comment lines `rules_block` writes above `rules:`."""
-    return line.startswith((f"{indent}{CALIBRATED_BY}", f"{indent}{RULES_COMMENT}"))
+    return line.startswith(f"{indent}{CALIBRATED_BY}") or line in rules_comment(indent)
 
 
 def _indent(line: str) -> str:

@@ -19,10 +19,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tlt_cli.adaptive import OFF
+from tlt_cli.config import SpeculativeSection
+from tlt_cli.recipe_help import comment_lines, key_help
 
-# the comment lines above a calibrated rules block (recipe_text.py replaces them on a rewrite)
+# the comment line under the rules' help that names the calibration (recipe_text.py replaces both on a rewrite)
 CALIBRATED_BY = "# calibrated by: "
-RULES_COMMENT = "# running batch size -> SD configuration (off or s<steps>-k<topk>-t<draft tokens>), first match wins"
 
 
 @dataclass(frozen=True)
@@ -75,7 +76,7 @@ def fragment_text(rules: list[dict], command: str) -> str:
     """The recipe YAML for the rules: `speculative:` with `mode: adaptive` and `rules:`, the command above."""
     lines = [
         "speculative:",
-        "  # SD configuration chosen per decode step from the rules below",
+        *comment_lines(key_help(SpeculativeSection, "mode"), "  "),
         "  mode: adaptive",
         *rules_block(rules, command, indent="  "),
     ]
@@ -83,14 +84,18 @@ def fragment_text(rules: list[dict], command: str) -> str:
 
 
 def rules_block(rules: list[dict], command: str, indent: str) -> list[str]:
-    """The `rules:` key with its comment lines and one flow-style line per rule, at `indent`."""
+    """The `rules:` key under its help and the command, and one flow-style line per rule, at `indent`."""
     return [
+        *rules_comment(indent),
         f"{indent}{CALIBRATED_BY}{command}",
-        f"{indent}{RULES_COMMENT}",
         f"{indent}rules:",
         *(f"{indent}  - {_flow(rule)}" for rule in rules),
     ]
 
+
+def rules_comment(indent: str) -> list[str]:
+    """The help of `speculative.rules` as the comment lines above the key."""
+    return comment_lines(key_help(SpeculativeSection, "rules"), indent)
 
 
 def _flow(rule: dict) -> str:

@@ -1,6 +1,6 @@
 """Run-time checks that this machine has what a valid recipe asks for: GPUs for the actor, SGLang.
 
-Recipe validation (tlt_cli/config.py) never looks at the machine, so a GPU recipe validates on a
+Recipe validation (tlt_cli/recipe_checks.py) never looks at the machine, so a GPU recipe validates on a
 laptop. The driver calls `check_machine(recipe)` before it starts any worker or server; each
 problem is a `RecipeError` naming the key that asks for what is missing (the CLI exits with 2).
 """

@@ -1,8 +1,8 @@
 """Checks of the recipe section `rollout.sglang` (`SGLangConfig`, defined with the other sections).
 
 `SGLangConfig` lives in tlt_cli/config.py beside the other frozen recipe sections (re-exported
-here); the recipe loader calls `validate_sglang_config` once when `rollout.backend: sglang` and it
-raises a `RecipeError` naming the key. Everything the SGLang backend launches or sends is derived
+here); the recipe checks (tlt_cli/recipe_checks.py) call `validate_sglang_config` once when
+`rollout.backend: sglang` and it raises a `RecipeError` naming the key. Everything the SGLang backend launches or sends is derived
 from these fields, the model path and the run directory.
 """
 

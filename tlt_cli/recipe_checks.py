@@ -1,0 +1,224 @@
+"""Checks of a recipe's values: ranges, choices, and how its sections fit together.
+
+`check_values(recipe)` takes a `Recipe` the loader built (keys and types are right by then) and
+raises a `RecipeError` naming the key at the first value that cannot run: a range, a choice, an
+SD shape or rule table, the actor's placement against the workers and the hostfile, the SGLang
+section against the workers, plugin names that do not resolve. The commands call it before
+anything starts. It imports the hostfile parser, the SGLang section's checks, the rule table,
+the SD shape check and the plugin registry, which is why it is not part of tlt_cli/config.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+from typing import Any
+
+from tlt_cli.adaptive import RuleTableError, build_rules
+from tlt_cli.config import CPU_DEVICES, DrafterConfig, Recipe, RecipeError, SpeculativeSection, load_recipe
+from tlt_cli.plugins import PluginError, plugin_factory
+from tlt_cli.processes.hostfile import HostfileError, check_hostfile, ranks_per_node
+from tlt_cli.rollout.speculative import check_speculative_config
+from tlt_cli.rollout.types import SpeculativeConfig
+from tlt_cli.sglang.config import validate_sglang_config
+from tlt_cli.sglang.rules import batch_rules
+
+ROLLOUT_BACKENDS = ("embedded", "sglang")
+PRECISIONS = ("fp32", "bf16")
+SPECULATIVE_MODES = ("off", "fixed", "adaptive")
+DRAFTER_STARTS = ("warmup", "random")
+# ZeRO-3 shards the parameters; the rollout (embedded engine or weight push) needs the whole policy
+ZERO_STAGES = (0, 1, 2)
+BUILTIN_PREFIX = "builtin:"
+BUILTIN_MODELS = ("builtin:tiny-arith",)
+# the SD shape check needs a vocabulary; without the model any size will do (tlt_cli/preflight.py uses the model's)
+ANY_VOCABULARY = 2**31
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise RecipeError(message)
+
+
+def load_checked_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Recipe:
+    """`load_recipe` then `check_values`: a recipe whose keys, types and values are right."""
+    recipe = load_recipe(path, overrides)
+    check_values(recipe)
+    return recipe
+
+
+def check_values(recipe: Recipe) -> None:
+    """Raise RecipeError naming the key of the first value the recipe cannot run with."""
+    _check_finite(recipe)
+    _check_run(recipe)
+    _check_train_and_workers(recipe)
+    _check_rollout(recipe)
+    _check_actor(recipe)
+    _require(recipe.checkpoint.every >= 1,
+             f"checkpoint.every must be at least 1 (steps between checkpoints), got {recipe.checkpoint.every}.")
+    _require(recipe.checkpoint.keep >= 1, f"checkpoint.keep must be at least 1, got {recipe.checkpoint.keep}.")
+    _check_model_path(recipe.model.path)
+    check_speculative_section(recipe.speculative, ANY_VOCABULARY)
+    _check_drafter(recipe.drafter)
+    _check_plugins(recipe)
+    _check_actor_placement(recipe)
+    if recipe.rollout.backend == "sglang":
+        _check_sglang_backend(recipe)
+
+
+def _check_finite(section: Any, prefix: str = "") -> None:
+    """Every float key is a finite number (YAML reads .inf and .nan as floats)."""
+    for key_field in dataclasses.fields(section):
+        value, key = getattr(section, key_field.name), f"{prefix}{key_field.name}"
+        if dataclasses.is_dataclass(value):
+            _check_finite(value, f"{key}.")
+        elif isinstance(value, float):
+            _require(math.isfinite(value), f"{key} must be a finite number, got {value}.")
+
+
+def _check_run(recipe: Recipe) -> None:
+    name = recipe.run.name
+    _require(name.strip() != "" and "/" not in name and name not in (".", "..") and "\0" not in name,
+             f"run.name must be a folder name (not empty, '.' or '..', no '/'), got '{name}'.")
+    _require(recipe.run.output_dir.strip() != "" and "\0" not in recipe.run.output_dir,
+             f"run.output_dir must name a folder, got '{recipe.run.output_dir}'.")
+
+
+def _check_train_and_workers(recipe: Recipe) -> None:
+    train, workers = recipe.train, recipe.workers
+    _require(train.steps >= 1, f"train.steps must be at least 1, got {train.steps}.")
+    _require(train.prompts_per_step >= 1, f"train.prompts_per_step must be at least 1, got {train.prompts_per_step}.")
+    _require(train.group_size >= 2,
+             f"train.group_size must be at least 2 (GRPO compares responses within a group), got {train.group_size}.")
+    _require(workers.count >= 1, f"workers.count must be at least 1, got {workers.count}.")
+    _require(train.prompts_per_step % workers.count == 0,
+             f"train.prompts_per_step ({train.prompts_per_step}) must be a multiple of workers.count "
+             f"({workers.count}) so every worker gets whole groups.")
+    _require(workers.threads_per_worker >= 1,
+             f"workers.threads_per_worker must be at least 1, got {workers.threads_per_worker}.")
+
+
+def _check_rollout(recipe: Recipe) -> None:
+    rollout = recipe.rollout
+    _require(rollout.backend in ROLLOUT_BACKENDS,
+             f"rollout.backend must be one of {', '.join(ROLLOUT_BACKENDS)}, got '{rollout.backend}'.")
+    _require(rollout.max_new_tokens >= 1, f"rollout.max_new_tokens must be at least 1, got {rollout.max_new_tokens}.")
+    _require(rollout.temperature >= 0.0, f"rollout.temperature must be >= 0 (0 is greedy), got {rollout.temperature}.")
+    _require(0.0 < rollout.top_p <= 1.0, f"rollout.top_p must be in (0, 1], got {rollout.top_p}.")
+    _require(rollout.top_k >= 0, f"rollout.top_k must be >= 0 (0 keeps all tokens), got {rollout.top_k}.")
+
+
+def _check_actor(recipe: Recipe) -> None:
+    actor = recipe.actor
+    _require(actor.lr > 0.0, f"actor.lr must be positive, got {actor.lr}.")
+    _require(actor.weight_decay >= 0.0, f"actor.weight_decay must be >= 0, got {actor.weight_decay}.")
+    _require(actor.zero_stage in ZERO_STAGES,
+             f"actor.zero_stage must be 0, 1 or 2 (the rollout needs the full policy on every rank), got {actor.zero_stage}.")
+    _require(actor.micro_batch_size >= 1, f"actor.micro_batch_size must be at least 1, got {actor.micro_batch_size}.")
+    _require(0.0 < actor.clip_ratio < 1.0, f"actor.clip_ratio must be in (0, 1), got {actor.clip_ratio}.")
+    _require(actor.kl_coef >= 0.0, f"actor.kl_coef must be >= 0, got {actor.kl_coef}.")
+    _require(actor.ppo_epochs >= 1, f"actor.ppo_epochs must be at least 1, got {actor.ppo_epochs}.")
+    _require(actor.grad_clip > 0.0, f"actor.grad_clip must be positive, got {actor.grad_clip}.")
+
+
+def _check_actor_placement(recipe: Recipe) -> None:
+    """actor.devices, actor.precision and workers.hostfile: possible on some machine (CUDA is checked at run time)."""
+    devices, precision = recipe.actor.devices, recipe.actor.precision
+    on_gpus = devices != CPU_DEVICES
+    if on_gpus:
+        _require(isinstance(devices, list) and len(devices) >= 1
+                 and all(isinstance(device, int) and not isinstance(device, bool) and device >= 0 for device in devices),
+                 f"actor.devices must be cpu or a list of GPU indices like [0, 1], got {devices!r}.")
+        _require(len(set(devices)) == len(devices), f"actor.devices lists a GPU twice: {devices}.")
+    _require(precision in PRECISIONS, f"actor.precision must be one of {', '.join(PRECISIONS)}, got '{precision}'.")
+    _require(precision == "fp32" or on_gpus, f"actor.precision {precision} needs GPUs in actor.devices; on cpu use fp32.")
+    if recipe.workers.hostfile is None:
+        _require(not on_gpus or len(devices) == recipe.workers.count,
+                 f"actor.devices lists {len(devices) if on_gpus else 0} GPUs for workers.count {recipe.workers.count}; "
+                 "give one GPU per worker rank.")
+        return
+    try:
+        check_hostfile(recipe)
+    except HostfileError as error:
+        raise RecipeError(f"workers.hostfile: {error}") from None
+
+
+def _check_sglang_backend(recipe: Recipe) -> None:
+    """rollout.sglang on its own, then how it fits the workers and the speculative section."""
+    config = recipe.rollout.sglang
+    validate_sglang_config(config)
+    # every node runs its own servers for its own ranks
+    node_ranks = ranks_per_node(recipe)
+    _require(config.server_count % node_ranks == 0,
+             f"rollout.sglang.gpus gives {config.server_count} server(s) of tp_size {config.tp_size} for {node_ranks} "
+             "worker ranks per node; each worker owns whole servers, so give a multiple of that.")
+    _require(not config.colocated or recipe.actor.devices != CPU_DEVICES,
+             "rollout.sglang.colocated: true sends the actor's CUDA tensors to the servers, so actor.devices must list "
+             "GPUs; with the actor on cpu set rollout.sglang.colocated: false (weights go through a checkpoint on disk).")
+    try:
+        batch_rules(recipe.speculative)
+    except RecipeError as error:
+        raise RecipeError(f"speculative.rules: {error}") from None
+
+
+def check_speculative_section(section: SpeculativeSection, vocabulary_size: int) -> None:
+    """The mode, the fixed shape and (mode adaptive) the rule table, for a model of `vocabulary_size` tokens."""
+    _require(section.mode in SPECULATIVE_MODES,
+             f"speculative.mode must be one of {', '.join(SPECULATIVE_MODES)}, got '{section.mode}'.")
+    _check_shape("speculative", SpeculativeConfig(section.steps, section.topk, section.draft_tokens), vocabulary_size)
+    _require(section.collapse_accept_length >= 1.0,
+             "speculative.collapse_accept_length must be >= 1 (1 means no draft accepted), "
+             f"got {section.collapse_accept_length}.")
+    _require(section.reprobe_steps >= 1, f"speculative.reprobe_steps must be at least 1, got {section.reprobe_steps}.")
+    _require(0.0 <= section.bandit_epsilon <= 1.0,
+             f"speculative.bandit_epsilon must be in [0, 1], got {section.bandit_epsilon}.")
+    if section.mode != "adaptive":
+        return
+    try:
+        rules = build_rules([dict(rule) for rule in section.rules])
+    except RuleTableError as error:
+        raise RecipeError(f"speculative.rules: {error}") from None
+    for number, rule in enumerate(rules, start=1):
+        for config in rule.configs:
+            if config is not None:
+                _check_shape(f"speculative.rules: rule {number}", config, vocabulary_size)
+
+
+def _check_shape(where: str, config: SpeculativeConfig, vocabulary_size: int) -> None:
+    try:
+        check_speculative_config(config, vocab_size=vocabulary_size)
+    except ValueError as error:
+        raise RecipeError(f"{where}: {error}") from None
+
+
+def _check_drafter(drafter: DrafterConfig) -> None:
+    _require(drafter.init in DRAFTER_STARTS or Path(drafter.init).is_dir(),
+             f"drafter.init must be warmup, random or a drafter folder, got '{drafter.init}'.")
+    for key in ("warmup_steps", "warmup_prompts", "warmup_batch_size", "window_steps", "batch_size"):
+        _require(getattr(drafter, key) >= 1, f"drafter.{key} must be at least 1, got {getattr(drafter, key)}.")
+    _require(drafter.warmup_lr > 0, f"drafter.warmup_lr must be positive, got {drafter.warmup_lr}.")
+    _require(drafter.lr > 0, f"drafter.lr must be positive, got {drafter.lr}.")
+    _require(drafter.weight_decay >= 0, f"drafter.weight_decay must be >= 0, got {drafter.weight_decay}.")
+
+
+def _check_plugins(recipe: Recipe) -> None:
+    plugins = recipe.plugins
+    for name in plugins.enabled:
+        try:
+            plugin_factory(name)
+        except PluginError as error:
+            raise RecipeError(f"plugins.enabled: {error}") from None
+    for name, options in plugins.options.items():
+        _require(name in plugins.enabled, f"plugins.options.{name} is set but '{name}' is not in plugins.enabled.")
+        _require(isinstance(options, dict), f"plugins.options.{name} must be a mapping of keyword options, got {options!r}.")
+
+
+def _check_model_path(path: str) -> None:
+    if path.startswith(BUILTIN_PREFIX):
+        _require(path in BUILTIN_MODELS,
+                 f"model.path '{path}' is not a built-in model; the built-in model is {', '.join(BUILTIN_MODELS)}.")
+        return
+    _require(path.strip() != "", "model.path is empty; give a local Hugging Face model folder or builtin:tiny-arith.")
+    _require(Path(path).expanduser().is_dir(),
+             f"model.path '{path}' is not a local folder; point it at a Hugging Face model folder (no downloads).")
