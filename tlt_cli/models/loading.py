@@ -1,6 +1,6 @@
 """Load the policy model and its tokenizer: the built-in tiny model or a local Hugging Face folder.
 
-`load_policy` is what the trainer, the rollout engines and the profiler call. Any causal LM
+`load_policy` is what the worker loop, the rollout engines and the profiler call. Any causal LM
 that transformers can build from the folder and that exposes `get_decoder()` and an output
 head (`lm_head`) works: Qwen2, Llama and relatives, tied or untied embeddings. Nothing is
 downloaded (`local_files_only=True`). Problems a user can cause raise `ModelLoadError` with

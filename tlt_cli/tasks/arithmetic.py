@@ -9,7 +9,7 @@ bare mod-10 digit (parity-like in its operands) does not. The number of digits n
 heavy-tailed, P(n) ~ n^-tail_exponent on min_terms..max_terms, so most solutions are a few steps
 long and a few run to dozens of steps: the rollout long tail in miniature. Labels
 (a..z, A..V) let a small model find the next digit by content instead of by counting, which
-keeps the built-in tiny model's warm-up short. The trainer and the tiny-model builder use it.
+keeps the built-in tiny model's warm-up short. The worker loop and the tiny-model builder use it.
 """
 
 from __future__ import annotations

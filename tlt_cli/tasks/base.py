@@ -1,6 +1,6 @@
 """The contract every task meets: deterministic problems by index, and an exact reward.
 
-The trainer asks a task for `problem(index)`; the same index always gives the same problem,
+The worker loop (tlt_cli/worker.py) asks a task for `problem(index)`; the same index always gives the same problem,
 so a resumed run sees the same data order. `reward(problem, response)` scores a decoded
 response; `solution` is the reference chain of thought used for supervised warm-up.
 """
