@@ -4,9 +4,16 @@ import pytest
 import torch
 from scipy.stats import chisquare
 from torch import nn
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import (
+    DynamicCache,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
 
 from tlt_cli.drafter.model import DrafterOutput, EagleDrafter
+from tlt_cli.drafter.vocabulary import DraftVocabulary, most_frequent_tokens
 from tlt_cli.rollout.engine import EmbeddedEngine
 from tlt_cli.rollout.sampling import apply_sampling
 from tlt_cli.rollout.speculative import SpeculativeDecoder, check_speculative_config
@@ -46,16 +53,18 @@ class PrefixedCache:
 
 class TargetAsDrafter(nn.Module):
     """A drafter that predicts exactly what the target would (optionally with fixed logit noise
-    keyed on the input token, which keeps drafts a function of each request's own context).
+    keyed on the input token, which keeps drafts a function of each request's own context), over
+    the target's whole vocabulary or only the tokens of `vocabulary`.
 
     Drafter entry t carries token t+1, so it runs the target on that token at position t+1 over
     the engine's drafter cache, with the target's entry for BOS (every prompt's token 0) in front.
     """
 
-    def __init__(self, target, logit_noise: float = 0.0):
+    def __init__(self, target, logit_noise: float = 0.0, vocabulary: DraftVocabulary | None = None):
         super().__init__()
         self.target = target
         self.config = target.config
+        self.vocabulary = vocabulary or DraftVocabulary.full(target.config.vocab_size)
         with torch.no_grad():
             self.prefix = DynamicCache(config=target.config)
             target.get_decoder()(input_ids=torch.tensor([[BOS]]), past_key_values=self.prefix, use_cache=True)
@@ -69,7 +78,11 @@ class TargetAsDrafter(nn.Module):
             input_ids=input_ids, position_ids=position_ids + 1, attention_mask=torch.cat([sees_bos, attention_mask], dim=3),
             past_key_values=PrefixedCache(past_key_values, self.prefix), use_cache=False,
         ).last_hidden_state
-        return DrafterOutput(hidden=hidden, logits=self.target.lm_head(hidden) + self.noise[input_ids])
+        logits = self.target.lm_head(hidden) + self.noise[input_ids]
+        return DrafterOutput(hidden=hidden, logits=self.vocabulary.restrict(logits))
+
+    def refresh_draft_head(self) -> None:
+        """Nothing to re-read: the logits come from the target's lm_head at every call."""
 
 
 def requests_for(batch_size: int, seed: int, vocab_size: int = 64) -> list[RolloutRequest]:
@@ -224,7 +237,11 @@ SAMPLED_SHAPES = [SpeculativeConfig(3), SpeculativeConfig(2, 2, 5), SpeculativeC
 @pytest.mark.parametrize("params", SAMPLING, ids=["plain", "top-k-top-p"])
 def test_sampled_sd_matches_the_target_distribution(config, params):
     target = tiny_target(vocab_size=8, initializer_range=0.4)
-    drafter = EagleDrafter(target, seed=5)
+    assert_sd_has_the_target_law(target, EagleDrafter(target, seed=5), config, params)
+
+
+def assert_sd_has_the_target_law(target, drafter, config: SpeculativeConfig, params: SamplingParams) -> None:
+    """Chi-square test of 6000 SD samples of three tokens against the exact law of the target."""
     prompt = (BOS, 3, 5)
     samples = 6000
     requests = [RolloutRequest(index, prompt) for index in range(samples)]
@@ -244,6 +261,44 @@ def test_sampled_sd_matches_the_target_distribution(config, params):
     else:
         observed, expected = observed[common], expected[common]
     assert chisquare(observed.numpy(), expected.numpy() * observed.sum().item() / expected.sum().item()).pvalue > 0.01
+
+
+# 3 of the 8 tokens: q is zero on the other 5, which the target still samples (through the residual)
+SAMPLED_DRAFT_VOCABULARY = DraftVocabulary(torch.tensor([1, 4, 6]), target_size=8)
+
+
+@pytest.mark.parametrize("config", [SAMPLED_SHAPES[0], SAMPLED_SHAPES[2]], ids=lambda config: config.label())
+@pytest.mark.parametrize("params", SAMPLING, ids=["plain", "top-k-top-p"])
+@pytest.mark.parametrize("drafter_kind", ["random", "target"])
+def test_sampled_sd_with_a_reduced_draft_vocabulary_keeps_the_target_distribution(config, params, drafter_kind):
+    target = tiny_target(vocab_size=8, initializer_range=0.4)
+    if drafter_kind == "random":
+        drafter = EagleDrafter(target, seed=5, vocabulary=SAMPLED_DRAFT_VOCABULARY)
+    else:
+        drafter = TargetAsDrafter(target, vocabulary=SAMPLED_DRAFT_VOCABULARY)
+    assert_sd_has_the_target_law(target, drafter, config, params)
+
+
+@pytest.mark.parametrize("config", [CHAINS[2], CHAINS[3], TREES[1], TREES[2]], ids=lambda config: config.label())
+@pytest.mark.parametrize("drafter_kind", ["random", "noisy-target"])
+def test_greedy_sd_with_a_reduced_draft_vocabulary_is_token_identical(config, drafter_kind):
+    target = tiny_target(vocab_size=512)
+    greedy = SamplingParams(max_new_tokens=23, temperature=0.0)
+    # the 64 tokens the target emits most often on other prompts: these requests also need others
+    seen = generate(target, requests_for(16, seed=21, vocab_size=512), greedy, eos_token_id=512)
+    vocabulary = most_frequent_tokens([c.response_ids for c in seen], target_size=512, size=64)
+    if drafter_kind == "random":
+        drafter = EagleDrafter(target, seed=4, vocabulary=vocabulary)
+    else:
+        drafter = TargetAsDrafter(target, logit_noise=0.5, vocabulary=vocabulary)
+    requests = requests_for(16, seed=20, vocab_size=512)
+    plain = generate(target, requests, greedy, eos_token_id=512)
+    speculative = generate(target, requests, greedy, 512, SpeculativeDecoder(drafter, config))
+    assert [c.response_ids for c in speculative] == [c.response_ids for c in plain]
+    kept = set(vocabulary.target_ids.tolist())
+    assert any(token not in kept for c in plain for token in c.response_ids)
+    if drafter_kind == "noisy-target":
+        assert sum(c.speculative.accepted_draft_tokens for c in speculative) > 0
 
 
 def test_bad_configs_name_the_field_to_fix():

@@ -5,6 +5,13 @@ bias), runs it through one decoder layer whose first sublayer has no input norm,
 target's final norm and `lm_head`. It predicts `target_hidden[t+1]` (the `hidden` output, in the
 same post-final-norm space as `target_hidden`) and therefore the token at t+2 (the `logits` output).
 
+Draft vocabulary (tlt_cli/drafter/vocabulary.py): a drafter may propose only N of the target's V
+tokens. Its head is then the target's own `lm_head` rows for those N tokens (frozen and shared,
+as SGLang slices the target's head with a token map), and `logits` are over the N draft tokens;
+`vocabulary.to_target_ids` maps a drafted id back to the target's. The head rows are a copy, so
+`refresh_draft_head` re-reads them after the target's weights change (the speculative decoder
+calls it at the start of every generate call).
+
 The rollout engine calls `EagleDrafter.forward` while drafting (with a KV cache), the drafter
 trainer calls it on whole sequences, and `save_drafter` / `load_drafter` move it to and from disk.
 
@@ -29,8 +36,12 @@ from torch import nn
 from torch.func import functional_call
 from transformers import DynamicCache, PretrainedConfig, PreTrainedModel
 
+from tlt_cli.drafter.vocabulary import DraftVocabulary
+
 DRAFTER_FORMAT_VERSION = 1
 WEIGHTS_FILE = "drafter.safetensors"
+# the draft vocabulary's target ids, stored beside the weights in WEIGHTS_FILE (reduced vocabularies only)
+DRAFT_TARGET_IDS = "draft_vocabulary.target_ids"
 CONFIG_FILE = "drafter_config.json"
 # target config fields that fix the drafter's shapes and the meaning of its inputs and outputs
 FINGERPRINT_FIELDS = (
@@ -55,7 +66,8 @@ class DrafterLoadError(RuntimeError):
 
 @dataclass
 class DrafterOutput:
-    """hidden: [B,T,H] predicted target_hidden[t+1]; logits: [B,T,V] = lm_head(hidden), for token t+2."""
+    """hidden: [B,T,H] predicted target_hidden[t+1]; logits: [B,T,N] = the draft head of hidden, for
+    token t+2, over the N draft tokens (N = V, the target's vocabulary, unless it is reduced)."""
 
     hidden: torch.Tensor
     logits: torch.Tensor
@@ -111,7 +123,7 @@ class EagleDrafter(nn.Module):
         draft_token = out.logits[:, -1].argmax(-1)
     """
 
-    def __init__(self, target: PreTrainedModel, seed: int = 0):
+    def __init__(self, target: PreTrainedModel, seed: int = 0, vocabulary: DraftVocabulary | None = None):
         super().__init__()
         self.config = drafter_config_from(target.config)
         self.target_name_or_path = str(getattr(target.config, "_name_or_path", "") or "")
@@ -134,10 +146,40 @@ class EagleDrafter(nn.Module):
         self.to(device=reference.device, dtype=reference.dtype)
         # built after the dtype cast so its inverse frequencies stay float32, as in the target
         self.rotary_emb = type(base_model.rotary_emb)(config=self.config).to(reference.device)
+        self.vocabulary = (vocabulary or DraftVocabulary.full(self.config.vocab_size)).to(reference.device)
+        if self.vocabulary.target_size != self.config.vocab_size:
+            raise ValueError(
+                f"the draft vocabulary maps into {self.vocabulary.target_size} target tokens, but the target has "
+                f"{self.config.vocab_size}."
+            )
+        # [N, H] and [N] or None: the target lm_head's rows of the draft tokens (reduced vocabularies)
+        self.draft_head_weight: torch.Tensor | None = None
+        self.draft_head_bias: torch.Tensor | None = None
+        self.refresh_draft_head()
 
     @property
     def architecture(self) -> str:
         return type(self.decoder_layer).__name__
+
+    def refresh_draft_head(self) -> None:
+        """Copy the target lm_head's rows of the draft tokens (a reduced vocabulary only), on the
+        lm_head's device and dtype: call after the target's weights change."""
+        if not self.vocabulary.is_reduced:
+            return
+        weight, bias = self.shared.lm_head.weight.detach(), self.shared.lm_head.bias
+        self.vocabulary = self.vocabulary.to(weight.device)
+        self.draft_head_weight = weight.index_select(0, self.vocabulary.target_ids)
+        self.draft_head_bias = None if bias is None else bias.detach().index_select(0, self.vocabulary.target_ids)
+
+    def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[..., H] -> [..., N]: the target's lm_head restricted to the draft tokens; gradient flows
+        to `hidden` only."""
+        if not self.vocabulary.is_reduced:
+            return call_frozen(self.shared.lm_head, hidden)
+        weight = self.shared.lm_head.weight
+        if self.draft_head_weight.device != weight.device or self.draft_head_weight.dtype != weight.dtype:
+            self.refresh_draft_head()
+        return torch.nn.functional.linear(hidden, self.draft_head_weight, self.draft_head_bias)
 
     def forward(
         self,
@@ -171,8 +213,7 @@ class EagleDrafter(nn.Module):
             position_embeddings=position_embeddings,
         )
         hidden = call_frozen(self.shared.final_norm, layer_output)
-        logits = call_frozen(self.shared.lm_head, hidden)
-        return DrafterOutput(hidden=hidden, logits=logits)
+        return DrafterOutput(hidden=hidden, logits=self.draft_logits(hidden))
 
 
 def drafter_metadata(drafter: EagleDrafter, weights_sha256: str) -> dict:
@@ -181,6 +222,7 @@ def drafter_metadata(drafter: EagleDrafter, weights_sha256: str) -> dict:
         "architecture": drafter.architecture,
         "hidden_size": drafter.config.hidden_size,
         "vocab_size": drafter.config.vocab_size,
+        "draft_vocab_size": drafter.vocabulary.size,
         "target_name_or_path": drafter.target_name_or_path,
         "target_fingerprint": drafter.target_fingerprint,
         "weights_sha256": weights_sha256,
@@ -212,6 +254,8 @@ def save_drafter(drafter: EagleDrafter, directory: str | Path) -> Path:
     temporary_weights = directory / f".{WEIGHTS_FILE}.tmp-{os.getpid()}"
     temporary_config = directory / f".{CONFIG_FILE}.tmp-{os.getpid()}"
     tensors = {name: tensor.detach().contiguous().cpu() for name, tensor in drafter.state_dict().items()}
+    if drafter.vocabulary.is_reduced:
+        tensors[DRAFT_TARGET_IDS] = drafter.vocabulary.target_ids.cpu()
     save_file(tensors, str(temporary_weights))
     metadata = drafter_metadata(drafter, file_sha256(temporary_weights))
     temporary_config.write_text(json.dumps(metadata, indent=2) + "\n")
@@ -248,12 +292,16 @@ def check_target_matches(metadata: dict, drafter: EagleDrafter, directory: Path)
 
 
 def load_drafter(directory: str | Path, target: PreTrainedModel) -> EagleDrafter:
-    """Rebuild a drafter saved by `save_drafter` on top of `target`; DrafterLoadError on any mismatch."""
+    """Rebuild a drafter saved by `save_drafter` on top of `target` (with the draft vocabulary it
+    was saved with); DrafterLoadError on any mismatch."""
     directory = Path(directory)
     metadata = read_drafter_metadata(directory)
+    tensors = load_file(str(directory / WEIGHTS_FILE), device=str(target.get_input_embeddings().weight.device))
+    target_ids = tensors.pop(DRAFT_TARGET_IDS, None)
     drafter = EagleDrafter(target)
     check_target_matches(metadata, drafter, directory)
-    reference = next(drafter.parameters())
-    tensors = load_file(str(directory / WEIGHTS_FILE), device=str(reference.device))
+    if target_ids is not None:
+        drafter.vocabulary = DraftVocabulary(target_ids.long(), drafter.config.vocab_size)
+        drafter.refresh_draft_head()
     drafter.load_state_dict(tensors, strict=True)
     return drafter

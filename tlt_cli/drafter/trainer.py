@@ -98,6 +98,10 @@ class DrafterBatch:
     def size(self) -> int:
         return self.input_ids.shape[0]
 
+    def next_token_ids(self) -> torch.Tensor:
+        """[B,T] token x[t+2], the one feature t predicts (zero past the end, never counted)."""
+        return torch.cat((self.input_ids[:, 1:], torch.zeros_like(self.input_ids[:, :1])), dim=1)
+
     def attention_mask(self) -> torch.Tensor:
         """[B,1,T,T] bool: causal over valid features; every feature also sees itself (no empty rows)."""
         length = self.input_ids.shape[1]
@@ -126,20 +130,44 @@ def collect_drafter_batch(
     return DrafterBatch.from_sequences(sequences, hidden_states, response_mask, token_valid)
 
 
-def drafter_forward_loss(drafter: EagleDrafter, batch: DrafterBatch) -> DrafterLoss:
-    """The drafter's loss on a batch; the target's next-token logits come from its own lm_head."""
+def drafter_forward_loss(
+    drafter: EagleDrafter, batch: DrafterBatch, target_tokens_next: torch.Tensor | None = None
+) -> DrafterLoss:
+    """The drafter's loss on a batch; the target's next-token logits over the draft tokens come
+    from the same rows of its lm_head the drafter uses. target_tokens_next: see `drafter_loss`."""
     with torch.no_grad():
-        target_logits_next = drafter.shared.lm_head(batch.target_hidden_next)
+        target_logits_next = drafter.draft_logits(batch.target_hidden_next)
     output = drafter(batch.input_ids, batch.target_hidden, batch.position_ids, batch.attention_mask(), None)
-    return drafter_loss(output, batch.target_hidden_next, target_logits_next, batch.loss_mask)
+    return drafter_loss(
+        output, batch.target_hidden_next, target_logits_next, batch.loss_mask, drafter.vocabulary, target_tokens_next
+    )
 
 
 @torch.no_grad()
-def evaluate_drafter(drafter: EagleDrafter, batch: DrafterBatch) -> DrafterLoss:
-    """Loss and top-1 agreement with the target on a batch, without training (eval mode)."""
+def target_argmax(lm_head: torch.nn.Module, hidden: torch.Tensor, chunk_positions: int = 256) -> torch.Tensor:
+    """argmax over the whole vocabulary of lm_head(hidden) [..., H] -> [...], a few positions at
+    a time so a 150k-token vocabulary never holds more than chunk_positions rows of logits."""
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    starts = range(0, flat.shape[0], chunk_positions)
+    tokens = [lm_head(flat[start : start + chunk_positions]).argmax(-1) for start in starts]
+    return torch.cat(tokens).view(hidden.shape[:-1])
+
+
+@torch.no_grad()
+def evaluate_drafter(
+    drafter: EagleDrafter, batch: DrafterBatch, target_tokens_next: torch.Tensor | None = None
+) -> DrafterLoss:
+    """Loss and top-1 agreement with the target's next token, without training (eval mode).
+
+    target_tokens_next: [B,T] the token the target chose after each position (for greedy
+    generations, the sequence's own next token: `batch.next_token_ids()`); None: the target's
+    argmax over its whole vocabulary, computed here.
+    """
     was_training = drafter.training
     drafter.eval()
-    loss = drafter_forward_loss(drafter, batch)
+    if target_tokens_next is None:
+        target_tokens_next = target_argmax(drafter.shared.lm_head, batch.target_hidden_next)
+    loss = drafter_forward_loss(drafter, batch, target_tokens_next)
     drafter.train(was_training)
     return loss.detached()
 

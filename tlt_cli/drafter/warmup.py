@@ -1,30 +1,49 @@
 """Offline drafter warm-up before RL (as EAGLE trains its drafter): the target teaches its drafter.
 
-`warm_up_drafter` samples responses from the target on a task's prompts with the embedded
-engine, collects the target's hidden states with one forward per length bucket, trains a fresh
-`EagleDrafter` for a number of steps, and measures its top-1 agreement with the target on
-held-out greedy generations. That agreement
-is the teacher-forced greedy acceptance rate at draft depth 1: the fraction of response tokens
-where the drafter, given the target's true hidden state, proposes exactly the target's argmax.
-Called by the training setup before the first RL step, and by the benchmark scripts.
+`warm_up_drafter` runs four phases, each reported to an optional progress callback:
+  1. generate: the embedded engine samples responses to the task's training prompts and answers
+     the held-out prompts greedily, keeping the target's hidden state of every response token
+     (so no second forward over the responses is needed);
+  2. prompt states: one target forward over the prompts alone (length buckets) completes the
+     hidden states, and the draft vocabulary is chosen: the N tokens the target emitted most
+     often in its training responses (tlt_cli/drafter/vocabulary.py; N from `vocab_size`);
+  3. train: a fresh `EagleDrafter` over that vocabulary takes `steps` optimizer steps on length
+     buckets of the training sequences, the hidden states computed once and reused every step;
+  4. evaluate: top-1 agreement with the target on the held-out greedy answers, before and after.
+That agreement is the teacher-forced greedy acceptance rate at draft depth 1: the fraction of
+response tokens where the drafter, given the target's true hidden state, proposes exactly the
+token the target emitted. Called by the training setup before the first RL step
+(tlt_cli/drafter/initial.py) and by the benchmark scripts.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from tlt_cli.drafter.model import EagleDrafter
-from tlt_cli.drafter.trainer import DrafterBatch, DrafterTrainer, collect_drafter_batch, evaluate_drafter
+from tlt_cli.drafter.trainer import DrafterBatch, DrafterTrainer, evaluate_drafter
+from tlt_cli.drafter.vocabulary import (
+    DraftVocabulary,
+    most_frequent_tokens,
+    resolve_draft_vocab_size,
+    token_coverage,
+)
 from tlt_cli.rollout.engine import EmbeddedEngine
-from tlt_cli.rollout.types import RolloutRequest, SamplingParams
+from tlt_cli.rollout.types import Completion, RolloutRequest, SamplingParams
 from tlt_cli.tasks.base import Task
 
-# held-out sequences per no-grad evaluation forward
-EVALUATION_BUCKET_SIZE = 64
+# held-out sequences per no-grad evaluation forward (its logits are [bucket, length, N])
+EVALUATION_BUCKET_SIZE = 8
+# prompts per target forward when completing the prompts' hidden states
+PROMPT_BUCKET_SIZE = 16
+
+# (phase, done, total): phase is one of "generate", "prompt states", "train", "evaluate"
+WarmupProgress = Callable[[str, int, int], None]
 
 
 @dataclass(frozen=True)
@@ -32,9 +51,12 @@ class WarmupReport:
     """What the warm-up did and how well the drafter agrees with the target afterwards.
 
     train_tokens / held_out_tokens: drafter positions counted by the loss (response tokens);
-    held_out_accuracy_before / held_out_accuracy: top-1 agreement with the greedy target on
-    held-out generations before and after training; final_train_loss: mean total loss of the
-    last 10 steps; generate_seconds: sampling + hidden-state collection; train_seconds: the steps.
+    held_out_accuracy_before / held_out_accuracy: top-1 agreement with the target's greedy answers
+    on held-out prompts before and after training; final_train_loss: mean total loss of the last
+    10 steps; draft_vocab_size: N; draft_vocab_coverage: the share of held-out response tokens in
+    the draft vocabulary (a ceiling on the agreement); generate_seconds: sampling the responses;
+    prompt_seconds: the prompts' hidden states; train_seconds: the steps; evaluate_seconds: both
+    held-out evaluations.
     """
 
     steps: int
@@ -47,8 +69,16 @@ class WarmupReport:
     held_out_accuracy: float
     held_out_loss: float
     final_train_loss: float
+    draft_vocab_size: int
+    draft_vocab_coverage: float
     generate_seconds: float
+    prompt_seconds: float
     train_seconds: float
+    evaluate_seconds: float
+
+    @property
+    def total_seconds(self) -> float:
+        return self.generate_seconds + self.prompt_seconds + self.train_seconds + self.evaluate_seconds
 
 
 def encode_prompts(tokenizer: PreTrainedTokenizerBase, task: Task, indices: range) -> list[list[int]]:
@@ -64,42 +94,98 @@ def generate_responses(
     seed: int,
 ) -> list[tuple[list[int], list[int]]]:
     """(prompt, response) pairs from the embedded engine; responses end with EOS when finished."""
-    engine = EmbeddedEngine(target, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-    requests = [RolloutRequest(request_id=index, prompt_ids=tuple(prompt)) for index, prompt in enumerate(prompts)]
-    completions = engine.generate(requests, sampling, torch.Generator(device=target.device).manual_seed(seed))
+    completions = sample_completions(target, tokenizer, prompts, sampling, seed, return_hidden=False)
     return [(list(completion.prompt_ids), completion.response_ids) for completion in completions]
 
 
-def collect_length_buckets(
-    target: PreTrainedModel, pairs: list[tuple[list[int], list[int]]], bucket_size: int, pad_token_id: int
+def sample_completions(
+    target: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: list[list[int]],
+    sampling: SamplingParams,
+    seed: int,
+    return_hidden: bool,
+    on_finished: Callable[[int], None] | None = None,
+) -> list[Completion]:
+    """The engine's completions of `prompts`, in order; on_finished(count done) as each one ends."""
+    engine = EmbeddedEngine(target, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    requests = [RolloutRequest(request_id=index, prompt_ids=tuple(prompt)) for index, prompt in enumerate(prompts)]
+    finished = 0
+
+    def count_finished(completion: Completion) -> None:
+        nonlocal finished
+        finished += 1
+        if on_finished is not None:
+            on_finished(finished)
+
+    generator = torch.Generator(device=target.device).manual_seed(seed)
+    return engine.generate(
+        requests, sampling, generator, on_request_finished=count_finished, return_hidden=return_hidden
+    )
+
+
+@torch.no_grad()
+def prompt_hidden_states(target: PreTrainedModel, prompts: list[tuple[int, ...]]) -> list[torch.Tensor]:
+    """The target's last hidden state at every prompt position, [P_i, H] per prompt (right-padded
+    buckets of similar length, one forward each)."""
+    order = sorted(range(len(prompts)), key=lambda index: len(prompts[index]))
+    states: list[torch.Tensor | None] = [None] * len(prompts)
+    for start in range(0, len(order), PROMPT_BUCKET_SIZE):
+        bucket = order[start : start + PROMPT_BUCKET_SIZE]
+        length = max(len(prompts[index]) for index in bucket)
+        input_ids = torch.zeros((len(bucket), length), dtype=torch.long)
+        attention_mask = torch.zeros((len(bucket), length), dtype=torch.long)
+        for row, index in enumerate(bucket):
+            input_ids[row, : len(prompts[index])] = torch.tensor(prompts[index])
+            attention_mask[row, : len(prompts[index])] = 1
+        hidden = target.get_decoder()(
+            input_ids=input_ids.to(target.device), attention_mask=attention_mask.to(target.device)
+        ).last_hidden_state
+        for row, index in enumerate(bucket):
+            states[index] = hidden[row, : len(prompts[index])]
+    return states
+
+
+def drafter_batch(completions: list[Completion], prompt_states: list[torch.Tensor], pad_token_id: int) -> DrafterBatch:
+    """A right-padded DrafterBatch of whole sequences, from hidden states already computed: the
+    prompt's from `prompt_hidden_states` up to position P-2, then the engine's for positions P-1
+    on (the state that produced each response token). The last token's own state is never read
+    (the feature it would feed predicts past the end), so it is left zero."""
+    length = max(len(completion.prompt_ids) + len(completion.response_ids) for completion in completions)
+    hidden_size = prompt_states[0].shape[-1]
+    device, dtype = prompt_states[0].device, prompt_states[0].dtype
+    sequences = torch.full((len(completions), length), pad_token_id, dtype=torch.long, device=device)
+    hidden = torch.zeros((len(completions), length, hidden_size), dtype=dtype, device=device)
+    response_mask = torch.zeros((len(completions), length), dtype=torch.bool, device=device)
+    attention_mask = torch.zeros_like(response_mask)
+    for row, (completion, prompt_state) in enumerate(zip(completions, prompt_states)):
+        prompt_length, end = len(completion.prompt_ids), len(completion.prompt_ids) + len(completion.response_ids)
+        sequences[row, :end] = torch.tensor(list(completion.prompt_ids) + completion.response_ids, device=device)
+        hidden[row, : prompt_length - 1] = prompt_state[: prompt_length - 1]
+        hidden[row, prompt_length - 1 : end - 1] = completion.target_hidden
+        response_mask[row, prompt_length:end] = True
+        attention_mask[row, :end] = True
+    return DrafterBatch.from_sequences(sequences, hidden, response_mask, attention_mask)
+
+
+def length_buckets(
+    completions: list[Completion], prompt_states: list[torch.Tensor], bucket_size: int, pad_token_id: int
 ) -> list[DrafterBatch]:
-    """DrafterBatches of `bucket_size` sequences of similar length (little padding), one forward each."""
-    ordered = sorted(pairs, key=lambda pair: len(pair[0]) + len(pair[1]))
+    """DrafterBatches of `bucket_size` sequences of similar length (little padding)."""
+    def sequence_length(index: int) -> int:
+        return len(completions[index].prompt_ids) + len(completions[index].response_ids)
+
+    order = sorted(range(len(completions)), key=sequence_length)
     return [
-        collect_right_padded(target, ordered[start : start + bucket_size], pad_token_id)
-        for start in range(0, len(ordered), bucket_size)
+        drafter_batch([completions[index] for index in chunk], [prompt_states[index] for index in chunk], pad_token_id)
+        for chunk in (order[start : start + bucket_size] for start in range(0, len(order), bucket_size))
     ]
 
 
-def collect_right_padded(
-    target: PreTrainedModel, pairs: list[tuple[list[int], list[int]]], pad_token_id: int
-) -> DrafterBatch:
-    length = max(len(prompt) + len(response) for prompt, response in pairs)
-    sequences = torch.full((len(pairs), length), pad_token_id, dtype=torch.long)
-    response_mask = torch.zeros((len(pairs), length), dtype=torch.bool)
-    attention_mask = torch.zeros((len(pairs), length), dtype=torch.bool)
-    for row, (prompt, response) in enumerate(pairs):
-        end = len(prompt) + len(response)
-        sequences[row, :end] = torch.tensor(prompt + response)
-        response_mask[row, len(prompt) : end] = True
-        attention_mask[row, :end] = True
-    device = target.device
-    return collect_drafter_batch(target, sequences.to(device), response_mask.to(device), attention_mask.to(device))
-
-
 def held_out_metrics(drafter: EagleDrafter, buckets: list[DrafterBatch]) -> tuple[float, float]:
-    """Token-weighted (accuracy, loss) over held-out buckets."""
-    losses = [evaluate_drafter(drafter, bucket) for bucket in buckets]
+    """Token-weighted (accuracy, loss) over held-out buckets of greedy answers: accuracy is the
+    agreement with the token the target emitted next."""
+    losses = [evaluate_drafter(drafter, bucket, bucket.next_token_ids()) for bucket in buckets]
     tokens = sum(loss.token_count for loss in losses)
     accuracy = sum(float(loss.accuracy) * loss.token_count for loss in losses) / max(tokens, 1)
     total = sum(float(loss.total) * loss.token_count for loss in losses) / max(tokens, 1)
@@ -107,7 +193,7 @@ def held_out_metrics(drafter: EagleDrafter, buckets: list[DrafterBatch]) -> tupl
 
 
 def train_on_buckets(
-    trainer: DrafterTrainer, buckets: list[DrafterBatch], steps: int, seed: int
+    trainer: DrafterTrainer, buckets: list[DrafterBatch], steps: int, seed: int, progress: WarmupProgress | None = None
 ) -> list[float]:
     """`steps` train steps, each on a bucket drawn uniformly (seeded), the learning rate decaying
     on a cosine from the trainer's to a tenth of it; returns each step's total loss."""
@@ -118,13 +204,29 @@ def train_on_buckets(
         trainer.optimizer, T_max=max(steps, 1), eta_min=0.1 * base_lr
     )
     losses = []
-    for choice in choices:
+    for step, choice in enumerate(choices, start=1):
         losses.append(float(trainer.train_step(buckets[choice]).total))
         schedule.step()
+        if progress is not None:
+            progress("train", step, steps)
     return losses
 
 
-def collect_warmup_buckets(
+def counted_tokens(buckets: list[DrafterBatch]) -> int:
+    return sum(int(bucket.loss_mask.sum()) for bucket in buckets)
+
+
+@dataclass
+class _WarmupData:
+    train_buckets: list[DrafterBatch]
+    held_out_buckets: list[DrafterBatch]
+    vocabulary: DraftVocabulary
+    coverage: float
+    generate_seconds: float
+    prompt_seconds: float
+
+
+def _collect(
     target: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
     task: Task,
@@ -132,23 +234,39 @@ def collect_warmup_buckets(
     held_out_prompts: int,
     batch_size: int,
     sampling: SamplingParams,
+    vocab_size: int,
     seed: int,
-) -> tuple[list[DrafterBatch], list[DrafterBatch]]:
-    """Training buckets (sampled responses to problems 0..train_prompts-1, `batch_size` sequences
-    each) and held-out buckets (greedy responses to the next held_out_prompts problems)."""
-    train_prompt_ids = encode_prompts(tokenizer, task, range(train_prompts))
-    held_out_prompt_ids = encode_prompts(tokenizer, task, range(train_prompts, train_prompts + held_out_prompts))
+    progress: WarmupProgress | None,
+) -> _WarmupData:
+    """Phases 1 and 2: sampled training responses and greedy held-out answers with their hidden
+    states, and the draft vocabulary chosen from the training responses."""
+    start = time.perf_counter()
+    prompts = encode_prompts(tokenizer, task, range(train_prompts + held_out_prompts))
+    report = (lambda done: progress("generate", done, len(prompts))) if progress is not None else None
+    train = sample_completions(target, tokenizer, prompts[:train_prompts], sampling, seed, True, report)
     greedy = SamplingParams(max_new_tokens=sampling.max_new_tokens, temperature=0.0)
-    train_pairs = generate_responses(target, tokenizer, train_prompt_ids, sampling, seed)
-    held_out_pairs = generate_responses(target, tokenizer, held_out_prompt_ids, greedy, seed)
-    return (
-        collect_length_buckets(target, train_pairs, batch_size, tokenizer.pad_token_id),
-        collect_length_buckets(target, held_out_pairs, EVALUATION_BUCKET_SIZE, tokenizer.pad_token_id),
+    held_out_report = (lambda done: report(train_prompts + done)) if report is not None else None
+    held_out = sample_completions(target, tokenizer, prompts[train_prompts:], greedy, seed, True, held_out_report)
+    generate_seconds = time.perf_counter() - start
+    start = time.perf_counter()
+    if progress is not None:
+        progress("prompt states", 0, 1)
+    train_states = prompt_hidden_states(target, [completion.prompt_ids for completion in train])
+    held_out_states = prompt_hidden_states(target, [completion.prompt_ids for completion in held_out])
+    size = resolve_draft_vocab_size(vocab_size, target.config.vocab_size)
+    responses = [completion.response_ids for completion in train]
+    vocabulary = most_frequent_tokens(responses, target.config.vocab_size, size, [tokenizer.eos_token_id])
+    if progress is not None:
+        progress("prompt states", 1, 1)
+    pad_token_id = tokenizer.pad_token_id
+    return _WarmupData(
+        train_buckets=length_buckets(train, train_states, batch_size, pad_token_id),
+        held_out_buckets=length_buckets(held_out, held_out_states, EVALUATION_BUCKET_SIZE, pad_token_id),
+        vocabulary=vocabulary,
+        coverage=token_coverage([completion.response_ids for completion in held_out], vocabulary),
+        generate_seconds=generate_seconds,
+        prompt_seconds=time.perf_counter() - start,
     )
-
-
-def counted_tokens(buckets: list[DrafterBatch]) -> int:
-    return sum(int(bucket.loss_mask.sum()) for bucket in buckets)
 
 
 def warm_up_drafter(
@@ -164,39 +282,53 @@ def warm_up_drafter(
     max_new_tokens: int = 256,
     temperature: float = 1.0,
     weight_decay: float = 0.1,
+    vocab_size: int = 0,
+    progress: WarmupProgress | None = None,
 ) -> tuple[EagleDrafter, WarmupReport]:
     """Train a fresh drafter on the target's own sampled responses to `task` (temperature given).
+
+    vocab_size: draft vocabulary size N (0: the default for the target's vocabulary, see
+    tlt_cli/drafter/vocabulary.py; at least V: the full vocabulary).
 
     Example:
         drafter, report = warm_up_drafter(policy, tokenizer, ArithmeticTask(seed=0), steps=600,
                                           batch_size=16, lr=1e-3, seed=0)
     """
-    generate_start = time.perf_counter()
     sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature)
-    train_buckets, held_out_buckets = collect_warmup_buckets(
-        target, tokenizer, task, train_prompts, held_out_prompts, batch_size, sampling, seed
-    )
-    generate_seconds = time.perf_counter() - generate_start
-    drafter = EagleDrafter(target, seed=seed)
+    data = _collect(target, tokenizer, task, train_prompts, held_out_prompts, batch_size, sampling, vocab_size, seed,
+                    progress)
+    drafter = EagleDrafter(target, seed=seed, vocabulary=data.vocabulary)
     trainer = DrafterTrainer(drafter, lr=lr, weight_decay=weight_decay)
-    accuracy_before, _ = held_out_metrics(drafter, held_out_buckets)
+    evaluate_start = time.perf_counter()
+    accuracy_before, _ = held_out_metrics(drafter, data.held_out_buckets)
+    evaluate_seconds = time.perf_counter() - evaluate_start
     train_start = time.perf_counter()
-    step_losses = train_on_buckets(trainer, train_buckets, steps, seed)
+    step_losses = train_on_buckets(trainer, data.train_buckets, steps, seed, progress)
     train_seconds = time.perf_counter() - train_start
-    accuracy_after, held_out_loss = held_out_metrics(drafter, held_out_buckets)
+    evaluate_start = time.perf_counter()
+    if progress is not None:
+        progress("evaluate", 0, 1)
+    accuracy_after, held_out_loss = held_out_metrics(drafter, data.held_out_buckets)
+    if progress is not None:
+        progress("evaluate", 1, 1)
+    evaluate_seconds += time.perf_counter() - evaluate_start
     drafter.eval()
     last_losses = step_losses[-10:]
     return drafter, WarmupReport(
         steps=steps,
         steps_skipped=trainer.steps_skipped,
-        train_sequences=sum(bucket.size for bucket in train_buckets),
-        train_tokens=counted_tokens(train_buckets),
-        held_out_sequences=sum(bucket.size for bucket in held_out_buckets),
-        held_out_tokens=counted_tokens(held_out_buckets),
+        train_sequences=sum(bucket.size for bucket in data.train_buckets),
+        train_tokens=counted_tokens(data.train_buckets),
+        held_out_sequences=sum(bucket.size for bucket in data.held_out_buckets),
+        held_out_tokens=counted_tokens(data.held_out_buckets),
         held_out_accuracy_before=accuracy_before,
         held_out_accuracy=accuracy_after,
         held_out_loss=held_out_loss,
         final_train_loss=sum(last_losses) / max(len(last_losses), 1),
-        generate_seconds=generate_seconds,
+        draft_vocab_size=data.vocabulary.size,
+        draft_vocab_coverage=data.coverage,
+        generate_seconds=data.generate_seconds,
+        prompt_seconds=data.prompt_seconds,
         train_seconds=train_seconds,
+        evaluate_seconds=evaluate_seconds,
     )

@@ -6,9 +6,13 @@ schedule (running batch size -> shape or None), consulted at every step: None ma
 decoding. An SD step, for every running row at once:
   0. catch up: the drafter reads the committed positions it has not seen (the prompt, and tokens
      of plain steps) from the target hidden states the engine keeps in its cache;
-  1. draft: the drafter (anything with `EagleDrafter`'s forward) runs `steps` times from the row's
-     root state, building a chain or a tree (tlt_cli/rollout/tree.py) in its own `SlotCache`;
-  2. verify: the target runs once over the root and all drafted nodes, with the tree mask;
+  1. draft: the drafter (anything with `EagleDrafter`'s forward, `vocabulary` and
+     `refresh_draft_head`) runs `steps` times from the row's root state, building a chain or a
+     tree (tlt_cli/rollout/tree.py) in its own `SlotCache`; its logits cover its draft vocabulary
+     (N tokens, possibly fewer than the target's) and drafted ids are mapped to target ids;
+  2. verify: the target runs once over the root and all drafted nodes, with the tree mask, over
+     its whole vocabulary (a draft distribution that is zero outside the draft vocabulary keeps
+     acceptance exact: see tlt_cli/rollout/acceptance.py);
   3. accept: tlt_cli/rollout/acceptance.py keeps a prefix per row (ragged: each row keeps its own
      number of tokens) and draws the bonus token;
   4. commit: kept entries move into place in the target cache, the drafter catches up on the
@@ -33,7 +37,12 @@ from torch import nn
 from tlt_cli.rollout.acceptance import Verdict, accept_chain, accept_tree
 from tlt_cli.rollout.kv_cache import SlotCache, block_attention_mask
 from tlt_cli.rollout.tree import ChainBuilder, DraftTree, TreeBuilder, gather_rows
-from tlt_cli.rollout.types import SamplingParams, SpeculativeConfig, SpeculativeStats
+from tlt_cli.rollout.types import (
+    DecodeStep,
+    SamplingParams,
+    SpeculativeConfig,
+    SpeculativeStats,
+)
 
 if TYPE_CHECKING:
     from tlt_cli.rollout.engine import EmbeddedEngine, RunningBatch
@@ -44,7 +53,9 @@ def check_speculative_config(config: SpeculativeConfig, vocab_size: int) -> None
     if config.steps < 1:
         raise ValueError(f"speculative steps is {config.steps}; set it to at least 1.")
     if not 1 <= config.topk <= vocab_size:
-        raise ValueError(f"speculative topk is {config.topk}; set it between 1 and the vocabulary size {vocab_size}.")
+        raise ValueError(
+            f"speculative topk is {config.topk}; set it between 1 and the draft vocabulary size {vocab_size}."
+        )
     if config.is_chain:
         if config.draft_tokens not in (0, config.steps + 1):
             raise ValueError(
@@ -72,30 +83,35 @@ class SpeculativeDecoder:
     depend on the shape, so shapes may change, and SD may go off and on, from one step to the next.
     """
 
+    # the engine calls it with every DecodeStep it timed with this decoder (None: nothing learns from them)
+    observe_step: Callable[[DecodeStep], None] | None = None
+
     def __init__(self, drafter: nn.Module, config: SpeculativeConfig | ConfigSchedule) -> None:
         self.drafter = drafter
         self.schedule: ConfigSchedule = config if callable(config) else (lambda batch_size: config)
         # shapes already validated against the drafter's vocabulary
         self._checked: set[SpeculativeConfig] = set()
         if isinstance(config, SpeculativeConfig):
-            check_speculative_config(config, drafter.config.vocab_size)
+            check_speculative_config(config, drafter.vocabulary.size)
             self._checked.add(config)
         self.cache = SlotCache(0, 0)
         self.drafter_lengths = torch.zeros(0)  # [B] committed drafter entries (lags the target after plain steps)
         self.root_hidden = torch.zeros(0)  # [B, H] drafter hidden of the last committed entry
-        self.root_logits = torch.zeros(0)  # [B, V] its logits: the first drafted token's distribution
+        self.root_logits = torch.zeros(0)  # [B, N] its logits over the draft vocabulary: the first drafted token's
         self.verify_passes = torch.zeros(0)  # [B]
         self.accepted_draft_tokens = torch.zeros(0)  # [B]
         self.accepted_by_depth = torch.zeros(0)  # [B, deepest steps so far]
         self.proposed_by_depth = torch.zeros(0)  # [B, deepest steps so far]
 
     def begin(self, batch: RunningBatch) -> None:
-        """Start a generate call: empty drafter cache and counters (the drafter reads the prompt
+        """Start a generate call: the drafter's head re-read from the target (whose weights may have
+        changed since the last call), empty drafter cache and counters (the drafter reads the prompt
         at the first SD step, from the target hidden states the engine keeps)."""
+        self.drafter.refresh_draft_head()
         batch_size, device = batch.size, batch.lengths.device
         self.cache = SlotCache(batch_size, batch.cache.capacity)
         self.drafter_lengths = torch.zeros_like(batch.lengths)
-        hidden_size, vocab_size = self.drafter.config.hidden_size, self.drafter.config.vocab_size
+        hidden_size, vocab_size = self.drafter.config.hidden_size, self.drafter.vocabulary.size
         dtype = next(self.drafter.parameters()).dtype
         self.root_hidden = torch.zeros(batch_size, hidden_size, dtype=dtype, device=device)
         self.root_logits = torch.zeros(batch_size, vocab_size, dtype=dtype, device=device)
@@ -125,7 +141,7 @@ class SpeculativeDecoder:
     def _config_for(self, batch_size: int) -> SpeculativeConfig | None:
         config = self.schedule(batch_size)
         if config is not None and config not in self._checked:
-            check_speculative_config(config, self.drafter.config.vocab_size)
+            check_speculative_config(config, self.drafter.vocabulary.size)
             self._checked.add(config)
         return config
 
@@ -154,10 +170,11 @@ class SpeculativeDecoder:
         self, batch: RunningBatch, config: SpeculativeConfig, sampling: SamplingParams, generator: torch.Generator
     ) -> DraftTree:
         """Run the drafter `steps` times from each row's root, expanding the chain or tree."""
+        vocabulary = self.drafter.vocabulary
         if config.is_chain:
-            builder = ChainBuilder(batch.pending, config.steps, sampling, generator)
+            builder = ChainBuilder(batch.pending, config.steps, sampling, generator, vocabulary)
         else:
-            builder = TreeBuilder(batch.pending, config)
+            builder = TreeBuilder(batch.pending, config, vocabulary)
         frontier_hidden, frontier_logits = self.root_hidden[:, None], self.root_logits[:, None]
         written = 0
         for step in range(config.steps):

@@ -11,16 +11,24 @@ most likely children, scores a node by the sum of draft log-probabilities along 
 the topk best new nodes as the next frontier, and at the end keeps the draft_tokens - 1 best of
 all candidates. A child never scores above its parent and ties go to the shallower node, so the
 kept set always contains every kept node's parent.
+
+Both builders read the drafter's logits over its draft vocabulary (N tokens, possibly fewer than
+the target's V: tlt_cli/drafter/vocabulary.py) and hand back target token ids; a chain's draft
+distribution is handed back over all V target tokens, zero outside the draft vocabulary.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from tlt_cli.rollout.sampling import apply_sampling, sample
 from tlt_cli.rollout.types import SamplingParams, SpeculativeConfig
+
+if TYPE_CHECKING:
+    from tlt_cli.drafter.vocabulary import DraftVocabulary
 
 
 @dataclass
@@ -30,7 +38,8 @@ class DraftTree:
     tokens: [B, N]; parents: [B, N] tree index of each node's parent (the root points at itself);
     depths: [B, N] (root 0); ancestors: [B, N, N] or a shared [N, N] bool, ancestors[.., n, m] iff m
     is n or an ancestor of n; draft_probs: [B, N - 1, V] the distribution each drafted token of a
-    chain was sampled from (None for greedy chains and for trees, whose nodes are chosen, not drawn).
+    chain was sampled from, over the target's V tokens (None for greedy chains and for trees, whose
+    nodes are chosen, not drawn).
     """
 
     tokens: torch.Tensor
@@ -54,25 +63,32 @@ class Frontier:
 
 class ChainBuilder:
     """A chain of `steps` drafted tokens: the argmax when greedy, else one draw from q, the
-    drafter's distribution under the same SamplingParams as the target."""
+    drafter's distribution under the same SamplingParams as the target (zero outside the draft
+    vocabulary)."""
 
-    def __init__(self, root_tokens: torch.Tensor, steps: int, sampling: SamplingParams, generator: torch.Generator):
+    def __init__(
+        self, root_tokens: torch.Tensor, steps: int, sampling: SamplingParams, generator: torch.Generator,
+        vocabulary: DraftVocabulary,
+    ):
         self.root_tokens = root_tokens
         self.steps = steps
         self.sampling = sampling
         self.generator = generator
+        self.vocabulary = vocabulary
         self.tokens: list[torch.Tensor] = []
         self.draft_probs: list[torch.Tensor] = []
 
     def expand(self, frontier_logits: torch.Tensor) -> Frontier:
-        """Draft the next token from logits [B, 1, V] of the last one."""
+        """Draft the next token from the drafter's logits [B, 1, N] of the last one."""
         logits = frontier_logits[:, 0]
         if self.sampling.greedy:
-            token = logits.argmax(dim=-1)
+            draft_token = logits.argmax(dim=-1)
         else:
             draft_probs = apply_sampling(logits, self.sampling)
-            token = sample(draft_probs, self.generator)
-            self.draft_probs.append(draft_probs)
+            draft_token = sample(draft_probs, self.generator)
+            # q over the target's tokens: the draft tokens' probabilities, 0 everywhere else
+            self.draft_probs.append(self.vocabulary.to_target_probs(draft_probs))
+        token = self.vocabulary.to_target_ids(draft_token)
         self.tokens.append(token)
         written = len(self.tokens)
         batch_size = token.shape[0]
@@ -95,9 +111,10 @@ class ChainBuilder:
 class TreeBuilder:
     """An EAGLE-2 tree: topk children per frontier node, the best draft_tokens - 1 nodes kept."""
 
-    def __init__(self, root_tokens: torch.Tensor, config: SpeculativeConfig):
+    def __init__(self, root_tokens: torch.Tensor, config: SpeculativeConfig, vocabulary: DraftVocabulary):
         self.root_tokens = root_tokens
         self.config = config
+        self.vocabulary = vocabulary
         batch_size, device = root_tokens.shape[0], root_tokens.device
         self.candidate_tokens: list[torch.Tensor] = []
         self.candidate_scores: list[torch.Tensor] = []
@@ -110,10 +127,11 @@ class TreeBuilder:
         self.frontier_visible = torch.zeros(batch_size, 1, 0, dtype=torch.bool, device=device)
 
     def expand(self, frontier_logits: torch.Tensor) -> Frontier:
-        """Add the topk children of every frontier node (logits [B, F, V]); return the new frontier."""
+        """Add the topk children of every frontier node (drafter logits [B, F, N]); return the new frontier."""
         topk = self.config.topk
         batch_size, frontier_size, _ = frontier_logits.shape
-        child_logprobs, child_tokens = torch.log_softmax(frontier_logits.float(), dim=-1).topk(topk, dim=-1)
+        child_logprobs, child_draft_tokens = torch.log_softmax(frontier_logits.float(), dim=-1).topk(topk, dim=-1)
+        child_tokens = self.vocabulary.to_target_ids(child_draft_tokens)
         # a node's score is the sum of draft log-probs on its path: parent score + log q(child)
         scores = (self.frontier_scores[:, :, None] + child_logprobs).reshape(batch_size, frontier_size * topk)
         tokens = child_tokens.reshape(batch_size, frontier_size * topk)
