@@ -192,6 +192,10 @@ class DrafterConfig:
     warmup_lr: float = setting(1e-3, "offline warm-up: learning rate")
     warmup_prompts: int = setting(1024, "offline warm-up: prompts sampled")
     warmup_batch_size: int = setting(16, "offline warm-up: sequences per optimizer step")
+    vocab_size: int = setting(0, "draft vocabulary: the warm-up keeps the N tokens the model emits most often in its "
+                                 "responses, and the drafter's head and loss run over those N only (verification "
+                                 "stays exact); 0: the whole vocabulary up to 4096 tokens, else 8192; a saved "
+                                 "drafter keeps its own, a random one drafts over the whole vocabulary")
     lr: float = setting(1e-3, "online training on idle workers (drafter_sidecar plugin): AdamW learning rate")
     weight_decay: float = setting(0.0, "online training: AdamW weight decay")
     window_steps: int = setting(2, "online training: RL steps of actor hidden states kept")

@@ -1,6 +1,7 @@
-"""What `tlt train` shows: a live table with one row per step, then a summary.
+"""What `tlt train` shows: progress bars while it prepares, a live table with one row per step, then a summary.
 
-The driver calls `TrainingDisplay.add_step(step_record)` as steps complete. On a terminal the
+The driver reports the drafter warm-up's phases to a `PhaseProgress` (one rich progress bar per
+phase), then calls `TrainingDisplay.add_step(step_record)` as steps complete. On a terminal the
 table redraws in place (rich Live); elsewhere (pipes, CI, tests) each step prints one line.
 """
 
@@ -11,6 +12,7 @@ from typing import Any
 
 from rich.console import Console
 from rich.live import Live
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from tlt_cli.drafter import sidecar
@@ -33,6 +35,33 @@ OPTIONAL_COLUMNS = (
     ("drafter train s", sidecar.TRAIN_SECONDS_METRIC, "{:.2f}"),
     ("drafter loss", sidecar.LOSS_METRIC, "{:.3f}"),
 )
+
+
+class PhaseProgress:
+    """A progress bar per phase of a long preparation, fed as a (phase, done, total) callback.
+
+    Example:
+        with PhaseProgress(console, "drafter warm-up") as progress:
+            warm_up_drafter(..., progress=progress)
+    """
+
+    def __init__(self, console: Console, title: str):
+        self.title = title
+        self.bars = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                             console=console)
+        self.phases: dict[str, Any] = {}
+
+    def __enter__(self) -> PhaseProgress:
+        self.bars.start()
+        return self
+
+    def __exit__(self, *exception: object) -> None:
+        self.bars.stop()
+
+    def __call__(self, phase: str, done: int, total: int) -> None:
+        if phase not in self.phases:
+            self.phases[phase] = self.bars.add_task(f"{self.title}: {phase}", total=total)
+        self.bars.update(self.phases[phase], completed=done, total=total)
 
 
 def _cell(record: dict[str, Any], key: str, template: str) -> str:

@@ -200,6 +200,7 @@ def _check_drafter(drafter: DrafterConfig) -> None:
     _require(drafter.warmup_lr > 0, f"drafter.warmup_lr must be positive, got {drafter.warmup_lr}.")
     _require(drafter.lr > 0, f"drafter.lr must be positive, got {drafter.lr}.")
     _require(drafter.weight_decay >= 0, f"drafter.weight_decay must be >= 0, got {drafter.weight_decay}.")
+    _require(drafter.vocab_size >= 0, f"drafter.vocab_size must be >= 0 (0: the default), got {drafter.vocab_size}.")
 
 
 def _check_plugins(recipe: Recipe) -> None:

@@ -14,6 +14,7 @@ import hashlib
 import json
 from dataclasses import asdict
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from transformers import PreTrainedModel
 
@@ -21,11 +22,15 @@ from tlt_cli.adaptive import AdaptiveSchedule, build_rules
 from tlt_cli.config import Recipe
 from tlt_cli.drafter import sidecar
 from tlt_cli.drafter.model import CONFIG_FILE, EagleDrafter, load_drafter, save_drafter
+
+if TYPE_CHECKING:
+    from tlt_cli.drafter.warmup import WarmupProgress
 from tlt_cli.rollout.adaptive_decoding import AdaptiveSpeculativeDecoder
 from tlt_cli.rollout.speculative import SpeculativeDecoder
 from tlt_cli.rollout.types import SpeculativeConfig
 
-WARMUP_FORMAT = 1
+# 2: hidden states from the engine, a draft vocabulary (drafter.vocab_size)
+WARMUP_FORMAT = 2
 
 
 def warmup_key(recipe: Recipe, cache: Path) -> str:
@@ -41,13 +46,18 @@ def warmup_key(recipe: Recipe, cache: Path) -> str:
         "seed": recipe.run.seed,
         "max_new_tokens": recipe.rollout.max_new_tokens,
         "temperature": recipe.rollout.temperature,
-        "drafter": {key: value for key, value in asdict(recipe.drafter).items() if key.startswith("warmup")},
+        "drafter": {
+            key: value for key, value in asdict(recipe.drafter).items() if key.startswith("warmup") or key == "vocab_size"
+        },
     }
     return hashlib.sha256(json.dumps(description, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def prepare_initial_drafter(recipe: Recipe, cache: Path) -> tuple[Path | None, dict | None]:
-    """(folder of the starting drafter or None for a random start, warm-up report if one ran now)."""
+def prepare_initial_drafter(
+    recipe: Recipe, cache: Path, progress: WarmupProgress | None = None
+) -> tuple[Path | None, dict | None]:
+    """(folder of the starting drafter or None for a random start, warm-up report if one ran now);
+    a warm-up that runs reports its phases to `progress` (see tlt_cli/drafter/warmup.py)."""
     if not needs_drafter(recipe) or recipe.drafter.init == "random":
         return None, None
     if recipe.drafter.init != "warmup":
@@ -55,10 +65,10 @@ def prepare_initial_drafter(recipe: Recipe, cache: Path) -> tuple[Path | None, d
     folder = cache / "drafters" / f"warmup-{warmup_key(recipe, cache)}"
     if (folder / CONFIG_FILE).is_file():
         return folder, None
-    return folder, _warm_up_into(recipe, cache, folder)
+    return folder, _warm_up_into(recipe, folder, progress)
 
 
-def _warm_up_into(recipe: Recipe, cache: Path, folder: Path) -> dict:
+def _warm_up_into(recipe: Recipe, folder: Path, progress: WarmupProgress | None) -> dict:
     from tlt_cli.drafter.warmup import warm_up_drafter
     from tlt_cli.models.loading import load_policy
     from tlt_cli.tasks.registry import build_task
@@ -69,6 +79,7 @@ def _warm_up_into(recipe: Recipe, cache: Path, folder: Path) -> dict:
         target, tokenizer, task, steps=recipe.drafter.warmup_steps, batch_size=recipe.drafter.warmup_batch_size,
         lr=recipe.drafter.warmup_lr, seed=recipe.run.seed, train_prompts=recipe.drafter.warmup_prompts,
         max_new_tokens=recipe.rollout.max_new_tokens, temperature=max(recipe.rollout.temperature, 1e-3),
+        vocab_size=recipe.drafter.vocab_size, progress=progress,
     )
     folder.parent.mkdir(parents=True, exist_ok=True)
     save_drafter(drafter, folder)

@@ -27,7 +27,7 @@ from rich.console import Console
 
 from tlt_cli.checkpoint import latest_checkpoint
 from tlt_cli.config import CPU_DEVICES, Recipe, recipe_to_yaml
-from tlt_cli.display import TrainingDisplay, render_summary
+from tlt_cli.display import PhaseProgress, TrainingDisplay, render_summary
 from tlt_cli.drafter.initial import prepare_initial_drafter
 from tlt_cli.models.tiny import default_cache_dir
 from tlt_cli.processes.hostfile import runs_on_this_machine
@@ -112,8 +112,9 @@ def train(recipe: Recipe, run_directory: Path, console: Console, resume: bool = 
 
 
 def _prepare_drafter(recipe: Recipe, cache: Path, console: Console) -> Path | None:
-    with console.status("preparing the drafter (an offline warm-up runs once per model and task, then is cached)"):
-        folder, report = prepare_initial_drafter(recipe, cache)
+    console.print("preparing the drafter (an offline warm-up runs once per model and task, then is cached)")
+    with PhaseProgress(console, "drafter warm-up") as progress:
+        folder, report = prepare_initial_drafter(recipe, cache, progress)
     if report is not None:
         console.print(f"drafter warmed up offline: top-1 agreement with the target {report['held_out_accuracy']:.1%} "
                       f"(from {report['held_out_accuracy_before']:.1%}), cached in {folder}")
