@@ -29,13 +29,12 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from tlt_cli.adaptive import OFF, build_rules, parse_label
 from tlt_cli.calibration.calibrate import load_model_pair
 from tlt_cli.calibration.measure import bucket_totals, time_shard
 from tlt_cli.calibration.settings import DEFAULT_CONFIGS
 from tlt_cli.config import load_recipe
-from tlt_cli.drafter.initial import speculative_decoder
 from tlt_cli.recipes import resolve_recipe_path
+from tlt_cli.rollout.adaptive import OFF, build_rules, parse_label, speculative_decoder
 from tlt_cli.rollout.speculative import SpeculativeDecoder
 from tlt_cli.rollout.types import RolloutRequest, SamplingParams
 from tlt_cli.tasks.registry import build_task
@@ -50,7 +49,7 @@ def variants(recipe, drafter, fixed: list[str]) -> dict[str, callable]:
     factories = {"off": lambda: SpeculativeDecoder(drafter, lambda batch_size: None)}
     for label in labels:
         factories[f"fixed {label}"] = fixed_factory(drafter, label)
-    factories["adaptive"] = lambda: speculative_decoder(recipe, drafter)
+    factories["adaptive"] = lambda: speculative_decoder(recipe.speculative, drafter, recipe.run.seed)
     return factories
 
 

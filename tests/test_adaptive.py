@@ -3,9 +3,16 @@
 import pytest
 import torch
 
-from tlt_cli.adaptive import COLLAPSE_MIN_STEPS, AdaptiveSchedule, RuleTableError, build_rules, parse_label
+from tlt_cli.config import RecipeError
 from tlt_cli.drafter.model import EagleDrafter
-from tlt_cli.rollout.adaptive_decoding import AdaptiveSpeculativeDecoder
+from tlt_cli.rollout.adaptive import (
+    COLLAPSE_MIN_STEPS,
+    AdaptiveSchedule,
+    AdaptiveSpeculativeDecoder,
+    RuleTableError,
+    build_rules,
+    parse_label,
+)
 from tlt_cli.rollout.engine import EmbeddedEngine
 from tlt_cli.rollout.types import SamplingParams, SpeculativeConfig
 from test_speculative import TargetAsDrafter, requests_for, tiny_target
@@ -41,6 +48,7 @@ def test_bad_tables_name_the_rule(table, message):
         return
     with pytest.raises(RuleTableError, match=message):
         build_rules(table)
+    assert issubclass(RuleTableError, RecipeError)  # one error for a bad table, wherever it is read
 
 
 def test_choice_follows_batch_size_then_measured_acceptance():

@@ -10,7 +10,6 @@ import torch
 from omegaconf import OmegaConf
 from typer.testing import CliRunner
 
-from tlt_cli.adaptive import build_rules
 from tlt_cli.calibration.calibrate import batch_size_grid
 from tlt_cli.calibration.measure import ModelPair, bucket_of, bucket_totals, fixed_decoder, time_shard
 from tlt_cli.calibration.recipe_text import RecipeEditError, write_rules_into_recipe
@@ -31,6 +30,7 @@ from tlt_cli.models.tiny import (
     tiny_tokenizer,
 )
 from tlt_cli.recipes import RECIPES_DIRECTORY
+from tlt_cli.rollout.adaptive import build_rules
 from tlt_cli.rollout.engine import EmbeddedEngine
 from tlt_cli.rollout.speculative import SpeculativeDecoder
 from tlt_cli.rollout.types import DecodeStep, RolloutRequest, SamplingParams, SpeculativeConfig

@@ -24,9 +24,8 @@ from tlt_cli.processes.machine_checks import check_machine
 from tlt_cli.recipe_checks import load_checked_recipe
 from tlt_cli.recipes import RECIPES_DIRECTORY
 from tlt_cli.rollout.types import SpeculativeConfig
-from tlt_cli.sglang.adaptive import BatchRule
+from tlt_cli.sglang.adaptive import BatchRule, batch_rules
 from tlt_cli.sglang.rollout import servers_of_worker
-from tlt_cli.sglang.rules import batch_rules
 
 runner = CliRunner()
 TINY = RECIPES_DIRECTORY / "tiny-cpu.yaml"

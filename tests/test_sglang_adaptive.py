@@ -6,16 +6,8 @@ import json
 
 import pytest
 
-from tlt_cli.config import RecipeError
 from tlt_cli.rollout.types import SpeculativeConfig
-from tlt_cli.sglang.adaptive import (
-    BatchRule,
-    RuleTableError,
-    captured_decode_batch_sizes,
-    plan_for_sglang,
-    validate_rules,
-    write_adaptive_config,
-)
+from tlt_cli.sglang.adaptive import BatchRule, captured_decode_batch_sizes, plan_for_sglang, write_adaptive_config
 from tlt_cli.sglang.version import SGLangVersionError, parse_version, sglang_features
 
 NEW = sglang_features("0.5.23")
@@ -98,24 +90,6 @@ def test_uncaptured_range_ends_are_reported():
 def test_adaptive_file_is_written_as_json(tmp_path):
     path = write_adaptive_config(plan_for_sglang(CHAIN_TABLE, NEW), tmp_path / "sglang" / "slots.json")
     assert json.loads(path.read_text())["33"] == {"candidate_steps": [0]}
-
-
-@pytest.mark.parametrize(
-    "rules, message",
-    [
-        ([], "empty"),
-        ([BatchRule(2, None, None)], "rule 0 .* must start at batch size 1"),
-        ([BatchRule(1, 4, None), BatchRule(6, None, None)], "rule 1 .* must start at batch size 5"),
-        ([BatchRule(1, 4, None), BatchRule(4, None, None)], "rule 1 .* must start at batch size 5"),
-        ([BatchRule(1, None, None), BatchRule(2, None, None)], "rule 0 .* no upper bound but is not the last"),
-        ([BatchRule(1, 0, None)], "ends before it starts"),
-        ([BatchRule(1, None, SpeculativeConfig(0))], "steps >= 1"),
-    ],
-)
-def test_bad_tables_name_the_rule(rules, message):
-    with pytest.raises(RuleTableError, match=message):
-        validate_rules(rules)
-    assert issubclass(RuleTableError, RecipeError)
 
 
 def test_captured_sizes_follow_sglang_spec_list():

@@ -29,9 +29,9 @@ def stand_in_sglang(tmp_path, monkeypatch):
 
 def test_backend_starts_generates_syncs_from_disk_and_stops(stand_in_sglang, tmp_path):
     config = SGLangConfig(gpus=(0, 1), port_base=free_port_range(4), colocated=False, startup_timeout_s=20, stop_timeout_s=5)
-    backend = SGLangBackend(config, "/models/target", tmp_path / "run", RULES, "/models/drafter", eos_token_id=2)
+    backend = SGLangBackend(config, "/models/target", tmp_path / "run", RULES, eos_token_id=2)
     try:
-        lines = backend.start()
+        lines = backend.start("/models/drafter")
         assert lines[0].startswith("SGLang 0.5.23: drafter weights pushed live") and lines[1] == "SD plan on SGLang: adaptive"
         argv = (tmp_path / "run" / "sglang" / "server-1.log").read_text()
         assert f"--port {config.port_base + 2} --nccl-port {config.port_base + 3}" in argv
@@ -51,6 +51,6 @@ def test_backend_starts_generates_syncs_from_disk_and_stops(stand_in_sglang, tmp
 
 
 def test_backend_refuses_to_generate_before_start(tmp_path):
-    backend = SGLangBackend(SGLangConfig(), "/m", tmp_path, RULES, None, eos_token_id=2)
+    backend = SGLangBackend(SGLangConfig(), "/m", tmp_path, RULES, eos_token_id=2)
     with pytest.raises(RuntimeError, match="not started"):
         backend.generate([RolloutRequest(0, (1,))], SamplingParams(max_new_tokens=2))

@@ -3,12 +3,12 @@
 `worker_main` is the entry point of every rank: spawned by the driver (one per rank), or called
 by tlt_cli/processes/launched_rank.py in a rank the DeepSpeed launcher started. Each step reads as the
 dataflow: rollout the shard -> wait for the others (idle) -> reward -> advantages ->
-log-probs -> actor update -> (SGLang: push weights, probe) -> report to the driver ->
+log-probs -> actor update -> rollout backend brought up to date -> report to the driver ->
 checkpoint when due. Every rank sends its `WorkerStepReport` to the driver with `events.put`
 (a multiprocessing queue, or the TCP channel of tlt_cli/processes/event_channel.py); the driver
-writes the trace. The rollout runs in the embedded engine (sharing the actor's weights)
-or, with `rollout.backend: sglang`, on the SGLang servers this rank owns
-(tlt_cli/sglang/rollout.py), which it starts before its first step and stops however it ends.
+writes the trace. The rollout goes through the RolloutBackend `rollout.backend` names
+(tlt_cli/rollout/backend.py): the embedded engine sharing the actor's weights, or the SGLang
+servers this rank owns, which it starts before its first step and stops however it ends.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import time
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -27,21 +27,19 @@ from tlt_cli.actor import Actor
 from tlt_cli.checkpoint import save_collectively
 from tlt_cli.config import CPU_DEVICES, Recipe
 from tlt_cli.drafter import sidecar
-from tlt_cli.drafter.initial import initial_drafter, needs_drafter, speculative_decoder
+from tlt_cli.errors import UserError
+from tlt_cli.drafter.initial import initial_drafter, needs_drafter
 from tlt_cli.grpo import group_advantages
-from tlt_cli.models.loading import load_policy, model_folder
+from tlt_cli.models.loading import load_policy
 from tlt_cli.plugins import PluginHost, StepContext, agree_across_workers, build_plugins
 from tlt_cli.policy_batch import build_policy_batch
 from tlt_cli.processes.distributed import RolloutBarrier, WorkerAddress, init_worker_process
-from tlt_cli.rollout.engine import EmbeddedEngine
+from tlt_cli.rollout.backend import BackendSetup, build_rollout_backend
 from tlt_cli.rollout.types import Completion, RolloutRequest, SamplingParams
 from tlt_cli.tasks.base import Problem
 from tlt_cli.tasks.registry import build_task
 
-if TYPE_CHECKING:
-    from tlt_cli.sglang.rollout import SGLangRollout
-
-# prompts of the step (one per group) each SGLang server decodes greedily after a weight sync
+# prompts of the step (one per group) a rollout backend that pushes weights probes acceptance on
 PROBE_PROMPTS = 2
 
 
@@ -83,11 +81,16 @@ class WorkerStepReport:
 
 @dataclass(frozen=True)
 class WorkerFailed:
-    """A worker raised: its rank, one-line message and the traceback (kept for the log)."""
+    """A worker raised: its rank, one-line message and the traceback (kept for the log).
+
+    user_error: the error is the user's to fix (a tlt UserError: a data file, model weights); the
+    message is then the sentence to show, without the worker's name or the error's type.
+    """
 
     worker: int
     message: str
     details: str
+    user_error: bool = False
 
 
 @dataclass(frozen=True)
@@ -112,10 +115,13 @@ def worker_main(spec: WorkerSpec, events: Any) -> None:
         try:
             loop.run()
         finally:
-            loop.stop_servers()
+            loop.rollout_backend.stop()
         events.put(WorkerFinished(spec.address.rank))
     except BaseException as error:  # reported to the driver, which stops the run
-        events.put(WorkerFailed(spec.address.rank, f"{type(error).__name__}: {error}", traceback.format_exc()))
+        if isinstance(error, UserError):
+            events.put(WorkerFailed(spec.address.rank, str(error), traceback.format_exc(), user_error=True))
+        else:
+            events.put(WorkerFailed(spec.address.rank, f"{type(error).__name__}: {error}", traceback.format_exc()))
         raise SystemExit(1) from None
 
 
@@ -159,49 +165,29 @@ class WorkerLoop:
         if needs_drafter(recipe):
             # on the policy's device and dtype (the drafter shares its embedding, norm and lm_head)
             self.drafter = initial_drafter(recipe, spec.drafter_init, self.actor.policy).to(self.actor.device, self.actor.dtype)
-        self.engine, self.sglang = None, None
-        if recipe.rollout.backend == "sglang":
-            self.sglang = self._sglang_rollout()
-        else:
-            self.engine = EmbeddedEngine(self.actor.policy, eos_token_id=self.tokenizer.eos_token_id,
-                                         pad_token_id=self.tokenizer.pad_token_id,
-                                         speculative=speculative_decoder(recipe, self.drafter))
-        self.sync_warnings: list[str] = []
+        self.rollout_backend = build_rollout_backend(BackendSetup(
+            recipe, self.actor.policy, self.tokenizer.eos_token_id, self.tokenizer.pad_token_id, self.drafter,
+            self.rank, spec.address.rank_on_node, spec.run_directory,
+        ))
         self.barrier = RolloutBarrier(spec.address)
         plugins = build_plugins(recipe.plugins.enabled, dict(recipe.plugins.options), recipe)
         self.plugins = PluginHost(plugins, agree=agree_across_workers)
         self.sampling = SamplingParams(max_new_tokens=recipe.rollout.max_new_tokens, temperature=recipe.rollout.temperature,
                                        top_p=recipe.rollout.top_p, top_k=recipe.rollout.top_k)
-        self.schedule = getattr(self.engine.speculative, "adaptive_schedule", None) if self.engine is not None else None
         if spec.resume_from is not None:
             self.actor.load(spec.resume_from)
-            if self.schedule is not None:
-                self.schedule.load_state_dict(torch.load(self._schedule_path(spec.resume_from), weights_only=False))
+            self.rollout_backend.load_state(self._rollout_state_path(spec.resume_from))
             self.plugins.call("on_checkpoint_load", spec.resume_from)
 
-    def _sglang_rollout(self) -> SGLangRollout:
-        """This rank's SGLang servers (not started yet); imported here so the CPU path never loads the SGLang package."""
-        from tlt_cli.sglang.rollout import SGLangRollout
-
-        folder = model_folder(self.recipe.model.path)
-        return SGLangRollout(self.recipe, self.rank, self.spec.address.rank_on_node, self.spec.run_directory, folder,
-                             self.tokenizer.eos_token_id, bool(self.actor.policy.config.tie_word_embeddings))
-
-    def start_servers(self) -> None:
-        """SGLang: start this rank's servers; after a resume, push the checkpoint's weights into them."""
-        if self.sglang is None:
-            return
-        for line in self.sglang.start(self.drafter, self.actor.policy):
+    def start_rollout(self) -> None:
+        """Start the rollout backend; after a resume, bring it up to the checkpoint's weights."""
+        for line in self.rollout_backend.start():
             print(f"worker {self.rank}: {line}", flush=True)
         if self.spec.resume_from is not None:
-            self.sglang.sync(f"step-{self.spec.start_step}", self.actor.policy, None, None, probe_prompts=())
-
-    def stop_servers(self) -> None:
-        if self.sglang is not None:
-            self.sglang.stop()
+            self.rollout_backend.after_update(f"step-{self.spec.start_step}", drafter_version=None, probe_prompts=())
 
     def run(self) -> None:
-        self.start_servers()
+        self.start_rollout()
         for step in range(self.spec.start_step, self.recipe.train.steps):
             report = self.run_step(step)
             next_step = step + 1
@@ -211,8 +197,7 @@ class WorkerLoop:
 
     def run_step(self, step: int) -> WorkerStepReport:
         context = StepContext(step=step, worker=self.rank, world_size=self.spec.address.world_size,
-                              engine=self.engine if self.sglang is None else self.sglang, policy=self.actor.policy,
-                              drafter=self.drafter)
+                              engine=self.rollout_backend, policy=self.actor.policy, drafter=self.drafter)
         torch.distributed.barrier()
         rollout_start = time.time()
         self.plugins.call("on_rollout_start", context)
@@ -225,8 +210,8 @@ class WorkerLoop:
         rewards = self.score(shard, completions)
         reward_end = time.time()
         update = self.update(completions, rewards, self._hook("on_hidden_states", context))
-        if self.sglang is not None:
-            self.sync_servers(step + 1, shard, context)
+        drafter_version = context.metrics.get(sidecar.VERSION_METRIC)
+        context.metrics.update(self.rollout_backend.after_update(f"step-{step + 1}", drafter_version, self.probe_prompts(shard)))
         self.plugins.call("on_weights_updated", context)
         return WorkerStepReport(
             step=step, worker=self.rank, rollout_start=rollout_start, busy_end=busy_end, idle_end=idle_end,
@@ -234,43 +219,18 @@ class WorkerLoop:
             requests=[self.request_record(step, completion, reward) for completion, reward in zip(completions, rewards.tolist())],
             update=update, plugin_metrics=context.metrics,
             plugin_failures=[vars(failure) for failure in self.plugins.take_failures()],
-            sd_usage={label: vars(usage) for label, usage in self.schedule.take_usage().items()} if self.schedule else {},
-            sd_warnings=self.take_warnings(),
+            sd_usage={label: vars(usage) for label, usage in self.rollout_backend.take_usage().items()},
+            sd_warnings=self.rollout_backend.take_warnings(),
         )
 
     def rollout(self, step: int, shard: StepShard, context: StepContext) -> tuple[list[Completion], float]:
         """This rank's completions, sorted by request id, and when its last request finished."""
-        on_request_finished = self._hook("on_request_finished", context)
-        if self.sglang is None:
-            completions = self.engine.generate(shard.requests, self.sampling, self.generator(step),
-                                               on_request_finished=on_request_finished)
-            busy_end = time.time()
-        else:
-            # SGLang seeds request r with seed + r; kept within a 32-bit signed range
-            completions, busy_end = self.sglang.generate(shard.requests, self.sampling, self.sampling_seed(step) % 2**31)
-            if on_request_finished is not None:
-                # the servers answer on client threads; plugin hooks run here, once the shard is back, in finishing order
-                for completion in sorted(completions, key=lambda completion: completion.end):
-                    on_request_finished(completion)
-        completions.sort(key=lambda completion: completion.request_id)
-        return completions, busy_end
+        return self.rollout_backend.generate(shard.requests, self.sampling, self.sampling_seed(step),
+                                             self._hook("on_request_finished", context))
 
-    def sync_servers(self, next_step: int, shard: StepShard, context: StepContext) -> None:
-        """Push the updated policy (and a drafter the sidecar moved) into this rank's servers and probe them."""
-        group_size = self.recipe.train.group_size
-        probe_prompts = [request.prompt_ids for request in shard.requests[::group_size][:PROBE_PROMPTS]]
-        outcome = self.sglang.sync(f"step-{next_step}", self.actor.policy, self.drafter,
-                                   context.metrics.get(sidecar.VERSION_METRIC), probe_prompts)
-        context.metrics["weight_sync_seconds"] = outcome.seconds
-        if outcome.probe_accept_length is not None:
-            context.metrics["probe_accept_length"] = outcome.probe_accept_length
-        self.sync_warnings.extend(outcome.warnings)
-
-    def take_warnings(self) -> list[str]:
-        """Warnings of this step: the adaptive schedule's (collapse, recovery) and the SGLang syncs'."""
-        warnings = (self.schedule.take_warnings() if self.schedule else []) + self.sync_warnings
-        self.sync_warnings = []
-        return warnings
+    def probe_prompts(self, shard: StepShard) -> list[tuple[int, ...]]:
+        """The first prompts of the step's groups, to check acceptance on after a weight push."""
+        return [request.prompt_ids for request in shard.requests[:: self.recipe.train.group_size][:PROBE_PROMPTS]]
 
     def _hook(self, hook: str, context: StepContext):
         """A callback that forwards to the plugins' `hook` with the context, or None when no plugin has it."""
@@ -293,10 +253,6 @@ class WorkerLoop:
     def sampling_seed(self, step: int) -> int:
         """Sampling randomness derived from (seed, step, rank): a resumed step draws the same samples."""
         return (self.recipe.run.seed * 1_000_003 + step) * 1009 + self.rank
-
-    def generator(self, step: int) -> torch.Generator:
-        """The embedded engine's random draws, on the policy's device, seeded by `sampling_seed`."""
-        return torch.Generator(self.actor.device).manual_seed(self.sampling_seed(step))
 
     def score(self, shard: StepShard, completions: list[Completion]) -> torch.Tensor:
         group_size = self.recipe.train.group_size
@@ -323,14 +279,13 @@ class WorkerLoop:
             "accepted_by_depth": list(stats.accepted_by_depth), "proposed_by_depth": list(stats.proposed_by_depth),
         }
 
-    def _schedule_path(self, directory: Path) -> Path:
+    def _rollout_state_path(self, directory: Path) -> Path:
         return directory / f"adaptive-schedule-rank-{self.rank}.pt"
 
     def save_checkpoint(self, next_step: int) -> Path:
         def save_parts(directory: Path) -> None:
             self.actor.save(directory)
-            if self.schedule is not None:
-                torch.save(self.schedule.state_dict(), self._schedule_path(directory))
+            self.rollout_backend.save_state(self._rollout_state_path(directory))
             self.plugins.call("on_checkpoint_save", directory)
 
         return save_collectively(

@@ -23,7 +23,6 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from tlt_cli.adaptive import OFF, RuleTableError, parse_label
 from tlt_cli.calibration.measure import Cell, ModelPair, measure_shards
 from tlt_cli.calibration.rules import BatchChoice, calibrated_rules
 from tlt_cli.calibration.settings import (
@@ -34,6 +33,7 @@ from tlt_cli.calibration.settings import (
 from tlt_cli.config import CPU_DEVICES, Recipe
 from tlt_cli.recipe_checks import load_checked_recipe
 from tlt_cli.recipes import resolve_recipe_path
+from tlt_cli.rollout.adaptive import OFF, RuleTableError, parse_label
 from tlt_cli.rollout.speculative import check_speculative_config
 from tlt_cli.rollout.types import RolloutRequest, SamplingParams, SpeculativeConfig
 from tlt_cli.tasks.base import Task

@@ -18,9 +18,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tlt_cli.adaptive import OFF
 from tlt_cli.config import SpeculativeSection
 from tlt_cli.recipe_help import comment_lines, key_help
+from tlt_cli.rollout.adaptive import OFF
 
 # the comment line under the rules' help that names the calibration (recipe_text.py replaces both on a rewrite)
 CALIBRATED_BY = "# calibrated by: "

@@ -4,8 +4,8 @@ The driver calls `prepare_initial_drafter` once before spawning workers: with `d
 warmup` it trains a drafter on the target's own generations (tlt_cli/drafter/warmup.py) and
 caches it under the model cache, keyed by everything that determines it, so the next run with
 the same model and task starts at once. Each worker then calls `initial_drafter` to build its
-copy on top of its own policy (the drafter shares the policy's embedding, norm and lm_head), and
-`speculative_decoder` to wrap it in the decoder the recipe's `speculative` section asks for.
+copy on top of its own policy (the drafter shares the policy's embedding, norm and lm_head); the
+decoder it drafts in comes from the recipe's `speculative` section (tlt_cli/rollout/adaptive.py).
 """
 
 from __future__ import annotations
@@ -18,16 +18,12 @@ from typing import TYPE_CHECKING
 
 from transformers import PreTrainedModel
 
-from tlt_cli.adaptive import AdaptiveSchedule, build_rules
 from tlt_cli.config import Recipe
 from tlt_cli.drafter import sidecar
 from tlt_cli.drafter.model import CONFIG_FILE, EagleDrafter, load_drafter, save_drafter
 
 if TYPE_CHECKING:
     from tlt_cli.drafter.warmup import WarmupProgress
-from tlt_cli.rollout.adaptive_decoding import AdaptiveSpeculativeDecoder
-from tlt_cli.rollout.speculative import SpeculativeDecoder
-from tlt_cli.rollout.types import SpeculativeConfig
 
 # 2: hidden states from the engine, a draft vocabulary (drafter.vocab_size)
 WARMUP_FORMAT = 2
@@ -89,18 +85,6 @@ def _warm_up_into(recipe: Recipe, folder: Path, progress: WarmupProgress | None)
 def needs_drafter(recipe: Recipe) -> bool:
     """A run needs a drafter when it speculates or when a plugin trains one."""
     return recipe.speculative.mode != "off" or sidecar.PLUGIN_NAME in recipe.plugins.enabled
-
-
-def speculative_decoder(recipe: Recipe, drafter: EagleDrafter | None) -> SpeculativeDecoder | None:
-    """The engine's speculative decoder for the recipe's speculative section (None when off)."""
-    if recipe.speculative.mode == "off" or drafter is None:
-        return None
-    section = recipe.speculative
-    if section.mode == "adaptive":
-        schedule = AdaptiveSchedule(build_rules([dict(rule) for rule in section.rules]), section.collapse_accept_length,
-                                    section.reprobe_steps, section.bandit_epsilon, seed=recipe.run.seed)
-        return AdaptiveSpeculativeDecoder(drafter, schedule)
-    return SpeculativeDecoder(drafter, SpeculativeConfig(section.steps, section.topk, section.draft_tokens))
 
 
 def initial_drafter(recipe: Recipe, folder: Path | None, policy: PreTrainedModel) -> EagleDrafter:

@@ -105,7 +105,7 @@ def _embedded(setup: BackendSetup) -> RolloutBackend:
 def _sglang(setup: BackendSetup) -> RolloutBackend:
     from tlt_cli.sglang.rollout import SGLangRollout
 
-    return SGLangRollout.from_setup(setup)
+    return SGLangRollout(setup)
 
 
 ROLLOUT_BACKENDS: dict[str, Callable[[BackendSetup], RolloutBackend]] = {"embedded": _embedded, "sglang": _sglang}

@@ -117,13 +117,16 @@ class EmbeddedEngine:
         hidden state at the position that produced each response token (lm_head(target_hidden[i])
         are the logits of response token i).
 
-        on_decode_step: called after every decode step (not the prefill) with its DecodeStep.
+        on_decode_step: called after every decode step (not the prefill) with its DecodeStep (so is
+        the speculative decoder's `observe_step`, if it has one: the adaptive schedule learns from it).
         """
         _check_inputs(requests, sampling)
         if not requests:
             return []
+        # the decoder's own observer (the adaptive schedule) and the caller's see the same timed steps
+        observe_step = self.speculative.observe_step if self.speculative is not None else None
         call = _GenerateCall(list(requests), sampling, generator, on_request_finished, return_hidden, time.time(),
-                             on_decode_step)
+                             _step_observer(observe_step, on_decode_step))
         drafter = self.speculative.drafter if self.speculative is not None else None
         with torch.no_grad(), _eval_mode(self.model), _eval_mode(drafter):
             self._run(call)
@@ -282,6 +285,19 @@ def _check_inputs(requests: Sequence[RolloutRequest], sampling: SamplingParams) 
     for request in requests:
         if len(request.prompt_ids) == 0:
             raise ValueError(f"request {request.request_id} has an empty prompt; give it at least one token.")
+
+
+def _step_observer(*observers: Callable[[DecodeStep], None] | None) -> Callable[[DecodeStep], None] | None:
+    """One decode-step callback calling each given observer in turn (None when none is given)."""
+    given = [observer for observer in observers if observer is not None]
+    if len(given) <= 1:
+        return given[0] if given else None
+
+    def observe(step: DecodeStep) -> None:
+        for observer in given:
+            observer(step)
+
+    return observe
 
 
 def _grown_columns(tokens: torch.Tensor, columns: int, pad_token_id: int) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""Map tlt's adaptive rule table onto what a stock SGLang server can switch without a restart.
+"""Map the recipe's `speculative` section onto what a stock SGLang server can switch without a restart.
 
 The embedded engine re-reads the rule table at every decode step and can run any shape (steps,
 topk, draft_tokens) or SD off. Stock SGLang cannot change topk or the draft-token count of a
@@ -6,7 +6,12 @@ running server. What it can do (0.5.16 and later) is `--speculative-adaptive`: a
 batch-size slots, each with candidate draft depths, where depth 0 means SD off; the scheduler
 picks the slot from the running batch size at every decode step (EAGLE chains only, topk 1).
 
-`plan_for_sglang(rules, features, auto_off_on_collapse)` returns one of three plans:
+SGLang picks a shape from the running batch size alone, so `batch_rules(section)` first reduces
+the section to one `BatchRule` per batch-size range, in order from 1: `off` is SD off everywhere,
+`fixed` one shape everywhere, and `adaptive` takes, for every range on which the rule table
+(tlt_cli/rollout/adaptive.py, which checks it) is constant, the configuration tlt's own schedule
+starts with (the rule matching an accept length not yet measured; its `use:`, not its bandit
+candidates). `plan_for_sglang(rules, features, auto_off_on_collapse)` then returns one of three plans:
 
 - **off**: every rule is off; servers launch without speculative flags.
 - **adaptive**: every rule is off or a chain; slot `min_batch` gets candidate steps `[steps]`
@@ -27,16 +32,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-from tlt_cli.config import RecipeError
+from tlt_cli.config import SpeculativeSection
+from tlt_cli.rollout.adaptive import UNBOUNDED, Rule, bucket_edges, build_rules
 from tlt_cli.rollout.types import SpeculativeConfig
 from tlt_cli.sglang.version import SGLangFeatures
 
 # batch sizes above SGLang's largest captured CUDA graph are not padded; range ends are checked up to this
 CAPTURE_CHECK_LIMIT = 4096
-
-
-class RuleTableError(RecipeError):
-    """A rule table that cannot be mapped onto SGLang; the message names the rule."""
 
 
 @dataclass(frozen=True)
@@ -72,6 +74,38 @@ class SGLangSpeculativePlan:
         return {str(min_batch): {"candidate_steps": list(steps)} for min_batch, steps in self.slots}
 
 
+def batch_rules(section: SpeculativeSection) -> list[BatchRule]:
+    """Batch-size rules from the recipe's speculative section, covering batch sizes 1.. in order."""
+    if section.mode == "off":
+        return [BatchRule(1, None, None)]
+    if section.mode == "fixed":
+        return [BatchRule(1, None, SpeculativeConfig(section.steps, section.topk, section.draft_tokens))]
+    return _adaptive_batch_rules(build_rules([dict(rule) for rule in section.rules]))
+
+
+def _adaptive_batch_rules(rules: list[Rule]) -> list[BatchRule]:
+    edges = bucket_edges(rules)
+    batch_rules = []
+    for index, first in enumerate(edges):
+        last = edges[index + 1] - 1 if index + 1 < len(edges) else None
+        # an unmeasured bucket counts as accept length unbounded, as in tlt's AdaptiveSchedule
+        rule = next(rule for rule in rules if rule.matches(first, UNBOUNDED))
+        batch_rules.append(BatchRule(first, last, rule.configs[0]))
+    return _merge_equal_neighbours(batch_rules)
+
+
+def _merge_equal_neighbours(rules: list[BatchRule]) -> list[BatchRule]:
+    """Adjacent ranges with the same shape become one range (fewer SGLang slots)."""
+    merged = [rules[0]]
+    for rule in rules[1:]:
+        previous = merged[-1]
+        if rule.speculative == previous.speculative:
+            merged[-1] = BatchRule(previous.min_batch, rule.max_batch, previous.speculative)
+        else:
+            merged.append(rule)
+    return merged
+
+
 def captured_decode_batch_sizes(max_batch: int) -> list[int]:
     """Decode batch sizes SGLang (0.5.23) captures CUDA graphs for with speculative decoding on.
 
@@ -85,32 +119,14 @@ def captured_decode_batch_sizes(max_batch: int) -> list[int]:
     return sizes if max_batch in sizes else sizes + [max_batch]
 
 
-def validate_rules(rules: Sequence[BatchRule]) -> None:
-    """Rules must cover batch sizes 1.. in order without gaps or overlaps; RuleTableError otherwise."""
-    if not rules:
-        raise RuleTableError("the rule table is empty: give at least one rule starting at batch size 1.")
-    expected_min = 1
-    for index, rule in enumerate(rules):
-        where = f"rule {index} ({rule.describe()})"
-        if rule.min_batch != expected_min:
-            raise RuleTableError(f"{where} must start at batch size {expected_min} so the rules cover every batch size once.")
-        if rule.max_batch is not None and rule.max_batch < rule.min_batch:
-            raise RuleTableError(f"{where} ends before it starts: max_batch must be >= min_batch.")
-        if rule.max_batch is None and index != len(rules) - 1:
-            raise RuleTableError(f"{where} has no upper bound but is not the last rule.")
-        if rule.speculative is not None and (rule.speculative.steps < 1 or rule.speculative.topk < 1):
-            raise RuleTableError(f"{where} needs steps >= 1 and topk >= 1.")
-        expected_min = (rule.max_batch or 0) + 1
-
-
 def plan_for_sglang(
     rules: Sequence[BatchRule],
     features: SGLangFeatures,
     auto_off_on_collapse: bool = True,
     static_batch_size: int = 1,
 ) -> SGLangSpeculativePlan:
-    """Choose the off / adaptive / static plan for `rules` on the SGLang release `features` describes."""
-    validate_rules(rules)
+    """Choose the off / adaptive / static plan for `rules` (as `batch_rules` gives them) on the SGLang
+    release `features` describes."""
     speculative_rules = [rule for rule in rules if rule.speculative is not None]
     if not speculative_rules:
         return SGLangSpeculativePlan("off", None, (), ("SD is off on every server, as every rule of the table says.",))

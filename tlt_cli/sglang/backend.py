@@ -1,14 +1,19 @@
-"""`SGLangBackend`: the one object the trainer holds for `rollout.backend: sglang`.
+"""`SGLangBackend`: one group of SGLang servers, from version detection to stop.
 
 It ties the pieces of this package together in the order a run needs them: read the installed
 SGLang version and its features, map the rule table onto them, start the servers, generate
-rollouts, push weights after each actor update and check acceptance after each push, stop.
+rollouts, push weights after each actor update and check acceptance after each push, stop. A
+worker holds it through tlt_cli/sglang/rollout.py's SGLangRollout (its rollout backend).
 
 Example:
-    with SGLangBackend(recipe.rollout.sglang, model_path, run_dir, rules, drafter_dir, eos_token_id=2) as backend:
+    backend = SGLangBackend(recipe.rollout.sglang, model_path, run_dir, rules, eos_token_id=2)
+    try:
+        backend.start(drafter_dir)
         completions = backend.generate(requests, params, on_server_idle=notify)
         report = backend.sync_weights("step-1", target_parameters=policy.named_parameters(),
                                       drafter_state=drafter.state_dict(), probe_prompts=prompts[:4])
+    finally:
+        backend.stop()
 """
 
 from __future__ import annotations
@@ -52,7 +57,7 @@ class SyncReport:
 
 
 class SGLangBackend:
-    """Rollout servers for one run; `start()` / `stop()` or use as a context manager."""
+    """Rollout servers for one run; `start(draft_model_path)` then `stop()`."""
 
     def __init__(
         self,
@@ -60,7 +65,6 @@ class SGLangBackend:
         model_path: str,
         run_dir: str | Path,
         rules: Sequence[BatchRule],
-        draft_model_path: str | None,
         eos_token_id: int,
         seed: int = 0,
         tie_word_embeddings: bool = False,
@@ -70,7 +74,6 @@ class SGLangBackend:
         self.model_path = model_path
         self.run_dir = Path(run_dir)
         self.rules = list(rules)
-        self.draft_model_path = draft_model_path
         self.eos_token_id = eos_token_id
         self.seed = seed
         self.tie_word_embeddings = tie_word_embeddings
@@ -81,18 +84,12 @@ class SGLangBackend:
         self.client: SGLangClient | None = None
         self._last_probes: list[ProbeResult | None] = []
 
-    def __enter__(self) -> "SGLangBackend":
-        self.start()
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.stop()
-
-    def start(self) -> list[str]:
-        """Detect SGLang, plan, start every server; returns the lines to show the user (support, differences)."""
+    def start(self, draft_model_path: str | None) -> list[str]:
+        """Detect SGLang, plan, start every server (speculating with the EAGLE draft folder `draft_model_path`,
+        if given); returns the lines to show the user (support, differences)."""
         self.features = sglang_features(installed_sglang_version(self.config.python or sys.executable))
         self.plan = plan_for_sglang(self.rules, self.features, self.config.auto_off_on_collapse)
-        self.group = launch_sglang_servers(self.config, self.model_path, self.run_dir, self.plan, self.draft_model_path, self.seed,
+        self.group = launch_sglang_servers(self.config, self.model_path, self.run_dir, self.plan, draft_model_path, self.seed,
                                            self.on_servers_spawned)
         self.client = SGLangClient(
             self.group.endpoints, self.eos_token_id, self.config.request_timeout_s, self.config.max_in_flight_per_server
@@ -116,7 +113,7 @@ class SGLangBackend:
 
     def _running_client(self) -> SGLangClient:
         if self.client is None:
-            raise RuntimeError("the SGLang backend is not started: call start() (or use it in a with block) first.")
+            raise RuntimeError("the SGLang backend is not started: call start() first.")
         return self.client
 
     def sync_weights(

@@ -1,15 +1,21 @@
-"""The adaptive rollout engine's brain: which SD configuration each decode step uses.
+"""Adaptive speculative decoding in one place: the rule table, its checks, the schedule, the decoder.
 
-`AdaptiveSchedule` is the ConfigSchedule the speculative decoder consults before every decode
-step with the running batch size, and tells afterwards what the step did (`observe`). It
-  - walks the recipe's rule table (first match on batch-size range and measured accept length)
-    to the rule's configuration, or "off";
+A recipe's `speculative` section becomes the embedded engine's decoder here
+(`speculative_decoder(section, drafter, seed)`): `off` is none, `fixed` one shape at every step,
+`adaptive` an `AdaptiveSpeculativeDecoder` steered by an `AdaptiveSchedule`. The schedule is the
+ConfigSchedule the decoder consults before every decode step with the running batch size, and
+observes every `DecodeStep` the engine times (`observe_step`: its batch size, response tokens
+and seconds from its start to its finished rows retired). It
+  - walks the rule table (`build_rules`, checked once by `check_coverage`: first match on
+    batch-size range and measured accept length) to the rule's configuration, or "off";
   - optionally refines it with an epsilon-greedy bandit per rule over the rule's candidates,
-    rewarded by emitted tokens per second (median over a window), state checkpointable;
+    rewarded by emitted tokens per second of the whole decode step (median over a window),
+    state checkpointable;
   - turns SD off for a rule whose measured accept length has collapsed below a threshold (a stale
     or broken drafter, a bad weight sync), warns once, and re-probes it every so many steps;
   - accounts decode steps, tokens and seconds per configuration for the trace.
-Accept length here is tokens emitted per verify pass (accepted drafts + the bonus token).
+Accept length here is tokens emitted per verify pass (accepted drafts + the bonus token). The
+SGLang mapping (tlt_cli/sglang/adaptive.py) reads the same table; `tlt calibrate` writes one.
 """
 
 from __future__ import annotations
@@ -19,8 +25,16 @@ import random
 import statistics
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from tlt_cli.rollout.types import SpeculativeConfig
+from tlt_cli.config import RecipeError
+from tlt_cli.rollout.speculative import SpeculativeDecoder
+from tlt_cli.rollout.types import DecodeStep, SpeculativeConfig
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from tlt_cli.config import SpeculativeSection
 
 OFF = "off"
 ACCEPT_SMOOTHING = 0.3  # weight of the newest step in the accept-length moving average
@@ -28,7 +42,7 @@ COLLAPSE_MIN_STEPS = 4  # SD steps a bucket must have measured before its accept
 UNBOUNDED = float("inf")
 
 
-class RuleTableError(ValueError):
+class RuleTableError(RecipeError):
     """A rule table that cannot be used; the message names the rule."""
 
 
@@ -179,6 +193,11 @@ class AdaptiveSchedule:
         rewards = state.rewards.get(label_of(config))
         return statistics.median(rewards) if rewards else UNBOUNDED  # untried candidates first
 
+    def observe_step(self, step: DecodeStep) -> None:
+        """The engine's record of the decode step the last choice was for (every row verified if SD ran)."""
+        speculated = self._last is not None and self._last[1] is not None
+        self.observe(step.tokens, step.batch_size if speculated else 0, step.seconds)
+
     def observe(self, emitted_tokens: int, verify_passes: int, seconds: float) -> None:
         """What the last chosen step did: tokens emitted over the batch, verify passes (rows that speculated), time."""
         if self._last is None:
@@ -233,3 +252,31 @@ class AdaptiveSchedule:
             # checkpoints written before measured_steps existed: a measured bucket counts as measured enough
             state.measured_steps = measured[0] if measured else (COLLAPSE_MIN_STEPS if accept_length != UNBOUNDED else 0)
         self.random.setstate(saved["random"])
+
+
+class AdaptiveSpeculativeDecoder(SpeculativeDecoder):
+    """A SpeculativeDecoder whose configuration comes from, and whose timed decode steps feed, an AdaptiveSchedule.
+
+    Outputs are those of any SpeculativeDecoder: the schedule only chooses among lossless
+    configurations (or plain decoding).
+    """
+
+    def __init__(self, drafter: nn.Module, schedule: AdaptiveSchedule) -> None:
+        super().__init__(drafter, schedule)
+        self.adaptive_schedule = schedule
+        self.observe_step = schedule.observe_step
+
+
+def adaptive_schedule(section: SpeculativeSection, seed: int = 0) -> AdaptiveSchedule:
+    """The schedule of an adaptive `speculative` section (its rule table checked here)."""
+    return AdaptiveSchedule(build_rules([dict(rule) for rule in section.rules]), section.collapse_accept_length,
+                            section.reprobe_steps, section.bandit_epsilon, seed=seed)
+
+
+def speculative_decoder(section: SpeculativeSection, drafter: nn.Module | None, seed: int = 0) -> SpeculativeDecoder | None:
+    """The embedded engine's decoder for a recipe's `speculative` section (None when off or without a drafter)."""
+    if section.mode == "off" or drafter is None:
+        return None
+    if section.mode == "adaptive":
+        return AdaptiveSpeculativeDecoder(drafter, adaptive_schedule(section, seed))
+    return SpeculativeDecoder(drafter, SpeculativeConfig(section.steps, section.topk, section.draft_tokens))

@@ -1,0 +1,81 @@
+"""The embedded rollout backend: the in-process engine on the trainer's own policy module.
+
+`EmbeddedRollout` is tlt_cli/rollout/backend.py's RolloutBackend around tlt_cli/rollout/engine.py's
+EmbeddedEngine (`rollout.backend: embedded`). It generates with the very module the trainer
+updates, so there is nothing to start, to push after an update, or to stop. It needs no recipe and
+no worker: a policy module, its EOS and pad ids, the `speculative` settings and, to speculate, a
+drafter over that policy, which is all a trainer of another library has in its own process:
+
+    rollout = EmbeddedRollout(model, tokenizer.eos_token_id, tokenizer.pad_token_id,
+                              SpeculativeSection(mode="adaptive"), drafter, seed=0)
+    completions, busy_end = rollout.generate(requests, SamplingParams(max_new_tokens=128), seed=step)
+    usage = rollout.take_usage()  # adaptive SD: decode steps, tokens and seconds per configuration
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from tlt_cli.config import SpeculativeSection
+from tlt_cli.rollout.adaptive import AdaptiveSpeculativeDecoder, ConfigUsage, speculative_decoder
+from tlt_cli.rollout.engine import EmbeddedEngine
+from tlt_cli.rollout.types import Completion, RolloutRequest, SamplingParams
+
+
+class EmbeddedRollout:
+    """Rollouts in this process on `policy` (see the module docstring).
+
+    speculative: the recipe's `speculative` settings (None: SD off); drafter: the drafter over
+    `policy` to speculate with (None: SD off). seed: the adaptive schedule's bandit draws.
+    """
+
+    def __init__(self, policy: nn.Module, eos_token_id: int, pad_token_id: int,
+                 speculative: SpeculativeSection | None = None, drafter: nn.Module | None = None, seed: int = 0) -> None:
+        decoder = speculative_decoder(speculative, drafter, seed) if speculative is not None else None
+        self.schedule = decoder.adaptive_schedule if isinstance(decoder, AdaptiveSpeculativeDecoder) else None
+        self.engine = EmbeddedEngine(policy, eos_token_id=eos_token_id, pad_token_id=pad_token_id, speculative=decoder)
+
+    def start(self) -> list[str]:
+        """Nothing to start: the engine runs in this process."""
+        return []
+
+    def generate(
+        self,
+        requests: Sequence[RolloutRequest],
+        sampling: SamplingParams,
+        seed: int,
+        on_request_finished: Callable[[Completion], None] | None = None,
+    ) -> tuple[list[Completion], float]:
+        """The engine's completions sorted by request id; every random draw comes from `seed`, on the policy's device."""
+        generator = torch.Generator(self.engine.device).manual_seed(seed)
+        completions = self.engine.generate(requests, sampling, generator, on_request_finished=on_request_finished)
+        busy_end = time.time()
+        return sorted(completions, key=lambda completion: completion.request_id), busy_end
+
+    def after_update(self, weight_version: str, drafter_version: float | None,
+                     probe_prompts: Sequence[Sequence[int]]) -> dict[str, float]:
+        """Nothing to push: the engine generates with the updated module itself."""
+        return {}
+
+    def take_usage(self) -> dict[str, ConfigUsage]:
+        return self.schedule.take_usage() if self.schedule is not None else {}
+
+    def take_warnings(self) -> list[str]:
+        return self.schedule.take_warnings() if self.schedule is not None else []
+
+    def save_state(self, path: Path) -> None:
+        """The adaptive schedule's state (nothing without one)."""
+        if self.schedule is not None:
+            torch.save(self.schedule.state_dict(), path)
+
+    def load_state(self, path: Path) -> None:
+        if self.schedule is not None:
+            self.schedule.load_state_dict(torch.load(path, weights_only=False))
+
+    def stop(self) -> None:
+        """Nothing to release."""
