@@ -165,7 +165,7 @@ def test_launched_ranks_own_their_sglang_servers_and_leave_none(small_model, hos
     ("RaiseOnRankOne", "error: worker 1 failed: RuntimeError: rank 1 was told to fail"),
     ("ExitOnEveryRank", "error: the DeepSpeed launcher exited with code 3 before rank(s) 0, 1 finished"),
 ])
-def test_a_failing_rank_is_one_line_exit_1_and_leaves_no_process(plugin, expected, small_model, hostfile, tmp_path):
+def test_a_failing_rank_is_one_line_exit_1_and_leaves_no_process_or_run(plugin, expected, small_model, hostfile, tmp_path):
     run_directory = tmp_path / "failing"
     command = hostfile_run(small_model, hostfile, tmp_path, "failing", 2, f"plugins.enabled=[rank_failure_plugins:{plugin}]")
     result = subprocess.run(command, capture_output=True, text=True, timeout=RUN_TIMEOUT_SECONDS,
@@ -173,8 +173,9 @@ def test_a_failing_rank_is_one_line_exit_1_and_leaves_no_process(plugin, expecte
     assert result.returncode == 1, result.stderr[-3000:]
     first_line = result.stderr.strip().splitlines()[0]
     assert first_line.startswith(expected), result.stderr[-3000:]
-    assert "Traceback" not in result.stderr and "--resume" in result.stderr
-    assert not processes_of(run_directory)
+    # it failed before its first step: nothing to resume, so the run directory is gone
+    assert "Traceback" not in result.stderr and "--keep-log" in result.stderr
+    assert not run_directory.exists() and not processes_of(run_directory)
 
 
 def test_ctrl_c_stops_every_rank_and_exits_130(small_model, hostfile, tmp_path):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 from pathlib import Path
 
@@ -9,8 +10,9 @@ import numpy as np
 import pytest
 
 from tlt_cli.tasks.arithmetic import CHARACTERS, ArithmeticTask, make_problem
+from tlt_cli.tasks.base import REQUIRED
 from tlt_cli.tasks.jsonl_math import JsonlMathTask, TaskDataError
-from tlt_cli.tasks.registry import TaskOptionError, UnknownTaskError, build_task
+from tlt_cli.tasks.registry import TASKS, TaskOptionError, UnknownTaskError, build_task
 
 DATA_DIR = Path(__file__).parent / "data"
 
@@ -149,6 +151,38 @@ def test_registry_builds_tasks_and_names_the_choices(tmp_path):
         build_task("arithmetic", seed=0, options={"max_digits": 3})
     with pytest.raises(TaskOptionError, match="path"):
         build_task("jsonl_math", seed=0, options={})
+
+
+@pytest.mark.parametrize("task_class", list(TASKS.values()), ids=lambda task_class: task_class.name)
+def test_declared_options_are_the_constructor_keywords_with_their_defaults(task_class):
+    parameters = inspect.signature(task_class).parameters
+    keywords = {name: REQUIRED if parameter.default is parameter.empty else parameter.default
+                for name, parameter in parameters.items() if name != "seed"}
+    assert {option.name: option.default for option in task_class.options} == keywords
+
+
+@pytest.mark.parametrize(("options", "message"), [
+    ({"max_terms": "5"}, "task.options.max_terms must be an integer, got '5'"),
+    ({"max_terms": 2.0}, "task.options.max_terms must be an integer"),
+    ({"max_terms": 0}, "task.options.max_terms must be at least 1, got 0"),
+    ({"max_terms": 49}, "task.options.max_terms must be at most 48"),
+    ({"tail_exponent": True}, "task.options.tail_exponent must be a number"),
+    ({"tail_exponent": float("nan")}, "task.options.tail_exponent must be a finite number"),
+    ({"min_terms": 5, "max_terms": 3}, "task.options.min_terms (5) must not exceed task.options.max_terms (3)"),
+])
+def test_task_options_are_checked_by_type_and_range_naming_the_key(options, message):
+    with pytest.raises(TaskOptionError) as caught:
+        build_task("arithmetic", seed=0, options=options)
+    assert message in str(caught.value)
+
+
+def test_a_data_file_that_is_not_utf8_names_its_line(tmp_path):
+    path = tmp_path / "latin.jsonl"
+    path.write_bytes(b'{"question": "q", "answer": "#### 1"}\n{"question": "caf\xe9", "answer": "#### 2"}\n')
+    with pytest.raises(TaskDataError, match=f"{path}, line 2 is not UTF-8 text"):
+        JsonlMathTask(path, seed=0)
+    with pytest.raises(TaskOptionError, match="task.options.path must be a string"):
+        build_task("jsonl_math", seed=0, options={"path": 5})
 
 
 def test_arithmetic_reward_requires_the_whole_chain_and_credits_a_misread_term_partially():

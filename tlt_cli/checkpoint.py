@@ -17,11 +17,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from tlt_cli.errors import UserError
+
 STATE_FILE = "state.json"
 LATEST_FILE = "latest"
 
 
-class CheckpointError(ValueError):
+class CheckpointError(UserError):
     """A run directory that cannot be resumed; the message says what is missing."""
 
 

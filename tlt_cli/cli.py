@@ -29,7 +29,8 @@ from tlt_cli.calibration.settings import (
     parse_batch_sizes,
 )
 from tlt_cli.checkpoint import CheckpointError
-from tlt_cli.config import Recipe, RecipeError
+from tlt_cli.config import Recipe, RecipeError, load_recipe
+from tlt_cli.errors import UserError
 from tlt_cli.recipes import resolve_recipe_path, shipped_recipes
 
 app = typer.Typer(help="tlt: faster RL training of reasoning LLMs with lossless speculative decoding in the rollout long tail.",
@@ -63,45 +64,43 @@ def main(version: Annotated[bool, typer.Option("--version", callback=_version, i
 def train(
     arguments: Annotated[list[str] | None, typer.Argument(help="RECIPE (a YAML file or a shipped recipe name) then key=value overrides.", show_default=False)] = None,
     resume: Annotated[Path | None, typer.Option("--resume", help="Continue the run in this directory from its last checkpoint.")] = None,
+    keep_log: Annotated[bool, typer.Option("--keep-log", help="If the run fails before its first step, keep its logs (the traceback) instead of removing its run directory.")] = False,
 ) -> None:
     """Run GRPO training with the TLT machinery on."""
-    from tlt_cli.processes.driver import RunDirectoryError, TrainingFailed, new_run_directory
+    from tlt_cli.processes.driver import TrainingFailed
     from tlt_cli.processes.driver import train as run_training
 
-    arguments = list(arguments or [])
     try:
-        recipe, run_directory = _resolve_run(arguments, resume)
-        if run_directory is None:
-            run_directory = new_run_directory(recipe)
-        console.print(f"run directory: {run_directory}")
-        summary = run_training(recipe, run_directory, console, resume=resume is not None)
-    except (RecipeError, RunDirectoryError, CheckpointError) as error:
+        recipe, resume_directory = _resolve_run(list(arguments or []), resume)
+        summary = run_training(recipe, console, resume_directory, keep_log)
+    except UserError as error:
         raise fail(str(error)) from None
     except TrainingFailed as error:
-        raise fail(f"{error} Complete checkpoints are kept; continue with --resume.", code=1) from None
+        raise fail(str(error), code=1) from None
     except KeyboardInterrupt:
         raise fail("interrupted; complete checkpoints are kept, continue with --resume <run directory>.", code=130) from None
     console.print(f"done: {len(summary.steps)} steps, run directory {summary.run_directory}")
 
 
 def _resolve_run(arguments: list[str], resume: Path | None) -> tuple[Recipe, Path | None]:
-    """(recipe, run directory) from the positional arguments and --resume."""
+    """(recipe, the run directory to resume or None) from the positional arguments and --resume, the recipe checked whole."""
     has_recipe = bool(arguments) and "=" not in arguments[0]
     overrides = arguments[1:] if has_recipe else arguments
-    if resume is None:
-        if not has_recipe:
-            raise RecipeError("give a recipe: tlt train RECIPE [key=value ...] (see `tlt recipes list`).")
-        return _checked_recipe(arguments[0], overrides), None
-    if not resume.is_dir():
+    if resume is None and not has_recipe:
+        raise RecipeError("give a recipe: tlt train RECIPE [key=value ...] (see `tlt recipes list`).")
+    if resume is not None and not resume.is_dir():
         raise CheckpointError(f"--resume {resume} is not a directory; pass the run directory printed when the run started.")
-    return _checked_recipe(arguments[0] if has_recipe else str(resume / "recipe.yaml"), overrides), resume
+    recipe_name = arguments[0] if has_recipe else str(resume / "recipe.yaml")
+    return _whole_checked_recipe(recipe_name, overrides, new_run=resume is None), resume
 
 
-def _checked_recipe(name: str, overrides: list[str] | tuple[str, ...] = ()) -> Recipe:
-    """The recipe a name or path and overrides give, its values checked."""
-    from tlt_cli.recipe_checks import load_checked_recipe
+def _whole_checked_recipe(name: str, overrides: list[str], new_run: bool) -> Recipe:
+    """The recipe a name or path and overrides give, checked whole (tlt_cli/preflight.py)."""
+    from tlt_cli.preflight import check_recipe
 
-    return load_checked_recipe(resolve_recipe_path(name), overrides)
+    recipe = load_recipe(resolve_recipe_path(name), overrides)
+    check_recipe(recipe, new_run=new_run)
+    return recipe
 
 
 @recipes_app.command("list")
@@ -115,23 +114,28 @@ def recipes_list() -> None:
 @recipes_app.command("show")
 def recipes_show(name: Annotated[str, typer.Argument(help="A shipped recipe name or a YAML path.")]) -> None:
     """Print a recipe resolved against the defaults: every key with its value, under its help as comments."""
+    from tlt_cli.recipe_checks import load_checked_recipe
     from tlt_cli.recipe_help import commented_yaml
 
     try:
-        console.print(commented_yaml(_checked_recipe(name)), highlight=False, markup=False, soft_wrap=True)
-    except RecipeError as error:
+        console.print(commented_yaml(load_checked_recipe(resolve_recipe_path(name))), highlight=False, markup=False,
+                      soft_wrap=True)
+    except UserError as error:
         raise fail(str(error)) from None
 
 
 @recipes_app.command("validate")
-def recipes_validate(paths: Annotated[list[str], typer.Argument(help="Recipe names or YAML paths.")]) -> None:
-    """Check recipes; exit 2 if any is invalid."""
+def recipes_validate(
+    arguments: Annotated[list[str], typer.Argument(help="Recipe names or YAML paths, and key=value overrides applied to each.")],
+) -> None:
+    """Check recipes as `tlt train` would before it starts; ok only when it would start. Exit 2 if any is invalid."""
+    overrides = [argument for argument in arguments if "=" in argument]
     invalid = 0
-    for name in paths:
+    for name in [argument for argument in arguments if "=" not in argument]:
         try:
-            _checked_recipe(name)
+            _whole_checked_recipe(name, overrides, new_run=True)
             console.print(f"ok  {name}", highlight=False)
-        except RecipeError as error:
+        except UserError as error:
             invalid += 1
             error_console.print(f"[bold red]invalid[/] {error}", highlight=False, soft_wrap=True)
     if invalid:
@@ -150,16 +154,13 @@ def profile(
     plots: Annotated[bool, typer.Option("--plots/--no-plots", help="Write the timeline and length-histogram PNGs.")] = True,
 ) -> None:
     """Show the long tail of rollouts: lengths, idle workers, SD time and acceptance, projected speedup."""
-    from tlt_cli.models.loading import ModelLoadError
     from tlt_cli.profile.analysis import profile_to_json
     from tlt_cli.profile.profiler import profile_source
-    from tlt_cli.profile.records import ProfileInputError
     from tlt_cli.profile.report import render_profile
-    from tlt_cli.tasks.registry import TaskOptionError, UnknownTaskError
 
     try:
         result = profile_source(source, overrides, steps, output_dir, tail_batch, sd_speedup, pictures=plots)
-    except (ProfileInputError, RecipeError, ModelLoadError, TaskOptionError, UnknownTaskError) as error:
+    except UserError as error:
         raise fail(str(error)) from None
     if json_output:
         typer.echo(json.dumps({**profile_to_json(result.profile), "pictures": [str(path) for path in result.pictures]}, indent=2))

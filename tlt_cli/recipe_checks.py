@@ -3,9 +3,10 @@
 `check_values(recipe)` takes a `Recipe` the loader built (keys and types are right by then) and
 raises a `RecipeError` naming the key at the first value that cannot run: a range, a choice, an
 SD shape or rule table, the actor's placement against the workers and the hostfile, the SGLang
-section against the workers, plugin names that do not resolve. The commands call it before
-anything starts. It imports the hostfile parser, the SGLang section's checks, the rule table,
-the SD shape check and the plugin registry, which is why it is not part of tlt_cli/config.py.
+section against the workers. It reads no model, task data or plugin; tlt_cli/preflight.py runs it
+first, then checks those (the whole check the commands run before anything starts). It imports the
+hostfile parser, the SGLang section's checks, the rule table and the SD shape check, which is why
+it is not part of tlt_cli/config.py.
 """
 
 from __future__ import annotations
@@ -15,14 +16,13 @@ import math
 from pathlib import Path
 from typing import Any
 
-from tlt_cli.adaptive import RuleTableError, build_rules
 from tlt_cli.config import CPU_DEVICES, DrafterConfig, Recipe, RecipeError, SpeculativeSection, load_recipe
-from tlt_cli.plugins import PluginError, plugin_factory
 from tlt_cli.processes.hostfile import HostfileError, check_hostfile, ranks_per_node
+from tlt_cli.rollout.adaptive import RuleTableError, build_rules
 from tlt_cli.rollout.speculative import check_speculative_config
 from tlt_cli.rollout.types import SpeculativeConfig
+from tlt_cli.sglang.adaptive import batch_rules
 from tlt_cli.sglang.config import validate_sglang_config
-from tlt_cli.sglang.rules import batch_rules
 
 ROLLOUT_BACKENDS = ("embedded", "sglang")
 PRECISIONS = ("fp32", "bf16")
@@ -206,10 +206,7 @@ def _check_drafter(drafter: DrafterConfig) -> None:
 def _check_plugins(recipe: Recipe) -> None:
     plugins = recipe.plugins
     for name in plugins.enabled:
-        try:
-            plugin_factory(name)
-        except PluginError as error:
-            raise RecipeError(f"plugins.enabled: {error}") from None
+        _require(name.strip() != "", "plugins.enabled lists an empty name; give entry-point names or module:attribute.")
     for name, options in plugins.options.items():
         _require(name in plugins.enabled, f"plugins.options.{name} is set but '{name}' is not in plugins.enabled.")
         _require(isinstance(options, dict), f"plugins.options.{name} must be a mapping of keyword options, got {options!r}.")
@@ -221,5 +218,3 @@ def _check_model_path(path: str) -> None:
                  f"model.path '{path}' is not a built-in model; the built-in model is {', '.join(BUILTIN_MODELS)}.")
         return
     _require(path.strip() != "", "model.path is empty; give a local Hugging Face model folder or builtin:tiny-arith.")
-    _require(Path(path).expanduser().is_dir(),
-             f"model.path '{path}' is not a local folder; point it at a Hugging Face model folder (no downloads).")

@@ -4,7 +4,8 @@
 that transformers can build from the folder and that exposes `get_decoder()` and an output
 head (`lm_head`) works: Qwen2, Llama and relatives, tied or untied embeddings. Nothing is
 downloaded (`local_files_only=True`). Problems a user can cause raise `ModelLoadError` with
-one sentence naming the folder and what to fix.
+one sentence naming the folder and what to fix. `load_config_and_tokenizer` loads what the recipe
+checks need (the vocabulary) without the weights.
 """
 
 from __future__ import annotations
@@ -14,14 +15,18 @@ import json
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from transformers import (
     MODEL_FOR_CAUSAL_LM_MAPPING,
     AutoConfig,
     AutoModelForCausalLM,
     AutoTokenizer,
+    PretrainedConfig,
     PreTrainedModel,
     PreTrainedTokenizerBase,
 )
+
+from tlt_cli.errors import UserError
 
 from tlt_cli.models.tiny import BUILTIN_TINY_MODEL, SHIPPED_TINY_MODEL
 
@@ -31,7 +36,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 WEIGHT_SUFFIXES = (".safetensors", ".bin")
 
 
-class ModelLoadError(ValueError):
+class ModelLoadError(UserError):
     """The policy model or its tokenizer cannot be loaded from the given path."""
 
 
@@ -47,6 +52,12 @@ def load_policy(model_path: str, dtype: torch.dtype = torch.float32) -> tuple[Pr
     if model.generation_config.pad_token_id is None:
         model.generation_config.pad_token_id = tokenizer.pad_token_id
     return model, tokenizer
+
+
+def load_config_and_tokenizer(model_path: str) -> tuple[PretrainedConfig, PreTrainedTokenizerBase]:
+    """The config and tokenizer at `model_path`, checked as `load_policy` checks them, without the weights."""
+    model_dir = model_folder(model_path)
+    return _check_causal_lm_config(model_dir), _load_tokenizer(model_dir)
 
 
 def model_folder(model_path: str) -> Path:
@@ -84,15 +95,17 @@ def _checked_model_dir(model_path: str) -> Path:
     return model_dir
 
 
-def _check_causal_lm_config(model_dir: Path) -> None:
+def _check_causal_lm_config(model_dir: Path) -> PretrainedConfig:
     try:
         config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
-    except (ValueError, KeyError) as error:
-        raise ModelLoadError(f"Model at {model_dir} has a config transformers cannot read ({error}).") from None
+    except (OSError, ValueError, KeyError) as error:
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise ModelLoadError(f"Model at {model_dir} has a config transformers cannot read ({reason}).") from None
     if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
         raise ModelLoadError(
             f"Model at {model_dir} has architecture {config.model_type!r}, which is not a causal language model."
         )
+    return config
 
 
 def _load_tokenizer(model_dir: Path) -> PreTrainedTokenizerBase:
@@ -113,8 +126,9 @@ def _load_tokenizer(model_dir: Path) -> PreTrainedTokenizerBase:
 def _load_model(model_dir: Path, dtype: torch.dtype) -> PreTrainedModel:
     try:
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, local_files_only=True)
-    except OSError as error:
-        raise ModelLoadError(f"Model weights in {model_dir} cannot be loaded ({error}).") from None
+    except (OSError, SafetensorError) as error:
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise ModelLoadError(f"Model weights in {model_dir} cannot be loaded ({reason}).") from None
     if not hasattr(model, "get_decoder") or model.get_output_embeddings() is None:
         raise ModelLoadError(
             f"Model at {model_dir} ({type(model).__name__}) lacks get_decoder() or an lm_head, which tlt needs."

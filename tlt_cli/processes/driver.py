@@ -6,11 +6,15 @@ turns their per-step reports into trace records and the live display. Without
 `workers.hostfile` it spawns the workers itself (local_workers.py); with one, it runs
 them on the hostfile's nodes with the DeepSpeed launcher and receives their reports over TCP
 (launched_workers.py); the loop here is the same for both. If any worker fails, the
-others are stopped and a `TrainingFailed` names the worker and its error; the run directory
-keeps every complete checkpoint for `--resume`.
+others are stopped and a `TrainingFailed` names the worker and its error (a `WorkerInputError`,
+exit 2, when the error is the user's: a data file, model weights); its traceback goes to the
+run's log (`run.log`), the run directory keeps every complete checkpoint for `--resume`.
 
-Before anything starts, `check_machine` makes sure this machine has what the recipe asks for
-(GPUs for `actor.devices`, SGLang for `rollout.backend: sglang`). Workers start with only the
+Before anything is created, `check_machine` makes sure this machine has what the recipe asks for
+(GPUs for `actor.devices`, SGLang for `rollout.backend: sglang`) and the drafter is prepared; only
+then is a new run directory made. A new run that fails before its first step is removed again
+(with `keep_log`, all but its logs stay), and the trace is opened at the first step, so a resume
+that fails first leaves the run's trace and checkpoints as they were. Workers start with only the
 actor's GPUs visible. With SGLang each worker owns its servers; whatever way the run ends
 (finished, Ctrl-C, a failure, a worker killed), the driver finally stops every server process
 group the workers recorded in the run directory, so none is left behind (on this machine: with a
@@ -19,6 +23,8 @@ hostfile of several nodes each worker stops its own, and DeepSpeed ends the rank
 
 from __future__ import annotations
 
+import shutil
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -27,6 +33,7 @@ from rich.console import Console
 
 from tlt_cli.checkpoint import latest_checkpoint
 from tlt_cli.config import CPU_DEVICES, Recipe, recipe_to_yaml
+from tlt_cli.errors import UserError
 from tlt_cli.display import PhaseProgress, TrainingDisplay, render_summary
 from tlt_cli.drafter.initial import prepare_initial_drafter
 from tlt_cli.models.tiny import default_cache_dir
@@ -42,13 +49,29 @@ from tlt_cli.worker import WorkerFailed, WorkerFinished, WorkerStepReport
 EVENT_POLL_SECONDS = 1.0
 RECIPE_FILE = "recipe.yaml"
 TRACE_FILE = "trace.jsonl"
+CHECKPOINTS = "checkpoints"
+# the driver's log in the run directory: the traceback of whatever stopped the run
+RUN_LOG = "run.log"
+LOG_SUFFIX = ".log"
 
 
 class TrainingFailed(RuntimeError):
-    """The run stopped because a worker failed; the message names it."""
+    """The run stopped because a worker failed; the message names it. details: the traceback."""
+
+    def __init__(self, message: str, details: str = ""):
+        super().__init__(message)
+        self.details = details
 
 
-class RunDirectoryError(ValueError):
+class WorkerInputError(UserError):
+    """A worker stopped on a problem the user can fix (a data file, model weights); the message names it."""
+
+    def __init__(self, message: str, details: str = ""):
+        super().__init__(message)
+        self.details = details
+
+
+class RunDirectoryError(UserError):
     """A run directory that cannot be used as asked (exists already, or is not a run)."""
 
 
@@ -75,10 +98,15 @@ def cache_directory(recipe: Recipe) -> Path:
     return Path(recipe.model.cache_dir).expanduser() if recipe.model.cache_dir else default_cache_dir()
 
 
+def holds_run(run_directory: Path) -> bool:
+    """Whether a folder holds a run already (its trace or checkpoints)."""
+    return (run_directory / TRACE_FILE).exists() or (run_directory / CHECKPOINTS).exists()
+
+
 def new_run_directory(recipe: Recipe) -> Path:
     """runs/<name>/ for a fresh run; refuses to reuse one that holds a run."""
-    run_directory = Path(recipe.run.output_dir) / recipe.run.name
-    if (run_directory / TRACE_FILE).exists() or (run_directory / "checkpoints").exists():
+    run_directory = Path(recipe.run.output_dir).expanduser() / recipe.run.name
+    if holds_run(run_directory):
         raise RunDirectoryError(
             f"run directory {run_directory} already holds a run; resume it with --resume {run_directory} "
             f"or choose another name with run.name=<name>.")
@@ -87,28 +115,101 @@ def new_run_directory(recipe: Recipe) -> Path:
     return run_directory
 
 
-def train(recipe: Recipe, run_directory: Path, console: Console, resume: bool = False) -> RunSummary:
-    """Run (or resume) the GRPO loop with recipe.workers.count worker processes."""
-    resume_from, start_step = _resume_point(run_directory) if resume else (None, 0)
+class RunTrace:
+    """The run's trace, opened at its first record: until a step is recorded, nothing in it changes.
+
+    On a resume the records of steps from `start_step` on are dropped then (they run again), and
+    the `run` record goes first.
+    """
+
+    def __init__(self, path: Path, start_step: int, run_record: dict[str, Any]):
+        self.path, self.start_step, self.run_record = path, start_step, run_record
+        self.writer: TraceWriter | None = None
+
+    @property
+    def started(self) -> bool:
+        return self.writer is not None
+
+    def write(self, record: dict[str, Any]) -> None:
+        if self.writer is None:
+            truncate_trace(self.path, self.start_step)
+            self.writer = TraceWriter(self.path)
+            self.writer.write(self.run_record)
+        self.writer.write(record)
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+
+def train(recipe: Recipe, console: Console, resume_directory: Path | None = None, keep_log: bool = False) -> RunSummary:
+    """Run the GRPO loop with recipe.workers.count worker processes: a new run, or `resume_directory` resumed."""
+    resume_from, start_step = _resume_point(resume_directory) if resume_directory else (None, 0)
     check_machine(recipe)
     cache = cache_directory(recipe)
     drafter_init = _prepare_drafter(recipe, cache, console)
-    trace_path = run_directory / TRACE_FILE
-    if resume:
-        truncate_trace(trace_path, start_step)
-    trace = TraceWriter(trace_path)
-    trace.write({"type": "run", "name": recipe.run.name, "world_size": recipe.workers.count,
-                 "resumed_from_step": start_step if resume else None, "steps": recipe.train.steps})
+    first_new_folder = None if resume_directory else _first_missing(Path(recipe.run.output_dir).expanduser() / recipe.run.name)
+    run_directory = resume_directory or new_run_directory(recipe)
+    console.print(f"run directory: {run_directory}")
+    trace = RunTrace(run_directory / TRACE_FILE, start_step, {
+        "type": "run", "name": recipe.run.name, "world_size": recipe.workers.count,
+        "resumed_from_step": start_step if resume_directory else None, "steps": recipe.train.steps})
     spec_base = dict(recipe=recipe, run_directory=run_directory, model_cache=cache, resume_from=resume_from,
                      start_step=start_step, drafter_init=drafter_init)
     try:
         with TrainingDisplay(console, f"tlt train {recipe.run.name}", recipe.train.steps) as display:
             _run_workers(spec_base, trace, display)
+    except (TrainingFailed, UserError) as error:
+        trace.close()
+        details = getattr(error, "details", "") or traceback.format_exc()
+        discard = resume_directory is None and not trace.started and not (run_directory / CHECKPOINTS).exists()
+        raise _after_failure(error, details, run_directory, first_new_folder if discard else None, keep_log) from None
     finally:
         trace.close()
-    steps = [record for record in read_trace(trace_path) if record["type"] == "step"]
+    steps = [record for record in read_trace(trace.path) if record["type"] == "step"]
     render_summary(console, steps, run_directory)
     return RunSummary(run_directory, steps)
+
+
+def _first_missing(folder: Path) -> Path | None:
+    """The outermost folder of `folder`'s path that does not exist yet (what creating it would add), or None."""
+    missing = None
+    while not folder.exists() and folder != folder.parent:
+        missing, folder = folder, folder.parent
+    return missing
+
+
+def _after_failure(error: Exception, details: str, run_directory: Path, discard: Path | None,
+                   keep_log: bool) -> Exception:
+    """Log the traceback in the run's log; remove what a run that failed before its first step created.
+
+    Returns the error to raise: a bug's message then says where its traceback is (or how to keep it).
+    """
+    log = run_directory / RUN_LOG
+    with log.open("a", encoding="utf-8") as handle:
+        handle.write(f"{error}\n{details.rstrip()}\n")
+    if discard is not None:
+        _discard(run_directory if keep_log else discard, keep_log)
+    if isinstance(error, UserError):
+        return error
+    first_line, newline, more = str(error).partition("\n")
+    if discard is not None and not keep_log:
+        note = "it failed before its first step, so its run directory is removed; --keep-log keeps its log"
+    else:
+        note = f"traceback in {log}; complete checkpoints are kept, continue with --resume {run_directory}"
+    return TrainingFailed(f"{first_line.rstrip('.')} ({note}).{newline}{more}")
+
+
+def _discard(folder: Path, keep_log: bool) -> None:
+    """Remove `folder`, or with keep_log everything in it but the *.log files."""
+    if not keep_log:
+        shutil.rmtree(folder, ignore_errors=True)
+        return
+    for path in sorted(folder.rglob("*"), key=lambda path: len(path.parts), reverse=True):
+        if path.is_file() and path.suffix != LOG_SUFFIX:
+            path.unlink()
+        elif path.is_dir() and not any(path.iterdir()):
+            path.rmdir()
 
 
 def _prepare_drafter(recipe: Recipe, cache: Path, console: Console) -> Path | None:
@@ -126,7 +227,7 @@ def _resume_point(run_directory: Path) -> tuple[Path, int]:
     return checkpoint, int(state["next_step"])
 
 
-def _run_workers(spec_base: dict[str, Any], trace: TraceWriter, display: TrainingDisplay) -> None:
+def _run_workers(spec_base: dict[str, Any], trace: RunTrace, display: TrainingDisplay) -> None:
     recipe: Recipe = spec_base["recipe"]
     workers = _start_workers(spec_base)
     try:
@@ -146,7 +247,7 @@ def _start_workers(spec_base: dict[str, Any]) -> WorkerGroup:
     return LocalWorkers(spec_base, recipe.workers.count, gpus)
 
 
-def _drain_events(workers: WorkerGroup, trace: TraceWriter, display: TrainingDisplay) -> None:
+def _drain_events(workers: WorkerGroup, trace: RunTrace, display: TrainingDisplay) -> None:
     pending: dict[int, list[WorkerStepReport]] = {}
     finished: set[int] = set()
     while len(finished) < workers.size:
@@ -157,7 +258,9 @@ def _drain_events(workers: WorkerGroup, trace: TraceWriter, display: TrainingDis
                 raise TrainingFailed(failure)
             continue
         if isinstance(event, WorkerFailed):
-            raise TrainingFailed(_failure_message(event))
+            if event.user_error:
+                raise WorkerInputError(event.message, event.details)
+            raise TrainingFailed(_failure_message(event), event.details)
         if isinstance(event, WorkerFinished):
             finished.add(event.worker)
             continue
@@ -173,7 +276,7 @@ def _failure_message(event: WorkerFailed) -> str:
     return f"worker {event.worker} failed: {first_line}" + (f"\n{more}\n" if more else "")
 
 
-def _record_step(reports: list[WorkerStepReport], trace: TraceWriter, display: TrainingDisplay) -> None:
+def _record_step(reports: list[WorkerStepReport], trace: RunTrace, display: TrainingDisplay) -> None:
     records = step_records(reports)
     for record in records:
         trace.write(record)
@@ -189,7 +292,7 @@ def _record_step(reports: list[WorkerStepReport], trace: TraceWriter, display: T
         display.note(f"checkpoint saved: {checkpoint}")
 
 
-def _warn(report: WorkerStepReport, message: str, trace: TraceWriter, display: TrainingDisplay,
+def _warn(report: WorkerStepReport, message: str, trace: RunTrace, display: TrainingDisplay,
           details: str | None = None) -> None:
     """A warning shown once under the live table and kept in the trace."""
     record = {"type": "warning", "step": report.step, "worker": report.worker, "message": message}

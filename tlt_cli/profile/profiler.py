@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from tlt_cli.config import load_recipe
 from tlt_cli.profile.analysis import DEFAULT_TAIL_BATCH, Profile, Segment, analyse, worker_segments
 from tlt_cli.profile.plots import write_plots
 from tlt_cli.profile.records import ProfileInputError, ProfileRecords, load_records
@@ -62,10 +63,11 @@ def _recipe_path(source: str) -> Path | None:
 
 def _record(recipe_path: Path, overrides: list[str], steps: int, output_dir: Path | None) -> tuple[ProfileRecords, Path]:
     from tlt_cli.profile.recording import record_rollout  # loads torch and transformers: only when recording
-    from tlt_cli.recipe_checks import load_checked_recipe
+    from tlt_cli.preflight import check_recipe
 
     if steps < 1:
         raise ProfileInputError(f"--steps is {steps}; record at least 1 step.")
-    recipe = load_checked_recipe(recipe_path, overrides)
+    recipe = load_recipe(recipe_path, overrides)
+    check_recipe(recipe)
     directory = output_dir or Path(recipe.run.output_dir) / f"{recipe.run.name}-profile"
     return record_rollout(recipe, steps, directory / RECORDED_TRACE_FILE), directory

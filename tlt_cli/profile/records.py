@@ -21,11 +21,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tlt_cli.errors import UserError
+
 TRACE_FILE = "trace.jsonl"
 REQUIRED_REQUEST_FIELDS = ("step", "worker", "start", "end", "tokens")
 
 
-class ProfileInputError(ValueError):
+class ProfileInputError(UserError):
     """Input `tlt profile` cannot read; the message names the file, the line and what to fix."""
 
 

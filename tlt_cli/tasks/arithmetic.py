@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from tlt_cli.tasks.base import Problem
+from tlt_cli.tasks.base import Problem, TaskOption, TaskOptionError, check_option_values
 
 # one label per digit position; max_terms is bounded by their number
 LABELS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUV"
@@ -53,14 +53,16 @@ class ArithmeticTask:
     """
 
     name = "arithmetic"
+    options = (
+        TaskOption("max_terms", int, 48, minimum=1, maximum=len(LABELS)),
+        TaskOption("tail_exponent", float, 1.5, minimum=0.0),
+        TaskOption("min_terms", int, 1, minimum=1),
+    )
 
     def __init__(self, seed: int, max_terms: int = 48, tail_exponent: float = 1.5, min_terms: int = 1) -> None:
-        if not 1 <= max_terms <= len(LABELS):
-            raise ValueError(f"max_terms must be between 1 and {len(LABELS)}, got {max_terms}.")
-        if not 1 <= min_terms <= max_terms:
-            raise ValueError(f"min_terms must be between 1 and max_terms ({max_terms}), got {min_terms}.")
-        if tail_exponent < 0:
-            raise ValueError(f"tail_exponent must be non-negative, got {tail_exponent}.")
+        check_option_values(self.options, max_terms=max_terms, tail_exponent=tail_exponent, min_terms=min_terms)
+        if min_terms > max_terms:
+            raise TaskOptionError(f"task.options.min_terms ({min_terms}) must not exceed task.options.max_terms ({max_terms}).")
         self.seed = seed
         self.min_terms = min_terms
         self.max_terms = max_terms

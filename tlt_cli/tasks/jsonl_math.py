@@ -18,7 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
-from tlt_cli.tasks.base import Problem
+from tlt_cli.errors import UserError
+from tlt_cli.tasks.base import Problem, TaskOption
 
 PROMPT_TEMPLATE = "Question: {question}\nAnswer: Let's think step by step.\n"
 FINAL_ANSWER_MARKER = "####"
@@ -26,7 +27,7 @@ FINAL_ANSWER_MARKER = "####"
 NUMBER_PATTERN = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
 
 
-class TaskDataError(ValueError):
+class TaskDataError(UserError):
     """A task's data file cannot be used; the message names the file and the line."""
 
 
@@ -40,6 +41,7 @@ class JsonlMathTask:
     """
 
     name = "jsonl_math"
+    options = (TaskOption("path", str),)
 
     def __init__(self, path: str | Path, seed: int) -> None:
         self.path = Path(path)
@@ -69,8 +71,12 @@ def read_records(path: Path) -> list[tuple[str, str, str]]:
     if not path.is_file():
         raise TaskDataError(f"Task data file {path} does not exist; pass the path of a JSONL file.")
     records = []
-    with path.open(encoding="utf-8") as lines:
-        for line_number, line in enumerate(lines, start=1):
+    with path.open("rb") as lines:
+        for line_number, raw_line in enumerate(lines, start=1):
+            try:
+                line = raw_line.decode("utf-8")
+            except UnicodeDecodeError:
+                raise TaskDataError(f"{path}, line {line_number} is not UTF-8 text.") from None
             if line.strip():
                 records.append(_parse_line(path, line_number, line))
     if not records:

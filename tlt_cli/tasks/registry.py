@@ -1,17 +1,19 @@
 """Tasks by name, as a recipe names them: `build_task("arithmetic", seed, options)`.
 
-`options` are the task's keyword arguments from the recipe (for example `path` for
-`jsonl_math`, `max_terms` for `arithmetic`); unknown or missing options raise
-`TaskOptionError` naming them.
+`options` are the task's keyword arguments from the recipe's `task.options` (for example `path`
+for `jsonl_math`, `max_terms` for `arithmetic`), checked against the options the task declares
+(`Task.options`: type, default, range) before it is built; an unknown task raises
+`UnknownTaskError`, an unknown, missing, mistyped or out-of-range option `TaskOptionError`, each
+naming the key. Building a task reads its data, so a bad data file fails here too, naming the line.
 """
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable
 
+from tlt_cli.errors import UserError
 from tlt_cli.tasks.arithmetic import ArithmeticTask
-from tlt_cli.tasks.base import Task
+from tlt_cli.tasks.base import REQUIRED, Task, TaskOptionError
 from tlt_cli.tasks.jsonl_math import JsonlMathTask
 
 TASKS: dict[str, Callable[..., Task]] = {
@@ -20,34 +22,26 @@ TASKS: dict[str, Callable[..., Task]] = {
 }
 
 
-class UnknownTaskError(ValueError):
+class UnknownTaskError(UserError):
     """The recipe names a task that is not registered."""
 
 
-class TaskOptionError(ValueError):
-    """The recipe gives a task options it does not take, or omits one it needs."""
-
-
 def build_task(name: str, seed: int, options: dict) -> Task:
-    """The task registered as `name`, built with `seed` and the recipe's `options`."""
+    """The task registered as `name`, built with `seed` and the recipe's `options` (checked first)."""
     if name not in TASKS:
-        raise UnknownTaskError(f"Unknown task {name!r}; choose one of: {', '.join(sorted(TASKS))}.")
-    task_class = TASKS[name]
-    _check_options(name, task_class, options)
-    return task_class(seed=seed, **options)
+        raise UnknownTaskError(f"task.name {name!r} is not a task; choose one of: {', '.join(sorted(TASKS))}.")
+    check_options(name, options)
+    return TASKS[name](seed=seed, **options)
 
 
-def _check_options(name: str, task_class: Callable[..., Task], options: dict) -> None:
-    parameters = inspect.signature(task_class).parameters
-    accepted = [parameter for parameter in parameters if parameter != "seed"]
-    unknown = sorted(set(options) - set(accepted))
-    if unknown:
-        raise TaskOptionError(f"Task {name!r} does not take option(s) {unknown}; it takes {accepted}.")
-    required = [
-        parameter.name
-        for parameter in parameters.values()
-        if parameter.default is inspect.Parameter.empty and parameter.name != "seed"
-    ]
-    missing = [option for option in required if option not in options]
+def check_options(name: str, options: dict) -> None:
+    """Raise TaskOptionError naming the first option of `options` that task `name` does not take as given."""
+    declared = {option.name: option for option in TASKS[name].options}
+    for key in options:
+        if key not in declared:
+            raise TaskOptionError(f"task.options.{key} is not an option of task {name!r}; it takes: "
+                                  f"{', '.join(declared) or 'none'}.")
+        declared[key].check(options[key])
+    missing = [key for key, option in declared.items() if option.default is REQUIRED and key not in options]
     if missing:
-        raise TaskOptionError(f"Task {name!r} needs option(s) {missing} in the recipe.")
+        raise TaskOptionError(f"task {name!r} needs task.options.{missing[0]} in the recipe.")

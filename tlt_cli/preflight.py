@@ -1,0 +1,116 @@
+"""The whole check of a recipe before anything starts: the one `validate`, `train`, `profile` and `calibrate` run.
+
+`check_recipe(recipe, new_run)` raises a `RecipeError` naming the key (and the file, where one is
+at fault) at the first problem, reading what the recipe names but building and writing nothing:
+  1. values, ranges and how the sections fit (tlt_cli/recipe_checks.py);
+  2. the task: its name, its options by the types and ranges it declares, its data files (a bad
+     line is named), by building it;
+  3. the model folder: its config and tokenizer load (not the weights), which gives the vocabulary
+     the SD shapes and the rule table must fit;
+  4. a drafter folder given as drafter.init holds a drafter;
+  5. every plugin resolves to a class with WorkerPlugin hooks (tlt_cli/plugins.py) that takes
+     its options (so `os:system` is refused);
+  6. the run directory <run.output_dir>/<run.name> can be created, and (new_run) holds no run yet.
+`tlt recipes validate` says ok exactly when this passes, so `tlt train` starts; what the machine
+lacks (GPUs, SGLang) is checked when a run starts (tlt_cli/processes/machine_checks.py), so a GPU
+recipe validates on a laptop.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+from pathlib import Path
+from typing import Any
+
+from tlt_cli.config import PluginsConfig, Recipe, RecipeError, RunConfig
+from tlt_cli.drafter.model import CONFIG_FILE
+from tlt_cli.errors import UserError
+from tlt_cli.models.loading import load_config_and_tokenizer
+from tlt_cli.plugins import WorkerPlugin, plugin_factory
+from tlt_cli.processes.driver import holds_run
+from tlt_cli.recipe_checks import check_speculative_section, check_values
+from tlt_cli.tasks.registry import build_task
+
+PLUGIN_HOOKS = tuple(name for name in vars(WorkerPlugin) if name.startswith("on_"))
+
+
+def check_recipe(recipe: Recipe, new_run: bool = False) -> None:
+    """Raise RecipeError naming the key (and file) of the first problem that would stop a run of `recipe`."""
+    check_values(recipe)
+    _check_task(recipe)
+    vocabulary_size = _check_model(recipe)
+    check_speculative_section(recipe.speculative, vocabulary_size)
+    _check_drafter_folder(recipe)
+    _check_plugins(recipe.plugins)
+    check_output_folder(recipe.run, new_run)
+
+
+def _check_task(recipe: Recipe) -> None:
+    try:
+        build_task(recipe.task.name, recipe.run.seed, dict(recipe.task.options))
+    except UserError as error:
+        raise RecipeError(str(error)) from None
+
+
+def _check_model(recipe: Recipe) -> int:
+    """The model's vocabulary size, once its config and tokenizer load."""
+    try:
+        config, _ = load_config_and_tokenizer(recipe.model.path)
+    except UserError as error:
+        raise RecipeError(f"model.path: {error}") from None
+    return int(config.vocab_size)
+
+
+def _check_drafter_folder(recipe: Recipe) -> None:
+    init = recipe.drafter.init
+    if init in ("warmup", "random"):
+        return
+    if not (Path(init) / CONFIG_FILE).is_file():
+        raise RecipeError(f"drafter.init: {init} is not a drafter folder (it has no {CONFIG_FILE}); give warmup, random "
+                          "or a folder tlt saved a drafter in.")
+
+
+def _check_plugins(plugins: PluginsConfig) -> None:
+    for name in plugins.enabled:
+        factory = _plugin_factory(name)
+        if not inspect.isclass(factory) or not any(callable(getattr(factory, hook, None)) for hook in PLUGIN_HOOKS):
+            kind = "a class without any hook" if inspect.isclass(factory) else f"a {type(factory).__name__}"
+            raise RecipeError(f"plugins.enabled: '{name}' is {kind}, not a plugin; a plugin is a class with some of the "
+                              f"hooks {', '.join(PLUGIN_HOOKS)}.")
+        options = plugins.options.get(name, {})
+        try:
+            inspect.signature(factory).bind(recipe=None, **options)
+        except TypeError as error:
+            raise RecipeError(f"plugins.options.{name}: plugin '{name}' cannot be built with recipe= and the options "
+                              f"{sorted(options)} ({error}).") from None
+
+
+def _plugin_factory(name: str) -> Any:
+    try:
+        return plugin_factory(name)
+    except UserError as error:
+        raise RecipeError(f"plugins.enabled: {error}") from None
+    except Exception as error:  # the plugin's own module failed to import: the user's code, not tlt's
+        raise RecipeError(f"plugins.enabled: plugin '{name}' cannot be imported ({type(error).__name__}: "
+                          f"{error}).") from None
+
+
+def check_output_folder(run: RunConfig, new_run: bool) -> None:
+    """The run directory <output_dir>/<name> can be created (every existing part is a writable folder).
+
+    With new_run, it must not hold a run already (`tlt train` refuses to mix two runs in one folder).
+    """
+    run_directory = Path(run.output_dir).expanduser() / run.name
+    existing = run_directory
+    while not os.path.lexists(existing) and existing != existing.parent:
+        existing = existing.parent
+    key = "run.name" if existing == run_directory else "run.output_dir"
+    if not existing.is_dir():
+        raise RecipeError(f"{key}: {existing} is a file, not a folder, so the run directory {run_directory} cannot be "
+                          "created; choose another run.output_dir.")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise RecipeError(f"{key}: the run directory {run_directory} cannot be created: {existing} is not writable.")
+    if new_run and holds_run(run_directory):
+        raise RecipeError(f"run.name: the run directory {run_directory} already holds a run; resume it with "
+                          f"--resume {run_directory} or choose another name with run.name=<name>.")
