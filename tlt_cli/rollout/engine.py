@@ -25,9 +25,21 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from tlt_cli.rollout.kv_cache import SlotCache, additive_mask, block_attention_mask, decode_attention_mask
+from tlt_cli.rollout.kv_cache import (
+    SlotCache,
+    additive_mask,
+    block_attention_mask,
+    decode_attention_mask,
+    keep_rows_of,
+)
 from tlt_cli.rollout.sampling import next_tokens
-from tlt_cli.rollout.types import Completion, DecodeStep, RolloutRequest, SamplingParams, SpeculativeStats
+from tlt_cli.rollout.types import (
+    Completion,
+    DecodeStep,
+    RolloutRequest,
+    SamplingParams,
+    SpeculativeStats,
+)
 
 if TYPE_CHECKING:
     from tlt_cli.rollout.speculative import SpeculativeDecoder
@@ -38,7 +50,8 @@ INITIAL_SLACK = 64
 
 @dataclass
 class RunningBatch:
-    """Per-row state of the requests still generating (B rows; every tensor shares row order).
+    """Per-row state of the requests still generating (B rows; every tensor field is per-row, in
+    one row order, and `keep_rows` selects them all).
 
     Invariant: row b's target cache holds positions [0, lengths[b]); `pending[b]`, its last
     emitted token, sits at position lengths[b] and is fed by the next step.
@@ -63,9 +76,7 @@ class RunningBatch:
 
     def keep_rows(self, rows: torch.Tensor) -> None:
         """Keep rows `rows` of every per-row tensor and of the cache, drop the rest."""
-        for name in ("request_index", "prompt_lengths", "lengths", "pending", "generated", "finished_by_eos", "tokens"):
-            setattr(self, name, getattr(self, name).index_select(0, rows))
-        self.cache.keep_rows(rows)
+        keep_rows_of(self, rows)
 
 
 @dataclass

@@ -9,9 +9,14 @@ which scatters them there and returns slots [0, kv_length) for attention. What a
 `block_attention_mask`, which transformers passes through untouched. Rejected speculative entries
 need no rollback: they lie past the row's committed length, are masked out, and are overwritten by
 the next forward. Accepted entries of a draft tree are moved into place with `move_slots`.
+`keep_rows_of` drops finished rows from a dataclass of per-row state (the engine's running batch,
+the speculative decoder's draft state) and from its caches, field by field, so no list of
+per-row names needs keeping in step with the fields.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 
@@ -108,6 +113,18 @@ class SlotCache:
         if shape not in self._scatter_index:
             self._scatter_index[shape] = self._write_slots[:, None, :, None].expand(shape)
         return self._scatter_index[shape]
+
+
+def keep_rows_of(state, rows: torch.Tensor) -> None:
+    """Keep rows `rows` ([B'] indices, in that order) of dataclass `state`: every tensor field is
+    per-row (dim 0 = row) and is index-selected, every field with its own `keep_rows` (a SlotCache)
+    is asked to keep them; other fields are per-batch and stay as they are."""
+    for field in dataclasses.fields(state):
+        value = getattr(state, field.name)
+        if isinstance(value, torch.Tensor):
+            setattr(state, field.name, value.index_select(0, rows))
+        elif hasattr(value, "keep_rows"):
+            value.keep_rows(rows)
 
 
 def block_attention_mask(lengths: torch.Tensor, block_mask: torch.Tensor, kv_length: int) -> torch.Tensor:

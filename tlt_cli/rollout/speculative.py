@@ -29,13 +29,14 @@ prediction of the first drafted token.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from tlt_cli.rollout.acceptance import Verdict, accept_chain, accept_tree
-from tlt_cli.rollout.kv_cache import SlotCache, block_attention_mask
+from tlt_cli.rollout.kv_cache import SlotCache, block_attention_mask, keep_rows_of
 from tlt_cli.rollout.tree import ChainBuilder, DraftTree, TreeBuilder, gather_rows
 from tlt_cli.rollout.types import (
     DecodeStep,
@@ -71,6 +72,38 @@ def check_speculative_config(config: SpeculativeConfig, vocab_size: int) -> None
         )
 
 
+@dataclass
+class DraftState:
+    """The decoder's state for the rows of the running batch (B rows, in its order; every tensor
+    field is per-row, and `keep_rows_of` selects them all and the drafter cache's rows)."""
+
+    cache: SlotCache  # the drafter's own cache
+    drafter_lengths: torch.Tensor  # [B] committed drafter entries (lags the target after plain steps)
+    root_hidden: torch.Tensor  # [B, H] drafter hidden of the last committed entry
+    root_logits: torch.Tensor  # [B, N] its logits over the draft vocabulary: the first drafted token's
+    verify_passes: torch.Tensor  # [B]
+    accepted_draft_tokens: torch.Tensor  # [B]
+    accepted_by_depth: torch.Tensor  # [B, deepest steps so far]
+    proposed_by_depth: torch.Tensor  # [B, deepest steps so far]
+
+    @classmethod
+    def empty(
+        cls, batch_size: int, capacity: int, hidden_size: int, vocab_size: int, dtype: torch.dtype, device: torch.device
+    ) -> DraftState:
+        """Fresh rows: an empty drafter cache of `capacity` slots, zero counters, zero root states."""
+        counts = torch.zeros(batch_size, dtype=torch.long, device=device)
+        return cls(
+            cache=SlotCache(batch_size, capacity),
+            drafter_lengths=counts,
+            root_hidden=torch.zeros(batch_size, hidden_size, dtype=dtype, device=device),
+            root_logits=torch.zeros(batch_size, vocab_size, dtype=dtype, device=device),
+            verify_passes=counts.clone(),
+            accepted_draft_tokens=counts.clone(),
+            accepted_by_depth=torch.zeros(batch_size, 0, dtype=torch.long, device=device),
+            proposed_by_depth=torch.zeros(batch_size, 0, dtype=torch.long, device=device),
+        )
+
+
 # running batch size -> the SD shape for this step, or None for a plain decoding step
 ConfigSchedule = Callable[[int], "SpeculativeConfig | None"]
 
@@ -94,31 +127,17 @@ class SpeculativeDecoder:
         if isinstance(config, SpeculativeConfig):
             check_speculative_config(config, drafter.vocabulary.size)
             self._checked.add(config)
-        self.cache = SlotCache(0, 0)
-        self.drafter_lengths = torch.zeros(0)  # [B] committed drafter entries (lags the target after plain steps)
-        self.root_hidden = torch.zeros(0)  # [B, H] drafter hidden of the last committed entry
-        self.root_logits = torch.zeros(0)  # [B, N] its logits over the draft vocabulary: the first drafted token's
-        self.verify_passes = torch.zeros(0)  # [B]
-        self.accepted_draft_tokens = torch.zeros(0)  # [B]
-        self.accepted_by_depth = torch.zeros(0)  # [B, deepest steps so far]
-        self.proposed_by_depth = torch.zeros(0)  # [B, deepest steps so far]
+        self.state = DraftState.empty(0, 0, 0, 0, torch.float32, torch.device("cpu"))
 
     def begin(self, batch: RunningBatch) -> None:
         """Start a generate call: the drafter's head re-read from the target (whose weights may have
         changed since the last call), empty drafter cache and counters (the drafter reads the prompt
         at the first SD step, from the target hidden states the engine keeps)."""
         self.drafter.refresh_draft_head()
-        batch_size, device = batch.size, batch.lengths.device
-        self.cache = SlotCache(batch_size, batch.cache.capacity)
-        self.drafter_lengths = torch.zeros_like(batch.lengths)
-        hidden_size, vocab_size = self.drafter.config.hidden_size, self.drafter.vocabulary.size
-        dtype = next(self.drafter.parameters()).dtype
-        self.root_hidden = torch.zeros(batch_size, hidden_size, dtype=dtype, device=device)
-        self.root_logits = torch.zeros(batch_size, vocab_size, dtype=dtype, device=device)
-        self.verify_passes = torch.zeros_like(batch.lengths)
-        self.accepted_draft_tokens = torch.zeros_like(batch.lengths)
-        self.accepted_by_depth = torch.zeros(batch_size, 0, dtype=torch.long, device=device)
-        self.proposed_by_depth = torch.zeros_like(self.accepted_by_depth)
+        self.state = DraftState.empty(
+            batch.size, batch.cache.capacity, self.drafter.config.hidden_size, self.drafter.vocabulary.size,
+            next(self.drafter.parameters()).dtype, batch.lengths.device,
+        )
 
     def step(
         self, engine: EmbeddedEngine, batch: RunningBatch, sampling: SamplingParams, generator: torch.Generator
@@ -148,23 +167,24 @@ class SpeculativeDecoder:
     def _catch_up(self, batch: RunningBatch) -> None:
         """Feed the drafter every committed position it has not seen (the prompt, and whatever
         plain steps decoded): entry t pairs the stored target hidden state at t with token t+1."""
-        gap = batch.lengths - self.drafter_lengths
+        gap = batch.lengths - self.state.drafter_lengths
         if not bool((gap > 0).any()):
             return
         width = int(gap.max())
-        slots = self.drafter_lengths[:, None] + torch.arange(width, device=gap.device)
+        slots = self.state.drafter_lengths[:, None] + torch.arange(width, device=gap.device)
         stored_hidden = batch.cache.extra[:, 0]
         hidden = gather_rows(stored_hidden, slots.clamp(max=stored_hidden.shape[1] - 1))
         # token t+1 of every position up to the pending token at lengths[b]
         next_token_ids = batch.tokens.gather(1, (slots + 1).clamp(max=batch.tokens.shape[1] - 1))
         causal = torch.ones(width, width, dtype=torch.bool, device=gap.device).tril()
-        output = self._run_drafter(next_token_ids, hidden, self.drafter_lengths, slots, causal, written=0)
+        output = self._run_drafter(next_token_ids, hidden, self.state.drafter_lengths, slots, causal, written=0)
         caught_up = gap > 0
         last_entry = (gap - 1).clamp(min=0)
         rows = torch.arange(batch.size, device=gap.device)
-        self.root_hidden = torch.where(caught_up[:, None], output.hidden[rows, last_entry], self.root_hidden)
-        self.root_logits = torch.where(caught_up[:, None], output.logits[rows, last_entry], self.root_logits)
-        self.drafter_lengths = batch.lengths.clone()
+        state = self.state
+        state.root_hidden = torch.where(caught_up[:, None], output.hidden[rows, last_entry], state.root_hidden)
+        state.root_logits = torch.where(caught_up[:, None], output.logits[rows, last_entry], state.root_logits)
+        state.drafter_lengths = batch.lengths.clone()
 
     def _draft(
         self, batch: RunningBatch, config: SpeculativeConfig, sampling: SamplingParams, generator: torch.Generator
@@ -175,7 +195,7 @@ class SpeculativeDecoder:
             builder = ChainBuilder(batch.pending, config.steps, sampling, generator, vocabulary)
         else:
             builder = TreeBuilder(batch.pending, config, vocabulary)
-        frontier_hidden, frontier_logits = self.root_hidden[:, None], self.root_logits[:, None]
+        frontier_hidden, frontier_logits = self.state.root_hidden[:, None], self.state.root_logits[:, None]
         written = 0
         for step in range(config.steps):
             frontier = builder.expand(frontier_logits)
@@ -197,9 +217,9 @@ class SpeculativeDecoder:
         entries = input_ids.shape[1]
         write_slots = lengths[:, None] + written + torch.arange(entries, device=input_ids.device)
         kv_length = int(lengths.max()) + written + entries
-        self.cache.prepare(write_slots, kv_length)
+        self.state.cache.prepare(write_slots, kv_length)
         mask = block_attention_mask(lengths, visible, kv_length)
-        return self.drafter(input_ids, target_hidden, positions, mask, self.cache)
+        return self.drafter(input_ids, target_hidden, positions, mask, self.state.cache)
 
     def _commit(
         self, batch: RunningBatch, config: SpeculativeConfig, tree: DraftTree, verdict: Verdict, hidden: torch.Tensor
@@ -222,40 +242,36 @@ class SpeculativeDecoder:
         causal = torch.ones(caught_up, caught_up, dtype=torch.bool, device=path.device).tril()
         output = self._run_drafter(emitted[:, :caught_up], path_hidden, batch.lengths, positions, causal, written=0)
         rows = torch.arange(path.shape[0], device=path.device)
-        self.root_hidden = output.hidden[rows, accept_length]
-        self.root_logits = output.logits[rows, accept_length]
+        self.state.root_hidden = output.hidden[rows, accept_length]
+        self.state.root_logits = output.logits[rows, accept_length]
         batch.lengths = batch.lengths + accept_length + 1
         batch.pending = verdict.bonus
-        self.drafter_lengths = batch.lengths.clone()
+        self.state.drafter_lengths = batch.lengths.clone()
         return emitted
 
     def _count(self, config: SpeculativeConfig, tree: DraftTree, verdict: Verdict) -> None:
-        missing_depths = config.steps - self.accepted_by_depth.shape[1]
+        state = self.state
+        missing_depths = config.steps - state.accepted_by_depth.shape[1]
         if missing_depths > 0:
-            self.accepted_by_depth = torch.nn.functional.pad(self.accepted_by_depth, (0, missing_depths))
-            self.proposed_by_depth = torch.nn.functional.pad(self.proposed_by_depth, (0, missing_depths))
-        depth_index = torch.arange(self.accepted_by_depth.shape[1], device=verdict.accept_length.device)
-        self.verify_passes += 1
-        self.accepted_draft_tokens += verdict.accept_length
-        self.accepted_by_depth += depth_index[None, :] < verdict.accept_length[:, None]
+            state.accepted_by_depth = torch.nn.functional.pad(state.accepted_by_depth, (0, missing_depths))
+            state.proposed_by_depth = torch.nn.functional.pad(state.proposed_by_depth, (0, missing_depths))
+        depth_index = torch.arange(state.accepted_by_depth.shape[1], device=verdict.accept_length.device)
+        state.verify_passes += 1
+        state.accepted_draft_tokens += verdict.accept_length
+        state.accepted_by_depth += depth_index[None, :] < verdict.accept_length[:, None]
         tree_depth = tree.depths.max(dim=1).values
-        self.proposed_by_depth += depth_index[None, :] < tree_depth[:, None]
+        state.proposed_by_depth += depth_index[None, :] < tree_depth[:, None]
 
     def keep_rows(self, rows: torch.Tensor) -> None:
         """Keep only rows `rows` of the drafter cache and every per-row tensor."""
-        self.cache.keep_rows(rows)
-        for name in (
-            "drafter_lengths", "root_hidden", "root_logits", "verify_passes", "accepted_draft_tokens",
-            "accepted_by_depth", "proposed_by_depth",
-        ):
-            setattr(self, name, getattr(self, name).index_select(0, rows))
+        keep_rows_of(self.state, rows)
 
     def stats(self, row: int) -> SpeculativeStats:
         """What SD did for the request in `row` (acceptance as judged at verification, before any
         cut at EOS or max_new_tokens)."""
         return SpeculativeStats(
-            verify_passes=int(self.verify_passes[row]),
-            accepted_draft_tokens=int(self.accepted_draft_tokens[row]),
-            accepted_by_depth=self.accepted_by_depth[row].tolist(),
-            proposed_by_depth=self.proposed_by_depth[row].tolist(),
+            verify_passes=int(self.state.verify_passes[row]),
+            accepted_draft_tokens=int(self.state.accepted_draft_tokens[row]),
+            accepted_by_depth=self.state.accepted_by_depth[row].tolist(),
+            proposed_by_depth=self.state.proposed_by_depth[row].tolist(),
         )
