@@ -1,0 +1,313 @@
+"""tlt's rollout inside Hugging Face TRL's GRPOTrainer: one argument added to a user's own script.
+
+    from tlt_cli.integrations.trl import tlt_rollout
+
+    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=GRPOConfig(...), train_dataset=dataset,
+                          rollout_func=tlt_rollout())          # the one added argument
+    trainer.train()
+
+TRL keeps its loss, advantages, reference model, optimizer step and logging; `TltRollout` (TRL's
+`rollout_func`) generates every completion: TRL hands it this process's prompts (each already
+repeated num_generations times) and gets back, in the same order, `prompt_ids` (tokenized as TRL
+tokenizes them: tlt_cli/integrations/trl_support.py), `completion_ids` (cut at the first of
+TRL's EOS ids) and `logprobs`: the sampled tokens' log-probabilities under the policy that
+generated them, log_softmax(logits / temperature) over the full vocabulary as TRL computes its
+own, from the target hidden states the engine produced anyway (one lm_head product, no forward).
+
+The engine (tlt_cli/rollout/engine.py) is built on the first call on the very module TRL trains
+(unwrapped and, under ZeRO-3, gathered as TRL gathers it for its own generation), so every
+rollout sees the weights of the latest optimizer step. It speculates with a drafter
+(tlt_cli/integrations/trl_drafter.py: warmed up on the trainer's own prompts and cached, random,
+a saved folder or an EagleDrafter), steered by the adaptive rule table, bandit and collapse
+auto-off of the `speculative` settings (tlt_cli/rollout/adaptive.py). With several data-parallel
+processes the drafter sidecar trains the drafter while this process waits for the others
+(tlt_cli/integrations/trl_sidecar.py). `take_records()` returns what each rollout did (timings,
+per-request lengths, SD usage and acceptance, sidecar metrics) for a trace;
+`save_state`/`load_state` carry the schedule and drafter through checkpoints.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from tlt_cli.config import DrafterConfig, SpeculativeSection
+from tlt_cli.errors import UserError
+from tlt_cli.integrations.trl_support import (
+    check_trainer_supported,
+    check_trl_version,
+    eos_and_pad_ids,
+    generation_policy,
+    prompt_token_ids,
+    trl_sampling,
+)
+from tlt_cli.rollout.adaptive import OFF, adaptive_schedule
+from tlt_cli.rollout.embedded import EmbeddedRollout
+from tlt_cli.rollout.types import Completion, RolloutRequest
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from tlt_cli.drafter.model import EagleDrafter
+    from tlt_cli.integrations.trl_sidecar import TrlSidecar
+
+# response positions per lm_head product when computing log-probs ([rows, V] floats at a time)
+LOGPROB_CHUNK = 1024
+STATE_DIRECTORY = "tlt_rollout"
+
+
+@dataclass(frozen=True)
+class RequestRecord:
+    """One completion of a rollout. end: time.time() when it left the engine's running batch."""
+
+    prompt_tokens: int
+    response_tokens: int
+    finished_by_eos: bool
+    end: float
+    verify_passes: int
+    accepted_draft_tokens: int
+
+
+@dataclass
+class RolloutRecord:
+    """What one call of the rollout did in this process (times are time.time() seconds).
+
+    start / end: the call's entry and return; busy_end: this process's last completion finished;
+    idle_end: every process had finished (busy_end with one process or without the sidecar);
+    logprob_seconds: the log-prob products; sd_usage: label -> {decode_steps, tokens, seconds};
+    sd_seconds: decode seconds under an SD configuration; accept_length: tokens per verify pass
+    over the rollout (0.0 without SD); sidecar: the drafter sidecar's metrics (empty when it did
+    not run: tlt_cli/drafter/sidecar.py names the keys), with idle_seconds, the wait it trained in.
+    """
+
+    rollout: int
+    process: int
+    processes: int
+    global_step: int
+    start: float
+    busy_end: float
+    idle_end: float
+    end: float
+    logprob_seconds: float
+    requests: list[RequestRecord]
+    sd_usage: dict[str, dict[str, float]]
+    sd_seconds: float
+    accept_length: float
+    warnings: list[str]
+    sidecar: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def seconds(self) -> float:
+        return self.end - self.start
+
+    def to_dict(self) -> dict:
+        """Plain JSON-ready values (requests as dicts), with `seconds`."""
+        return {**asdict(self), "seconds": self.seconds}
+
+
+def tlt_rollout(
+    speculative: SpeculativeSection | dict | None = None,
+    drafter: str | Path | EagleDrafter = "warmup",
+    sidecar: bool = True,
+    drafter_config: DrafterConfig | dict | None = None,
+    seed: int = 0,
+) -> TltRollout:
+    """A `rollout_func` for `GRPOTrainer` (checked now: TRL's version, the settings).
+
+    speculative: the recipe's `speculative` section (None: its defaults, adaptive; {"mode": "off"}:
+    plain decoding). drafter: "warmup" (trained on the trainer's first prompts before the first
+    rollout, cached under $TLT_CACHE_DIR), "random", a folder written by save_drafter, or an
+    EagleDrafter. sidecar: train the drafter in the wait between data-parallel processes.
+    drafter_config: the recipe's `drafter` section (warm-up and sidecar settings). seed: sampling
+    and the bandit's draws.
+    """
+    check_trl_version()
+    return TltRollout(_section(SpeculativeSection, speculative, "speculative"), drafter, sidecar,
+                      _section(DrafterConfig, drafter_config, "drafter_config"), seed)
+
+
+def _section(kind: type, given: Any, name: str) -> Any:
+    """A recipe section from None (defaults), an instance or a dict (unknown keys refused)."""
+    if given is None:
+        return kind()
+    if isinstance(given, kind):
+        return given
+    known = {item.name for item in fields(kind)}
+    unknown = sorted(set(given) - known)
+    if unknown:
+        raise UserError(f"{name} has no key {unknown[0]!r}; use keys among {sorted(known)}.")
+    return kind(**given)
+
+
+class TltRollout:
+    """TRL's rollout_func generating with tlt (see the module docstring); build it with `tlt_rollout`."""
+
+    def __init__(self, speculative: SpeculativeSection, drafter: str | Path | EagleDrafter, sidecar: bool,
+                 drafter_config: DrafterConfig, seed: int) -> None:
+        if speculative.mode == "adaptive":
+            adaptive_schedule(speculative)  # the rule table is checked now, not at the first rollout
+        self.speculative = speculative
+        self.drafter_source = drafter
+        self.use_sidecar = sidecar
+        self.drafter_config = drafter_config
+        self.seed = seed
+        self.rollouts = 0
+        self.backend: EmbeddedRollout | None = None
+        self.policy: nn.Module | None = None
+        self.drafter: EagleDrafter | None = None
+        self.sidecar: TrlSidecar | None = None
+        self.records: list[RolloutRecord] = []
+        self.pending_state: Path | None = None
+
+    def __call__(self, prompts: list, trainer: Any) -> dict[str, list]:
+        start = time.time()
+        check_trainer_supported(trainer)
+        prompt_ids = prompt_token_ids(trainer, prompts)
+        eos_ids, _ = eos_and_pad_ids(trainer)
+        process, processes = trainer.accelerator.process_index, trainer.accelerator.num_processes
+        with generation_policy(trainer) as policy:
+            self._build(policy, trainer)
+            requests = [RolloutRequest(index, tuple(ids)) for index, ids in enumerate(prompt_ids)]
+            completions, busy_end = self.backend.generate_with_hidden(requests, trl_sampling(trainer),
+                                                                      self._sampling_seed(process))
+            completions = [_cut_at_eos(completion, eos_ids) for completion in completions]
+            logprob_start = time.perf_counter()
+            logprobs = sampled_logprobs(policy.get_output_embeddings(), completions, trainer.temperature)
+            logprob_seconds = time.perf_counter() - logprob_start
+            sidecar_metrics = self.sidecar.after_rollout(self.rollouts, completions) if self.sidecar else {}
+        idle_end = busy_end + sidecar_metrics.get("idle_seconds", 0.0)
+        self.records.append(self._record(trainer, process, processes, start, busy_end, idle_end, logprob_seconds,
+                                         completions, sidecar_metrics))
+        self.rollouts += 1
+        return {
+            "prompt_ids": [list(completion.prompt_ids) for completion in completions],
+            "completion_ids": [completion.response_ids for completion in completions],
+            "logprobs": logprobs,
+        }
+
+    def _build(self, policy: nn.Module, trainer: Any) -> None:
+        """The engine, drafter and sidecar on `policy`, once (again only if TRL hands over another module)."""
+        if policy is self.policy:
+            return
+        from tlt_cli.integrations.trl_drafter import starting_drafter
+        from tlt_cli.integrations.trl_sidecar import TrlSidecar
+
+        wants_drafter = self.speculative.mode != "off" or self.use_sidecar
+        self.drafter = starting_drafter(self.drafter_source, policy, trainer, self.drafter_config, self.seed,
+                                        self.pending_state) if wants_drafter else None
+        eos_ids, pad_token_id = eos_and_pad_ids(trainer)
+        self.backend = HiddenStateRollout(policy, eos_ids[0], pad_token_id, self.speculative, self.drafter,
+                                          seed=self.seed)
+        if self.pending_state is not None:
+            self._load_schedule(self.pending_state, trainer.accelerator.process_index)
+        processes = trainer.accelerator.num_processes
+        if self.use_sidecar and processes > 1:
+            self.sidecar = TrlSidecar(policy, self.drafter, self.drafter_config, self.seed,
+                                      trainer.accelerator.process_index, processes, trainer.accelerator.device,
+                                      pad_token_id)
+            if self.pending_state is not None:
+                self.sidecar.load_state(self.pending_state)
+        self.policy = policy
+
+    def _sampling_seed(self, process: int) -> int:
+        """Sampling randomness from (seed, rollout number, process): a resumed run draws the same samples."""
+        return (self.seed * 1_000_003 + self.rollouts) * 1009 + process
+
+    def _record(self, trainer: Any, process: int, processes: int, start: float, busy_end: float, idle_end: float,
+                logprob_seconds: float, completions: list[Completion], sidecar: dict[str, float]) -> RolloutRecord:
+        usage = {label: asdict(value) for label, value in self.backend.take_usage().items()}
+        passes = sum(completion.speculative.verify_passes for completion in completions)
+        accepted = sum(completion.speculative.accepted_draft_tokens for completion in completions)
+        return RolloutRecord(
+            rollout=self.rollouts, process=process, processes=processes, global_step=trainer.state.global_step,
+            start=start, busy_end=busy_end, idle_end=idle_end, end=time.time(), logprob_seconds=logprob_seconds,
+            requests=[_request_record(completion) for completion in completions],
+            sd_usage=usage,
+            sd_seconds=sum(value["seconds"] for label, value in usage.items() if label != OFF),
+            accept_length=(accepted + passes) / passes if passes else 0.0,
+            warnings=self.backend.take_warnings(),
+            sidecar=sidecar,
+        )
+
+    def take_records(self) -> list[RolloutRecord]:
+        """The records of the rollouts since the last call, oldest first."""
+        records, self.records = self.records, []
+        return records
+
+    def save_state(self, directory: Path, process: int = 0) -> None:
+        """Into a checkpoint folder: the adaptive schedule's learning and the rollout count
+        (tlt_rollout/rank-<process>.pt), the sidecar's state, and the drafter (drafter/, process 0)."""
+        from tlt_cli.drafter.model import save_drafter
+        from tlt_cli.drafter.sidecar import DRAFTER_DIRECTORY
+
+        state_directory = Path(directory) / STATE_DIRECTORY
+        state_directory.mkdir(parents=True, exist_ok=True)
+        schedule = self.backend.schedule.state_dict() if self.backend and self.backend.schedule else None
+        torch.save({"rollouts": self.rollouts, "schedule": schedule}, state_directory / f"rank-{process}.pt")
+        if self.sidecar is not None:
+            self.sidecar.save_state(Path(directory))
+        elif process == 0 and self.drafter is not None:
+            save_drafter(self.drafter, Path(directory) / DRAFTER_DIRECTORY)
+
+    def load_state(self, directory: Path, process: int = 0) -> None:
+        """Restore what `save_state` wrote: now the rollout count, the rest when the engine is built."""
+        state = torch.load(Path(directory) / STATE_DIRECTORY / f"rank-{process}.pt", weights_only=False)
+        self.rollouts = state["rollouts"]
+        self.pending_state = Path(directory)
+        self.policy = None  # rebuild on the next call, from the checkpoint's drafter
+
+    def _load_schedule(self, directory: Path, process: int) -> None:
+        state = torch.load(directory / STATE_DIRECTORY / f"rank-{process}.pt", weights_only=False)
+        if state["schedule"] is not None and self.backend.schedule is not None:
+            self.backend.schedule.load_state_dict(state["schedule"])
+
+
+class HiddenStateRollout(EmbeddedRollout):
+    """The embedded rollout, also returning each completion's target hidden states (log-probs, sidecar)."""
+
+    def generate_with_hidden(self, requests: list[RolloutRequest], sampling: Any,
+                             seed: int) -> tuple[list[Completion], float]:
+        """Completions in request order with `target_hidden`, and when the last one finished."""
+        generator = torch.Generator(self.engine.device).manual_seed(seed)
+        completions = self.engine.generate(requests, sampling, generator, return_hidden=True)
+        return completions, max(completion.end for completion in completions)
+
+
+def _cut_at_eos(completion: Completion, eos_ids: list[int]) -> Completion:
+    """The completion ended at the first of TRL's EOS ids (the engine stops only at the first id)."""
+    ends = [index for index, token in enumerate(completion.response_ids) if token in eos_ids]
+    if not ends or ends[0] == len(completion.response_ids) - 1:
+        return completion
+    length = ends[0] + 1
+    completion.response_ids = completion.response_ids[:length]
+    completion.target_hidden = completion.target_hidden[:length]
+    completion.finished_by_eos = True
+    return completion
+
+
+@torch.no_grad()
+def sampled_logprobs(lm_head: nn.Module, completions: list[Completion], temperature: float) -> list[list[float]]:
+    """log_softmax(lm_head(hidden) / temperature)[sampled token] per response token, as TRL computes them."""
+    hidden = torch.cat([completion.target_hidden for completion in completions])
+    tokens = torch.tensor([token for completion in completions for token in completion.response_ids],
+                          device=hidden.device)
+    values = torch.empty(tokens.shape[0], dtype=torch.float32, device=hidden.device)
+    for first in range(0, tokens.shape[0], LOGPROB_CHUNK):
+        rows = slice(first, first + LOGPROB_CHUNK)
+        logits = lm_head(hidden[rows]).float() / temperature
+        values[rows] = logits.log_softmax(dim=-1).gather(1, tokens[rows, None]).squeeze(1)
+    lengths = [len(completion.response_ids) for completion in completions]
+    return [chunk.tolist() for chunk in values.split(lengths)]
+
+
+def _request_record(completion: Completion) -> RequestRecord:
+    return RequestRecord(
+        prompt_tokens=len(completion.prompt_ids), response_tokens=len(completion.response_ids),
+        finished_by_eos=completion.finished_by_eos, end=completion.end,
+        verify_passes=completion.speculative.verify_passes,
+        accepted_draft_tokens=completion.speculative.accepted_draft_tokens,
+    )
