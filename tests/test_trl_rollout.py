@@ -114,6 +114,25 @@ def test_greedy_completions_are_token_identical_with_and_without_speculative_dec
     assert any(len(completion) > 3 for completion in outputs["off"])
 
 
+def test_a_checkpoint_carries_the_drafter_schedule_and_rollout_count_into_a_new_rollout(tmp_path):
+    model, tokenizer = tiny_policy()
+    rollout = tlt_rollout(drafter="random", seed=0)
+    trainer = grpo_trainer(model, tokenizer, rollout, lambda completions, **_: [0.0] * len(completions),
+                           ["a1="], tmp_path)
+    for _ in range(2):
+        rollout(["a1b2=", "a1b2=", "a3=", "a3="], trainer)
+    rollout.save_state(tmp_path / "checkpoint", process=0)
+    assert (tmp_path / "checkpoint" / "drafter" / "drafter_config.json").is_file()  # what tlt export-drafter reads
+
+    resumed = tlt_rollout(drafter="random", seed=7)  # another start, replaced by the checkpoint's drafter
+    resumed.load_state(tmp_path / "checkpoint", process=0)
+    resumed(["a1b2=", "a1b2="], trainer)
+    assert resumed.rollouts == 3
+    saved, restored = rollout.drafter.state_dict(), resumed.drafter.state_dict()
+    assert all(torch.equal(saved[name], restored[name]) for name in saved)
+    assert resumed.backend.schedule.states[0].measured_steps >= rollout.backend.schedule.states[0].measured_steps
+
+
 def test_an_unsupported_trl_version_is_refused_in_one_sentence_naming_the_range(monkeypatch):
     with pytest.raises(UnsupportedTrlError) as refused:
         trl_support.check_trl_version("1.15.2")
