@@ -11,6 +11,7 @@ from recipe_overrides import PLAIN_DECODING
 
 from tlt_cli.config import RecipeError
 from tlt_cli.plugins import PluginError, PluginHost, plugin_factory
+from tlt_cli.preflight import check_recipe
 from tlt_cli.recipe_checks import load_checked_recipe
 
 TESTS = Path(__file__).resolve().parent
@@ -58,9 +59,9 @@ def test_unknown_plugins_are_recipe_errors(tmp_path):
     with pytest.raises(PluginError, match="not installed"):
         plugin_factory("no_such_plugin")
     with pytest.raises(RecipeError, match="plugins.enabled"):
-        load_checked_recipe(RECIPE, ["plugins.enabled=[no_such_plugin]"])
+        check_recipe(load_checked_recipe(RECIPE, ["plugins.enabled=[no_such_plugin]"]))
     with pytest.raises(RecipeError, match="cannot be imported"):
-        load_checked_recipe(RECIPE, ["plugins.enabled=[no_module_here:Thing]"])
+        check_recipe(load_checked_recipe(RECIPE, ["plugins.enabled=[no_module_here:Thing]"]))
 
 
 def test_hooks_fire_in_order_in_each_worker_and_a_crashing_plugin_is_disabled(tmp_path, cache_directory):

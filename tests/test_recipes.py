@@ -7,6 +7,7 @@ from typer.testing import CliRunner
 
 from tlt_cli.cli import app
 from tlt_cli.config import RecipeError
+from tlt_cli.preflight import check_recipe
 from tlt_cli.recipe_checks import load_checked_recipe
 from tlt_cli.recipes import shipped_recipes
 
@@ -80,7 +81,7 @@ def test_malformed_recipe_is_one_clear_line(tmp_path, name):
     path = tmp_path / "recipe.yaml"
     path.write_text(text)
     with pytest.raises(RecipeError) as caught:
-        load_checked_recipe(path, overrides)
+        check_recipe(load_checked_recipe(path, overrides))
     message = str(caught.value)
     assert expected in message
     assert "\n" not in message

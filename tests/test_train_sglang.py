@@ -95,7 +95,9 @@ def _port_of(command: list[str], server: int) -> int:
 
 def test_a_server_that_crashes_at_start_is_one_error_with_its_log_tail(small_model, tmp_path, sglang_environment):
     environment = {**sglang_environment, FAKE_ARGUMENTS_VARIABLE: "--mode crash"}
-    result = subprocess.run(sglang_run(small_model, tmp_path, "crash", 1, 2), capture_output=True, text=True, timeout=600, env=environment)
+    # --keep-log: the run fails before its first step, and the servers' logs name their pids
+    result = subprocess.run([*sglang_run(small_model, tmp_path, "crash", 1, 2), "--keep-log"], capture_output=True, text=True,
+                            timeout=600, env=environment)
     assert result.returncode == 1, result.stderr[-3000:]
     first_line = result.stderr.strip().splitlines()[0]
     assert "worker 0 failed: ServerStartError: SGLang server" in first_line and "while starting" in first_line

@@ -13,6 +13,7 @@ Errors a user can cause print one line and exit with code 2; a failed run exits 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Annotated
@@ -129,17 +130,28 @@ def recipes_validate(
     arguments: Annotated[list[str], typer.Argument(help="Recipe names or YAML paths, and key=value overrides applied to each.")],
 ) -> None:
     """Check recipes as `tlt train` would before it starts; ok only when it would start. Exit 2 if any is invalid."""
-    overrides = [argument for argument in arguments if "=" in argument]
+    names, overrides = _validate_arguments(arguments)
     invalid = 0
-    for name in [argument for argument in arguments if "=" not in argument]:
+    for name in names:
         try:
             _whole_checked_recipe(name, overrides, new_run=True)
             console.print(f"ok  {name}", highlight=False)
         except UserError as error:
             invalid += 1
-            error_console.print(f"[bold red]invalid[/] {error}", highlight=False, soft_wrap=True)
+            error_console.print(f"[bold red]invalid[/] {escape(str(error))}", highlight=False, soft_wrap=True)
     if invalid:
         raise typer.Exit(USAGE_ERROR)
+
+
+def _validate_arguments(arguments: list[str]) -> tuple[list[str], list[str]]:
+    """(recipe names or paths, overrides); a bare recipe key such as `train.steps` is a malformed override, not a name."""
+    sections = {section.name for section in dataclasses.fields(Recipe)}
+
+    def is_override(argument: str) -> bool:
+        bare_key = argument.split(".")[0] in sections and not argument.endswith((".yaml", ".yml"))
+        return "=" in argument or (bare_key and not Path(argument).exists())
+
+    return [argument for argument in arguments if not is_override(argument)], list(filter(is_override, arguments))
 
 
 @app.command(context_settings={"allow_extra_args": False})

@@ -36,7 +36,7 @@ from tlt_cli.models.loading import load_policy
 from tlt_cli.recipe_checks import load_checked_recipe
 from tlt_cli.rollout.engine import EmbeddedEngine
 from tlt_cli.rollout.speculative import SpeculativeDecoder
-from tlt_cli.rollout.types import RolloutRequest, SamplingParams, SpeculativeConfig
+from tlt_cli.rollout.types import RolloutRequest, SamplingParams, SpeculativeConfig, accept_length
 from tlt_cli.sglang.weight_sync import drafter_tensors
 from tlt_cli.tasks.registry import build_task
 
@@ -233,8 +233,7 @@ def measure_accept_length(target: PreTrainedModel, drafter: torch.nn.Module, pro
             accepted_by_depth[depth] += accepted_count
             proposed_by_depth[depth] += proposed_count
     return AcceptMeasurement(
-        # tokens emitted per verify pass: accepted drafts plus one bonus token per pass
-        accept_length=(accepted + passes) / passes if passes else 0.0,
+        accept_length=accept_length(accepted, passes),
         verify_passes=passes, accepted_draft_tokens=accepted, accepted_by_depth=accepted_by_depth,
         proposed_by_depth=proposed_by_depth, prompts=len(probe.prompt_ids), first_problem_index=probe.first_problem_index,
         draft_steps=probe.draft_steps, max_new_tokens=probe.max_new_tokens,

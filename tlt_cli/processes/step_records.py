@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy
 
+from tlt_cli.rollout.types import accept_length
 from tlt_cli.worker import WorkerStepReport
 
 
@@ -64,7 +65,7 @@ def _step_record(reports: list[WorkerStepReport], requests: list[dict[str, Any]]
         "response_length_p99": float(numpy.percentile(lengths, 99)),
         "response_length_max": float(lengths.max()),
         "response_tokens": int(lengths.sum()),
-        "accept_length": (accepted + verify_passes) / verify_passes if verify_passes else None,
+        "accept_length": accept_length(accepted, verify_passes),
         **{f"actor_{name}": value for name, value in update.items()},
         "sd_on_seconds": sum(usage["seconds"] for report in reports for label, usage in report.sd_usage.items() if label != "off"),
         "sd_off_seconds": sum(usage["seconds"] for report in reports for label, usage in report.sd_usage.items() if label == "off"),

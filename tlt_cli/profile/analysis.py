@@ -24,6 +24,7 @@ from itertools import groupby
 import numpy
 
 from tlt_cli.profile.records import ProfileRecords, RequestRecord, StepRecord, WorkerRecord
+from tlt_cli.rollout.types import accept_length
 
 DEFAULT_TAIL_BATCH = 4
 # per-token speedup of SD in the tail assumed when the input measured none (the order reported for
@@ -266,9 +267,7 @@ def _length_stats(lengths: list[int]) -> LengthStats:
 
 def _accept_length(requests: list[RequestRecord]) -> float | None:
     verify_passes = sum(request.verify_passes for request in requests)
-    accepted = sum(request.accepted_tokens for request in requests)
-    # tokens emitted per verify pass: accepted drafts plus one bonus token per pass
-    return (accepted + verify_passes) / verify_passes if verify_passes else None
+    return accept_length(sum(request.accepted_tokens for request in requests), verify_passes)
 
 
 def _accept_by_depth(requests: list[RequestRecord]) -> list[DepthAcceptance]:

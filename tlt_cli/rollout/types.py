@@ -15,6 +15,15 @@ if TYPE_CHECKING:
     import torch
 
 
+def accept_length(accepted_draft_tokens: int, verify_passes: int) -> float | None:
+    """Tokens emitted per verify pass: the accepted drafts plus each pass's bonus token; None when SD never ran.
+
+    The one definition of accept length: the engine's per-request stats, the step records of the
+    trace, `tlt profile`, SGLang's probes and `tlt export-drafter` all report this number.
+    """
+    return (accepted_draft_tokens + verify_passes) / verify_passes if verify_passes else None
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How the next token is drawn. temperature 0 means greedy (argmax)."""
@@ -90,11 +99,9 @@ class SpeculativeStats:
     proposed_by_depth: list[int] = field(default_factory=list)
 
     @property
-    def accept_length(self) -> float:
-        """Tokens emitted per verify pass (accepted drafts + the bonus token)."""
-        if self.verify_passes == 0:
-            return 0.0
-        return (self.accepted_draft_tokens + self.verify_passes) / self.verify_passes
+    def accept_length(self) -> float | None:
+        """Tokens emitted per verify pass (accepted drafts + the bonus token); None without SD."""
+        return accept_length(self.accepted_draft_tokens, self.verify_passes)
 
 
 @dataclass

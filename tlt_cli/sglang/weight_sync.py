@@ -33,6 +33,7 @@ import torch
 from safetensors.torch import save_file
 from torch.multiprocessing import reductions
 
+from tlt_cli.rollout.types import accept_length
 from tlt_cli.sglang.transport import SGLangRequestError, ServerEndpoint, get_json, post_json
 from tlt_cli.sglang.version import SGLangFeatures
 
@@ -53,9 +54,9 @@ class AcceptLengthCollapsed(WeightSyncError):
 
 @dataclass(frozen=True)
 class ProbeResult:
-    """Acceptance over the probe prompts; accept_length = (accepted drafts + passes) / passes, 0.0 if SD did not run."""
+    """Acceptance over the probe prompts; accept_length: tlt_cli/rollout/types.py's, None if SD did not run."""
 
-    accept_length: float
+    accept_length: float | None
     verify_passes: int
     accepted_draft_tokens: int
     # the weight version the server reported with its answers (None if it reports none)
@@ -224,9 +225,7 @@ def probe_accept_length(
         verify_passes += int(meta_info.get("spec_verify_ct", 0))
         accepted += int(meta_info.get("spec_num_correct_drafts", 0))
         weight_version = meta_info.get("weight_version", weight_version)
-    # tokens emitted per verify pass: accepted drafts plus one bonus token per pass
-    accept_length = (accepted + verify_passes) / verify_passes if verify_passes else 0.0
-    return ProbeResult(accept_length, verify_passes, accepted, weight_version)
+    return ProbeResult(accept_length(accepted, verify_passes), verify_passes, accepted, weight_version)
 
 
 def check_sync_landed(
@@ -242,8 +241,8 @@ def check_sync_landed(
             f"SGLang server {endpoint.index} answers with weight version '{after.weight_version}', "
             f"not '{expected_weight_version}': the update did not land."
         )
-    worked_before = before is not None and before.accept_length > collapse_accept_length
-    if worked_before and after.accept_length <= collapse_accept_length:
+    worked_before = before is not None and before.verify_passes > 0 and before.accept_length > collapse_accept_length
+    if worked_before and (not after.verify_passes or after.accept_length <= collapse_accept_length):
         now = f"{after.accept_length:.2f}" if after.verify_passes else "nothing (SD did not run in the probe)"
         raise AcceptLengthCollapsed(
             f"SGLang server {endpoint.index}: accept length fell from {before.accept_length:.2f} to {now} across "
