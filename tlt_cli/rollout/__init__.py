@@ -1,1 +1,1 @@
-"""Rollout engines: the embedded in-process engine and its speculative decoding."""
+"""Rollout: the backend interface (embedded engine or SGLang), the embedded engine, its speculative decoding and the adaptive SD schedule."""
