@@ -75,6 +75,8 @@ class TrainConfig:
     steps: int = setting(60, "RL steps")
     prompts_per_step: int = setting(16, "prompts per step across all workers (a multiple of workers.count)")
     group_size: int = setting(8, "responses sampled per prompt (the GRPO group)")
+    trainer: str = setting("native", "native (tlt's GRPO loop on DeepSpeed workers) or trl (Hugging Face TRL's "
+                                     "GRPOTrainer with tlt's rollout; its own options in the trl section)")
 
 
 @dataclass(frozen=True)
@@ -127,8 +129,9 @@ class SGLangConfig:
 
 @dataclass(frozen=True)
 class RolloutConfig:
-    backend: str = setting("embedded", "embedded (the in-process engine sharing the actor's weights) or sglang "
-                                       "(SGLang servers each worker starts and owns)")
+    backend: str = setting("embedded", "embedded (the in-process engine sharing the actor's weights), sglang "
+                                       "(SGLang servers each worker starts and owns), or trl (TRL's own generation, "
+                                       "no speculative decoding; train.trainer trl only)")
     max_new_tokens: int = setting(320, "longest response in tokens")
     temperature: float = setting(1.0, "sampling temperature (0 is greedy)")
     top_p: float = setting(1.0, "nucleus sampling: keep the most likely tokens up to this total probability "
@@ -223,9 +226,13 @@ class Recipe:
     speculative: SpeculativeSection = setting(SpeculativeSection(), "speculative decoding in the rollout")
     drafter: DrafterConfig = setting(DrafterConfig(), "the drafter: where it starts and how it trains")
     plugins: PluginsConfig = setting(PluginsConfig(), "hooks injected into every worker process")
+    trl: dict[str, Any] = setting({}, "train.trainer trl: more fields of TRL's GRPOConfig, passed through (e.g. "
+                                      "loss_type: grpo); fields the recipe sets by its own keys are refused")
 
 
 CPU_DEVICES = "cpu"
+# train.trainer value of a run under Hugging Face TRL's GRPOTrainer (tlt_cli/integrations/trl_run.py)
+TRL_TRAINER = "trl"
 
 
 class _RecipeYamlLoader(yaml.SafeLoader):
@@ -351,7 +358,7 @@ def _apply_override(merged: DictConfig, override: str) -> DictConfig:
 
 _MISSING_KEY = object()
 # keys under these take any name (options passed through to the chosen task or plugin)
-FREE_FORM_SECTIONS = ("task.options.", "plugins.options.")
+FREE_FORM_SECTIONS = ("task.options.", "plugins.options.", "trl.")
 
 
 def _describe(error: OmegaConfBaseException) -> str:

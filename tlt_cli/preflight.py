@@ -5,12 +5,14 @@ at fault) at the first problem, reading what the recipe names but building and w
   1. values, ranges and how the sections fit (tlt_cli/recipe_checks.py);
   2. the task: its name, its options by the types and ranges it declares, its data files (a bad
      line is named), by building it;
-  3. the model folder: its config and tokenizer load (not the weights), which gives the vocabulary
-     the SD shapes and the rule table must fit;
+  3. the model folder: its config and tokenizer load (not the weights), the tokenizer fits the
+     model's vocabulary, which the SD shapes and the rule table must fit;
   4. a drafter folder given as drafter.init holds a drafter;
   5. every plugin resolves to a class with WorkerPlugin hooks (tlt_cli/plugins.py) that takes
      its options (so `os:system` is refused);
-  6. the run directory <run.output_dir>/<run.name> can be created, and (new_run) holds no run yet.
+  6. the run directory <run.output_dir>/<run.name> can be created, and (new_run) holds no run yet;
+  7. with train.trainer trl: the installed TRL is supported and its GRPOConfig takes the recipe's
+     settings and trl section (tlt_cli/integrations/trl_recipe.py; this imports TRL).
 `tlt recipes validate` says ok exactly when this passes, so `tlt train` starts; what the machine
 lacks (GPUs, SGLang) is checked when a run starts (tlt_cli/processes/machine_checks.py), so a GPU
 recipe validates on a laptop.
@@ -23,7 +25,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from tlt_cli.config import PluginsConfig, Recipe, RecipeError, RunConfig
+from tlt_cli.config import TRL_TRAINER, PluginsConfig, Recipe, RecipeError, RunConfig
 from tlt_cli.drafter.model import CONFIG_FILE
 from tlt_cli.errors import UserError
 from tlt_cli.models.loading import load_config_and_tokenizer
@@ -44,6 +46,10 @@ def check_recipe(recipe: Recipe, new_run: bool = False) -> None:
     _check_drafter_folder(recipe)
     _check_plugins(recipe.plugins)
     check_output_folder(recipe.run, new_run)
+    if recipe.train.trainer == TRL_TRAINER:
+        from tlt_cli.integrations.trl_recipe import check_trl_recipe
+
+        check_trl_recipe(recipe)
 
 
 def _check_task(recipe: Recipe) -> None:
@@ -56,9 +62,12 @@ def _check_task(recipe: Recipe) -> None:
 def _check_model(recipe: Recipe) -> int:
     """The model's vocabulary size, once its config and tokenizer load."""
     try:
-        config, _ = load_config_and_tokenizer(recipe.model.path)
+        config, tokenizer = load_config_and_tokenizer(recipe.model.path)
     except UserError as error:
         raise RecipeError(f"model.path: {error}") from None
+    if len(tokenizer) > config.vocab_size:
+        raise RecipeError(f"model.path: the tokenizer of {recipe.model.path} has {len(tokenizer)} tokens but the model's "
+                          f"vocabulary holds {config.vocab_size}; the tokenizer belongs to another model.")
     return int(config.vocab_size)
 
 

@@ -16,7 +16,16 @@ import math
 from pathlib import Path
 from typing import Any
 
-from tlt_cli.config import CPU_DEVICES, DrafterConfig, Recipe, RecipeError, SpeculativeSection, load_recipe
+from tlt_cli.config import (
+    CPU_DEVICES,
+    TRL_TRAINER,
+    DrafterConfig,
+    Recipe,
+    RecipeError,
+    SpeculativeSection,
+    load_recipe,
+)
+from tlt_cli.drafter import sidecar
 from tlt_cli.processes.hostfile import HostfileError, check_hostfile, ranks_per_node
 from tlt_cli.rollout.adaptive import RuleTableError, build_rules
 from tlt_cli.rollout.speculative import check_speculative_config
@@ -24,7 +33,10 @@ from tlt_cli.rollout.types import SpeculativeConfig
 from tlt_cli.sglang.adaptive import batch_rules
 from tlt_cli.sglang.config import validate_sglang_config
 
-ROLLOUT_BACKENDS = ("embedded", "sglang")
+ROLLOUT_BACKENDS = ("embedded", "sglang", "trl")
+TRAINERS = ("native", TRL_TRAINER)
+# a TRL run generates with tlt's embedded engine, or with TRL's own generation (rollout.backend trl, the baseline)
+TRL_BACKENDS = ("embedded", "trl")
 PRECISIONS = ("fp32", "bf16")
 SPECULATIVE_MODES = ("off", "fixed", "adaptive")
 DRAFTER_STARTS = ("warmup", "random")
@@ -63,6 +75,7 @@ def check_values(recipe: Recipe) -> None:
     _check_drafter(recipe.drafter)
     _check_plugins(recipe)
     _check_actor_placement(recipe)
+    _check_trainer(recipe)
     if recipe.rollout.backend == "sglang":
         _check_sglang_backend(recipe)
 
@@ -120,6 +133,34 @@ def _check_actor(recipe: Recipe) -> None:
     _require(actor.kl_coef >= 0.0, f"actor.kl_coef must be >= 0, got {actor.kl_coef}.")
     _require(actor.ppo_epochs >= 1, f"actor.ppo_epochs must be at least 1, got {actor.ppo_epochs}.")
     _require(actor.grad_clip > 0.0, f"actor.grad_clip must be positive, got {actor.grad_clip}.")
+
+
+def _check_trainer(recipe: Recipe) -> None:
+    """train.trainer, and what a TRL run takes (TRL's own settings are checked by tlt_cli/preflight.py)."""
+    trainer, backend = recipe.train.trainer, recipe.rollout.backend
+    _require(trainer in TRAINERS, f"train.trainer must be one of {', '.join(TRAINERS)}, got '{trainer}'.")
+    if trainer != TRL_TRAINER:
+        _require(not recipe.trl, f"trl.{next(iter(recipe.trl), '')} is set but train.trainer is {trainer}; set "
+                                 "train.trainer: trl or remove the trl section.")
+        _require(backend != "trl", "rollout.backend trl (TRL's own generation) needs train.trainer: trl.")
+        return
+    _require(backend in TRL_BACKENDS, f"rollout.backend {backend} does not run under train.trainer trl; use "
+                                      f"{' or '.join(TRL_BACKENDS)}.")
+    _require(recipe.workers.hostfile is None, "workers.hostfile is not supported with train.trainer trl yet; its "
+                                              "processes run on this machine (remove workers.hostfile).")
+    others = [name for name in recipe.plugins.enabled if name != sidecar.PLUGIN_NAME]
+    _require(not others, f"plugins.enabled: {(others or [''])[0]} hooks into tlt's own worker loop, which a TRL "
+                         f"run does not run; a TRL run takes only {sidecar.PLUGIN_NAME}.")
+    _require(recipe.rollout.temperature > 0.0, "rollout.temperature must be > 0 with train.trainer trl (TRL divides "
+                                               "its log-probs by it).")
+    completions = recipe.train.prompts_per_step * recipe.train.group_size // recipe.workers.count
+    _require(completions % recipe.actor.micro_batch_size == 0,
+             f"actor.micro_batch_size ({recipe.actor.micro_batch_size}) must divide the {completions} completions each "
+             "TRL process trains on per step (train.prompts_per_step x train.group_size / workers.count).")
+    if backend == "trl":
+        _require(recipe.speculative.mode == "off" and sidecar.PLUGIN_NAME not in recipe.plugins.enabled,
+                 "rollout.backend trl (TRL's own generation) does not speculate or train a drafter; set "
+                 f"speculative.mode: off and leave {sidecar.PLUGIN_NAME} out of plugins.enabled.")
 
 
 def _check_actor_placement(recipe: Recipe) -> None:

@@ -32,7 +32,7 @@ from typing import Any, Protocol
 from rich.console import Console
 
 from tlt_cli.checkpoint import latest_checkpoint
-from tlt_cli.config import CPU_DEVICES, Recipe, recipe_to_yaml
+from tlt_cli.config import CPU_DEVICES, TRL_TRAINER, Recipe, recipe_to_yaml
 from tlt_cli.errors import UserError
 from tlt_cli.display import PhaseProgress, TrainingDisplay, render_summary
 from tlt_cli.drafter.initial import prepare_initial_drafter
@@ -244,6 +244,10 @@ def _start_workers(spec_base: dict[str, Any]) -> WorkerGroup:
     if recipe.workers.hostfile is not None:
         return LaunchedWorkers(spec_base)
     gpus = [] if recipe.actor.devices == CPU_DEVICES else recipe.actor.devices
+    if recipe.train.trainer == TRL_TRAINER:
+        from tlt_cli.integrations.trl_run import trl_worker_main
+
+        return LocalWorkers(spec_base, recipe.workers.count, gpus, target=trl_worker_main)
     return LocalWorkers(spec_base, recipe.workers.count, gpus)
 
 
