@@ -237,3 +237,38 @@ def test_a_missing_or_broken_file_is_one_line_naming_it(name, workspace):
     assert assert_one_line(trained).removeprefix("error: ") == message
     named = recipe or overrides[-1].split("=", 1)[1]
     assert named.split("/")[-1] in message or named in message, message
+
+
+# the issue's examples, through a real `tlt train` process: what a user types at a terminal
+ISSUE_EXAMPLES = {
+    "unknown task": ("task.name=nope",),
+    "task name of the wrong type": ("task.name=5",),
+    "unknown task option": ("task.options.max_termz=3",),
+    "data file missing": ("task.name=jsonl_math", "task.options.path=absent.jsonl"),
+    "output folder is a file": ("run.output_dir=a_file",),
+    "plugin that is not a plugin": ("plugins.enabled=[os:system]",),
+}
+
+
+@pytest.mark.parametrize("name", list(ISSUE_EXAMPLES))
+def test_the_issue_examples_stop_a_real_train_process_with_one_line(name, workspace):
+    folder, output = workspace
+    overrides = ISSUE_EXAMPLES[name]
+    before = files_under(folder)
+    output_override = () if overrides[0].startswith("run.output_dir") else (output,)
+    result = subprocess.run([sys.executable, "-m", "tlt_cli", "train", "tiny-cpu", *output_override, *overrides],
+                            capture_output=True, text=True, cwd=folder, timeout=120)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in result.stderr, result.stderr
+    assert files_under(folder) == before and not (folder / "runs").exists()
+
+
+def test_a_recipe_that_is_not_utf8_is_one_line_in_a_real_validate_process(workspace):
+    folder, _ = workspace
+    (folder / "latin1.yaml").write_bytes("run:\n  name: caf\xe9\n".encode("latin-1"))
+    result = subprocess.run([sys.executable, "-m", "tlt_cli", "recipes", "validate", "latin1.yaml"],
+                            capture_output=True, text=True, cwd=folder, timeout=120)
+    assert result.returncode == 2 and "UnicodeDecodeError" not in result.stderr and "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines() == [
+        "invalid recipe file latin1.yaml is not UTF-8 text (byte 0xe9 at line 2); save it as UTF-8."]
