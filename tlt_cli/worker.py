@@ -37,6 +37,7 @@ from tlt_cli.processes.distributed import RolloutBarrier, WorkerAddress, init_wo
 from tlt_cli.rollout.backend import BackendSetup, build_rollout_backend
 from tlt_cli.rollout.types import Completion, RolloutRequest, SamplingParams
 from tlt_cli.tasks.base import Problem
+from tlt_cli.tasks.prompts import encode_prompt
 from tlt_cli.tasks.registry import build_task
 
 # prompts of the step (one per group) a rollout backend that pushes weights probes acceptance on
@@ -245,7 +246,7 @@ class WorkerLoop:
         shard = StepShard(problems)
         group_size = self.recipe.train.group_size
         for problem_number, problem in enumerate(problems):
-            prompt_ids = tuple(self.tokenizer.encode(problem.prompt, add_special_tokens=False))
+            prompt_ids = tuple(encode_prompt(self.tokenizer, problem.prompt))
             for sample in range(group_size):
                 shard.requests.append(RolloutRequest(request_id=problem_number * group_size + sample, prompt_ids=prompt_ids))
         return shard

@@ -5,11 +5,15 @@
      the held-out prompts greedily, keeping the target's hidden state of every response token
      (so no second forward over the responses is needed);
   2. prompt states: one target forward over the prompts alone (length buckets) completes the
-     hidden states, and the draft vocabulary is chosen: the N tokens the target emitted most
-     often in its training responses (tlt_cli/drafter/vocabulary.py; N from `vocab_size`);
-  3. train: a fresh `EagleDrafter` over that vocabulary takes `steps` optimizer steps on length
-     buckets of the training sequences, the hidden states computed once and reused every step;
+     hidden states;
+  3. train: the draft vocabulary is chosen, the N tokens the target emitted most often in its
+     training responses (tlt_cli/drafter/vocabulary.py; N from `vocab_size`), and a fresh
+     `EagleDrafter` over it takes `steps` optimizer steps on length buckets of the training
+     sequences, the hidden states computed once and reused every step;
   4. evaluate: top-1 agreement with the target on the held-out greedy answers, before and after.
+`collect_warmup_data` (phases 1-2) and `train_warmup_drafter` (phases 3-4) are its two halves,
+so several drafters can be trained on one collection. Prompts are encoded as the rollout encodes
+them, through the model's chat template when it has one (tlt_cli/tasks/prompts.py).
 That agreement is the teacher-forced greedy acceptance rate at draft depth 1: the fraction of
 response tokens where the drafter, given the target's true hidden state, proposes exactly the
 token the target emitted. Called by the training setup before the first RL step
@@ -36,6 +40,7 @@ from tlt_cli.drafter.vocabulary import (
 from tlt_cli.rollout.engine import EmbeddedEngine
 from tlt_cli.rollout.types import Completion, RolloutRequest, SamplingParams
 from tlt_cli.tasks.base import Task
+from tlt_cli.tasks.prompts import encode_prompt
 
 # held-out sequences per no-grad evaluation forward (its logits are [bucket, length, N])
 EVALUATION_BUCKET_SIZE = 8
@@ -82,8 +87,9 @@ class WarmupReport:
 
 
 def encode_prompts(tokenizer: PreTrainedTokenizerBase, task: Task, indices: range) -> list[list[int]]:
-    """Token ids of the task's prompts at `indices` (no special tokens added)."""
-    return [tokenizer(task.problem(index).prompt, add_special_tokens=False)["input_ids"] for index in indices]
+    """Token ids of the task's prompts at `indices`, encoded as the rollout encodes them
+    (through the model's chat template when it has one: tlt_cli/tasks/prompts.py)."""
+    return [encode_prompt(tokenizer, task.problem(index).prompt) for index in indices]
 
 
 def generate_responses(
@@ -217,29 +223,32 @@ def counted_tokens(buckets: list[DrafterBatch]) -> int:
 
 
 @dataclass
-class _WarmupData:
-    train_buckets: list[DrafterBatch]
-    held_out_buckets: list[DrafterBatch]
-    vocabulary: DraftVocabulary
-    coverage: float
+class WarmupData:
+    """What phases 1 and 2 produce: the target's sampled responses to the training prompts and its
+    greedy answers to the held-out prompts, each with its hidden states (the engine's for the
+    response, `prompt_hidden_states` for the prompt), and how long each phase took. Any number of
+    drafters can be trained on the same data (scripts/bench_drafter_vocab.py compares vocabularies)."""
+
+    train: list[Completion]
+    held_out: list[Completion]
+    train_prompt_states: list[torch.Tensor]
+    held_out_prompt_states: list[torch.Tensor]
     generate_seconds: float
     prompt_seconds: float
 
 
-def _collect(
+def collect_warmup_data(
     target: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
     task: Task,
     train_prompts: int,
     held_out_prompts: int,
-    batch_size: int,
     sampling: SamplingParams,
-    vocab_size: int,
     seed: int,
-    progress: WarmupProgress | None,
-) -> _WarmupData:
-    """Phases 1 and 2: sampled training responses and greedy held-out answers with their hidden
-    states, and the draft vocabulary chosen from the training responses."""
+    progress: WarmupProgress | None = None,
+) -> WarmupData:
+    """Phases 1 and 2: sampled training responses (task prompts 0..train_prompts-1) and greedy
+    held-out answers (the next held_out_prompts prompts), with their hidden states."""
     start = time.perf_counter()
     prompts = encode_prompts(tokenizer, task, range(train_prompts + held_out_prompts))
     report = (lambda done: progress("generate", done, len(prompts))) if progress is not None else None
@@ -253,19 +262,71 @@ def _collect(
         progress("prompt states", 0, 1)
     train_states = prompt_hidden_states(target, [completion.prompt_ids for completion in train])
     held_out_states = prompt_hidden_states(target, [completion.prompt_ids for completion in held_out])
-    size = resolve_draft_vocab_size(vocab_size, target.config.vocab_size)
-    responses = [completion.response_ids for completion in train]
-    vocabulary = most_frequent_tokens(responses, target.config.vocab_size, size, [tokenizer.eos_token_id])
     if progress is not None:
         progress("prompt states", 1, 1)
+    return WarmupData(train, held_out, train_states, held_out_states, generate_seconds, time.perf_counter() - start)
+
+
+def choose_vocabulary(data: WarmupData, vocab_size: int, target_vocab_size: int, eos_token_id: int) -> DraftVocabulary:
+    """The draft vocabulary of `vocab_size` (0: the default for the target): the tokens the target
+    emitted most often in its training responses, EOS always among them."""
+    size = resolve_draft_vocab_size(vocab_size, target_vocab_size)
+    responses = [completion.response_ids for completion in data.train]
+    return most_frequent_tokens(responses, target_vocab_size, size, [eos_token_id])
+
+
+def train_warmup_drafter(
+    target: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    data: WarmupData,
+    steps: int,
+    batch_size: int,
+    lr: float,
+    seed: int,
+    weight_decay: float = 0.1,
+    vocab_size: int = 0,
+    progress: WarmupProgress | None = None,
+) -> tuple[EagleDrafter, WarmupReport]:
+    """Phases 3 and 4 on collected data: a fresh drafter over the chosen vocabulary, trained
+    `steps` steps on length buckets of `batch_size` sequences, evaluated on the held-out answers."""
+    vocabulary = choose_vocabulary(data, vocab_size, target.config.vocab_size, tokenizer.eos_token_id)
     pad_token_id = tokenizer.pad_token_id
-    return _WarmupData(
-        train_buckets=length_buckets(train, train_states, batch_size, pad_token_id),
-        held_out_buckets=length_buckets(held_out, held_out_states, EVALUATION_BUCKET_SIZE, pad_token_id),
-        vocabulary=vocabulary,
-        coverage=token_coverage([completion.response_ids for completion in held_out], vocabulary),
-        generate_seconds=generate_seconds,
-        prompt_seconds=time.perf_counter() - start,
+    train_buckets = length_buckets(data.train, data.train_prompt_states, batch_size, pad_token_id)
+    held_out_buckets = length_buckets(data.held_out, data.held_out_prompt_states, EVALUATION_BUCKET_SIZE, pad_token_id)
+    drafter = EagleDrafter(target, seed=seed, vocabulary=vocabulary)
+    trainer = DrafterTrainer(drafter, lr=lr, weight_decay=weight_decay)
+    evaluate_start = time.perf_counter()
+    accuracy_before, _ = held_out_metrics(drafter, held_out_buckets)
+    evaluate_seconds = time.perf_counter() - evaluate_start
+    train_start = time.perf_counter()
+    step_losses = train_on_buckets(trainer, train_buckets, steps, seed, progress)
+    train_seconds = time.perf_counter() - train_start
+    evaluate_start = time.perf_counter()
+    if progress is not None:
+        progress("evaluate", 0, 1)
+    accuracy_after, held_out_loss = held_out_metrics(drafter, held_out_buckets)
+    if progress is not None:
+        progress("evaluate", 1, 1)
+    evaluate_seconds += time.perf_counter() - evaluate_start
+    drafter.eval()
+    last_losses = step_losses[-10:]
+    return drafter, WarmupReport(
+        steps=steps,
+        steps_skipped=trainer.steps_skipped,
+        train_sequences=len(data.train),
+        train_tokens=counted_tokens(train_buckets),
+        held_out_sequences=len(data.held_out),
+        held_out_tokens=counted_tokens(held_out_buckets),
+        held_out_accuracy_before=accuracy_before,
+        held_out_accuracy=accuracy_after,
+        held_out_loss=held_out_loss,
+        final_train_loss=sum(last_losses) / max(len(last_losses), 1),
+        draft_vocab_size=vocabulary.size,
+        draft_vocab_coverage=token_coverage([completion.response_ids for completion in data.held_out], vocabulary),
+        generate_seconds=data.generate_seconds,
+        prompt_seconds=data.prompt_seconds,
+        train_seconds=train_seconds,
+        evaluate_seconds=evaluate_seconds,
     )
 
 
@@ -295,40 +356,5 @@ def warm_up_drafter(
                                           batch_size=16, lr=1e-3, seed=0)
     """
     sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature)
-    data = _collect(target, tokenizer, task, train_prompts, held_out_prompts, batch_size, sampling, vocab_size, seed,
-                    progress)
-    drafter = EagleDrafter(target, seed=seed, vocabulary=data.vocabulary)
-    trainer = DrafterTrainer(drafter, lr=lr, weight_decay=weight_decay)
-    evaluate_start = time.perf_counter()
-    accuracy_before, _ = held_out_metrics(drafter, data.held_out_buckets)
-    evaluate_seconds = time.perf_counter() - evaluate_start
-    train_start = time.perf_counter()
-    step_losses = train_on_buckets(trainer, data.train_buckets, steps, seed, progress)
-    train_seconds = time.perf_counter() - train_start
-    evaluate_start = time.perf_counter()
-    if progress is not None:
-        progress("evaluate", 0, 1)
-    accuracy_after, held_out_loss = held_out_metrics(drafter, data.held_out_buckets)
-    if progress is not None:
-        progress("evaluate", 1, 1)
-    evaluate_seconds += time.perf_counter() - evaluate_start
-    drafter.eval()
-    last_losses = step_losses[-10:]
-    return drafter, WarmupReport(
-        steps=steps,
-        steps_skipped=trainer.steps_skipped,
-        train_sequences=sum(bucket.size for bucket in data.train_buckets),
-        train_tokens=counted_tokens(data.train_buckets),
-        held_out_sequences=sum(bucket.size for bucket in data.held_out_buckets),
-        held_out_tokens=counted_tokens(data.held_out_buckets),
-        held_out_accuracy_before=accuracy_before,
-        held_out_accuracy=accuracy_after,
-        held_out_loss=held_out_loss,
-        final_train_loss=sum(last_losses) / max(len(last_losses), 1),
-        draft_vocab_size=data.vocabulary.size,
-        draft_vocab_coverage=data.coverage,
-        generate_seconds=data.generate_seconds,
-        prompt_seconds=data.prompt_seconds,
-        train_seconds=train_seconds,
-        evaluate_seconds=evaluate_seconds,
-    )
+    data = collect_warmup_data(target, tokenizer, task, train_prompts, held_out_prompts, sampling, seed, progress)
+    return train_warmup_drafter(target, tokenizer, data, steps, batch_size, lr, seed, weight_decay, vocab_size, progress)

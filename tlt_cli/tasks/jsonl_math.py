@@ -60,10 +60,15 @@ class JsonlMathTask:
 
     def reward(self, problem: Problem, response: str) -> float:
         """1.0 iff the response's last number equals the answer numerically, else 0.0."""
-        numbers = NUMBER_PATTERN.findall(response)
-        if not numbers:
-            return 0.0
-        return 1.0 if parse_number(numbers[-1]) == parse_number(problem.answer) else 0.0
+        return last_number_reward(response, problem.answer)
+
+
+def last_number_reward(response: str, answer: str) -> float:
+    """1.0 iff the last number in `response` equals `answer` numerically (commas ignored), else 0.0."""
+    numbers = NUMBER_PATTERN.findall(response)
+    if not numbers:
+        return 0.0
+    return 1.0 if parse_number(numbers[-1]) == parse_number(answer) else 0.0
 
 
 def read_records(path: Path) -> list[tuple[str, str, str]]:

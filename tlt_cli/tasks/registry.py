@@ -1,10 +1,11 @@
 """Tasks by name, as a recipe names them: `build_task("arithmetic", seed, options)`.
 
 `options` are the task's keyword arguments from the recipe's `task.options` (for example `path`
-for `jsonl_math`, `max_terms` for `arithmetic`), checked against the options the task declares
-(`Task.options`: type, default, range) before it is built; an unknown task raises
-`UnknownTaskError`, an unknown, missing, mistyped or out-of-range option `TaskOptionError`, each
-naming the key. Building a task reads its data, so a bad data file fails here too, naming the line.
+for `jsonl_math`, `max_terms` for `arithmetic`, `max_steps` for `word_arithmetic`), checked
+against the options the task declares (`Task.options`: type, default, range) before it is built;
+an unknown task raises `UnknownTaskError`, an unknown, missing, mistyped or out-of-range option
+`TaskOptionError`, each naming the key. Building a task reads its data, so a bad data file fails
+here too, naming the line.
 """
 
 from __future__ import annotations
@@ -15,10 +16,12 @@ from tlt_cli.errors import UserError
 from tlt_cli.tasks.arithmetic import ArithmeticTask
 from tlt_cli.tasks.base import REQUIRED, Task, TaskOptionError
 from tlt_cli.tasks.jsonl_math import JsonlMathTask
+from tlt_cli.tasks.word_arithmetic import WordArithmeticTask
 
 TASKS: dict[str, Callable[..., Task]] = {
     ArithmeticTask.name: ArithmeticTask,
     JsonlMathTask.name: JsonlMathTask,
+    WordArithmeticTask.name: WordArithmeticTask,
 }
 
 
