@@ -272,3 +272,24 @@ def test_a_recipe_that_is_not_utf8_is_one_line_in_a_real_validate_process(worksp
     assert result.returncode == 2 and "UnicodeDecodeError" not in result.stderr and "Traceback" not in result.stderr
     assert result.stderr.strip().splitlines() == [
         "invalid recipe file latin1.yaml is not UTF-8 text (byte 0xe9 at line 2); save it as UTF-8."]
+
+
+def test_a_user_error_inside_a_worker_is_one_line_and_its_traceback_goes_to_the_log(workspace):
+    """Weights that do not load pass the checks (they read config and tokenizer only) and fail in the worker."""
+    folder, output = workspace
+    model = folder / "model_with_broken_weights"
+    shutil.copytree(SHIPPED_TINY_MODEL, model)
+    weights = model / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    command = [sys.executable, "-m", "tlt_cli", "train", "tiny-cpu", output, f"model.path={model}", "train.steps=1",
+               "speculative.mode=off", "plugins.enabled=[]", "run.name=broken", "workers.count=1", "train.prompts_per_step=2",
+               "train.group_size=2"]
+    result = subprocess.run(command, capture_output=True, text=True, cwd=folder, timeout=300)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Model weights in" in lines[0] and "Traceback" not in result.stderr, result.stderr
+    assert not (folder / "runs" / "broken").exists()
+    kept = subprocess.run([*command, "--keep-log"], capture_output=True, text=True, cwd=folder, timeout=300)
+    assert kept.returncode == 2 and "Traceback" not in kept.stderr
+    logs = "".join(log.read_text() for log in (folder / "runs" / "broken").rglob("*.log"))
+    assert "Traceback" in logs and ("SafetensorError" in logs or "ModelLoadError" in logs)
