@@ -1,19 +1,27 @@
 """Rollout throughput of the embedded engine: SD off vs chain vs tree, and vs transformers' assisted generation.
 
     python scripts/bench_rollout.py --out bench_rollout.json
+    python scripts/bench_rollout.py --model /work/models/SmolLM2-135M-Instruct --drafter <folder> --out real.json
 
-Target: `builtin:tiny-arith`. Drafter: warmed up offline on the target's own sampled responses
-(tlt_cli/drafter/warmup.py), cached under --cache-dir. For each batch size B the same prompt pool
-(held-out arithmetic problems) is split into batches of B and generated greedily (or sampled at
---temperature, as RL rollouts are); tokens/s is
-generated tokens over wall-clock time. After one untimed pass per method, --repeats rounds run
-every method in turn (the machine is shared: load hits all methods alike) and each keeps its
-fastest pass. Greedy outputs are checked token-identical to SD off. At B=1 the same prompts also go
-through transformers' `generate`, plain and with `assistant_model=`: a one-layer copy of the
-target (its first layer, embedding, norm and head) fine-tuned on the same sampled target
-responses and for the same number of steps as the drafter, also cached. Where the time goes
-(target forwards, drafter forwards, the rest) is measured with forward hooks on the timed passes.
-Prints a table per batch size and writes everything to --out as JSON."""
+Target: `builtin:tiny-arith` (held-out arithmetic prompts), or with --model a Hugging Face folder: real chat
+prompts (short math and word questions written below) through the model's chat template, batch sizes 1 and
+4, plus a long-tailed batch of 16 requests (one-word answers to stories: rows end at very different steps,
+where the engine's early exit of finished rows pays; transformers' `generate` keeps every row to the end).
+Drafter: warmed up offline on the target's own sampled responses (tlt_cli/drafter/warmup.py), cached
+under --cache-dir, or --drafter. For each batch size B the same prompt pool is split into batches of B and
+generated greedily (or sampled at --temperature, as RL rollouts are); tokens/s is generated tokens over
+wall-clock time, and tokens per CPU second is generated tokens over the process's CPU time (what the
+ratios are read from: on a shared machine, wall-clock time also counts the time the benchmark waited for a
+core). After one untimed pass per method, --repeats rounds run every method in turn (load hits all methods
+alike) and each keeps its pass of least CPU time. Greedy outputs are checked
+token-identical to SD off ("same": for SD, lossless decoding; for generate, the engine against transformers).
+The same prompts also go through transformers' `generate` (batched, left-padded), and at B=1 also with
+`assistant_model=`: a one-layer copy of the target (its first layer, embedding, norm and head) fine-tuned on
+the same sampled target responses and for the same number of steps as the drafter, also cached. Where the
+time goes (target forwards, drafter or assistant forwards, the rest; CPU seconds) is measured with forward
+hooks.
+Prints a table per batch size, the ratios the goals are stated in (plain engine vs generate, best SD
+vs plain, best SD vs assisted generation) and writes everything to --out as JSON."""
 
 from __future__ import annotations
 
@@ -32,12 +40,47 @@ from rich.table import Table
 from tlt_cli.drafter.model import load_drafter, save_drafter
 from tlt_cli.drafter.warmup import encode_prompts, generate_responses, warm_up_drafter
 from tlt_cli.models.loading import load_policy, model_fingerprint
+from tlt_cli.models.tiny import BUILTIN_TINY_MODEL
 from tlt_cli.rollout.engine import EmbeddedEngine
 from tlt_cli.rollout.speculative import SpeculativeDecoder
 from tlt_cli.rollout.types import RolloutRequest, SamplingParams, SpeculativeConfig
 from tlt_cli.tasks.arithmetic import ArithmeticTask
 
 BATCH_SIZES = (1, 2, 4, 8, 16, 32)
+# a Hugging Face folder (--model): batch sizes, SD shapes and prompt pool unless given
+REAL_BATCH_SIZES = (1, 4)
+REAL_CONFIGS = ("chain-2", "chain-4", "tree-4x2-8", "tree-6x4-16")
+REAL_PROMPTS = 8
+# user turns of the real-model prompts (each through the model's chat template)
+CHAT_QUESTIONS = (
+    "What is 12 + 7? Answer briefly.",
+    "If I have 5 apples and eat 2, how many are left?",
+    "What is 9 times 8?",
+    "Name three primary colors.",
+    "What is the capital of France?",
+    "A train travels 60 km in one hour. How far does it go in 3 hours?",
+    "Is 17 a prime number? Answer yes or no.",
+    "What is half of 50?",
+    "Tom has 3 red balls and 4 blue balls. How many balls does he have?",
+    "What is the opposite of hot?",
+    "How many days are in a week?",
+    "What is 100 minus 37?",
+    "Spell the word 'cat' backwards.",
+    "What color is the sky on a clear day?",
+    "If a pizza has 8 slices and you eat 3, how many slices remain?",
+    "Which is larger, 0.5 or 0.25?",
+)
+# the long-tailed batch: answers from a few tokens to the max_new_tokens cap
+LONG_TAIL_QUESTIONS = (
+    "What is 12 + 7? Answer briefly.", "Name three primary colors.", "What is the capital of France?",
+    "Write one sentence about the sea.", "If I have 5 apples and eat 2, how many are left?",
+    "Write a short story about a robot who learns to paint.", "Explain how photosynthesis works.",
+    "What is 9 times 8?", "Is 17 a prime number? Answer yes or no.", "Describe your ideal weekend in detail.",
+    "Spell the word 'cat' backwards.", "List the planets of the solar system and one fact about each.",
+    "What color is the sky on a clear day?", "Explain why the sum of two odd numbers is even.",
+    "Translate 'good morning' into French.", "Write a poem about autumn leaves.",
+)
+LONG_TAIL = "16 long-tailed"
 SD_CONFIGS = {
     "off": None,
     "chain-2": SpeculativeConfig(2),
@@ -57,11 +100,15 @@ class RunResult:
     """One (batch size, method) measurement over the whole prompt pool."""
 
     batch_size: int
+    cell: str  # the batch size, or LONG_TAIL for the long-tailed batch of 16
     method: str
     tokens: int
     seconds: float
     tokens_per_second: float
+    cpu_seconds: float
+    tokens_per_cpu_second: float
     accept_length: float
+    # CPU seconds in target forwards (decoder and head), drafter or assistant forwards, and the rest
     target_seconds: float
     drafter_seconds: float
     other_seconds: float
@@ -70,7 +117,7 @@ class RunResult:
 
 
 class ForwardTimer:
-    """Adds up wall-clock time and calls of a module's forward via hooks."""
+    """Adds up the CPU time and calls of a module's forward via hooks."""
 
     def __init__(self, modules) -> None:
         self.seconds, self.calls, self._started = 0.0, 0, 0.0
@@ -80,10 +127,10 @@ class ForwardTimer:
             self.handles.append(module.register_forward_hook(self._stop))
 
     def _start(self, module, args) -> None:
-        self._started = time.perf_counter()
+        self._started = time.process_time()
 
     def _stop(self, module, args, output) -> None:
-        self.seconds += time.perf_counter() - self._started
+        self.seconds += time.process_time() - self._started
         self.calls += 1
 
     def remove(self) -> None:
@@ -95,30 +142,56 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="bench_rollout.json", help="where the JSON results go")
     parser.add_argument("--model", default="builtin:tiny-arith", help="target: the built-in tiny model or a local folder")
-    parser.add_argument("--prompts", type=int, default=32, help="prompt pool size (a multiple of the largest batch)")
+    parser.add_argument("--prompts", type=int, default=None,
+                        help=f"prompt pool size, a multiple of the largest batch (default 32, a folder {REAL_PROMPTS})")
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--temperature", type=float, default=0.0,
                         help="0: greedy, every output checked token-identical to SD off; above 0: sampled as in RL "
                              "rollouts (outputs differ from SD off sample for sample; tests check the distribution)")
     parser.add_argument("--repeats", type=int, default=2, help="timed runs per cell; the best counts")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
-    parser.add_argument("--batch-sizes", default=",".join(map(str, BATCH_SIZES)))
-    parser.add_argument("--configs", default=",".join(SD_CONFIGS), help="SD configs to run, from: " + ",".join(SD_CONFIGS))
+    parser.add_argument("--batch-sizes", default=None,
+                        help=f"default {','.join(map(str, BATCH_SIZES))}; "
+                        f"a folder: {','.join(map(str, REAL_BATCH_SIZES))}")
+    parser.add_argument("--configs", default=None,
+                        help=f"SD configs to run, from: {','.join(SD_CONFIGS)} (a folder: {','.join(REAL_CONFIGS)})")
+    parser.add_argument("--long-tail", action=argparse.BooleanOptionalAction, default=None,
+                        help="also run the long-tailed batch of 16 chat requests (default: on for a folder)")
+    parser.add_argument("--long-tail-max-new-tokens", type=int, default=128)
     parser.add_argument("--cache-dir", default=str(Path.home() / ".cache" / "tlt"),
                         help="trained drafter and assistant are cached here, per target folder and settings")
     parser.add_argument("--warmup-steps", type=int, default=2000, help="drafter (and assistant) training steps")
     parser.add_argument("--warmup-prompts", type=int, default=2048, help="target responses they train on")
+    parser.add_argument("--vocab-size", type=int, default=0,
+                        help="draft vocabulary of a drafter trained here (0: the default for the target's vocabulary)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--drafter", default=None,
                         help="a drafter folder to use instead of training one (e.g. the one `tlt train` warmed up "
                              "and cached under <cache>/drafters/)")
-    return parser.parse_args()
+    args = parser.parse_args()
+    real = args.model != BUILTIN_TINY_MODEL
+    if args.prompts is None:
+        args.prompts = REAL_PROMPTS if real else 32
+    if args.batch_sizes is None:
+        args.batch_sizes = ",".join(map(str, REAL_BATCH_SIZES if real else BATCH_SIZES))
+    if args.configs is None:
+        args.configs = ",".join(REAL_CONFIGS if real else SD_CONFIGS)
+    if args.long_tail is None:
+        args.long_tail = real
+    if args.long_tail and not real:
+        parser.error("--long-tail needs a model folder with a chat template (--model); the built-in model has none.")
+    unknown = [name for name in args.configs.split(",") if name not in SD_CONFIGS]
+    if unknown:
+        parser.error(f"unknown SD config {unknown[0]}; choose from {', '.join(SD_CONFIGS)}.")
+    return args
 
 
 def cached_dir(target, kind: str, args) -> Path:
     """Where the trained `kind` (drafter / assistant) for this target (its folder and files) and settings lives."""
     target_name = f"{Path(target.config._name_or_path).name}-{model_fingerprint(args.model)}"
     settings = f"{args.warmup_prompts}p-{args.warmup_steps}s-seed{args.seed}"
+    if kind == "drafter" and args.vocab_size:
+        settings += f"-v{args.vocab_size}"
     return Path(args.cache_dir) / f"bench-{kind}-{target_name}-{settings}"
 
 
@@ -132,7 +205,7 @@ def prepare_drafter(target, tokenizer, task, args) -> tuple:
         return load_drafter(directory, target).eval(), json.loads(report_path.read_text())
     drafter, report = warm_up_drafter(
         target, tokenizer, task, steps=args.warmup_steps, batch_size=16, lr=3e-3, seed=args.seed,
-        train_prompts=args.warmup_prompts,
+        train_prompts=args.warmup_prompts, vocab_size=args.vocab_size,
     )
     save_drafter(drafter, directory)
     report_path.write_text(json.dumps(asdict(report), indent=2) + "\n")
@@ -186,6 +259,7 @@ class Measured:
 
     responses: list[list[int]]
     seconds: float
+    cpu_seconds: float
     accept_length: float
     target_seconds: float
     target_calls: int
@@ -199,9 +273,9 @@ def engine_runner(target, drafter, tokenizer, prompt_pool, batch_size, config, s
 
     def run() -> Measured:
         decoder_timer, head_timer = ForwardTimer([target.get_decoder()]), ForwardTimer([target.get_output_embeddings()])
-        drafter_timer = ForwardTimer([drafter])
+        drafter_timer = ForwardTimer([drafter] if drafter is not None else [])
         responses, passes, emitted = [], 0, 0
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         for first in range(0, len(prompt_pool), batch_size):
             chunk = prompt_pool[first : first + batch_size]
             requests = [RolloutRequest(index, tuple(prompt)) for index, prompt in enumerate(chunk)]
@@ -209,81 +283,141 @@ def engine_runner(target, drafter, tokenizer, prompt_pool, batch_size, config, s
                 responses.append(completion.response_ids)
                 passes += completion.speculative.verify_passes
                 emitted += completion.speculative.accepted_draft_tokens + completion.speculative.verify_passes
-        seconds = time.perf_counter() - start
+        seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
         for timer in (decoder_timer, head_timer, drafter_timer):
             timer.remove()
         accept_length = emitted / passes if passes else math.nan
-        return Measured(responses, seconds, accept_length, decoder_timer.seconds + head_timer.seconds,
+        return Measured(responses, seconds, cpu_seconds, accept_length, decoder_timer.seconds + head_timer.seconds,
                         decoder_timer.calls, drafter_timer.seconds)
 
     return run
 
 
-def transformers_runner(target, assistant, tokenizer, prompt_pool, sampling):
-    """A callable that generates the pool one prompt at a time with transformers' generate (greedy or sampled)."""
-    eos_token_id = tokenizer.eos_token_id
+def transformers_runner(target, assistant, tokenizer, prompt_pool, batch_size, sampling):
+    """A callable that generates the pool in batches of batch_size (left-padded) with transformers' generate,
+    greedy or sampled; with an assistant (batch size 1 only), as assisted generation."""
+    eos_token_id, pad_token_id = tokenizer.eos_token_id, tokenizer.pad_token_id
 
     def run() -> Measured:
         target_timer = ForwardTimer([target])
+        assistant_timer = ForwardTimer([assistant] if assistant is not None else [])
         responses = []
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         torch.manual_seed(0)
-        for prompt in prompt_pool:
-            input_ids = torch.tensor([prompt])
+        for first in range(0, len(prompt_pool), batch_size):
+            chunk = prompt_pool[first : first + batch_size]
+            longest = max(len(prompt) for prompt in chunk)
+            input_ids = torch.tensor([[pad_token_id] * (longest - len(prompt)) + prompt for prompt in chunk])
+            attention_mask = torch.tensor([[0] * (longest - len(prompt)) + [1] * len(prompt) for prompt in chunk])
             output = target.generate(
-                input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=sampling.max_new_tokens,
+                input_ids, attention_mask=attention_mask, max_new_tokens=sampling.max_new_tokens,
                 do_sample=not sampling.greedy, temperature=sampling.temperature if not sampling.greedy else None,
-                top_p=None, top_k=None, eos_token_id=eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                top_p=None, top_k=None, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
                 assistant_model=assistant,
-            )[0, len(prompt) :].tolist()
-            responses.append(output[: output.index(eos_token_id) + 1] if eos_token_id in output else output)
-        seconds = time.perf_counter() - start
+            )[:, longest:].tolist()
+            responses += [row[: row.index(eos_token_id) + 1] if eos_token_id in row else row for row in output]
+        seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
         target_timer.remove()
-        return Measured(responses, seconds, math.nan, target_timer.seconds, target_timer.calls, 0.0)
+        assistant_timer.remove()
+        return Measured(responses, seconds, cpu_seconds, math.nan, target_timer.seconds, target_timer.calls,
+                        assistant_timer.seconds)
 
     return run
 
 
-def measure_batch_size(runners: dict, batch_size: int, repeats: int, sampling_is_greedy: bool) -> list[RunResult]:
+def measure_batch_size(
+    runners: dict, batch_size: int, cell: str, repeats: int, sampling_is_greedy: bool
+) -> list[RunResult]:
     """One untimed pass per method, then `repeats` rounds over all methods in turn (so load on a
-    shared machine hits every method alike); each method keeps its fastest pass."""
+    shared machine hits every method alike); each method keeps its pass of least CPU time."""
     for run in runners.values():
         run()
     best: dict[str, Measured] = {}
     for _ in range(repeats):
         for method, run in runners.items():
             measured = run()
-            if method not in best or measured.seconds < best[method].seconds:
+            if method not in best or measured.cpu_seconds < best[method].cpu_seconds:
                 best[method] = measured
     # sampled outputs differ from SD off sample for sample (RNG draws differ); only greedy is compared
     reference = best["off"].responses if sampling_is_greedy else None
     results = []
     for method, measured in best.items():
         tokens = sum(len(response) for response in measured.responses)
-        other = measured.seconds - measured.target_seconds - measured.drafter_seconds
+        other = measured.cpu_seconds - measured.target_seconds - measured.drafter_seconds
         results.append(RunResult(
-            batch_size, method, tokens, measured.seconds, tokens / measured.seconds, measured.accept_length,
+            batch_size, cell, method, tokens, measured.seconds, tokens / measured.seconds, measured.cpu_seconds,
+            tokens / measured.cpu_seconds, measured.accept_length,
             measured.target_seconds, measured.drafter_seconds, other, measured.target_calls,
             measured.responses == reference if reference is not None else None,
         ))
     return results
 
 
-def render(console: Console, results: list[RunResult], batch_size: int, sampling: SamplingParams) -> None:
-    rows = [result for result in results if result.batch_size == batch_size]
+def render(console: Console, results: list[RunResult], cell: str, sampling: SamplingParams) -> None:
+    rows = [result for result in results if result.cell == cell]
     off = next(result for result in rows if result.method == "off")
     decoding = "greedy" if sampling.greedy else f"sampled at T={sampling.temperature}"
-    table = Table(title=f"B={batch_size}: {decoding}, {off.tokens} tokens (SD off), best of the timed passes")
-    for column in ("method", "tok/s", "vs off", "accept", "target s", "drafter s", "other s", "target calls", "same"):
+    title = f"B={cell}: {decoding}, {off.tokens} tokens (SD off), best of the timed passes"
+    table = Table(title=title)
+    columns = ("method", "tok/s", "tok/CPU-s", "vs off", "accept", "target s", "drafter s", "other s", "target calls",
+               "same")
+    for column in columns:
         table.add_column(column, justify="right")
     for result in rows:
         table.add_row(
-            result.method, f"{result.tokens_per_second:.0f}", f"{result.tokens_per_second / off.tokens_per_second:.2f}x",
+            result.method, f"{result.tokens_per_second:.1f}", f"{result.tokens_per_cpu_second:.1f}",
+            f"{result.tokens_per_cpu_second / off.tokens_per_cpu_second:.2f}x",
             "-" if math.isnan(result.accept_length) else f"{result.accept_length:.2f}", f"{result.target_seconds:.2f}",
             f"{result.drafter_seconds:.2f}", f"{result.other_seconds:.2f}", str(result.target_calls),
             {True: "yes", False: "NO", None: "n/a"}[result.identical_to_off],
         )
     console.print(table)
+    for line in goal_ratios(rows):
+        console.print(f"  {line}")
+
+
+def goal_ratios(rows: list[RunResult]) -> list[str]:
+    """The ratios the goals are stated in, for one cell, in tokens per CPU second: plain engine vs
+    generate, best SD vs plain, best SD vs assisted generation (each only where both sides ran)."""
+    speed = {result.method: result.tokens_per_cpu_second for result in rows}
+    lines = []
+    if "hf-generate" in speed:
+        lines.append(f"plain engine vs transformers generate: {speed['off'] / speed['hf-generate']:.2f}x")
+    shapes = [method for method in speed if method in SD_CONFIGS and method != "off"]
+    if shapes:
+        best = max(shapes, key=speed.get)
+        lines.append(f"best SD ({best}) vs plain engine: {speed[best] / speed['off']:.2f}x")
+        if "hf-assisted" in speed:
+            assisted = speed[best] / speed["hf-assisted"]
+            lines.append(f"best SD ({best}) vs transformers assisted generation: {assisted:.2f}x")
+    return lines
+
+
+def chat_prompts(tokenizer, questions) -> list[list[int]]:
+    """Token ids of each question as one user turn through the model's chat template, ready for the reply."""
+    return [
+        list(tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
+                                           tokenize=True, return_dict=True)["input_ids"])
+        for question in questions
+    ]
+
+
+def benchmark_cells(tokenizer, task, args) -> list[tuple[str, int, list[list[int]], SamplingParams]]:
+    """(cell, batch size, prompt pool, sampling) of every measured cell: each batch size over the pool
+    (held-out arithmetic prompts for the built-in model, chat questions for a folder), then the
+    long-tailed batch of 16 if asked."""
+    sampling = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature)
+    if args.model == BUILTIN_TINY_MODEL:
+        pool = encode_prompts(tokenizer, task, range(FIRST_BENCH_PROBLEM, FIRST_BENCH_PROBLEM + args.prompts))
+    else:
+        questions = [CHAT_QUESTIONS[index % len(CHAT_QUESTIONS)] for index in range(args.prompts)]
+        pool = chat_prompts(tokenizer, questions)
+    cells = [(str(size), int(size), pool, sampling) for size in args.batch_sizes.split(",")]
+    if args.long_tail:
+        long_tail_sampling = SamplingParams(args.long_tail_max_new_tokens, temperature=args.temperature)
+        cells.append((LONG_TAIL, len(LONG_TAIL_QUESTIONS), chat_prompts(tokenizer, LONG_TAIL_QUESTIONS),
+                      long_tail_sampling))
+    return cells
 
 
 def main() -> None:
@@ -292,21 +426,21 @@ def main() -> None:
     console = Console(width=120)
     target, tokenizer = load_policy(args.model)
     task = ArithmeticTask(seed=args.seed)
-    drafter, warmup_report = prepare_drafter(target, tokenizer, task, args)
-    assistant = prepare_assistant(target, tokenizer, task, args)
-    prompt_pool = encode_prompts(tokenizer, task, range(FIRST_BENCH_PROBLEM, FIRST_BENCH_PROBLEM + args.prompts))
-    sampling = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature)
+    shapes = [name for name in args.configs.split(",") if name != "off"]
+    # `--configs off`: the plain engine against generate only, no drafter or assistant to train
+    drafter, warmup_report = prepare_drafter(target, tokenizer, task, args) if shapes else (None, None)
+    assistant = prepare_assistant(target, tokenizer, task, args) if shapes else None
     results: list[RunResult] = []
-    for batch_size in [int(size) for size in args.batch_sizes.split(",")]:
+    for cell, batch_size, pool, sampling in benchmark_cells(tokenizer, task, args):
         runners = {
-            method: engine_runner(target, drafter, tokenizer, prompt_pool, batch_size, SD_CONFIGS[method], sampling)
-            for method in ["off", *[name for name in args.configs.split(",") if name != "off"]]
+            method: engine_runner(target, drafter, tokenizer, pool, batch_size, SD_CONFIGS[method], sampling)
+            for method in ["off", *shapes]
         }
-        if batch_size == 1:
-            runners["hf-generate"] = transformers_runner(target, None, tokenizer, prompt_pool, sampling)
-            runners["hf-assisted"] = transformers_runner(target, assistant, tokenizer, prompt_pool, sampling)
-        results += measure_batch_size(runners, batch_size, args.repeats, sampling.greedy)
-        render(console, results, batch_size, sampling)
+        runners["hf-generate"] = transformers_runner(target, None, tokenizer, pool, batch_size, sampling)
+        if batch_size == 1 and assistant is not None:
+            runners["hf-assisted"] = transformers_runner(target, assistant, tokenizer, pool, 1, sampling)
+        results += measure_batch_size(runners, batch_size, cell, args.repeats, sampling.greedy)
+        render(console, results, cell, sampling)
     output = {
         "command": "python scripts/bench_rollout.py "
         + " ".join(f"--{key.replace('_', '-')} {value}" for key, value in vars(args).items()),
