@@ -76,6 +76,7 @@ class RequestRecord:
 class RolloutRecord:
     """What one call of the rollout did in this process (times are time.time() seconds).
 
+    training: TRL generated for training (False: for evaluation, with num_generations_eval);
     start / end: the call's entry and return; busy_end: this process's last completion finished;
     idle_end: every process had finished (busy_end with one process or without the sidecar);
     logprob_seconds: the log-prob products; sd_usage: label -> {decode_steps, tokens, seconds};
@@ -88,6 +89,7 @@ class RolloutRecord:
     process: int
     processes: int
     global_step: int
+    training: bool
     start: float
     busy_end: float
     idle_end: float
@@ -179,7 +181,7 @@ class TltRollout:
             logprobs = sampled_logprobs(policy.get_output_embeddings(), completions, trainer.temperature)
             logprob_seconds = time.perf_counter() - logprob_start
             sidecar_metrics = self.sidecar.after_rollout(self.rollouts, completions) if self.sidecar else {}
-        idle_end = busy_end + sidecar_metrics.get("idle_seconds", 0.0)
+        idle_end = self.sidecar.wait_end if self.sidecar is not None else busy_end
         self.records.append(self._record(trainer, process, processes, start, busy_end, idle_end, logprob_seconds,
                                          completions, sidecar_metrics))
         self.rollouts += 1
@@ -224,6 +226,7 @@ class TltRollout:
         accepted = sum(completion.speculative.accepted_draft_tokens for completion in completions)
         return RolloutRecord(
             rollout=self.rollouts, process=process, processes=processes, global_step=trainer.state.global_step,
+            training=trainer.model.training,
             start=start, busy_end=busy_end, idle_end=idle_end, end=time.time(), logprob_seconds=logprob_seconds,
             requests=[_request_record(completion) for completion in completions],
             sd_usage=usage,

@@ -58,6 +58,8 @@ class TrlSidecar:
         self.plugin = DrafterSidecar(Recipe(run=RunConfig(seed=seed), drafter=settings))
         # (rollout number, completions) not yet turned into features, oldest first
         self.pending: list[tuple[int, list[Completion]]] = []
+        # time.time() when the last wait ended: every process had finished its rollout
+        self.wait_end = 0.0
 
     def after_rollout(self, rollout: int, completions: list[Completion]) -> dict[str, float]:
         """Train in the wait for the other processes, then average the drafters; the step's metrics."""
@@ -67,7 +69,8 @@ class TrlSidecar:
         self.pending.append((rollout, sorted(completions, key=_sequence_length)))
         busy_end = time.time()
         wait_for_other_processes(self.device, lambda rollout_over: self._idle(context, rollout_over))
-        idle_seconds = time.time() - busy_end
+        self.wait_end = time.time()
+        idle_seconds = self.wait_end - busy_end
         self.plugin.on_rollout_end(context)
         return {**context.metrics, IDLE_SECONDS_METRIC: idle_seconds}
 
