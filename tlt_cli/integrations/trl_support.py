@@ -82,10 +82,19 @@ def check_trainer_supported(trainer: Any) -> None:
     if trainer.repetition_penalty != 1.0:
         raise UnsupportedTrlSettingError(f"repetition_penalty={trainer.repetition_penalty} is not supported by tlt's "
                                          "rollout; leave it at 1.0.")
+    if _zero_stage(trainer) == 3 and not trainer.args.ds3_gather_for_generation:
+        raise UnsupportedTrlSettingError("tlt's rollout under ZeRO-3 generates with gathered weights (processes "
+                                         "decode different lengths); set ds3_gather_for_generation=True.")
     unknown = sorted(set(trainer.args.generation_kwargs or {}) - HONOURED_GENERATION_KEYS)
     if unknown:
         raise UnsupportedTrlSettingError(f"generation_kwargs {unknown} are not supported by tlt's rollout; use only "
                                          f"{sorted(HONOURED_GENERATION_KEYS)}.")
+
+
+def _zero_stage(trainer: Any) -> int:
+    """The DeepSpeed ZeRO stage the trainer runs under (0 without DeepSpeed)."""
+    plugin = trainer.accelerator.state.deepspeed_plugin
+    return plugin.zero_stage if plugin is not None else 0
 
 
 def trl_sampling(trainer: Any) -> SamplingParams:
