@@ -198,7 +198,8 @@ class TltRollout:
         from tlt_cli.integrations.trl_drafter import starting_drafter
         from tlt_cli.integrations.trl_sidecar import TrlSidecar
 
-        wants_drafter = self.speculative.mode != "off" or self.use_sidecar
+        processes = trainer.accelerator.num_processes
+        wants_drafter = self.speculative.mode != "off" or (self.use_sidecar and processes > 1)
         self.drafter = starting_drafter(self.drafter_source, policy, trainer, self.drafter_config, self.seed,
                                         self.pending_state) if wants_drafter else None
         eos_ids, pad_token_id = eos_and_pad_ids(trainer)
@@ -206,7 +207,6 @@ class TltRollout:
                                           seed=self.seed)
         if self.pending_state is not None:
             self._load_schedule(self.pending_state, trainer.accelerator.process_index)
-        processes = trainer.accelerator.num_processes
         if self.use_sidecar and processes > 1:
             self.sidecar = TrlSidecar(policy, self.drafter, self.drafter_config, self.seed,
                                       trainer.accelerator.process_index, processes, trainer.accelerator.device,
