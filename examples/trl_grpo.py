@@ -1,6 +1,7 @@
 """GRPO with Hugging Face TRL's own GRPOTrainer and tlt doing the rollouts: a TRL script plus one argument.
 
-Run it from the repository root with `pip install -e ".[trl]"` (CPU, about a minute with the defaults):
+Run it from the repository root with `pip install -e ".[trl]"` (CPU, about a minute with the defaults once
+the drafter warm-up is cached; the first run warms it up on the dataset's prompts, 1 to 3 minutes on 2 cores):
 
     python examples/trl_grpo.py                              # one process
     torchrun --nproc_per_node 2 examples/trl_grpo.py         # two data-parallel processes: the drafter
