@@ -65,9 +65,11 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class TaskConfig:
-    name: str = setting("arithmetic", "arithmetic (built-in) or jsonl_math (a GSM8K-style JSONL file)")
+    name: str = setting("arithmetic", "arithmetic (built-in), word_arithmetic (plain-English counting questions, "
+                                      "for instruct models) or jsonl_math (a GSM8K-style JSONL file)")
     options: dict[str, Any] = setting({}, "options of the task: arithmetic takes min_terms (1), max_terms (48) and "
-                                          "tail_exponent (1.5: P(n) ~ n^-tail_exponent); jsonl_math takes path")
+                                          "tail_exponent (1.5: P(n) ~ n^-tail_exponent); word_arithmetic takes "
+                                          "max_steps (2) and max_number (20); jsonl_math takes path")
 
 
 @dataclass(frozen=True)
