@@ -25,8 +25,8 @@ from tlt_cli.drafter.model import CONFIG_FILE, EagleDrafter, load_drafter, save_
 if TYPE_CHECKING:
     from tlt_cli.drafter.warmup import WarmupProgress
 
-# 2: hidden states from the engine, a draft vocabulary (drafter.vocab_size)
-WARMUP_FORMAT = 2
+# 2: hidden states from the engine, a draft vocabulary (drafter.vocab_size); 3: prompts through the chat template
+WARMUP_FORMAT = 3
 
 
 def warmup_key(recipe: Recipe, cache: Path) -> str:
