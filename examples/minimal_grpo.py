@@ -32,8 +32,11 @@ from tlt_cli.tasks.arithmetic import ArithmeticTask
 
 def main(steps: int, prompts: int, group_size: int, max_new_tokens: int, seed: int = 0) -> None:
     # a process group of one rank on CPU (gloo), which DeepSpeed needs even for a single process
-    init_worker_process(WorkerAddress(rank=0, world_size=1, master_port=free_port()), threads=1,
-                        extensions_dir=default_cache_dir() / "torch_extensions")
+    init_worker_process(
+        WorkerAddress(rank=0, world_size=1, master_port=free_port()),
+        threads=1,
+        extensions_dir=default_cache_dir() / "torch_extensions",
+    )
     torch.manual_seed(seed)
     policy, tokenizer = load_policy("builtin:tiny-arith")
     task = ArithmeticTask(seed=seed, max_terms=8)  # sums of up to 8 numbers: short responses, a quick demo
@@ -45,21 +48,31 @@ def main(steps: int, prompts: int, group_size: int, max_new_tokens: int, seed: i
         problems = [task.problem(step * prompts + number) for number in range(prompts)]
         # group_size requests per prompt, consecutive, so request r belongs to problem r // group_size
         requests = [
-            RolloutRequest(request_id=number * group_size + sample,
-                           prompt_ids=tuple(tokenizer.encode(problem.prompt, add_special_tokens=False)))
-            for number, problem in enumerate(problems) for sample in range(group_size)
+            RolloutRequest(
+                request_id=number * group_size + sample,
+                prompt_ids=tuple(tokenizer.encode(problem.prompt, add_special_tokens=False)),
+            )
+            for number, problem in enumerate(problems)
+            for sample in range(group_size)
         ]
         completions = engine.generate(requests, sampling, torch.Generator().manual_seed(seed + step))
-        rewards = torch.tensor([
-            task.reward(problems[completion.request_id // group_size],
-                        tokenizer.decode(completion.response_ids, skip_special_tokens=True))
-            for completion in completions
-        ])
+        rewards = torch.tensor(
+            [
+                task.reward(
+                    problems[completion.request_id // group_size],
+                    tokenizer.decode(completion.response_ids, skip_special_tokens=True),
+                )
+                for completion in completions
+            ]
+        )
         advantages = group_advantages(rewards, group_size)  # (reward - group mean) / group std
         batch = build_policy_batch(completions, advantages, tokenizer.pad_token_id)
         metrics = actor.update(batch)
-        print(f"step {step}: mean reward {rewards.mean().item():.3f}  grad norm {metrics.grad_norm:.3f}  "
-              f"response tokens {batch.response_token_count}", flush=True)
+        print(
+            f"step {step}: mean reward {rewards.mean().item():.3f}  grad norm {metrics.grad_norm:.3f}  "
+            f"response tokens {batch.response_token_count}",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

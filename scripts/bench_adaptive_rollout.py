@@ -66,22 +66,39 @@ def run_shard(pair, decoder, requests, sampling, seed: int, large_batch: int) ->
 
 def summarize(measurements: dict[str, list[dict[str, list[float]]]]) -> dict:
     """Per variant and phase: the median over repeats of emitted tokens per second, and its ratio to off."""
+
     def rate(runs, phases):
-        return statistics.median([sum(run[p][1] for p in phases) / max(sum(run[p][0] for p in phases), 1e-9) for run in runs])
+        return statistics.median(
+            [sum(run[p][1] for p in phases) / max(sum(run[p][0] for p in phases), 1e-9) for run in runs]
+        )
 
     scopes = {"whole rollout": PHASES, "large": ("large",), "tail": ("tail",)}
-    rates = {name: {scope: rate(runs, phases) for scope, phases in scopes.items()} for name, runs in measurements.items()}
-    return {name: {scope: {"tokens_per_second": value, "vs_off": value / rates["off"][scope]} for scope, value in by_scope.items()}
-            for name, by_scope in rates.items()}
+    rates = {
+        name: {scope: rate(runs, phases) for scope, phases in scopes.items()} for name, runs in measurements.items()
+    }
+    return {
+        name: {
+            scope: {"tokens_per_second": value, "vs_off": value / rates["off"][scope]}
+            for scope, value in by_scope.items()
+        }
+        for name, by_scope in rates.items()
+    }
 
 
 def render(summary: dict, large_batch: int) -> None:
-    table = Table(title=f"whole rollouts of one worker shard: tokens/s (ratio to off); large = running batch >= {large_batch}")
+    table = Table(
+        title=f"whole rollouts of one worker shard: tokens/s (ratio to off); large = running batch >= {large_batch}"
+    )
     for column in ("variant", "whole rollout", "large-batch phase", "tail phase"):
         table.add_column(column, justify="right")
     for name, by_scope in summary.items():
-        table.add_row(name, *(f"{by_scope[scope]['tokens_per_second']:.0f} ({by_scope[scope]['vs_off']:.2f}x)"
-                              for scope in ("whole rollout", "large", "tail")))
+        table.add_row(
+            name,
+            *(
+                f"{by_scope[scope]['tokens_per_second']:.0f} ({by_scope[scope]['vs_off']:.2f}x)"
+                for scope in ("whole rollout", "large", "tail")
+            ),
+        )
     Console().print(table)
 
 
@@ -89,8 +106,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--recipe", default="tiny-cpu")
     parser.add_argument("--repeats", type=int, default=5, help="shards generated per variant; the median counts")
-    parser.add_argument("--large-batch", type=int, default=8, help="running batch sizes from here on count as the large phase")
-    parser.add_argument("--fixed", default=",".join(DEFAULT_CONFIGS), help="fixed SD configurations to compare, comma-separated")
+    parser.add_argument(
+        "--large-batch", type=int, default=8, help="running batch sizes from here on count as the large phase"
+    )
+    parser.add_argument(
+        "--fixed", default=",".join(DEFAULT_CONFIGS), help="fixed SD configurations to compare, comma-separated"
+    )
     parser.add_argument("--first-prompt", type=int, default=100_000, help="index of the first task problem used")
     parser.add_argument("--out", type=Path, default=Path("bench-adaptive-rollout.json"))
     parser.add_argument("overrides", nargs="*", help="key=value recipe overrides")
@@ -100,20 +121,42 @@ def main() -> None:
     torch.set_num_threads(recipe.workers.threads_per_worker)
     pair, tokenizer, _ = load_model_pair(recipe)
     task = build_task(recipe.task.name, recipe.run.seed, dict(recipe.task.options))
-    sampling = SamplingParams(recipe.rollout.max_new_tokens, recipe.rollout.temperature, recipe.rollout.top_p, recipe.rollout.top_k)
+    sampling = SamplingParams(
+        recipe.rollout.max_new_tokens, recipe.rollout.temperature, recipe.rollout.top_p, recipe.rollout.top_k
+    )
     prompts_per_shard = recipe.train.prompts_per_step // recipe.workers.count
     factories = variants(recipe, pair.drafter, [label for label in arguments.fixed.split(",") if label.strip()])
     measurements: dict[str, list[dict[str, list[float]]]] = {name: [] for name in factories}
     for repeat in range(arguments.repeats):
-        prompts = [tuple(tokenizer.encode(task.problem(arguments.first_prompt + repeat * prompts_per_shard + number).prompt, add_special_tokens=False))
-                   for number in range(prompts_per_shard)]
-        requests = [RolloutRequest(row, prompts[row // recipe.train.group_size]) for row in range(prompts_per_shard * recipe.train.group_size)]
+        prompts = [
+            tuple(
+                tokenizer.encode(
+                    task.problem(arguments.first_prompt + repeat * prompts_per_shard + number).prompt,
+                    add_special_tokens=False,
+                )
+            )
+            for number in range(prompts_per_shard)
+        ]
+        requests = [
+            RolloutRequest(row, prompts[row // recipe.train.group_size])
+            for row in range(prompts_per_shard * recipe.train.group_size)
+        ]
         for name, factory in factories.items():
-            measurements[name].append(run_shard(pair, factory(), requests, sampling, recipe.run.seed + repeat, arguments.large_batch))
+            measurements[name].append(
+                run_shard(pair, factory(), requests, sampling, recipe.run.seed + repeat, arguments.large_batch)
+            )
     summary = summarize(measurements)
     render(summary, arguments.large_batch)
-    arguments.out.write_text(json.dumps({"rules": [dict(rule) for rule in recipe.speculative.rules], "summary": summary,
-                                         "measurements": measurements}, indent=1))
+    arguments.out.write_text(
+        json.dumps(
+            {
+                "rules": [dict(rule) for rule in recipe.speculative.rules],
+                "summary": summary,
+                "measurements": measurements,
+            },
+            indent=1,
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -34,8 +34,11 @@ VARIANTS = {
 
 def sd_decode_steps(records: list[dict], step: int) -> int:
     """Decode steps the run spent in an SD configuration during `step`, over all workers."""
-    return sum(record["decode_steps"] for record in records
-               if record["type"] == "sd_config" and record["step"] == step and record["config"] != "off")
+    return sum(
+        record["decode_steps"]
+        for record in records
+        if record["type"] == "sd_config" and record["step"] == step and record["config"] != "off"
+    )
 
 
 def summarize(results: dict[str, list[dict]]) -> dict:
@@ -44,7 +47,10 @@ def summarize(results: dict[str, list[dict]]) -> dict:
     seconds_after = {name: mean([row["step_seconds"] for row in rows[after]]) for name, rows in steps.items()}
     # each run samples its own responses, so one step's rollout time mostly says how long its longest
     # response was: rollout seconds per token of the longest response compares decoding speed itself
-    per_tail_token = {name: mean([row["rollout_seconds"] / row["response_length_max"] for row in rows[after]]) for name, rows in steps.items()}
+    per_tail_token = {
+        name: mean([row["rollout_seconds"] / row["response_length_max"] for row in rows[after]])
+        for name, rows in steps.items()
+    }
     return {
         "fault_step": FAULT_STEP,
         "step_seconds_after_fault": seconds_after,
@@ -56,7 +62,9 @@ def summarize(results: dict[str, list[dict]]) -> dict:
         "fault_over_off_after_fault": seconds_after["fault"] / seconds_after["off"],
         "adaptive_over_off_after_fault": seconds_after["adaptive"] / seconds_after["off"],
         "sd_decode_steps_in_fault_step": sd_decode_steps(results["fault"], FAULT_STEP),
-        "sd_decode_steps_per_step_after_fault": mean([sd_decode_steps(results["fault"], row["step"]) for row in steps["fault"][after]]),
+        "sd_decode_steps_per_step_after_fault": mean(
+            [sd_decode_steps(results["fault"], row["step"]) for row in steps["fault"][after]]
+        ),
         "warnings": [record for record in results["fault"] if record["type"] == "warning"],
     }
 
@@ -69,8 +77,14 @@ def render(results: dict[str, list[dict]], summary: dict) -> None:
     steps = {name: step_rows(records) for name, records in results.items()}
     for off, adaptive, fault in zip(steps["off"], steps["adaptive"], steps["fault"]):
         accept = "-" if fault["accept_length"] is None else f"{fault['accept_length']:.2f}"
-        table.add_row(str(off["step"]), f"{off['step_seconds']:.2f}", f"{adaptive['step_seconds']:.2f}",
-                      f"{fault['step_seconds']:.2f}", accept, str(sd_decode_steps(results["fault"], fault["step"])))
+        table.add_row(
+            str(off["step"]),
+            f"{off['step_seconds']:.2f}",
+            f"{adaptive['step_seconds']:.2f}",
+            f"{fault['step_seconds']:.2f}",
+            accept,
+            str(sd_decode_steps(results["fault"], fault["step"])),
+        )
     console.print(table)
     for warning in summary["warnings"]:
         console.print(f"warning at step {warning['step']} (worker {warning['worker']}): {warning['message']}")

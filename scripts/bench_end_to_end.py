@@ -42,18 +42,34 @@ def summarize(results: dict[str, dict[int, list[dict]]]) -> dict:
     per_seed = {}
     for seed, off_rows in results["off"].items():
         tlt_rows = results["tlt"][seed]
-        off_time, tlt_time = mean([row["step_seconds"] for row in off_rows]), mean([row["step_seconds"] for row in tlt_rows])
+        off_time, tlt_time = (
+            mean([row["step_seconds"] for row in off_rows]),
+            mean([row["step_seconds"] for row in tlt_rows]),
+        )
         per_seed[seed] = {
-            "step_seconds_off": off_time, "step_seconds_tlt": tlt_time, "speedup": off_time / tlt_time,
+            "step_seconds_off": off_time,
+            "step_seconds_tlt": tlt_time,
+            "speedup": off_time / tlt_time,
             "rollout_seconds_off": mean([row["rollout_seconds"] for row in off_rows]),
             "rollout_seconds_tlt": mean([row["rollout_seconds"] for row in tlt_rows]),
-            **{f"reward_{name}_first5": mean([row["mean_reward"] for row in rows[:5]]) for name, rows in (("off", off_rows), ("tlt", tlt_rows))},
-            **{f"reward_{name}_last5": mean([row["mean_reward"] for row in rows[-5:]]) for name, rows in (("off", off_rows), ("tlt", tlt_rows))},
+            **{
+                f"reward_{name}_first5": mean([row["mean_reward"] for row in rows[:5]])
+                for name, rows in (("off", off_rows), ("tlt", tlt_rows))
+            },
+            **{
+                f"reward_{name}_last5": mean([row["mean_reward"] for row in rows[-5:]])
+                for name, rows in (("off", off_rows), ("tlt", tlt_rows))
+            },
             "accept_length_tlt": mean([row["accept_length"] for row in tlt_rows if row["accept_length"] is not None]),
         }
-    return {"per_seed": per_seed, "reward_band": reward_band(results),
-            "breakdown": {name: {key: mean([row[key] for rows in runs.values() for row in rows]) for key in BREAKDOWN}
-                          for name, runs in results.items()}}
+    return {
+        "per_seed": per_seed,
+        "reward_band": reward_band(results),
+        "breakdown": {
+            name: {key: mean([row[key] for rows in runs.values() for row in rows]) for key in BREAKDOWN}
+            for name, runs in results.items()
+        },
+    }
 
 
 def reward_band(results: dict[str, dict[int, list[dict]]]) -> dict:
@@ -63,32 +79,56 @@ def reward_band(results: dict[str, dict[int, list[dict]]]) -> dict:
     band = {}
     for seed, rows in results["tlt"].items():
         curve = [row["mean_reward"] for row in rows]
-        band[seed] = {"per_step": _inside(curve, off_curves), "moving_average_5": _inside(_smooth(curve), [_smooth(c) for c in off_curves])}
+        band[seed] = {
+            "per_step": _inside(curve, off_curves),
+            "moving_average_5": _inside(_smooth(curve), [_smooth(c) for c in off_curves]),
+        }
     return band
 
 
 def _smooth(curve: list[float], window: int = 5) -> list[float]:
-    return [mean(curve[max(0, index - window + 1): index + 1]) for index in range(len(curve))]
+    return [mean(curve[max(0, index - window + 1) : index + 1]) for index in range(len(curve))]
 
 
 def _inside(curve: list[float], references: list[list[float]]) -> float:
     steps = range(min(len(curve), *(len(reference) for reference in references)))
-    hits = [min(reference[step] for reference in references) <= curve[step] <= max(reference[step] for reference in references) for step in steps]
+    hits = [
+        min(reference[step] for reference in references)
+        <= curve[step]
+        <= max(reference[step] for reference in references)
+        for step in steps
+    ]
     return sum(hits) / max(len(hits), 1)
 
 
 def render(summary: dict) -> None:
     console = Console()
     table = Table(title="tlt on vs SD off, tiny recipe (means over steps)")
-    columns = ("seed", "step s off", "step s tlt", "speedup", "rollout s off", "rollout s tlt", "accept len",
-               "reward off first5->last5", "reward tlt first5->last5")
+    columns = (
+        "seed",
+        "step s off",
+        "step s tlt",
+        "speedup",
+        "rollout s off",
+        "rollout s tlt",
+        "accept len",
+        "reward off first5->last5",
+        "reward tlt first5->last5",
+    )
     for column in columns:
         table.add_column(column, justify="right")
     for seed, row in summary["per_seed"].items():
-        table.add_row(str(seed), f"{row['step_seconds_off']:.2f}", f"{row['step_seconds_tlt']:.2f}", f"{row['speedup']:.2f}x",
-                      f"{row['rollout_seconds_off']:.2f}", f"{row['rollout_seconds_tlt']:.2f}", f"{row['accept_length_tlt']:.2f}",
-                      f"{row['reward_off_first5']:.3f} -> {row['reward_off_last5']:.3f}",
-                      f"{row['reward_tlt_first5']:.3f} -> {row['reward_tlt_last5']:.3f}")
+        table.add_row(
+            str(seed),
+            f"{row['step_seconds_off']:.2f}",
+            f"{row['step_seconds_tlt']:.2f}",
+            f"{row['speedup']:.2f}x",
+            f"{row['rollout_seconds_off']:.2f}",
+            f"{row['rollout_seconds_tlt']:.2f}",
+            f"{row['accept_length_tlt']:.2f}",
+            f"{row['reward_off_first5']:.3f} -> {row['reward_off_last5']:.3f}",
+            f"{row['reward_tlt_first5']:.3f} -> {row['reward_tlt_last5']:.3f}",
+        )
     console.print(table)
     breakdown = Table(title="where a step's time goes (seconds, mean per step)")
     breakdown.add_column("variant")

@@ -60,8 +60,9 @@ def sidecar_overhead(plain: list[dict], sidecar: list[dict]) -> dict:
     their sum) plus the extra delay in leaving the rollout barrier.
     """
     plain_seconds = mean([row["step_seconds"] for row in plain])
-    direct = mean([row.get("drafter_critical_seconds", 0.0) / 2 + row["release_delay_seconds"] for row in sidecar]) \
-        - mean([row["release_delay_seconds"] for row in plain])
+    direct = mean(
+        [row.get("drafter_critical_seconds", 0.0) / 2 + row["release_delay_seconds"] for row in sidecar]
+    ) - mean([row["release_delay_seconds"] for row in plain])
     return {
         "step_seconds_plain": plain_seconds,
         "step_seconds_plain_sidecar": mean([row["step_seconds"] for row in sidecar]),
@@ -79,19 +80,29 @@ def render(results: dict[str, list[dict]], summary: dict) -> None:
     frozen = [record for record in results["frozen"] if record["type"] == "step"]
     online = [record for record in results["online"] if record["type"] == "step"]
     for before, after in zip(frozen, online):
-        table.add_row(str(before["step"]), f"{before['accept_length'] or 0:.2f}", f"{after['accept_length'] or 0:.2f}",
-                      f"{after.get('drafter_steps', 0):.0f}", f"{after.get('drafter_loss', float('nan')):.3f}")
+        table.add_row(
+            str(before["step"]),
+            f"{before['accept_length'] or 0:.2f}",
+            f"{after['accept_length'] or 0:.2f}",
+            f"{after.get('drafter_steps', 0):.0f}",
+            f"{after.get('drafter_loss', float('nan')):.3f}",
+        )
     console.print(table)
     console.print({key: round(value, 4) for key, value in summary.items()})
 
 
 def main() -> None:
     parser = benchmark_parser(__doc__.splitlines()[0], "bench-online")
-    parser.add_argument("--accept-only", action="store_true",
-                        help="run only `frozen` and `online` (accept lengths and idle use; no overhead numbers)")
+    parser.add_argument(
+        "--accept-only",
+        action="store_true",
+        help="run only `frozen` and `online` (accept lengths and idle use; no overhead numbers)",
+    )
     arguments = parser.parse_args()
     names = ["frozen", "online"] if arguments.accept_only else list(VARIANTS)
-    results = run_variants({name: VARIANTS[name] for name in names}, arguments.overrides, arguments.steps, arguments.output_dir)
+    results = run_variants(
+        {name: VARIANTS[name] for name in names}, arguments.overrides, arguments.steps, arguments.output_dir
+    )
     summary = summarize(results)
     render(results, summary)
     arguments.out.write_text(json.dumps({"summary": summary, "records": results}, indent=1))

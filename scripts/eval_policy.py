@@ -44,18 +44,27 @@ def trained_policy(run_directory: Path, model_path: str):
     return policy.eval(), checkpoint
 
 
-def rewards_by_problem(policy, tokenizer, task, problems, samples: int, sampling: SamplingParams, seed: int) -> list[list[float]]:
+def rewards_by_problem(
+    policy, tokenizer, task, problems, samples: int, sampling: SamplingParams, seed: int
+) -> list[list[float]]:
     engine = EmbeddedEngine(policy, tokenizer.eos_token_id, tokenizer.pad_token_id)
     rewards = []
     for start in range(0, len(problems), BATCH // samples):
-        chunk = problems[start:start + BATCH // samples]
-        requests = [RolloutRequest(index * samples + sample, tuple(tokenizer.encode(problem.prompt, add_special_tokens=False)))
-                    for index, problem in enumerate(chunk) for sample in range(samples)]
-        completions = sorted(engine.generate(requests, sampling, torch.Generator().manual_seed(seed + start)),
-                             key=lambda completion: completion.request_id)
+        chunk = problems[start : start + BATCH // samples]
+        requests = [
+            RolloutRequest(index * samples + sample, tuple(tokenizer.encode(problem.prompt, add_special_tokens=False)))
+            for index, problem in enumerate(chunk)
+            for sample in range(samples)
+        ]
+        completions = sorted(
+            engine.generate(requests, sampling, torch.Generator().manual_seed(seed + start)),
+            key=lambda completion: completion.request_id,
+        )
         texts = [tokenizer.decode(completion.response_ids, skip_special_tokens=True) for completion in completions]
-        rewards += [[task.reward(problem, text) for text in texts[index * samples:(index + 1) * samples]]
-                    for index, problem in enumerate(chunk)]
+        rewards += [
+            [task.reward(problem, text) for text in texts[index * samples : (index + 1) * samples]]
+            for index, problem in enumerate(chunk)
+        ]
     return rewards
 
 
@@ -72,11 +81,19 @@ def compare(problems, start: list[list[float]], trained: list[list[float]], term
         pair = (sum(before) / len(before), sum(after) / len(after))
         buckets["all"].append(pair)
         buckets[term_count(problem)].append(pair)
-    order = ["all", *sorted((label for label in buckets if label != "all"), key=lambda label: int(label.split("-")[0].rstrip("+")))]
-    return {label: {"start": mean_and_error([before for before, _ in buckets[label]]),
-                    "trained": mean_and_error([after for _, after in buckets[label]]),
-                    "difference": mean_and_error([after - before for before, after in buckets[label]]), "problems": len(buckets[label])}
-            for label in order}
+    order = [
+        "all",
+        *sorted((label for label in buckets if label != "all"), key=lambda label: int(label.split("-")[0].rstrip("+"))),
+    ]
+    return {
+        label: {
+            "start": mean_and_error([before for before, _ in buckets[label]]),
+            "trained": mean_and_error([after for _, after in buckets[label]]),
+            "difference": mean_and_error([after - before for before, after in buckets[label]]),
+            "problems": len(buckets[label]),
+        }
+        for label in order
+    }
 
 
 def main() -> None:
@@ -91,8 +108,12 @@ def main() -> None:
     recipe = load_recipe(arguments.run_directory / "recipe.yaml")
     task = build_task(recipe.task.name, recipe.run.seed, dict(recipe.task.options))
     problems = [task.problem(HELD_OUT_START + index) for index in range(arguments.problems)]
-    sampling = SamplingParams(max_new_tokens=recipe.rollout.max_new_tokens, temperature=recipe.rollout.temperature,
-                              top_p=recipe.rollout.top_p, top_k=recipe.rollout.top_k)
+    sampling = SamplingParams(
+        max_new_tokens=recipe.rollout.max_new_tokens,
+        temperature=recipe.rollout.temperature,
+        top_p=recipe.rollout.top_p,
+        top_k=recipe.rollout.top_k,
+    )
     start_policy, tokenizer = load_policy(recipe.model.path)
     trained, checkpoint = trained_policy(arguments.run_directory, recipe.model.path)
 
@@ -100,10 +121,14 @@ def main() -> None:
         terms = (len(problem.prompt) - 1) // 2
         return f"{terms}" if terms <= 3 else "4-9" if terms <= 9 else "10+"
 
-    rewards = {name: rewards_by_problem(policy, tokenizer, task, problems, arguments.samples, sampling, arguments.seed)
-               for name, policy in (("start", start_policy), ("trained", trained))}
+    rewards = {
+        name: rewards_by_problem(policy, tokenizer, task, problems, arguments.samples, sampling, arguments.seed)
+        for name, policy in (("start", start_policy), ("trained", trained))
+    }
     results = compare(problems, rewards["start"], rewards["trained"], term_count)
-    table = Table(title=f"held-out mean reward ({arguments.problems} problems x {arguments.samples} samples), start vs {checkpoint.name}")
+    table = Table(
+        title=f"held-out mean reward ({arguments.problems} problems x {arguments.samples} samples), start vs {checkpoint.name}"
+    )
     for column in ("terms", "problems", "start", "trained", "paired difference"):
         table.add_column(column, justify="right")
     for label, row in results.items():

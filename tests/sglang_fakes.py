@@ -27,7 +27,8 @@ def write_stand_in_sglang(site: Path, version: str = "0.5.23") -> Path:
     """
     (site / "sglang").mkdir(parents=True)
     (site / "sglang" / "__init__.py").write_text("")
-    (site / "sglang" / "launch_server.py").write_text(textwrap.dedent(f"""
+    (site / "sglang" / "launch_server.py").write_text(
+        textwrap.dedent(f"""
         import argparse, os, runpy, sys
         print("argv:", " ".join(sys.argv[1:]), flush=True)
         parser = argparse.ArgumentParser()
@@ -37,9 +38,12 @@ def write_stand_in_sglang(site: Path, version: str = "0.5.23") -> Path:
         extra = os.environ.get({FAKE_ARGUMENTS_VARIABLE!r}, "").split()
         sys.argv = [{str(FAKE_SERVER)!r}, "--port", known.port, "--api-key", known.api_key, *extra]
         runpy.run_path({str(FAKE_SERVER)!r}, run_name="__main__")
-    """))
+    """)
+    )
     (site / f"sglang-{version}.dist-info").mkdir()
-    (site / f"sglang-{version}.dist-info" / "METADATA").write_text(f"Metadata-Version: 2.1\nName: sglang\nVersion: {version}\n")
+    (site / f"sglang-{version}.dist-info" / "METADATA").write_text(
+        f"Metadata-Version: 2.1\nName: sglang\nVersion: {version}\n"
+    )
     return site
 
 

@@ -15,15 +15,28 @@ from tlt_cli.rollout.types import Completion
 
 def tiny_policy(seed=0):
     torch.manual_seed(seed)
-    config = Qwen2Config(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    config = Qwen2Config(
+        vocab_size=32,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
     return Qwen2ForCausalLM(config).eval()
 
 
 def rollout_batch():
     completions = [
-        Completion(request_id=i, prompt_ids=(1, 2, 3)[: 2 + i % 2], response_ids=[5 + i, 6, 7, 2][: 2 + i % 3],
-                   finished_by_eos=True, start=0.0, end=1.0)
+        Completion(
+            request_id=i,
+            prompt_ids=(1, 2, 3)[: 2 + i % 2],
+            response_ids=[5 + i, 6, 7, 2][: 2 + i % 3],
+            finished_by_eos=True,
+            start=0.0,
+            end=1.0,
+        )
         for i in range(6)
     ]
     return build_policy_batch(completions, torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, -2.0]), pad_token_id=0)
@@ -47,7 +60,9 @@ def test_logprobs_match_a_plain_forward_and_update_changes_every_parameter(singl
     actor = Actor(policy, ActorConfig(lr=1e-2, micro_batch_size=4, zero_stage=2), sequences_per_update=6)
     batch = actor.logprobs(rollout_batch())
     with torch.no_grad():
-        expected = token_logprobs(policy(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits, batch.input_ids)
+        expected = token_logprobs(
+            policy(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits, batch.input_ids
+        )
     mask = batch.response_mask.bool()
     assert torch.allclose(batch.old_logprobs[mask], expected[mask], atol=1e-5)
     metrics = actor.update(batch)
@@ -76,7 +91,9 @@ def test_single_pass_update_equals_recomputing_old_logprobs_first(single_process
     config = ActorConfig(lr=1e-2, micro_batch_size=4)
     fused = Actor(tiny_policy(), config, sequences_per_update=6)
     seen = []
-    fused.update(rollout_batch(), on_hidden_states=lambda micro_batch, hidden: seen.append((micro_batch.size, hidden.shape)))
+    fused.update(
+        rollout_batch(), on_hidden_states=lambda micro_batch, hidden: seen.append((micro_batch.size, hidden.shape))
+    )
     two_pass = Actor(tiny_policy(), config, sequences_per_update=6)
     two_pass.update(two_pass.logprobs(rollout_batch()))
     for (name, value), other in zip(fused.policy.state_dict().items(), two_pass.policy.state_dict().values()):

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from test_speculative import TargetAsDrafter, requests_for, tiny_target
 
 from tlt_cli.config import RecipeError
 from tlt_cli.drafter.model import EagleDrafter
@@ -15,7 +16,6 @@ from tlt_cli.rollout.adaptive import (
 )
 from tlt_cli.rollout.engine import EmbeddedEngine
 from tlt_cli.rollout.types import SamplingParams, SpeculativeConfig
-from test_speculative import TargetAsDrafter, requests_for, tiny_target
 
 TABLE = [
     {"batch": [9, None], "use": "off"},
@@ -33,15 +33,18 @@ def test_labels_parse_both_ways():
         parse_label("fast")
 
 
-@pytest.mark.parametrize("table, message", [
-    ([{"batch": [1, 4], "use": "s2"}], "no rule covers batch size 5"),
-    ([{"batch": [1, None], "use": "off"}, {"batch": [4, 8], "use": "s2"}], "rule 2 overlaps"),
-    ([{"batch": [1, None], "accept": [0.0, 2.0], "use": "off"}], "accept length >= 2.0"),
-    ([{"batch": [1, None], "accept": [1.0, None], "use": "off"}], "gap before rule 1"),
-    ([{"batch": [5, 2], "use": "off"}], "rule 1: batch range"),
-    ([{"batch": [1, None], "use": "s0-k1"}], None),
-    ([], "empty"),
-])
+@pytest.mark.parametrize(
+    "table, message",
+    [
+        ([{"batch": [1, 4], "use": "s2"}], "no rule covers batch size 5"),
+        ([{"batch": [1, None], "use": "off"}, {"batch": [4, 8], "use": "s2"}], "rule 2 overlaps"),
+        ([{"batch": [1, None], "accept": [0.0, 2.0], "use": "off"}], "accept length >= 2.0"),
+        ([{"batch": [1, None], "accept": [1.0, None], "use": "off"}], "gap before rule 1"),
+        ([{"batch": [5, 2], "use": "off"}], "rule 1: batch range"),
+        ([{"batch": [1, None], "use": "s0-k1"}], None),
+        ([], "empty"),
+    ],
+)
 def test_bad_tables_name_the_rule(table, message):
     if message is None:  # s0 parses; the engine's own check refuses it when the recipe is validated
         build_rules(table)
@@ -112,11 +115,14 @@ def test_switching_configurations_mid_rollout_is_lossless(drafter_kind):
     # take a token the model emits often as EOS, so requests finish at different times and the batch shrinks
     first = EmbeddedEngine(target, eos_token_id=0, pad_token_id=0).generate(requests, sampling, torch.Generator())
     eos = torch.tensor([token for completion in first for token in completion.response_ids]).mode().values.item()
-    plain = EmbeddedEngine(target, eos_token_id=eos, pad_token_id=0).generate(requests, sampling, torch.Generator().manual_seed(0))
+    plain = EmbeddedEngine(target, eos_token_id=eos, pad_token_id=0).generate(
+        requests, sampling, torch.Generator().manual_seed(0)
+    )
     assert len({len(completion.response_ids) for completion in plain}) > 3
     schedule = AdaptiveSchedule(build_rules(TABLE))
-    adaptive_engine = EmbeddedEngine(target, eos_token_id=eos, pad_token_id=0,
-                                     speculative=AdaptiveSpeculativeDecoder(drafter, schedule))
+    adaptive_engine = EmbeddedEngine(
+        target, eos_token_id=eos, pad_token_id=0, speculative=AdaptiveSpeculativeDecoder(drafter, schedule)
+    )
     adaptive = adaptive_engine.generate(requests, sampling, torch.Generator().manual_seed(0))
     assert [completion.response_ids for completion in adaptive] == [completion.response_ids for completion in plain]
     usage = schedule.take_usage()

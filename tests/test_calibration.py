@@ -58,7 +58,12 @@ def test_sd_is_chosen_only_where_it_beats_off_by_the_margin_and_equal_neighbours
         8: {"off": 100.0, "s2-k1-t3": 70.0, "s4-k1-t5": 50.0},
     }
     choices, rules = calibrated_rules(throughput, margin=0.05, max_candidates=2)
-    assert [(choice.batch_size, choice.use) for choice in choices] == [(1, "s2-k1-t3"), (2, "s2-k1-t3"), (4, "off"), (8, "off")]
+    assert [(choice.batch_size, choice.use) for choice in choices] == [
+        (1, "s2-k1-t3"),
+        (2, "s2-k1-t3"),
+        (4, "off"),
+        (8, "off"),
+    ]
     assert choices[0].candidates == ("s4-k1-t5",) and choices[2].candidates == ("s2-k1-t3",)
     # candidates of a merged rule are those every merged batch size kept
     assert rules == [{"batch": [1, 3], "use": "s2-k1-t3"}, {"batch": [4, None], "use": "off"}]
@@ -66,8 +71,11 @@ def test_sd_is_chosen_only_where_it_beats_off_by_the_margin_and_equal_neighbours
 
 
 def test_buckets_start_at_one_end_open_and_keep_shared_candidates():
-    choices = [BatchChoice(2, "s4-k1-t5", ("s2-k1-t3", "off")), BatchChoice(4, "s4-k1-t5", ("s2-k1-t3",)),
-               BatchChoice(16, "off", ())]
+    choices = [
+        BatchChoice(2, "s4-k1-t5", ("s2-k1-t3", "off")),
+        BatchChoice(4, "s4-k1-t5", ("s2-k1-t3",)),
+        BatchChoice(16, "off", ()),
+    ]
     assert rules_from_choices(choices) == [
         {"batch": [1, 15], "use": "s4-k1-t5", "candidates": ["s2-k1-t3"]},
         {"batch": [16, None], "use": "off"},
@@ -89,8 +97,14 @@ def test_default_grid_is_powers_of_two_up_to_the_first_running_batch():
 
 
 def test_fragment_merged_into_the_tiny_recipe_validates():
-    _, rules = calibrated_rules({1: {"off": 100.0, "s4-k2-t8": 150.0, "s2-k1-t3": 148.0}, 4: {"off": 100.0, "s4-k2-t8": 90.0, "s2-k1-t3": 96.0}},
-                                margin=0.05, max_candidates=2)
+    _, rules = calibrated_rules(
+        {
+            1: {"off": 100.0, "s4-k2-t8": 150.0, "s2-k1-t3": 148.0},
+            4: {"off": 100.0, "s4-k2-t8": 90.0, "s2-k1-t3": 96.0},
+        },
+        margin=0.05,
+        max_candidates=2,
+    )
     fragment = fragment_text(rules, "tlt calibrate recipes/tiny-cpu.yaml --batch-sizes 1,4")
     assert fragment.startswith("speculative:") and "# calibrated by: tlt calibrate recipes/tiny-cpu.yaml" in fragment
     merged = OmegaConf.merge(OmegaConf.load(TINY_RECIPE), OmegaConf.create(fragment))
@@ -111,8 +125,9 @@ def test_write_recipe_replaces_only_the_rules_block_and_keeps_comments(tmp_path)
     assert "tlt calibrate first" not in edited and edited.count("# calibrated by: tlt calibrate second") == 1
     assert edited.count("rules:") == 1 and "mode: adaptive" in edited
     added = (CALIBRATED_BY,)
-    assert [line for line in original.splitlines() if line.lstrip().startswith("#") and not line.lstrip().startswith(added)] == \
-        [line for line in edited.splitlines() if line.lstrip().startswith("#") and not line.lstrip().startswith(added)]
+    assert [
+        line for line in original.splitlines() if line.lstrip().startswith("#") and not line.lstrip().startswith(added)
+    ] == [line for line in edited.splitlines() if line.lstrip().startswith("#") and not line.lstrip().startswith(added)]
     before, after = load_recipe(TINY_RECIPE), load_recipe(recipe_path)
     assert after.speculative.rules == second and after.drafter == before.drafter and after.rollout == before.rollout
 
@@ -122,7 +137,9 @@ def test_write_recipe_appends_a_missing_section_and_refuses_what_it_cannot_edit(
     plain.write_text("# tlt train plain.yaml\nrun:\n  name: plain\n")
     rules = [{"batch": [1, None], "use": "s2-k1-t3"}]
     write_rules_into_recipe(plain, rules, "tlt calibrate plain.yaml")
-    assert load_recipe(plain).speculative.rules == rules and plain.read_text().startswith("# tlt train plain.yaml\nrun:")
+    assert load_recipe(plain).speculative.rules == rules and plain.read_text().startswith(
+        "# tlt train plain.yaml\nrun:"
+    )
     flow = tmp_path / "flow.yaml"
     flow.write_text("run: {name: flow}\nspeculative: {mode: fixed}\n")
     with pytest.raises(RecipeEditError, match="paste the printed fragment"):
@@ -136,7 +153,9 @@ def tiny_pair_recipe(tmp_path_factory) -> Path:
     """A recipe over a tiny random model folder and a random drafter folder (no warm-up)."""
     folder = tmp_path_factory.mktemp("pair")
     tokenizer = tiny_tokenizer()
-    config = tiny_model_config(tokenizer, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64)
+    config = tiny_model_config(
+        tokenizer, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64
+    )
     target = build_tiny_model(0, config)
     save_model_folder(target, tokenizer, folder / "model")
     save_drafter(EagleDrafter(target, seed=0), folder / "drafter")
@@ -153,69 +172,117 @@ def test_cli_measures_a_tiny_pair_and_writes_json_fragment_and_recipe(tiny_pair_
     output = tmp_path / "out" / "calibration.json"
     rewritten = tmp_path / "rewritten.yaml"
     shutil.copy(tiny_pair_recipe, rewritten)
-    result = runner.invoke(app, [
-        "calibrate", str(tiny_pair_recipe), "rollout.max_new_tokens=40", "--batch-sizes", "1,4",
-        "--configs", "off,s2-k1-t3,s2-k2-t4", "--repeats", "2", "--output", str(output), "--write-recipe", str(rewritten),
-    ])
+    result = runner.invoke(
+        app,
+        [
+            "calibrate",
+            str(tiny_pair_recipe),
+            "rollout.max_new_tokens=40",
+            "--batch-sizes",
+            "1,4",
+            "--configs",
+            "off,s2-k1-t3,s2-k2-t4",
+            "--repeats",
+            "2",
+            "--output",
+            str(output),
+            "--write-recipe",
+            str(rewritten),
+        ],
+    )
     assert result.exit_code == 0, result.output
-    for text in ("decode throughput by running batch size", "s2-k1-t3", "s2-k2-t4", "speculative:", "mode: adaptive", "rules:"):
+    for text in (
+        "decode throughput by running batch size",
+        "s2-k1-t3",
+        "s2-k2-t4",
+        "speculative:",
+        "mode: adaptive",
+        "rules:",
+    ):
         assert text in result.output, text
     written = json.loads(output.read_text())
-    assert written["settings"]["batch_sizes"] == [1, 4] and written["settings"]["configs"] == ["off", "s2-k1-t3", "s2-k2-t4"]
+    assert written["settings"]["batch_sizes"] == [1, 4] and written["settings"]["configs"] == [
+        "off",
+        "s2-k1-t3",
+        "s2-k2-t4",
+    ]
     cells = {(cell["batch_size"], cell["config"]): cell for cell in written["measurements"]}
     assert len(cells) == 6 and all(len(cell["shards"]) == 2 for cell in cells.values())
     assert cells[(1, "off")]["accept_length"] == 1.0 and cells[(4, "off")]["ratio_vs_off"] == 1.0
     # off emits one token per running row and step; a chain of 2 at most three
-    assert all(shard["tokens"] == shard["row_steps"] for cell in (cells[(1, "off")], cells[(4, "off")]) for shard in cell["shards"])
+    assert all(
+        shard["tokens"] == shard["row_steps"]
+        for cell in (cells[(1, "off")], cells[(4, "off")])
+        for shard in cell["shards"]
+    )
     assert 1.0 <= cells[(4, "s2-k1-t3")]["accept_length"] <= 3.0
     # every shard runs 4 rows of at most 40 tokens: the buckets share out all of its tokens
     for label in ("off", "s2-k1-t3", "s2-k2-t4"):
         for repeat in range(2):
             shard_tokens = sum(cells[(size, label)]["shards"][repeat]["tokens"] for size in (1, 4))
             assert 4 <= shard_tokens <= 4 * 40
-    assert written["command"].startswith(f"tlt calibrate {tiny_pair_recipe} rollout.max_new_tokens=40 --batch-sizes 1,4")
+    assert written["command"].startswith(
+        f"tlt calibrate {tiny_pair_recipe} rollout.max_new_tokens=40 --batch-sizes 1,4"
+    )
     rules = written["rules"]
     assert rules[0]["batch"][0] == 1 and rules[-1]["batch"][1] is None and len(build_rules(rules)) == len(rules)
     fragment = output.with_suffix(".yaml").read_text()
     recipe = recipe_from_config(OmegaConf.merge(OmegaConf.load(tiny_pair_recipe), OmegaConf.create(fragment)))
     assert recipe.speculative.rules == rules
-    assert load_recipe(rewritten).speculative.rules == rules and "# plain decoding until calibrated" in rewritten.read_text()
+    assert (
+        load_recipe(rewritten).speculative.rules == rules
+        and "# plain decoding until calibrated" in rewritten.read_text()
+    )
 
 
-@pytest.mark.parametrize(("arguments", "message"), [
-    (["no-such-recipe.yaml"], "does not exist"),
-    (["{recipe}", "--batch-sizes", "1,x"], "--batch-sizes '1,x'"),
-    (["{recipe}", "--batch-sizes", "0,2"], "distinct sizes of at least 1"),
-    (["{recipe}", "--batch-sizes", "64"], "never exceeds 4"),
-    (["{recipe}", "--configs", "off,bogus"], "'bogus' is not an SD configuration"),
-    (["{recipe}", "--configs", "off"], "no SD configuration"),
-    (["{recipe}", "--configs", "s2-k1-t7"], "--configs s2-k1-t7"),
-    (["{recipe}", "--repeats", "0"], "--repeats is 0"),
-    (["{recipe}", "drafter.init=random"], "drafter.init is random"),
-    (["{recipe}", "train.nope=1"], "train.nope"),
-])
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        (["no-such-recipe.yaml"], "does not exist"),
+        (["{recipe}", "--batch-sizes", "1,x"], "--batch-sizes '1,x'"),
+        (["{recipe}", "--batch-sizes", "0,2"], "distinct sizes of at least 1"),
+        (["{recipe}", "--batch-sizes", "64"], "never exceeds 4"),
+        (["{recipe}", "--configs", "off,bogus"], "'bogus' is not an SD configuration"),
+        (["{recipe}", "--configs", "off"], "no SD configuration"),
+        (["{recipe}", "--configs", "s2-k1-t7"], "--configs s2-k1-t7"),
+        (["{recipe}", "--repeats", "0"], "--repeats is 0"),
+        (["{recipe}", "drafter.init=random"], "drafter.init is random"),
+        (["{recipe}", "train.nope=1"], "train.nope"),
+    ],
+)
 def test_bad_input_is_one_line_and_exit_2(tiny_pair_recipe, arguments, message):
     result = runner.invoke(app, ["calibrate", *[argument.format(recipe=tiny_pair_recipe) for argument in arguments]])
     assert result.exit_code == 2, result.output
-    assert message in result.output and len(result.output.strip().splitlines()) == 1 and "Traceback" not in result.output
+    assert (
+        message in result.output and len(result.output.strip().splitlines()) == 1 and "Traceback" not in result.output
+    )
 
 
 @pytest.mark.parametrize("config", [None, SpeculativeConfig(2), SpeculativeConfig(3, topk=2, draft_tokens=6)])
 def test_decode_steps_count_every_response_token_once_as_the_batch_shrinks(config):
     tokenizer = tiny_tokenizer()
-    model_config = tiny_model_config(tokenizer, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64)
+    model_config = tiny_model_config(
+        tokenizer, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64
+    )
     target = build_tiny_model(0, model_config).eval()
     drafter = EagleDrafter(target, seed=0)
     prompts = [tuple(tokenizer.encode(text, add_special_tokens=False)) for text in ("a1=", "a2b3=", "a4b5c6=")]
     requests = [RolloutRequest(row, prompts[row // 2]) for row in range(6)]
     sampling = SamplingParams(max_new_tokens=120, temperature=1.0)  # a random model ends a row with p ~ 1/66 per token
-    engine = EmbeddedEngine(target, tokenizer.eos_token_id, tokenizer.pad_token_id,
-                            speculative=SpeculativeDecoder(drafter, lambda batch_size: config))
+    engine = EmbeddedEngine(
+        target,
+        tokenizer.eos_token_id,
+        tokenizer.pad_token_id,
+        speculative=SpeculativeDecoder(drafter, lambda batch_size: config),
+    )
     steps = []
     completions = engine.generate(requests, sampling, torch.Generator().manual_seed(3), on_decode_step=steps.append)
     sizes = [step.batch_size for step in steps]
     assert sizes == sorted(sizes, reverse=True) and sizes[0] == 6 and len(set(sizes)) > 1
-    assert all(step.seconds > 0 and 1 <= step.tokens <= step.batch_size * (1 + (config.steps if config else 0)) for step in steps)
+    assert all(
+        step.seconds > 0 and 1 <= step.tokens <= step.batch_size * (1 + (config.steps if config else 0))
+        for step in steps
+    )
     # the prefill emits each row's first token; every other response token comes from exactly one decode step
     assert sum(step.tokens for step in steps) == sum(len(completion.response_ids) - 1 for completion in completions)
     # time_shard is that generation with the configuration fixed: the same steps, timed afresh

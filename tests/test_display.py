@@ -6,9 +6,17 @@ from rich.console import Console
 
 from tlt_cli.display import TrainingDisplay, render_summary
 
-BASE = {"step": 0, "mean_reward": 0.5, "response_length_p50": 14.0, "response_length_max": 90.0,
-        "rollout_seconds": 1.0, "update_seconds": 0.5, "idle_worker_seconds": 0.4, "step_seconds": 1.6,
-        "accept_length": None}
+BASE = {
+    "step": 0,
+    "mean_reward": 0.5,
+    "response_length_p50": 14.0,
+    "response_length_max": 90.0,
+    "rollout_seconds": 1.0,
+    "update_seconds": 0.5,
+    "idle_worker_seconds": 0.4,
+    "step_seconds": 1.6,
+    "accept_length": None,
+}
 
 
 def printed_lines(records):
@@ -20,14 +28,14 @@ def printed_lines(records):
 
 
 def test_plain_runs_show_only_the_base_columns():
-    line, = printed_lines([BASE])
+    (line,) = printed_lines([BASE])
     assert "reward 0.500" in line and "idle worker-s 0.40" in line
     assert "accept len" not in line and "drafter" not in line
 
 
 def test_sd_and_sidecar_metrics_appear_in_the_live_rows():
     record = {**BASE, "accept_length": 2.5, "drafter_steps": 7.0, "drafter_train_seconds": 0.3, "drafter_loss": 1.25}
-    line, = printed_lines([record])
+    (line,) = printed_lines([record])
     assert "accept len 2.50" in line and "drafter steps 7" in line
     assert "drafter train s 0.30" in line and "drafter loss 1.250" in line
 

@@ -21,14 +21,22 @@ torch.set_num_threads(1)
 
 def tiny_target():
     torch.manual_seed(0)
-    config = Qwen2Config(vocab_size=24, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    config = Qwen2Config(
+        vocab_size=24,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
     return Qwen2ForCausalLM(config).eval()
 
 
 def recipe(window_steps=2, batch_size=4, lr=1e-2):
-    return SimpleNamespace(drafter=DrafterConfig(lr=lr, window_steps=window_steps, batch_size=batch_size),
-                           run=SimpleNamespace(seed=0))
+    return SimpleNamespace(
+        drafter=DrafterConfig(lr=lr, window_steps=window_steps, batch_size=batch_size), run=SimpleNamespace(seed=0)
+    )
 
 
 def context(step, target, drafter, world_size=1, worker=0):
@@ -38,9 +46,17 @@ def context(step, target, drafter, world_size=1, worker=0):
 def feed(sidecar, target, step, seed=0):
     """One actor micro-batch of 4 sequences and its hidden states, as the actor hands them over."""
     generator = torch.Generator().manual_seed(seed + step)
-    completions = [Completion(i, tuple(torch.randint(3, 24, (3,), generator=generator).tolist()),
-                              torch.randint(3, 24, (6 + i,), generator=generator).tolist(), True, 0.0, 1.0)
-                   for i in range(4)]
+    completions = [
+        Completion(
+            i,
+            tuple(torch.randint(3, 24, (3,), generator=generator).tolist()),
+            torch.randint(3, 24, (6 + i,), generator=generator).tolist(),
+            True,
+            0.0,
+            1.0,
+        )
+        for i in range(4)
+    ]
     batch = build_policy_batch(completions, torch.zeros(4), pad_token_id=0)
     with torch.no_grad():
         hidden = target.get_decoder()(input_ids=batch.input_ids, attention_mask=batch.attention_mask).last_hidden_state

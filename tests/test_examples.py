@@ -10,9 +10,21 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 def test_minimal_grpo_runs_grpo_steps_and_prints_their_rewards():
     result = subprocess.run(
-        [sys.executable, str(EXAMPLES / "minimal_grpo.py"), "--steps", "2", "--prompts", "2", "--group-size", "2",
-         "--max-new-tokens", "24"],
-        capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            str(EXAMPLES / "minimal_grpo.py"),
+            "--steps",
+            "2",
+            "--prompts",
+            "2",
+            "--group-size",
+            "2",
+            "--max-new-tokens",
+            "24",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert result.returncode == 0, result.stderr[-2000:]
     rewards = [float(reward) for reward in re.findall(r"^step \d+: mean reward (\S+)", result.stdout, re.MULTILINE)]

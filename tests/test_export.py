@@ -29,8 +29,16 @@ runner = CliRunner()
 
 def tiny_target(architecture="qwen2"):
     tokenizer = tiny_tokenizer()
-    config = tiny_model_config(tokenizer, architecture=architecture, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
-                               intermediate_size=64, tie_word_embeddings=architecture == "qwen2")
+    config = tiny_model_config(
+        tokenizer,
+        architecture=architecture,
+        hidden_size=32,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        intermediate_size=64,
+        tie_word_embeddings=architecture == "qwen2",
+    )
     return build_tiny_model(0, config).eval(), tokenizer
 
 
@@ -73,11 +81,21 @@ def test_export_has_sglang_names_and_config_and_reloads_to_the_same_greedy_accep
     drafter_dir, recipe, _ = drafter_folder
     summary = export_drafter(drafter_dir, tmp_path / "out", recipe_path=recipe, prompts=4)
     out = tmp_path / "out"
-    assert sorted(path.name for path in out.iterdir()) == ["README.md", "config.json", "model.safetensors", "tlt_export.json"]
+    assert sorted(path.name for path in out.iterdir()) == [
+        "README.md",
+        "config.json",
+        "model.safetensors",
+        "tlt_export.json",
+    ]
     config = json.loads((out / "config.json").read_text())
     assert config["architectures"] == ["Qwen2ForCausalLMEagle"] and config["num_hidden_layers"] == 1
     tensors = load_file(str(out / "model.safetensors"))
-    assert {"fc.weight", "fc.bias", "layers.0.self_attn.q_proj.weight", "layers.0.post_attention_layernorm.weight"} <= set(tensors)
+    assert {
+        "fc.weight",
+        "fc.bias",
+        "layers.0.self_attn.q_proj.weight",
+        "layers.0.post_attention_layernorm.weight",
+    } <= set(tensors)
     assert all(name in ("fc.weight", "fc.bias") or name.startswith("layers.0.") for name in tensors)
     assert not tensors["fc.bias"].any() and "layers.0.input_layernorm.weight" not in tensors
 
@@ -90,14 +108,23 @@ def test_export_has_sglang_names_and_config_and_reloads_to_the_same_greedy_accep
     probe = held_out_probe(resolve_source(drafter_dir, recipe).recipe, tokenizer, 4, None, 4)
     again = measure_accept_length(target, reloaded, probe)
     measured = summary.measurement
-    assert (again.verify_passes, again.accepted_draft_tokens) == (measured.verify_passes, measured.accepted_draft_tokens)
+    assert (again.verify_passes, again.accepted_draft_tokens) == (
+        measured.verify_passes,
+        measured.accepted_draft_tokens,
+    )
     assert 1.5 < measured.accept_length < 4.9  # some drafts accepted, not all: the check can see a wrong mapping
     assert summary.reloaded_accept_length == measured.accept_length
     assert measured.first_problem_index == 3 * 2  # after every problem of the recipe's 3 steps of 2 prompts
 
     card = (out / "README.md").read_text()
-    for text in (f"{measured.accept_length:.3f}", "--speculative-algorithm EAGLE", f"--speculative-draft-model-path {out}",
-                 "Final norm", "fc.bias", "SGLang 0.5.23"):
+    for text in (
+        f"{measured.accept_length:.3f}",
+        "--speculative-algorithm EAGLE",
+        f"--speculative-draft-model-path {out}",
+        "Final norm",
+        "fc.bias",
+        "SGLang 0.5.23",
+    ):
         assert text in card, text
     assert json.loads((out / "tlt_export.json").read_text())["measurement"]["verify_passes"] == measured.verify_passes
 

@@ -43,13 +43,22 @@ def test_the_default_recipe_keeps_the_actor_on_cpu_in_fp32_with_the_embedded_eng
 def test_the_gpu_recipe_asks_for_gpus_bf16_and_sglang():
     recipe = load_checked_recipe(GPU)
     assert recipe.actor.devices == [0, 1] and recipe.actor.precision == "bf16"
-    assert recipe.rollout.backend == "sglang" and recipe.rollout.sglang.gpus == (0, 1) and recipe.rollout.sglang.colocated
+    assert (
+        recipe.rollout.backend == "sglang" and recipe.rollout.sglang.gpus == (0, 1) and recipe.rollout.sglang.colocated
+    )
     assert deepspeed_config(recipe.actor, 2)["bf16"] == {"enabled": True}
 
 
 def test_sglang_section_is_typed_from_overrides():
-    recipe = load_checked_recipe(TINY, [*SGLANG_ON_CPU, "rollout.sglang.gpus=[0,1,2,3]", "rollout.sglang.tp_size=2",
-                                'rollout.sglang.extra_args=["--attention-backend","triton"]'])
+    recipe = load_checked_recipe(
+        TINY,
+        [
+            *SGLANG_ON_CPU,
+            "rollout.sglang.gpus=[0,1,2,3]",
+            "rollout.sglang.tp_size=2",
+            'rollout.sglang.extra_args=["--attention-backend","triton"]',
+        ],
+    )
     assert recipe.rollout.sglang.gpus == (0, 1, 2, 3) and recipe.rollout.sglang.server_count == 2
     assert recipe.rollout.sglang.extra_args == ("--attention-backend", "triton")
 
@@ -64,13 +73,20 @@ BAD = {
     "unknown backend": (["rollout.backend=vllm"], "rollout.backend must be one of embedded, sglang"),
     "unknown sglang key": (["rollout.sglang.gpuz=[0]"], "rollout.sglang.gpuz"),
     "sglang value": ([*SGLANG_ON_CPU, "rollout.sglang.mem_fraction=1.5"], "rollout.sglang.mem_fraction"),
-    "servers per worker": (["rollout.backend=sglang", "rollout.sglang.colocated=false", "rollout.sglang.gpus=[0,1,2]"],
-                           "each worker owns whole servers"),
+    "servers per worker": (
+        ["rollout.backend=sglang", "rollout.sglang.colocated=false", "rollout.sglang.gpus=[0,1,2]"],
+        "each worker owns whole servers",
+    ),
     "colocated on cpu": (["rollout.backend=sglang", "rollout.sglang.gpus=[0,1]"], "rollout.sglang.colocated: true"),
     "zero 3": (["actor.zero_stage=3"], "actor.zero_stage must be 0, 1 or 2"),
-    "rule table gap": ([*SGLANG_ON_CPU, "speculative.mode=adaptive", "speculative.rules=[{batch: [2, null], use: s2-k1}]"],
-                                "speculative.rules"),
-    "missing hostfile": (["actor.devices=[0,1]", "workers.hostfile=/nonexistent/hostfile"], "workers.hostfile: /nonexistent/hostfile does not exist"),
+    "rule table gap": (
+        [*SGLANG_ON_CPU, "speculative.mode=adaptive", "speculative.rules=[{batch: [2, null], use: s2-k1}]"],
+        "speculative.rules",
+    ),
+    "missing hostfile": (
+        ["actor.devices=[0,1]", "workers.hostfile=/nonexistent/hostfile"],
+        "workers.hostfile: /nonexistent/hostfile does not exist",
+    ),
 }
 
 
@@ -95,11 +111,23 @@ def test_hostfile_ranks_must_match_nodes_times_devices(tmp_path):
 def test_multi_node_launch_command_from_a_recipe(tmp_path):
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("node-a slots=8\nnode-b slots=8  # second node\n")
-    recipe = load_checked_recipe(GPU, [f"workers.hostfile={hostfile}", "workers.count=4", "train.prompts_per_step=32",
-                               "rollout.sglang.gpus=[0,1]"])
+    recipe = load_checked_recipe(
+        GPU,
+        [f"workers.hostfile={hostfile}", "workers.count=4", "train.prompts_per_step=32", "rollout.sglang.gpus=[0,1]"],
+    )
     assert deepspeed_launch_command(recipe, tmp_path / "runs" / "gpu-sglang", 29500) == [
-        sys.executable, "-m", "deepspeed.launcher.runner", "--hostfile", str(hostfile), "--master_port", "29500",
-        "--include", "node-a:0,1@node-b:0,1", "--no_local_rank", "--module", "tlt_cli.processes.launched_rank",
+        sys.executable,
+        "-m",
+        "deepspeed.launcher.runner",
+        "--hostfile",
+        str(hostfile),
+        "--master_port",
+        "29500",
+        "--include",
+        "node-a:0,1@node-b:0,1",
+        "--no_local_rank",
+        "--module",
+        "tlt_cli.processes.launched_rank",
         str(tmp_path / "runs" / "gpu-sglang"),
     ]
 
@@ -120,17 +148,23 @@ def test_sglang_backend_without_sglang_installed_is_one_line(tmp_path):
 
 def test_speculative_section_as_sglang_batch_rules():
     assert batch_rules(load_checked_recipe(TINY, ["speculative.mode=off"]).speculative) == [BatchRule(1, None, None)]
-    fixed = load_checked_recipe(TINY, ["speculative.mode=fixed", "speculative.steps=3", "speculative.topk=2", "speculative.draft_tokens=6"])
+    fixed = load_checked_recipe(
+        TINY, ["speculative.mode=fixed", "speculative.steps=3", "speculative.topk=2", "speculative.draft_tokens=6"]
+    )
     assert batch_rules(fixed.speculative) == [BatchRule(1, None, SpeculativeConfig(3, 2, 6))]
     # accept ranges collapse to the rule an unmeasured bucket starts with; equal neighbours merge
-    rules = ("[{batch: [1, 4], accept: [0, 1.5], use: 'off'}, {batch: [1, 4], accept: [1.5, null], use: s4-k1-t5},"
-             " {batch: [5, 8], use: s4-k1-t5, candidates: [s2-k1-t3]}, {batch: [9, null], use: 'off'}]")
+    rules = (
+        "[{batch: [1, 4], accept: [0, 1.5], use: 'off'}, {batch: [1, 4], accept: [1.5, null], use: s4-k1-t5},"
+        " {batch: [5, 8], use: s4-k1-t5, candidates: [s2-k1-t3]}, {batch: [9, null], use: 'off'}]"
+    )
     adaptive = load_checked_recipe(TINY, ["speculative.mode=adaptive", f"speculative.rules={rules}"])
     assert batch_rules(adaptive.speculative) == [BatchRule(1, 8, SpeculativeConfig(4, 1, 5)), BatchRule(9, None, None)]
 
 
 def test_each_worker_owns_consecutive_servers_and_their_ports():
-    recipe = load_checked_recipe(GPU, ["rollout.sglang.gpus=[0,1,2,3,4,5,6,7]", "rollout.sglang.tp_size=2", "rollout.sglang.port_base=31000"])
+    recipe = load_checked_recipe(
+        GPU, ["rollout.sglang.gpus=[0,1,2,3,4,5,6,7]", "rollout.sglang.tp_size=2", "rollout.sglang.port_base=31000"]
+    )
     first, second = (servers_of_worker(recipe.rollout.sglang, worker, 2) for worker in (0, 1))
     assert (first.gpus, first.port_base, first.server_count) == ((0, 1, 2, 3), 31000, 2)
     assert (second.gpus, second.port_base, second.server_count) == ((4, 5, 6, 7), 31004, 2)

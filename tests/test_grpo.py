@@ -13,7 +13,7 @@ def test_group_advantages_normalize_within_each_group():
     assert torch.allclose(first.mean(), torch.tensor(0.0), atol=1e-6)
     assert first[0] > 0 and (first[1:] < 0).all()
     # std of [1,0,0,0] is sqrt(3)/4: (1 - 0.25) / 0.433 = sqrt(3)
-    assert first[0].item() == pytest.approx(3 ** 0.5, rel=1e-4)
+    assert first[0].item() == pytest.approx(3**0.5, rel=1e-4)
     # a group with equal rewards carries no signal
     assert torch.equal(advantages[4:], torch.zeros(4))
 
@@ -49,13 +49,17 @@ def test_on_policy_loss_gradient_is_advantage_weighted_logprob_gradient():
 def test_clipping_stops_gradient_beyond_the_trust_region():
     old = torch.zeros(1, 2)
     logprobs = torch.tensor([[0.0, 0.5]], requires_grad=True)  # ratio e^0.5 = 1.65 > 1.2
-    result = policy_loss(logprobs, old, torch.tensor([1.0]), torch.tensor([[0, 1]]), clip_ratio=0.2, total_response_tokens=1)
+    result = policy_loss(
+        logprobs, old, torch.tensor([1.0]), torch.tensor([[0, 1]]), clip_ratio=0.2, total_response_tokens=1
+    )
     result.loss.backward()
     assert logprobs.grad[0, 1].item() == 0.0
     assert result.clip_fraction == 1.0
     # with a negative advantage the clipped branch is not the minimum: the gradient flows
     logprobs.grad = None
-    result = policy_loss(logprobs, old, torch.tensor([-1.0]), torch.tensor([[0, 1]]), clip_ratio=0.2, total_response_tokens=1)
+    result = policy_loss(
+        logprobs, old, torch.tensor([-1.0]), torch.tensor([[0, 1]]), clip_ratio=0.2, total_response_tokens=1
+    )
     result.loss.backward()
     assert logprobs.grad[0, 1].item() == pytest.approx(torch.exp(torch.tensor(0.5)).item(), rel=1e-5)
 
@@ -65,7 +69,9 @@ def test_kl_penalty_is_zero_at_the_reference_and_positive_away_from_it():
     mask = torch.tensor([[0, 1]])
     same = policy_loss(logprobs, logprobs, torch.zeros(1), mask, 0.2, 1, ref_logprobs=logprobs, kl_coef=0.5)
     assert same.kl == pytest.approx(0.0) and same.loss.item() == pytest.approx(0.0)
-    away = policy_loss(logprobs, logprobs, torch.zeros(1), mask, 0.2, 1, ref_logprobs=torch.tensor([[0.0, -2.0]]), kl_coef=0.5)
+    away = policy_loss(
+        logprobs, logprobs, torch.zeros(1), mask, 0.2, 1, ref_logprobs=torch.tensor([[0.0, -2.0]]), kl_coef=0.5
+    )
     # k3: exp(-1) - (-1) - 1 = e^-1
     assert away.kl == pytest.approx(torch.exp(torch.tensor(-1.0)).item(), rel=1e-5)
     assert away.loss.item() == pytest.approx(0.5 * away.kl, rel=1e-5)
@@ -79,5 +85,8 @@ def test_micro_batch_split_does_not_change_the_total_loss():
     advantages = torch.randn(4)
     total = int(mask.sum())
     whole = policy_loss(logprobs, old, advantages, mask, 0.2, total).loss
-    halves = sum(policy_loss(logprobs[i:i + 2], old[i:i + 2], advantages[i:i + 2], mask[i:i + 2], 0.2, total).loss for i in (0, 2))
+    halves = sum(
+        policy_loss(logprobs[i : i + 2], old[i : i + 2], advantages[i : i + 2], mask[i : i + 2], 0.2, total).loss
+        for i in (0, 2)
+    )
     assert whole.item() == pytest.approx(halves.item(), rel=1e-6)

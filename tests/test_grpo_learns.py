@@ -22,7 +22,9 @@ GROUP = 4
 
 def test_grpo_raises_a_learnable_reward(single_process_group):
     tokenizer = tiny_tokenizer()
-    config = tiny_model_config(tokenizer, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128)
+    config = tiny_model_config(
+        tokenizer, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128
+    )
     policy = build_tiny_model(0, config)
     actor = Actor(policy, ActorConfig(lr=3e-3, micro_batch_size=4), sequences_per_update=8 * GROUP)
     actor.engine.eval()
@@ -30,10 +32,18 @@ def test_grpo_raises_a_learnable_reward(single_process_group):
     task = ArithmeticTask(seed=0)
     history = []
     for step in range(20):
-        prompts = [tokenizer.encode(task.problem(step * 8 + index).prompt, add_special_tokens=False) for index in range(8)]
-        requests = [RolloutRequest(index * GROUP + sample, tuple(prompt)) for index, prompt in enumerate(prompts) for sample in range(GROUP)]
-        completions = sorted(engine.generate(requests, SamplingParams(max_new_tokens=48), torch.Generator().manual_seed(step)),
-                             key=lambda completion: completion.request_id)
+        prompts = [
+            tokenizer.encode(task.problem(step * 8 + index).prompt, add_special_tokens=False) for index in range(8)
+        ]
+        requests = [
+            RolloutRequest(index * GROUP + sample, tuple(prompt))
+            for index, prompt in enumerate(prompts)
+            for sample in range(GROUP)
+        ]
+        completions = sorted(
+            engine.generate(requests, SamplingParams(max_new_tokens=48), torch.Generator().manual_seed(step)),
+            key=lambda completion: completion.request_id,
+        )
         texts = [tokenizer.decode(completion.response_ids, skip_special_tokens=True) for completion in completions]
         rewards = torch.tensor([sum(character.isdigit() for character in text) / max(len(text), 1) for text in texts])
         actor.update(build_policy_batch(completions, group_advantages(rewards, GROUP), tokenizer.pad_token_id))

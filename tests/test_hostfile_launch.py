@@ -53,9 +53,22 @@ def hostfile(tmp_path) -> Path:
 
 
 def hostfile_run(model: Path, hostfile: Path, output: Path, name: str, steps: int, *extra: str) -> list[str]:
-    return [*TLT, "train", str(RECIPE), f"model.path={model}", *PLAIN_DECODING, f"workers.hostfile={hostfile}", f"run.output_dir={output}",
-            f"run.name={name}", f"train.steps={steps}", "train.prompts_per_step=4", "train.group_size=2",
-            "rollout.max_new_tokens=48", "checkpoint.every=2", *extra]
+    return [
+        *TLT,
+        "train",
+        str(RECIPE),
+        f"model.path={model}",
+        *PLAIN_DECODING,
+        f"workers.hostfile={hostfile}",
+        f"run.output_dir={output}",
+        f"run.name={name}",
+        f"train.steps={steps}",
+        "train.prompts_per_step=4",
+        "train.group_size=2",
+        "rollout.max_new_tokens=48",
+        "checkpoint.every=2",
+        *extra,
+    ]
 
 
 def records(run_directory: Path, kind: str) -> list[dict]:
@@ -76,9 +89,19 @@ def processes_of(run_directory: Path) -> list[psutil.Process]:
 def test_one_host_launches_locally_without_ssh(hostfile, tmp_path):
     recipe = load_recipe(RECIPE, [f"workers.hostfile={hostfile}"])
     assert deepspeed_launch_command(recipe, tmp_path / "run", 29500) == [
-        sys.executable, "-m", "deepspeed.launcher.runner", "--hostfile", str(hostfile), "--master_port", "29500",
-        "--no_ssh_check", "--master_addr", "127.0.0.1", "--no_local_rank",
-        "--module", "tlt_cli.processes.launched_rank",
+        sys.executable,
+        "-m",
+        "deepspeed.launcher.runner",
+        "--hostfile",
+        str(hostfile),
+        "--master_port",
+        "29500",
+        "--no_ssh_check",
+        "--master_addr",
+        "127.0.0.1",
+        "--no_local_rank",
+        "--module",
+        "tlt_cli.processes.launched_rank",
         str(tmp_path / "run"),
     ]
 
@@ -89,8 +112,11 @@ HOSTFILE_MISTAKES = {
     "zero slots": ("localhost slots=0\n", [], "line 1 must read '<host> slots=<n>' with n >= 1"),
     "slots do not give workers.count": ("localhost slots=3\n", [], "workers.count must be 3 (the slots of {hostfile}"),
     "uneven cpu slots": ("node-a slots=1\nnode-b slots=3\n", ["workers.count=4"], "gives hosts different slots"),
-    "gpu missing on a node": ("node-a slots=2\nnode-b slots=1\n", ["actor.devices=[0,1]", "workers.count=4"],
-                              "gives node-b slots=1, but actor.devices uses GPU 1"),
+    "gpu missing on a node": (
+        "node-a slots=2\nnode-b slots=1\n",
+        ["actor.devices=[0,1]", "workers.count=4"],
+        "gives node-b slots=1, but actor.devices uses GPU 1",
+    ),
 }
 
 
@@ -100,7 +126,9 @@ def test_hostfile_mistakes_are_one_line_naming_the_key_and_exit_2(name, tmp_path
     hostfile = tmp_path / "hostfile"
     if content is not None:
         hostfile.write_text(content)
-    result = runner.invoke(app, ["train", str(RECIPE), f"workers.hostfile={hostfile}", f"run.output_dir={tmp_path}", *overrides])
+    result = runner.invoke(
+        app, ["train", str(RECIPE), f"workers.hostfile={hostfile}", f"run.output_dir={tmp_path}", *overrides]
+    )
     assert result.exit_code == 2, result.output
     assert "Traceback" not in result.output and len(result.output.strip().splitlines()) == 1, result.output
     assert "workers" in result.output and expected.format(hostfile=hostfile) in result.output.replace("\n", "")
@@ -108,14 +136,23 @@ def test_hostfile_mistakes_are_one_line_naming_the_key_and_exit_2(name, tmp_path
 
 def test_two_steps_with_the_deepspeed_launcher(small_model, hostfile, tmp_path):
     run_directory = tmp_path / "launched"
-    result = subprocess.run(hostfile_run(small_model, hostfile, tmp_path, "launched", 2), capture_output=True, text=True,
-                            timeout=RUN_TIMEOUT_SECONDS)
+    result = subprocess.run(
+        hostfile_run(small_model, hostfile, tmp_path, "launched", 2),
+        capture_output=True,
+        text=True,
+        timeout=RUN_TIMEOUT_SECONDS,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "run summary" in result.stdout and "step 1" in result.stdout
     assert [step["step"] for step in records(run_directory, "step")] == [0, 1]
     requests = records(run_directory, "request")
     assert len(requests) == 2 * 4 * 2 and {request["worker"] for request in requests} == {0, 1}
-    assert sorted((worker["step"], worker["worker"]) for worker in records(run_directory, "worker")) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert sorted((worker["step"], worker["worker"]) for worker in records(run_directory, "worker")) == [
+        (0, 0),
+        (0, 1),
+        (1, 0),
+        (1, 1),
+    ]
     assert (run_directory / "checkpoints" / "latest").read_text() == "step_000002"
     launcher_log = (run_directory / "workers" / "launcher.log").read_text()
     assert "deepspeed.launcher.launch" in launcher_log
@@ -127,11 +164,19 @@ def test_two_steps_with_the_deepspeed_launcher(small_model, hostfile, tmp_path):
 @pytest.mark.slow
 def test_resume_with_the_deepspeed_launcher(small_model, hostfile, tmp_path):
     run_directory = tmp_path / "resumed"
-    first = subprocess.run(hostfile_run(small_model, hostfile, tmp_path, "resumed", 2), capture_output=True, text=True,
-                           timeout=RUN_TIMEOUT_SECONDS)
+    first = subprocess.run(
+        hostfile_run(small_model, hostfile, tmp_path, "resumed", 2),
+        capture_output=True,
+        text=True,
+        timeout=RUN_TIMEOUT_SECONDS,
+    )
     assert first.returncode == 0, first.stderr[-3000:]
-    resumed = subprocess.run([*TLT, "train", "--resume", str(run_directory), "train.steps=3"], capture_output=True, text=True,
-                             timeout=RUN_TIMEOUT_SECONDS)
+    resumed = subprocess.run(
+        [*TLT, "train", "--resume", str(run_directory), "train.steps=3"],
+        capture_output=True,
+        text=True,
+        timeout=RUN_TIMEOUT_SECONDS,
+    )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert [step["step"] for step in records(run_directory, "step")] == [0, 1, 2]
     assert (run_directory / "checkpoints" / "latest").read_text() == "step_000003"
@@ -142,10 +187,20 @@ def test_resume_with_the_deepspeed_launcher(small_model, hostfile, tmp_path):
 def test_launched_ranks_own_their_sglang_servers_and_leave_none(small_model, hostfile, tmp_path):
     run_directory = tmp_path / "sglang"
     port_base = free_port_range(4)
-    command = hostfile_run(small_model, hostfile, tmp_path, "sglang", 2, "rollout.max_new_tokens=12", "rollout.backend=sglang",
-                           "rollout.sglang.gpus=[0,1,2,3]", "rollout.sglang.colocated=false",
-                           f"rollout.sglang.port_base={port_base}", "rollout.sglang.startup_timeout_s=60",
-                           "rollout.sglang.stop_timeout_s=5")
+    command = hostfile_run(
+        small_model,
+        hostfile,
+        tmp_path,
+        "sglang",
+        2,
+        "rollout.max_new_tokens=12",
+        "rollout.backend=sglang",
+        "rollout.sglang.gpus=[0,1,2,3]",
+        "rollout.sglang.colocated=false",
+        f"rollout.sglang.port_base={port_base}",
+        "rollout.sglang.startup_timeout_s=60",
+        "rollout.sglang.stop_timeout_s=5",
+    )
     environment = {**os.environ, "PYTHONPATH": str(write_stand_in_sglang(tmp_path / "site"))}
     result = subprocess.run(command, capture_output=True, text=True, timeout=RUN_TIMEOUT_SECONDS, env=environment)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -156,20 +211,34 @@ def test_launched_ranks_own_their_sglang_servers_and_leave_none(small_model, hos
         for server in (0, 1):
             log = (run_directory / "workers" / f"worker-{worker}" / "sglang" / f"server-{server}.log").read_text()
             assert f"--port {port_base + 2 * (2 * worker + server)} " in log
-            server_pids += [int(line.rsplit(" ", 1)[1]) for line in log.splitlines() if "fake-sglang: server pid" in line]
+            server_pids += [
+                int(line.rsplit(" ", 1)[1]) for line in log.splitlines() if "fake-sglang: server pid" in line
+            ]
     assert len(server_pids) == 4 and not any(live_group_members(pid) for pid in server_pids)
     assert not processes_of(run_directory)
 
 
-@pytest.mark.parametrize("plugin, expected", [
-    ("RaiseOnRankOne", "error: worker 1 failed: RuntimeError: rank 1 was told to fail"),
-    ("ExitOnEveryRank", "error: the DeepSpeed launcher exited with code 3 before rank(s) 0, 1 finished"),
-])
-def test_a_failing_rank_is_one_line_exit_1_and_leaves_no_process_or_run(plugin, expected, small_model, hostfile, tmp_path):
+@pytest.mark.parametrize(
+    "plugin, expected",
+    [
+        ("RaiseOnRankOne", "error: worker 1 failed: RuntimeError: rank 1 was told to fail"),
+        ("ExitOnEveryRank", "error: the DeepSpeed launcher exited with code 3 before rank(s) 0, 1 finished"),
+    ],
+)
+def test_a_failing_rank_is_one_line_exit_1_and_leaves_no_process_or_run(
+    plugin, expected, small_model, hostfile, tmp_path
+):
     run_directory = tmp_path / "failing"
-    command = hostfile_run(small_model, hostfile, tmp_path, "failing", 2, f"plugins.enabled=[rank_failure_plugins:{plugin}]")
-    result = subprocess.run(command, capture_output=True, text=True, timeout=RUN_TIMEOUT_SECONDS,
-                            env={**os.environ, "PYTHONPATH": str(TESTS)})
+    command = hostfile_run(
+        small_model, hostfile, tmp_path, "failing", 2, f"plugins.enabled=[rank_failure_plugins:{plugin}]"
+    )
+    result = subprocess.run(
+        command,
+        capture_output=True,
+        text=True,
+        timeout=RUN_TIMEOUT_SECONDS,
+        env={**os.environ, "PYTHONPATH": str(TESTS)},
+    )
     assert result.returncode == 1, result.stderr[-3000:]
     first_line = result.stderr.strip().splitlines()[0]
     assert first_line.startswith(expected), result.stderr[-3000:]
@@ -180,8 +249,12 @@ def test_a_failing_rank_is_one_line_exit_1_and_leaves_no_process_or_run(plugin, 
 
 def test_ctrl_c_stops_every_rank_and_exits_130(small_model, hostfile, tmp_path):
     run_directory = tmp_path / "interrupted"
-    driver = subprocess.Popen(hostfile_run(small_model, hostfile, tmp_path, "interrupted", 50), stdout=subprocess.DEVNULL,
-                              stderr=subprocess.PIPE, text=True)
+    driver = subprocess.Popen(
+        hostfile_run(small_model, hostfile, tmp_path, "interrupted", 50),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.time() + RUN_TIMEOUT_SECONDS
     while time.time() < deadline and driver.poll() is None and not _has_step(run_directory):
         time.sleep(0.2)
@@ -197,16 +270,25 @@ def test_event_channel_delivers_in_order_rejects_strangers_and_ends_ranks_when_c
     for number in range(3):
         rank.put({"event": number})
     assert [listener.get(timeout=10) for _ in range(3)] == [{"event": number} for number in range(3)]
-    with pytest.raises(ConnectionError, match=f"cannot reach the tlt train driver's event channel at 127.0.0.1:{listener.port}"):
+    with pytest.raises(
+        ConnectionError, match=f"cannot reach the tlt train driver's event channel at 127.0.0.1:{listener.port}"
+    ):
         connect_to_driver("127.0.0.1", listener.port, b"another secret")
     rank.close()
     listener.wait_for_senders(timeout=10)
     assert not listener.pending()
 
     # a rank in another process exits as soon as the driver closes the channel
-    child = subprocess.Popen([sys.executable, "-c", (
-        "import sys, time; from tlt_cli.processes.event_channel import connect_to_driver; "
-        f"connect_to_driver('127.0.0.1', {listener.port}, b'secret of the run').put('ready'); time.sleep(60); sys.exit(0)")])
+    child = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            (
+                "import sys, time; from tlt_cli.processes.event_channel import connect_to_driver; "
+                f"connect_to_driver('127.0.0.1', {listener.port}, b'secret of the run').put('ready'); time.sleep(60); sys.exit(0)"
+            ),
+        ]
+    )
     assert listener.get(timeout=60) == "ready"
     listener.close()
     assert child.wait(timeout=30) == 1
@@ -215,4 +297,3 @@ def test_event_channel_delivers_in_order_rejects_strangers_and_ends_ranks_when_c
 def _has_step(run_directory: Path) -> bool:
     trace = run_directory / "trace.jsonl"
     return trace.is_file() and '"type":"step"' in trace.read_text()
-

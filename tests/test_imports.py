@@ -9,7 +9,6 @@ failure.
 """
 
 import ast
-import os
 import subprocess
 import sys
 import textwrap
@@ -31,8 +30,13 @@ def module_files() -> dict[str, Path]:
 def imported_names(path: Path) -> set[str]:
     """Every module name `path` imports (and `from x import y` as x.y too), outside `if TYPE_CHECKING:`."""
     tree = ast.parse(path.read_text(encoding="utf-8"))
-    type_only = {id(node) for block in ast.walk(tree) if isinstance(block, ast.If) and "TYPE_CHECKING" in ast.unparse(block.test)
-                 for statement in block.body for node in ast.walk(statement)}
+    type_only = {
+        id(node)
+        for block in ast.walk(tree)
+        if isinstance(block, ast.If) and "TYPE_CHECKING" in ast.unparse(block.test)
+        for statement in block.body
+        for node in ast.walk(statement)
+    }
     names = set()
     for node in ast.walk(tree):
         if id(node) in type_only:
@@ -75,7 +79,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
                 state[path.pop()] = "done"
                 iterators.pop()
             elif state.get(following) == "open":
-                return [*path[path.index(following):], following]
+                return [*path[path.index(following) :], following]
             elif following not in state:
                 state[following] = "open"
                 path.append(following)
@@ -125,15 +129,21 @@ def third_party_names(paths: list[Path]) -> list[str]:
                 names.update(alias.name for alias in node.names)
             elif isinstance(node, ast.ImportFrom) and node.module:
                 names.update(f"{node.module}:{alias.name}" for alias in node.names)
-    return sorted(name for name in names if name.partition(":")[0].split(".")[0] not in {"tlt_cli", *sys.stdlib_module_names})
+    return sorted(
+        name for name in names if name.partition(":")[0].split(".")[0] not in {"tlt_cli", *sys.stdlib_module_names}
+    )
 
 
 def test_every_module_imports_alone_in_a_fresh_process():
     # __main__ runs the CLI when imported: it is checked by the graph test only
     modules = [module for module in module_files() if not module.endswith("__main__")]
     third_party = third_party_names(list(module_files().values()))
-    result = subprocess.run([sys.executable, "-c", IMPORT_EACH, ",".join(third_party), ",".join(modules)],
-                            capture_output=True, text=True, timeout=600)
+    result = subprocess.run(
+        [sys.executable, "-c", IMPORT_EACH, ",".join(third_party), ",".join(modules)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     failed = [line for line in result.stdout.splitlines() if line.startswith("FAILED ")]
     assert failed == [], "modules that fail to import alone:\n" + "\n".join(failed)
@@ -141,6 +151,10 @@ def test_every_module_imports_alone_in_a_fresh_process():
 
 def test_the_recipe_schema_imports_nothing_heavy():
     code = "import sys, tlt_cli.config; print(','.join(sorted(sys.modules)))"
-    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip().split(",")
+    loaded = (
+        subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+        .stdout.strip()
+        .split(",")
+    )
     assert [name for name in loaded if name.startswith(HEAVY)] == []
     assert [name for name in loaded if name.startswith("tlt_cli.")] == ["tlt_cli.config", "tlt_cli.errors"]

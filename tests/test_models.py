@@ -17,14 +17,16 @@ from tlt_cli.models.loading import ModelLoadError, load_policy, model_fingerprin
 from tlt_cli.models.tiny import (
     IGNORED_LABEL,
     SHIPPED_TINY_MODEL,
+    _length_sorted_batches,
+    _supervised_example,
     build_tiny_model,
     ensure_tiny_model,
     save_model_folder,
+    slipped_solution,
     tiny_model_config,
     tiny_tokenizer,
     warm_up,
 )
-from tlt_cli.models.tiny import _length_sorted_batches, _supervised_example, slipped_solution
 from tlt_cli.models.tokenizer import build_char_tokenizer
 from tlt_cli.recipes import RECIPES_DIRECTORY
 from tlt_cli.tasks.arithmetic import CHARACTERS, ArithmeticTask, make_problem
@@ -98,7 +100,9 @@ def test_slips_are_off_by_one_and_carry_into_later_totals_and_the_answer():
     totals = [int(step[3:]) for step in steps.split(",")]
     running_sum = 0
     for digit, total in zip([3, 9, 0, 9, 9, 1], totals):
-        assert abs(total - (running_sum + digit)) == 1 and 0 <= total <= 18  # every step slipped, from its own running sum
+        assert (
+            abs(total - (running_sum + digit)) == 1 and 0 <= total <= 18
+        )  # every step slipped, from its own running sum
         running_sum = total % 10
     assert answer == str(running_sum) and always != problem.solution
     generator = random.Random(1)
@@ -211,8 +215,17 @@ def test_builtin_tiny_model_is_the_shipped_folder_small_and_half_solves_the_task
     folder = model_folder("builtin:tiny-arith")
     assert folder == SHIPPED_TINY_MODEL and sum(path.stat().st_size for path in folder.iterdir()) < 20 * 2**20
     model, tokenizer = load_policy("builtin:tiny-arith")
-    shape = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-             "intermediate_size", "tie_word_embeddings", "eos_token_id", "pad_token_id")
+    shape = (
+        "vocab_size",
+        "hidden_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "intermediate_size",
+        "tie_word_embeddings",
+        "eos_token_id",
+        "pad_token_id",
+    )
     assert [getattr(model.config, name) for name in shape] == [getattr(tiny_model_config(), name) for name in shape]
     assert next(model.parameters()).dtype == torch.float32  # stored in bfloat16, loaded as tlt trains it
     task = ArithmeticTask(seed=99)

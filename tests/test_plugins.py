@@ -70,20 +70,42 @@ def test_hooks_fire_in_order_in_each_worker_and_a_crashing_plugin_is_disabled(tm
     model = ensure_tiny_model(cache_directory, warmup_steps=40)
     record_directory = tmp_path / "hooks"
     record_directory.mkdir()
-    command = [sys.executable, "-m", "tlt_cli", "train", str(RECIPE), f"model.path={model}", *PLAIN_DECODING, f"run.output_dir={tmp_path}",
-               "run.name=plugins", "train.steps=1", "train.prompts_per_step=4", "train.group_size=2",
-               "rollout.max_new_tokens=48", "checkpoint.every=1",
-               "plugins.enabled=[plugins_for_tests:RecordingPlugin,plugins_for_tests:CrashingPlugin]",
-               f"plugins.options.plugins_for_tests:RecordingPlugin.directory={record_directory}"]
+    command = [
+        sys.executable,
+        "-m",
+        "tlt_cli",
+        "train",
+        str(RECIPE),
+        f"model.path={model}",
+        *PLAIN_DECODING,
+        f"run.output_dir={tmp_path}",
+        "run.name=plugins",
+        "train.steps=1",
+        "train.prompts_per_step=4",
+        "train.group_size=2",
+        "rollout.max_new_tokens=48",
+        "checkpoint.every=1",
+        "plugins.enabled=[plugins_for_tests:RecordingPlugin,plugins_for_tests:CrashingPlugin]",
+        f"plugins.options.plugins_for_tests:RecordingPlugin.directory={record_directory}",
+    ]
     environment = {**os.environ, "PYTHONPATH": str(TESTS)}
     result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=environment)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "plugin plugins_for_tests:CrashingPlugin disabled on worker 0" in result.stdout
     for worker in (0, 1):
-        hooks = [json.loads(line)["hook"] for line in (record_directory / f"worker-{worker}.jsonl").read_text().splitlines()]
+        hooks = [
+            json.loads(line)["hook"] for line in (record_directory / f"worker-{worker}.jsonl").read_text().splitlines()
+        ]
         compact = [hook for index, hook in enumerate(hooks) if index == 0 or hook != hooks[index - 1]]
-        expected = ["on_rollout_start", "on_request_finished", "on_worker_idle", "on_rollout_end", "on_hidden_states",
-                    "on_weights_updated", "on_checkpoint_save"]
+        expected = [
+            "on_rollout_start",
+            "on_request_finished",
+            "on_worker_idle",
+            "on_rollout_end",
+            "on_hidden_states",
+            "on_weights_updated",
+            "on_checkpoint_save",
+        ]
         # the last worker to finish its shard is never idle
         assert compact in (expected, [hook for hook in expected if hook != "on_worker_idle"]), compact
         assert hooks.count("on_request_finished") == 4

@@ -21,7 +21,16 @@ runner = CliRunner()
 
 
 def request(step, worker, start, end, tokens, **extra):
-    return {"type": "request", "step": step, "worker": worker, "request_id": 0, "start": start, "end": end, "tokens": tokens, **extra}
+    return {
+        "type": "request",
+        "step": step,
+        "worker": worker,
+        "request_id": 0,
+        "start": start,
+        "end": end,
+        "tokens": tokens,
+        **extra,
+    }
 
 
 def hand_made_trace():
@@ -35,17 +44,46 @@ def hand_made_trace():
     depth = {"accepted_by_depth": [54, 42, 24], "proposed_by_depth": [60, 60, 60]}
     return [
         {"type": "run", "name": "hand", "world_size": 2, "steps": 1, "resumed_from_step": None},
-        *[request(0, 0, 0.0, end, 10 * end, verify_passes=60, accepted_tokens=120, **depth) for end in (2, 4, 6, 8, 10)],
-        request(0, 1, 0.0, 5.0, 40), request(0, 1, 0.0, 5.0, 40),
-        {"type": "worker", "step": 0, "worker": 0, "busy_start": 0.0, "busy_end": 10.0, "idle_start": 10.0, "idle_end": 10.0,
-         "idle_seconds": 0.0},
-        {"type": "worker", "step": 0, "worker": 1, "busy_start": 0.0, "busy_end": 5.0, "idle_start": 5.0, "idle_end": 10.0,
-         "idle_seconds": 5.0, "drafter_steps": 12, "drafter_train_seconds": 3.0},
+        *[
+            request(0, 0, 0.0, end, 10 * end, verify_passes=60, accepted_tokens=120, **depth)
+            for end in (2, 4, 6, 8, 10)
+        ],
+        request(0, 1, 0.0, 5.0, 40),
+        request(0, 1, 0.0, 5.0, 40),
+        {
+            "type": "worker",
+            "step": 0,
+            "worker": 0,
+            "busy_start": 0.0,
+            "busy_end": 10.0,
+            "idle_start": 10.0,
+            "idle_end": 10.0,
+            "idle_seconds": 0.0,
+        },
+        {
+            "type": "worker",
+            "step": 0,
+            "worker": 1,
+            "busy_start": 0.0,
+            "busy_end": 5.0,
+            "idle_start": 5.0,
+            "idle_end": 10.0,
+            "idle_seconds": 5.0,
+            "drafter_steps": 12,
+            "drafter_train_seconds": 3.0,
+        },
         {"type": "sd_config", "step": 0, "worker": 0, "config": "off", "seconds": 4.0, "decode_steps": 400},
         {"type": "sd_config", "step": 0, "worker": 0, "config": "s4-k1-t5", "seconds": 2.0, "decode_steps": 100},
         {"type": "warning", "message": "acceptance fell to 1.0 after a sync"},
         {"type": "some_future_record", "step": 0},
-        {"type": "step", "step": 0, "rollout_start": 0.0, "rollout_end": 10.0, "rollout_seconds": 10.0, "step_seconds": 20.0},
+        {
+            "type": "step",
+            "step": 0,
+            "rollout_start": 0.0,
+            "rollout_end": 10.0,
+            "rollout_seconds": 10.0,
+            "step_seconds": 20.0,
+        },
     ]
 
 
@@ -65,10 +103,16 @@ def test_hand_made_trace_gives_the_numbers_computed_by_hand(tmp_path):
     assert profile.lengths.max == 100 and profile.lengths.count == 7
     assert profile.accept_length == pytest.approx(3.0)
     assert [depth.rate for depth in profile.accept_by_depth] == pytest.approx([0.9, 0.7, 0.4])
-    assert sum(depth.accept_length_share for depth in profile.accept_by_depth) == pytest.approx(profile.accept_length - 1)
+    assert sum(depth.accept_length_share for depth in profile.accept_by_depth) == pytest.approx(
+        profile.accept_length - 1
+    )
     assert {entry.config: entry.seconds for entry in profile.sd_time} == {"off": 4.0, "s4-k1-t5": 2.0}
     assert profile.sd_on_seconds == 2.0 and profile.sd_off_seconds == 4.0
-    assert profile.drafter_train_seconds == 3.0 and profile.drafter_steps == 12 and profile.drafter_idle_share == pytest.approx(0.6)
+    assert (
+        profile.drafter_train_seconds == 3.0
+        and profile.drafter_steps == 12
+        and profile.drafter_idle_share == pytest.approx(0.6)
+    )
     assert profile.warnings == ["acceptance fell to 1.0 after a sync"]
     # measured s = accept length 3.0 x 10 ms / 20 ms = 1.5; worker 0 ends at 10 - 8 x (1 - 1/1.5), worker 1 earlier
     projection = profile.projection
@@ -89,7 +133,13 @@ def test_given_sd_speedup_overrides_the_measured_one(tmp_path):
 
 def test_csv_of_a_foreign_trainer_derives_worker_windows_and_counts_under_half_busy(tmp_path):
     path = tmp_path / "requests.csv"
-    rows = [(0, 0, 0.0, 10.0, 900), (0, 1, 0.0, 4.0, 300), (0, 2, 0.5, 4.0, 300), (0, 3, 0.0, 2.0, 100), (0, 3, 0.0, 2.0, 120)]
+    rows = [
+        (0, 0, 0.0, 10.0, 900),
+        (0, 1, 0.0, 4.0, 300),
+        (0, 2, 0.5, 4.0, 300),
+        (0, 3, 0.0, 2.0, 100),
+        (0, 3, 0.0, 2.0, 120),
+    ]
     path.write_text("step,worker,start,end,tokens\n" + "".join(",".join(map(str, row)) + "\n" for row in rows))
     records = load_records(path)
     profile = analyse(records)
@@ -102,24 +152,43 @@ def test_csv_of_a_foreign_trainer_derives_worker_windows_and_counts_under_half_b
 
 
 def test_plain_jsonl_records_are_read_like_the_csv(tmp_path):
-    path = write_jsonl(tmp_path / "requests.jsonl", [
-        {"step": 1, "worker": 0, "start": 5.0, "end": 6.0, "tokens": 12},
-        {"step": 1, "worker": 1, "start": 5.0, "end": 9.0, "tokens": 80, "verify_passes": 10, "accepted_tokens": 15},
-    ])
+    path = write_jsonl(
+        tmp_path / "requests.jsonl",
+        [
+            {"step": 1, "worker": 0, "start": 5.0, "end": 6.0, "tokens": 12},
+            {
+                "step": 1,
+                "worker": 1,
+                "start": 5.0,
+                "end": 9.0,
+                "tokens": 80,
+                "verify_passes": 10,
+                "accepted_tokens": 15,
+            },
+        ],
+    )
     profile = analyse(load_records(path))
     assert profile.kind == "jsonl" and profile.rollout_seconds == pytest.approx(4.0)
     assert profile.idle_worker_seconds == pytest.approx(3.0) and profile.accept_length == pytest.approx(2.5)
 
 
-@pytest.mark.parametrize("content, message", [
-    ('{"type": "run", "world_size": 1}\nnot json\n{"type": "step"}\n', "line 2 is not valid JSON"),
-    ('{"type": "run", "world_size": 1}\n{"type": "step", "step": 0, "rollout_st', "line 2 (the last) is cut short"),
-    ('{"type": "run"}\n[1, 2]\n', "line 2 is not a JSON object"),
-    ('{"type": "run"}\n{"type": "request", "step": 0, "worker": 0, "start": 0}\n', "line 2 lacks 'end'"),
-    ('{"type": "run"}\n{"type": "worker", "step": 0, "worker": "a", "busy_start": 0, "busy_end": 1, "idle_end": 1}\n',
-     "line 2: 'worker' is 'a', expected an integer"),
-    ('{"type": "run"}\n{"type": "request", "step": 0, "worker": 0, "start": 0, "end": 1, "tokens": 3}\n', "no complete step"),
-])
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        ('{"type": "run", "world_size": 1}\nnot json\n{"type": "step"}\n', "line 2 is not valid JSON"),
+        ('{"type": "run", "world_size": 1}\n{"type": "step", "step": 0, "rollout_st', "line 2 (the last) is cut short"),
+        ('{"type": "run"}\n[1, 2]\n', "line 2 is not a JSON object"),
+        ('{"type": "run"}\n{"type": "request", "step": 0, "worker": 0, "start": 0}\n', "line 2 lacks 'end'"),
+        (
+            '{"type": "run"}\n{"type": "worker", "step": 0, "worker": "a", "busy_start": 0, "busy_end": 1, "idle_end": 1}\n',
+            "line 2: 'worker' is 'a', expected an integer",
+        ),
+        (
+            '{"type": "run"}\n{"type": "request", "step": 0, "worker": 0, "start": 0, "end": 1, "tokens": 3}\n',
+            "no complete step",
+        ),
+    ],
+)
 def test_bad_traces_are_one_clear_error_naming_the_line(tmp_path, content, message):
     path = tmp_path / "trace.jsonl"
     path.write_text(content)
@@ -127,12 +196,15 @@ def test_bad_traces_are_one_clear_error_naming_the_line(tmp_path, content, messa
         load_records(path)
 
 
-@pytest.mark.parametrize("content, message", [
-    ("step,worker,start,tokens\n0,0,0.0,5\n", "lacks the column\\(s\\) end"),
-    ("step,worker,start,end,tokens\n0,0,0.0,1.0,5\n0,0,0.0,x,5\n", "line 3: 'end' is 'x', expected a number"),
-    ("step,worker,start,end,tokens\n0,0,2.0,1.0,5\n", "end \\(1.0\\) is before start"),
-    ("step,worker,start,end,tokens\n", "holds no request records"),
-])
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        ("step,worker,start,tokens\n0,0,0.0,5\n", "lacks the column\\(s\\) end"),
+        ("step,worker,start,end,tokens\n0,0,0.0,1.0,5\n0,0,0.0,x,5\n", "line 3: 'end' is 'x', expected a number"),
+        ("step,worker,start,end,tokens\n0,0,2.0,1.0,5\n", "end \\(1.0\\) is before start"),
+        ("step,worker,start,end,tokens\n", "holds no request records"),
+    ],
+)
 def test_bad_csv_files_name_the_column_or_line(tmp_path, content, message):
     path = tmp_path / "requests.csv"
     path.write_text(content)
@@ -162,7 +234,9 @@ def test_terminal_gantt_and_histogram_show_the_tail_and_the_idle_worker(tmp_path
     write_jsonl(tmp_path / "trace.jsonl", hand_made_trace())
     records = load_records(tmp_path)
     profile = analyse(records)
-    header, worker_0, worker_1 = (line.plain for line in terminal_gantt(worker_segments(records, 4), profile.steps, 2, width=40))
+    header, worker_0, worker_1 = (
+        line.plain for line in terminal_gantt(worker_segments(records, 4), profile.steps, 2, width=40)
+    )
     assert header.split()[:2] == ["step", "0"]
     # worker 0: busy the first fifth, then tail; worker 1: tail for half, then idle
     assert worker_0.strip() == "w0 " + "█" * 8 + "▓" * 32
@@ -175,7 +249,7 @@ def test_terminal_gantt_and_histogram_show_the_tail_and_the_idle_worker(tmp_path
 
 def colour_fraction(image, hex_colour):
     """Share of pixels within a small distance of `hex_colour`."""
-    rgb = numpy.array([int(hex_colour[index:index + 2], 16) for index in (1, 3, 5)]) / 255
+    rgb = numpy.array([int(hex_colour[index : index + 2], 16) for index in (1, 3, 5)]) / 255
     return float((numpy.abs(image[:, :, :3] - rgb).max(axis=2) < 0.02).mean())
 
 
@@ -196,8 +270,16 @@ def test_cli_prints_tables_and_the_projection_model(tmp_path):
     write_jsonl(tmp_path / "trace.jsonl", hand_made_trace())
     result = runner.invoke(app, ["profile", str(tmp_path), "--no-plots"])
     assert result.exit_code == 0, result.output
-    for text in ("p99/p50", "rollout per step", "s4-k1-t5", "acceptance per draft depth", "drafter training: 3.00 s",
-                 "reclaimable 2.67 s", "model: tail decode", "warning: acceptance fell"):
+    for text in (
+        "p99/p50",
+        "rollout per step",
+        "s4-k1-t5",
+        "acceptance per draft depth",
+        "drafter training: 3.00 s",
+        "reclaimable 2.67 s",
+        "model: tail decode",
+        "warning: acceptance fell",
+    ):
         assert text in result.output, text
     assert not (tmp_path / TIMELINE_FILE).exists()
 
@@ -207,7 +289,9 @@ def test_cli_json_parses_and_errors_exit_2_with_one_line(tmp_path):
     result = runner.invoke(app, ["profile", str(tmp_path / "trace.jsonl"), "--json"])
     assert result.exit_code == 0, result.output
     parsed = json.loads(result.stdout)
-    assert parsed["idle_worker_seconds"] == pytest.approx(5.0) and parsed["projection"]["model"].startswith("tail decode")
+    assert parsed["idle_worker_seconds"] == pytest.approx(5.0) and parsed["projection"]["model"].startswith(
+        "tail decode"
+    )
     assert [path.rsplit("/", 1)[-1] for path in parsed["pictures"]] == [TIMELINE_FILE, LENGTHS_FILE]
     (tmp_path / "trace.jsonl").write_text('{"type": "run"}\n{"type": "st')
     failed = runner.invoke(app, ["profile", str(tmp_path)])
@@ -218,7 +302,9 @@ def test_cli_json_parses_and_errors_exit_2_with_one_line(tmp_path):
 
 def test_a_recipe_records_a_fresh_rollout_of_simulated_workers(tmp_path):
     tokenizer = tiny_tokenizer()
-    config = tiny_model_config(tokenizer, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64)
+    config = tiny_model_config(
+        tokenizer, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64
+    )
     save_model_folder(build_tiny_model(0, config), tokenizer, tmp_path / "model")
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(
@@ -228,7 +314,9 @@ def test_a_recipe_records_a_fresh_rollout_of_simulated_workers(tmp_path):
     result = runner.invoke(app, ["profile", str(recipe), "rollout.max_new_tokens=5", "--steps", "2", "--json"])
     assert result.exit_code == 0, result.output
     parsed = json.loads(result.stdout)
-    assert parsed["kind"] == "recipe" and parsed["workers"] == 2 and [step["step"] for step in parsed["steps"]] == [0, 1]
+    assert (
+        parsed["kind"] == "recipe" and parsed["workers"] == 2 and [step["step"] for step in parsed["steps"]] == [0, 1]
+    )
     # 2 prompts x 2 samples per step; a random model rarely stops early, never past max_new_tokens
     assert parsed["lengths"]["count"] == 4 * 2 and 1 <= parsed["lengths"]["max"] <= 5
     recorded = tmp_path / "probe-profile"

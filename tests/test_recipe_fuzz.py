@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -43,17 +42,52 @@ WRONG_VALUES = {
     typing.Any: ["{a: 1}", "[a]"],
 }
 OUT_OF_RANGE = [
-    "train.steps=0", "train.prompts_per_step=0", "train.group_size=1", "train.prompts_per_step=5", "workers.count=0",
-    "workers.threads_per_worker=0", "rollout.max_new_tokens=0", "rollout.temperature=-1", "rollout.top_p=0",
-    "rollout.top_p=1.5", "rollout.top_k=-1", "actor.lr=0", "actor.lr=.inf", "actor.lr=.nan", "actor.weight_decay=-1",
-    "actor.zero_stage=3", "actor.micro_batch_size=0", "actor.clip_ratio=1", "actor.kl_coef=-1", "actor.ppo_epochs=0",
-    "actor.grad_clip=0", "actor.precision=fp16", "actor.precision=bf16", "actor.devices=[0,0]", "actor.devices=[0,1,2]",
-    "checkpoint.every=0", "checkpoint.keep=0", "speculative.mode=sometimes", "speculative.steps=0",
-    "speculative.collapse_accept_length=0.5", "speculative.reprobe_steps=0", "speculative.bandit_epsilon=2",
-    "drafter.warmup_steps=0", "drafter.warmup_lr=0", "drafter.batch_size=0", "drafter.init=somewhere",
-    "rollout.backend=vllm", "run.name=..", "run.name=a/b", "run.name=''", "model.path=builtin:huge",
-    "task.options.max_terms=0", "task.options.max_terms=49", "task.options.tail_exponent=-1",
-    "task.options.max_terms=abc", "task.options.max_terms=2.5",
+    "train.steps=0",
+    "train.prompts_per_step=0",
+    "train.group_size=1",
+    "train.prompts_per_step=5",
+    "workers.count=0",
+    "workers.threads_per_worker=0",
+    "rollout.max_new_tokens=0",
+    "rollout.temperature=-1",
+    "rollout.top_p=0",
+    "rollout.top_p=1.5",
+    "rollout.top_k=-1",
+    "actor.lr=0",
+    "actor.lr=.inf",
+    "actor.lr=.nan",
+    "actor.weight_decay=-1",
+    "actor.zero_stage=3",
+    "actor.micro_batch_size=0",
+    "actor.clip_ratio=1",
+    "actor.kl_coef=-1",
+    "actor.ppo_epochs=0",
+    "actor.grad_clip=0",
+    "actor.precision=fp16",
+    "actor.precision=bf16",
+    "actor.devices=[0,0]",
+    "actor.devices=[0,1,2]",
+    "checkpoint.every=0",
+    "checkpoint.keep=0",
+    "speculative.mode=sometimes",
+    "speculative.steps=0",
+    "speculative.collapse_accept_length=0.5",
+    "speculative.reprobe_steps=0",
+    "speculative.bandit_epsilon=2",
+    "drafter.warmup_steps=0",
+    "drafter.warmup_lr=0",
+    "drafter.batch_size=0",
+    "drafter.init=somewhere",
+    "rollout.backend=vllm",
+    "run.name=..",
+    "run.name=a/b",
+    "run.name=''",
+    "model.path=builtin:huge",
+    "task.options.max_terms=0",
+    "task.options.max_terms=49",
+    "task.options.tail_exponent=-1",
+    "task.options.max_terms=abc",
+    "task.options.max_terms=2.5",
 ]
 # several keys at once (the vocabulary of the built-in model is 66 tokens)
 COMBINED = [
@@ -73,13 +107,27 @@ COMBINED = [
     ["plugins.enabled=['']"],
     ["plugins.options.drafter_sidecar={unknown_option: 1}"],
     ["rollout.backend=sglang", "rollout.sglang.colocated=false", "rollout.sglang.gpus=[0,1,2]"],
-    ["rollout.backend=sglang", "rollout.sglang.colocated=false", "rollout.sglang.gpus=[0,1]", "rollout.sglang.mem_fraction=2"],
+    [
+        "rollout.backend=sglang",
+        "rollout.sglang.colocated=false",
+        "rollout.sglang.gpus=[0,1]",
+        "rollout.sglang.mem_fraction=2",
+    ],
     ["rollout.backend=sglang", "rollout.sglang.gpus=[0,1]"],
     ["actor.devices=[0,1]", "workers.hostfile=/nonexistent/hostfile"],
 ]
 OVERRIDE_SYNTAX = [
-    ["train.steps"], ["=5"], ["train.steps="], ["train.steps=[1"], ["train.steps=5: 6"], ["trian.steps=3"],
-    ["train.steps.deep=1"], ["train=5"], ["no_section=1"], ["train .steps=3"], ["train.steps=!!binary aGVsbG8="],
+    ["train.steps"],
+    ["=5"],
+    ["train.steps="],
+    ["train.steps=[1"],
+    ["train.steps=5: 6"],
+    ["trian.steps=3"],
+    ["train.steps.deep=1"],
+    ["train=5"],
+    ["no_section=1"],
+    ["train .steps=3"],
+    ["train.steps=!!binary aGVsbG8="],
     ["run.name=!!python/object/apply:os.system [echo hi]"],
 ]
 RECIPE_FILES = {
@@ -94,7 +142,7 @@ RECIPE_FILES = {
     "bad indentation": "train:\n    steps: 3\n  group_size: 4\n",
     "mapping in a scalar": "train:\n  steps: a: b\n",
     "tab indentation": "train:\n\tsteps: 3\n",
-    "unclosed quote": "run:\n  name: \"open\n",
+    "unclosed quote": 'run:\n  name: "open\n',
     "list after mapping": "run:\n  name: a\n- item\n",
     "repeated key": "run:\n  name: a\n  name: b\n",
     "repeated section": "run:\n  name: a\nrun:\n  name: b\n",
@@ -102,7 +150,7 @@ RECIPE_FILES = {
     "recursive alias": "run: &r\n  name: *r\n",
     "billion laughs": "a: &a [x, x, x, x, x, x, x, x, x]\nb: &b [*a, *a, *a, *a, *a, *a, *a, *a, *a]\nc: [*b, *b, *b]\n",
     "merge key": "base: &base {steps: 3}\ntrain:\n  <<: *base\n",
-    "python tag": "run:\n  name: !!python/object/apply:os.system [\"echo hi\"]\n",
+    "python tag": 'run:\n  name: !!python/object/apply:os.system ["echo hi"]\n',
     "binary tag": "run:\n  name: !!binary aGVsbG8=\n",
     "date": "run:\n  name: 2024-01-01\n",
     "set tag": "plugins:\n  enabled: !!set {a, b}\n",
@@ -138,10 +186,15 @@ def leaf_keys(section_class: type = Recipe, prefix: str = "") -> list[tuple[str,
 
 
 def generated_cases() -> list[Case]:
-    cases = [Case(f"type {key}={value}", (f"{key}={value}",)) for key, kind in leaf_keys() for value in WRONG_VALUES[kind]]
+    cases = [
+        Case(f"type {key}={value}", (f"{key}={value}",)) for key, kind in leaf_keys() for value in WRONG_VALUES[kind]
+    ]
     sections = [key_field.name for key_field in dataclasses.fields(Recipe)]
-    cases += [Case(f"unknown key in {section}", (f"{section}.not_a_key=1",)) for section in sections
-              if section not in ("task", "plugins")]
+    cases += [
+        Case(f"unknown key in {section}", (f"{section}.not_a_key=1",))
+        for section in sections
+        if section not in ("task", "plugins")
+    ]
     cases += [Case(f"range {override}", (override,)) for override in OUT_OF_RANGE]
     cases += [Case(f"combined {' '.join(overrides)}", tuple(overrides)) for overrides in COMBINED]
     cases += [Case(f"override {' '.join(overrides)}", tuple(overrides)) for overrides in OVERRIDE_SYNTAX]
@@ -256,8 +309,13 @@ def test_the_issue_examples_stop_a_real_train_process_with_one_line(name, worksp
     overrides = ISSUE_EXAMPLES[name]
     before = files_under(folder)
     output_override = () if overrides[0].startswith("run.output_dir") else (output,)
-    result = subprocess.run([sys.executable, "-m", "tlt_cli", "train", "tiny-cpu", *output_override, *overrides],
-                            capture_output=True, text=True, cwd=folder, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-m", "tlt_cli", "train", "tiny-cpu", *output_override, *overrides],
+        capture_output=True,
+        text=True,
+        cwd=folder,
+        timeout=120,
+    )
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in result.stderr, result.stderr
@@ -267,11 +325,17 @@ def test_the_issue_examples_stop_a_real_train_process_with_one_line(name, worksp
 def test_a_recipe_that_is_not_utf8_is_one_line_in_a_real_validate_process(workspace):
     folder, _ = workspace
     (folder / "latin1.yaml").write_bytes("run:\n  name: caf\xe9\n".encode("latin-1"))
-    result = subprocess.run([sys.executable, "-m", "tlt_cli", "recipes", "validate", "latin1.yaml"],
-                            capture_output=True, text=True, cwd=folder, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-m", "tlt_cli", "recipes", "validate", "latin1.yaml"],
+        capture_output=True,
+        text=True,
+        cwd=folder,
+        timeout=120,
+    )
     assert result.returncode == 2 and "UnicodeDecodeError" not in result.stderr and "Traceback" not in result.stderr
     assert result.stderr.strip().splitlines() == [
-        "invalid recipe file latin1.yaml is not UTF-8 text (byte 0xe9 at line 2); save it as UTF-8."]
+        "invalid recipe file latin1.yaml is not UTF-8 text (byte 0xe9 at line 2); save it as UTF-8."
+    ]
 
 
 def test_a_user_error_inside_a_worker_is_one_line_and_its_traceback_goes_to_the_log(workspace):
@@ -281,9 +345,22 @@ def test_a_user_error_inside_a_worker_is_one_line_and_its_traceback_goes_to_the_
     shutil.copytree(SHIPPED_TINY_MODEL, model)
     weights = model / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:1000])
-    command = [sys.executable, "-m", "tlt_cli", "train", "tiny-cpu", output, f"model.path={model}", "train.steps=1",
-               "speculative.mode=off", "plugins.enabled=[]", "run.name=broken", "workers.count=1", "train.prompts_per_step=2",
-               "train.group_size=2"]
+    command = [
+        sys.executable,
+        "-m",
+        "tlt_cli",
+        "train",
+        "tiny-cpu",
+        output,
+        f"model.path={model}",
+        "train.steps=1",
+        "speculative.mode=off",
+        "plugins.enabled=[]",
+        "run.name=broken",
+        "workers.count=1",
+        "train.prompts_per_step=2",
+        "train.group_size=2",
+    ]
     result = subprocess.run(command, capture_output=True, text=True, cwd=folder, timeout=300)
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()

@@ -64,8 +64,9 @@ def test_shipped_recipe_comments_start_with_each_keys_help(path):
         assert key in helps, f"{path.name}: {key} is not a recipe key"
         help_text = helps[key]
         # the help, then (optionally) a note of the recipe's own after a space or a punctuation mark
-        assert comment.startswith(help_text) and not comment[len(help_text):][:1].isalnum(), \
+        assert comment.startswith(help_text) and not comment[len(help_text) :][:1].isalnum(), (
             f"{path.name}: the comment above {key} must start with its help: {help_text!r}, got {comment!r}"
+        )
 
 
 def test_recipes_show_prints_exactly_the_help_and_loads_back(tmp_path):

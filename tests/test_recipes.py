@@ -23,7 +23,9 @@ def test_every_shipped_recipe_loads_and_says_how_to_run_it(path):
 
 
 def test_overrides_are_typed_and_applied():
-    recipe = load_checked_recipe(shipped_recipes()[0], ["train.steps=3", "actor.lr=1e-4", "task.options.path=data.jsonl"])
+    recipe = load_checked_recipe(
+        shipped_recipes()[0], ["train.steps=3", "actor.lr=1e-4", "task.options.path=data.jsonl"]
+    )
     assert recipe.train.steps == 3 and recipe.actor.lr == 1e-4
     assert recipe.task.options["path"] == "data.jsonl"
 

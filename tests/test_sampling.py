@@ -62,7 +62,9 @@ def test_sample_is_reproducible_and_follows_probs():
     assert torch.allclose(frequencies, torch.tensor([0.1, 0.6, 0.3]), atol=0.02)
 
 
-@pytest.mark.parametrize("params", [SamplingParams(max_new_tokens=1, top_k=1), SamplingParams(max_new_tokens=1, top_p=0.0)])
+@pytest.mark.parametrize(
+    "params", [SamplingParams(max_new_tokens=1, top_k=1), SamplingParams(max_new_tokens=1, top_p=0.0)]
+)
 def test_degenerate_filters_reduce_to_the_argmax(params):
     probs = apply_sampling(LOGITS, params)
     assert probs.argmax(dim=-1).tolist() == [0, 1]

@@ -28,18 +28,31 @@ def stand_in_sglang(tmp_path, monkeypatch):
 
 
 def test_backend_starts_generates_syncs_from_disk_and_stops(stand_in_sglang, tmp_path):
-    config = SGLangConfig(gpus=(0, 1), port_base=free_port_range(4), colocated=False, startup_timeout_s=20, stop_timeout_s=5)
+    config = SGLangConfig(
+        gpus=(0, 1), port_base=free_port_range(4), colocated=False, startup_timeout_s=20, stop_timeout_s=5
+    )
     backend = SGLangBackend(config, "/models/target", tmp_path / "run", RULES, eos_token_id=2)
     try:
         lines = backend.start("/models/drafter")
-        assert lines[0].startswith("SGLang 0.5.23: drafter weights pushed live") and lines[1] == "SD plan on SGLang: adaptive"
+        assert (
+            lines[0].startswith("SGLang 0.5.23: drafter weights pushed live")
+            and lines[1] == "SD plan on SGLang: adaptive"
+        )
         argv = (tmp_path / "run" / "sglang" / "server-1.log").read_text()
         assert f"--port {config.port_base + 2} --nccl-port {config.port_base + 3}" in argv
-        assert "--speculative-adaptive-config" in argv and (tmp_path / "run" / "sglang" / "adaptive_speculative.json").is_file()
-        completions = backend.generate([RolloutRequest(index, (index + 3, 1)) for index in range(4)], SamplingParams(max_new_tokens=5))
+        assert (
+            "--speculative-adaptive-config" in argv
+            and (tmp_path / "run" / "sglang" / "adaptive_speculative.json").is_file()
+        )
+        completions = backend.generate(
+            [RolloutRequest(index, (index + 3, 1)) for index in range(4)], SamplingParams(max_new_tokens=5)
+        )
         assert [len(completion.response_ids) for completion in completions] == [5, 4, 5, 4]
         report = backend.sync_weights(
-            "step-1", target_dir=tmp_path / "ckpt", drafter_state={"fc.weight": torch.zeros(2, 4)}, probe_prompts=[(3, 1)]
+            "step-1",
+            target_dir=tmp_path / "ckpt",
+            drafter_state={"fc.weight": torch.zeros(2, 4)},
+            probe_prompts=[(3, 1)],
         )
         assert [probe.weight_version for probe in report.probes] == ["step-1", "step-1"]
         assert not report.drafter_pushed and "updates from disk cannot select the draft model" in report.notes[0]

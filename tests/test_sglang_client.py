@@ -10,7 +10,7 @@ from sglang_fakes import fake_launch
 from tlt_cli.rollout.types import RolloutRequest, SamplingParams
 from tlt_cli.sglang.client import SGLangClient, completion_from_response, speculative_stats
 from tlt_cli.sglang.server import ServerGroup
-from tlt_cli.sglang.transport import SGLangRequestError, ServerEndpoint
+from tlt_cli.sglang.transport import ServerEndpoint, SGLangRequestError
 from tlt_cli.sglang.version import sglang_features
 from tlt_cli.sglang.weight_sync import (
     AcceptLengthCollapsed,
@@ -37,15 +37,22 @@ def servers(tmp_path_factory):
 
 @pytest.fixture()
 def fresh_server(tmp_path):
-    with ServerGroup([fake_launch(0, tmp_path, "--break-draft-on-update")], startup_timeout_s=20, stop_timeout_s=5) as group:
+    with ServerGroup(
+        [fake_launch(0, tmp_path, "--break-draft-on-update")], startup_timeout_s=20, stop_timeout_s=5
+    ) as group:
         yield group.endpoints[0]
 
 
 def test_generate_shards_requests_and_returns_completions_in_order(servers):
     client = SGLangClient(servers.endpoints, eos_token_id=EOS, request_timeout_s=30)
-    requests = [RolloutRequest(request_id=100 + index, prompt_ids=(first, 5, 6)) for index, first in enumerate([4, 3, 6, 5, 8, 7])]
+    requests = [
+        RolloutRequest(request_id=100 + index, prompt_ids=(first, 5, 6))
+        for index, first in enumerate([4, 3, 6, 5, 8, 7])
+    ]
     idle_events = []
-    completions = client.generate(requests, SamplingParams(max_new_tokens=6), on_server_idle=lambda index, at: idle_events.append((index, at)))
+    completions = client.generate(
+        requests, SamplingParams(max_new_tokens=6), on_server_idle=lambda index, at: idle_events.append((index, at))
+    )
     assert [completion.request_id for completion in completions] == [100, 101, 102, 103, 104, 105]
     for completion in completions:
         if completion.prompt_ids[0] % 2 == 0:
@@ -64,7 +71,9 @@ def test_outstanding_requests_are_counted_while_in_flight(servers):
     client = SGLangClient(servers.endpoints[1:], eos_token_id=EOS, request_timeout_s=30)
     seen = []
     worker = threading.Thread(
-        target=lambda: client.generate([RolloutRequest(1, (19, 1)), RolloutRequest(2, (17, 1))], SamplingParams(max_new_tokens=3)),
+        target=lambda: client.generate(
+            [RolloutRequest(1, (19, 1)), RolloutRequest(2, (17, 1))], SamplingParams(max_new_tokens=3)
+        ),
     )
     worker.start()
     while worker.is_alive():
@@ -89,7 +98,9 @@ def test_unreachable_server_names_itself():
 
 def test_sglang_meta_info_maps_onto_speculative_stats():
     # 5 verify passes: one accepted 0 drafts, two accepted 1, two accepted 3 (of depth 3)
-    stats = speculative_stats({"spec_verify_ct": 5, "spec_num_correct_drafts": 8, "spec_correct_drafts_histogram": [1, 2, 0, 2]})
+    stats = speculative_stats(
+        {"spec_verify_ct": 5, "spec_num_correct_drafts": 8, "spec_correct_drafts_histogram": [1, 2, 0, 2]}
+    )
     assert stats.accepted_by_depth == [4, 2, 2]
     assert stats.proposed_by_depth == [5, 5, 5]
     assert stats.accept_length == (8 + 5) / 5
@@ -140,6 +151,15 @@ def test_disk_update_sets_the_weight_version(fresh_server, tmp_path):
 def test_sampling_body_speaks_sglang():
     from tlt_cli.sglang.client import sampling_body
 
-    body = sampling_body(SamplingParams(max_new_tokens=9, temperature=0.7, top_p=0.9, top_k=0), eos_token_id=EOS, seed=11)
-    assert body == {"max_new_tokens": 9, "temperature": 0.7, "top_p": 0.9, "top_k": -1, "stop_token_ids": [EOS], "sampling_seed": 11}
+    body = sampling_body(
+        SamplingParams(max_new_tokens=9, temperature=0.7, top_p=0.9, top_k=0), eos_token_id=EOS, seed=11
+    )
+    assert body == {
+        "max_new_tokens": 9,
+        "temperature": 0.7,
+        "top_p": 0.9,
+        "top_k": -1,
+        "stop_token_ids": [EOS],
+        "sampling_seed": 11,
+    }
     assert sampling_body(SamplingParams(max_new_tokens=1, top_k=5), EOS, None)["top_k"] == 5

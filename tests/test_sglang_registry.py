@@ -20,8 +20,12 @@ from tlt_cli.sglang.server import live_group_members
 def spawn_orphan_server(log_path) -> int:
     """A fake server leading its own process group, with one child; its pid (= the group)."""
     with open(log_path, "wb") as log:
-        process = subprocess.Popen([sys.executable, str(FAKE_SERVER), "--port", str(free_port()), "--api-key", API_KEY, "--spawn-child"],
-                                   stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        process = subprocess.Popen(
+            [sys.executable, str(FAKE_SERVER), "--port", str(free_port()), "--api-key", API_KEY, "--spawn-child"],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     deadline = time.monotonic() + 10
     while len(live_group_members(process.pid)) < 2 and time.monotonic() < deadline:
         time.sleep(0.05)

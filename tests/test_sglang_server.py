@@ -83,7 +83,9 @@ def test_port_in_use_is_refused_before_anything_starts(tmp_path):
         holder.listen()
         port = holder.getsockname()[1]
         group = ServerGroup([fake_launch(0, tmp_path, port=port)], startup_timeout_s=5, stop_timeout_s=5)
-        with pytest.raises(ServerStartError, match=f"port {port} on 127.0.0.1 .* is in use; set rollout.sglang.port_base"):
+        with pytest.raises(
+            ServerStartError, match=f"port {port} on 127.0.0.1 .* is in use; set rollout.sglang.port_base"
+        ):
             group.start()
     assert group.pids == []
 

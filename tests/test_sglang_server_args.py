@@ -47,10 +47,26 @@ CHAIN_TABLE = [
 ]
 CONFIG = SGLangConfig(gpus=(0, 1, 2, 3), tp_size=2, port_base=31000, extra_args=("--attention-backend", "triton"))
 PARSED_FIELDS = (
-    "model_path", "host", "port", "nccl_port", "api_key", "tp_size", "base_gpu_id", "mem_fraction_static",
-    "max_running_requests", "dtype", "random_seed", "skip_tokenizer_init", "attention_backend",
-    "speculative_algorithm", "speculative_draft_model_path", "speculative_num_steps", "speculative_eagle_topk",
-    "speculative_num_draft_tokens", "speculative_adaptive", "speculative_adaptive_config",
+    "model_path",
+    "host",
+    "port",
+    "nccl_port",
+    "api_key",
+    "tp_size",
+    "base_gpu_id",
+    "mem_fraction_static",
+    "max_running_requests",
+    "dtype",
+    "random_seed",
+    "skip_tokenizer_init",
+    "attention_backend",
+    "speculative_algorithm",
+    "speculative_draft_model_path",
+    "speculative_num_steps",
+    "speculative_eagle_topk",
+    "speculative_num_draft_tokens",
+    "speculative_adaptive",
+    "speculative_adaptive_config",
 )
 # runs inside the SGLang interpreter: parse each argv with SGLang's parser; route batch sizes with its slot router
 SGLANG_CHECK = textwrap.dedent(
@@ -94,7 +110,11 @@ def run_sglang_check(commands: list[list[str]], max_batch: int = 64) -> list[dic
 
 
 def command_for(plan, tmp_path: Path, server_index: int = 0) -> list[str]:
-    adaptive_path = write_adaptive_config(plan, tmp_path / f"slots-{plan.launch.label() if plan.launch else 'off'}.json") if plan.mode == "adaptive" else None
+    adaptive_path = (
+        write_adaptive_config(plan, tmp_path / f"slots-{plan.launch.label() if plan.launch else 'off'}.json")
+        if plan.mode == "adaptive"
+        else None
+    )
     flags = speculative_flags(plan, "/models/drafter", adaptive_path)
     placement = server_placements(CONFIG)[server_index]
     return server_command(CONFIG, placement, "/models/target", "secret-key", flags, seed=7)
@@ -102,8 +122,14 @@ def command_for(plan, tmp_path: Path, server_index: int = 0) -> list[str]:
 
 def every_plan() -> list:
     """A static plan for each SD configuration of both tables, the adaptive chain plan, and SD off."""
-    plans = [plan_for_sglang(REFERENCE_TREE_TABLE, FEATURES, static_batch_size=rule.min_batch) for rule in REFERENCE_TREE_TABLE[:-1]]
-    plans += [plan_for_sglang(CHAIN_TABLE, sglang_features("0.5.12"), static_batch_size=rule.min_batch) for rule in CHAIN_TABLE[:-1]]
+    plans = [
+        plan_for_sglang(REFERENCE_TREE_TABLE, FEATURES, static_batch_size=rule.min_batch)
+        for rule in REFERENCE_TREE_TABLE[:-1]
+    ]
+    plans += [
+        plan_for_sglang(CHAIN_TABLE, sglang_features("0.5.12"), static_batch_size=rule.min_batch)
+        for rule in CHAIN_TABLE[:-1]
+    ]
     plans.append(plan_for_sglang(CHAIN_TABLE, FEATURES))
     plans.append(plan_for_sglang([BatchRule(1, None, None)], FEATURES))
     return plans
@@ -159,7 +185,9 @@ MAX_BATCH = 300
 def sglang_answers(tmp_path_factory):
     """One run of the SGLang interpreter over every command: each plan, the uncaptured table, a misspelt flag."""
     if not Path(SGLANG_PYTHON).is_file():
-        pytest.skip(f"no SGLang 0.5.23 interpreter at {SGLANG_PYTHON} (set TLT_SGLANG_PYTHON; docs/gpu.md shows how to build it)")
+        pytest.skip(
+            f"no SGLang 0.5.23 interpreter at {SGLANG_PYTHON} (set TLT_SGLANG_PYTHON; docs/gpu.md shows how to build it)"
+        )
     tmp_path = tmp_path_factory.mktemp("sglang_commands")
     plans = every_plan() + [plan_for_sglang(UNCAPTURED_TABLE, FEATURES, auto_off_on_collapse=False)]
     misspelt = command_for(plan_for_sglang(CHAIN_TABLE, FEATURES), tmp_path)[3:]
@@ -180,7 +208,11 @@ def test_every_rule_table_command_is_accepted_by_sglang_parser(sglang_answers):
             continue
         assert answer["speculative_algorithm"] == "EAGLE"
         assert answer["speculative_draft_model_path"] == "/models/drafter"
-        shape = (answer["speculative_num_steps"], answer["speculative_eagle_topk"], answer["speculative_num_draft_tokens"])
+        shape = (
+            answer["speculative_num_steps"],
+            answer["speculative_eagle_topk"],
+            answer["speculative_num_draft_tokens"],
+        )
         assert shape == (plan.launch.steps, plan.launch.topk, plan.launch.verified_tokens)
         assert answer["speculative_adaptive"] is (plan.mode == "adaptive")
 

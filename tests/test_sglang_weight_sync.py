@@ -21,6 +21,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from tlt_cli.drafter.model import EagleDrafter
+from tlt_cli.sglang.version import sglang_features
 from tlt_cli.sglang.weight_sync import (
     WeightSyncError,
     drafter_tensors,
@@ -29,17 +30,26 @@ from tlt_cli.sglang.weight_sync import (
     tensor_update_body,
     write_checkpoint,
 )
-from tlt_cli.sglang.version import sglang_features
 
 torch.set_num_threads(1)
-STACKED = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
-           "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+STACKED = {
+    "q_proj": ("qkv_proj", "q"),
+    "k_proj": ("qkv_proj", "k"),
+    "v_proj": ("qkv_proj", "v"),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
 SHARDS = {"qkv_proj": {"q", "k", "v"}, "gate_up_proj": {0, 1}}
 
 
 def sglang_layer_parameters(prefix: str, attention_bias: bool, with_input_norm: bool) -> set[str]:
-    names = {f"{prefix}.self_attn.qkv_proj.weight", f"{prefix}.self_attn.o_proj.weight",
-             f"{prefix}.mlp.gate_up_proj.weight", f"{prefix}.mlp.down_proj.weight", f"{prefix}.post_attention_layernorm.weight"}
+    names = {
+        f"{prefix}.self_attn.qkv_proj.weight",
+        f"{prefix}.self_attn.o_proj.weight",
+        f"{prefix}.mlp.gate_up_proj.weight",
+        f"{prefix}.mlp.down_proj.weight",
+        f"{prefix}.post_attention_layernorm.weight",
+    }
     if attention_bias:
         names.add(f"{prefix}.self_attn.qkv_proj.bias")
     if with_input_norm:
@@ -56,7 +66,9 @@ def sglang_target_parameters(layers: int, attention_bias: bool, tied: bool) -> s
 
 def sglang_draft_own_parameters(attention_bias: bool) -> set[str]:
     """The EAGLE draft's parameters that are not the target's shared embedding / lm_head."""
-    return {"model.fc.weight", "model.fc.bias"} | sglang_layer_parameters("model.layers.0", attention_bias, with_input_norm=False)
+    return {"model.fc.weight", "model.fc.bias"} | sglang_layer_parameters(
+        "model.layers.0", attention_bias, with_input_norm=False
+    )
 
 
 def sglang_load(names: list[str], parameters: set[str]) -> tuple[dict[str, set], list[str]]:
@@ -86,8 +98,15 @@ def assert_complete(loaded: dict[str, set], parameters: set[str]) -> None:
 
 def tiny_target(kind: str, tied: bool):
     torch.manual_seed(0)
-    shape = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                 num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tied)
+    shape = dict(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=tied,
+    )
     return Qwen2ForCausalLM(Qwen2Config(**shape)) if kind == "qwen2" else LlamaForCausalLM(LlamaConfig(**shape))
 
 
@@ -104,8 +123,12 @@ def test_target_payload_fills_every_sglang_parameter_and_nothing_is_skipped(kind
 
 def test_wrapped_parameter_names_are_refused_because_sglang_would_ignore_them():
     model = tiny_target("qwen2", tied=True)
-    with pytest.raises(WeightSyncError, match="'module.model.embed_tokens.weight' is not a Hugging Face checkpoint name"):
-        target_tensors([("module." + name, tensor) for name, tensor in model.named_parameters()], tie_word_embeddings=True)
+    with pytest.raises(
+        WeightSyncError, match="'module.model.embed_tokens.weight' is not a Hugging Face checkpoint name"
+    ):
+        target_tensors(
+            [("module." + name, tensor) for name, tensor in model.named_parameters()], tie_word_embeddings=True
+        )
 
 
 @pytest.mark.parametrize("kind", ["qwen2", "llama"])
@@ -138,14 +161,21 @@ def test_unknown_drafter_tensor_is_refused():
 
 
 def test_tensor_update_needs_cuda_tensors():
-    with pytest.raises(WeightSyncError, match="must be on a GPU of the server's node; set rollout.sglang.colocated: false"):
+    with pytest.raises(
+        WeightSyncError, match="must be on a GPU of the server's node; set rollout.sglang.colocated: false"
+    ):
         serialize_for_ranks([("model.norm.weight", torch.zeros(4))], tp_size=1)
 
 
 def test_tensor_update_body_per_version():
     serialized = ["a", "b"]
     new = tensor_update_body(serialized, "draft", sglang_features("0.5.23"), "step-4")
-    assert new == {"serialized_named_tensors": ["a", "b"], "weight_version": "step-4", "flush_cache": True, "selector": "draft"}
+    assert new == {
+        "serialized_named_tensors": ["a", "b"],
+        "weight_version": "step-4",
+        "flush_cache": True,
+        "selector": "draft",
+    }
     old = tensor_update_body(serialized, "target", sglang_features("0.5.20"), "step-4")
     assert old["disable_draft_model"] is True and "selector" not in old
     with pytest.raises(ValueError, match="role must be one of"):

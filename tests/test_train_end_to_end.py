@@ -20,7 +20,14 @@ from tlt_cli.models.tiny import ensure_tiny_model
 TLT = [sys.executable, "-m", "tlt_cli"]
 RECIPE = Path(__file__).resolve().parent.parent / "recipes" / "tiny-cpu.yaml"
 # metrics that do not depend on wall-clock time
-DETERMINISTIC = ("mean_reward", "response_length_p50", "response_length_max", "response_tokens", "actor_loss", "actor_grad_norm")
+DETERMINISTIC = (
+    "mean_reward",
+    "response_length_p50",
+    "response_length_max",
+    "response_tokens",
+    "actor_loss",
+    "actor_grad_norm",
+)
 
 
 @pytest.fixture(scope="module")
@@ -30,9 +37,21 @@ def small_model(tmp_path_factory, cache_directory) -> Path:
 
 
 def small_run(model: Path, output: Path, name: str, steps: int, *extra: str) -> list[str]:
-    return [*TLT, "train", str(RECIPE), f"model.path={model}", *PLAIN_DECODING, f"run.output_dir={output}", f"run.name={name}",
-            f"train.steps={steps}", "train.prompts_per_step=4", "train.group_size=2", "rollout.max_new_tokens=48",
-            "checkpoint.every=2", *extra]
+    return [
+        *TLT,
+        "train",
+        str(RECIPE),
+        f"model.path={model}",
+        *PLAIN_DECODING,
+        f"run.output_dir={output}",
+        f"run.name={name}",
+        f"train.steps={steps}",
+        "train.prompts_per_step=4",
+        "train.group_size=2",
+        "rollout.max_new_tokens=48",
+        "checkpoint.every=2",
+        *extra,
+    ]
 
 
 def read_records(run_directory: Path, kind: str) -> list[dict]:
@@ -68,11 +87,17 @@ def test_a_second_run_with_the_same_name_is_refused(small_model, tmp_path):
 @pytest.mark.slow
 def test_sigkill_then_resume_ends_with_the_same_metrics(small_model, tmp_path):
     steps = 6
-    reference = subprocess.run(small_run(small_model, tmp_path, "reference", steps), capture_output=True, text=True, timeout=900)
+    reference = subprocess.run(
+        small_run(small_model, tmp_path, "reference", steps), capture_output=True, text=True, timeout=900
+    )
     assert reference.returncode == 0, reference.stderr[-3000:]
 
-    killed = subprocess.Popen(small_run(small_model, tmp_path, "killed", steps), stdout=subprocess.DEVNULL,
-                              stderr=subprocess.DEVNULL, start_new_session=True)
+    killed = subprocess.Popen(
+        small_run(small_model, tmp_path, "killed", steps),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     checkpoint = tmp_path / "killed" / "checkpoints" / "step_000004"
     deadline = time.time() + 600
     while not checkpoint.is_dir() and time.time() < deadline and killed.poll() is None:
@@ -81,7 +106,9 @@ def test_sigkill_then_resume_ends_with_the_same_metrics(small_model, tmp_path):
     killed.wait()
     assert checkpoint.is_dir(), "the run ended before it could be killed mid-way"
 
-    resumed = subprocess.run([*TLT, "train", "--resume", str(tmp_path / "killed")], capture_output=True, text=True, timeout=900)
+    resumed = subprocess.run(
+        [*TLT, "train", "--resume", str(tmp_path / "killed")], capture_output=True, text=True, timeout=900
+    )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     expected = read_records(tmp_path / "reference", "step")
     actual = read_records(tmp_path / "killed", "step")

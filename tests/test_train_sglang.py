@@ -41,11 +41,28 @@ def sglang_environment(tmp_path) -> dict[str, str]:
 
 def sglang_run(model: Path, output: Path, name: str, workers: int, servers: int, *extra: str) -> list[str]:
     gpus = ",".join(str(gpu) for gpu in range(servers))
-    return [*TLT, "train", str(RECIPE), f"model.path={model}", *PLAIN_DECODING, f"run.output_dir={output}", f"run.name={name}",
-            "train.steps=2", f"workers.count={workers}", f"train.prompts_per_step={2 * workers}", "train.group_size=2",
-            "rollout.max_new_tokens=12", "checkpoint.every=2", "rollout.backend=sglang", f"rollout.sglang.gpus=[{gpus}]",
-            "rollout.sglang.colocated=false", f"rollout.sglang.port_base={free_port_range(2 * servers)}",
-            "rollout.sglang.startup_timeout_s=60", "rollout.sglang.stop_timeout_s=5", *extra]
+    return [
+        *TLT,
+        "train",
+        str(RECIPE),
+        f"model.path={model}",
+        *PLAIN_DECODING,
+        f"run.output_dir={output}",
+        f"run.name={name}",
+        "train.steps=2",
+        f"workers.count={workers}",
+        f"train.prompts_per_step={2 * workers}",
+        "train.group_size=2",
+        "rollout.max_new_tokens=12",
+        "checkpoint.every=2",
+        "rollout.backend=sglang",
+        f"rollout.sglang.gpus=[{gpus}]",
+        "rollout.sglang.colocated=false",
+        f"rollout.sglang.port_base={free_port_range(2 * servers)}",
+        "rollout.sglang.startup_timeout_s=60",
+        "rollout.sglang.stop_timeout_s=5",
+        *extra,
+    ]
 
 
 def server_pids(run_directory: Path) -> list[int]:
@@ -65,7 +82,9 @@ def read_records(run_directory: Path, kind: str) -> list[dict]:
     return [record for record in map(json.loads, lines) if record["type"] == kind]
 
 
-def test_two_steps_on_sglang_servers_trace_requests_sync_weights_and_stop_servers(small_model, tmp_path, sglang_environment):
+def test_two_steps_on_sglang_servers_trace_requests_sync_weights_and_stop_servers(
+    small_model, tmp_path, sglang_environment
+):
     command = sglang_run(small_model, tmp_path, "two", 2, 4)
     result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=sglang_environment)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -76,7 +95,9 @@ def test_two_steps_on_sglang_servers_trace_requests_sync_weights_and_stop_server
     assert all(request["tokens"] in (4, 12) and request["verify_passes"] >= 1 for request in requests)
     assert all(request["end"] >= request["start"] for request in requests)
     workers = read_records(run_directory, "worker")
-    assert len(workers) == 4 and all(worker["weight_sync_seconds"] > 0 and worker["probe_accept_length"] == 3.0 for worker in workers)
+    assert len(workers) == 4 and all(
+        worker["weight_sync_seconds"] > 0 and worker["probe_accept_length"] == 3.0 for worker in workers
+    )
     assert read_records(run_directory, "step")[-1]["accept_length"] == 3.0
     # worker r owns servers 2r and 2r+1 of the four, each updated from disk after both steps
     for worker in (0, 1):
@@ -89,15 +110,22 @@ def test_two_steps_on_sglang_servers_trace_requests_sync_weights_and_stop_server
 
 
 def _port_of(command: list[str], server: int) -> int:
-    port_base = int(next(argument for argument in command if argument.startswith("rollout.sglang.port_base=")).split("=")[1])
+    port_base = int(
+        next(argument for argument in command if argument.startswith("rollout.sglang.port_base=")).split("=")[1]
+    )
     return port_base + 2 * server
 
 
 def test_a_server_that_crashes_at_start_is_one_error_with_its_log_tail(small_model, tmp_path, sglang_environment):
     environment = {**sglang_environment, FAKE_ARGUMENTS_VARIABLE: "--mode crash"}
     # --keep-log: the run fails before its first step, and the servers' logs name their pids
-    result = subprocess.run([*sglang_run(small_model, tmp_path, "crash", 1, 2), "--keep-log"], capture_output=True, text=True,
-                            timeout=600, env=environment)
+    result = subprocess.run(
+        [*sglang_run(small_model, tmp_path, "crash", 1, 2), "--keep-log"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=environment,
+    )
     assert result.returncode == 1, result.stderr[-3000:]
     first_line = result.stderr.strip().splitlines()[0]
     assert "worker 0 failed: ServerStartError: SGLang server" in first_line and "while starting" in first_line
@@ -107,11 +135,21 @@ def test_a_server_that_crashes_at_start_is_one_error_with_its_log_tail(small_mod
 
 def test_ctrl_c_stops_the_run_and_its_servers(small_model, tmp_path, sglang_environment):
     # 50 steps of a second or more each: the run is far from done when interrupted
-    run = subprocess.Popen(sglang_run(small_model, tmp_path, "interrupted", 1, 1, "train.steps=50"), env=sglang_environment,
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    run = subprocess.Popen(
+        sglang_run(small_model, tmp_path, "interrupted", 1, 1, "train.steps=50"),
+        env=sglang_environment,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     log = tmp_path / "interrupted" / "workers" / "worker-0" / "sglang" / "server-0.log"
     deadline = time.time() + 300
-    while time.time() < deadline and run.poll() is None and "POST /generate" not in (log.read_text() if log.exists() else ""):
+    while (
+        time.time() < deadline
+        and run.poll() is None
+        and "POST /generate" not in (log.read_text() if log.exists() else "")
+    ):
         time.sleep(0.2)
     assert run.poll() is None, run.communicate()[1][-3000:]
     # what a terminal does on Ctrl-C: SIGINT to the whole foreground process group

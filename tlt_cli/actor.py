@@ -45,13 +45,21 @@ class UpdateMetrics:
 class Actor:
     """A DeepSpeed engine around the policy; `update` runs ppo_epochs optimizer steps on a rollout."""
 
-    def __init__(self, policy: PreTrainedModel, config: ActorConfig, sequences_per_update: int,
-                 reference: PreTrainedModel | None = None):
+    def __init__(
+        self,
+        policy: PreTrainedModel,
+        config: ActorConfig,
+        sequences_per_update: int,
+        reference: PreTrainedModel | None = None,
+    ):
         self.config = config
         self.accumulation_steps = math.ceil(sequences_per_update / config.micro_batch_size)
-        optimizer = torch.optim.AdamW(policy.parameters(), lr=config.lr, betas=ADAMW_BETAS,
-                                      weight_decay=config.weight_decay)
-        self.engine, _, _, _ = import_deepspeed().initialize(model=policy, optimizer=optimizer, config=deepspeed_config(config, self.accumulation_steps))
+        optimizer = torch.optim.AdamW(
+            policy.parameters(), lr=config.lr, betas=ADAMW_BETAS, weight_decay=config.weight_decay
+        )
+        self.engine, _, _, _ = import_deepspeed().initialize(
+            model=policy, optimizer=optimizer, config=deepspeed_config(config, self.accumulation_steps)
+        )
         self.reference = reference.to(self.device, self.dtype) if reference is not None else None
 
     @property
@@ -68,8 +76,9 @@ class Actor:
         return self.engine.module
 
     @torch.no_grad()
-    def logprobs(self, batch: PolicyBatch, on_hidden_states: HiddenStatesCallback | None = None,
-                 include_policy: bool = True) -> PolicyBatch:
+    def logprobs(
+        self, batch: PolicyBatch, on_hidden_states: HiddenStatesCallback | None = None, include_policy: bool = True
+    ) -> PolicyBatch:
         """The batch with old (and, with a reference model, reference) log-probs recomputed by the actor."""
         old_parts, reference_parts = [], []
         for micro_batch in micro_batches(batch, self.config.micro_batch_size):
@@ -80,7 +89,9 @@ class Actor:
                 old_parts.append(_pad_to(token_logprobs(self.policy.lm_head(hidden), micro_batch.input_ids), batch))
             if self.reference is not None:
                 reference_hidden = self._last_hidden_state(self.reference, micro_batch)
-                reference_parts.append(_pad_to(token_logprobs(self.reference.lm_head(reference_hidden), micro_batch.input_ids), batch))
+                reference_parts.append(
+                    _pad_to(token_logprobs(self.reference.lm_head(reference_hidden), micro_batch.input_ids), batch)
+                )
         old = torch.cat(old_parts) if old_parts else None
         reference = torch.cat(reference_parts) if reference_parts else None
         return batch.with_logprobs(old, reference)
@@ -121,8 +132,9 @@ class Actor:
         epochs = self.config.ppo_epochs
         return UpdateMetrics(**{name: value / epochs for name, value in totals.items()})
 
-    def _micro_batch_loss(self, micro_batch: PolicyBatch, total_tokens: int,
-                          on_hidden_states: HiddenStatesCallback | None) -> PolicyLoss:
+    def _micro_batch_loss(
+        self, micro_batch: PolicyBatch, total_tokens: int, on_hidden_states: HiddenStatesCallback | None
+    ) -> PolicyLoss:
         hidden = self._last_hidden_state(self.policy, micro_batch)
         logprobs = token_logprobs(self.policy.lm_head(hidden), micro_batch.input_ids)
         old_logprobs = micro_batch.old_logprobs
@@ -147,8 +159,9 @@ class Actor:
 
     def load(self, directory: Path) -> None:
         """Collective: restore weights and optimizer state saved by `save`."""
-        load_path, _ = self.engine.load_checkpoint(str(directory), tag=CHECKPOINT_TAG,
-                                                   load_optimizer_states=True, load_lr_scheduler_states=True)
+        load_path, _ = self.engine.load_checkpoint(
+            str(directory), tag=CHECKPOINT_TAG, load_optimizer_states=True, load_lr_scheduler_states=True
+        )
         if load_path is None:
             raise FileNotFoundError(f"no actor checkpoint under {directory}; the checkpoint is incomplete.")
 

@@ -73,7 +73,9 @@ def latest_checkpoint(run_directory: Path) -> tuple[Path, dict[str, Any]]:
     checkpoints = run_directory / "checkpoints"
     latest = checkpoints / LATEST_FILE
     if not latest.is_file():
-        raise CheckpointError(f"{run_directory} has no checkpoint to resume from (no {latest}); start a new run instead.")
+        raise CheckpointError(
+            f"{run_directory} has no checkpoint to resume from (no {latest}); start a new run instead."
+        )
     directory = checkpoints / latest.read_text(encoding="utf-8").strip()
     state_path = directory / STATE_FILE
     if not state_path.is_file():
@@ -81,8 +83,15 @@ def latest_checkpoint(run_directory: Path) -> tuple[Path, dict[str, Any]]:
     return directory, json.loads(state_path.read_text(encoding="utf-8"))
 
 
-def save_collectively(checkpoints: Path, next_step: int, rank: int, barrier: Callable[[], None],
-                      save_parts: Callable[[Path], None], extra_state: dict[str, Any], keep: int) -> Path:
+def save_collectively(
+    checkpoints: Path,
+    next_step: int,
+    rank: int,
+    barrier: Callable[[], None],
+    save_parts: Callable[[Path], None],
+    extra_state: dict[str, Any],
+    keep: int,
+) -> Path:
     """Run on every worker: stage, let each rank write its parts, then rank 0 publishes."""
     staging = staging_directory(checkpoints, next_step)
     if rank == 0:

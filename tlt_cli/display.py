@@ -47,8 +47,9 @@ class PhaseProgress:
 
     def __init__(self, console: Console, title: str):
         self.title = title
-        self.bars = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                             console=console)
+        self.bars = Progress(
+            TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console
+        )
         self.phases: dict[str, Any] = {}
 
     def __enter__(self) -> PhaseProgress:
@@ -105,7 +106,9 @@ class TrainingDisplay:
 
     def _columns(self) -> tuple[tuple[str, str, str], ...]:
         """The base columns, then each optional one some record has a value for."""
-        present = tuple(column for column in OPTIONAL_COLUMNS if any(record.get(column[1]) is not None for record in self.records))
+        present = tuple(
+            column for column in OPTIONAL_COLUMNS if any(record.get(column[1]) is not None for record in self.records)
+        )
         return COLUMNS + present
 
     def _table(self) -> Table:
@@ -135,16 +138,23 @@ def render_summary(console: Console, records: list[dict[str, Any]], run_director
     table.add_row(f"mean reward, first {window} steps", f"{mean(first, 'mean_reward'):.3f}")
     table.add_row(f"mean reward, last {window} steps", f"{mean(last, 'mean_reward'):.3f}")
     table.add_row("mean step seconds", f"{mean(records, 'step_seconds'):.2f}")
-    table.add_row("rollout share of step time", f"{sum(r['rollout_seconds'] for r in records) / max(sum(r['step_seconds'] for r in records), 1e-9):.0%}")
-    idle_seconds = sum(r['idle_worker_seconds'] for r in records)
+    table.add_row(
+        "rollout share of step time",
+        f"{sum(r['rollout_seconds'] for r in records) / max(sum(r['step_seconds'] for r in records), 1e-9):.0%}",
+    )
+    idle_seconds = sum(r["idle_worker_seconds"] for r in records)
     table.add_row("idle worker-seconds in rollouts", f"{idle_seconds:.1f}")
     if any(r.get(sidecar.TRAIN_SECONDS_METRIC) is not None for r in records):
         used = sum(r.get(sidecar.TRAIN_SECONDS_METRIC) or 0.0 for r in records)
-        table.add_row("idle worker-seconds spent training the drafter", f"{used:.1f} ({used / max(idle_seconds, 1e-9):.0%})")
+        table.add_row(
+            "idle worker-seconds spent training the drafter", f"{used:.1f} ({used / max(idle_seconds, 1e-9):.0%})"
+        )
     accept_lengths = [r["accept_length"] for r in records if r.get("accept_length") is not None]
     if accept_lengths:
-        table.add_row(f"accept length, first {window} -> last {window} SD steps",
-                      f"{mean_of(accept_lengths[:window]):.2f} -> {mean_of(accept_lengths[-window:]):.2f}")
+        table.add_row(
+            f"accept length, first {window} -> last {window} SD steps",
+            f"{mean_of(accept_lengths[:window]):.2f} -> {mean_of(accept_lengths[-window:]):.2f}",
+        )
     table.add_row("run directory", str(run_directory))
     console.print(table)
 

@@ -106,8 +106,16 @@ class ExportSummary:
     files: list[str]
 
 
-def export_drafter(source: Path, output_dir: Path, recipe_path: Path | None = None, include_shared: bool = False,
-                   force: bool = False, prompts: int = 8, max_new_tokens: int | None = None, draft_steps: int = 4) -> ExportSummary:
+def export_drafter(
+    source: Path,
+    output_dir: Path,
+    recipe_path: Path | None = None,
+    include_shared: bool = False,
+    force: bool = False,
+    prompts: int = 8,
+    max_new_tokens: int | None = None,
+    draft_steps: int = 4,
+) -> ExportSummary:
     """Export, validate by reloading, then rename into place (see the module docstring)."""
     output_dir = Path(output_dir)
     _check_output(output_dir, force)
@@ -126,13 +134,20 @@ def export_drafter(source: Path, output_dir: Path, recipe_path: Path | None = No
     staging.mkdir()
     try:
         (staging / WEIGHTS_FILE).write_bytes(save(sglang_tensors(drafter, target, include_shared)))
-        (staging / EXPORT_CONFIG_FILE).write_text(json.dumps(sglang_config(drafter, target), indent=2) + "\n", encoding="utf-8")
+        (staging / EXPORT_CONFIG_FILE).write_text(
+            json.dumps(sglang_config(drafter, target), indent=2) + "\n", encoding="utf-8"
+        )
         reloaded = measure_accept_length(target, load_exported_drafter(staging, target), probe)
         _check_reproduced(measurement, reloaded, output_dir)
         summary = ExportSummary(
-            output_dir=str(output_dir), architecture=sglang_architecture(target), target=target_description(drafter_source, target),
-            rl_step=drafter_source.rl_step, include_shared=include_shared, measurement=measurement,
-            reloaded_accept_length=reloaded.accept_length, files=[EXPORT_CONFIG_FILE, WEIGHTS_FILE, CARD_FILE, SUMMARY_FILE],
+            output_dir=str(output_dir),
+            architecture=sglang_architecture(target),
+            target=target_description(drafter_source, target),
+            rl_step=drafter_source.rl_step,
+            include_shared=include_shared,
+            measurement=measurement,
+            reloaded_accept_length=reloaded.accept_length,
+            files=[EXPORT_CONFIG_FILE, WEIGHTS_FILE, CARD_FILE, SUMMARY_FILE],
         )
         (staging / SUMMARY_FILE).write_text(json.dumps(asdict(summary), indent=2) + "\n", encoding="utf-8")
         (staging / CARD_FILE).write_text(model_card(summary, drafter_source, drafter.config), encoding="utf-8")
@@ -143,7 +158,10 @@ def export_drafter(source: Path, output_dir: Path, recipe_path: Path | None = No
 
 
 def _check_reproduced(measurement: AcceptMeasurement, reloaded: AcceptMeasurement, output_dir: Path) -> None:
-    if (reloaded.verify_passes, reloaded.accepted_draft_tokens) != (measurement.verify_passes, measurement.accepted_draft_tokens):
+    if (reloaded.verify_passes, reloaded.accepted_draft_tokens) != (
+        measurement.verify_passes,
+        measurement.accepted_draft_tokens,
+    ):
         raise ExportError(
             f"the exported drafter reloaded into tlt accepts {reloaded.accept_length:.3f} tokens per pass, not the "
             f"{measurement.accept_length:.3f} measured before export; nothing was written to {output_dir}."
@@ -153,7 +171,9 @@ def _check_reproduced(measurement: AcceptMeasurement, reloaded: AcceptMeasuremen
 def resolve_source(source: Path, recipe_path: Path | None) -> DrafterSource:
     """A run directory, a checkpoint folder, its drafter/ folder, or a lone drafter folder (needs recipe_path)."""
     if not source.is_dir():
-        raise ExportError(f"{source} is not a directory; pass a run directory, a checkpoint folder or a drafter folder.")
+        raise ExportError(
+            f"{source} is not a directory; pass a run directory, a checkpoint folder or a drafter folder."
+        )
     if (source / "checkpoints").is_dir():
         try:
             checkpoint_dir, _ = latest_checkpoint(source)
@@ -166,7 +186,9 @@ def resolve_source(source: Path, recipe_path: Path | None) -> DrafterSource:
         return _checkpoint_source(source.parent, recipe_path)
     if (source / CONFIG_FILE).is_file():
         if recipe_path is None:
-            raise ExportError(f"{source} is a drafter folder outside a run; pass --recipe RECIPE to name its target model and task.")
+            raise ExportError(
+                f"{source} is a drafter folder outside a run; pass --recipe RECIPE to name its target model and task."
+            )
         return DrafterSource(source, _recipe(recipe_path), rl_step=None, checkpoint_dir=None)
     raise ExportError(f"{source} holds no drafter ({CONFIG_FILE}), checkpoint ({STATE_FILE}) or checkpoints/ folder.")
 
@@ -174,10 +196,14 @@ def resolve_source(source: Path, recipe_path: Path | None) -> DrafterSource:
 def _checkpoint_source(checkpoint_dir: Path, recipe_path: Path | None) -> DrafterSource:
     drafter_dir = checkpoint_dir / sidecar.DRAFTER_DIRECTORY
     if not (drafter_dir / CONFIG_FILE).is_file():
-        raise ExportError(f"checkpoint {checkpoint_dir} has no drafter/ folder: the run trained no drafter (enable the drafter sidecar).")
+        raise ExportError(
+            f"checkpoint {checkpoint_dir} has no drafter/ folder: the run trained no drafter (enable the drafter sidecar)."
+        )
     run_recipe = checkpoint_dir.parent.parent / "recipe.yaml"
     state = json.loads((checkpoint_dir / STATE_FILE).read_text(encoding="utf-8"))
-    return DrafterSource(drafter_dir, _recipe(recipe_path or run_recipe), rl_step=int(state["next_step"]), checkpoint_dir=checkpoint_dir)
+    return DrafterSource(
+        drafter_dir, _recipe(recipe_path or run_recipe), rl_step=int(state["next_step"]), checkpoint_dir=checkpoint_dir
+    )
 
 
 def _recipe(path: Path) -> Recipe:
@@ -194,7 +220,9 @@ def load_target(source: DrafterSource) -> tuple[PreTrainedModel, PreTrainedToken
         return target, tokenizer
     weights_path = source.checkpoint_dir / CHECKPOINT_TAG / ACTOR_WEIGHTS_FILE
     if not weights_path.is_file():
-        raise ExportError(f"checkpoint {source.checkpoint_dir} has no actor weights ({weights_path}); it is incomplete.")
+        raise ExportError(
+            f"checkpoint {source.checkpoint_dir} has no actor weights ({weights_path}); it is incomplete."
+        )
     state = torch.load(weights_path, map_location="cpu", weights_only=True)["module"]
     try:
         target.load_state_dict(state, strict=True)
@@ -206,44 +234,62 @@ def load_target(source: DrafterSource) -> tuple[PreTrainedModel, PreTrainedToken
     return target.eval(), tokenizer
 
 
-def held_out_probe(recipe: Recipe, tokenizer: PreTrainedTokenizerBase, prompts: int, max_new_tokens: int | None, draft_steps: int) -> HeldOutProbe:
+def held_out_probe(
+    recipe: Recipe, tokenizer: PreTrainedTokenizerBase, prompts: int, max_new_tokens: int | None, draft_steps: int
+) -> HeldOutProbe:
     """`prompts` problems of the recipe's task that the run never drew (indexes after its last step's)."""
     if prompts < 1 or draft_steps < 1:
-        raise ExportError(f"need at least 1 prompt and 1 draft step to measure acceptance, got {prompts} and {draft_steps}.")
+        raise ExportError(
+            f"need at least 1 prompt and 1 draft step to measure acceptance, got {prompts} and {draft_steps}."
+        )
     first_index = recipe.train.steps * recipe.train.prompts_per_step
     task = build_task(recipe.task.name, recipe.run.seed, dict(recipe.task.options))
     return HeldOutProbe(
-        prompt_ids=encode_prompts(tokenizer, task, range(first_index, first_index + prompts)), first_problem_index=first_index,
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-        max_new_tokens=max_new_tokens or recipe.rollout.max_new_tokens, draft_steps=draft_steps,
+        prompt_ids=encode_prompts(tokenizer, task, range(first_index, first_index + prompts)),
+        first_problem_index=first_index,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        max_new_tokens=max_new_tokens or recipe.rollout.max_new_tokens,
+        draft_steps=draft_steps,
     )
 
 
 def measure_accept_length(target: PreTrainedModel, drafter: torch.nn.Module, probe: HeldOutProbe) -> AcceptMeasurement:
     """Greedy chain SD of `draft_steps` tokens, each prompt alone (batch size 1, where SD is on in the tail)."""
     decoder = SpeculativeDecoder(drafter, SpeculativeConfig(steps=probe.draft_steps))
-    engine = EmbeddedEngine(target, eos_token_id=probe.eos_token_id, pad_token_id=probe.pad_token_id, speculative=decoder)
+    engine = EmbeddedEngine(
+        target, eos_token_id=probe.eos_token_id, pad_token_id=probe.pad_token_id, speculative=decoder
+    )
     sampling = SamplingParams(max_new_tokens=probe.max_new_tokens, temperature=0.0)
     passes, accepted = 0, 0
     accepted_by_depth, proposed_by_depth = [0] * probe.draft_steps, [0] * probe.draft_steps
     for index, prompt in enumerate(probe.prompt_ids):
-        stats = engine.generate([RolloutRequest(index, tuple(prompt))], sampling, torch.Generator().manual_seed(0))[0].speculative
+        stats = engine.generate([RolloutRequest(index, tuple(prompt))], sampling, torch.Generator().manual_seed(0))[
+            0
+        ].speculative
         passes, accepted = passes + stats.verify_passes, accepted + stats.accepted_draft_tokens
         for depth, (accepted_count, proposed_count) in enumerate(zip(stats.accepted_by_depth, stats.proposed_by_depth)):
             accepted_by_depth[depth] += accepted_count
             proposed_by_depth[depth] += proposed_count
     return AcceptMeasurement(
         accept_length=accept_length(accepted, passes),
-        verify_passes=passes, accepted_draft_tokens=accepted, accepted_by_depth=accepted_by_depth,
-        proposed_by_depth=proposed_by_depth, prompts=len(probe.prompt_ids), first_problem_index=probe.first_problem_index,
-        draft_steps=probe.draft_steps, max_new_tokens=probe.max_new_tokens,
+        verify_passes=passes,
+        accepted_draft_tokens=accepted,
+        accepted_by_depth=accepted_by_depth,
+        proposed_by_depth=proposed_by_depth,
+        prompts=len(probe.prompt_ids),
+        first_problem_index=probe.first_problem_index,
+        draft_steps=probe.draft_steps,
+        max_new_tokens=probe.max_new_tokens,
     )
 
 
 def sglang_architecture(target: PreTrainedModel) -> str:
     model_type = target.config.model_type
     if model_type not in SGLANG_ARCHITECTURES:
-        raise ExportError(f"SGLang has no EAGLE draft class for a {model_type!r} target; tlt exports Qwen2 and Llama drafters.")
+        raise ExportError(
+            f"SGLang has no EAGLE draft class for a {model_type!r} target; tlt exports Qwen2 and Llama drafters."
+        )
     return SGLANG_ARCHITECTURES[model_type]
 
 
@@ -275,17 +321,23 @@ def load_exported_drafter(export_dir: Path, target: PreTrainedModel) -> EagleDra
     config = json.loads((export_dir / EXPORT_CONFIG_FILE).read_text(encoding="utf-8"))
     expected = sglang_architecture(target)
     if config.get("architectures") != [expected] or config.get("hidden_size") != target.config.hidden_size:
-        raise ExportError(f"{export_dir} is a {config.get('architectures')} drafter of hidden size {config.get('hidden_size')}, not a {expected} drafter for this target.")
+        raise ExportError(
+            f"{export_dir} is a {config.get('architectures')} drafter of hidden size {config.get('hidden_size')}, not a {expected} drafter for this target."
+        )
     drafter = EagleDrafter(target)
     state = {}
     for name, tensor in load_file(str(export_dir / WEIGHTS_FILE)).items():
         if name == "fc.bias":
             if bool(tensor.any()):
-                raise ExportError(f"{export_dir}: fc.bias is not zero, and tlt's drafter has no fc bias; it was not exported by tlt.")
+                raise ExportError(
+                    f"{export_dir}: fc.bias is not zero, and tlt's drafter has no fc bias; it was not exported by tlt."
+                )
         elif name in SHARED_NAMES:
             shared = target.get_input_embeddings() if name == "embed_tokens.weight" else target.get_output_embeddings()
             if not torch.equal(tensor, shared.weight.detach().cpu()):
-                raise ExportError(f"{export_dir}: {name} differs from the target's; the export belongs to another target.")
+                raise ExportError(
+                    f"{export_dir}: {name} differs from the target's; the export belongs to another target."
+                )
         elif name == "fc.weight" or name.startswith("layers.0."):
             state[name.replace("layers.0.", "decoder_layer.", 1)] = tensor
         else:
@@ -293,7 +345,9 @@ def load_exported_drafter(export_dir: Path, target: PreTrainedModel) -> EagleDra
     try:
         drafter.load_state_dict(state, strict=True)
     except RuntimeError as error:
-        raise ExportError(f"{export_dir}: the weights do not fit this target's drafter ({str(error).splitlines()[0]}).") from None
+        raise ExportError(
+            f"{export_dir}: the weights do not fit this target's drafter ({str(error).splitlines()[0]})."
+        ) from None
     return drafter
 
 
@@ -327,8 +381,14 @@ def model_card(summary: ExportSummary, source: DrafterSource, drafter_config: Pr
     """README.md of the export: what it is, how well it drafts, how to serve it, and what differs under SGLang."""
     measurement = summary.measurement
     steps = measurement.draft_steps
-    served_target = summary.target if source.rl_step is None else f"<the policy after RL step {source.rl_step}, as a Hugging Face folder>"
-    shared_names = "embed_tokens.weight" if drafter_config.tie_word_embeddings else "embed_tokens.weight, lm_head.weight"
+    served_target = (
+        summary.target
+        if source.rl_step is None
+        else f"<the policy after RL step {source.rl_step}, as a Hugging Face folder>"
+    )
+    shared_names = (
+        "embed_tokens.weight" if drafter_config.tie_word_embeddings else "embed_tokens.weight, lm_head.weight"
+    )
     shared = (
         f"included ({shared_names}) for loaders without the target at hand; SGLang {SGLANG_VERSIONS_CHECKED} binds the target's own"
         if summary.include_shared

@@ -96,7 +96,9 @@ def plugin_factory(name: str) -> Callable[..., Any]:
     found = available_plugins()
     if name not in found:
         choices = ", ".join(sorted(found)) or "none installed"
-        raise PluginError(f"plugin '{name}' is not installed (entry point group {ENTRY_POINT_GROUP}; available: {choices}).")
+        raise PluginError(
+            f"plugin '{name}' is not installed (entry point group {ENTRY_POINT_GROUP}; available: {choices})."
+        )
     return found[name].load()
 
 
@@ -141,7 +143,9 @@ class PluginHost:
                 method(*arguments)
             except Exception as error:  # a plugin's bug must not end or corrupt the step: disable it, report it
                 self.disabled.add(plugin.name)
-                self.failures.append(PluginFailure(plugin.name, hook, f"{type(error).__name__}: {error}", traceback.format_exc()))
+                self.failures.append(
+                    PluginFailure(plugin.name, hook, f"{type(error).__name__}: {error}", traceback.format_exc())
+                )
 
     def wants(self, hook: str) -> bool:
         """Whether any enabled plugin implements `hook` (lets the caller skip work nobody reads)."""

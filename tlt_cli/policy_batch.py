@@ -64,7 +64,10 @@ def build_policy_batch(completions: list[Completion], advantages: torch.Tensor, 
     micro-batch hold sequences of similar length, so a long-tailed rollout does not pad every
     micro-batch to its longest response.
     """
-    order = sorted(range(len(completions)), key=lambda index: len(completions[index].prompt_ids) + len(completions[index].response_ids))
+    order = sorted(
+        range(len(completions)),
+        key=lambda index: len(completions[index].prompt_ids) + len(completions[index].response_ids),
+    )
     completions = [completions[index] for index in order]
     advantages = advantages[order]
     sequences = [list(completion.prompt_ids) + list(completion.response_ids) for completion in completions]
@@ -82,4 +85,7 @@ def build_policy_batch(completions: list[Completion], advantages: torch.Tensor, 
 
 def micro_batches(batch: PolicyBatch, micro_batch_size: int) -> list[PolicyBatch]:
     """Consecutive slices of at most micro_batch_size rows."""
-    return [batch.slice(start, min(start + micro_batch_size, batch.size)) for start in range(0, batch.size, micro_batch_size)]
+    return [
+        batch.slice(start, min(start + micro_batch_size, batch.size))
+        for start in range(0, batch.size, micro_batch_size)
+    ]

@@ -56,7 +56,9 @@ def read_trace(path: Path) -> list[dict[str, Any]]:
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as error:
-                raise TraceError(f"{path} line {number} is not valid JSON ({error.msg}); the trace may be truncated.") from None
+                raise TraceError(
+                    f"{path} line {number} is not valid JSON ({error.msg}); the trace may be truncated."
+                ) from None
             if not isinstance(record, dict) or "type" not in record:
                 raise TraceError(f"{path} line {number} is not a trace record (a JSON object with a 'type').")
             records.append(record)

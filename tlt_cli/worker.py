@@ -27,8 +27,8 @@ from tlt_cli.actor import Actor
 from tlt_cli.checkpoint import save_collectively
 from tlt_cli.config import CPU_DEVICES, Recipe
 from tlt_cli.drafter import sidecar
-from tlt_cli.errors import UserError
 from tlt_cli.drafter.initial import initial_drafter, needs_drafter
+from tlt_cli.errors import UserError
 from tlt_cli.grpo import group_advantages
 from tlt_cli.models.loading import load_policy
 from tlt_cli.plugins import PluginHost, StepContext, agree_across_workers, build_plugins
@@ -153,8 +153,12 @@ class WorkerLoop:
         recipe = spec.recipe
         self.spec, self.events, self.recipe = spec, events, recipe
         self.rank = spec.address.rank
-        init_worker_process(spec.address, recipe.workers.threads_per_worker, spec.model_cache / "torch_extensions",
-                            on_gpus=recipe.actor.devices != CPU_DEVICES)
+        init_worker_process(
+            spec.address,
+            recipe.workers.threads_per_worker,
+            spec.model_cache / "torch_extensions",
+            on_gpus=recipe.actor.devices != CPU_DEVICES,
+        )
         torch.manual_seed(recipe.run.seed)
         policy, self.tokenizer = load_policy(recipe.model.path)
         reference = load_policy(recipe.model.path)[0].eval() if recipe.actor.kl_coef > 0 else None
@@ -165,16 +169,30 @@ class WorkerLoop:
         self.drafter = None
         if needs_drafter(recipe):
             # on the policy's device and dtype (the drafter shares its embedding, norm and lm_head)
-            self.drafter = initial_drafter(recipe, spec.drafter_init, self.actor.policy).to(self.actor.device, self.actor.dtype)
-        self.rollout_backend = build_rollout_backend(BackendSetup(
-            recipe, self.actor.policy, self.tokenizer.eos_token_id, self.tokenizer.pad_token_id, self.drafter,
-            self.rank, spec.address.rank_on_node, spec.run_directory,
-        ))
+            self.drafter = initial_drafter(recipe, spec.drafter_init, self.actor.policy).to(
+                self.actor.device, self.actor.dtype
+            )
+        self.rollout_backend = build_rollout_backend(
+            BackendSetup(
+                recipe,
+                self.actor.policy,
+                self.tokenizer.eos_token_id,
+                self.tokenizer.pad_token_id,
+                self.drafter,
+                self.rank,
+                spec.address.rank_on_node,
+                spec.run_directory,
+            )
+        )
         self.barrier = RolloutBarrier(spec.address)
         plugins = build_plugins(recipe.plugins.enabled, dict(recipe.plugins.options), recipe)
         self.plugins = PluginHost(plugins, agree=agree_across_workers)
-        self.sampling = SamplingParams(max_new_tokens=recipe.rollout.max_new_tokens, temperature=recipe.rollout.temperature,
-                                       top_p=recipe.rollout.top_p, top_k=recipe.rollout.top_k)
+        self.sampling = SamplingParams(
+            max_new_tokens=recipe.rollout.max_new_tokens,
+            temperature=recipe.rollout.temperature,
+            top_p=recipe.rollout.top_p,
+            top_k=recipe.rollout.top_k,
+        )
         if spec.resume_from is not None:
             self.actor.load(spec.resume_from)
             self.rollout_backend.load_state(self._rollout_state_path(spec.resume_from))
@@ -197,8 +215,14 @@ class WorkerLoop:
             self.events.put(report)
 
     def run_step(self, step: int) -> WorkerStepReport:
-        context = StepContext(step=step, worker=self.rank, world_size=self.spec.address.world_size,
-                              engine=self.rollout_backend, policy=self.actor.policy, drafter=self.drafter)
+        context = StepContext(
+            step=step,
+            worker=self.rank,
+            world_size=self.spec.address.world_size,
+            engine=self.rollout_backend,
+            policy=self.actor.policy,
+            drafter=self.drafter,
+        )
         torch.distributed.barrier()
         rollout_start = time.time()
         self.plugins.call("on_rollout_start", context)
@@ -212,13 +236,24 @@ class WorkerLoop:
         reward_end = time.time()
         update = self.update(completions, rewards, self._hook("on_hidden_states", context))
         drafter_version = context.metrics.get(sidecar.VERSION_METRIC)
-        context.metrics.update(self.rollout_backend.after_update(f"step-{step + 1}", drafter_version, self.probe_prompts(shard)))
+        context.metrics.update(
+            self.rollout_backend.after_update(f"step-{step + 1}", drafter_version, self.probe_prompts(shard))
+        )
         self.plugins.call("on_weights_updated", context)
         return WorkerStepReport(
-            step=step, worker=self.rank, rollout_start=rollout_start, busy_end=busy_end, idle_end=idle_end,
-            reward_seconds=reward_end - idle_end, update_seconds=time.time() - reward_end,
-            requests=[self.request_record(step, completion, reward) for completion, reward in zip(completions, rewards.tolist())],
-            update=update, plugin_metrics=context.metrics,
+            step=step,
+            worker=self.rank,
+            rollout_start=rollout_start,
+            busy_end=busy_end,
+            idle_end=idle_end,
+            reward_seconds=reward_end - idle_end,
+            update_seconds=time.time() - reward_end,
+            requests=[
+                self.request_record(step, completion, reward)
+                for completion, reward in zip(completions, rewards.tolist())
+            ],
+            update=update,
+            plugin_metrics=context.metrics,
             plugin_failures=[vars(failure) for failure in self.plugins.take_failures()],
             sd_usage={label: vars(usage) for label, usage in self.rollout_backend.take_usage().items()},
             sd_warnings=self.rollout_backend.take_warnings(),
@@ -226,8 +261,9 @@ class WorkerLoop:
 
     def rollout(self, step: int, shard: StepShard, context: StepContext) -> tuple[list[Completion], float]:
         """This rank's completions, sorted by request id, and when its last request finished."""
-        return self.rollout_backend.generate(shard.requests, self.sampling, self.sampling_seed(step),
-                                             self._hook("on_request_finished", context))
+        return self.rollout_backend.generate(
+            shard.requests, self.sampling, self.sampling_seed(step), self._hook("on_request_finished", context)
+        )
 
     def probe_prompts(self, shard: StepShard) -> list[tuple[int, ...]]:
         """The first prompts of the step's groups, to check acceptance on after a weight push."""
@@ -248,7 +284,9 @@ class WorkerLoop:
         for problem_number, problem in enumerate(problems):
             prompt_ids = tuple(encode_prompt(self.tokenizer, problem.prompt))
             for sample in range(group_size):
-                shard.requests.append(RolloutRequest(request_id=problem_number * group_size + sample, prompt_ids=prompt_ids))
+                shard.requests.append(
+                    RolloutRequest(request_id=problem_number * group_size + sample, prompt_ids=prompt_ids)
+                )
         return shard
 
     def sampling_seed(self, step: int) -> int:
@@ -273,11 +311,20 @@ class WorkerLoop:
     def request_record(self, step: int, completion: Completion, reward: float) -> dict[str, Any]:
         stats = completion.speculative
         return {
-            "type": "request", "step": step, "worker": self.rank, "request_id": completion.request_id,
-            "start": completion.start, "end": completion.end, "prompt_tokens": len(completion.prompt_ids),
-            "tokens": len(completion.response_ids), "reward": reward, "finished_by_eos": completion.finished_by_eos,
-            "verify_passes": stats.verify_passes, "accepted_tokens": stats.accepted_draft_tokens,
-            "accepted_by_depth": list(stats.accepted_by_depth), "proposed_by_depth": list(stats.proposed_by_depth),
+            "type": "request",
+            "step": step,
+            "worker": self.rank,
+            "request_id": completion.request_id,
+            "start": completion.start,
+            "end": completion.end,
+            "prompt_tokens": len(completion.prompt_ids),
+            "tokens": len(completion.response_ids),
+            "reward": reward,
+            "finished_by_eos": completion.finished_by_eos,
+            "verify_passes": stats.verify_passes,
+            "accepted_tokens": stats.accepted_draft_tokens,
+            "accepted_by_depth": list(stats.accepted_by_depth),
+            "proposed_by_depth": list(stats.proposed_by_depth),
         }
 
     def _rollout_state_path(self, directory: Path) -> Path:
@@ -290,6 +337,11 @@ class WorkerLoop:
             self.plugins.call("on_checkpoint_save", directory)
 
         return save_collectively(
-            self.spec.run_directory / "checkpoints", next_step, self.rank, torch.distributed.barrier,
-            save_parts, extra_state={"world_size": self.spec.address.world_size}, keep=self.recipe.checkpoint.keep,
+            self.spec.run_directory / "checkpoints",
+            next_step,
+            self.rank,
+            torch.distributed.barrier,
+            save_parts,
+            extra_state={"world_size": self.spec.address.world_size},
+            keep=self.recipe.checkpoint.keep,
         )

@@ -58,8 +58,12 @@ class CalibrationResult:
     drafter: str
 
 
-def calibrate(recipe_name: str, overrides: list[str], settings: CalibrationSettings,
-              on_shard: Callable[[str, int], None] | None = None) -> CalibrationResult:
+def calibrate(
+    recipe_name: str,
+    overrides: list[str],
+    settings: CalibrationSettings,
+    on_shard: Callable[[str, int], None] | None = None,
+) -> CalibrationResult:
     """Measure the recipe's model pair on this machine and choose its rule table (see the module docstring).
 
     recipe_name: a YAML path or a shipped recipe name, written into the command as given.
@@ -75,29 +79,50 @@ def calibrate(recipe_name: str, overrides: list[str], settings: CalibrationSetti
     for config in configs.values():
         if config is not None:
             _check_shape(config, pair.drafter.config.vocab_size)
-    sampling = SamplingParams(recipe.rollout.max_new_tokens, recipe.rollout.temperature, recipe.rollout.top_p, recipe.rollout.top_k)
+    sampling = SamplingParams(
+        recipe.rollout.max_new_tokens, recipe.rollout.temperature, recipe.rollout.top_p, recipe.rollout.top_k
+    )
     threads = torch.get_num_threads()
     torch.set_num_threads(recipe.workers.threads_per_worker)
     try:
         requests_for = _shard_maker(task, tokenizer, recipe)
-        cells = measure_shards(pair, batch_sizes, configs, requests_for, sampling, recipe.run.seed, settings.repeats, on_shard)
+        cells = measure_shards(
+            pair, batch_sizes, configs, requests_for, sampling, recipe.run.seed, settings.repeats, on_shard
+        )
     finally:
         torch.set_num_threads(threads)
     _check_every_cell_ran(cells, settings.repeats)
-    throughput = {size: {cell.label: cell.tokens_per_second for cell in cells if cell.batch_size == size} for size in batch_sizes}
+    throughput = {
+        size: {cell.label: cell.tokens_per_second for cell in cells if cell.batch_size == size} for size in batch_sizes
+    }
     choices, rules = calibrated_rules(throughput, settings.margin, settings.candidates)
-    return CalibrationResult(recipe, command_line(recipe_name, overrides, settings), settings, batch_sizes, list(configs),
-                             cells, choices, rules, recipe.workers.threads_per_worker, str(pair.device), drafter_source)
+    return CalibrationResult(
+        recipe,
+        command_line(recipe_name, overrides, settings),
+        settings,
+        batch_sizes,
+        list(configs),
+        cells,
+        choices,
+        rules,
+        recipe.workers.threads_per_worker,
+        str(pair.device),
+        drafter_source,
+    )
 
 
 def check_recipe(recipe: Recipe) -> None:
     """Calibration measures the embedded engine with a trained drafter; refuse what it cannot describe."""
     if recipe.rollout.backend != "embedded":
-        raise CalibrationError(f"rollout.backend is {recipe.rollout.backend}; tlt calibrate measures the embedded engine, "
-                               "so calibrate with rollout.backend=embedded.")
+        raise CalibrationError(
+            f"rollout.backend is {recipe.rollout.backend}; tlt calibrate measures the embedded engine, "
+            "so calibrate with rollout.backend=embedded."
+        )
     if recipe.drafter.init == "random":
-        raise CalibrationError("drafter.init is random, so accept lengths would say nothing about the drafter a run trains; "
-                               "calibrate with drafter.init=warmup or a drafter folder.")
+        raise CalibrationError(
+            "drafter.init is random, so accept lengths would say nothing about the drafter a run trains; "
+            "calibrate with drafter.init=warmup or a drafter folder."
+        )
 
 
 def largest_running_batch(recipe: Recipe) -> int:
@@ -110,10 +135,14 @@ def batch_size_grid(requested: tuple[int, ...], largest: int) -> list[int]:
     if not requested:
         return sorted({*(2**power for power in range(int(math.log2(largest)) + 1)), largest})
     if any(size < 1 for size in requested) or len(set(requested)) != len(requested):
-        raise CalibrationError(f"--batch-sizes {','.join(map(str, requested))}: give distinct sizes of at least 1, e.g. 1,2,4,8.")
+        raise CalibrationError(
+            f"--batch-sizes {','.join(map(str, requested))}: give distinct sizes of at least 1, e.g. 1,2,4,8."
+        )
     if max(requested) > largest:
-        raise CalibrationError(f"--batch-sizes asks for {max(requested)}, but a worker's running batch never exceeds {largest} "
-                               "(train.prompts_per_step / workers.count x train.group_size); measure up to that.")
+        raise CalibrationError(
+            f"--batch-sizes asks for {max(requested)}, but a worker's running batch never exceeds {largest} "
+            "(train.prompts_per_step / workers.count x train.group_size); measure up to that."
+        )
     return sorted(requested)
 
 
@@ -159,14 +188,21 @@ def load_model_pair(recipe: Recipe) -> tuple[ModelPair, PreTrainedTokenizerBase,
     return ModelPair(target, drafter, tokenizer.pad_token_id, tokenizer.eos_token_id, device), tokenizer, str(folder)
 
 
-def _shard_maker(task: Task, tokenizer: PreTrainedTokenizerBase, recipe: Recipe) -> Callable[[int], list[RolloutRequest]]:
+def _shard_maker(
+    task: Task, tokenizer: PreTrainedTokenizerBase, recipe: Recipe
+) -> Callable[[int], list[RolloutRequest]]:
     """requests_for(repeat): one worker shard of fresh prompts, group_size rows of each, as a training step hands out."""
     prompts_per_shard = recipe.train.prompts_per_step // recipe.workers.count
 
     def requests_for(repeat: int) -> list[RolloutRequest]:
-        prompts = [tuple(tokenizer.encode(task.problem(repeat * prompts_per_shard + number).prompt, add_special_tokens=False))
-                   for number in range(prompts_per_shard)]
-        return [RolloutRequest(row, prompts[row // recipe.train.group_size]) for row in range(prompts_per_shard * recipe.train.group_size)]
+        prompts = [
+            tuple(tokenizer.encode(task.problem(repeat * prompts_per_shard + number).prompt, add_special_tokens=False))
+            for number in range(prompts_per_shard)
+        ]
+        return [
+            RolloutRequest(row, prompts[row // recipe.train.group_size])
+            for row in range(prompts_per_shard * recipe.train.group_size)
+        ]
 
     return requests_for
 
@@ -175,8 +211,10 @@ def _check_every_cell_ran(cells: list[Cell], repeats: int) -> None:
     """A bucket no decode step reached has no rate to compare; say how to get one."""
     for cell in cells:
         if cell.decode_steps == 0:
-            raise CalibrationError(f"no decode step ran at running batch size {cell.batch_size} with {cell.label} in {repeats} "
-                                   "shard(s) (responses ended together); raise --repeats or measure other --batch-sizes.")
+            raise CalibrationError(
+                f"no decode step ran at running batch size {cell.batch_size} with {cell.label} in {repeats} "
+                "shard(s) (responses ended together); raise --repeats or measure other --batch-sizes."
+            )
 
 
 def command_line(recipe_name: str, overrides: list[str], settings: CalibrationSettings) -> str:
@@ -184,8 +222,16 @@ def command_line(recipe_name: str, overrides: list[str], settings: CalibrationSe
     words = ["tlt", "calibrate", recipe_name, *overrides]
     if settings.batch_sizes:
         words += ["--batch-sizes", ",".join(map(str, settings.batch_sizes))]
-    words += ["--configs", ",".join(settings.configs), "--repeats", str(settings.repeats),
-              "--margin", str(settings.margin), "--candidates", str(settings.candidates)]
+    words += [
+        "--configs",
+        ",".join(settings.configs),
+        "--repeats",
+        str(settings.repeats),
+        "--margin",
+        str(settings.margin),
+        "--candidates",
+        str(settings.candidates),
+    ]
     return shlex.join(words)
 
 

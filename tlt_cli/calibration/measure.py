@@ -101,18 +101,30 @@ def fixed_decoder(pair: ModelPair, config: SpeculativeConfig | None) -> Speculat
     return SpeculativeDecoder(pair.drafter, lambda batch_size: config)
 
 
-def time_shard(pair: ModelPair, decoder: SpeculativeDecoder, requests: list[RolloutRequest], sampling: SamplingParams,
-               seed: int) -> list[DecodeStep]:
+def time_shard(
+    pair: ModelPair, decoder: SpeculativeDecoder, requests: list[RolloutRequest], sampling: SamplingParams, seed: int
+) -> list[DecodeStep]:
     """Generate `requests` to their natural end with `decoder`; each decode step's record."""
-    engine = EmbeddedEngine(pair.target, eos_token_id=pair.eos_token_id, pad_token_id=pair.pad_token_id, speculative=decoder)
+    engine = EmbeddedEngine(
+        pair.target, eos_token_id=pair.eos_token_id, pad_token_id=pair.pad_token_id, speculative=decoder
+    )
     steps: list[DecodeStep] = []
-    engine.generate(requests, sampling, torch.Generator(device=pair.device).manual_seed(seed), on_decode_step=steps.append)
+    engine.generate(
+        requests, sampling, torch.Generator(device=pair.device).manual_seed(seed), on_decode_step=steps.append
+    )
     return steps
 
 
-def measure_shards(pair: ModelPair, grid: list[int], configs: dict[str, SpeculativeConfig | None],
-                   requests_for: Callable[[int], list[RolloutRequest]], sampling: SamplingParams, seed: int, repeats: int,
-                   on_shard: Callable[[str, int], None] | None = None) -> list[Cell]:
+def measure_shards(
+    pair: ModelPair,
+    grid: list[int],
+    configs: dict[str, SpeculativeConfig | None],
+    requests_for: Callable[[int], list[RolloutRequest]],
+    sampling: SamplingParams,
+    seed: int,
+    repeats: int,
+    on_shard: Callable[[str, int], None] | None = None,
+) -> list[Cell]:
     """Cells for every grid size and configuration; requests_for(repeat) gives each repeat's shard."""
     grid = sorted(grid)
     totals: dict[str, list[dict[int, ShardTotals]]] = {label: [] for label in configs}

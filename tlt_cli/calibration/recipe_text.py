@@ -46,12 +46,16 @@ def write_rules_into_recipe(path: Path, rules: list[dict], command: str) -> None
         after = load_checked_recipe(candidate)
     except RecipeError as error:
         candidate.unlink()
-        raise RecipeEditError(f"--write-recipe {path}: the rewritten file is not a valid recipe ({error}); "
-                              "paste the printed fragment into it by hand.") from None
+        raise RecipeEditError(
+            f"--write-recipe {path}: the rewritten file is not a valid recipe ({error}); "
+            "paste the printed fragment into it by hand."
+        ) from None
     if after != expected:
         candidate.unlink()
-        raise RecipeEditError(f"--write-recipe {path}: the rewritten file does not read back as the same recipe with the "
-                              "new rules; paste the printed fragment into it by hand.")
+        raise RecipeEditError(
+            f"--write-recipe {path}: the rewritten file does not read back as the same recipe with the "
+            "new rules; paste the printed fragment into it by hand."
+        )
     candidate.replace(path)
 
 
@@ -82,8 +86,9 @@ def _edited_section(body: list[str], rules: list[dict], command: str) -> list[st
         first -= 1
     after = key + 1
     # the old items: deeper lines, `- ` items at the key's own indent, and blank lines between them
-    while after < len(body) and (not body[after].strip() or len(_indent(body[after])) > len(indent)
-                                 or body[after].startswith(f"{indent}- ")):
+    while after < len(body) and (
+        not body[after].strip() or len(_indent(body[after])) > len(indent) or body[after].startswith(f"{indent}- ")
+    ):
         after += 1
     while after > key + 1 and not body[after - 1].strip():
         after -= 1

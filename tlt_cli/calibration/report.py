@@ -28,8 +28,10 @@ def cell_for(result: CalibrationResult, batch_size: int, label: str) -> Cell:
 
 def render_calibration(console: Console, result: CalibrationResult) -> None:
     settings = result.settings
-    table = Table(title=f"decode throughput by running batch size over {settings.repeats} whole worker shards per "
-                        f"configuration, {result.threads} thread(s) on {result.device}")
+    table = Table(
+        title=f"decode throughput by running batch size over {settings.repeats} whole worker shards per "
+        f"configuration, {result.threads} thread(s) on {result.device}"
+    )
     table.add_column("batch", justify="right")
     for label in result.labels:
         table.add_column(label, justify="right")
@@ -39,9 +41,12 @@ def render_calibration(console: Console, result: CalibrationResult) -> None:
         cells = [_cell_text(cell_for(result, choice.batch_size, label), off) for label in result.labels]
         table.add_row(str(choice.batch_size), *cells, _choice_text(choice.use, choice.candidates))
     console.print(table)
-    console.print("batch b: decode steps whose running batch was b up to the next row's b; cell: tokens/s, ratio vs off / "
-                  "accept length (tokens per row per step), ± half the range of the shards' own rates; "
-                  f"SD is chosen where it beats off by more than {settings.margin:.0%}", highlight=False)
+    console.print(
+        "batch b: decode steps whose running batch was b up to the next row's b; cell: tokens/s, ratio vs off / "
+        "accept length (tokens per row per step), ± half the range of the shards' own rates; "
+        f"SD is chosen where it beats off by more than {settings.margin:.0%}",
+        highlight=False,
+    )
     console.print(fragment_text(result.rules, result.command), highlight=False, markup=False, soft_wrap=True)
 
 
@@ -67,17 +72,33 @@ def calibration_json(result: CalibrationResult) -> dict:
     recipe = result.recipe
     return {
         "command": result.command,
-        "machine": {"platform": platform.platform(), "processor": platform.processor(), "torch": torch.__version__,
-                    "device": result.device, "threads": result.threads},
+        "machine": {
+            "platform": platform.platform(),
+            "processor": platform.processor(),
+            "torch": torch.__version__,
+            "device": result.device,
+            "threads": result.threads,
+        },
         "model": recipe.model.path,
         "drafter": result.drafter,
         "task": recipe.task.name,
-        "sampling": {"temperature": recipe.rollout.temperature, "top_p": recipe.rollout.top_p, "top_k": recipe.rollout.top_k},
-        "settings": {"batch_sizes": result.batch_sizes, "configs": result.labels, "repeats": result.settings.repeats,
-                     "margin": result.settings.margin, "candidates": result.settings.candidates},
+        "sampling": {
+            "temperature": recipe.rollout.temperature,
+            "top_p": recipe.rollout.top_p,
+            "top_k": recipe.rollout.top_k,
+        },
+        "settings": {
+            "batch_sizes": result.batch_sizes,
+            "configs": result.labels,
+            "repeats": result.settings.repeats,
+            "margin": result.settings.margin,
+            "candidates": result.settings.candidates,
+        },
         "measurements": [_cell_json(result, cell) for cell in result.cells],
-        "choices": [{"batch_size": choice.batch_size, "use": choice.use, "candidates": list(choice.candidates)}
-                    for choice in result.choices],
+        "choices": [
+            {"batch_size": choice.batch_size, "use": choice.use, "candidates": list(choice.candidates)}
+            for choice in result.choices
+        ],
         "rules": result.rules,
     }
 
@@ -85,8 +106,19 @@ def calibration_json(result: CalibrationResult) -> dict:
 def _cell_json(result: CalibrationResult, cell: Cell) -> dict:
     off = cell_for(result, cell.batch_size, OFF).tokens_per_second
     return {
-        "batch_size": cell.batch_size, "config": cell.label, "tokens_per_second": cell.tokens_per_second,
-        "ratio_vs_off": cell.tokens_per_second / off, "accept_length": cell.accept_length, "spread": cell.spread,
-        "shards": [{"decode_steps": shard.decode_steps, "row_steps": shard.row_steps, "tokens": shard.tokens,
-                    "seconds": shard.seconds} for shard in cell.shards],
+        "batch_size": cell.batch_size,
+        "config": cell.label,
+        "tokens_per_second": cell.tokens_per_second,
+        "ratio_vs_off": cell.tokens_per_second / off,
+        "accept_length": cell.accept_length,
+        "spread": cell.spread,
+        "shards": [
+            {
+                "decode_steps": shard.decode_steps,
+                "row_steps": shard.row_steps,
+                "tokens": shard.tokens,
+                "seconds": shard.seconds,
+            }
+            for shard in cell.shards
+        ],
     }

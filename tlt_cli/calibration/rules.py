@@ -42,8 +42,11 @@ def choose(batch_size: int, throughput: dict[str, float], margin: float, max_can
     # SD must beat plain decoding by the margin to be worth its risk
     use = best if throughput[best] > throughput[OFF] * (1 + margin) else OFF
     floor = throughput[use] * (1 - margin)
-    runners_up = sorted((label for label in throughput if label != use and throughput[label] >= floor),
-                        key=throughput.__getitem__, reverse=True)
+    runners_up = sorted(
+        (label for label in throughput if label != use and throughput[label] >= floor),
+        key=throughput.__getitem__,
+        reverse=True,
+    )
     return BatchChoice(batch_size, use, tuple(runners_up[:max_candidates]))
 
 
@@ -66,9 +69,13 @@ def rules_from_choices(choices: list[BatchChoice]) -> list[dict]:
     return entries
 
 
-def calibrated_rules(throughput: dict[int, dict[str, float]], margin: float, max_candidates: int) -> tuple[list[BatchChoice], list[dict]]:
+def calibrated_rules(
+    throughput: dict[int, dict[str, float]], margin: float, max_candidates: int
+) -> tuple[list[BatchChoice], list[dict]]:
     """(choice per measured batch size, the rule entries) from tokens/s by batch size and label."""
-    choices = [choose(batch_size, by_label, margin, max_candidates) for batch_size, by_label in sorted(throughput.items())]
+    choices = [
+        choose(batch_size, by_label, margin, max_candidates) for batch_size, by_label in sorted(throughput.items())
+    ]
     return choices, rules_from_choices(choices)
 
 

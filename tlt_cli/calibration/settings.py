@@ -40,4 +40,6 @@ def parse_batch_sizes(text: str) -> tuple[int, ...]:
     try:
         return tuple(int(part) for part in text.split(",") if part.strip())
     except ValueError:
-        raise CalibrationError(f"--batch-sizes '{text}' is not a comma-separated list of whole numbers, e.g. 1,2,4,8.") from None
+        raise CalibrationError(
+            f"--batch-sizes '{text}' is not a comma-separated list of whole numbers, e.g. 1,2,4,8."
+        ) from None

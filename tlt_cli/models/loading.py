@@ -27,7 +27,6 @@ from transformers import (
 )
 
 from tlt_cli.errors import UserError
-
 from tlt_cli.models.tiny import BUILTIN_TINY_MODEL, SHIPPED_TINY_MODEL
 
 # any one of these files means the folder ships a tokenizer
@@ -64,7 +63,9 @@ def model_folder(model_path: str) -> Path:
     """The Hugging Face folder `model_path` names (the built-in tiny model's shipped folder), checked."""
     if model_path == BUILTIN_TINY_MODEL:
         if not (SHIPPED_TINY_MODEL / "config.json").is_file():
-            raise ModelLoadError(f"The built-in model folder {SHIPPED_TINY_MODEL} is missing from this install; reinstall tlt.")
+            raise ModelLoadError(
+                f"The built-in model folder {SHIPPED_TINY_MODEL} is missing from this install; reinstall tlt."
+            )
         return SHIPPED_TINY_MODEL
     return _checked_model_dir(model_path)
 

@@ -31,8 +31,16 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from transformers import GenerationConfig, LlamaConfig, PretrainedConfig, PreTrainedModel, Qwen2Config
-from transformers import LlamaForCausalLM, PreTrainedTokenizerBase, Qwen2ForCausalLM
+from transformers import (
+    GenerationConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PretrainedConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
 
 from tlt_cli.models.tokenizer import build_char_tokenizer
 from tlt_cli.tasks.arithmetic import CHARACTERS, ArithmeticTask, prompt_digits, step_totals, worked_solution
@@ -175,8 +183,10 @@ def _length_sorted_batches(tokenizer, task, steps, batch_size, generator, slip_p
         pool_size = min(pool_batches, steps - pool_start)
         problems = [task.problem(problem_index + offset) for offset in range(pool_size * batch_size)]
         problem_index += len(problems)
-        examples = [_supervised_example(tokenizer, problem.prompt, slipped_solution(problem, slip_probability, generator))
-                    for problem in problems]
+        examples = [
+            _supervised_example(tokenizer, problem.prompt, slipped_solution(problem, slip_probability, generator))
+            for problem in problems
+        ]
         examples.sort(key=lambda example: len(example[0]))  # by token count, so padding stays small
         chunks = [examples[start : start + batch_size] for start in range(0, len(examples), batch_size)]
         generator.shuffle(chunks)
@@ -262,8 +272,16 @@ def build_warmed_up_model(
     tokenizer = tiny_tokenizer()
     model = build_tiny_model(seed, config)
     task = ArithmeticTask(seed=seed, tail_exponent=settings.tail_exponent)
-    losses = warm_up(model, tokenizer, task, settings.steps, settings.batch_size, settings.learning_rate, seed,
-                     settings.slip_probability)
+    losses = warm_up(
+        model,
+        tokenizer,
+        task,
+        settings.steps,
+        settings.batch_size,
+        settings.learning_rate,
+        seed,
+        settings.slip_probability,
+    )
     return model, tokenizer, losses
 
 

@@ -90,7 +90,9 @@ def visible_gpus(gpus: Sequence[int]) -> Iterator[None]:
             os.environ["CUDA_VISIBLE_DEVICES"] = previous
 
 
-def init_worker_process(address: WorkerAddress, threads: int, extensions_dir: Path, on_gpus: bool = False) -> torch.device:
+def init_worker_process(
+    address: WorkerAddress, threads: int, extensions_dir: Path, on_gpus: bool = False
+) -> torch.device:
     """Set the environment DeepSpeed reads, join the process group (gloo on CPU, NCCL on GPUs); the rank's device."""
     os.environ.update(
         RANK=str(address.rank),
@@ -116,8 +118,11 @@ class RolloutBarrier:
     def __init__(self, address: WorkerAddress):
         self.world_size = address.world_size
         self.store = torch.distributed.TCPStore(
-            address.master_address, address.master_port + 1, address.world_size,
-            is_master=address.rank == 0, timeout=STORE_TIMEOUT,
+            address.master_address,
+            address.master_port + 1,
+            address.world_size,
+            is_master=address.rank == 0,
+            timeout=STORE_TIMEOUT,
         )
 
     def mark_done(self, step: int) -> None:

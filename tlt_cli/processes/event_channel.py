@@ -115,8 +115,10 @@ def connect_to_driver(host: str, port: int, authkey: bytes) -> DriverConnection:
     try:
         return DriverConnection(Client((host, port), authkey=authkey))
     except (OSError, AuthenticationError) as error:
-        raise DriverUnreachable(f"cannot reach the tlt train driver's event channel at {host}:{port} ({error}); "
-                                "every node must reach the machine running tlt train on that port.") from None
+        raise DriverUnreachable(
+            f"cannot reach the tlt train driver's event channel at {host}:{port} ({error}); "
+            "every node must reach the machine running tlt train on that port."
+        ) from None
 
 
 def _shut_down(connection: Connection) -> None:

@@ -67,14 +67,18 @@ def check_hostfile(recipe: Recipe) -> None:
     devices = recipe.actor.devices
     if devices == CPU_DEVICES:
         if len({host.slots for host in hosts}) > 1:
-            raise HostfileError(f"{path} gives hosts different slots; with actor.devices cpu every node runs the same "
-                                "number of ranks, one per slot.")
+            raise HostfileError(
+                f"{path} gives hosts different slots; with actor.devices cpu every node runs the same "
+                "number of ranks, one per slot."
+            )
         ranks, why = sum(host.slots for host in hosts), f"the slots of {path}, one CPU rank each"
     else:
         short = [host for host in hosts if host.slots <= max(devices)]
         if short:
-            raise HostfileError(f"{path} gives {short[0].name} slots={short[0].slots}, but actor.devices uses GPU "
-                                f"{max(devices)}; slots must count the node's GPUs.")
+            raise HostfileError(
+                f"{path} gives {short[0].name} slots={short[0].slots}, but actor.devices uses GPU "
+                f"{max(devices)}; slots must count the node's GPUs."
+            )
         ranks, why = len(hosts) * len(devices), f"{len(hosts)} nodes in {path} x {len(devices)} actor.devices each"
     if recipe.workers.count != ranks:
         raise HostfileError(f"workers.count must be {ranks} ({why}), got {recipe.workers.count}.")
@@ -97,8 +101,15 @@ def runs_on_this_machine(recipe: Recipe) -> bool:
 def deepspeed_launch_command(recipe: Recipe, run_directory: Path, master_port: int) -> list[str]:
     """The DeepSpeed launcher (its `deepspeed` command, run by this interpreter) starting every rank of the run."""
     hostfile = Path(recipe.workers.hostfile)
-    command = [sys.executable, "-m", "deepspeed.launcher.runner", "--hostfile", str(hostfile.resolve()),
-               "--master_port", str(master_port)]
+    command = [
+        sys.executable,
+        "-m",
+        "deepspeed.launcher.runner",
+        "--hostfile",
+        str(hostfile.resolve()),
+        "--master_port",
+        str(master_port),
+    ]
     if recipe.actor.devices != CPU_DEVICES:
         gpus = ",".join(str(device) for device in recipe.actor.devices)
         command += ["--include", "@".join(f"{host.name}:{gpus}" for host in read_hostfile(hostfile))]

@@ -23,19 +23,27 @@ from tlt_cli.worker import WorkerSpec, worker_main
 def launched_address() -> WorkerAddress:
     """This rank's place in the job, from the variables the DeepSpeed launcher sets."""
     environment = os.environ
-    return WorkerAddress(rank=int(environment["RANK"]), world_size=int(environment["WORLD_SIZE"]),
-                         master_port=int(environment["MASTER_PORT"]), master_address=environment["MASTER_ADDR"],
-                         local_rank=int(environment["LOCAL_RANK"]))
+    return WorkerAddress(
+        rank=int(environment["RANK"]),
+        world_size=int(environment["WORLD_SIZE"]),
+        master_port=int(environment["MASTER_PORT"]),
+        master_address=environment["MASTER_ADDR"],
+        local_rank=int(environment["LOCAL_RANK"]),
+    )
 
 
 def main(arguments: list[str]) -> None:
     run_directory = Path(arguments[0])
     recipe, plan = read_launch_files(run_directory)
-    spec = WorkerSpec(recipe=recipe, run_directory=run_directory, address=launched_address(),
-                      model_cache=Path(plan.model_cache),
-                      resume_from=Path(plan.resume_from) if plan.resume_from is not None else None,
-                      start_step=plan.start_step,
-                      drafter_init=Path(plan.drafter_init) if plan.drafter_init is not None else None)
+    spec = WorkerSpec(
+        recipe=recipe,
+        run_directory=run_directory,
+        address=launched_address(),
+        model_cache=Path(plan.model_cache),
+        resume_from=Path(plan.resume_from) if plan.resume_from is not None else None,
+        start_step=plan.start_step,
+        drafter_init=Path(plan.drafter_init) if plan.drafter_init is not None else None,
+    )
     events = connect_to_driver(plan.driver_host, plan.driver_port, bytes.fromhex(plan.authkey))
     try:
         worker_main(spec, events)

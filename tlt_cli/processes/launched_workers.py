@@ -52,9 +52,12 @@ class LaunchedWorkers:
         authkey = secrets.token_bytes(32)
         self.channel = EventListener(LOCAL_ADDRESS if local else ALL_INTERFACES, authkey)
         plan = LaunchPlan(
-            driver_host=LOCAL_ADDRESS if local else socket.getfqdn(), driver_port=self.channel.port, authkey=authkey.hex(),
+            driver_host=LOCAL_ADDRESS if local else socket.getfqdn(),
+            driver_port=self.channel.port,
+            authkey=authkey.hex(),
             model_cache=str(Path(spec_base["model_cache"]).resolve()),
-            resume_from=_absolute(spec_base["resume_from"]), start_step=spec_base["start_step"],
+            resume_from=_absolute(spec_base["resume_from"]),
+            start_step=spec_base["start_step"],
             drafter_init=_absolute(spec_base["drafter_init"]),
         )
         write_launch_files(run_directory, recipe, plan)
@@ -62,8 +65,9 @@ class LaunchedWorkers:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         command = deepspeed_launch_command(recipe, run_directory, free_port())
         with self.log_path.open("a", encoding="utf-8") as log:
-            self.launcher = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                             start_new_session=True)
+            self.launcher = subprocess.Popen(
+                command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
 
     def next_event(self, timeout: float) -> Any:
         """The next rank event, or None after `timeout` seconds without one."""
@@ -84,8 +88,10 @@ class LaunchedWorkers:
         if self.channel.pending():
             return None  # the ranks' last events are still to be read
         missing = ", ".join(str(rank) for rank in range(self.size) if rank not in finished)
-        return (f"the DeepSpeed launcher exited with code {code} before rank(s) {missing} finished (killed, or a "
-                f"start-up error?); see {self.log_path} and the rank logs beside it.")
+        return (
+            f"the DeepSpeed launcher exited with code {code} before rank(s) {missing} finished (killed, or a "
+            f"start-up error?); see {self.log_path} and the rank logs beside it."
+        )
 
     def stop(self) -> None:
         """End the launch: let it exit on its own if every rank finished, else terminate it; close the channel."""

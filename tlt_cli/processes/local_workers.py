@@ -23,16 +23,24 @@ STOP_SECONDS = 10
 class LocalWorkers:
     """workers.count processes of this machine, rank r the r-th."""
 
-    def __init__(self, spec_base: dict[str, Any], world_size: int, gpus: Sequence[int],
-                 target: Callable[[WorkerSpec, Any], None] = worker_main):
+    def __init__(
+        self,
+        spec_base: dict[str, Any],
+        world_size: int,
+        gpus: Sequence[int],
+        target: Callable[[WorkerSpec, Any], None] = worker_main,
+    ):
         """target: each process's body (worker_main; a TRL run's tlt_cli/integrations/trl_run.py:trl_worker_main)."""
         context = multiprocessing.get_context("spawn")
         self.size = world_size
         self.events = context.Queue()
         port = free_port()
         self.processes = [
-            context.Process(target=target, args=(WorkerSpec(address=WorkerAddress(rank, world_size, port), **spec_base), self.events),
-                            name=f"tlt-worker-{rank}")
+            context.Process(
+                target=target,
+                args=(WorkerSpec(address=WorkerAddress(rank, world_size, port), **spec_base), self.events),
+                name=f"tlt-worker-{rank}",
+            )
             for rank in range(world_size)
         ]
         with visible_gpus(gpus):

@@ -28,18 +28,24 @@ def _check_actor_gpus(actor: ActorConfig) -> None:
     if actor.devices == CPU_DEVICES:
         return
     if not torch.cuda.is_available():
-        raise RecipeError(f"actor.devices lists GPUs {actor.devices}, but CUDA is not available here; "
-                          "run on a GPU machine or set actor.devices=cpu actor.precision=fp32.")
+        raise RecipeError(
+            f"actor.devices lists GPUs {actor.devices}, but CUDA is not available here; "
+            "run on a GPU machine or set actor.devices=cpu actor.precision=fp32."
+        )
     count = torch.cuda.device_count()
     absent = [device for device in actor.devices if device >= count]
     if absent:
-        raise RecipeError(f"actor.devices lists GPU {absent[0]}, but this machine shows {count} GPU(s) (0..{count - 1}).")
+        raise RecipeError(
+            f"actor.devices lists GPU {absent[0]}, but this machine shows {count} GPU(s) (0..{count - 1})."
+        )
     if actor.precision == "bf16":
         for device in actor.devices:
             major, minor = torch.cuda.get_device_capability(device)
             if major < BF16_MIN_CAPABILITY:
-                raise RecipeError(f"actor.precision bf16 needs compute capability 8.0 or newer, but GPU {device} has "
-                                  f"{major}.{minor}; set actor.precision=fp32.")
+                raise RecipeError(
+                    f"actor.precision bf16 needs compute capability 8.0 or newer, but GPU {device} has "
+                    f"{major}.{minor}; set actor.precision=fp32."
+                )
 
 
 def _check_sglang(config: SGLangConfig) -> None:

@@ -22,7 +22,11 @@ def step_records(reports: list[WorkerStepReport]) -> list[dict[str, Any]]:
     rollout_start = min(report.rollout_start for report in reports)
     rollout_end = max(report.busy_end for report in reports)
     workers = [_worker_record(report, rollout_end) for report in reports]
-    configurations = [_configuration_record(report, label, usage) for report in reports for label, usage in sorted(report.sd_usage.items())]
+    configurations = [
+        _configuration_record(report, label, usage)
+        for report in reports
+        for label, usage in sorted(report.sd_usage.items())
+    ]
     return requests + workers + configurations + [_step_record(reports, requests, workers, rollout_start, rollout_end)]
 
 
@@ -33,16 +37,25 @@ def _configuration_record(report: WorkerStepReport, label: str, usage: dict[str,
 
 def _worker_record(report: WorkerStepReport, rollout_end: float) -> dict[str, Any]:
     return {
-        "type": "worker", "step": report.step, "worker": report.worker,
-        "busy_start": report.rollout_start, "busy_end": report.busy_end,
-        "idle_start": report.busy_end, "idle_end": rollout_end,
+        "type": "worker",
+        "step": report.step,
+        "worker": report.worker,
+        "busy_start": report.rollout_start,
+        "busy_end": report.busy_end,
+        "idle_start": report.busy_end,
+        "idle_end": rollout_end,
         "idle_seconds": rollout_end - report.busy_end,
         **report.plugin_metrics,
     }
 
 
-def _step_record(reports: list[WorkerStepReport], requests: list[dict[str, Any]], workers: list[dict[str, Any]],
-                 rollout_start: float, rollout_end: float) -> dict[str, Any]:
+def _step_record(
+    reports: list[WorkerStepReport],
+    requests: list[dict[str, Any]],
+    workers: list[dict[str, Any]],
+    rollout_start: float,
+    rollout_end: float,
+) -> dict[str, Any]:
     lengths = numpy.array([record["tokens"] for record in requests], dtype=float)
     rewards = numpy.array([record["reward"] for record in requests], dtype=float)
     step_end = max(report.idle_end + report.reward_seconds + report.update_seconds for report in reports)
@@ -50,8 +63,10 @@ def _step_record(reports: list[WorkerStepReport], requests: list[dict[str, Any]]
     accepted = sum(record["accepted_tokens"] for record in requests)
     update = {name: float(numpy.mean([report.update[name] for report in reports])) for name in reports[0].update}
     return {
-        "type": "step", "step": reports[0].step,
-        "rollout_start": rollout_start, "rollout_end": rollout_end,
+        "type": "step",
+        "step": reports[0].step,
+        "rollout_start": rollout_start,
+        "rollout_end": rollout_end,
         "rollout_seconds": rollout_end - rollout_start,
         "reward_seconds": max(report.reward_seconds for report in reports),
         "update_seconds": max(report.update_seconds for report in reports),
@@ -67,8 +82,12 @@ def _step_record(reports: list[WorkerStepReport], requests: list[dict[str, Any]]
         "response_tokens": int(lengths.sum()),
         "accept_length": accept_length(accepted, verify_passes),
         **{f"actor_{name}": value for name, value in update.items()},
-        "sd_on_seconds": sum(usage["seconds"] for report in reports for label, usage in report.sd_usage.items() if label != "off"),
-        "sd_off_seconds": sum(usage["seconds"] for report in reports for label, usage in report.sd_usage.items() if label == "off"),
+        "sd_on_seconds": sum(
+            usage["seconds"] for report in reports for label, usage in report.sd_usage.items() if label != "off"
+        ),
+        "sd_off_seconds": sum(
+            usage["seconds"] for report in reports for label, usage in report.sd_usage.items() if label == "off"
+        ),
         **_plugin_totals(reports),
     }
 

@@ -152,17 +152,24 @@ def analyse(records: ProfileRecords, tail_batch: int = DEFAULT_TAIL_BATCH, sd_sp
     sd_time = _sd_time(records)
     drafter_seconds = sum(worker.drafter_train_seconds for worker in records.workers)
     return Profile(
-        source=records.source, kind=records.kind, workers=records.world_size,
+        source=records.source,
+        kind=records.kind,
+        workers=records.world_size,
         lengths=_length_stats([request.tokens for request in records.requests]),
-        steps=steps, rollout_seconds=rollout_seconds, step_seconds=_total_step_seconds(steps),
-        idle_worker_seconds=idle_worker_seconds, idle_fraction=idle_worker_seconds / capacity if capacity else 0.0,
+        steps=steps,
+        rollout_seconds=rollout_seconds,
+        step_seconds=_total_step_seconds(steps),
+        idle_worker_seconds=idle_worker_seconds,
+        idle_fraction=idle_worker_seconds / capacity if capacity else 0.0,
         under_half_busy_share=_weighted_share(steps, "under_half_busy_share"),
         some_idle_share=_weighted_share(steps, "some_idle_share"),
         sd_time=sd_time,
         sd_on_seconds=sum(entry.seconds for entry in sd_time if entry.config != SD_OFF_LABEL) if sd_time else None,
         sd_off_seconds=sum(entry.seconds for entry in sd_time if entry.config == SD_OFF_LABEL) if sd_time else None,
-        accept_length=accept_length, accept_by_depth=_accept_by_depth(records.requests),
-        drafter_train_seconds=drafter_seconds, drafter_steps=sum(worker.drafter_steps for worker in records.workers),
+        accept_length=accept_length,
+        accept_by_depth=_accept_by_depth(records.requests),
+        drafter_train_seconds=drafter_seconds,
+        drafter_steps=sum(worker.drafter_steps for worker in records.workers),
         drafter_idle_share=drafter_seconds / idle_worker_seconds if idle_worker_seconds else 0.0,
         projection=_projection(steps, tail_batch, speedup, speedup_source, already_sd=accept_length is not None),
         warnings=list(records.warnings),
@@ -176,13 +183,17 @@ def profile_to_json(profile: Profile) -> dict:
 def worker_segments(records: ProfileRecords, tail_batch: int) -> list[Segment]:
     """Every worker's step cut into busy / tail / idle stretches, within the step's rollout window."""
     windows = {step.step: (step.rollout_start, step.rollout_end) for step in records.steps}
-    requests = {key: list(group) for key, group in groupby(records.requests, key=lambda request: (request.step, request.worker))}
+    requests = {
+        key: list(group) for key, group in groupby(records.requests, key=lambda request: (request.step, request.worker))
+    }
     segments = []
     for worker in records.workers:
         rollout_start, rollout_end = windows[worker.step]
         busy_start, busy_end = max(worker.busy_start, rollout_start), min(worker.busy_end, rollout_end)
         segments += _idle(worker, rollout_start, busy_start)
-        segments += _busy_segments(worker, busy_start, busy_end, requests.get((worker.step, worker.worker), []), tail_batch)
+        segments += _busy_segments(
+            worker, busy_start, busy_end, requests.get((worker.step, worker.worker), []), tail_batch
+        )
         segments += _idle(worker, busy_end, rollout_end)
     return segments
 
@@ -191,9 +202,15 @@ def _idle(worker: WorkerRecord, start: float, end: float) -> list[Segment]:
     return [Segment(worker.step, worker.worker, start, end, "idle")] if end > start else []
 
 
-def _busy_segments(worker: WorkerRecord, start: float, end: float, requests: list[RequestRecord], tail_batch: int) -> list[Segment]:
+def _busy_segments(
+    worker: WorkerRecord, start: float, end: float, requests: list[RequestRecord], tail_batch: int
+) -> list[Segment]:
     """Split [start, end] wherever the number of requests in flight changes (a sweep over their starts and ends)."""
-    events = sorted((min(max(time, start), end), change) for request in requests for time, change in ((request.start, 1), (request.end, -1)))
+    events = sorted(
+        (min(max(time, start), end), change)
+        for request in requests
+        for time, change in ((request.start, 1), (request.end, -1))
+    )
     segments: list[Segment] = []
     in_flight, cursor = 0, start
     for time, change in [*events, (end, 0)]:
@@ -208,7 +225,9 @@ def _busy_segments(worker: WorkerRecord, start: float, end: float, requests: lis
     return segments
 
 
-def _step_profile(records: ProfileRecords, step_record: StepRecord, segments: list[Segment], sd_speedup: float) -> StepProfile:
+def _step_profile(
+    records: ProfileRecords, step_record: StepRecord, segments: list[Segment], sd_speedup: float
+) -> StepProfile:
     rollout_start, rollout_end = step_record.rollout_start, step_record.rollout_end
     rollout_seconds = rollout_end - rollout_start
     busy = [segment for segment in segments if segment.step == step_record.step and segment.state != "idle"]
@@ -218,18 +237,27 @@ def _step_profile(records: ProfileRecords, step_record: StepRecord, segments: li
     some_idle = _time_below(busy, rollout_start, rollout_end, records.world_size)
     # per worker: (when its shard ended, its seconds with 1..tail_batch requests in flight)
     ends_and_tails = [
-        (max(segment.end for segment in own), sum((segment.end - segment.start for segment in own if segment.state == "tail"), 0.0))
-        for own in ([segment for segment in busy if segment.worker == worker] for worker in sorted({s.worker for s in busy}))
+        (
+            max(segment.end for segment in own),
+            sum((segment.end - segment.start for segment in own if segment.state == "tail"), 0.0),
+        )
+        for own in (
+            [segment for segment in busy if segment.worker == worker] for worker in sorted({s.worker for s in busy})
+        )
     ]
     slowest_end, slowest_tail = max(ends_and_tails, default=(rollout_end, 0.0))
     # each worker finishes earlier by what SD saves in its tail, tail x (1 - 1/s); time after the slowest stays
     projected_end = max((end - tail * (1.0 - 1.0 / sd_speedup) for end, tail in ends_and_tails), default=rollout_end)
     capacity = records.world_size * rollout_seconds
     return StepProfile(
-        step=step_record.step, rollout_seconds=rollout_seconds, step_seconds=step_record.step_seconds,
-        under_half_busy_seconds=under_half, under_half_busy_share=under_half / rollout_seconds if rollout_seconds else 0.0,
+        step=step_record.step,
+        rollout_seconds=rollout_seconds,
+        step_seconds=step_record.step_seconds,
+        under_half_busy_seconds=under_half,
+        under_half_busy_share=under_half / rollout_seconds if rollout_seconds else 0.0,
         some_idle_share=some_idle / rollout_seconds if rollout_seconds else 0.0,
-        idle_worker_seconds=idle_worker_seconds, idle_fraction=idle_worker_seconds / capacity if capacity else 0.0,
+        idle_worker_seconds=idle_worker_seconds,
+        idle_fraction=idle_worker_seconds / capacity if capacity else 0.0,
         tail_seconds=slowest_tail,
         projected_rollout_seconds=rollout_seconds - (slowest_end - projected_end),
     )
@@ -237,7 +265,9 @@ def _step_profile(records: ProfileRecords, step_record: StepRecord, segments: li
 
 def _time_below(busy: list[Segment], start: float, end: float, threshold: float) -> float:
     """Seconds in [start, end] where fewer than `threshold` workers are busy (a sweep over segment edges)."""
-    edges = sorted({start, end, *(time for segment in busy for time in (segment.start, segment.end) if start < time < end)})
+    edges = sorted(
+        {start, end, *(time for segment in busy for time in (segment.start, segment.end) if start < time < end)}
+    )
     below = 0.0
     for left, right in zip(edges, edges[1:]):
         middle = (left + right) / 2
@@ -250,7 +280,9 @@ def _time_below(busy: list[Segment], start: float, end: float, threshold: float)
 def _weighted_share(steps: list[StepProfile], name: str) -> float:
     """A per-step share of rollout time, over the whole run (weighted by each step's rollout seconds)."""
     rollout_seconds = sum(step.rollout_seconds for step in steps)
-    return sum(getattr(step, name) * step.rollout_seconds for step in steps) / rollout_seconds if rollout_seconds else 0.0
+    return (
+        sum(getattr(step, name) * step.rollout_seconds for step in steps) / rollout_seconds if rollout_seconds else 0.0
+    )
 
 
 def _total_step_seconds(steps: list[StepProfile]) -> float | None:
@@ -262,7 +294,14 @@ def _total_step_seconds(steps: list[StepProfile]) -> float | None:
 def _length_stats(lengths: list[int]) -> LengthStats:
     values = numpy.asarray(lengths, dtype=float)
     p50, p90, p99 = (float(numpy.percentile(values, q)) for q in (50, 90, 99))
-    return LengthStats(count=len(lengths), p50=p50, p90=p90, p99=p99, max=float(values.max()), tail_ratio=p99 / p50 if p50 > 0 else None)
+    return LengthStats(
+        count=len(lengths),
+        p50=p50,
+        p90=p90,
+        p99=p99,
+        max=float(values.max()),
+        tail_ratio=p99 / p50 if p50 > 0 else None,
+    )
 
 
 def _accept_length(requests: list[RequestRecord]) -> float | None:
@@ -279,7 +318,9 @@ def _accept_by_depth(requests: list[RequestRecord]) -> list[DepthAcceptance]:
     verify_passes = sum(request.verify_passes for request in requests)
     return [
         DepthAcceptance(
-            depth=depth + 1, proposed=int(proposed[depth]), accepted=int(accepted[depth]),
+            depth=depth + 1,
+            proposed=int(proposed[depth]),
+            accepted=int(accepted[depth]),
             rate=float(accepted[depth] / proposed[depth]) if proposed[depth] else 0.0,
             accept_length_share=float(accepted[depth] / verify_passes) if verify_passes else 0.0,
         )
@@ -295,7 +336,9 @@ def _sd_time(records: ProfileRecords) -> list[ConfigTime]:
     all_seconds = sum(seconds for seconds, _ in totals.values())
     return [
         ConfigTime(config, seconds, decode_steps, seconds / all_seconds if all_seconds else 0.0)
-        for config, (seconds, decode_steps) in sorted(totals.items(), key=lambda item: (item[0] != SD_OFF_LABEL, item[0]))
+        for config, (seconds, decode_steps) in sorted(
+            totals.items(), key=lambda item: (item[0] != SD_OFF_LABEL, item[0])
+        )
     ]
 
 
@@ -319,7 +362,9 @@ def _sd_speedup(records: ProfileRecords, accept_length: float | None, given: flo
     return ASSUMED_SD_SPEEDUP, "assumed: the input has no SD measurement (set --sd-speedup)"
 
 
-def _projection(steps: list[StepProfile], tail_batch: int, sd_speedup: float, source: str, already_sd: bool) -> Projection:
+def _projection(
+    steps: list[StepProfile], tail_batch: int, sd_speedup: float, source: str, already_sd: bool
+) -> Projection:
     rollout_seconds = sum(step.rollout_seconds for step in steps)
     projected_rollout = sum(step.projected_rollout_seconds for step in steps)
     reclaimable = rollout_seconds - projected_rollout
@@ -340,6 +385,12 @@ def _projection(steps: list[StepProfile], tail_batch: int, sd_speedup: float, so
     if already_sd:
         model += " The input already ran SD in part of its tail, so this overstates the remaining gain."
     return Projection(
-        model=model, tail_batch=tail_batch, sd_speedup=sd_speedup, sd_speedup_source=source, speedup_of=speedup_of,
-        rollout_share=rollout_share, reclaimable_seconds=reclaimable, projected_speedup=projected_speedup,
+        model=model,
+        tail_batch=tail_batch,
+        sd_speedup=sd_speedup,
+        sd_speedup_source=source,
+        speedup_of=speedup_of,
+        rollout_share=rollout_share,
+        reclaimable_seconds=reclaimable,
+        projected_speedup=projected_speedup,
     )

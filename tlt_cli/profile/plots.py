@@ -39,13 +39,19 @@ def _plot_timeline(profile: Profile, segments: list[Segment], path: Path) -> Non
     axes = figure.subplots()
     for row, worker in enumerate(workers):
         for state, colour in STATE_COLOURS.items():
-            bars = [(segment.start - origin, segment.end - segment.start) for segment in segments if segment.worker == worker and segment.state == state]
+            bars = [
+                (segment.start - origin, segment.end - segment.start)
+                for segment in segments
+                if segment.worker == worker and segment.state == state
+            ]
             axes.broken_barh(bars, (row - 0.4, 0.8), facecolors=colour)
     _mark_steps(axes, segments, origin)
     axes.set_yticks(range(len(workers)), [f"worker {worker}" for worker in workers])
     # worker 0 on top; room above the first row for the step labels
     axes.set_ylim(len(workers) - 0.5, -0.8)
-    axes.set_xlabel("seconds since the first rollout started; lines: step starts, numbered (blank: reward, update, sync)")
+    axes.set_xlabel(
+        "seconds since the first rollout started; lines: step starts, numbered (blank: reward, update, sync)"
+    )
     axes.set_title(
         f"rollout timeline: idle {profile.idle_fraction:.0%} of worker time, "
         f"projected {profile.projection.speedup_of} speedup {profile.projection.projected_speedup:.2f}x with SD in the tail"
@@ -80,7 +86,11 @@ def _plot_lengths(profile: Profile, lengths: list[int], path: Path) -> None:
     axes.hist(lengths, bins=min(40, max(5, len(set(lengths)))), color="#1f5fa8", edgecolor="white")
     axes.set_yscale("log")
     stats = profile.lengths
-    for name, value, colour in (("p50", stats.p50, "#2a9d3f"), ("p90", stats.p90, "#e9a23b"), ("p99", stats.p99, "#e4572e")):
+    for name, value, colour in (
+        ("p50", stats.p50, "#2a9d3f"),
+        ("p90", stats.p90, "#e9a23b"),
+        ("p99", stats.p99, "#e4572e"),
+    ):
         axes.axvline(value, color=colour, linewidth=1.5, label=f"{name} = {value:.0f}")
     ratio = "" if stats.tail_ratio is None else f", p99/p50 = {stats.tail_ratio:.1f}"
     axes.set_title(f"response lengths: {stats.count} responses, max {stats.max:.0f}{ratio}")

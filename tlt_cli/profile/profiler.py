@@ -31,12 +31,21 @@ class ProfileResult:
     pictures: list[Path]
 
 
-def profile_source(source: str, overrides: list[str] | None = None, steps: int = 2, output_dir: Path | None = None,
-                   tail_batch: int = DEFAULT_TAIL_BATCH, sd_speedup: float | None = None, pictures: bool = True) -> ProfileResult:
+def profile_source(
+    source: str,
+    overrides: list[str] | None = None,
+    steps: int = 2,
+    output_dir: Path | None = None,
+    tail_batch: int = DEFAULT_TAIL_BATCH,
+    sd_speedup: float | None = None,
+    pictures: bool = True,
+) -> ProfileResult:
     """Profile SOURCE (see the module docstring); overrides and steps apply to a recipe only."""
     recipe_path = _recipe_path(source)
     if recipe_path is None and overrides:
-        raise ProfileInputError(f"key=value overrides ({' '.join(overrides)}) apply to a recipe, and {source} is not one.")
+        raise ProfileInputError(
+            f"key=value overrides ({' '.join(overrides)}) apply to a recipe, and {source} is not one."
+        )
     if tail_batch < 1:
         raise ProfileInputError(f"--tail-batch is {tail_batch}; set it to at least 1 (requests in flight).")
     if sd_speedup is not None and sd_speedup < 1.0:
@@ -61,9 +70,11 @@ def _recipe_path(source: str) -> Path | None:
     return resolved if resolved.suffix.lower() in RECIPE_SUFFIXES and resolved.is_file() else None
 
 
-def _record(recipe_path: Path, overrides: list[str], steps: int, output_dir: Path | None) -> tuple[ProfileRecords, Path]:
-    from tlt_cli.profile.recording import record_rollout  # loads torch and transformers: only when recording
+def _record(
+    recipe_path: Path, overrides: list[str], steps: int, output_dir: Path | None
+) -> tuple[ProfileRecords, Path]:
     from tlt_cli.preflight import check_recipe
+    from tlt_cli.profile.recording import record_rollout  # loads torch and transformers: only when recording
 
     if steps < 1:
         raise ProfileInputError(f"--steps is {steps}; record at least 1 step.")

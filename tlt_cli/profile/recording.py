@@ -35,7 +35,9 @@ from tlt_cli.trace import TraceWriter
 SIMPLIFICATION = "one process; worker shards generated one after another and re-timed to start together"
 
 
-def record_rollout(recipe: Recipe, steps: int, trace_path: Path, on_step: Callable[[int], None] | None = None) -> ProfileRecords:
+def record_rollout(
+    recipe: Recipe, steps: int, trace_path: Path, on_step: Callable[[int], None] | None = None
+) -> ProfileRecords:
     """Generate `steps` steps of the recipe's rollout, write them as a trace at trace_path, return its records."""
     if steps < 1:
         raise ValueError(f"steps is {steps}; record at least 1 step.")
@@ -43,8 +45,10 @@ def record_rollout(recipe: Recipe, steps: int, trace_path: Path, on_step: Callab
     task = build_task(recipe.task.name, recipe.run.seed, dict(recipe.task.options))
     engine = EmbeddedEngine(policy, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     sampling = SamplingParams(
-        max_new_tokens=recipe.rollout.max_new_tokens, temperature=recipe.rollout.temperature,
-        top_p=recipe.rollout.top_p, top_k=recipe.rollout.top_k,
+        max_new_tokens=recipe.rollout.max_new_tokens,
+        temperature=recipe.rollout.temperature,
+        top_p=recipe.rollout.top_p,
+        top_k=recipe.rollout.top_k,
     )
     trace_path.parent.mkdir(parents=True, exist_ok=True)
     trace_path.unlink(missing_ok=True)
@@ -52,10 +56,17 @@ def record_rollout(recipe: Recipe, steps: int, trace_path: Path, on_step: Callab
     threads = torch.get_num_threads()
     torch.set_num_threads(recipe.workers.threads_per_worker)
     try:
-        writer.write({
-            "type": "run", "name": recipe.run.name, "world_size": recipe.workers.count, "steps": steps,
-            "resumed_from_step": None, "recorded_by": "tlt profile", "simplification": SIMPLIFICATION,
-        })
+        writer.write(
+            {
+                "type": "run",
+                "name": recipe.run.name,
+                "world_size": recipe.workers.count,
+                "steps": steps,
+                "resumed_from_step": None,
+                "recorded_by": "tlt profile",
+                "simplification": SIMPLIFICATION,
+            }
+        )
         step_start = time.time()
         for step in range(steps):
             records = _record_step(recipe, task, tokenizer, engine, sampling, step, step_start)
@@ -72,8 +83,15 @@ def record_rollout(recipe: Recipe, steps: int, trace_path: Path, on_step: Callab
     return records
 
 
-def _record_step(recipe: Recipe, task: Task, tokenizer: PreTrainedTokenizerBase, engine: EmbeddedEngine, sampling: SamplingParams,
-                 step: int, step_start: float) -> list[dict[str, Any]]:
+def _record_step(
+    recipe: Recipe,
+    task: Task,
+    tokenizer: PreTrainedTokenizerBase,
+    engine: EmbeddedEngine,
+    sampling: SamplingParams,
+    step: int,
+    step_start: float,
+) -> list[dict[str, Any]]:
     """Request records of every shard, then one worker record per shard, then the step record."""
     requests, busy_ends = [], []
     for worker in range(recipe.workers.count):
@@ -86,18 +104,32 @@ def _record_step(recipe: Recipe, task: Task, tokenizer: PreTrainedTokenizerBase,
         requests += [_request_record(step, worker, completion, shift) for completion in completions]
     rollout_end = max(busy_ends)
     workers = [
-        {"type": "worker", "step": step, "worker": worker, "busy_start": step_start, "busy_end": busy_end,
-         "idle_start": busy_end, "idle_end": rollout_end, "idle_seconds": rollout_end - busy_end}
+        {
+            "type": "worker",
+            "step": step,
+            "worker": worker,
+            "busy_start": step_start,
+            "busy_end": busy_end,
+            "idle_start": busy_end,
+            "idle_end": rollout_end,
+            "idle_seconds": rollout_end - busy_end,
+        }
         for worker, busy_end in enumerate(busy_ends)
     ]
     step_record = {
-        "type": "step", "step": step, "rollout_start": step_start, "rollout_end": rollout_end,
-        "rollout_seconds": rollout_end - step_start, "idle_worker_seconds": sum(worker["idle_seconds"] for worker in workers),
+        "type": "step",
+        "step": step,
+        "rollout_start": step_start,
+        "rollout_end": rollout_end,
+        "rollout_seconds": rollout_end - step_start,
+        "idle_worker_seconds": sum(worker["idle_seconds"] for worker in workers),
     }
     return requests + workers + [step_record]
 
 
-def _shard_requests(recipe: Recipe, task: Task, tokenizer: PreTrainedTokenizerBase, step: int, worker: int) -> list[RolloutRequest]:
+def _shard_requests(
+    recipe: Recipe, task: Task, tokenizer: PreTrainedTokenizerBase, step: int, worker: int
+) -> list[RolloutRequest]:
     """The prompts `tlt train` gives this worker at this step (tlt_cli/worker.py, WorkerLoop.shard)."""
     prompts_per_worker = recipe.train.prompts_per_step // recipe.workers.count
     first = step * recipe.train.prompts_per_step + worker * prompts_per_worker
@@ -105,7 +137,9 @@ def _shard_requests(recipe: Recipe, task: Task, tokenizer: PreTrainedTokenizerBa
     for problem_number in range(prompts_per_worker):
         prompt_ids = tuple(tokenizer.encode(task.problem(first + problem_number).prompt, add_special_tokens=False))
         for sample in range(recipe.train.group_size):
-            requests.append(RolloutRequest(request_id=problem_number * recipe.train.group_size + sample, prompt_ids=prompt_ids))
+            requests.append(
+                RolloutRequest(request_id=problem_number * recipe.train.group_size + sample, prompt_ids=prompt_ids)
+            )
     return requests
 
 
@@ -116,7 +150,13 @@ def _generator(seed: int, step: int, worker: int) -> torch.Generator:
 
 def _request_record(step: int, worker: int, completion: Completion, shift: float) -> dict[str, Any]:
     return {
-        "type": "request", "step": step, "worker": worker, "request_id": completion.request_id,
-        "start": completion.start + shift, "end": completion.end + shift, "prompt_tokens": len(completion.prompt_ids),
-        "tokens": len(completion.response_ids), "finished_by_eos": completion.finished_by_eos,
+        "type": "request",
+        "step": step,
+        "worker": worker,
+        "request_id": completion.request_id,
+        "start": completion.start + shift,
+        "end": completion.end + shift,
+        "prompt_tokens": len(completion.prompt_ids),
+        "tokens": len(completion.response_ids),
+        "finished_by_eos": completion.finished_by_eos,
     }

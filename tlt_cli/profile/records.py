@@ -103,17 +103,23 @@ def load_records(path: Path) -> ProfileRecords:
     if path.is_dir():
         trace = path / TRACE_FILE
         if not trace.is_file():
-            raise ProfileInputError(f"{path} has no {TRACE_FILE}; pass a run directory, a trace file, a CSV/JSONL of requests or a recipe.")
+            raise ProfileInputError(
+                f"{path} has no {TRACE_FILE}; pass a run directory, a trace file, a CSV/JSONL of requests or a recipe."
+            )
         return read_trace_records(trace)
     if not path.is_file():
-        raise ProfileInputError(f"{path} does not exist; pass a run directory, a trace file, a CSV/JSONL of requests or a recipe.")
+        raise ProfileInputError(
+            f"{path} does not exist; pass a run directory, a trace file, a CSV/JSONL of requests or a recipe."
+        )
     if path.suffix.lower() == ".csv":
         return records_from_requests(str(path), "csv", list(_csv_requests(path)))
     if path.suffix.lower() in (".jsonl", ".json"):
         lines = list(numbered_json_lines(path))
         if lines and "type" in lines[0][1]:
             return _trace_records(path, lines)
-        return records_from_requests(str(path), "jsonl", [_plain_request(record, f"{path} line {number}") for number, record in lines])
+        return records_from_requests(
+            str(path), "jsonl", [_plain_request(record, f"{path} line {number}") for number, record in lines]
+        )
     raise ProfileInputError(f"{path} is neither a directory, a .jsonl trace or record file, nor a .csv file.")
 
 
@@ -137,7 +143,9 @@ def numbered_json_lines(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
                     f"{path} line {number} (the last) is cut short ({error.msg}): the file is truncated; "
                     "wait for the run to write it, or delete that line."
                 ) from None
-            raise ProfileInputError(f"{path} line {number} is not valid JSON ({error.msg}); fix or delete that line.") from None
+            raise ProfileInputError(
+                f"{path} line {number} is not valid JSON ({error.msg}); fix or delete that line."
+            ) from None
         if not isinstance(record, dict):
             raise ProfileInputError(f"{path} line {number} is not a JSON object; each line must be one record.")
         yield number, record
@@ -165,15 +173,23 @@ def _trace_records(path: Path, lines: list[tuple[int, dict[str, Any]]]) -> Profi
             raise ProfileInputError(f"{where} has no 'type'; a tlt trace has a type on every line.")
     complete = {record.step for record in steps}
     incomplete = sorted({record.step for record in requests + workers} - complete)
-    warnings += [f"step {step} has no step record (run still going, or killed mid-step): left out." for step in incomplete]
+    warnings += [
+        f"step {step} has no step record (run still going, or killed mid-step): left out." for step in incomplete
+    ]
     records = ProfileRecords(
-        source=str(path), kind="trace", world_size=world_size,
+        source=str(path),
+        kind="trace",
+        world_size=world_size,
         requests=[record for record in requests if record.step in complete],
         workers=[record for record in workers if record.step in complete],
-        steps=steps, sd_configs=[record for record in sd_configs if record.step in complete], warnings=warnings,
+        steps=steps,
+        sd_configs=[record for record in sd_configs if record.step in complete],
+        warnings=warnings,
     )
     if not records.steps:
-        raise ProfileInputError(f"{path} has no complete step (no 'step' record); profile a run that finished at least one step.")
+        raise ProfileInputError(
+            f"{path} has no complete step (no 'step' record); profile a run that finished at least one step."
+        )
     return _sorted(records)
 
 
@@ -193,7 +209,9 @@ def records_from_requests(source: str, kind: str, requests: list[RequestRecord])
             own = [request for request in step_requests if request.worker == worker]
             workers.append(WorkerRecord(step, worker, min(r.start for r in own), max(r.end for r in own), rollout_end))
     world_size = len({request.worker for request in requests})
-    return _sorted(ProfileRecords(source=source, kind=kind, world_size=world_size, requests=requests, workers=workers, steps=steps))
+    return _sorted(
+        ProfileRecords(source=source, kind=kind, world_size=world_size, requests=requests, workers=workers, steps=steps)
+    )
 
 
 def _sorted(records: ProfileRecords) -> ProfileRecords:
@@ -214,14 +232,18 @@ def _csv_requests(path: Path) -> Iterator[RequestRecord]:
                 f"{path} lacks the column(s) {', '.join(missing)}; the header must name {', '.join(REQUIRED_REQUEST_FIELDS)}."
             )
         for row in reader:
-            cleaned = {key.strip(): value.strip() for key, value in row.items() if key is not None and value not in (None, "")}
+            cleaned = {
+                key.strip(): value.strip() for key, value in row.items() if key is not None and value not in (None, "")
+            }
             yield _plain_request(cleaned, f"{path} line {reader.line_num}")
 
 
 def _plain_request(record: dict[str, Any], where: str) -> RequestRecord:
     missing = [name for name in REQUIRED_REQUEST_FIELDS if name not in record]
     if missing:
-        raise ProfileInputError(f"{where} lacks {', '.join(missing)}; every request needs {', '.join(REQUIRED_REQUEST_FIELDS)}.")
+        raise ProfileInputError(
+            f"{where} lacks {', '.join(missing)}; every request needs {', '.join(REQUIRED_REQUEST_FIELDS)}."
+        )
     return _request(record, where)
 
 
@@ -265,7 +287,9 @@ def _step(record: dict[str, Any], where: str) -> StepRecord:
 
 def _sd_config(record: dict[str, Any], where: str) -> SdConfigRecord:
     if not isinstance(record.get("config"), str):
-        raise ProfileInputError(f"{where}: sd_config record lacks a 'config' label (a string such as \"off\" or \"s4-k1-t5\").")
+        raise ProfileInputError(
+            f'{where}: sd_config record lacks a \'config\' label (a string such as "off" or "s4-k1-t5").'
+        )
     return SdConfigRecord(
         step=_number(record, "step", int, where),
         worker=_number(record, "worker", int, where),
@@ -301,6 +325,10 @@ def _counts(record: dict[str, Any], name: str, where: str) -> tuple[int, ...]:
     values = record.get(name)
     if values is None:
         return ()
-    if not isinstance(values, list) or not all(isinstance(value, int) and not isinstance(value, bool) for value in values):
-        raise ProfileInputError(f"{where}: '{name}' is {values!r}, expected a list of integers (one count per draft depth).")
+    if not isinstance(values, list) or not all(
+        isinstance(value, int) and not isinstance(value, bool) for value in values
+    ):
+        raise ProfileInputError(
+            f"{where}: '{name}' is {values!r}, expected a list of integers (one count per draft depth)."
+        )
     return tuple(values)

@@ -27,17 +27,28 @@ HISTOGRAM_WIDTH = 40
 STATE_GLYPHS = {"busy": ("█", "blue"), "tail": ("▓", "cyan"), "idle": ("·", "red")}
 
 
-def render_profile(console: Console, profile: Profile, segments: list[Segment], lengths: list[int], pictures: list[Path]) -> None:
+def render_profile(
+    console: Console, profile: Profile, segments: list[Segment], lengths: list[int], pictures: list[Path]
+) -> None:
     """Print every table of the profile, the terminal Gantt and histogram, then where the PNGs went."""
     steps_word = "step" if len(profile.steps) == 1 else "steps"
-    console.print(f"[bold]tlt profile[/] {profile.source} ({profile.kind}, {profile.workers} workers, {len(profile.steps)} {steps_word})", highlight=False)
+    console.print(
+        f"[bold]tlt profile[/] {profile.source} ({profile.kind}, {profile.workers} workers, {len(profile.steps)} {steps_word})",
+        highlight=False,
+    )
     console.print(_lengths_table(profile))
     console.print(_steps_table(profile))
     console.print(_idle_summary(profile), highlight=False)
     _render_speculative(console, profile)
     console.print(_drafter_summary(profile), highlight=False)
     _render_projection(console, profile)
-    console.print(Text("per-worker timeline (last steps; █ busy, ▓ tail: 1-%d requests in flight, · idle)" % profile.projection.tail_batch, style="bold"))
+    console.print(
+        Text(
+            "per-worker timeline (last steps; █ busy, ▓ tail: 1-%d requests in flight, · idle)"
+            % profile.projection.tail_batch,
+            style="bold",
+        )
+    )
     for line in terminal_gantt(segments, profile.steps, profile.workers):
         console.print(line)
     console.print(Text("response lengths (tokens)", style="bold"))
@@ -55,13 +66,30 @@ def _lengths_table(profile: Profile) -> Table:
     for column in ("responses", "p50", "p90", "p99", "max", "p99/p50"):
         table.add_column(column, justify="right")
     ratio = "-" if lengths.tail_ratio is None else f"{lengths.tail_ratio:.1f}"
-    table.add_row(str(lengths.count), f"{lengths.p50:.0f}", f"{lengths.p90:.0f}", f"{lengths.p99:.0f}", f"{lengths.max:.0f}", ratio)
+    table.add_row(
+        str(lengths.count),
+        f"{lengths.p50:.0f}",
+        f"{lengths.p90:.0f}",
+        f"{lengths.p99:.0f}",
+        f"{lengths.max:.0f}",
+        ratio,
+    )
     return table
 
 
 def _steps_table(profile: Profile) -> Table:
     table = Table(title="rollout per step", title_justify="left")
-    columns = ("step", "rollout s", "step s", "idle worker-s", "idle %", "<half busy %", "some idle %", "slowest's tail s", "projected rollout s")
+    columns = (
+        "step",
+        "rollout s",
+        "step s",
+        "idle worker-s",
+        "idle %",
+        "<half busy %",
+        "some idle %",
+        "slowest's tail s",
+        "projected rollout s",
+    )
     for column in columns:
         table.add_column(column, justify="right")
     hidden = len(profile.steps) - VISIBLE_STEPS
@@ -71,9 +99,15 @@ def _steps_table(profile: Profile) -> Table:
         table.add_row(*_step_cells(step))
     step_seconds = "-" if profile.step_seconds is None else f"{profile.step_seconds:.2f}"
     table.add_row(
-        "all", f"{profile.rollout_seconds:.2f}", step_seconds, f"{profile.idle_worker_seconds:.2f}", f"{100 * profile.idle_fraction:.0f}",
-        f"{100 * profile.under_half_busy_share:.0f}", f"{100 * profile.some_idle_share:.0f}",
-        f"{sum(step.tail_seconds for step in profile.steps):.2f}", f"{sum(step.projected_rollout_seconds for step in profile.steps):.2f}",
+        "all",
+        f"{profile.rollout_seconds:.2f}",
+        step_seconds,
+        f"{profile.idle_worker_seconds:.2f}",
+        f"{100 * profile.idle_fraction:.0f}",
+        f"{100 * profile.under_half_busy_share:.0f}",
+        f"{100 * profile.some_idle_share:.0f}",
+        f"{sum(step.tail_seconds for step in profile.steps):.2f}",
+        f"{sum(step.projected_rollout_seconds for step in profile.steps):.2f}",
         style="bold",
     )
     return table
@@ -82,14 +116,22 @@ def _steps_table(profile: Profile) -> Table:
 def _step_cells(step: StepProfile) -> list[str]:
     step_seconds = "-" if step.step_seconds is None else f"{step.step_seconds:.2f}"
     return [
-        str(step.step), f"{step.rollout_seconds:.2f}", step_seconds, f"{step.idle_worker_seconds:.2f}", f"{100 * step.idle_fraction:.0f}",
-        f"{100 * step.under_half_busy_share:.0f}", f"{100 * step.some_idle_share:.0f}", f"{step.tail_seconds:.2f}",
+        str(step.step),
+        f"{step.rollout_seconds:.2f}",
+        step_seconds,
+        f"{step.idle_worker_seconds:.2f}",
+        f"{100 * step.idle_fraction:.0f}",
+        f"{100 * step.under_half_busy_share:.0f}",
+        f"{100 * step.some_idle_share:.0f}",
+        f"{step.tail_seconds:.2f}",
         f"{step.projected_rollout_seconds:.2f}",
     ]
 
 
 def _idle_summary(profile: Profile) -> str:
-    share = "" if profile.step_seconds is None else f" ({profile.rollout_seconds / profile.step_seconds:.0%} of step time)"
+    share = (
+        "" if profile.step_seconds is None else f" ({profile.rollout_seconds / profile.step_seconds:.0%} of step time)"
+    )
     return (
         f"rollout {profile.rollout_seconds:.2f} s{share}; idle {profile.idle_worker_seconds:.2f} worker-s = "
         f"{profile.idle_fraction:.0%} of worker time; fewer than half the workers busy {profile.under_half_busy_share:.0%} "
@@ -105,7 +147,9 @@ def _render_speculative(console: Console, profile: Profile) -> None:
             table.add_column(column, justify="right")
         for entry in profile.sd_time:
             table.add_row(entry.config, f"{entry.seconds:.2f}", f"{100 * entry.share:.0f}", str(entry.decode_steps))
-        table.add_row("SD on / off", f"{profile.sd_on_seconds:.2f} / {profile.sd_off_seconds:.2f}", "", "", style="bold")
+        table.add_row(
+            "SD on / off", f"{profile.sd_on_seconds:.2f} / {profile.sd_off_seconds:.2f}", "", "", style="bold"
+        )
         console.print(table)
     else:
         console.print("SD on/off time: not recorded in the input (no sd_config records)")
@@ -118,7 +162,13 @@ def _render_speculative(console: Console, profile: Profile) -> None:
         for column in ("depth", "drafted", "accepted", "rate %", "adds to accept length"):
             table.add_column(column, justify="right")
         for depth in profile.accept_by_depth:
-            table.add_row(str(depth.depth), str(depth.proposed), str(depth.accepted), f"{100 * depth.rate:.0f}", f"{depth.accept_length_share:.2f}")
+            table.add_row(
+                str(depth.depth),
+                str(depth.proposed),
+                str(depth.accepted),
+                f"{100 * depth.rate:.0f}",
+                f"{depth.accept_length_share:.2f}",
+            )
         console.print(table)
 
 
@@ -135,20 +185,30 @@ def _render_projection(console: Console, profile: Profile) -> None:
     projection = profile.projection
     console.print(
         f"[bold]reclaimable[/] {projection.reclaimable_seconds:.2f} s of {profile.rollout_seconds:.2f} s rollout -> projected "
-        f"{projection.speedup_of} speedup [bold]{projection.projected_speedup:.2f}x[/]", highlight=False,
+        f"{projection.speedup_of} speedup [bold]{projection.projected_speedup:.2f}x[/]",
+        highlight=False,
     )
     console.print(f"  model: {projection.model}", highlight=False)
 
 
-def terminal_gantt(segments: list[Segment], steps: list[StepProfile], workers: int, width: int = GANTT_WIDTH) -> list[Text]:
+def terminal_gantt(
+    segments: list[Segment], steps: list[StepProfile], workers: int, width: int = GANTT_WIDTH
+) -> list[Text]:
     """One line per worker over the last GANTT_STEPS steps, each step as wide as its share of their rollout time."""
     shown = steps[-GANTT_STEPS:]
     total = sum(step.rollout_seconds for step in shown) or 1.0
     columns = [max(MIN_STEP_COLUMNS, round(width * step.rollout_seconds / total)) for step in shown]
     step_numbers = {step.step for step in shown}
     windows = _step_windows(segments, step_numbers)
-    worker_ids = sorted({segment.worker for segment in segments if segment.step in step_numbers}) or list(range(workers))
-    lines = [Text("step ".rjust(6) + "|".join(f"{step.step:<{count}}"[:count] for step, count in zip(shown, columns)), style="dim")]
+    worker_ids = sorted({segment.worker for segment in segments if segment.step in step_numbers}) or list(
+        range(workers)
+    )
+    lines = [
+        Text(
+            "step ".rjust(6) + "|".join(f"{step.step:<{count}}"[:count] for step, count in zip(shown, columns)),
+            style="dim",
+        )
+    ]
     for worker in worker_ids:
         line = Text(f"w{worker}".rjust(5) + " ")
         for index, (step, count) in enumerate(zip(shown, columns)):

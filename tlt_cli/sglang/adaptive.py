@@ -28,9 +28,9 @@ plan by `server_args.speculative_flags`.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
 
 from tlt_cli.config import SpeculativeSection
 from tlt_cli.rollout.adaptive import UNBOUNDED, Rule, bucket_edges, build_rules
@@ -142,9 +142,13 @@ def _tail_rule(rules: Sequence[BatchRule], static_batch_size: int) -> BatchRule:
     return covering[0] if covering else next(rule for rule in rules if rule.speculative is not None)
 
 
-def _adaptive_plan(rules: Sequence[BatchRule], auto_off_on_collapse: bool, static_batch_size: int) -> SGLangSpeculativePlan:
+def _adaptive_plan(
+    rules: Sequence[BatchRule], auto_off_on_collapse: bool, static_batch_size: int
+) -> SGLangSpeculativePlan:
     launch_rule = _tail_rule(rules, static_batch_size)
-    launch = SpeculativeConfig(steps=launch_rule.speculative.steps, topk=1, draft_tokens=launch_rule.speculative.steps + 1)
+    launch = SpeculativeConfig(
+        steps=launch_rule.speculative.steps, topk=1, draft_tokens=launch_rule.speculative.steps + 1
+    )
     slots = []
     for rule in rules:
         if rule.speculative is None:
@@ -184,7 +188,9 @@ def _static_plan(
 ) -> SGLangSpeculativePlan:
     chosen = _tail_rule(rules, static_batch_size)
     config = chosen.speculative
-    launch = SpeculativeConfig(config.steps, config.topk, config.steps + 1 if config.is_chain else config.verified_tokens)
+    launch = SpeculativeConfig(
+        config.steps, config.topk, config.steps + 1 if config.is_chain else config.verified_tokens
+    )
     reason = (
         f"SGLang {features.version} has no adaptive batch-size slots (0.5.16 and later do)"
         if all_chains
@@ -193,7 +199,9 @@ def _static_plan(
     differences = [f"{reason}: every server runs {launch.label()} (from {chosen.describe()}) at every batch size."]
     off_rules = [rule.describe() for rule in rules if rule.speculative is None]
     if off_rules:
-        differences.append(f"SD stays on where the table says off ({', '.join(off_rules)}), where it costs target compute.")
+        differences.append(
+            f"SD stays on where the table says off ({', '.join(off_rules)}), where it costs target compute."
+        )
     differences.append("acceptance is not acted on inside SGLang; the post-sync probe still checks it.")
     return SGLangSpeculativePlan("static", launch, (), tuple(differences))
 

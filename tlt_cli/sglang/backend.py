@@ -19,9 +19,9 @@ Example:
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable, Mapping, Sequence
 
 import torch
 
@@ -89,8 +89,9 @@ class SGLangBackend:
         if given); returns the lines to show the user (support, differences)."""
         self.features = sglang_features(installed_sglang_version(self.config.python or sys.executable))
         self.plan = plan_for_sglang(self.rules, self.features, self.config.auto_off_on_collapse)
-        self.group = launch_sglang_servers(self.config, self.model_path, self.run_dir, self.plan, draft_model_path, self.seed,
-                                           self.on_servers_spawned)
+        self.group = launch_sglang_servers(
+            self.config, self.model_path, self.run_dir, self.plan, draft_model_path, self.seed, self.on_servers_spawned
+        )
         self.client = SGLangClient(
             self.group.endpoints, self.eos_token_id, self.config.request_timeout_s, self.config.max_in_flight_per_server
         )
@@ -153,7 +154,9 @@ class SGLangBackend:
         for index, endpoint in enumerate(self.group.endpoints):
             probe = probe_accept_length(endpoint, probe_prompts, self.config.probe_max_new_tokens, self.eos_token_id)
             try:
-                check_sync_landed(endpoint, self._last_probes[index], probe, report.weight_version, self.config.collapse_accept_length)
+                check_sync_landed(
+                    endpoint, self._last_probes[index], probe, report.weight_version, self.config.collapse_accept_length
+                )
             except AcceptLengthCollapsed as collapse:
                 report.collapsed.append(str(collapse))
             self._last_probes[index] = probe
@@ -164,10 +167,14 @@ class SGLangBackend:
     ) -> list[tuple[str, torch.Tensor]] | None:
         if self.config.colocated:
             if target_parameters is None:
-                raise WeightSyncError("rollout.sglang.colocated is true: pass target_parameters (the policy's CUDA tensors).")
+                raise WeightSyncError(
+                    "rollout.sglang.colocated is true: pass target_parameters (the policy's CUDA tensors)."
+                )
             return target_tensors(target_parameters, self.tie_word_embeddings)
         if target_dir is None:
-            raise WeightSyncError("rollout.sglang.colocated is false: pass target_dir, a checkpoint folder the servers can read.")
+            raise WeightSyncError(
+                "rollout.sglang.colocated is false: pass target_dir, a checkpoint folder the servers can read."
+            )
         return None
 
     def _can_push_drafter(self, report: SyncReport) -> bool:

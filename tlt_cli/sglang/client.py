@@ -17,11 +17,11 @@ from __future__ import annotations
 import threading
 import time
 import uuid
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Callable, Iterable, Sequence
 
 from tlt_cli.rollout.types import Completion, RolloutRequest, SamplingParams, SpeculativeStats
-from tlt_cli.sglang.transport import SGLangRequestError, ServerEndpoint, post_json
+from tlt_cli.sglang.transport import ServerEndpoint, SGLangRequestError, post_json
 
 # SGLang's sampling_params spells "keep every token" as top_k -1; tlt spells it 0
 SGLANG_TOP_K_ALL = -1
@@ -69,7 +69,9 @@ def completion_from_response(request: RolloutRequest, response: dict, start: flo
     meta_info = response.get("meta_info", {})
     finish_reason = meta_info.get("finish_reason") or {}
     if finish_reason.get("type") == "abort":
-        raise SGLangRequestError(f"SGLang aborted request {request.request_id}: {finish_reason.get('message', 'no reason given')}.")
+        raise SGLangRequestError(
+            f"SGLang aborted request {request.request_id}: {finish_reason.get('message', 'no reason given')}."
+        )
     return Completion(
         request_id=request.request_id,
         prompt_ids=request.prompt_ids,
@@ -129,7 +131,9 @@ class SGLangClient:
         with self._lock:
             for server_index, shard in enumerate(shards):
                 self._outstanding[server_index] += len(shard)
-        executors = [ThreadPoolExecutor(max_workers=max(1, min(len(shard), self.max_in_flight_per_server))) for shard in shards]
+        executors = [
+            ThreadPoolExecutor(max_workers=max(1, min(len(shard), self.max_in_flight_per_server))) for shard in shards
+        ]
         # position in `requests` -> (server, future); request k went to server k mod n
         submitted: dict[int, tuple[int, Future]] = {}
         try:
@@ -138,7 +142,13 @@ class SGLangClient:
                     position = server_index + offset * len(self.endpoints)
                     request_seed = None if seed is None else seed + request.request_id
                     future = executors[server_index].submit(
-                        self._generate_one, server_index, request, params, request_seed, f"tlt-{rollout_id}-{position}", on_server_idle
+                        self._generate_one,
+                        server_index,
+                        request,
+                        params,
+                        request_seed,
+                        f"tlt-{rollout_id}-{position}",
+                        on_server_idle,
                     )
                     submitted[position] = (server_index, future)
             return [submitted[position][1].result() for position in range(len(requests))]

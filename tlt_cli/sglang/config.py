@@ -49,28 +49,53 @@ def _require(condition: bool, message: str) -> None:
 def validate_sglang_config(config: SGLangConfig) -> None:
     """Check values that types alone cannot; raise RecipeError naming the `rollout.sglang` key."""
     _require(len(config.gpus) >= 1, "rollout.sglang.gpus must list at least one GPU index, e.g. [0].")
-    _require(all(gpu >= 0 for gpu in config.gpus), f"rollout.sglang.gpus must hold GPU indices >= 0, got {list(config.gpus)}.")
+    _require(
+        all(gpu >= 0 for gpu in config.gpus),
+        f"rollout.sglang.gpus must hold GPU indices >= 0, got {list(config.gpus)}.",
+    )
     _require(len(set(config.gpus)) == len(config.gpus), f"rollout.sglang.gpus lists a GPU twice: {list(config.gpus)}.")
     _require(config.tp_size >= 1, f"rollout.sglang.tp_size must be at least 1, got {config.tp_size}.")
-    _require(len(config.gpus) % config.tp_size == 0,
-             f"rollout.sglang.gpus has {len(config.gpus)} GPUs, not a multiple of rollout.sglang.tp_size ({config.tp_size}).")
+    _require(
+        len(config.gpus) % config.tp_size == 0,
+        f"rollout.sglang.gpus has {len(config.gpus)} GPUs, not a multiple of rollout.sglang.tp_size ({config.tp_size}).",
+    )
     last_port = config.port_base + PORTS_PER_SERVER * config.server_count - 1
-    _require(1024 <= config.port_base and last_port <= 65535,
-             f"rollout.sglang.port_base must leave ports {config.port_base}..{last_port} within 1024..65535, got {config.port_base}.")
-    _require(config.startup_timeout_s > 0, f"rollout.sglang.startup_timeout_s must be positive, got {config.startup_timeout_s}.")
+    _require(
+        1024 <= config.port_base and last_port <= 65535,
+        f"rollout.sglang.port_base must leave ports {config.port_base}..{last_port} within 1024..65535, got {config.port_base}.",
+    )
+    _require(
+        config.startup_timeout_s > 0,
+        f"rollout.sglang.startup_timeout_s must be positive, got {config.startup_timeout_s}.",
+    )
     _require(config.stop_timeout_s > 0, f"rollout.sglang.stop_timeout_s must be positive, got {config.stop_timeout_s}.")
-    _require(0.0 < config.mem_fraction < 1.0, f"rollout.sglang.mem_fraction must be in (0, 1), got {config.mem_fraction}.")
-    _require(config.max_running_requests >= 1,
-             f"rollout.sglang.max_running_requests must be at least 1, got {config.max_running_requests}.")
+    _require(
+        0.0 < config.mem_fraction < 1.0, f"rollout.sglang.mem_fraction must be in (0, 1), got {config.mem_fraction}."
+    )
+    _require(
+        config.max_running_requests >= 1,
+        f"rollout.sglang.max_running_requests must be at least 1, got {config.max_running_requests}.",
+    )
     _require(config.dtype in DTYPES, f"rollout.sglang.dtype must be one of {', '.join(DTYPES)}, got '{config.dtype}'.")
-    _require(config.request_timeout_s > 0, f"rollout.sglang.request_timeout_s must be positive, got {config.request_timeout_s}.")
-    _require(config.max_in_flight_per_server >= 1,
-             f"rollout.sglang.max_in_flight_per_server must be at least 1, got {config.max_in_flight_per_server}.")
-    _require(config.probe_max_new_tokens >= 2,
-             f"rollout.sglang.probe_max_new_tokens must be at least 2 (a probe needs decode steps), got {config.probe_max_new_tokens}.")
-    _require(config.collapse_accept_length >= 1.0,
-             f"rollout.sglang.collapse_accept_length must be >= 1.0 (1.0 = no draft token accepted), got {config.collapse_accept_length}.")
+    _require(
+        config.request_timeout_s > 0,
+        f"rollout.sglang.request_timeout_s must be positive, got {config.request_timeout_s}.",
+    )
+    _require(
+        config.max_in_flight_per_server >= 1,
+        f"rollout.sglang.max_in_flight_per_server must be at least 1, got {config.max_in_flight_per_server}.",
+    )
+    _require(
+        config.probe_max_new_tokens >= 2,
+        f"rollout.sglang.probe_max_new_tokens must be at least 2 (a probe needs decode steps), got {config.probe_max_new_tokens}.",
+    )
+    _require(
+        config.collapse_accept_length >= 1.0,
+        f"rollout.sglang.collapse_accept_length must be >= 1.0 (1.0 = no draft token accepted), got {config.collapse_accept_length}.",
+    )
     for argument in config.extra_args:
         flag = argument.split("=", 1)[0]
-        _require(flag not in FLAGS_SET_BY_TLT,
-                 f"rollout.sglang.extra_args sets {flag}, which tlt sets itself; remove it (see docs/gpu.md for the fields that control it).")
+        _require(
+            flag not in FLAGS_SET_BY_TLT,
+            f"rollout.sglang.extra_args sets {flag}, which tlt sets itself; remove it (see docs/gpu.md for the fields that control it).",
+        )

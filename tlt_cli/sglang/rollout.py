@@ -77,8 +77,13 @@ class SGLangRollout:
         # rollout.sglang.gpus are the GPUs of each node, shared among the ranks of that node
         config = servers_of_worker(recipe.rollout.sglang, setup.rank_on_node, ranks_per_node(recipe))
         self.backend = SGLangBackend(
-            config, str(model_folder(recipe.model.path)), self.directory, batch_rules(recipe.speculative),
-            eos_token_id=setup.eos_token_id, seed=recipe.run.seed, tie_word_embeddings=self.tie_word_embeddings,
+            config,
+            str(model_folder(recipe.model.path)),
+            self.directory,
+            batch_rules(recipe.speculative),
+            eos_token_id=setup.eos_token_id,
+            seed=recipe.run.seed,
+            tie_word_embeddings=self.tie_word_embeddings,
             on_servers_spawned=lambda groups: record_server_groups(setup.run_directory, setup.worker, groups),
         )
         # the drafter_sidecar's version the servers hold (it starts at 0, the drafter they launch with)
@@ -107,15 +112,17 @@ class SGLangRollout:
         """(completions sorted by request id, the time the last of this worker's servers went idle)."""
         idle_times: list[float] = []
         # SGLang seeds request r with seed + r; kept within a 32-bit signed range
-        completions = self.backend.generate(requests, sampling, on_server_idle=lambda server, when: idle_times.append(when),
-                                            seed=seed % 2**31)
+        completions = self.backend.generate(
+            requests, sampling, on_server_idle=lambda server, when: idle_times.append(when), seed=seed % 2**31
+        )
         if on_request_finished is not None:
             for completion in sorted(completions, key=lambda completion: completion.end):
                 on_request_finished(completion)
         return sorted(completions, key=lambda completion: completion.request_id), max(idle_times, default=time.time())
 
-    def after_update(self, weight_version: str, drafter_version: float | None,
-                     probe_prompts: Sequence[Sequence[int]]) -> dict[str, float]:
+    def after_update(
+        self, weight_version: str, drafter_version: float | None, probe_prompts: Sequence[Sequence[int]]
+    ) -> dict[str, float]:
         """Push the policy (and a drafter the sidecar has moved since the last push), then probe every server.
 
         Metrics: weight_sync_seconds, and probe_accept_length (mean over the servers whose probe ran SD).
@@ -125,8 +132,10 @@ class SGLangRollout:
         target_dir = None if colocated else self._write_target_checkpoint()
         new_drafter = self.drafter is not None and drafter_version not in (None, self.pushed_drafter_version)
         report = self.backend.sync_weights(
-            weight_version, target_parameters=self.policy.named_parameters() if colocated else None,
-            target_dir=target_dir, drafter_state=self.drafter.state_dict() if new_drafter else None,
+            weight_version,
+            target_parameters=self.policy.named_parameters() if colocated else None,
+            target_dir=target_dir,
+            drafter_state=self.drafter.state_dict() if new_drafter else None,
             probe_prompts=probe_prompts,
         )
         if report.drafter_pushed:

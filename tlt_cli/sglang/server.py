@@ -26,9 +26,9 @@ import socket
 import subprocess
 import threading
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
 
 from tlt_cli.sglang.adaptive import SGLangSpeculativePlan, write_adaptive_config
 from tlt_cli.sglang.config import SGLangConfig
@@ -122,8 +122,13 @@ def _port_is_free(port: int) -> bool:
 class ServerGroup:
     """Running rollout servers; use as a context manager or call `start()` and `stop()`."""
 
-    def __init__(self, launches: Sequence[ServerLaunch], startup_timeout_s: float, stop_timeout_s: float,
-                 on_spawned: Callable[[list[int]], None] | None = None):
+    def __init__(
+        self,
+        launches: Sequence[ServerLaunch],
+        startup_timeout_s: float,
+        stop_timeout_s: float,
+        on_spawned: Callable[[list[int]], None] | None = None,
+    ):
         self.launches = list(launches)
         self.startup_timeout_s = startup_timeout_s
         self.stop_timeout_s = stop_timeout_s
@@ -141,13 +146,13 @@ class ServerGroup:
     def pids(self) -> list[int]:
         return [process.pid for process in self.processes]
 
-    def __enter__(self) -> "ServerGroup":
+    def __enter__(self) -> ServerGroup:
         return self.start() if not self.processes else self
 
     def __exit__(self, *exc_info: object) -> None:
         self.stop()
 
-    def start(self) -> "ServerGroup":
+    def start(self) -> ServerGroup:
         """Spawn every server, then wait until all are healthy; stop all and raise on any failure."""
         self._check_ports_free()
         atexit.register(self.stop)
@@ -258,7 +263,9 @@ def launch_sglang_servers(
     on_spawned, if given, gets the servers' process groups (= leader pids) as soon as all are spawned.
     """
     log_dir = Path(run_dir) / "sglang"
-    adaptive_path = write_adaptive_config(plan, log_dir / "adaptive_speculative.json") if plan.mode == "adaptive" else None
+    adaptive_path = (
+        write_adaptive_config(plan, log_dir / "adaptive_speculative.json") if plan.mode == "adaptive" else None
+    )
     flags = speculative_flags(plan, draft_model_path, adaptive_path)
     # hex: a URL-safe token may start with "-", which the server's argument parser reads as a flag
     api_key = secrets.token_hex(24)

@@ -10,9 +10,9 @@ tests/test_sglang_server_args.py against SGLang's own argument parser when it is
 from __future__ import annotations
 
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping
 
 from tlt_cli.rollout.types import SpeculativeConfig
 from tlt_cli.sglang.adaptive import SGLangSpeculativePlan
@@ -53,9 +53,12 @@ def server_placements(config: SGLangConfig) -> list[ServerPlacement]:
 
 def _shape_flags(shape: SpeculativeConfig) -> list[str]:
     return [
-        "--speculative-num-steps", str(shape.steps),
-        "--speculative-eagle-topk", str(shape.topk),
-        "--speculative-num-draft-tokens", str(shape.verified_tokens),
+        "--speculative-num-steps",
+        str(shape.steps),
+        "--speculative-eagle-topk",
+        str(shape.topk),
+        "--speculative-num-draft-tokens",
+        str(shape.verified_tokens),
     ]
 
 
@@ -74,7 +77,9 @@ def speculative_flags(
     flags += _shape_flags(plan.launch)
     if plan.mode == "adaptive":
         if adaptive_config_path is None:
-            raise LaunchConfigError("an adaptive plan needs the path of its slot file (adaptive.write_adaptive_config).")
+            raise LaunchConfigError(
+                "an adaptive plan needs the path of its slot file (adaptive.write_adaptive_config)."
+            )
         flags += ["--speculative-adaptive", "--speculative-adaptive-config", str(adaptive_config_path)]
     elif plan.mode != "static":
         raise LaunchConfigError(f"unknown plan mode '{plan.mode}'.")
@@ -92,18 +97,31 @@ def server_command(
     """The full argv of one server; GPUs are chosen by `server_environment`, so base GPU is 0."""
     python = config.python or sys.executable
     command = [
-        python, "-m", "sglang.launch_server",
-        "--model-path", model_path,
-        "--host", SERVER_HOST,
-        "--port", str(placement.port),
-        "--nccl-port", str(placement.nccl_port),
-        "--api-key", api_key,
-        "--tp-size", str(config.tp_size),
-        "--base-gpu-id", "0",
-        "--mem-fraction-static", str(config.mem_fraction),
-        "--max-running-requests", str(config.max_running_requests),
-        "--dtype", config.dtype,
-        "--random-seed", str(seed),
+        python,
+        "-m",
+        "sglang.launch_server",
+        "--model-path",
+        model_path,
+        "--host",
+        SERVER_HOST,
+        "--port",
+        str(placement.port),
+        "--nccl-port",
+        str(placement.nccl_port),
+        "--api-key",
+        api_key,
+        "--tp-size",
+        str(config.tp_size),
+        "--base-gpu-id",
+        "0",
+        "--mem-fraction-static",
+        str(config.mem_fraction),
+        "--max-running-requests",
+        str(config.max_running_requests),
+        "--dtype",
+        config.dtype,
+        "--random-seed",
+        str(seed),
     ]
     if config.skip_tokenizer_init:
         command.append("--skip-tokenizer-init")

@@ -37,7 +37,9 @@ def _request(endpoint: ServerEndpoint, path: str, body: dict | None) -> urllib.r
     if body is not None:
         data = json.dumps(body).encode()
         headers["Content-Type"] = "application/json"
-    return urllib.request.Request(endpoint.url + path, data=data, headers=headers, method="GET" if body is None else "POST")
+    return urllib.request.Request(
+        endpoint.url + path, data=data, headers=headers, method="GET" if body is None else "POST"
+    )
 
 
 def get_status(endpoint: ServerEndpoint, path: str, timeout_s: float) -> int | None:
@@ -62,11 +64,15 @@ def _exchange(endpoint: ServerEndpoint, path: str, body: dict | None, timeout_s:
         raise SGLangRequestError(f"{where} answered HTTP {error.code}{hint}: {detail}") from None
     except (urllib.error.URLError, OSError) as error:
         reason = getattr(error, "reason", error)
-        raise SGLangRequestError(f"{where} did not answer within {timeout_s:.0f} s or refused the connection: {reason}.") from None
+        raise SGLangRequestError(
+            f"{where} did not answer within {timeout_s:.0f} s or refused the connection: {reason}."
+        ) from None
     try:
         return json.loads(payload)
     except json.JSONDecodeError:
-        raise SGLangRequestError(f"{where} answered with something that is not JSON: {payload[:ERROR_BODY_CHARS]!r}.") from None
+        raise SGLangRequestError(
+            f"{where} answered with something that is not JSON: {payload[:ERROR_BODY_CHARS]!r}."
+        ) from None
 
 
 def get_json(endpoint: ServerEndpoint, path: str, timeout_s: float) -> dict:

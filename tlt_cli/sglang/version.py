@@ -51,8 +51,16 @@ class SGLangFeatures:
 
     def describe(self) -> str:
         """One line saying what this version supports, for the log and the live display."""
-        drafter = "drafter weights pushed live" if self.drafter_sync else "drafter fixed at launch (no draft-weight selector before 0.5.21)"
-        table = "rule table through --speculative-adaptive slots" if self.adaptive_slots else "one fixed SD configuration (no adaptive slots before 0.5.16)"
+        drafter = (
+            "drafter weights pushed live"
+            if self.drafter_sync
+            else "drafter fixed at launch (no draft-weight selector before 0.5.21)"
+        )
+        table = (
+            "rule table through --speculative-adaptive slots"
+            if self.adaptive_slots
+            else "one fixed SD configuration (no adaptive slots before 0.5.16)"
+        )
         return f"SGLang {self.version}: {drafter}; {table}."
 
 
@@ -68,7 +76,9 @@ def sglang_features(version: str) -> SGLangFeatures:
     """The features of `version`; SGLangVersionError below 0.5.10, the oldest release read."""
     number = parse_version(version)
     if number < DISABLE_DRAFT_MODEL_SINCE:
-        raise SGLangVersionError(f"SGLang {version} is older than 0.5.10, the oldest release tlt was checked against; install sglang==0.5.23.")
+        raise SGLangVersionError(
+            f"SGLang {version} is older than 0.5.10, the oldest release tlt was checked against; install sglang==0.5.23."
+        )
     return SGLangFeatures(
         version=version,
         adaptive_slots=number >= ADAPTIVE_SLOTS_SINCE,
@@ -83,7 +93,9 @@ def installed_sglang_version(python: str) -> str:
     try:
         result = subprocess.run(command, capture_output=True, text=True, timeout=60)
     except FileNotFoundError:
-        raise SGLangVersionError(f"Python interpreter '{python}' does not exist; set rollout.sglang.python to one with sglang installed.") from None
+        raise SGLangVersionError(
+            f"Python interpreter '{python}' does not exist; set rollout.sglang.python to one with sglang installed."
+        ) from None
     if result.returncode != 0:
         raise SGLangVersionError(
             f"sglang is not installed for '{python}'; run `pip install -e .[sglang]` on the GPU machine or set rollout.sglang.python."

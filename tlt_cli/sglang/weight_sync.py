@@ -24,17 +24,17 @@ from __future__ import annotations
 
 import base64
 import io
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
-from typing import Iterable, Mapping, Sequence
 
 import torch
 from safetensors.torch import save_file
 from torch.multiprocessing import reductions
 
 from tlt_cli.rollout.types import accept_length
-from tlt_cli.sglang.transport import SGLangRequestError, ServerEndpoint, get_json, post_json
+from tlt_cli.sglang.transport import ServerEndpoint, SGLangRequestError, get_json, post_json
 from tlt_cli.sglang.version import SGLangFeatures
 
 TARGET_PREFIXES = ("model.", "lm_head.")
@@ -74,7 +74,9 @@ def server_version(endpoint: ServerEndpoint, timeout_s: float = 10.0) -> str:
     return str(info["version"])
 
 
-def target_tensors(named_parameters: Iterable[tuple[str, torch.Tensor]], tie_word_embeddings: bool) -> list[tuple[str, torch.Tensor]]:
+def target_tensors(
+    named_parameters: Iterable[tuple[str, torch.Tensor]], tie_word_embeddings: bool
+) -> list[tuple[str, torch.Tensor]]:
     """The policy's parameters under their checkpoint names; lm_head is dropped when tied to the embedding."""
     tensors = []
     for name, tensor in named_parameters:
@@ -155,7 +157,9 @@ def tensor_update_body(serialized: list[str], role: str, features: SGLangFeature
 
 def _require_success(answer: dict, endpoint: ServerEndpoint, action: str) -> None:
     if not answer.get("success", False):
-        raise WeightSyncError(f"SGLang server {endpoint.index} failed to {action}: {answer.get('message', 'no message')}.")
+        raise WeightSyncError(
+            f"SGLang server {endpoint.index} failed to {action}: {answer.get('message', 'no message')}."
+        )
 
 
 def push_tensors(
@@ -182,10 +186,14 @@ def send_tensor_update(
     """POST already serialized tensors, inside a begin/end session on releases that require one."""
     body = tensor_update_body(serialized, role, features, weight_version)
     if not features.weight_selector:
-        _require_success(post_json(endpoint, "/update_weights_from_tensor", body, timeout_s), endpoint, f"update {role} weights")
+        _require_success(
+            post_json(endpoint, "/update_weights_from_tensor", body, timeout_s), endpoint, f"update {role} weights"
+        )
         return
     # 0.5.21+: tensor updates are only accepted inside a begin/end session for the same runners
-    _require_success(post_json(endpoint, "/begin_weight_update", {"selector": role}, timeout_s), endpoint, "open a weight update")
+    _require_success(
+        post_json(endpoint, "/begin_weight_update", {"selector": role}, timeout_s), endpoint, "open a weight update"
+    )
     try:
         answer = post_json(endpoint, "/update_weights_from_tensor", body, timeout_s)
     finally:
@@ -197,14 +205,20 @@ def write_checkpoint(named_tensors: Sequence[tuple[str, torch.Tensor]], director
     """Write the tensors as one safetensors file, the layout /update_weights_from_disk reads."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    save_file({name: tensor.detach().contiguous().cpu() for name, tensor in named_tensors}, str(directory / CHECKPOINT_FILE))
+    save_file(
+        {name: tensor.detach().contiguous().cpu() for name, tensor in named_tensors}, str(directory / CHECKPOINT_FILE)
+    )
     return directory
 
 
-def push_target_from_disk(endpoint: ServerEndpoint, model_dir: str | Path, weight_version: str, timeout_s: float = 1800.0) -> None:
+def push_target_from_disk(
+    endpoint: ServerEndpoint, model_dir: str | Path, weight_version: str, timeout_s: float = 1800.0
+) -> None:
     """Have one server reload the policy from `model_dir` (a folder of *.safetensors the server can read)."""
     body = {"model_path": str(model_dir), "weight_version": weight_version, "flush_cache": True}
-    _require_success(post_json(endpoint, "/update_weights_from_disk", body, timeout_s), endpoint, f"load weights from {model_dir}")
+    _require_success(
+        post_json(endpoint, "/update_weights_from_disk", body, timeout_s), endpoint, f"load weights from {model_dir}"
+    )
 
 
 def probe_accept_length(
