@@ -45,30 +45,32 @@ from tlt_cli.rollout.engine import EmbeddedEngine
 from tlt_cli.rollout.speculative import SpeculativeDecoder
 from tlt_cli.rollout.types import RolloutRequest, SamplingParams, SpeculativeConfig
 from tlt_cli.tasks.arithmetic import ArithmeticTask
+from tlt_cli.tasks.prompts import encode_prompt
 
 BATCH_SIZES = (1, 2, 4, 8, 16, 32)
 # a Hugging Face folder (--model): batch sizes, SD shapes and prompt pool unless given
 REAL_BATCH_SIZES = (1, 4)
 REAL_CONFIGS = ("chain-2", "chain-4", "tree-4x2-8", "tree-6x4-16")
 REAL_PROMPTS = 8
-# user turns of the real-model prompts (each through the model's chat template)
+# user turns of the real-model prompts (each through the model's chat template): short math word
+# questions like the ones an instruct model is trained on in RL, and a few plain questions
 CHAT_QUESTIONS = (
-    "What is 12 + 7? Answer briefly.",
+    "Ava has 12 books. She buys 7 more. How many books does Ava have now?",
     "If I have 5 apples and eat 2, how many are left?",
-    "What is 9 times 8?",
-    "Name three primary colors.",
-    "What is the capital of France?",
     "A train travels 60 km in one hour. How far does it go in 3 hours?",
-    "Is 17 a prime number? Answer yes or no.",
-    "What is half of 50?",
     "Tom has 3 red balls and 4 blue balls. How many balls does he have?",
-    "What is the opposite of hot?",
-    "How many days are in a week?",
-    "What is 100 minus 37?",
-    "Spell the word 'cat' backwards.",
-    "What color is the sky on a clear day?",
+    "What is 9 times 8?",
     "If a pizza has 8 slices and you eat 3, how many slices remain?",
-    "Which is larger, 0.5 or 0.25?",
+    "Sam had 20 stickers. He gave 6 to a friend. How many stickers does Sam have now?",
+    "What is the capital of France?",
+    "A box holds 6 eggs. How many eggs are in 4 boxes?",
+    "Lena has 15 shells. She finds 9 more on the beach. How many shells does she have?",
+    "What is 100 minus 37?",
+    "Name three primary colors.",
+    "There are 24 students and 4 tables with the same number at each. How many students sit at each table?",
+    "Mia saves 5 dollars a week. How much has she saved after 6 weeks?",
+    "Is 17 a prime number? Answer yes or no.",
+    "A shop sold 14 cakes in the morning and 9 in the afternoon. How many cakes did it sell?",
 )
 # the long-tailed batch: answers from a few tokens to the max_new_tokens cap
 LONG_TAIL_QUESTIONS = (
@@ -158,6 +160,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--long-tail", action=argparse.BooleanOptionalAction, default=None,
                         help="also run the long-tailed batch of 16 chat requests (default: on for a folder)")
     parser.add_argument("--long-tail-max-new-tokens", type=int, default=128)
+    parser.add_argument("--assisted", action=argparse.BooleanOptionalAction, default=True,
+                        help="at B=1, also transformers' assisted generation (trains and caches its assistant)")
     parser.add_argument("--cache-dir", default=str(Path.home() / ".cache" / "tlt"),
                         help="trained drafter and assistant are cached here, per target folder and settings")
     parser.add_argument("--warmup-steps", type=int, default=2000, help="drafter (and assistant) training steps")
@@ -394,12 +398,8 @@ def goal_ratios(rows: list[RunResult]) -> list[str]:
 
 
 def chat_prompts(tokenizer, questions) -> list[list[int]]:
-    """Token ids of each question as one user turn through the model's chat template, ready for the reply."""
-    return [
-        list(tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
-                                           tokenize=True, return_dict=True)["input_ids"])
-        for question in questions
-    ]
+    """Token ids of each question as the rollout encodes it: one user turn through the chat template."""
+    return [encode_prompt(tokenizer, question) for question in questions]
 
 
 def benchmark_cells(tokenizer, task, args) -> list[tuple[str, int, list[list[int]], SamplingParams]]:
@@ -429,7 +429,7 @@ def main() -> None:
     shapes = [name for name in args.configs.split(",") if name != "off"]
     # `--configs off`: the plain engine against generate only, no drafter or assistant to train
     drafter, warmup_report = prepare_drafter(target, tokenizer, task, args) if shapes else (None, None)
-    assistant = prepare_assistant(target, tokenizer, task, args) if shapes else None
+    assistant = prepare_assistant(target, tokenizer, task, args) if shapes and args.assisted else None
     results: list[RunResult] = []
     for cell, batch_size, pool, sampling in benchmark_cells(tokenizer, task, args):
         runners = {
