@@ -14,8 +14,9 @@ GRPOConfig does not have, or that the recipe sets through its own key, or that t
 as it sets it (logging, saving, the output folder), is a `RecipeError` naming `trl.<key>`;
 `check_trl_recipe` (called by tlt_cli/preflight.py) checks the TRL version, the keys, and that
 GRPOConfig accepts the values. `prompt_dataset` and `TaskReward` give TRL the task's problems
-in tlt's data order and its exact reward. Only the TRL processes import TRL and datasets
-(tlt_cli/integrations/trl_run.py); the preflight check imports TRL.
+in tlt's data order (through the chat template when the model has one) and its exact reward.
+Only the TRL processes import TRL and datasets (tlt_cli/integrations/trl_run.py); the preflight
+check imports TRL.
 """
 
 from __future__ import annotations
@@ -29,9 +30,11 @@ from typing import TYPE_CHECKING, Any
 from tlt_cli.config import CPU_DEVICES, Recipe, RecipeError
 from tlt_cli.integrations.trl_support import check_trl_version
 from tlt_cli.tasks.base import Task
+from tlt_cli.tasks.prompts import uses_chat_template
 
 if TYPE_CHECKING:
     from datasets import Dataset
+    from transformers import PreTrainedTokenizerBase
     from trl import GRPOConfig
 
 # GRPOConfig fields the recipe sets through its own keys: field -> the recipe key to set instead
@@ -131,12 +134,18 @@ def build_grpo_config(recipe: Recipe, processes: int, run_directory: Path) -> GR
         return GRPOConfig(**grpo_config_arguments(recipe, processes, run_directory))
 
 
-def prompt_dataset(task: Task, recipe: Recipe) -> Dataset:
-    """The task's problems in tlt's data order (step s takes problems s*prompts_per_step onwards), one row each."""
+def prompt_dataset(task: Task, recipe: Recipe, tokenizer: PreTrainedTokenizerBase) -> Dataset:
+    """The task's problems in tlt's data order (step s takes problems s*prompts_per_step onwards), one row each.
+
+    With a chat template a prompt is one user message, which TRL renders with the generation prompt
+    as tlt's own rollout does (tlt_cli/tasks/prompts.py); without one it is the plain text.
+    """
     from datasets import Dataset
 
     indexes = list(range(recipe.train.steps * recipe.train.prompts_per_step))
-    return Dataset.from_dict({"prompt": [task.problem(index).prompt for index in indexes], "problem_index": indexes})
+    texts = [task.problem(index).prompt for index in indexes]
+    prompts = [[{"role": "user", "content": text}] for text in texts] if uses_chat_template(tokenizer) else texts
+    return Dataset.from_dict({"prompt": prompts, "problem_index": indexes})
 
 
 class TaskReward:

@@ -105,8 +105,8 @@ class TrlRun:
             seed=recipe.run.seed)
         self.trainer = TimedGRPOTrainer(
             model=policy, reward_funcs=self.reward, args=build_grpo_config(recipe, self.processes, spec.run_directory),
-            train_dataset=prompt_dataset(task, recipe), processing_class=tokenizer, rollout_func=self.rollout,
-            callbacks=[StepReporter(self)])
+            train_dataset=prompt_dataset(task, recipe, tokenizer), processing_class=tokenizer,
+            rollout_func=self.rollout, callbacks=[StepReporter(self)])
 
     def train(self) -> None:
         resume = self.spec.resume_from
