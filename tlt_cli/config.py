@@ -329,7 +329,7 @@ def recipe_from_config(loaded: DictConfig, overrides: list[str] | tuple[str, ...
     schema = OmegaConf.structured(Recipe)
     try:
         merged = OmegaConf.merge(schema, loaded)
-    except OmegaConfBaseException as error:
+    except (OmegaConfBaseException, TypeError) as error:
         raise RecipeError(f"{origin}: {_describe(error)}") from None
     for override in overrides:
         merged = _apply_override(merged, override)
@@ -354,7 +354,7 @@ def _apply_override(merged: DictConfig, override: str) -> DictConfig:
         raise RecipeError(f"override '{override}': the value is not valid YAML ({_first_line(error)}).") from None
     try:
         return OmegaConf.merge(merged, parsed)
-    except OmegaConfBaseException as error:
+    except (OmegaConfBaseException, TypeError) as error:
         raise RecipeError(f"override '{override}': {_describe(error)}") from None
 
 
@@ -363,7 +363,9 @@ _MISSING_KEY = object()
 FREE_FORM_SECTIONS = ("task.options.", "plugins.options.", "trl.")
 
 
-def _describe(error: OmegaConfBaseException) -> str:
+def _describe(error: OmegaConfBaseException | TypeError) -> str:
+    if isinstance(error, TypeError):  # OmegaConf's merge of a list into a section, or a section into a list
+        return "a list cannot take the place of a section, nor a section the place of a list or value."
     key = getattr(error, "full_key", None) or "?"
     message = _first_line(error)
     if "not in struct" in message or ("Key '" in message and "not in" in message):
