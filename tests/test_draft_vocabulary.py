@@ -215,7 +215,15 @@ def test_warm_up_with_a_reduced_vocabulary_reports_it_and_learns():
         target.get_decoder().norm.weight.mul_(8.0)
     target.eval()
     settings = {"steps": 60, "batch_size": 8, "lr": 3e-3, "train_prompts": 32, "held_out_prompts": 8, "max_new_tokens": 24}
-    drafter, report = warm_up_drafter(target, tokenizer, ArithmeticTask(seed=0), seed=0, vocab_size=24, **settings)
+    reports = []
+    drafter, report = warm_up_drafter(target, tokenizer, ArithmeticTask(seed=0), seed=0, vocab_size=24,
+                                      progress=lambda *call: reports.append(call), **settings)
+    # every phase's bar starts at 0 before its work and ends full, in order
+    assert reports[0] == ("generate", 0, 40)
+    phases = list(dict.fromkeys(phase for phase, _, _ in reports))
+    assert phases == ["generate", "prompt states", "train", "evaluate"]
+    assert all([call for call in reports if call[0] == phase][-1][1:] == (total, total)
+               for phase, total in zip(phases, (40, 1, 60, 1)))
     assert drafter.vocabulary.size == report.draft_vocab_size == 24 < target.config.vocab_size
     assert tokenizer.eos_token_id in drafter.vocabulary.target_ids.tolist()
     assert 0.5 < report.draft_vocab_coverage <= 1.0

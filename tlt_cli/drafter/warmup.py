@@ -252,6 +252,9 @@ def collect_warmup_data(
     start = time.perf_counter()
     prompts = encode_prompts(tokenizer, task, range(train_prompts + held_out_prompts))
     report = (lambda done: progress("generate", done, len(prompts))) if progress is not None else None
+    if report is not None:
+        # the bar (and its clock) starts now, not when the first response ends
+        report(0)
     train = sample_completions(target, tokenizer, prompts[:train_prompts], sampling, seed, True, report)
     greedy = SamplingParams(max_new_tokens=sampling.max_new_tokens, temperature=0.0)
     held_out_report = (lambda done: report(train_prompts + done)) if report is not None else None
@@ -357,4 +360,5 @@ def warm_up_drafter(
     """
     sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature)
     data = collect_warmup_data(target, tokenizer, task, train_prompts, held_out_prompts, sampling, seed, progress)
-    return train_warmup_drafter(target, tokenizer, data, steps, batch_size, lr, seed, weight_decay, vocab_size, progress)
+    return train_warmup_drafter(target, tokenizer, data, steps, batch_size, lr, seed, weight_decay, vocab_size,
+                                progress)
