@@ -13,9 +13,10 @@ the recipe's sampling and max_new_tokens; the running batch shrinks as responses
 Variants run in turn within each repeat, so machine load hits them alike. Every decode step is
 timed and counted in its phase: `large` while the running batch is at least --large-batch (where
 SD costs more than it saves), `tail` below; a step counts with the running batch it began with,
-from its start to the end of its bookkeeping, and for the response tokens it added. Prints emitted tokens per second over the whole
-rollout and per phase, with ratios to off (sampled outputs differ between variants sample for
-sample, so rates, not times, are compared), and writes JSON.
+from its start to the end of its bookkeeping, and for the response tokens it added. Prints
+emitted tokens per second over the whole rollout and per phase, with ratios to off (sampled
+outputs differ between variants sample for sample, so rates, not times, are compared), and
+writes JSON.
 """
 
 from __future__ import annotations

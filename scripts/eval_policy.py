@@ -127,7 +127,10 @@ def main() -> None:
     }
     results = compare(problems, rewards["start"], rewards["trained"], term_count)
     table = Table(
-        title=f"held-out mean reward ({arguments.problems} problems x {arguments.samples} samples), start vs {checkpoint.name}"
+        title=(
+            f"held-out mean reward ({arguments.problems} problems x {arguments.samples} samples), "
+            f"start vs {checkpoint.name}"
+        )
     )
     for column in ("terms", "problems", "start", "trained", "paired difference"):
         table.add_column(column, justify="right")

@@ -131,7 +131,7 @@ def test_checkpoint_round_trip_restores_drafter_optimizer_and_window(tmp_path):
     # the next training step is identical in both: same optimizer state, same data draw
     for each in (sidecar, restored):
         polls = iter([False, True])
-        each.on_worker_idle(context(1, target, each.drafter), lambda: next(polls))
+        each.on_worker_idle(context(1, target, each.drafter), lambda polls=polls: next(polls))
     for name, value in drafter.state_dict().items():
         assert torch.equal(value, fresh_drafter.state_dict()[name]), name
 

@@ -63,7 +63,8 @@ def partly_right_drafter(target, noise=0.1):
 def write_recipe(path, model_dir, steps=3):
     path.write_text(
         f"run: {{name: exported}}\nmodel: {{path: {model_dir}}}\n"
-        f"train: {{steps: {steps}, prompts_per_step: 2, group_size: 2}}\nworkers: {{count: 1}}\nrollout: {{max_new_tokens: 40}}\n"
+        f"train: {{steps: {steps}, prompts_per_step: 2, group_size: 2}}\n"
+        "workers: {count: 1}\nrollout: {max_new_tokens: 40}\n"
     )
     return path
 

@@ -285,7 +285,8 @@ def test_event_channel_delivers_in_order_rejects_strangers_and_ends_ranks_when_c
             "-c",
             (
                 "import sys, time; from tlt_cli.processes.event_channel import connect_to_driver; "
-                f"connect_to_driver('127.0.0.1', {listener.port}, b'secret of the run').put('ready'); time.sleep(60); sys.exit(0)"
+                f"connect_to_driver('127.0.0.1', {listener.port}, b'secret of the run').put('ready'); "
+                "time.sleep(60); sys.exit(0)"
             ),
         ]
     )

@@ -180,7 +180,8 @@ def test_plain_jsonl_records_are_read_like_the_csv(tmp_path):
         ('{"type": "run"}\n[1, 2]\n', "line 2 is not a JSON object"),
         ('{"type": "run"}\n{"type": "request", "step": 0, "worker": 0, "start": 0}\n', "line 2 lacks 'end'"),
         (
-            '{"type": "run"}\n{"type": "worker", "step": 0, "worker": "a", "busy_start": 0, "busy_end": 1, "idle_end": 1}\n',
+            '{"type": "run"}\n'
+            '{"type": "worker", "step": 0, "worker": "a", "busy_start": 0, "busy_end": 1, "idle_end": 1}\n',
             "line 2: 'worker' is 'a', expected an integer",
         ),
         (

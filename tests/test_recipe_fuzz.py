@@ -148,7 +148,9 @@ RECIPE_FILES = {
     "repeated section": "run:\n  name: a\nrun:\n  name: b\n",
     "alias": "run:\n  name: &n a\n  output_dir: *n\n",
     "recursive alias": "run: &r\n  name: *r\n",
-    "billion laughs": "a: &a [x, x, x, x, x, x, x, x, x]\nb: &b [*a, *a, *a, *a, *a, *a, *a, *a, *a]\nc: [*b, *b, *b]\n",
+    "billion laughs": (
+        "a: &a [x, x, x, x, x, x, x, x, x]\nb: &b [*a, *a, *a, *a, *a, *a, *a, *a, *a]\nc: [*b, *b, *b]\n"
+    ),
     "merge key": "base: &base {steps: 3}\ntrain:\n  <<: *base\n",
     "python tag": 'run:\n  name: !!python/object/apply:os.system ["echo hi"]\n',
     "binary tag": "run:\n  name: !!binary aGVsbG8=\n",

@@ -1,5 +1,6 @@
 """Recipe loading and validation: every shipped recipe loads; each kind of bad input is one line, exit 2."""
 
+from dataclasses import FrozenInstanceError
 from pathlib import Path
 
 import pytest
@@ -50,7 +51,7 @@ def test_recipe_files_read_yes_no_on_off_as_words_and_refuse_repeated_keys(tmp_p
 
 def test_recipe_is_frozen():
     recipe = load_checked_recipe(shipped_recipes()[0])
-    with pytest.raises(Exception):
+    with pytest.raises(FrozenInstanceError):
         recipe.train.steps = 5
 
 

@@ -90,9 +90,13 @@ SGLANG_CHECK = textwrap.dedent(
         server_args = ServerArgs.from_cli_args(namespace)
         answer = {name: getattr(server_args, name) for name in request["fields"]}
         if server_args.speculative_adaptive:
-            router = AdaptiveSpeculativeParams(server_args.speculative_num_steps, server_args.speculative_adaptive_config)
+            router = AdaptiveSpeculativeParams(
+                server_args.speculative_num_steps, server_args.speculative_adaptive_config
+            )
             router.set_cuda_graph_bs(generate_decode_cuda_graph_batch_sizes(server_args, request["max_batch"]))
-            answer["steps_by_batch"] = [router.get_steps_for_batch(size) for size in range(1, request["max_batch"] + 1)]
+            answer["steps_by_batch"] = [
+                router.get_steps_for_batch(size) for size in range(1, request["max_batch"] + 1)
+            ]
         answer["captured"] = generate_decode_cuda_graph_batch_sizes(server_args, request["max_batch"])
         answers.append(answer)
     print(json.dumps(answers))
@@ -186,7 +190,8 @@ def sglang_answers(tmp_path_factory):
     """One run of the SGLang interpreter over every command: each plan, the uncaptured table, a misspelt flag."""
     if not Path(SGLANG_PYTHON).is_file():
         pytest.skip(
-            f"no SGLang 0.5.23 interpreter at {SGLANG_PYTHON} (set TLT_SGLANG_PYTHON; docs/gpu.md shows how to build it)"
+            f"no SGLang 0.5.23 interpreter at {SGLANG_PYTHON} "
+            "(set TLT_SGLANG_PYTHON; docs/gpu.md shows how to build it)"
         )
     tmp_path = tmp_path_factory.mktemp("sglang_commands")
     plans = every_plan() + [plan_for_sglang(UNCAPTURED_TABLE, FEATURES, auto_off_on_collapse=False)]

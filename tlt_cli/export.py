@@ -197,7 +197,8 @@ def _checkpoint_source(checkpoint_dir: Path, recipe_path: Path | None) -> Drafte
     drafter_dir = checkpoint_dir / sidecar.DRAFTER_DIRECTORY
     if not (drafter_dir / CONFIG_FILE).is_file():
         raise ExportError(
-            f"checkpoint {checkpoint_dir} has no drafter/ folder: the run trained no drafter (enable the drafter sidecar)."
+            f"checkpoint {checkpoint_dir} has no drafter/ folder: the run trained no drafter "
+            "(enable the drafter sidecar)."
         )
     run_recipe = checkpoint_dir.parent.parent / "recipe.yaml"
     state = json.loads((checkpoint_dir / STATE_FILE).read_text(encoding="utf-8"))
@@ -322,7 +323,8 @@ def load_exported_drafter(export_dir: Path, target: PreTrainedModel) -> EagleDra
     expected = sglang_architecture(target)
     if config.get("architectures") != [expected] or config.get("hidden_size") != target.config.hidden_size:
         raise ExportError(
-            f"{export_dir} is a {config.get('architectures')} drafter of hidden size {config.get('hidden_size')}, not a {expected} drafter for this target."
+            f"{export_dir} is a {config.get('architectures')} drafter of hidden size {config.get('hidden_size')}, "
+            f"not a {expected} drafter for this target."
         )
     drafter = EagleDrafter(target)
     state = {}
@@ -374,7 +376,10 @@ def target_description(source: DrafterSource, target: PreTrainedModel) -> str:
     folder = str(target.name_or_path or source.recipe.model.path)
     if source.rl_step is None:
         return folder
-    return f"{source.recipe.model.path} after {source.rl_step} RL steps (actor weights in {source.checkpoint_dir / CHECKPOINT_TAG})"
+    return (
+        f"{source.recipe.model.path} after {source.rl_step} RL steps "
+        f"(actor weights in {source.checkpoint_dir / CHECKPOINT_TAG})"
+    )
 
 
 def model_card(summary: ExportSummary, source: DrafterSource, drafter_config: PretrainedConfig) -> str:
@@ -390,15 +395,28 @@ def model_card(summary: ExportSummary, source: DrafterSource, drafter_config: Pr
         "embed_tokens.weight" if drafter_config.tie_word_embeddings else "embed_tokens.weight, lm_head.weight"
     )
     shared = (
-        f"included ({shared_names}) for loaders without the target at hand; SGLang {SGLANG_VERSIONS_CHECKED} binds the target's own"
+        f"included ({shared_names}) for loaders without the target at hand; "
+        f"SGLang {SGLANG_VERSIONS_CHECKED} binds the target's own"
         if summary.include_shared
-        else "not included: SGLang shares the target's embedding and lm_head with the draft (eagle_worker_v2.init_lm_head)"
+        else "not included: SGLang shares the target's embedding and lm_head with the draft "
+        "(eagle_worker_v2.init_lm_head)"
+    )
+    architecture = (
+        f"`{summary.architecture}`: 1 decoder layer, hidden {drafter_config.hidden_size}, "
+        f"vocabulary {drafter_config.vocab_size}"
     )
     depth_rows = "\n".join(
         f"| {depth + 1} | {proposed} | {accepted} | {accepted / proposed if proposed else 0.0:.2f} |"
         for depth, (proposed, accepted) in enumerate(zip(measurement.proposed_by_depth, measurement.accepted_by_depth))
     )
     last_problem = measurement.first_problem_index + measurement.prompts - 1
+    measured_on = (
+        f"{measurement.prompts} held-out prompts of task `{source.recipe.task.name}` "
+        f"(problems {measurement.first_problem_index}-{last_problem}, after every problem the run drew), "
+        f"greedy, chain of {steps} draft tokens, batch size 1, at most {measurement.max_new_tokens} new tokens, "
+        "in tlt's embedded engine"
+    )
+    layout_sources = "`models/llama_eagle.py`, `models/qwen2_eagle.py`, `speculative/eagle_worker_v2.py`"
     return f"""# EAGLE drafter for {summary.target}
 
 Exported by `tlt export-drafter` from `{source.drafter_dir}`: a one-layer EAGLE drafter trained by
@@ -408,12 +426,12 @@ tlt during GRPO, on the target's own hidden states.
 |---|---|
 | target | {summary.target} |
 | RL step | {source.rl_step if source.rl_step is not None else "none (drafter folder outside a run)"} |
-| architecture | `{summary.architecture}`: 1 decoder layer, hidden {drafter_config.hidden_size}, vocabulary {drafter_config.vocab_size} |
+| architecture | {architecture} |
 | accept length | **{measurement.accept_length:.3f}** tokens per verify pass ({measurement.verify_passes} passes) |
-| measured on | {measurement.prompts} held-out prompts of task `{source.recipe.task.name}` (problems {measurement.first_problem_index}-{last_problem}, after every problem the run drew), greedy, chain of {steps} draft tokens, batch size 1, at most {measurement.max_new_tokens} new tokens, in tlt's embedded engine |
+| measured on | {measured_on} |
 | reload check | this folder reloaded into tlt reproduces accept length {summary.reloaded_accept_length:.3f} |
 | embedding / lm_head | {shared} |
-| layout checked against | SGLang {SGLANG_VERSIONS_CHECKED} source: `models/llama_eagle.py`, `models/qwen2_eagle.py`, `speculative/eagle_worker_v2.py` |
+| layout checked against | SGLang {SGLANG_VERSIONS_CHECKED} source: {layout_sources} |
 
 ## Serve with SGLang
 

@@ -41,8 +41,9 @@ class StepContext:
     """What a hook may look at and act on during one step of one worker.
 
     engine: the worker's rollout backend (a RolloutBackend, tlt_cli/rollout/backend.py); policy: the
-    actor's module (shared weights); drafter: the drafter the rollout speculates with (None when the run has none; a plugin may train it in
-    place); metrics: a dict the plugin may add numbers to, reported in the step's worker record.
+    actor's module (shared weights); drafter: the drafter the rollout speculates with (None when the
+    run has none; a plugin may train it in place); metrics: a dict the plugin may add numbers to,
+    reported in the step's worker record.
     """
 
     step: int

@@ -172,7 +172,8 @@ def _check_shape(config: SpeculativeConfig, vocab_size: int) -> None:
 
 
 def load_model_pair(recipe: Recipe) -> tuple[ModelPair, PreTrainedTokenizerBase, str]:
-    """(the target and its initial drafter as a training run starts them, the tokenizer, where the drafter came from)."""
+    """(the target and its initial drafter as a training run starts them, the tokenizer, where the drafter came
+    from)."""
     from tlt_cli.drafter.initial import initial_drafter, prepare_initial_drafter
     from tlt_cli.models.loading import load_policy
     from tlt_cli.processes.driver import cache_directory
@@ -191,7 +192,8 @@ def load_model_pair(recipe: Recipe) -> tuple[ModelPair, PreTrainedTokenizerBase,
 def _shard_maker(
     task: Task, tokenizer: PreTrainedTokenizerBase, recipe: Recipe
 ) -> Callable[[int], list[RolloutRequest]]:
-    """requests_for(repeat): one worker shard of fresh prompts, group_size rows of each, as a training step hands out."""
+    """requests_for(repeat): one worker shard of fresh prompts, group_size rows of each, as a training step hands
+    out."""
     prompts_per_shard = recipe.train.prompts_per_step // recipe.workers.count
 
     def requests_for(repeat: int) -> list[RolloutRequest]:

@@ -97,7 +97,8 @@ def bucket_totals(steps: list[DecodeStep], grid: list[int]) -> dict[int, ShardTo
 
 
 def fixed_decoder(pair: ModelPair, config: SpeculativeConfig | None) -> SpeculativeDecoder:
-    """A decoder with `config` at every step (None: plain decoding steps inside it, as the adaptive engine runs them)."""
+    """A decoder with `config` at every step (None: plain decoding steps inside it, as the adaptive engine runs
+    them)."""
     return SpeculativeDecoder(pair.drafter, lambda batch_size: config)
 
 

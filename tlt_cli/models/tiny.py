@@ -246,7 +246,8 @@ def ensure_tiny_model(
     warmup_steps: int = WarmUpSettings.steps,
     config: PretrainedConfig | None = None,
 ) -> Path:
-    """The folder of a warmed-up tiny model (default config and warm-up unless given), building it first if the cache lacks it.
+    """The folder of a warmed-up tiny model (default config and warm-up unless given), built first if the cache
+    lacks it.
 
     The folder is `<cache_dir>/tiny-arith-<hash of settings>`; it is built in a temporary
     sibling and renamed into place, under a file lock so concurrent ranks build it once.

@@ -58,7 +58,10 @@ class LocalWorkers:
         """A worker that is gone without finishing, or None while all are alive or done."""
         for rank, process in enumerate(self.processes):
             if rank not in finished and not process.is_alive():
-                return f"worker {rank} exited with code {process.exitcode} without reporting an error (killed, or out of memory?)."
+                return (
+                    f"worker {rank} exited with code {process.exitcode} without reporting an error "
+                    "(killed, or out of memory?)."
+                )
         return None
 
     def stop(self) -> None:

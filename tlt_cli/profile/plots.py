@@ -54,7 +54,8 @@ def _plot_timeline(profile: Profile, segments: list[Segment], path: Path) -> Non
     )
     axes.set_title(
         f"rollout timeline: idle {profile.idle_fraction:.0%} of worker time, "
-        f"projected {profile.projection.speedup_of} speedup {profile.projection.projected_speedup:.2f}x with SD in the tail"
+        f"projected {profile.projection.speedup_of} speedup {profile.projection.projected_speedup:.2f}x "
+        "with SD in the tail"
     )
     legend = [
         Patch(color=STATE_COLOURS["busy"], label="busy"),

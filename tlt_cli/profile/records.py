@@ -229,7 +229,8 @@ def _csv_requests(path: Path) -> Iterator[RequestRecord]:
         missing = [name for name in REQUIRED_REQUEST_FIELDS if name not in columns]
         if missing:
             raise ProfileInputError(
-                f"{path} lacks the column(s) {', '.join(missing)}; the header must name {', '.join(REQUIRED_REQUEST_FIELDS)}."
+                f"{path} lacks the column(s) {', '.join(missing)}; "
+                f"the header must name {', '.join(REQUIRED_REQUEST_FIELDS)}."
             )
         for row in reader:
             cleaned = {

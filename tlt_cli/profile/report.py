@@ -33,7 +33,8 @@ def render_profile(
     """Print every table of the profile, the terminal Gantt and histogram, then where the PNGs went."""
     steps_word = "step" if len(profile.steps) == 1 else "steps"
     console.print(
-        f"[bold]tlt profile[/] {profile.source} ({profile.kind}, {profile.workers} workers, {len(profile.steps)} {steps_word})",
+        f"[bold]tlt profile[/] {profile.source} "
+        f"({profile.kind}, {profile.workers} workers, {len(profile.steps)} {steps_word})",
         highlight=False,
     )
     console.print(_lengths_table(profile))
@@ -44,8 +45,8 @@ def render_profile(
     _render_projection(console, profile)
     console.print(
         Text(
-            "per-worker timeline (last steps; █ busy, ▓ tail: 1-%d requests in flight, · idle)"
-            % profile.projection.tail_batch,
+            f"per-worker timeline (last steps; █ busy, ▓ tail: 1-{profile.projection.tail_batch} requests in flight, "
+            "· idle)",
             style="bold",
         )
     )
@@ -134,7 +135,8 @@ def _idle_summary(profile: Profile) -> str:
     )
     return (
         f"rollout {profile.rollout_seconds:.2f} s{share}; idle {profile.idle_worker_seconds:.2f} worker-s = "
-        f"{profile.idle_fraction:.0%} of worker time; fewer than half the workers busy {profile.under_half_busy_share:.0%} "
+        f"{profile.idle_fraction:.0%} of worker time; "
+        f"fewer than half the workers busy {profile.under_half_busy_share:.0%} "
         f"of rollout, at least one idle {profile.some_idle_share:.0%}"
     )
 
@@ -184,8 +186,8 @@ def _drafter_summary(profile: Profile) -> str:
 def _render_projection(console: Console, profile: Profile) -> None:
     projection = profile.projection
     console.print(
-        f"[bold]reclaimable[/] {projection.reclaimable_seconds:.2f} s of {profile.rollout_seconds:.2f} s rollout -> projected "
-        f"{projection.speedup_of} speedup [bold]{projection.projected_speedup:.2f}x[/]",
+        f"[bold]reclaimable[/] {projection.reclaimable_seconds:.2f} s of {profile.rollout_seconds:.2f} s rollout "
+        f"-> projected {projection.speedup_of} speedup [bold]{projection.projected_speedup:.2f}x[/]",
         highlight=False,
     )
     console.print(f"  model: {projection.model}", highlight=False)

@@ -171,7 +171,8 @@ def _adaptive_differences(rules: Sequence[BatchRule], auto_off_on_collapse: bool
     uncaptured = [rule.max_batch for rule in rules[:-1] if rule.max_batch not in captured]
     if uncaptured:
         differences.append(
-            f"range ends {uncaptured} are not CUDA-graph batch sizes, so padding moves those batches into the next slot early."
+            f"range ends {uncaptured} are not CUDA-graph batch sizes, "
+            "so padding moves those batches into the next slot early."
         )
     if auto_off_on_collapse:
         differences.append(

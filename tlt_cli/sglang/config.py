@@ -2,8 +2,8 @@
 
 `SGLangConfig` lives in tlt_cli/config.py beside the other frozen recipe sections (re-exported
 here); the recipe checks (tlt_cli/recipe_checks.py) call `validate_sglang_config` once when
-`rollout.backend: sglang` and it raises a `RecipeError` naming the key. Everything the SGLang backend launches or sends is derived
-from these fields, the model path and the run directory.
+`rollout.backend: sglang` and it raises a `RecipeError` naming the key. Everything the SGLang
+backend launches or sends is derived from these fields, the model path and the run directory.
 """
 
 from __future__ import annotations
@@ -57,12 +57,14 @@ def validate_sglang_config(config: SGLangConfig) -> None:
     _require(config.tp_size >= 1, f"rollout.sglang.tp_size must be at least 1, got {config.tp_size}.")
     _require(
         len(config.gpus) % config.tp_size == 0,
-        f"rollout.sglang.gpus has {len(config.gpus)} GPUs, not a multiple of rollout.sglang.tp_size ({config.tp_size}).",
+        f"rollout.sglang.gpus has {len(config.gpus)} GPUs, "
+        f"not a multiple of rollout.sglang.tp_size ({config.tp_size}).",
     )
     last_port = config.port_base + PORTS_PER_SERVER * config.server_count - 1
     _require(
         1024 <= config.port_base and last_port <= 65535,
-        f"rollout.sglang.port_base must leave ports {config.port_base}..{last_port} within 1024..65535, got {config.port_base}.",
+        f"rollout.sglang.port_base must leave ports {config.port_base}..{last_port} within 1024..65535, "
+        f"got {config.port_base}.",
     )
     _require(
         config.startup_timeout_s > 0,
@@ -87,15 +89,18 @@ def validate_sglang_config(config: SGLangConfig) -> None:
     )
     _require(
         config.probe_max_new_tokens >= 2,
-        f"rollout.sglang.probe_max_new_tokens must be at least 2 (a probe needs decode steps), got {config.probe_max_new_tokens}.",
+        "rollout.sglang.probe_max_new_tokens must be at least 2 (a probe needs decode steps), "
+        f"got {config.probe_max_new_tokens}.",
     )
     _require(
         config.collapse_accept_length >= 1.0,
-        f"rollout.sglang.collapse_accept_length must be >= 1.0 (1.0 = no draft token accepted), got {config.collapse_accept_length}.",
+        "rollout.sglang.collapse_accept_length must be >= 1.0 (1.0 = no draft token accepted), "
+        f"got {config.collapse_accept_length}.",
     )
     for argument in config.extra_args:
         flag = argument.split("=", 1)[0]
         _require(
             flag not in FLAGS_SET_BY_TLT,
-            f"rollout.sglang.extra_args sets {flag}, which tlt sets itself; remove it (see docs/gpu.md for the fields that control it).",
+            f"rollout.sglang.extra_args sets {flag}, which tlt sets itself; "
+            "remove it (see docs/gpu.md for the fields that control it).",
         )

@@ -42,7 +42,8 @@ def recorded_server_groups(run_directory: Path) -> list[int]:
 
 
 def stop_recorded_servers(run_directory: Path, timeout_s: float) -> list[int]:
-    """Stop the recorded groups that still run (SIGTERM, SIGKILL after timeout_s), drop the records; the groups stopped."""
+    """Stop the recorded groups that still run (SIGTERM, SIGKILL after timeout_s), drop the records; the groups
+    stopped."""
     running = [group for group in recorded_server_groups(run_directory) if live_group_members(group)]
     for group in running:
         _signal_group(group, signal.SIGTERM)

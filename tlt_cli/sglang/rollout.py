@@ -55,7 +55,8 @@ def servers_of_worker(config: SGLangConfig, worker: int, worker_count: int) -> S
 
 
 def export_drafter_for_sglang(drafter: torch.nn.Module, target: PreTrainedModel, directory: Path) -> Path:
-    """Write the drafter as an SGLang EAGLE draft folder (config.json, model.safetensors), as `tlt export-drafter` does."""
+    """Write the drafter as an SGLang EAGLE draft folder (config.json, model.safetensors), as `tlt export-drafter`
+    does."""
     from safetensors.torch import save_file
 
     from tlt_cli.export import EXPORT_CONFIG_FILE, WEIGHTS_FILE, sglang_config, sglang_tensors

@@ -7,11 +7,12 @@ into the list of things tlt relies on, each found by reading that release's sour
 full; 0.5.10, 0.5.11, 0.5.12, 0.5.13, 0.5.16, 0.5.19, 0.5.20, 0.5.21 and 0.5.22 for the presence of
 each feature):
 
-| feature | first release that has it |
-|---|---|
-| `--speculative-adaptive`, per-batch-size slots with step 0 (= SD off) | 0.5.16 (absent in 0.5.12, slots without step 0 in 0.5.13) |
-| `selector` ("target" / "draft") on update-from-tensor, inside a `/begin_weight_update` ... `/end_weight_update` session | 0.5.21 |
-| target-only update-from-tensor through `disable_draft_model` (no session) | 0.5.10 to 0.5.20 (the field is in all; its handling was read in 0.5.20) |
+- `--speculative-adaptive`, per-batch-size slots with step 0 (= SD off): since 0.5.16 (absent in
+  0.5.12, slots without step 0 in 0.5.13).
+- `selector` ("target" / "draft") on update-from-tensor, inside a `/begin_weight_update` ...
+  `/end_weight_update` session: since 0.5.21.
+- target-only update-from-tensor through `disable_draft_model` (no session): 0.5.10 to 0.5.20 (the
+  field is in all; its handling was read in 0.5.20).
 
 Update from disk has no selector in any of them: it reloads every runner from the one path.
 """
@@ -77,7 +78,8 @@ def sglang_features(version: str) -> SGLangFeatures:
     number = parse_version(version)
     if number < DISABLE_DRAFT_MODEL_SINCE:
         raise SGLangVersionError(
-            f"SGLang {version} is older than 0.5.10, the oldest release tlt was checked against; install sglang==0.5.23."
+            f"SGLang {version} is older than 0.5.10, the oldest release tlt was checked against; "
+            "install sglang==0.5.23."
         )
     return SGLangFeatures(
         version=version,
@@ -98,6 +100,7 @@ def installed_sglang_version(python: str) -> str:
         ) from None
     if result.returncode != 0:
         raise SGLangVersionError(
-            f"sglang is not installed for '{python}'; run `pip install -e .[sglang]` on the GPU machine or set rollout.sglang.python."
+            f"sglang is not installed for '{python}'; run `pip install -e .[sglang]` on the GPU machine "
+            "or set rollout.sglang.python."
         )
     return result.stdout.strip()

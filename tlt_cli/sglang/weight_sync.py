@@ -82,8 +82,8 @@ def target_tensors(
     for name, tensor in named_parameters:
         if not name.startswith(TARGET_PREFIXES):
             raise WeightSyncError(
-                f"parameter '{name}' is not a Hugging Face checkpoint name (model.* or lm_head.*); SGLang would skip it "
-                "silently: pass the parameters of the unwrapped model (model.named_parameters())."
+                f"parameter '{name}' is not a Hugging Face checkpoint name (model.* or lm_head.*); "
+                "SGLang would skip it silently: pass the parameters of the unwrapped model (model.named_parameters())."
             )
         if tie_word_embeddings and name == "lm_head.weight":
             continue
