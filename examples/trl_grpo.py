@@ -54,8 +54,10 @@ class PrintSteps(TrainerCallback):
             seconds = sum(record.seconds for record in records)
             accept = max((record.accept_length for record in records), default=0.0)
             drafter_steps = sum(record.sidecar.get("drafter_steps", 0.0) for record in records)
-            line += (f"  process {records[0].process}: rollout {seconds:.2f} s  accept length {accept:.2f}  "
-                     f"drafter steps in the wait {drafter_steps:.0f}")
+            line += (
+                f"  process {records[0].process}: rollout {seconds:.2f} s  accept length {accept:.2f}  "
+                f"drafter steps in the wait {drafter_steps:.0f}"
+            )
         print(line, flush=True)
 
 
@@ -63,21 +65,42 @@ def main(arguments: argparse.Namespace) -> None:
     folder = model_folder(arguments.model)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(folder)
-    dataset = Dataset.from_dict({"prompt": [TASK.problem(number).prompt for number in range(512)],
-                                 "index": list(range(512))})
+    dataset = Dataset.from_dict(
+        {"prompt": [TASK.problem(number).prompt for number in range(512)], "index": list(range(512))}
+    )
     config = GRPOConfig(
-        output_dir=arguments.output_dir, max_steps=arguments.steps, per_device_train_batch_size=arguments.batch_size,
-        num_generations=arguments.num_generations, max_completion_length=arguments.max_completion_length,
-        learning_rate=5e-5, logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, bf16=False,
-        disable_tqdm=True, seed=arguments.seed,
+        output_dir=arguments.output_dir,
+        max_steps=arguments.steps,
+        per_device_train_batch_size=arguments.batch_size,
+        num_generations=arguments.num_generations,
+        max_completion_length=arguments.max_completion_length,
+        learning_rate=5e-5,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        bf16=False,
+        disable_tqdm=True,
+        seed=arguments.seed,
     )
-    rollout = None if arguments.trl_generation else tlt_rollout(
-        speculative={"mode": arguments.speculative}, drafter=arguments.drafter, seed=arguments.seed,
-        drafter_config={"warmup_prompts": 128, "warmup_steps": 200},  # a quick warm-up, cached after the first run
+    rollout = (
+        None
+        if arguments.trl_generation
+        else tlt_rollout(
+            speculative={"mode": arguments.speculative},
+            drafter=arguments.drafter,
+            seed=arguments.seed,
+            drafter_config={"warmup_prompts": 128, "warmup_steps": 200},  # a quick warm-up, cached after the first run
+        )
     )
-    trainer = GRPOTrainer(model=model, reward_funcs=correct_answer, args=config, train_dataset=dataset,
-                          processing_class=tokenizer,
-                          rollout_func=rollout)  # <- the one argument tlt adds to a TRL script
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=correct_answer,
+        args=config,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        rollout_func=rollout,
+    )  # <- the one argument tlt adds to a TRL script
     trainer.add_callback(PrintSteps(rollout))
     trainer.train()
     if rollout is not None and rollout.drafter is not None:

@@ -74,13 +74,22 @@ CHAT_QUESTIONS = (
 )
 # the long-tailed batch: answers from a few tokens to the max_new_tokens cap
 LONG_TAIL_QUESTIONS = (
-    "What is 12 + 7? Answer briefly.", "Name three primary colors.", "What is the capital of France?",
-    "Write one sentence about the sea.", "If I have 5 apples and eat 2, how many are left?",
-    "Write a short story about a robot who learns to paint.", "Explain how photosynthesis works.",
-    "What is 9 times 8?", "Is 17 a prime number? Answer yes or no.", "Describe your ideal weekend in detail.",
-    "Spell the word 'cat' backwards.", "List the planets of the solar system and one fact about each.",
-    "What color is the sky on a clear day?", "Explain why the sum of two odd numbers is even.",
-    "Translate 'good morning' into French.", "Write a poem about autumn leaves.",
+    "What is 12 + 7? Answer briefly.",
+    "Name three primary colors.",
+    "What is the capital of France?",
+    "Write one sentence about the sea.",
+    "If I have 5 apples and eat 2, how many are left?",
+    "Write a short story about a robot who learns to paint.",
+    "Explain how photosynthesis works.",
+    "What is 9 times 8?",
+    "Is 17 a prime number? Answer yes or no.",
+    "Describe your ideal weekend in detail.",
+    "Spell the word 'cat' backwards.",
+    "List the planets of the solar system and one fact about each.",
+    "What color is the sky on a clear day?",
+    "Explain why the sum of two odd numbers is even.",
+    "Translate 'good morning' into French.",
+    "Write a poem about autumn leaves.",
 )
 LONG_TAIL = "16 long-tailed"
 SD_CONFIGS = {
@@ -143,35 +152,68 @@ class ForwardTimer:
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="bench_rollout.json", help="where the JSON results go")
-    parser.add_argument("--model", default="builtin:tiny-arith", help="target: the built-in tiny model or a local folder")
-    parser.add_argument("--prompts", type=int, default=None,
-                        help=f"prompt pool size, a multiple of the largest batch (default 32, a folder {REAL_PROMPTS})")
+    parser.add_argument(
+        "--model", default="builtin:tiny-arith", help="target: the built-in tiny model or a local folder"
+    )
+    parser.add_argument(
+        "--prompts",
+        type=int,
+        default=None,
+        help=f"prompt pool size, a multiple of the largest batch (default 32, a folder {REAL_PROMPTS})",
+    )
     parser.add_argument("--max-new-tokens", type=int, default=256)
-    parser.add_argument("--temperature", type=float, default=0.0,
-                        help="0: greedy, every output checked token-identical to SD off; above 0: sampled as in RL "
-                             "rollouts (outputs differ from SD off sample for sample; tests check the distribution)")
+    parser.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="0: greedy, every output checked token-identical to SD off; above 0: sampled as in RL "
+        "rollouts (outputs differ from SD off sample for sample; tests check the distribution)",
+    )
     parser.add_argument("--repeats", type=int, default=2, help="timed runs per cell; the best counts")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
-    parser.add_argument("--batch-sizes", default=None,
-                        help=f"default {','.join(map(str, BATCH_SIZES))}; "
-                        f"a folder: {','.join(map(str, REAL_BATCH_SIZES))}")
-    parser.add_argument("--configs", default=None,
-                        help=f"SD configs to run, from: {','.join(SD_CONFIGS)} (a folder: {','.join(REAL_CONFIGS)})")
-    parser.add_argument("--long-tail", action=argparse.BooleanOptionalAction, default=None,
-                        help="also run the long-tailed batch of 16 chat requests (default: on for a folder)")
+    parser.add_argument(
+        "--batch-sizes",
+        default=None,
+        help=f"default {','.join(map(str, BATCH_SIZES))}; a folder: {','.join(map(str, REAL_BATCH_SIZES))}",
+    )
+    parser.add_argument(
+        "--configs",
+        default=None,
+        help=f"SD configs to run, from: {','.join(SD_CONFIGS)} (a folder: {','.join(REAL_CONFIGS)})",
+    )
+    parser.add_argument(
+        "--long-tail",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="also run the long-tailed batch of 16 chat requests (default: on for a folder)",
+    )
     parser.add_argument("--long-tail-max-new-tokens", type=int, default=128)
-    parser.add_argument("--assisted", action=argparse.BooleanOptionalAction, default=True,
-                        help="at B=1, also transformers' assisted generation (trains and caches its assistant)")
-    parser.add_argument("--cache-dir", default=str(Path.home() / ".cache" / "tlt"),
-                        help="trained drafter and assistant are cached here, per target folder and settings")
+    parser.add_argument(
+        "--assisted",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="at B=1, also transformers' assisted generation (trains and caches its assistant)",
+    )
+    parser.add_argument(
+        "--cache-dir",
+        default=str(Path.home() / ".cache" / "tlt"),
+        help="trained drafter and assistant are cached here, per target folder and settings",
+    )
     parser.add_argument("--warmup-steps", type=int, default=2000, help="drafter (and assistant) training steps")
     parser.add_argument("--warmup-prompts", type=int, default=2048, help="target responses they train on")
-    parser.add_argument("--vocab-size", type=int, default=0,
-                        help="draft vocabulary of a drafter trained here (0: the default for the target's vocabulary)")
+    parser.add_argument(
+        "--vocab-size",
+        type=int,
+        default=0,
+        help="draft vocabulary of a drafter trained here (0: the default for the target's vocabulary)",
+    )
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--drafter", default=None,
-                        help="a drafter folder to use instead of training one (e.g. the one `tlt train` warmed up "
-                             "and cached under <cache>/drafters/)")
+    parser.add_argument(
+        "--drafter",
+        default=None,
+        help="a drafter folder to use instead of training one (e.g. the one `tlt train` warmed up "
+        "and cached under <cache>/drafters/)",
+    )
     args = parser.parse_args()
     real = args.model != BUILTIN_TINY_MODEL
     if args.prompts is None:
@@ -208,8 +250,15 @@ def prepare_drafter(target, tokenizer, task, args) -> tuple:
     if report_path.is_file():
         return load_drafter(directory, target).eval(), json.loads(report_path.read_text())
     drafter, report = warm_up_drafter(
-        target, tokenizer, task, steps=args.warmup_steps, batch_size=16, lr=3e-3, seed=args.seed,
-        train_prompts=args.warmup_prompts, vocab_size=args.vocab_size,
+        target,
+        tokenizer,
+        task,
+        steps=args.warmup_steps,
+        batch_size=16,
+        lr=3e-3,
+        seed=args.seed,
+        train_prompts=args.warmup_prompts,
+        vocab_size=args.vocab_size,
     )
     save_drafter(drafter, directory)
     report_path.write_text(json.dumps(asdict(report), indent=2) + "\n")
@@ -227,7 +276,9 @@ def prepare_assistant(target, tokenizer, task, args):
     if getattr(assistant.config, "layer_types", None) is not None:
         assistant.config.layer_types = assistant.config.layer_types[:1]
     prompts = encode_prompts(tokenizer, task, range(args.warmup_prompts))
-    pairs = generate_responses(target, tokenizer, prompts, SamplingParams(args.max_new_tokens, temperature=1.0), args.seed)
+    pairs = generate_responses(
+        target, tokenizer, prompts, SamplingParams(args.max_new_tokens, temperature=1.0), args.seed
+    )
     train_causal_lm(assistant, pairs, tokenizer.pad_token_id, steps=args.warmup_steps, seed=args.seed)
     assistant.save_pretrained(directory)
     return assistant.eval()
@@ -291,8 +342,15 @@ def engine_runner(target, drafter, tokenizer, prompt_pool, batch_size, config, s
         for timer in (decoder_timer, head_timer, drafter_timer):
             timer.remove()
         accept_length = emitted / passes if passes else math.nan
-        return Measured(responses, seconds, cpu_seconds, accept_length, decoder_timer.seconds + head_timer.seconds,
-                        decoder_timer.calls, drafter_timer.seconds)
+        return Measured(
+            responses,
+            seconds,
+            cpu_seconds,
+            accept_length,
+            decoder_timer.seconds + head_timer.seconds,
+            decoder_timer.calls,
+            drafter_timer.seconds,
+        )
 
     return run
 
@@ -314,17 +372,24 @@ def transformers_runner(target, assistant, tokenizer, prompt_pool, batch_size, s
             input_ids = torch.tensor([[pad_token_id] * (longest - len(prompt)) + prompt for prompt in chunk])
             attention_mask = torch.tensor([[0] * (longest - len(prompt)) + [1] * len(prompt) for prompt in chunk])
             output = target.generate(
-                input_ids, attention_mask=attention_mask, max_new_tokens=sampling.max_new_tokens,
-                do_sample=not sampling.greedy, temperature=sampling.temperature if not sampling.greedy else None,
-                top_p=None, top_k=None, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
+                input_ids,
+                attention_mask=attention_mask,
+                max_new_tokens=sampling.max_new_tokens,
+                do_sample=not sampling.greedy,
+                temperature=sampling.temperature if not sampling.greedy else None,
+                top_p=None,
+                top_k=None,
+                eos_token_id=eos_token_id,
+                pad_token_id=pad_token_id,
                 assistant_model=assistant,
             )[:, longest:].tolist()
             responses += [row[: row.index(eos_token_id) + 1] if eos_token_id in row else row for row in output]
         seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
         target_timer.remove()
         assistant_timer.remove()
-        return Measured(responses, seconds, cpu_seconds, math.nan, target_timer.seconds, target_timer.calls,
-                        assistant_timer.seconds)
+        return Measured(
+            responses, seconds, cpu_seconds, math.nan, target_timer.seconds, target_timer.calls, assistant_timer.seconds
+        )
 
     return run
 
@@ -348,12 +413,24 @@ def measure_batch_size(
     for method, measured in best.items():
         tokens = sum(len(response) for response in measured.responses)
         other = measured.cpu_seconds - measured.target_seconds - measured.drafter_seconds
-        results.append(RunResult(
-            batch_size, cell, method, tokens, measured.seconds, tokens / measured.seconds, measured.cpu_seconds,
-            tokens / measured.cpu_seconds, measured.accept_length,
-            measured.target_seconds, measured.drafter_seconds, other, measured.target_calls,
-            measured.responses == reference if reference is not None else None,
-        ))
+        results.append(
+            RunResult(
+                batch_size,
+                cell,
+                method,
+                tokens,
+                measured.seconds,
+                tokens / measured.seconds,
+                measured.cpu_seconds,
+                tokens / measured.cpu_seconds,
+                measured.accept_length,
+                measured.target_seconds,
+                measured.drafter_seconds,
+                other,
+                measured.target_calls,
+                measured.responses == reference if reference is not None else None,
+            )
+        )
     return results
 
 
@@ -363,16 +440,31 @@ def render(console: Console, results: list[RunResult], cell: str, sampling: Samp
     decoding = "greedy" if sampling.greedy else f"sampled at T={sampling.temperature}"
     title = f"B={cell}: {decoding}, {off.tokens} tokens (SD off), best of the timed passes"
     table = Table(title=title)
-    columns = ("method", "tok/s", "tok/CPU-s", "vs off", "accept", "target s", "drafter s", "other s", "target calls",
-               "same")
+    columns = (
+        "method",
+        "tok/s",
+        "tok/CPU-s",
+        "vs off",
+        "accept",
+        "target s",
+        "drafter s",
+        "other s",
+        "target calls",
+        "same",
+    )
     for column in columns:
         table.add_column(column, justify="right")
     for result in rows:
         table.add_row(
-            result.method, f"{result.tokens_per_second:.1f}", f"{result.tokens_per_cpu_second:.1f}",
+            result.method,
+            f"{result.tokens_per_second:.1f}",
+            f"{result.tokens_per_cpu_second:.1f}",
             f"{result.tokens_per_cpu_second / off.tokens_per_cpu_second:.2f}x",
-            "-" if math.isnan(result.accept_length) else f"{result.accept_length:.2f}", f"{result.target_seconds:.2f}",
-            f"{result.drafter_seconds:.2f}", f"{result.other_seconds:.2f}", str(result.target_calls),
+            "-" if math.isnan(result.accept_length) else f"{result.accept_length:.2f}",
+            f"{result.target_seconds:.2f}",
+            f"{result.drafter_seconds:.2f}",
+            f"{result.other_seconds:.2f}",
+            str(result.target_calls),
             {True: "yes", False: "NO", None: "n/a"}[result.identical_to_off],
         )
     console.print(table)
@@ -415,8 +507,9 @@ def benchmark_cells(tokenizer, task, args) -> list[tuple[str, int, list[list[int
     cells = [(str(size), int(size), pool, sampling) for size in args.batch_sizes.split(",")]
     if args.long_tail:
         long_tail_sampling = SamplingParams(args.long_tail_max_new_tokens, temperature=args.temperature)
-        cells.append((LONG_TAIL, len(LONG_TAIL_QUESTIONS), chat_prompts(tokenizer, LONG_TAIL_QUESTIONS),
-                      long_tail_sampling))
+        cells.append(
+            (LONG_TAIL, len(LONG_TAIL_QUESTIONS), chat_prompts(tokenizer, LONG_TAIL_QUESTIONS), long_tail_sampling)
+        )
     return cells
 
 

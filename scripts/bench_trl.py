@@ -38,8 +38,17 @@ from tlt_cli.trace import read_trace
 TRL_GENERATION = ["rollout.backend=trl", "speculative.mode=off", "plugins.enabled=[]"]
 VARIANTS = {"trl": TRL_GENERATION, "tlt": []}
 # per-step numbers read from each step record
-STEP_KEYS = ("rollout_seconds", "reward_seconds", "update_seconds", "step_seconds", "idle_worker_seconds",
-             "drafter_train_seconds", "accept_length", "mean_reward", "response_tokens")
+STEP_KEYS = (
+    "rollout_seconds",
+    "reward_seconds",
+    "update_seconds",
+    "step_seconds",
+    "idle_worker_seconds",
+    "drafter_train_seconds",
+    "accept_length",
+    "mean_reward",
+    "response_tokens",
+)
 
 
 def start_training(recipe: Path, overrides: list[str], output: Path) -> tuple[subprocess.Popen, list[str], float]:
@@ -59,8 +68,11 @@ def finish_training(started: tuple[subprocess.Popen, list[str], float], output: 
         raise SystemExit(f"tlt train failed ({' '.join(command[2:])}):\n{log[-4000:]}")
     run_directory = next(path.parent for path in output.glob("*/trace.jsonl"))
     steps = [record for record in read_trace(run_directory / "trace.jsonl") if record["type"] == "step"]
-    return {"command": " ".join(command[2:]), "wall_seconds": time.perf_counter() - start,
-            "steps": [{key: step.get(key) for key in ("step", *STEP_KEYS)} for step in steps]}
+    return {
+        "command": " ".join(command[2:]),
+        "wall_seconds": time.perf_counter() - start,
+        "steps": [{key: step.get(key) for key in ("step", *STEP_KEYS)} for step in steps],
+    }
 
 
 def run_training(recipe: Path, overrides: list[str], output: Path) -> dict:
@@ -79,20 +91,30 @@ def summary(steps: list[dict], skip: int) -> dict:
     idle = sum(step["idle_worker_seconds"] for step in kept)
     trained = sum(step.get("drafter_train_seconds") or 0.0 for step in kept)
     tokens_per_second = sum(step["response_tokens"] for step in kept) / sum(step["rollout_seconds"] for step in kept)
-    return {**{key: mean(key) for key in STEP_KEYS if key != "drafter_train_seconds"},
-            "drafter_share_of_idle": trained / idle if idle > 0 else None,
-            "rollout_tokens_per_second": tokens_per_second, "steps_averaged": len(kept)}
+    return {
+        **{key: mean(key) for key in STEP_KEYS if key != "drafter_train_seconds"},
+        "drafter_share_of_idle": trained / idle if idle > 0 else None,
+        "rollout_tokens_per_second": tokens_per_second,
+        "steps_averaged": len(kept),
+    }
 
 
 def render(console: Console, results: dict) -> None:
     table = Table(title="TRL GRPOTrainer: its own generation (trl) vs tlt's rollout (tlt)", title_justify="left")
     for column in ("per step (mean)", "trl", "tlt", "trl / tlt"):
         table.add_column(column, justify="right")
-    rows = (("rollout s", "rollout_seconds"), ("scoring s (rewards, advantages)", "reward_seconds"),
-            ("update s (TRL loss + optimizer)", "update_seconds"), ("step s", "step_seconds"),
-            ("idle process-s", "idle_worker_seconds"), ("accept length", "accept_length"),
-            ("drafter share of idle", "drafter_share_of_idle"), ("mean reward", "mean_reward"),
-            ("response tokens", "response_tokens"), ("rollout tokens/s", "rollout_tokens_per_second"))
+    rows = (
+        ("rollout s", "rollout_seconds"),
+        ("scoring s (rewards, advantages)", "reward_seconds"),
+        ("update s (TRL loss + optimizer)", "update_seconds"),
+        ("step s", "step_seconds"),
+        ("idle process-s", "idle_worker_seconds"),
+        ("accept length", "accept_length"),
+        ("drafter share of idle", "drafter_share_of_idle"),
+        ("mean reward", "mean_reward"),
+        ("response tokens", "response_tokens"),
+        ("rollout tokens/s", "rollout_tokens_per_second"),
+    )
     trl, tlt = results["trl"]["summary"], results["tlt"]["summary"]
     for label, key in rows:
         ratio = trl[key] / tlt[key] if trl.get(key) and tlt.get(key) and key.endswith("seconds") else None
@@ -101,10 +123,15 @@ def render(console: Console, results: dict) -> None:
         table.add_row(label, _cell(trl.get(key)), _cell(tlt.get(key)), "-" if ratio is None else f"{ratio:.2f}x")
     console.print(table)
     for name in ("trl", "tlt"):
-        share = {key: results[name]["summary"][key] / results[name]["summary"]["step_seconds"]
-                 for key in ("rollout_seconds", "reward_seconds", "update_seconds")}
-        console.print(f"{name}: step time = rollout {share['rollout_seconds']:.0%}, scoring "
-                      f"{share['reward_seconds']:.0%}, update {share['update_seconds']:.0%}", highlight=False)
+        share = {
+            key: results[name]["summary"][key] / results[name]["summary"]["step_seconds"]
+            for key in ("rollout_seconds", "reward_seconds", "update_seconds")
+        }
+        console.print(
+            f"{name}: step time = rollout {share['rollout_seconds']:.0%}, scoring "
+            f"{share['reward_seconds']:.0%}, update {share['update_seconds']:.0%}",
+            highlight=False,
+        )
 
 
 def _cell(value: float | None) -> str:
@@ -118,8 +145,11 @@ def main() -> None:
     parser.add_argument("--skip", type=int, default=1, help="first steps left out of the means")
     parser.add_argument("--work-dir", type=Path, default=Path("runs/bench-trl"))
     parser.add_argument("--out", type=Path, default=Path("benchmarks/bench_trl.json"))
-    parser.add_argument("--one-at-a-time", action="store_true",
-                        help="run the variants one after the other (default: at once, so machine load hits both alike)")
+    parser.add_argument(
+        "--one-at-a-time",
+        action="store_true",
+        help="run the variants one after the other (default: at once, so machine load hits both alike)",
+    )
     parser.add_argument("overrides", nargs="*", help="key=value overrides applied to both variants")
     arguments = parser.parse_args()
     overrides = [f"train.steps={arguments.steps}", "checkpoint.every=1000", *arguments.overrides]
@@ -134,8 +164,12 @@ def main() -> None:
         result["summary"] = summary(result["steps"], arguments.skip)
     render(Console(), results)
     arguments.out.parent.mkdir(parents=True, exist_ok=True)
-    arguments.out.write_text(json.dumps({"recipe": str(arguments.recipe), "overrides": overrides,
-                                         "skip": arguments.skip, "variants": results}, indent=2))
+    arguments.out.write_text(
+        json.dumps(
+            {"recipe": str(arguments.recipe), "overrides": overrides, "skip": arguments.skip, "variants": results},
+            indent=2,
+        )
+    )
     print(f"wrote {arguments.out}")
 
 

@@ -35,8 +35,14 @@ def curves(recipe: Path, steps: int, seeds: list[int], overrides: list[str], wor
     found: dict[str, dict[int, list[float]]] = {name: {} for name in BACKENDS}
     for seed in seeds:
         for name, backend in BACKENDS.items():
-            run_overrides = [f"train.steps={steps}", f"run.seed={seed}", "checkpoint.every=1000", *SD_OFF, backend,
-                             *overrides]
+            run_overrides = [
+                f"train.steps={steps}",
+                f"run.seed={seed}",
+                "checkpoint.every=1000",
+                *SD_OFF,
+                backend,
+                *overrides,
+            ]
             result = run_training(recipe, run_overrides, work_dir / f"{name}-seed{seed}")
             found[name][seed] = [step["mean_reward"] for step in result["steps"]]
     return found
@@ -47,15 +53,19 @@ def render(console: Console, found: dict, steps: int) -> dict:
     for column in ("step", *BACKENDS):
         table.add_column(column, justify="right")
     for step in range(steps):
-        table.add_row(str(step), *(f"{statistics.fmean(curve[step] for curve in found[name].values()):.3f}"
-                                   for name in BACKENDS))
+        table.add_row(
+            str(step), *(f"{statistics.fmean(curve[step] for curve in found[name].values()):.3f}" for name in BACKENDS)
+        )
     console.print(table)
     per_seed = {name: [statistics.fmean(curve) for curve in found[name].values()] for name in BACKENDS}
     gap = statistics.fmean(per_seed["tlt"]) - statistics.fmean(per_seed["trl"])
     noise = statistics.stdev(per_seed["trl"] + per_seed["tlt"]) if len(per_seed["trl"]) > 1 else float("nan")
-    console.print(f"mean reward over all steps, per seed: trl {[round(value, 3) for value in per_seed['trl']]}, "
-                  f"tlt {[round(value, 3) for value in per_seed['tlt']]}; gap tlt - trl {gap:+.3f}, "
-                  f"seed-to-seed std {noise:.3f}", highlight=False)
+    console.print(
+        f"mean reward over all steps, per seed: trl {[round(value, 3) for value in per_seed['trl']]}, "
+        f"tlt {[round(value, 3) for value in per_seed['tlt']]}; gap tlt - trl {gap:+.3f}, "
+        f"seed-to-seed std {noise:.3f}",
+        highlight=False,
+    )
     return {"per_seed_mean_reward": per_seed, "gap": gap, "seed_std": noise}
 
 
@@ -71,9 +81,18 @@ def main() -> None:
     found = curves(arguments.recipe, arguments.steps, arguments.seeds, arguments.overrides, arguments.work_dir)
     comparison = render(Console(), found, arguments.steps)
     arguments.out.parent.mkdir(parents=True, exist_ok=True)
-    arguments.out.write_text(json.dumps({"recipe": str(arguments.recipe), "steps": arguments.steps,
-                                         "overrides": [*SD_OFF, *arguments.overrides], "rewards": found,
-                                         **comparison}, indent=2))
+    arguments.out.write_text(
+        json.dumps(
+            {
+                "recipe": str(arguments.recipe),
+                "steps": arguments.steps,
+                "overrides": [*SD_OFF, *arguments.overrides],
+                "rewards": found,
+                **comparison,
+            },
+            indent=2,
+        )
+    )
     print(f"wrote {arguments.out}")
 
 

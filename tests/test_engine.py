@@ -16,8 +16,13 @@ NEVER_EMITTED = VOCAB  # an EOS id outside the vocabulary: requests run to max_n
 def tiny_qwen2() -> Qwen2ForCausalLM:
     torch.manual_seed(0)
     config = Qwen2Config(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
     )
     return Qwen2ForCausalLM(config).eval()
 
@@ -25,8 +30,14 @@ def tiny_qwen2() -> Qwen2ForCausalLM:
 def tiny_llama_untied() -> LlamaForCausalLM:
     torch.manual_seed(1)
     config = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=256, tie_word_embeddings=False,
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
     )
     model = LlamaForCausalLM(config).eval()
     assert model.lm_head.weight.data_ptr() != model.model.embed_tokens.weight.data_ptr()
@@ -37,7 +48,9 @@ def ragged_requests(count: int, seed: int = 0) -> list[RolloutRequest]:
     generator = torch.Generator().manual_seed(seed)
     lengths = torch.randint(1, 12, (count,), generator=generator).tolist()
     return [
-        RolloutRequest(request_id=100 + index, prompt_ids=tuple(torch.randint(1, VOCAB, (length,), generator=generator).tolist()))
+        RolloutRequest(
+            request_id=100 + index, prompt_ids=tuple(torch.randint(1, VOCAB, (length,), generator=generator).tolist())
+        )
         for index, length in enumerate(lengths)
     ]
 
@@ -45,9 +58,13 @@ def ragged_requests(count: int, seed: int = 0) -> list[RolloutRequest]:
 def reference_greedy(model, request: RolloutRequest, max_new_tokens: int, eos_token_id: int) -> list[int]:
     prompt = torch.tensor([request.prompt_ids])
     output = model.generate(
-        prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=max_new_tokens, do_sample=False,
-        eos_token_id=eos_token_id, pad_token_id=0,
-    )[0, prompt.shape[1]:].tolist()
+        prompt,
+        attention_mask=torch.ones_like(prompt),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        eos_token_id=eos_token_id,
+        pad_token_id=0,
+    )[0, prompt.shape[1] :].tolist()
     return output[: output.index(eos_token_id) + 1] if eos_token_id in output else output
 
 
@@ -79,6 +96,7 @@ def test_finished_rows_leave_the_batch():
     free_run = EmbeddedEngine(model, NEVER_EMITTED, 0).generate(requests, greedy(12), torch.Generator())
     eos_token_id = free_run[0].response_ids[2]
     rows_per_call: list[int] = []
+
     def count_rows(module, args, kwargs, output):
         rows_per_call.append(kwargs["input_ids"].shape[0])
 
@@ -109,7 +127,9 @@ def test_max_new_tokens_and_eos_end_requests():
         else:
             assert stop.response_ids == free.response_ids
     one_token = EmbeddedEngine(model, NEVER_EMITTED, 0).generate(requests, greedy(1), torch.Generator())
-    assert [completion.response_ids for completion in one_token] == [completion.response_ids[:1] for completion in free_run]
+    assert [completion.response_ids for completion in one_token] == [
+        completion.response_ids[:1] for completion in free_run
+    ]
 
 
 def test_sampling_is_reproducible_with_a_seeded_generator():

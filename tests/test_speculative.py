@@ -23,14 +23,25 @@ torch.set_num_threads(1)
 
 BOS = 1
 CHAINS = [SpeculativeConfig(steps) for steps in (1, 2, 4, 8)]
-TREES = [SpeculativeConfig(2, 2, 4), SpeculativeConfig(3, 2, 6), SpeculativeConfig(4, 4, 16), SpeculativeConfig(8, 4, 32)]
+TREES = [
+    SpeculativeConfig(2, 2, 4),
+    SpeculativeConfig(3, 2, 6),
+    SpeculativeConfig(4, 4, 16),
+    SpeculativeConfig(8, 4, 32),
+]
 
 
 def tiny_target(vocab_size: int = 64, initializer_range: float = 0.02) -> Qwen2ForCausalLM:
     torch.manual_seed(0)
     config = Qwen2Config(
-        vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=256, initializer_range=initializer_range,
+        vocab_size=vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        initializer_range=initializer_range,
     )
     return Qwen2ForCausalLM(config).eval()
 
@@ -75,8 +86,11 @@ class TargetAsDrafter(nn.Module):
         batch_size, entries = input_ids.shape
         sees_bos = torch.ones(batch_size, 1, entries, 1, dtype=torch.bool)
         hidden = self.target.get_decoder()(
-            input_ids=input_ids, position_ids=position_ids + 1, attention_mask=torch.cat([sees_bos, attention_mask], dim=3),
-            past_key_values=PrefixedCache(past_key_values, self.prefix), use_cache=False,
+            input_ids=input_ids,
+            position_ids=position_ids + 1,
+            attention_mask=torch.cat([sees_bos, attention_mask], dim=3),
+            past_key_values=PrefixedCache(past_key_values, self.prefix),
+            use_cache=False,
         ).last_hidden_state
         logits = self.target.lm_head(hidden) + self.noise[input_ids]
         return DrafterOutput(hidden=hidden, logits=self.vocabulary.restrict(logits))
@@ -137,10 +151,18 @@ def test_greedy_sd_is_token_identical_at_batch_16(config, drafter_kind):
 @pytest.mark.parametrize("config", [CHAINS[3], TREES[2]], ids=lambda config: config.label())
 def test_untied_llama_target_and_hidden_states_under_sd(config):
     torch.manual_seed(2)
-    target = LlamaForCausalLM(LlamaConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=4, max_position_embeddings=256, tie_word_embeddings=False,
-    )).eval()
+    target = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=64,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            max_position_embeddings=256,
+            tie_word_embeddings=False,
+        )
+    ).eval()
     greedy = SamplingParams(max_new_tokens=17, temperature=0.0)
     requests = requests_for(5, seed=50)
     plain = generate(target, requests, greedy, 64)
@@ -158,7 +180,9 @@ def test_untied_llama_target_and_hidden_states_under_sd(config):
 def test_a_drafter_equal_to_the_target_accepts_every_chain_token(params):
     target = tiny_target()
     config = CHAINS[2]
-    completions = generate(target, requests_for(6, seed=30), params, 64, SpeculativeDecoder(TargetAsDrafter(target), config))
+    completions = generate(
+        target, requests_for(6, seed=30), params, 64, SpeculativeDecoder(TargetAsDrafter(target), config)
+    )
     for completion in completions:
         stats = completion.speculative
         assert len(completion.response_ids) == 13  # max_new_tokens cut inside the last accepted run
@@ -172,7 +196,9 @@ def test_a_drafter_equal_to_the_target_always_has_the_greedy_token_in_its_tree()
     # drafter's top child at the root is the target's argmax and is always kept and accepted
     target = tiny_target()
     greedy = SamplingParams(13, temperature=0.0)
-    completions = generate(target, requests_for(6, seed=30), greedy, 64, SpeculativeDecoder(TargetAsDrafter(target), TREES[1]))
+    completions = generate(
+        target, requests_for(6, seed=30), greedy, 64, SpeculativeDecoder(TargetAsDrafter(target), TREES[1])
+    )
     for completion in completions:
         stats = completion.speculative
         assert stats.accepted_by_depth[0] == stats.proposed_by_depth[0] == stats.verify_passes
@@ -193,7 +219,9 @@ def test_a_schedule_can_turn_sd_off_and_on_between_steps():
     requests = requests_for(6, seed=60)
     eos_token_id = frequent_token(generate(target, requests, greedy, eos_token_id=64))
     plain = generate(target, requests, greedy, eos_token_id)
-    switched = generate(target, requests, greedy, eos_token_id, SpeculativeDecoder(TargetAsDrafter(target), every_other_step))
+    switched = generate(
+        target, requests, greedy, eos_token_id, SpeculativeDecoder(TargetAsDrafter(target), every_other_step)
+    )
     assert [c.response_ids for c in switched] == [c.response_ids for c in plain]
     for completion in switched:
         stats = completion.speculative
@@ -217,7 +245,9 @@ def exact_three_token_law(target, prompt: tuple[int, ...], params: SamplingParam
     """P(t1, t2, t3) under the processed target distribution, by enumeration: [V, V, V]."""
     vocab_size = target.config.vocab_size
     first, second = torch.meshgrid(torch.arange(vocab_size), torch.arange(vocab_size), indexing="ij")
-    sequences = torch.cat([torch.tensor(prompt).expand(vocab_size**2, -1), first.reshape(-1, 1), second.reshape(-1, 1)], dim=1)
+    sequences = torch.cat(
+        [torch.tensor(prompt).expand(vocab_size**2, -1), first.reshape(-1, 1), second.reshape(-1, 1)], dim=1
+    )
     with torch.no_grad():
         logits = target(sequences).logits[:, len(prompt) - 1 :]
     probs = apply_sampling(logits.reshape(-1, vocab_size), params).view(vocab_size, vocab_size, 3, vocab_size)
@@ -245,7 +275,9 @@ def assert_sd_has_the_target_law(target, drafter, config: SpeculativeConfig, par
     prompt = (BOS, 3, 5)
     samples = 6000
     requests = [RolloutRequest(index, prompt) for index in range(samples)]
-    completions = generate(target, requests, params, eos_token_id=8, speculative=SpeculativeDecoder(drafter, config), seed=1)
+    completions = generate(
+        target, requests, params, eos_token_id=8, speculative=SpeculativeDecoder(drafter, config), seed=1
+    )
     accepted = sum(c.speculative.accepted_draft_tokens for c in completions)
     assert 0 < accepted < sum(c.speculative.verify_passes for c in completions) * config.steps
     triples = torch.tensor([c.response_ids for c in completions])

@@ -29,25 +29,45 @@ from tlt_cli.models.tiny import build_tiny_model, tiny_model_config, tiny_tokeni
 os.environ["TRL_EXPERIMENTAL_SILENCE"] = "1"
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "trl_grpo.py"
 # a chat template of the arithmetic vocabulary's own characters: TRL's conversational path renders it
-CHAT_TEMPLATE = ("{% for message in messages %}{{ message['content'] }}{% endfor %}"
-                 "{% if add_generation_prompt %}={% endif %}")
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ message['content'] }}{% endfor %}{% if add_generation_prompt %}={% endif %}"
+)
 
 
 def tiny_policy(seed: int = 0):
     tokenizer = tiny_tokenizer()
     tokenizer.chat_template = CHAT_TEMPLATE
-    config = tiny_model_config(tokenizer, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
-                               intermediate_size=64)
+    config = tiny_model_config(
+        tokenizer, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64
+    )
     return build_tiny_model(seed, config), tokenizer
 
 
 def grpo_trainer(model, tokenizer, rollout, reward, prompts, tmp_path, **settings):
-    args = GRPOConfig(output_dir=str(tmp_path / "trl"), per_device_train_batch_size=4, num_generations=2,
-                      max_completion_length=12, max_steps=2, learning_rate=1e-2, report_to=[], use_cpu=True,
-                      save_strategy="no", bf16=False, logging_steps=1, disable_tqdm=True, **settings)
+    args = GRPOConfig(
+        output_dir=str(tmp_path / "trl"),
+        per_device_train_batch_size=4,
+        num_generations=2,
+        max_completion_length=12,
+        max_steps=2,
+        learning_rate=1e-2,
+        report_to=[],
+        use_cpu=True,
+        save_strategy="no",
+        bf16=False,
+        logging_steps=1,
+        disable_tqdm=True,
+        **settings,
+    )
     dataset = Dataset.from_dict({"prompt": prompts})
-    return GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=dataset, processing_class=tokenizer,
-                       rollout_func=rollout)
+    return GRPOTrainer(
+        model=model,
+        reward_funcs=reward,
+        args=args,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        rollout_func=rollout,
+    )
 
 
 def test_grpo_trainer_trains_every_parameter_on_the_completions_and_logprobs_tlt_generated(tmp_path, monkeypatch):
@@ -76,8 +96,12 @@ def test_grpo_trainer_trains_every_parameter_on_the_completions_and_logprobs_tlt
     for output, completion_ids, reference in zip(returned, scored, policy_logprobs):
         assert completion_ids == output["completion_ids"]
         for prompt_ids in output["prompt_ids"]:
-            rendered = [tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True,
-                                                      return_dict=True)["input_ids"] for conversation in messages]
+            rendered = [
+                tokenizer.apply_chat_template(
+                    conversation, add_generation_prompt=True, tokenize=True, return_dict=True
+                )["input_ids"]
+                for conversation in messages
+            ]
             assert prompt_ids in rendered
         for logprobs, expected in zip(output["logprobs"], reference):
             assert torch.allclose(torch.tensor(logprobs), expected, atol=1e-4)
@@ -102,11 +126,17 @@ def test_greedy_completions_are_token_identical_with_and_without_speculative_dec
     prompts = ["a1b2=", "a3b4c5=", "a6=", "a7b8c9d1="]
     small_warmup = {"warmup_prompts": 4, "warmup_steps": 3, "warmup_batch_size": 4}
     outputs = {}
-    for name, speculative in (("off", {"mode": "off"}), ("fixed", {"mode": "fixed", "steps": 3}),
-                              ("adaptive", None)):
+    for name, speculative in (("off", {"mode": "off"}), ("fixed", {"mode": "fixed", "steps": 3}), ("adaptive", None)):
         rollout = tlt_rollout(speculative=speculative, drafter="warmup", drafter_config=small_warmup)
-        trainer = grpo_trainer(model, tokenizer, rollout, lambda completions, **_: [0.0] * len(completions),
-                               prompts, tmp_path, generation_kwargs={"do_sample": False})
+        trainer = grpo_trainer(
+            model,
+            tokenizer,
+            rollout,
+            lambda completions, **_: [0.0] * len(completions),
+            prompts,
+            tmp_path,
+            generation_kwargs={"do_sample": False},
+        )
         outputs[name] = rollout(prompts, trainer)["completion_ids"]
         verify_passes = sum(request.verify_passes for request in rollout.take_records()[0].requests)
         assert (verify_passes > 0) == (name != "off")
@@ -117,8 +147,9 @@ def test_greedy_completions_are_token_identical_with_and_without_speculative_dec
 def test_a_checkpoint_carries_the_drafter_schedule_and_rollout_count_into_a_new_rollout(tmp_path):
     model, tokenizer = tiny_policy()
     rollout = tlt_rollout(drafter="random", seed=0)
-    trainer = grpo_trainer(model, tokenizer, rollout, lambda completions, **_: [0.0] * len(completions),
-                           ["a1="], tmp_path)
+    trainer = grpo_trainer(
+        model, tokenizer, rollout, lambda completions, **_: [0.0] * len(completions), ["a1="], tmp_path
+    )
     for _ in range(2):
         rollout(["a1b2=", "a1b2=", "a3=", "a3="], trainer)
     rollout.save_state(tmp_path / "checkpoint", process=0)
@@ -149,8 +180,15 @@ def test_an_unsupported_trl_version_is_refused_in_one_sentence_naming_the_range(
 def test_settings_the_engine_cannot_honour_are_refused_in_one_sentence(tmp_path):
     model, tokenizer = tiny_policy()
     rollout = tlt_rollout(drafter="random")
-    trainer = grpo_trainer(model, tokenizer, rollout, lambda completions, **_: [0.0] * len(completions),
-                           ["a1="], tmp_path, repetition_penalty=1.2)
+    trainer = grpo_trainer(
+        model,
+        tokenizer,
+        rollout,
+        lambda completions, **_: [0.0] * len(completions),
+        ["a1="],
+        tmp_path,
+        repetition_penalty=1.2,
+    )
     with pytest.raises(UnsupportedTrlSettingError, match="repetition_penalty=1.2"):
         rollout(["a1=", "a1="], trainer)
     with pytest.raises(ValueError, match="speculative has no key 'depth'"):
@@ -158,17 +196,41 @@ def test_settings_the_engine_cannot_honour_are_refused_in_one_sentence(tmp_path)
 
 
 def test_the_example_trains_with_two_processes_and_the_drafter_learns_in_their_wait(tmp_path):
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(EXAMPLE),
-               "--steps", "3", "--batch-size", "8", "--num-generations", "4", "--max-completion-length", "48",
-               "--drafter", "random", "--output-dir", str(tmp_path / "run")]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        str(EXAMPLE),
+        "--steps",
+        "3",
+        "--batch-size",
+        "8",
+        "--num-generations",
+        "4",
+        "--max-completion-length",
+        "48",
+        "--drafter",
+        "random",
+        "--output-dir",
+        str(tmp_path / "run"),
+    ]
     environment = {**os.environ, "TLT_CACHE_DIR": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
     result = subprocess.run(command, check=False, capture_output=True, text=True, timeout=600, env=environment)
     assert result.returncode == 0, result.stderr[-3000:]
     # two processes print into one pipe: a line may start after another's unterminated output
     pattern = r"step (\d+): mean reward (\S+)  process (\d): .*? drafter steps in the wait (\d+)"
     steps = re.findall(pattern, result.stdout)
-    assert sorted((int(step), int(process)) for step, _, process, _ in steps) == [(1, 0), (1, 1), (2, 0), (2, 1),
-                                                                                (3, 0), (3, 1)]
+    assert sorted((int(step), int(process)) for step, _, process, _ in steps) == [
+        (1, 0),
+        (1, 1),
+        (2, 0),
+        (2, 1),
+        (3, 0),
+        (3, 1),
+    ]
     assert all(0.0 <= float(reward) <= 1.0 for _, reward, _, _ in steps)
     assert sum(int(drafter_steps) for *_, drafter_steps in steps) > 0
     checksums = re.findall(r"process \d: drafter checksum (\d+\.\d+)", result.stdout)

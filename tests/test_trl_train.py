@@ -31,14 +31,20 @@ from tlt_cli.trace import read_trace
 
 RECIPE = RECIPES_DIRECTORY / "trl-tiny-cpu.yaml"
 # a short run: 4 prompts x 4 samples a step, short responses, no drafter warm-up
-SHORT = ["train.prompts_per_step=4", "train.group_size=4", "rollout.max_new_tokens=40", "drafter.init=random",
-         "checkpoint.every=1"]
+SHORT = [
+    "train.prompts_per_step=4",
+    "train.group_size=4",
+    "rollout.max_new_tokens=40",
+    "drafter.init=random",
+    "checkpoint.every=1",
+]
 runner = CliRunner()
 
 
 def tlt(*arguments: str, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "tlt_cli", *arguments], cwd=cwd, capture_output=True, text=True,
-                          check=False, timeout=900)
+    return subprocess.run(
+        [sys.executable, "-m", "tlt_cli", *arguments], cwd=cwd, capture_output=True, text=True, check=False, timeout=900
+    )
 
 
 @pytest.mark.slow
@@ -51,8 +57,9 @@ def test_a_trl_run_writes_the_trace_checkpoints_profile_and_export_and_resumes(t
     assert {"run", "request", "worker", "sd_config", "step"} <= {record["type"] for record in records}
     steps = [record for record in records if record["type"] == "step"]
     assert [step["step"] for step in steps] == [0, 1]
-    assert all(step["actor_loss"] is not None and step["rollout_seconds"] > 0 and step["update_seconds"] > 0
-               for step in steps)
+    assert all(
+        step["actor_loss"] is not None and step["rollout_seconds"] > 0 and step["update_seconds"] > 0 for step in steps
+    )
     requests = [record for record in records if record["type"] == "request"]
     assert len(requests) == 2 * 4 * 4 and {request["worker"] for request in requests} == {0, 1}
     assert all(0.0 <= request["reward"] <= 1.0 for request in requests)
@@ -61,8 +68,9 @@ def test_a_trl_run_writes_the_trace_checkpoints_profile_and_export_and_resumes(t
     profiled = tlt("profile", str(run), "--json", "--no-plots", cwd=tmp_path)
     assert profiled.returncode == 0, profiled.stderr
     assert json.loads(profiled.stdout)
-    exported = tlt("export-drafter", str(run), str(tmp_path / "exported"), "--prompts", "2", "--max-new-tokens", "24",
-                   cwd=tmp_path)
+    exported = tlt(
+        "export-drafter", str(run), str(tmp_path / "exported"), "--prompts", "2", "--max-new-tokens", "24", cwd=tmp_path
+    )
     assert exported.returncode == 0, exported.stderr
     assert (tmp_path / "exported" / "model.safetensors").is_file()
 

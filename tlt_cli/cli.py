@@ -34,8 +34,11 @@ from tlt_cli.config import Recipe, RecipeError, load_recipe
 from tlt_cli.errors import UserError
 from tlt_cli.recipes import resolve_recipe_path, shipped_recipes
 
-app = typer.Typer(help="tlt: faster RL training of reasoning LLMs with lossless speculative decoding in the rollout long tail.",
-                  no_args_is_help=True, pretty_exceptions_enable=False)
+app = typer.Typer(
+    help="tlt: faster RL training of reasoning LLMs with lossless speculative decoding in the rollout long tail.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+)
 recipes_app = typer.Typer(help="List, show and validate recipes.", no_args_is_help=True)
 app.add_typer(recipes_app, name="recipes")
 console = Console()
@@ -57,15 +60,33 @@ def _version(value: bool) -> None:
 
 
 @app.callback()
-def main(version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version and exit.")] = False) -> None:
+def main(
+    version: Annotated[
+        bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version and exit.")
+    ] = False,
+) -> None:
     """tlt: faster RL training of reasoning LLMs."""
 
 
 @app.command(context_settings={"allow_extra_args": False})
 def train(
-    arguments: Annotated[list[str] | None, typer.Argument(help="RECIPE (a YAML file or a shipped recipe name) then key=value overrides.", show_default=False)] = None,
-    resume: Annotated[Path | None, typer.Option("--resume", help="Continue the run in this directory from its last checkpoint.")] = None,
-    keep_log: Annotated[bool, typer.Option("--keep-log", help="If the run fails before its first step, keep its logs (the traceback) instead of removing its run directory.")] = False,
+    arguments: Annotated[
+        list[str] | None,
+        typer.Argument(
+            help="RECIPE (a YAML file or a shipped recipe name) then key=value overrides.", show_default=False
+        ),
+    ] = None,
+    resume: Annotated[
+        Path | None, typer.Option("--resume", help="Continue the run in this directory from its last checkpoint.")
+    ] = None,
+    keep_log: Annotated[
+        bool,
+        typer.Option(
+            "--keep-log",
+            help="If the run fails before its first step, keep its logs (the traceback) instead of removing its run "
+            "directory.",
+        ),
+    ] = False,
 ) -> None:
     """Run GRPO training with the TLT machinery on."""
     from tlt_cli.processes.driver import TrainingFailed
@@ -79,18 +100,22 @@ def train(
     except TrainingFailed as error:
         raise fail(str(error), code=1) from None
     except KeyboardInterrupt:
-        raise fail("interrupted; complete checkpoints are kept, continue with --resume <run directory>.", code=130) from None
+        raise fail(
+            "interrupted; complete checkpoints are kept, continue with --resume <run directory>.", code=130
+        ) from None
     console.print(f"done: {len(summary.steps)} steps, run directory {summary.run_directory}")
 
 
 def _resolve_run(arguments: list[str], resume: Path | None) -> tuple[Recipe, Path | None]:
-    """(recipe, the run directory to resume or None) from the positional arguments and --resume, the recipe checked whole."""
+    """(recipe, the run directory to resume or None) from the arguments and --resume; the recipe checked whole."""
     has_recipe = bool(arguments) and "=" not in arguments[0]
     overrides = arguments[1:] if has_recipe else arguments
     if resume is None and not has_recipe:
         raise RecipeError("give a recipe: tlt train RECIPE [key=value ...] (see `tlt recipes list`).")
     if resume is not None and not resume.is_dir():
-        raise CheckpointError(f"--resume {resume} is not a directory; pass the run directory printed when the run started.")
+        raise CheckpointError(
+            f"--resume {resume} is not a directory; pass the run directory printed when the run started."
+        )
     recipe_name = arguments[0] if has_recipe else str(resume / "recipe.yaml")
     return _whole_checked_recipe(recipe_name, overrides, new_run=resume is None), resume
 
@@ -119,15 +144,21 @@ def recipes_show(name: Annotated[str, typer.Argument(help="A shipped recipe name
     from tlt_cli.recipe_help import commented_yaml
 
     try:
-        console.print(commented_yaml(load_checked_recipe(resolve_recipe_path(name))), highlight=False, markup=False,
-                      soft_wrap=True)
+        console.print(
+            commented_yaml(load_checked_recipe(resolve_recipe_path(name))),
+            highlight=False,
+            markup=False,
+            soft_wrap=True,
+        )
     except UserError as error:
         raise fail(str(error)) from None
 
 
 @recipes_app.command("validate")
 def recipes_validate(
-    arguments: Annotated[list[str], typer.Argument(help="Recipe names or YAML paths, and key=value overrides applied to each.")],
+    arguments: Annotated[
+        list[str], typer.Argument(help="Recipe names or YAML paths, and key=value overrides applied to each.")
+    ],
 ) -> None:
     """Check recipes as `tlt train` would before it starts; ok only when it would start. Exit 2 if any is invalid."""
     names, overrides = _validate_arguments(arguments)
@@ -144,7 +175,7 @@ def recipes_validate(
 
 
 def _validate_arguments(arguments: list[str]) -> tuple[list[str], list[str]]:
-    """(recipe names or paths, overrides); a bare recipe key such as `train.steps` is a malformed override, not a name."""
+    """(recipe names or paths, overrides); a bare recipe key (`train.steps`) is a malformed override, not a name."""
     sections = {section.name for section in dataclasses.fields(Recipe)}
 
     def is_override(argument: str) -> bool:
@@ -156,14 +187,40 @@ def _validate_arguments(arguments: list[str]) -> tuple[list[str], list[str]]:
 
 @app.command(context_settings={"allow_extra_args": False})
 def profile(
-    source: Annotated[str, typer.Argument(help="A run directory, a trace.jsonl, a CSV/JSONL of per-request records (step, worker, start, end, tokens), or a recipe (records a fresh rollout).")],
-    overrides: Annotated[list[str] | None, typer.Argument(help="key=value overrides when SOURCE is a recipe.", show_default=False)] = None,
+    source: Annotated[
+        str,
+        typer.Argument(
+            help="A run directory, a trace.jsonl, a CSV/JSONL of per-request records (step, worker, start, end, "
+            "tokens), or a recipe (records a fresh rollout)."
+        ),
+    ],
+    overrides: Annotated[
+        list[str] | None, typer.Argument(help="key=value overrides when SOURCE is a recipe.", show_default=False)
+    ] = None,
     steps: Annotated[int, typer.Option(help="Rollout steps to record when SOURCE is a recipe (no training).")] = 2,
-    output_dir: Annotated[Path | None, typer.Option("--output-dir", help="Folder for the PNGs (default: the run directory, the input's folder, or <run.output_dir>/<run.name>-profile for a recipe).")] = None,
-    tail_batch: Annotated[int, typer.Option(help="A worker is in the tail while it has at most this many requests in flight.")] = 4,
-    sd_speedup: Annotated[float | None, typer.Option(help="SD speedup of tail decoding for the projection (default: measured from the trace, else assumed 2.0).")] = None,
-    json_output: Annotated[bool, typer.Option("--json", help="Print the profile as JSON (for scripts) instead of tables.")] = False,
-    plots: Annotated[bool, typer.Option("--plots/--no-plots", help="Write the timeline and length-histogram PNGs.")] = True,
+    output_dir: Annotated[
+        Path | None,
+        typer.Option(
+            "--output-dir",
+            help="Folder for the PNGs (default: the run directory, the input's folder, or "
+            "<run.output_dir>/<run.name>-profile for a recipe).",
+        ),
+    ] = None,
+    tail_batch: Annotated[
+        int, typer.Option(help="A worker is in the tail while it has at most this many requests in flight.")
+    ] = 4,
+    sd_speedup: Annotated[
+        float | None,
+        typer.Option(
+            help="SD speedup of tail decoding for the projection (default: measured from the trace, else assumed 2.0)."
+        ),
+    ] = None,
+    json_output: Annotated[
+        bool, typer.Option("--json", help="Print the profile as JSON (for scripts) instead of tables.")
+    ] = False,
+    plots: Annotated[
+        bool, typer.Option("--plots/--no-plots", help="Write the timeline and length-histogram PNGs.")
+    ] = True,
 ) -> None:
     """Show the long tail of rollouts: lengths, idle workers, SD time and acceptance, projected speedup."""
     from tlt_cli.profile.analysis import profile_to_json
@@ -175,22 +232,68 @@ def profile(
     except UserError as error:
         raise fail(str(error)) from None
     if json_output:
-        typer.echo(json.dumps({**profile_to_json(result.profile), "pictures": [str(path) for path in result.pictures]}, indent=2))
+        typer.echo(
+            json.dumps(
+                {**profile_to_json(result.profile), "pictures": [str(path) for path in result.pictures]}, indent=2
+            )
+        )
         return
     render_profile(console, result.profile, result.segments, result.lengths, result.pictures)
 
 
 @app.command(context_settings={"allow_extra_args": False})
 def calibrate(
-    recipe: Annotated[str, typer.Argument(help="A YAML recipe or a shipped recipe name: its target model, initial drafter, task and sampling are measured.")],
-    overrides: Annotated[list[str] | None, typer.Argument(help="key=value overrides of the recipe.", show_default=False)] = None,
-    batch_sizes: Annotated[str, typer.Option(help="Running batch sizes to measure, e.g. 1,2,4,8 (default: powers of two up to a worker's first running batch).")] = "",
-    configs: Annotated[str, typer.Option(help="SD configurations to compare with off: off or s<steps>-k<topk>-t<draft tokens>, comma-separated.")] = ",".join(DEFAULT_CONFIGS),
-    repeats: Annotated[int, typer.Option(help="Worker shards each configuration generates to their natural end.")] = CalibrationSettings.repeats,
-    margin: Annotated[float, typer.Option(help="SD is chosen only where it beats off by more than this fraction; runners-up within it become bandit candidates.")] = CalibrationSettings.margin,
-    candidates: Annotated[int, typer.Option(help="Most runners-up kept per rule as the bandit's candidates (0: none).")] = CalibrationSettings.candidates,
-    output: Annotated[Path | None, typer.Option("--output", help="JSON of every measurement; the YAML fragment goes next to it (default: <run.output_dir>/<run.name>-calibration/calibration.json).")] = None,
-    write_recipe: Annotated[Path | None, typer.Option("--write-recipe", help="Also rewrite the speculative.rules block of this recipe file in place (comments kept).")] = None,
+    recipe: Annotated[
+        str,
+        typer.Argument(
+            help="A YAML recipe or a shipped recipe name: its target model, initial drafter, task and sampling are "
+            "measured."
+        ),
+    ],
+    overrides: Annotated[
+        list[str] | None, typer.Argument(help="key=value overrides of the recipe.", show_default=False)
+    ] = None,
+    batch_sizes: Annotated[
+        str,
+        typer.Option(
+            help="Running batch sizes to measure, e.g. 1,2,4,8 (default: powers of two up to a worker's first "
+            "running batch)."
+        ),
+    ] = "",
+    configs: Annotated[
+        str,
+        typer.Option(
+            help="SD configurations to compare with off: off or s<steps>-k<topk>-t<draft tokens>, comma-separated."
+        ),
+    ] = ",".join(DEFAULT_CONFIGS),
+    repeats: Annotated[
+        int, typer.Option(help="Worker shards each configuration generates to their natural end.")
+    ] = CalibrationSettings.repeats,
+    margin: Annotated[
+        float,
+        typer.Option(
+            help="SD is chosen only where it beats off by more than this fraction; runners-up within it become "
+            "bandit candidates."
+        ),
+    ] = CalibrationSettings.margin,
+    candidates: Annotated[
+        int, typer.Option(help="Most runners-up kept per rule as the bandit's candidates (0: none).")
+    ] = CalibrationSettings.candidates,
+    output: Annotated[
+        Path | None,
+        typer.Option(
+            "--output",
+            help="JSON of every measurement; the YAML fragment goes next to it (default: "
+            "<run.output_dir>/<run.name>-calibration/calibration.json).",
+        ),
+    ] = None,
+    write_recipe: Annotated[
+        Path | None,
+        typer.Option(
+            "--write-recipe",
+            help="Also rewrite the speculative.rules block of this recipe file in place (comments kept).",
+        ),
+    ] = None,
 ) -> None:
     """Measure SD off vs SD configurations by running batch size on this machine and write the adaptive rule table."""
     from tlt_cli.calibration.calibrate import calibrate as run_calibration
@@ -204,9 +307,16 @@ def calibrate(
         status.update(f"calibrating: shard {repeat + 1} of {repeats}, {label}")
 
     try:
-        settings = CalibrationSettings(parse_batch_sizes(batch_sizes), tuple(part for part in configs.split(",") if part.strip()),
-                                       repeats, margin, candidates)
-        with console.status("loading the model pair (the tiny model and the drafter warm-up run once, then are cached)") as status:
+        settings = CalibrationSettings(
+            parse_batch_sizes(batch_sizes),
+            tuple(part for part in configs.split(",") if part.strip()),
+            repeats,
+            margin,
+            candidates,
+        )
+        with console.status(
+            "loading the model pair (the tiny model and the drafter warm-up run once, then are cached)"
+        ) as status:
             result = run_calibration(recipe, list(overrides or []), settings, on_shard=show)
         render_calibration(console, result)
         json_path, fragment_path = write_calibration(result, output or default_output(result.recipe))
@@ -220,14 +330,31 @@ def calibrate(
 
 @app.command("export-drafter")
 def export_drafter(
-    source: Annotated[Path, typer.Argument(help="A run directory (its latest checkpoint), a checkpoint folder, or a drafter folder.")],
-    output: Annotated[Path, typer.Argument(help="Folder to write: config.json, model.safetensors, README.md (the model card).")],
-    recipe: Annotated[str | None, typer.Option(help="Recipe naming the target model and task; required for a drafter folder outside a run.")] = None,
-    include_shared: Annotated[bool, typer.Option("--include-shared", help="Also write the target's embedding (and untied lm_head), which SGLang takes from the target anyway.")] = False,
+    source: Annotated[
+        Path, typer.Argument(help="A run directory (its latest checkpoint), a checkpoint folder, or a drafter folder.")
+    ],
+    output: Annotated[
+        Path, typer.Argument(help="Folder to write: config.json, model.safetensors, README.md (the model card).")
+    ],
+    recipe: Annotated[
+        str | None,
+        typer.Option(help="Recipe naming the target model and task; required for a drafter folder outside a run."),
+    ] = None,
+    include_shared: Annotated[
+        bool,
+        typer.Option(
+            "--include-shared",
+            help="Also write the target's embedding (and untied lm_head), which SGLang takes from the target anyway.",
+        ),
+    ] = False,
     force: Annotated[bool, typer.Option("--force", help="Replace OUTPUT if it is not empty.")] = False,
     prompts: Annotated[int, typer.Option(help="Held-out prompts the accept length is measured on.")] = 8,
-    draft_steps: Annotated[int, typer.Option(help="Draft tokens per verify pass (a chain) when measuring acceptance.")] = 4,
-    max_new_tokens: Annotated[int | None, typer.Option(help="Longest response when measuring (default: the recipe's rollout.max_new_tokens).")] = None,
+    draft_steps: Annotated[
+        int, typer.Option(help="Draft tokens per verify pass (a chain) when measuring acceptance.")
+    ] = 4,
+    max_new_tokens: Annotated[
+        int | None, typer.Option(help="Longest response when measuring (default: the recipe's rollout.max_new_tokens).")
+    ] = None,
 ) -> None:
     """Export the trained drafter as a Hugging Face folder SGLang serves as an EAGLE draft model."""
     from tlt_cli.export import ExportError
@@ -241,8 +368,10 @@ def export_drafter(
         raise fail(str(error)) from None
     measurement = summary.measurement
     console.print(
-        f"exported {summary.architecture} drafter to {summary.output_dir}: accept length {measurement.accept_length:.3f} "
+        f"exported {summary.architecture} drafter to {summary.output_dir}: "
+        f"accept length {measurement.accept_length:.3f} "
         f"({measurement.verify_passes} verify passes on {measurement.prompts} held-out prompts; reload reproduces "
         f"{summary.reloaded_accept_length:.3f}); model card in README.md",
-        highlight=False, soft_wrap=True,
+        highlight=False,
+        soft_wrap=True,
     )

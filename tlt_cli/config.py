@@ -59,17 +59,24 @@ class RunConfig:
 @dataclass(frozen=True)
 class ModelConfig:
     path: str = setting("builtin:tiny-arith", "a local Hugging Face folder, or builtin:tiny-arith")
-    cache_dir: str | None = setting(None, "where warmed-up drafters and compiled ops are cached "
-                                          "(null: $TLT_CACHE_DIR or ~/.cache/tlt)")
+    cache_dir: str | None = setting(
+        None, "where warmed-up drafters and compiled ops are cached (null: $TLT_CACHE_DIR or ~/.cache/tlt)"
+    )
 
 
 @dataclass(frozen=True)
 class TaskConfig:
-    name: str = setting("arithmetic", "arithmetic (built-in), word_arithmetic (plain-English counting questions, "
-                                      "for instruct models) or jsonl_math (a GSM8K-style JSONL file)")
-    options: dict[str, Any] = setting({}, "options of the task: arithmetic takes min_terms (1), max_terms (48) and "
-                                          "tail_exponent (1.5: P(n) ~ n^-tail_exponent); word_arithmetic takes "
-                                          "max_steps (2) and max_number (20); jsonl_math takes path")
+    name: str = setting(
+        "arithmetic",
+        "arithmetic (built-in), word_arithmetic (plain-English counting questions, "
+        "for instruct models) or jsonl_math (a GSM8K-style JSONL file)",
+    )
+    options: dict[str, Any] = setting(
+        {},
+        "options of the task: arithmetic takes min_terms (1), max_terms (48) and "
+        "tail_exponent (1.5: P(n) ~ n^-tail_exponent); word_arithmetic takes "
+        "max_steps (2) and max_number (20); jsonl_math takes path",
+    )
 
 
 @dataclass(frozen=True)
@@ -77,52 +84,69 @@ class TrainConfig:
     steps: int = setting(60, "RL steps")
     prompts_per_step: int = setting(16, "prompts per step across all workers (a multiple of workers.count)")
     group_size: int = setting(8, "responses sampled per prompt (the GRPO group)")
-    trainer: str = setting("native", "native (tlt's GRPO loop on DeepSpeed workers) or trl (Hugging Face TRL's "
-                                     "GRPOTrainer with tlt's rollout; its own options in the trl section)")
+    trainer: str = setting(
+        "native",
+        "native (tlt's GRPO loop on DeepSpeed workers) or trl (Hugging Face TRL's "
+        "GRPOTrainer with tlt's rollout; its own options in the trl section)",
+    )
 
 
 @dataclass(frozen=True)
 class WorkersConfig:
     count: int = setting(2, "worker processes, one DeepSpeed rank each")
     threads_per_worker: int = setting(1, "torch threads per worker")
-    hostfile: str | None = setting(None, "DeepSpeed hostfile, one line per node: <host> slots=<n> (n GPUs or, with "
-                                         "actor.devices cpu, CPU ranks); null: the workers are spawned on this "
-                                         "machine without the DeepSpeed launcher")
+    hostfile: str | None = setting(
+        None,
+        "DeepSpeed hostfile, one line per node: <host> slots=<n> (n GPUs or, with "
+        "actor.devices cpu, CPU ranks); null: the workers are spawned on this "
+        "machine without the DeepSpeed launcher",
+    )
 
 
 @dataclass(frozen=True)
 class SGLangConfig:
     """How tlt runs its SGLang rollout servers (one per GPU, or per group of tp_size GPUs)."""
 
-    gpus: tuple[int, ...] = setting((0,), "GPU indices on this node the servers use, split into consecutive groups "
-                                          "of tp_size; worker r owns server r (with more servers than workers, "
-                                          "consecutive servers per worker)")
+    gpus: tuple[int, ...] = setting(
+        (0,),
+        "GPU indices on this node the servers use, split into consecutive groups "
+        "of tp_size; worker r owns server r (with more servers than workers, "
+        "consecutive servers per worker)",
+    )
     tp_size: int = setting(1, "tensor-parallel size of each server (1: one server per GPU)")
-    port_base: int = setting(30100, "first port of the servers' range on 127.0.0.1: server i takes port_base + 2i "
-                                    "(HTTP) and the next (NCCL)")
-    startup_timeout_s: float = setting(900.0, "seconds to wait for every server to answer /health (a first start "
-                                              "compiles kernels and CUDA graphs)")
-    stop_timeout_s: float = setting(30.0, "seconds a server gets to exit after SIGTERM before its process group "
-                                          "is killed")
-    mem_fraction: float = setting(0.6, "share of each GPU's memory for SGLang's weights and KV cache (leave room "
-                                       "for a colocated actor)")
-    max_running_requests: int = setting(256, "most requests one server runs at once (set explicitly: SGLang caps "
-                                             "it at 48 when EAGLE is on)")
+    port_base: int = setting(
+        30100, "first port of the servers' range on 127.0.0.1: server i takes port_base + 2i (HTTP) and the next (NCCL)"
+    )
+    startup_timeout_s: float = setting(
+        900.0, "seconds to wait for every server to answer /health (a first start compiles kernels and CUDA graphs)"
+    )
+    stop_timeout_s: float = setting(
+        30.0, "seconds a server gets to exit after SIGTERM before its process group is killed"
+    )
+    mem_fraction: float = setting(
+        0.6, "share of each GPU's memory for SGLang's weights and KV cache (leave room for a colocated actor)"
+    )
+    max_running_requests: int = setting(
+        256, "most requests one server runs at once (set explicitly: SGLang caps it at 48 when EAGLE is on)"
+    )
     dtype: str = setting("bfloat16", "weight and activation dtype of the served model")
-    python: str = setting("", "Python interpreter whose environment has sglang installed (\"\": the one running tlt)")
+    python: str = setting("", 'Python interpreter whose environment has sglang installed ("": the one running tlt)')
     skip_tokenizer_init: bool = setting(True, "send and receive token ids only (the servers load no tokenizer)")
-    colocated: bool = setting(True, "actor ranks and servers share the GPUs: weights go over CUDA IPC (false: "
-                                    "through a checkpoint on disk)")
+    colocated: bool = setting(
+        True, "actor ranks and servers share the GPUs: weights go over CUDA IPC (false: through a checkpoint on disk)"
+    )
     request_timeout_s: float = setting(3600.0, "seconds one /generate request may take before the rollout fails")
     max_in_flight_per_server: int = setting(1024, "most requests tlt keeps in flight on one server at a time")
-    probe_max_new_tokens: int = setting(64, "tokens generated per prompt by the greedy acceptance probe after every "
-                                            "weight sync")
-    collapse_accept_length: float = setting(1.1, "accept length at or below which a drafter that worked before a "
-                                                 "sync counts as collapsed")
-    auto_off_on_collapse: bool = setting(True, "let SGLang turn SD off in a batch-size slot whose acceptance "
-                                               "collapses (adaptive mode only)")
-    extra_args: tuple[str, ...] = setting((), "more sglang.launch_server flags, e.g. [\"--attention-backend\", "
-                                              "\"fa3\"]")
+    probe_max_new_tokens: int = setting(
+        64, "tokens generated per prompt by the greedy acceptance probe after every weight sync"
+    )
+    collapse_accept_length: float = setting(
+        1.1, "accept length at or below which a drafter that worked before a sync counts as collapsed"
+    )
+    auto_off_on_collapse: bool = setting(
+        True, "let SGLang turn SD off in a batch-size slot whose acceptance collapses (adaptive mode only)"
+    )
+    extra_args: tuple[str, ...] = setting((), 'more sglang.launch_server flags, e.g. ["--attention-backend", "fa3"]')
 
     @property
     def server_count(self) -> int:
@@ -131,13 +155,17 @@ class SGLangConfig:
 
 @dataclass(frozen=True)
 class RolloutConfig:
-    backend: str = setting("embedded", "embedded (the in-process engine sharing the actor's weights), sglang "
-                                       "(SGLang servers each worker starts and owns), or trl (TRL's own generation, "
-                                       "no speculative decoding; train.trainer trl only)")
+    backend: str = setting(
+        "embedded",
+        "embedded (the in-process engine sharing the actor's weights), sglang "
+        "(SGLang servers each worker starts and owns), or trl (TRL's own generation, "
+        "no speculative decoding; train.trainer trl only)",
+    )
     max_new_tokens: int = setting(320, "longest response in tokens")
     temperature: float = setting(1.0, "sampling temperature (0 is greedy)")
-    top_p: float = setting(1.0, "nucleus sampling: keep the most likely tokens up to this total probability "
-                                "(1.0 keeps all)")
+    top_p: float = setting(
+        1.0, "nucleus sampling: keep the most likely tokens up to this total probability (1.0 keeps all)"
+    )
     top_k: int = setting(0, "keep only the k most likely tokens (0 keeps all)")
     sglang: SGLangConfig = setting(SGLangConfig(), "SGLang servers, used when backend is sglang")
 
@@ -146,8 +174,7 @@ class RolloutConfig:
 class ActorConfig:
     lr: float = setting(1e-4, "AdamW learning rate")
     weight_decay: float = setting(0.0, "AdamW weight decay")
-    zero_stage: int = setting(2, "DeepSpeed ZeRO stage: 0, 1 or 2 (the rollout needs the full policy on every "
-                                 "rank)")
+    zero_stage: int = setting(2, "DeepSpeed ZeRO stage: 0, 1 or 2 (the rollout needs the full policy on every rank)")
     micro_batch_size: int = setting(4, "sequences per forward/backward")
     clip_ratio: float = setting(0.2, "PPO clip range of the ratio pi/pi_old")
     kl_coef: float = setting(0.0, "weight of the KL penalty to the initial policy (0 disables the reference model)")
@@ -174,44 +201,64 @@ DEFAULT_RULES = [
 
 @dataclass(frozen=True)
 class SpeculativeSection:
-    mode: str = setting("adaptive", "off: plain decoding; fixed: the shape below at every decode step; adaptive: "
-                                    "the rules below")
+    mode: str = setting(
+        "adaptive", "off: plain decoding; fixed: the shape below at every decode step; adaptive: the rules below"
+    )
     steps: int = setting(4, "draft depth of mode fixed: tokens drafted in a row before a verify pass")
     topk: int = setting(1, "branches per drafted position of mode fixed (1: a chain)")
     draft_tokens: int = setting(0, "tokens verified per pass of mode fixed (0: steps + 1)")
-    rules: list[dict[str, Any]] = setting(DEFAULT_RULES, "running batch size -> SD configuration (off or "
-                                                         "s<steps>-k<topk>-t<draft tokens>), first match wins")
-    collapse_accept_length: float = setting(1.15, "accept length (tokens per verify pass, moving average) under "
-                                                  "which SD counts as collapsed in a batch-size bucket: SD off "
-                                                  "there, a warning, a re-probe every reprobe_steps decode steps")
+    rules: list[dict[str, Any]] = setting(
+        DEFAULT_RULES,
+        "running batch size -> SD configuration (off or s<steps>-k<topk>-t<draft tokens>), first match wins",
+    )
+    collapse_accept_length: float = setting(
+        1.15,
+        "accept length (tokens per verify pass, moving average) under "
+        "which SD counts as collapsed in a batch-size bucket: SD off "
+        "there, a warning, a re-probe every reprobe_steps decode steps",
+    )
     reprobe_steps: int = setting(64, "decode steps between re-probes of a collapsed bucket")
-    bandit_epsilon: float = setting(0.0, "share of decode steps on which a rule with candidates tries one at random "
-                                         "(epsilon-greedy; 0: always the best measured)")
+    bandit_epsilon: float = setting(
+        0.0,
+        "share of decode steps on which a rule with candidates tries one at random "
+        "(epsilon-greedy; 0: always the best measured)",
+    )
 
 
 @dataclass(frozen=True)
 class DrafterConfig:
-    init: str = setting("warmup", "where the drafter starts: warmup (trained offline on the target's generations, "
-                                  "cached), random, or a folder written by tlt (save_drafter)")
+    init: str = setting(
+        "warmup",
+        "where the drafter starts: warmup (trained offline on the target's generations, "
+        "cached), random, or a folder written by tlt (save_drafter)",
+    )
     warmup_steps: int = setting(600, "offline warm-up: optimizer steps")
     warmup_lr: float = setting(1e-3, "offline warm-up: learning rate")
     warmup_prompts: int = setting(1024, "offline warm-up: prompts sampled")
     warmup_batch_size: int = setting(16, "offline warm-up: sequences per optimizer step")
-    vocab_size: int = setting(0, "draft vocabulary: the warm-up keeps the N tokens the model emits most often in its "
-                                 "responses, and the drafter's head and loss run over those N only (verification "
-                                 "stays exact); 0: the whole vocabulary up to 4096 tokens, else 8192; a saved "
-                                 "drafter keeps its own, a random one drafts over the whole vocabulary")
+    vocab_size: int = setting(
+        0,
+        "draft vocabulary: the warm-up keeps the N tokens the model emits most often in its "
+        "responses, and the drafter's head and loss run over those N only (verification "
+        "stays exact); 0: the whole vocabulary up to 4096 tokens, else 8192; a saved "
+        "drafter keeps its own, a random one drafts over the whole vocabulary",
+    )
     lr: float = setting(1e-3, "online training on idle workers (drafter_sidecar plugin): AdamW learning rate")
     weight_decay: float = setting(0.0, "online training: AdamW weight decay")
     window_steps: int = setting(2, "online training: RL steps of actor hidden states kept")
-    batch_size: int = setting(4, "online training: sequences per drafter step (drawn from one actor micro-batch, so "
-                                 "a step is short and the sidecar yields to the rollout quickly)")
+    batch_size: int = setting(
+        4,
+        "online training: sequences per drafter step (drawn from one actor micro-batch, so "
+        "a step is short and the sidecar yields to the rollout quickly)",
+    )
 
 
 @dataclass(frozen=True)
 class PluginsConfig:
-    enabled: list[str] = setting(["drafter_sidecar"], "plugins injected into every worker: entry-point names "
-                                                      "(group tlt.plugins) or module:attribute")
+    enabled: list[str] = setting(
+        ["drafter_sidecar"],
+        "plugins injected into every worker: entry-point names (group tlt.plugins) or module:attribute",
+    )
     options: dict[str, Any] = setting({}, "options per plugin name, passed to its constructor")
 
 
@@ -228,8 +275,11 @@ class Recipe:
     speculative: SpeculativeSection = setting(SpeculativeSection(), "speculative decoding in the rollout")
     drafter: DrafterConfig = setting(DrafterConfig(), "the drafter: where it starts and how it trains")
     plugins: PluginsConfig = setting(PluginsConfig(), "hooks injected into every worker process")
-    trl: dict[str, Any] = setting({}, "train.trainer trl: more fields of TRL's GRPOConfig, passed through (e.g. "
-                                      "loss_type: grpo); fields the recipe sets by its own keys are refused")
+    trl: dict[str, Any] = setting(
+        {},
+        "train.trainer trl: more fields of TRL's GRPOConfig, passed through (e.g. "
+        "loss_type: grpo); fields the recipe sets by its own keys are refused",
+    )
 
 
 CPU_DEVICES = "cpu"
@@ -247,8 +297,9 @@ class _RecipeYamlLoader(yaml.SafeLoader):
     def compose_node(self, parent: yaml.Node | None, index: Any) -> yaml.Node:
         if self.check_event(yaml.AliasEvent):
             event = self.peek_event()
-            raise yaml.composer.ComposerError(None, None, f"alias *{event.anchor} is not allowed in a recipe; "
-                                              "write the value out", event.start_mark)
+            raise yaml.composer.ComposerError(
+                None, None, f"alias *{event.anchor} is not allowed in a recipe; write the value out", event.start_mark
+            )
         return super().compose_node(parent, index)
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
@@ -256,8 +307,9 @@ class _RecipeYamlLoader(yaml.SafeLoader):
         for key_node, _ in node.value:
             key = self.construct_object(key_node, deep=deep)
             if key in seen:
-                raise yaml.constructor.ConstructorError(None, None, f"key {key!r} appears twice in one mapping",
-                                                        key_node.start_mark)
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {key!r} appears twice in one mapping", key_node.start_mark
+                )
             seen.append(key)
         return super().construct_mapping(node, deep)
 
@@ -266,8 +318,9 @@ _RecipeYamlLoader.yaml_implicit_resolvers = {
     first: [(tag, pattern) for tag, pattern in resolvers if tag != "tag:yaml.org,2002:bool"]
     for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
 }
-_RecipeYamlLoader.add_implicit_resolver("tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"),
-                                        list("tTfF"))
+_RecipeYamlLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF")
+)
 
 
 def read_yaml(text: str) -> Any:
@@ -293,15 +346,19 @@ def _read_sections(recipe_path: Path) -> dict:
         kind = "is a folder, not a file" if recipe_path.is_dir() else "does not exist"
         raise RecipeError(f"recipe file {recipe_path} {kind}; pass the path of a YAML recipe (see `tlt recipes list`).")
     if recipe_path.stat().st_size > MAX_RECIPE_BYTES:
-        raise RecipeError(f"recipe file {recipe_path} is {recipe_path.stat().st_size} bytes; a recipe is a few KB of "
-                          f"YAML (at most {MAX_RECIPE_BYTES}).")
+        raise RecipeError(
+            f"recipe file {recipe_path} is {recipe_path.stat().st_size} bytes; a recipe is a few KB of "
+            f"YAML (at most {MAX_RECIPE_BYTES})."
+        )
     raw = recipe_path.read_bytes()
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as error:
         line = raw[: error.start].count(b"\n") + 1
-        raise RecipeError(f"recipe file {recipe_path} is not UTF-8 text (byte 0x{raw[error.start]:02x} at line {line}); "
-                          "save it as UTF-8.") from None
+        raise RecipeError(
+            f"recipe file {recipe_path} is not UTF-8 text (byte 0x{raw[error.start]:02x} at line {line}); "
+            "save it as UTF-8."
+        ) from None
     try:
         content = read_yaml(text)
     except YAMLError as error:
@@ -309,22 +366,31 @@ def _read_sections(recipe_path: Path) -> dict:
         where = f" at line {mark.line + 1}" if mark is not None else ""
         raise RecipeError(f"recipe file {recipe_path} is not valid YAML{where}: {_first_line(error)}.") from None
     if content is None:
-        raise RecipeError(f"recipe file {recipe_path} is empty; start from a shipped recipe (`tlt recipes show tiny-cpu`).")
+        raise RecipeError(
+            f"recipe file {recipe_path} is empty; start from a shipped recipe (`tlt recipes show tiny-cpu`)."
+        )
     if not isinstance(content, dict):
-        raise RecipeError(f"recipe file {recipe_path} must hold a mapping of sections (run:, model:, ...), not a list or "
-                          "a scalar.")
+        raise RecipeError(
+            f"recipe file {recipe_path} must hold a mapping of sections (run:, model:, ...), not a list or a scalar."
+        )
     return content
 
 
 def _check_sections(loaded: DictConfig, origin: str) -> None:
     sections = [section.name for section in dataclasses.fields(Recipe)]
     for section, value in loaded.items():
-        _require(section in sections, f"{origin}: section '{section}' is not a recipe section; sections are: "
-                                      f"{', '.join(sections)}.")
-        _require(isinstance(value, DictConfig), f"{origin}: section '{section}' must be a mapping of keys, got {value!r}.")
+        _require(
+            section in sections,
+            f"{origin}: section '{section}' is not a recipe section; sections are: {', '.join(sections)}.",
+        )
+        _require(
+            isinstance(value, DictConfig), f"{origin}: section '{section}' must be a mapping of keys, got {value!r}."
+        )
 
 
-def recipe_from_config(loaded: DictConfig, overrides: list[str] | tuple[str, ...] = (), origin: str = "recipe") -> Recipe:
+def recipe_from_config(
+    loaded: DictConfig, overrides: list[str] | tuple[str, ...] = (), origin: str = "recipe"
+) -> Recipe:
     """Merge a loaded config and overrides onto the schema: a Recipe with the right keys and types."""
     schema = OmegaConf.structured(Recipe)
     try:

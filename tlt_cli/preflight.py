@@ -66,8 +66,10 @@ def _check_model(recipe: Recipe) -> int:
     except UserError as error:
         raise RecipeError(f"model.path: {error}") from None
     if len(tokenizer) > config.vocab_size:
-        raise RecipeError(f"model.path: the tokenizer of {recipe.model.path} has {len(tokenizer)} tokens but the model's "
-                          f"vocabulary holds {config.vocab_size}; the tokenizer belongs to another model.")
+        raise RecipeError(
+            f"model.path: the tokenizer of {recipe.model.path} has {len(tokenizer)} tokens but the model's "
+            f"vocabulary holds {config.vocab_size}; the tokenizer belongs to another model."
+        )
     return int(config.vocab_size)
 
 
@@ -76,8 +78,10 @@ def _check_drafter_folder(recipe: Recipe) -> None:
     if init in ("warmup", "random"):
         return
     if not (Path(init) / CONFIG_FILE).is_file():
-        raise RecipeError(f"drafter.init: {init} is not a drafter folder (it has no {CONFIG_FILE}); give warmup, random "
-                          "or a folder tlt saved a drafter in.")
+        raise RecipeError(
+            f"drafter.init: {init} is not a drafter folder (it has no {CONFIG_FILE}); give warmup, random "
+            "or a folder tlt saved a drafter in."
+        )
 
 
 def _check_plugins(plugins: PluginsConfig) -> None:
@@ -85,14 +89,18 @@ def _check_plugins(plugins: PluginsConfig) -> None:
         factory = _plugin_factory(name)
         if not inspect.isclass(factory) or not any(callable(getattr(factory, hook, None)) for hook in PLUGIN_HOOKS):
             kind = "a class without any hook" if inspect.isclass(factory) else f"a {type(factory).__name__}"
-            raise RecipeError(f"plugins.enabled: '{name}' is {kind}, not a plugin; a plugin is a class with some of the "
-                              f"hooks {', '.join(PLUGIN_HOOKS)}.")
+            raise RecipeError(
+                f"plugins.enabled: '{name}' is {kind}, not a plugin; a plugin is a class with some of the "
+                f"hooks {', '.join(PLUGIN_HOOKS)}."
+            )
         options = plugins.options.get(name, {})
         try:
             inspect.signature(factory).bind(recipe=None, **options)
         except TypeError as error:
-            raise RecipeError(f"plugins.options.{name}: plugin '{name}' cannot be built with recipe= and the options "
-                              f"{sorted(options)} ({error}).") from None
+            raise RecipeError(
+                f"plugins.options.{name}: plugin '{name}' cannot be built with recipe= and the options "
+                f"{sorted(options)} ({error})."
+            ) from None
 
 
 def _plugin_factory(name: str) -> Any:
@@ -101,8 +109,9 @@ def _plugin_factory(name: str) -> Any:
     except UserError as error:
         raise RecipeError(f"plugins.enabled: {error}") from None
     except Exception as error:  # the plugin's own module failed to import: the user's code, not tlt's
-        raise RecipeError(f"plugins.enabled: plugin '{name}' cannot be imported ({type(error).__name__}: "
-                          f"{error}).") from None
+        raise RecipeError(
+            f"plugins.enabled: plugin '{name}' cannot be imported ({type(error).__name__}: {error})."
+        ) from None
 
 
 def check_output_folder(run: RunConfig, new_run: bool) -> None:
@@ -116,10 +125,14 @@ def check_output_folder(run: RunConfig, new_run: bool) -> None:
         existing = existing.parent
     key = "run.name" if existing == run_directory else "run.output_dir"
     if not existing.is_dir():
-        raise RecipeError(f"{key}: {existing} is a file, not a folder, so the run directory {run_directory} cannot be "
-                          "created; choose another run.output_dir.")
+        raise RecipeError(
+            f"{key}: {existing} is a file, not a folder, so the run directory {run_directory} cannot be "
+            "created; choose another run.output_dir."
+        )
     if not os.access(existing, os.W_OK | os.X_OK):
         raise RecipeError(f"{key}: the run directory {run_directory} cannot be created: {existing} is not writable.")
     if new_run and holds_run(run_directory):
-        raise RecipeError(f"run.name: the run directory {run_directory} already holds a run; resume it with "
-                          f"--resume {run_directory} or choose another name with run.name=<name>.")
+        raise RecipeError(
+            f"run.name: the run directory {run_directory} already holds a run; resume it with "
+            f"--resume {run_directory} or choose another name with run.name=<name>."
+        )

@@ -67,8 +67,10 @@ def check_values(recipe: Recipe) -> None:
     _check_train_and_workers(recipe)
     _check_rollout(recipe)
     _check_actor(recipe)
-    _require(recipe.checkpoint.every >= 1,
-             f"checkpoint.every must be at least 1 (steps between checkpoints), got {recipe.checkpoint.every}.")
+    _require(
+        recipe.checkpoint.every >= 1,
+        f"checkpoint.every must be at least 1 (steps between checkpoints), got {recipe.checkpoint.every}.",
+    )
     _require(recipe.checkpoint.keep >= 1, f"checkpoint.keep must be at least 1, got {recipe.checkpoint.keep}.")
     _check_model_path(recipe.model.path)
     check_speculative_section(recipe.speculative, ANY_VOCABULARY)
@@ -92,30 +94,42 @@ def _check_finite(section: Any, prefix: str = "") -> None:
 
 def _check_run(recipe: Recipe) -> None:
     name = recipe.run.name
-    _require(name.strip() != "" and "/" not in name and name not in (".", "..") and "\0" not in name,
-             f"run.name must be a folder name (not empty, '.' or '..', no '/'), got '{name}'.")
-    _require(recipe.run.output_dir.strip() != "" and "\0" not in recipe.run.output_dir,
-             f"run.output_dir must name a folder, got '{recipe.run.output_dir}'.")
+    _require(
+        name.strip() != "" and "/" not in name and name not in (".", "..") and "\0" not in name,
+        f"run.name must be a folder name (not empty, '.' or '..', no '/'), got '{name}'.",
+    )
+    _require(
+        recipe.run.output_dir.strip() != "" and "\0" not in recipe.run.output_dir,
+        f"run.output_dir must name a folder, got '{recipe.run.output_dir}'.",
+    )
 
 
 def _check_train_and_workers(recipe: Recipe) -> None:
     train, workers = recipe.train, recipe.workers
     _require(train.steps >= 1, f"train.steps must be at least 1, got {train.steps}.")
     _require(train.prompts_per_step >= 1, f"train.prompts_per_step must be at least 1, got {train.prompts_per_step}.")
-    _require(train.group_size >= 2,
-             f"train.group_size must be at least 2 (GRPO compares responses within a group), got {train.group_size}.")
+    _require(
+        train.group_size >= 2,
+        f"train.group_size must be at least 2 (GRPO compares responses within a group), got {train.group_size}.",
+    )
     _require(workers.count >= 1, f"workers.count must be at least 1, got {workers.count}.")
-    _require(train.prompts_per_step % workers.count == 0,
-             f"train.prompts_per_step ({train.prompts_per_step}) must be a multiple of workers.count "
-             f"({workers.count}) so every worker gets whole groups.")
-    _require(workers.threads_per_worker >= 1,
-             f"workers.threads_per_worker must be at least 1, got {workers.threads_per_worker}.")
+    _require(
+        train.prompts_per_step % workers.count == 0,
+        f"train.prompts_per_step ({train.prompts_per_step}) must be a multiple of workers.count "
+        f"({workers.count}) so every worker gets whole groups.",
+    )
+    _require(
+        workers.threads_per_worker >= 1,
+        f"workers.threads_per_worker must be at least 1, got {workers.threads_per_worker}.",
+    )
 
 
 def _check_rollout(recipe: Recipe) -> None:
     rollout = recipe.rollout
-    _require(rollout.backend in ROLLOUT_BACKENDS,
-             f"rollout.backend must be one of {', '.join(ROLLOUT_BACKENDS)}, got '{rollout.backend}'.")
+    _require(
+        rollout.backend in ROLLOUT_BACKENDS,
+        f"rollout.backend must be one of {', '.join(ROLLOUT_BACKENDS)}, got '{rollout.backend}'.",
+    )
     _require(rollout.max_new_tokens >= 1, f"rollout.max_new_tokens must be at least 1, got {rollout.max_new_tokens}.")
     _require(rollout.temperature >= 0.0, f"rollout.temperature must be >= 0 (0 is greedy), got {rollout.temperature}.")
     _require(0.0 < rollout.top_p <= 1.0, f"rollout.top_p must be in (0, 1], got {rollout.top_p}.")
@@ -126,8 +140,11 @@ def _check_actor(recipe: Recipe) -> None:
     actor = recipe.actor
     _require(actor.lr > 0.0, f"actor.lr must be positive, got {actor.lr}.")
     _require(actor.weight_decay >= 0.0, f"actor.weight_decay must be >= 0, got {actor.weight_decay}.")
-    _require(actor.zero_stage in ZERO_STAGES,
-             f"actor.zero_stage must be 0, 1 or 2 (the rollout needs the full policy on every rank), got {actor.zero_stage}.")
+    _require(
+        actor.zero_stage in ZERO_STAGES,
+        f"actor.zero_stage must be 0, 1 or 2 (the rollout needs the full policy on every rank), "
+        f"got {actor.zero_stage}.",
+    )
     _require(actor.micro_batch_size >= 1, f"actor.micro_batch_size must be at least 1, got {actor.micro_batch_size}.")
     _require(0.0 < actor.clip_ratio < 1.0, f"actor.clip_ratio must be in (0, 1), got {actor.clip_ratio}.")
     _require(actor.kl_coef >= 0.0, f"actor.kl_coef must be >= 0, got {actor.kl_coef}.")
@@ -140,27 +157,44 @@ def _check_trainer(recipe: Recipe) -> None:
     trainer, backend = recipe.train.trainer, recipe.rollout.backend
     _require(trainer in TRAINERS, f"train.trainer must be one of {', '.join(TRAINERS)}, got '{trainer}'.")
     if trainer != TRL_TRAINER:
-        _require(not recipe.trl, f"trl.{next(iter(recipe.trl), '')} is set but train.trainer is {trainer}; set "
-                                 "train.trainer: trl or remove the trl section.")
+        _require(
+            not recipe.trl,
+            f"trl.{next(iter(recipe.trl), '')} is set but train.trainer is {trainer}; set "
+            "train.trainer: trl or remove the trl section.",
+        )
         _require(backend != "trl", "rollout.backend trl (TRL's own generation) needs train.trainer: trl.")
         return
-    _require(backend in TRL_BACKENDS, f"rollout.backend {backend} does not run under train.trainer trl; use "
-                                      f"{' or '.join(TRL_BACKENDS)}.")
-    _require(recipe.workers.hostfile is None, "workers.hostfile is not supported with train.trainer trl yet; its "
-                                              "processes run on this machine (remove workers.hostfile).")
+    _require(
+        backend in TRL_BACKENDS,
+        f"rollout.backend {backend} does not run under train.trainer trl; use {' or '.join(TRL_BACKENDS)}.",
+    )
+    _require(
+        recipe.workers.hostfile is None,
+        "workers.hostfile is not supported with train.trainer trl yet; its "
+        "processes run on this machine (remove workers.hostfile).",
+    )
     others = [name for name in recipe.plugins.enabled if name != sidecar.PLUGIN_NAME]
-    _require(not others, f"plugins.enabled: {(others or [''])[0]} hooks into tlt's own worker loop, which a TRL "
-                         f"run does not run; a TRL run takes only {sidecar.PLUGIN_NAME}.")
-    _require(recipe.rollout.temperature > 0.0, "rollout.temperature must be > 0 with train.trainer trl (TRL divides "
-                                               "its log-probs by it).")
+    _require(
+        not others,
+        f"plugins.enabled: {(others or [''])[0]} hooks into tlt's own worker loop, which a TRL "
+        f"run does not run; a TRL run takes only {sidecar.PLUGIN_NAME}.",
+    )
+    _require(
+        recipe.rollout.temperature > 0.0,
+        "rollout.temperature must be > 0 with train.trainer trl (TRL divides its log-probs by it).",
+    )
     completions = recipe.train.prompts_per_step * recipe.train.group_size // recipe.workers.count
-    _require(completions % recipe.actor.micro_batch_size == 0,
-             f"actor.micro_batch_size ({recipe.actor.micro_batch_size}) must divide the {completions} completions each "
-             "TRL process trains on per step (train.prompts_per_step x train.group_size / workers.count).")
+    _require(
+        completions % recipe.actor.micro_batch_size == 0,
+        f"actor.micro_batch_size ({recipe.actor.micro_batch_size}) must divide the {completions} completions each "
+        "TRL process trains on per step (train.prompts_per_step x train.group_size / workers.count).",
+    )
     if backend == "trl":
-        _require(recipe.speculative.mode == "off" and sidecar.PLUGIN_NAME not in recipe.plugins.enabled,
-                 "rollout.backend trl (TRL's own generation) does not speculate or train a drafter; set "
-                 f"speculative.mode: off and leave {sidecar.PLUGIN_NAME} out of plugins.enabled.")
+        _require(
+            recipe.speculative.mode == "off" and sidecar.PLUGIN_NAME not in recipe.plugins.enabled,
+            "rollout.backend trl (TRL's own generation) does not speculate or train a drafter; set "
+            f"speculative.mode: off and leave {sidecar.PLUGIN_NAME} out of plugins.enabled.",
+        )
 
 
 def _check_actor_placement(recipe: Recipe) -> None:
@@ -168,16 +202,23 @@ def _check_actor_placement(recipe: Recipe) -> None:
     devices, precision = recipe.actor.devices, recipe.actor.precision
     on_gpus = devices != CPU_DEVICES
     if on_gpus:
-        _require(isinstance(devices, list) and len(devices) >= 1
-                 and all(isinstance(device, int) and not isinstance(device, bool) and device >= 0 for device in devices),
-                 f"actor.devices must be cpu or a list of GPU indices like [0, 1], got {devices!r}.")
+        _require(
+            isinstance(devices, list)
+            and len(devices) >= 1
+            and all(isinstance(device, int) and not isinstance(device, bool) and device >= 0 for device in devices),
+            f"actor.devices must be cpu or a list of GPU indices like [0, 1], got {devices!r}.",
+        )
         _require(len(set(devices)) == len(devices), f"actor.devices lists a GPU twice: {devices}.")
     _require(precision in PRECISIONS, f"actor.precision must be one of {', '.join(PRECISIONS)}, got '{precision}'.")
-    _require(precision == "fp32" or on_gpus, f"actor.precision {precision} needs GPUs in actor.devices; on cpu use fp32.")
+    _require(
+        precision == "fp32" or on_gpus, f"actor.precision {precision} needs GPUs in actor.devices; on cpu use fp32."
+    )
     if recipe.workers.hostfile is None:
-        _require(not on_gpus or len(devices) == recipe.workers.count,
-                 f"actor.devices lists {len(devices) if on_gpus else 0} GPUs for workers.count {recipe.workers.count}; "
-                 "give one GPU per worker rank.")
+        _require(
+            not on_gpus or len(devices) == recipe.workers.count,
+            f"actor.devices lists {len(devices) if on_gpus else 0} GPUs for workers.count {recipe.workers.count}; "
+            "give one GPU per worker rank.",
+        )
         return
     try:
         check_hostfile(recipe)
@@ -191,12 +232,16 @@ def _check_sglang_backend(recipe: Recipe) -> None:
     validate_sglang_config(config)
     # every node runs its own servers for its own ranks
     node_ranks = ranks_per_node(recipe)
-    _require(config.server_count % node_ranks == 0,
-             f"rollout.sglang.gpus gives {config.server_count} server(s) of tp_size {config.tp_size} for {node_ranks} "
-             "worker ranks per node; each worker owns whole servers, so give a multiple of that.")
-    _require(not config.colocated or recipe.actor.devices != CPU_DEVICES,
-             "rollout.sglang.colocated: true sends the actor's CUDA tensors to the servers, so actor.devices must list "
-             "GPUs; with the actor on cpu set rollout.sglang.colocated: false (weights go through a checkpoint on disk).")
+    _require(
+        config.server_count % node_ranks == 0,
+        f"rollout.sglang.gpus gives {config.server_count} server(s) of tp_size {config.tp_size} for {node_ranks} "
+        "worker ranks per node; each worker owns whole servers, so give a multiple of that.",
+    )
+    _require(
+        not config.colocated or recipe.actor.devices != CPU_DEVICES,
+        "rollout.sglang.colocated: true sends the actor's CUDA tensors to the servers, so actor.devices must list "
+        "GPUs; with the actor on cpu set rollout.sglang.colocated: false (weights go through a checkpoint on disk).",
+    )
     try:
         batch_rules(recipe.speculative)
     except RecipeError as error:
@@ -205,15 +250,21 @@ def _check_sglang_backend(recipe: Recipe) -> None:
 
 def check_speculative_section(section: SpeculativeSection, vocabulary_size: int) -> None:
     """The mode, the fixed shape and (mode adaptive) the rule table, for a model of `vocabulary_size` tokens."""
-    _require(section.mode in SPECULATIVE_MODES,
-             f"speculative.mode must be one of {', '.join(SPECULATIVE_MODES)}, got '{section.mode}'.")
+    _require(
+        section.mode in SPECULATIVE_MODES,
+        f"speculative.mode must be one of {', '.join(SPECULATIVE_MODES)}, got '{section.mode}'.",
+    )
     _check_shape("speculative", SpeculativeConfig(section.steps, section.topk, section.draft_tokens), vocabulary_size)
-    _require(section.collapse_accept_length >= 1.0,
-             "speculative.collapse_accept_length must be >= 1 (1 means no draft accepted), "
-             f"got {section.collapse_accept_length}.")
+    _require(
+        section.collapse_accept_length >= 1.0,
+        "speculative.collapse_accept_length must be >= 1 (1 means no draft accepted), "
+        f"got {section.collapse_accept_length}.",
+    )
     _require(section.reprobe_steps >= 1, f"speculative.reprobe_steps must be at least 1, got {section.reprobe_steps}.")
-    _require(0.0 <= section.bandit_epsilon <= 1.0,
-             f"speculative.bandit_epsilon must be in [0, 1], got {section.bandit_epsilon}.")
+    _require(
+        0.0 <= section.bandit_epsilon <= 1.0,
+        f"speculative.bandit_epsilon must be in [0, 1], got {section.bandit_epsilon}.",
+    )
     if section.mode != "adaptive":
         return
     try:
@@ -234,8 +285,10 @@ def _check_shape(where: str, config: SpeculativeConfig, vocabulary_size: int) ->
 
 
 def _check_drafter(drafter: DrafterConfig) -> None:
-    _require(drafter.init in DRAFTER_STARTS or Path(drafter.init).is_dir(),
-             f"drafter.init must be warmup, random or a drafter folder, got '{drafter.init}'.")
+    _require(
+        drafter.init in DRAFTER_STARTS or Path(drafter.init).is_dir(),
+        f"drafter.init must be warmup, random or a drafter folder, got '{drafter.init}'.",
+    )
     for key in ("warmup_steps", "warmup_prompts", "warmup_batch_size", "window_steps", "batch_size"):
         _require(getattr(drafter, key) >= 1, f"drafter.{key} must be at least 1, got {getattr(drafter, key)}.")
     _require(drafter.warmup_lr > 0, f"drafter.warmup_lr must be positive, got {drafter.warmup_lr}.")
@@ -250,12 +303,16 @@ def _check_plugins(recipe: Recipe) -> None:
         _require(name.strip() != "", "plugins.enabled lists an empty name; give entry-point names or module:attribute.")
     for name, options in plugins.options.items():
         _require(name in plugins.enabled, f"plugins.options.{name} is set but '{name}' is not in plugins.enabled.")
-        _require(isinstance(options, dict), f"plugins.options.{name} must be a mapping of keyword options, got {options!r}.")
+        _require(
+            isinstance(options, dict), f"plugins.options.{name} must be a mapping of keyword options, got {options!r}."
+        )
 
 
 def _check_model_path(path: str) -> None:
     if path.startswith(BUILTIN_PREFIX):
-        _require(path in BUILTIN_MODELS,
-                 f"model.path '{path}' is not a built-in model; the built-in model is {', '.join(BUILTIN_MODELS)}.")
+        _require(
+            path in BUILTIN_MODELS,
+            f"model.path '{path}' is not a built-in model; the built-in model is {', '.join(BUILTIN_MODELS)}.",
+        )
         return
     _require(path.strip() != "", "model.path is empty; give a local Hugging Face model folder or builtin:tiny-arith.")

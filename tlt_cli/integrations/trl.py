@@ -128,8 +128,13 @@ def tlt_rollout(
     and the bandit's draws.
     """
     check_trl_version()
-    return TltRollout(_section(SpeculativeSection, speculative, "speculative"), drafter, sidecar,
-                      _section(DrafterConfig, drafter_config, "drafter_config"), seed)
+    return TltRollout(
+        _section(SpeculativeSection, speculative, "speculative"),
+        drafter,
+        sidecar,
+        _section(DrafterConfig, drafter_config, "drafter_config"),
+        seed,
+    )
 
 
 def _section(kind: type, given: Any, name: str) -> Any:
@@ -148,8 +153,14 @@ def _section(kind: type, given: Any, name: str) -> Any:
 class TltRollout:
     """TRL's rollout_func generating with tlt (see the module docstring); build it with `tlt_rollout`."""
 
-    def __init__(self, speculative: SpeculativeSection, drafter: str | Path | EagleDrafter, sidecar: bool,
-                 drafter_config: DrafterConfig, seed: int) -> None:
+    def __init__(
+        self,
+        speculative: SpeculativeSection,
+        drafter: str | Path | EagleDrafter,
+        sidecar: bool,
+        drafter_config: DrafterConfig,
+        seed: int,
+    ) -> None:
         if speculative.mode == "adaptive":
             adaptive_schedule(speculative)  # the rule table is checked now, not at the first rollout
         self.speculative = speculative
@@ -174,16 +185,20 @@ class TltRollout:
         with generation_policy(trainer) as policy:
             self._build(policy, trainer)
             requests = [RolloutRequest(index, tuple(ids)) for index, ids in enumerate(prompt_ids)]
-            completions, busy_end = self.backend.generate_with_hidden(requests, trl_sampling(trainer),
-                                                                      self._sampling_seed(process))
+            completions, busy_end = self.backend.generate_with_hidden(
+                requests, trl_sampling(trainer), self._sampling_seed(process)
+            )
             completions = [_cut_at_eos(completion, eos_ids) for completion in completions]
             logprob_start = time.perf_counter()
             logprobs = sampled_logprobs(policy.get_output_embeddings(), completions, trainer.temperature)
             logprob_seconds = time.perf_counter() - logprob_start
             sidecar_metrics = self.sidecar.after_rollout(self.rollouts, completions) if self.sidecar else {}
         idle_end = self.sidecar.wait_end if self.sidecar is not None else busy_end
-        self.records.append(self._record(trainer, process, processes, start, busy_end, idle_end, logprob_seconds,
-                                         completions, sidecar_metrics))
+        self.records.append(
+            self._record(
+                trainer, process, processes, start, busy_end, idle_end, logprob_seconds, completions, sidecar_metrics
+            )
+        )
         self.rollouts += 1
         return {
             "prompt_ids": [list(completion.prompt_ids) for completion in completions],
@@ -200,17 +215,28 @@ class TltRollout:
 
         processes = trainer.accelerator.num_processes
         wants_drafter = self.speculative.mode != "off" or (self.use_sidecar and processes > 1)
-        self.drafter = starting_drafter(self.drafter_source, policy, trainer, self.drafter_config, self.seed,
-                                        self.pending_state) if wants_drafter else None
+        self.drafter = (
+            starting_drafter(self.drafter_source, policy, trainer, self.drafter_config, self.seed, self.pending_state)
+            if wants_drafter
+            else None
+        )
         eos_ids, pad_token_id = eos_and_pad_ids(trainer)
-        self.backend = HiddenStateRollout(policy, eos_ids[0], pad_token_id, self.speculative, self.drafter,
-                                          seed=self.seed)
+        self.backend = HiddenStateRollout(
+            policy, eos_ids[0], pad_token_id, self.speculative, self.drafter, seed=self.seed
+        )
         if self.pending_state is not None:
             self._load_schedule(self.pending_state, trainer.accelerator.process_index)
         if self.use_sidecar and processes > 1:
-            self.sidecar = TrlSidecar(policy, self.drafter, self.drafter_config, self.seed,
-                                      trainer.accelerator.process_index, processes, trainer.accelerator.device,
-                                      pad_token_id)
+            self.sidecar = TrlSidecar(
+                policy,
+                self.drafter,
+                self.drafter_config,
+                self.seed,
+                trainer.accelerator.process_index,
+                processes,
+                trainer.accelerator.device,
+                pad_token_id,
+            )
             if self.pending_state is not None:
                 self.sidecar.load_state(self.pending_state)
         self.policy = policy
@@ -219,15 +245,32 @@ class TltRollout:
         """Sampling randomness from (seed, rollout number, process): a resumed run draws the same samples."""
         return (self.seed * 1_000_003 + self.rollouts) * 1009 + process
 
-    def _record(self, trainer: Any, process: int, processes: int, start: float, busy_end: float, idle_end: float,
-                logprob_seconds: float, completions: list[Completion], sidecar: dict[str, float]) -> RolloutRecord:
+    def _record(
+        self,
+        trainer: Any,
+        process: int,
+        processes: int,
+        start: float,
+        busy_end: float,
+        idle_end: float,
+        logprob_seconds: float,
+        completions: list[Completion],
+        sidecar: dict[str, float],
+    ) -> RolloutRecord:
         usage = {label: asdict(value) for label, value in self.backend.take_usage().items()}
         passes = sum(completion.speculative.verify_passes for completion in completions)
         accepted = sum(completion.speculative.accepted_draft_tokens for completion in completions)
         return RolloutRecord(
-            rollout=self.rollouts, process=process, processes=processes, global_step=trainer.state.global_step,
+            rollout=self.rollouts,
+            process=process,
+            processes=processes,
+            global_step=trainer.state.global_step,
             training=trainer.model.training,
-            start=start, busy_end=busy_end, idle_end=idle_end, end=time.time(), logprob_seconds=logprob_seconds,
+            start=start,
+            busy_end=busy_end,
+            idle_end=idle_end,
+            end=time.time(),
+            logprob_seconds=logprob_seconds,
             requests=[_request_record(completion) for completion in completions],
             sd_usage=usage,
             sd_seconds=sum(value["seconds"] for label, value in usage.items() if label != OFF),
@@ -272,8 +315,9 @@ class TltRollout:
 class HiddenStateRollout(EmbeddedRollout):
     """The embedded rollout, also returning each completion's target hidden states (log-probs, sidecar)."""
 
-    def generate_with_hidden(self, requests: list[RolloutRequest], sampling: Any,
-                             seed: int) -> tuple[list[Completion], float]:
+    def generate_with_hidden(
+        self, requests: list[RolloutRequest], sampling: Any, seed: int
+    ) -> tuple[list[Completion], float]:
         """Completions in request order with `target_hidden`, and when the last one finished."""
         generator = torch.Generator(self.engine.device).manual_seed(seed)
         completions = self.engine.generate(requests, sampling, generator, return_hidden=True)
@@ -296,8 +340,9 @@ def _cut_at_eos(completion: Completion, eos_ids: list[int]) -> Completion:
 def sampled_logprobs(lm_head: nn.Module, completions: list[Completion], temperature: float) -> list[list[float]]:
     """log_softmax(lm_head(hidden) / temperature)[sampled token] per response token, as TRL computes them."""
     hidden = torch.cat([completion.target_hidden for completion in completions])
-    tokens = torch.tensor([token for completion in completions for token in completion.response_ids],
-                          device=hidden.device)
+    tokens = torch.tensor(
+        [token for completion in completions for token in completion.response_ids], device=hidden.device
+    )
     values = torch.empty(tokens.shape[0], dtype=torch.float32, device=hidden.device)
     for first in range(0, tokens.shape[0], LOGPROB_CHUNK):
         rows = slice(first, first + LOGPROB_CHUNK)
@@ -309,8 +354,10 @@ def sampled_logprobs(lm_head: nn.Module, completions: list[Completion], temperat
 
 def _request_record(completion: Completion) -> RequestRecord:
     return RequestRecord(
-        prompt_tokens=len(completion.prompt_ids), response_tokens=len(completion.response_ids),
-        finished_by_eos=completion.finished_by_eos, end=completion.end,
+        prompt_tokens=len(completion.prompt_ids),
+        response_tokens=len(completion.response_ids),
+        finished_by_eos=completion.finished_by_eos,
+        end=completion.end,
         verify_passes=completion.speculative.verify_passes,
         accepted_draft_tokens=completion.speculative.accepted_draft_tokens,
     )

@@ -40,8 +40,14 @@ TRL_WARMUP_FORMAT = 1
 WARMUP_WEIGHT_DECAY = 0.1
 
 
-def starting_drafter(source: str | Path | EagleDrafter, policy: nn.Module, trainer: Any, settings: DrafterConfig,
-                     seed: int, checkpoint: Path | None = None) -> EagleDrafter:
+def starting_drafter(
+    source: str | Path | EagleDrafter,
+    policy: nn.Module,
+    trainer: Any,
+    settings: DrafterConfig,
+    seed: int,
+    checkpoint: Path | None = None,
+) -> EagleDrafter:
     """The drafter over `policy` that `source` names (see the module docstring)."""
     if checkpoint is not None and (checkpoint / DRAFTER_DIRECTORY / CONFIG_FILE).is_file():
         return _loaded(checkpoint / DRAFTER_DIRECTORY, policy)
@@ -56,8 +62,10 @@ def starting_drafter(source: str | Path | EagleDrafter, policy: nn.Module, train
 
 def _loaded(folder: Path, policy: nn.Module) -> EagleDrafter:
     if not (folder / CONFIG_FILE).is_file():
-        raise UserError(f"drafter {str(folder)!r} is not a drafter folder (no {CONFIG_FILE}); give 'warmup', 'random' "
-                        "or a folder written by save_drafter.")
+        raise UserError(
+            f"drafter {str(folder)!r} is not a drafter folder (no {CONFIG_FILE}); give 'warmup', 'random' "
+            "or a folder written by save_drafter."
+        )
     try:
         return load_drafter(folder, policy)
     except DrafterLoadError as error:
@@ -67,8 +75,9 @@ def _loaded(folder: Path, policy: nn.Module) -> EagleDrafter:
 def _rebuilt(given: EagleDrafter, policy: nn.Module, seed: int) -> EagleDrafter:
     drafter = EagleDrafter(policy, seed=seed, vocabulary=given.vocabulary)
     if drafter.target_fingerprint != given.target_fingerprint:
-        raise UserError("the drafter given to tlt_rollout was built for another model; build it on the model "
-                        "given to GRPOTrainer.")
+        raise UserError(
+            "the drafter given to tlt_rollout was built for another model; build it on the model given to GRPOTrainer."
+        )
     drafter.load_state_dict(given.state_dict())
     return drafter
 
@@ -91,24 +100,28 @@ def _first_prompts(trainer: Any, count: int) -> list:
     return prompts
 
 
-def _warmup_key(policy: nn.Module, trainer: Any, prompts: list[list[int]], settings: DrafterConfig,
-                seed: int) -> str:
+def _warmup_key(policy: nn.Module, trainer: Any, prompts: list[list[int]], settings: DrafterConfig, seed: int) -> str:
     """A short hash of everything that determines the warmed-up drafter (the policy by its weights)."""
     digest = hashlib.sha256()
     for name, parameter in policy.state_dict().items():
         digest.update(name.encode())
         digest.update(parameter.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
     description = {
-        "format": TRL_WARMUP_FORMAT, "weights": digest.hexdigest(), "prompts": prompts, "seed": seed,
+        "format": TRL_WARMUP_FORMAT,
+        "weights": digest.hexdigest(),
+        "prompts": prompts,
+        "seed": seed,
         "sampling": asdict(trl_sampling(trainer)),
-        "drafter": {key: value for key, value in asdict(settings).items()
-                    if key.startswith("warmup") or key == "vocab_size"},
+        "drafter": {
+            key: value for key, value in asdict(settings).items() if key.startswith("warmup") or key == "vocab_size"
+        },
     }
     return hashlib.sha256(json.dumps(description, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def _warm_up(policy: nn.Module, trainer: Any, prompts: list[list[int]], settings: DrafterConfig,
-             seed: int) -> EagleDrafter:
+def _warm_up(
+    policy: nn.Module, trainer: Any, prompts: list[list[int]], settings: DrafterConfig, seed: int
+) -> EagleDrafter:
     """tlt_cli/drafter/warmup.py's phases 1-3 on these prompts: sample, choose the vocabulary, train."""
     from tlt_cli.drafter.trainer import DrafterTrainer
     from tlt_cli.drafter.vocabulary import most_frequent_tokens, resolve_draft_vocab_size
@@ -119,12 +132,19 @@ def _warm_up(policy: nn.Module, trainer: Any, prompts: list[list[int]], settings
     with policy_in_eval_mode(policy):
         prompt_states = prompt_hidden_states(policy, [completion.prompt_ids for completion in completions])
     vocab_size = policy.config.vocab_size
-    vocabulary = most_frequent_tokens([completion.response_ids for completion in completions], vocab_size,
-                                      resolve_draft_vocab_size(settings.vocab_size, vocab_size),
-                                      [tokenizer.eos_token_id])
+    vocabulary = most_frequent_tokens(
+        [completion.response_ids for completion in completions],
+        vocab_size,
+        resolve_draft_vocab_size(settings.vocab_size, vocab_size),
+        [tokenizer.eos_token_id],
+    )
     drafter = EagleDrafter(policy, seed=seed, vocabulary=vocabulary)
     buckets = length_buckets(completions, prompt_states, settings.warmup_batch_size, tokenizer.pad_token_id)
-    train_on_buckets(DrafterTrainer(drafter, lr=settings.warmup_lr, weight_decay=WARMUP_WEIGHT_DECAY), buckets,
-                     settings.warmup_steps, seed)
+    train_on_buckets(
+        DrafterTrainer(drafter, lr=settings.warmup_lr, weight_decay=WARMUP_WEIGHT_DECAY),
+        buckets,
+        settings.warmup_steps,
+        seed,
+    )
     drafter.eval()
     return drafter

@@ -67,8 +67,16 @@ DERIVED = {
     "save_total_limit": "checkpoint.keep",
 }
 # GRPOConfig fields tlt's run sets as it needs them (its trace, display and checkpoints)
-RUN_OWNED = ("logging_steps", "logging_strategy", "report_to", "disable_tqdm", "resume_from_checkpoint",
-             "log_completions", "logging_dir", "overwrite_output_dir")
+RUN_OWNED = (
+    "logging_steps",
+    "logging_strategy",
+    "report_to",
+    "disable_tqdm",
+    "resume_from_checkpoint",
+    "log_completions",
+    "logging_dir",
+    "overwrite_output_dir",
+)
 # the constant learning rate of tlt's own actor
 LR_SCHEDULE = "constant"
 # the TRL run's own output folder inside the run directory (TRL writes nothing there with saving off)
@@ -81,16 +89,31 @@ def grpo_config_arguments(recipe: Recipe, processes: int, run_directory: Path) -
     accumulation = completions_per_process // recipe.actor.micro_batch_size
     rollout, actor = recipe.rollout, recipe.actor
     derived = {
-        "learning_rate": actor.lr, "weight_decay": actor.weight_decay, "max_grad_norm": actor.grad_clip,
-        "beta": actor.kl_coef, "epsilon": actor.clip_ratio, "num_iterations": actor.ppo_epochs,
-        "per_device_train_batch_size": actor.micro_batch_size, "gradient_accumulation_steps": accumulation,
-        "steps_per_generation": accumulation, "num_generations": recipe.train.group_size,
-        "max_steps": recipe.train.steps * actor.ppo_epochs, "temperature": rollout.temperature,
-        "top_p": rollout.top_p, "top_k": rollout.top_k, "max_completion_length": rollout.max_new_tokens,
-        "seed": recipe.run.seed, "output_dir": str(run_directory / TRL_OUTPUT),
-        "use_cpu": actor.devices == CPU_DEVICES, "bf16": actor.precision == "bf16",
-        "save_strategy": "no", "logging_steps": 1, "report_to": "none", "disable_tqdm": True,
-        "lr_scheduler_type": LR_SCHEDULE, "shuffle_dataset": False,
+        "learning_rate": actor.lr,
+        "weight_decay": actor.weight_decay,
+        "max_grad_norm": actor.grad_clip,
+        "beta": actor.kl_coef,
+        "epsilon": actor.clip_ratio,
+        "num_iterations": actor.ppo_epochs,
+        "per_device_train_batch_size": actor.micro_batch_size,
+        "gradient_accumulation_steps": accumulation,
+        "steps_per_generation": accumulation,
+        "num_generations": recipe.train.group_size,
+        "max_steps": recipe.train.steps * actor.ppo_epochs,
+        "temperature": rollout.temperature,
+        "top_p": rollout.top_p,
+        "top_k": rollout.top_k,
+        "max_completion_length": rollout.max_new_tokens,
+        "seed": recipe.run.seed,
+        "output_dir": str(run_directory / TRL_OUTPUT),
+        "use_cpu": actor.devices == CPU_DEVICES,
+        "bf16": actor.precision == "bf16",
+        "save_strategy": "no",
+        "logging_steps": 1,
+        "report_to": "none",
+        "disable_tqdm": True,
+        "lr_scheduler_type": LR_SCHEDULE,
+        "shuffle_dataset": False,
     }
     return {**derived, **dict(recipe.trl)}
 
@@ -157,8 +180,10 @@ class TaskReward:
         self.latest: list[float] = []
 
     def __call__(self, prompts: list, completions: list, problem_index: list[int], **_: Any) -> list[float]:
-        self.latest = [self.task.reward(self.task.problem(index), _text(completion))
-                       for index, completion in zip(problem_index, completions, strict=True)]
+        self.latest = [
+            self.task.reward(self.task.problem(index), _text(completion))
+            for index, completion in zip(problem_index, completions, strict=True)
+        ]
         return self.latest
 
 

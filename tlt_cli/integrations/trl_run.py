@@ -78,9 +78,13 @@ def trl_worker_main(spec: WorkerSpec, events: Any) -> None:
 def join_processes(address: WorkerAddress, threads: int) -> None:
     """The environment accelerate reads to join this process to the others (it starts gloo on CPU itself)."""
     os.environ.update(
-        RANK=str(address.rank), LOCAL_RANK=str(address.rank_on_node), WORLD_SIZE=str(address.world_size),
-        LOCAL_WORLD_SIZE=str(address.world_size), MASTER_ADDR=address.master_address,
-        MASTER_PORT=str(address.master_port), TRL_EXPERIMENTAL_SILENCE="1",
+        RANK=str(address.rank),
+        LOCAL_RANK=str(address.rank_on_node),
+        WORLD_SIZE=str(address.world_size),
+        LOCAL_WORLD_SIZE=str(address.world_size),
+        MASTER_ADDR=address.master_address,
+        MASTER_PORT=str(address.master_port),
+        TRL_EXPERIMENTAL_SILENCE="1",
     )
     torch.set_num_threads(threads)
 
@@ -99,14 +103,26 @@ class TrlRun:
         policy, tokenizer = load_policy(recipe.model.path)
         task = build_task(recipe.task.name, recipe.run.seed, dict(recipe.task.options))
         self.reward = TaskReward(task)
-        self.rollout = None if recipe.rollout.backend == TRL_GENERATION else tlt_rollout(
-            speculative=recipe.speculative, drafter=str(spec.drafter_init) if spec.drafter_init else "random",
-            sidecar=sidecar.PLUGIN_NAME in recipe.plugins.enabled, drafter_config=recipe.drafter,
-            seed=recipe.run.seed)
+        self.rollout = (
+            None
+            if recipe.rollout.backend == TRL_GENERATION
+            else tlt_rollout(
+                speculative=recipe.speculative,
+                drafter=str(spec.drafter_init) if spec.drafter_init else "random",
+                sidecar=sidecar.PLUGIN_NAME in recipe.plugins.enabled,
+                drafter_config=recipe.drafter,
+                seed=recipe.run.seed,
+            )
+        )
         self.trainer = TimedGRPOTrainer(
-            model=policy, reward_funcs=self.reward, args=build_grpo_config(recipe, self.processes, spec.run_directory),
-            train_dataset=prompt_dataset(task, recipe, tokenizer), processing_class=tokenizer,
-            rollout_func=self.rollout, callbacks=[StepReporter(self)])
+            model=policy,
+            reward_funcs=self.reward,
+            args=build_grpo_config(recipe, self.processes, spec.run_directory),
+            train_dataset=prompt_dataset(task, recipe, tokenizer),
+            processing_class=tokenizer,
+            rollout_func=self.rollout,
+            callbacks=[StepReporter(self)],
+        )
 
     def train(self) -> None:
         resume = self.spec.resume_from
@@ -120,11 +136,16 @@ class TrlRun:
         generation = self.trainer.take_generations()[-1]
         record = self.rollout.take_records()[-1] if self.rollout is not None else None
         report = WorkerStepReport(
-            step=step, worker=self.rank, rollout_start=generation.start,
+            step=step,
+            worker=self.rank,
+            rollout_start=generation.start,
             busy_end=record.busy_end if record is not None else generation.busy_end,
-            idle_end=generation.idle_end, reward_seconds=generation.scored_end - generation.idle_end,
-            update_seconds=step_end - generation.scored_end, requests=self._requests(step, generation, record),
-            update=update, plugin_metrics=_sidecar_metrics(record),
+            idle_end=generation.idle_end,
+            reward_seconds=generation.scored_end - generation.idle_end,
+            update_seconds=step_end - generation.scored_end,
+            requests=self._requests(step, generation, record),
+            update=update,
+            plugin_metrics=_sidecar_metrics(record),
             sd_usage=record.sd_usage if record is not None else {},
             sd_warnings=record.warnings if record is not None else [],
         )
@@ -136,25 +157,56 @@ class TrlRun:
     def _requests(self, step: int, generation: Any, record: RolloutRecord | None) -> list[dict[str, Any]]:
         """One trace record per completion of this process, in TRL's order, with the reward TRL scored."""
         if record is not None:
-            rows = [(request.prompt_tokens, request.response_tokens, request.finished_by_eos, request.end,
-                     request.verify_passes, request.accepted_draft_tokens) for request in record.requests]
+            rows = [
+                (
+                    request.prompt_tokens,
+                    request.response_tokens,
+                    request.finished_by_eos,
+                    request.end,
+                    request.verify_passes,
+                    request.accepted_draft_tokens,
+                )
+                for request in record.requests
+            ]
         else:
             eos_ids = set(self.trainer.eos_token_ids)
-            rows = [(prompt_tokens, len(ids), bool(ids) and ids[-1] in eos_ids, generation.busy_end, 0, 0)
-                    for prompt_tokens, ids in zip(generation.prompt_lengths, generation.completion_ids, strict=True)]
+            rows = [
+                (prompt_tokens, len(ids), bool(ids) and ids[-1] in eos_ids, generation.busy_end, 0, 0)
+                for prompt_tokens, ids in zip(generation.prompt_lengths, generation.completion_ids, strict=True)
+            ]
         return [
-            {"type": "request", "step": step, "worker": self.rank, "request_id": index, "start": generation.start,
-             "end": end, "prompt_tokens": prompt_tokens, "tokens": tokens, "reward": reward, "finished_by_eos": eos,
-             "verify_passes": passes, "accepted_tokens": accepted, "accepted_by_depth": [], "proposed_by_depth": []}
-            for index, ((prompt_tokens, tokens, eos, end, passes, accepted), reward)
-            in enumerate(zip(rows, self.reward.latest, strict=True))
+            {
+                "type": "request",
+                "step": step,
+                "worker": self.rank,
+                "request_id": index,
+                "start": generation.start,
+                "end": end,
+                "prompt_tokens": prompt_tokens,
+                "tokens": tokens,
+                "reward": reward,
+                "finished_by_eos": eos,
+                "verify_passes": passes,
+                "accepted_tokens": accepted,
+                "accepted_by_depth": [],
+                "proposed_by_depth": [],
+            }
+            for index, ((prompt_tokens, tokens, eos, end, passes, accepted), reward) in enumerate(
+                zip(rows, self.reward.latest, strict=True)
+            )
         ]
 
     def save_checkpoint(self, next_step: int) -> Path:
         barrier = torch.distributed.barrier if self.processes > 1 else _no_barrier
-        return save_collectively(self.spec.run_directory / CHECKPOINTS, next_step, self.rank, barrier,
-                                 self._save_parts, extra_state={"world_size": self.processes, "trainer": "trl"},
-                                 keep=self.recipe.checkpoint.keep)
+        return save_collectively(
+            self.spec.run_directory / CHECKPOINTS,
+            next_step,
+            self.rank,
+            barrier,
+            self._save_parts,
+            extra_state={"world_size": self.processes, "trainer": "trl"},
+            keep=self.recipe.checkpoint.keep,
+        )
 
     def _save_parts(self, directory: Path) -> None:
         """TRL's checkpoint files, the rollout's state and drafter, and the actor weights for export-drafter."""
@@ -189,8 +241,13 @@ class StepReporter(TrainerCallback):
         if not self.stepped:  # the end-of-training summary, not a step
             return
         self.stepped = False
-        self.updates.append({name.replace("/", "_"): float(value) for name, value in (logs or {}).items()
-                             if name in UPDATE_LOGS and value is not None})
+        self.updates.append(
+            {
+                name.replace("/", "_"): float(value)
+                for name, value in (logs or {}).items()
+                if name in UPDATE_LOGS and value is not None
+            }
+        )
         epochs = self.run.recipe.actor.ppo_epochs
         if state.global_step % epochs == 0:
             self.run.finish_step(state.global_step // epochs - 1, _mean(self.updates))
@@ -199,8 +256,10 @@ class StepReporter(TrainerCallback):
 
 def _mean(updates: list[dict[str, float]]) -> dict[str, float]:
     names = sorted({name for update in updates for name in update})
-    return {name: sum(update[name] for update in updates if name in update) / sum(name in update for update in updates)
-            for name in names}
+    return {
+        name: sum(update[name] for update in updates if name in update) / sum(name in update for update in updates)
+        for name in names
+    }
 
 
 def _sidecar_metrics(record: RolloutRecord | None) -> dict[str, float]:

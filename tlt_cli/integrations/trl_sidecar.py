@@ -51,8 +51,17 @@ class SequenceBatch:
 class TrlSidecar:
     """The drafter sidecar driven from TRL's rollout_func (see the module docstring)."""
 
-    def __init__(self, policy: nn.Module, drafter: nn.Module, settings: DrafterConfig, seed: int, process: int,
-                 processes: int, device: torch.device, pad_token_id: int) -> None:
+    def __init__(
+        self,
+        policy: nn.Module,
+        drafter: nn.Module,
+        settings: DrafterConfig,
+        seed: int,
+        process: int,
+        processes: int,
+        device: torch.device,
+        pad_token_id: int,
+    ) -> None:
         self.policy, self.drafter, self.device, self.pad_token_id = policy, drafter, device, pad_token_id
         self.process, self.processes = process, processes
         self.plugin = DrafterSidecar(Recipe(run=RunConfig(seed=seed), drafter=settings))
@@ -75,8 +84,14 @@ class TrlSidecar:
         return {**context.metrics, IDLE_SECONDS_METRIC: idle_seconds}
 
     def _context(self, rollout: int) -> StepContext:
-        return StepContext(step=rollout, worker=self.process, world_size=self.processes, engine=None,
-                           policy=self.policy, drafter=self.drafter)
+        return StepContext(
+            step=rollout,
+            worker=self.process,
+            world_size=self.processes,
+            engine=None,
+            policy=self.policy,
+            drafter=self.drafter,
+        )
 
     def _idle(self, context: StepContext, rollout_over) -> None:
         """Features first (oldest rollout first, a few sequences per unit), then drafter steps."""
@@ -109,8 +124,9 @@ def _sequence_length(completion: Completion) -> int:
     return len(completion.prompt_ids) + len(completion.response_ids)
 
 
-def sequence_batch(completions: list[Completion], prompt_states: list[torch.Tensor],
-                   pad_token_id: int) -> tuple[SequenceBatch, torch.Tensor]:
+def sequence_batch(
+    completions: list[Completion], prompt_states: list[torch.Tensor], pad_token_id: int
+) -> tuple[SequenceBatch, torch.Tensor]:
     """Right-padded sequences and their target hidden states [B, L, H]: the prompt's up to position
     P-2, then the engine's from P-1 (the state that produced each response token); the last
     token's own state is never read by a feature that counts, so it stays zero."""

@@ -58,12 +58,14 @@ def check_trl_version(found: str | None = None) -> str:
     """The installed (or given) TRL version; UnsupportedTrlError when it is missing or unsupported."""
     found = installed_trl_version() if found is None else found
     if found is None:
-        raise UnsupportedTrlError(f"TRL is not installed; tlt's TRL rollout needs trl{SUPPORTED_TRL_TEXT} "
-                                  f"({INSTALL_HINT}).")
+        raise UnsupportedTrlError(
+            f"TRL is not installed; tlt's TRL rollout needs trl{SUPPORTED_TRL_TEXT} ({INSTALL_HINT})."
+        )
     lowest, past_highest = SUPPORTED_TRL
     if not lowest <= Version(found) < past_highest:
-        raise UnsupportedTrlError(f"TRL {found} is not supported; tlt's TRL rollout needs trl{SUPPORTED_TRL_TEXT} "
-                                  f"({INSTALL_HINT}).")
+        raise UnsupportedTrlError(
+            f"TRL {found} is not supported; tlt's TRL rollout needs trl{SUPPORTED_TRL_TEXT} ({INSTALL_HINT})."
+        )
     return found
 
 
@@ -72,23 +74,31 @@ def check_trainer_supported(trainer: Any) -> None:
     if trainer.use_vllm:
         raise UnsupportedTrlSettingError("use_vllm=True and tlt's rollout both generate; set use_vllm=False.")
     if trainer.tools or trainer.environment_factories is not None:
-        raise UnsupportedTrlSettingError("tlt's rollout does not run tool calls or environments; drop tools= and "
-                                         "environment_factory= or leave out rollout_func.")
+        raise UnsupportedTrlSettingError(
+            "tlt's rollout does not run tool calls or environments; drop tools= and "
+            "environment_factory= or leave out rollout_func."
+        )
     if trainer._is_vlm:
-        raise UnsupportedTrlSettingError("tlt's rollout generates text only; use a text model's tokenizer as "
-                                         "processing_class.")
+        raise UnsupportedTrlSettingError(
+            "tlt's rollout generates text only; use a text model's tokenizer as processing_class."
+        )
     if trainer.min_p not in (None, 0.0):
         raise UnsupportedTrlSettingError(f"min_p={trainer.min_p} is not supported by tlt's rollout; leave min_p unset.")
     if trainer.repetition_penalty != 1.0:
-        raise UnsupportedTrlSettingError(f"repetition_penalty={trainer.repetition_penalty} is not supported by tlt's "
-                                         "rollout; leave it at 1.0.")
+        raise UnsupportedTrlSettingError(
+            f"repetition_penalty={trainer.repetition_penalty} is not supported by tlt's rollout; leave it at 1.0."
+        )
     if _zero_stage(trainer) == 3 and not trainer.args.ds3_gather_for_generation:
-        raise UnsupportedTrlSettingError("tlt's rollout under ZeRO-3 generates with gathered weights (processes "
-                                         "decode different lengths); set ds3_gather_for_generation=True.")
+        raise UnsupportedTrlSettingError(
+            "tlt's rollout under ZeRO-3 generates with gathered weights (processes "
+            "decode different lengths); set ds3_gather_for_generation=True."
+        )
     unknown = sorted(set(trainer.args.generation_kwargs or {}) - HONOURED_GENERATION_KEYS)
     if unknown:
-        raise UnsupportedTrlSettingError(f"generation_kwargs {unknown} are not supported by tlt's rollout; use only "
-                                         f"{sorted(HONOURED_GENERATION_KEYS)}.")
+        raise UnsupportedTrlSettingError(
+            f"generation_kwargs {unknown} are not supported by tlt's rollout; use only "
+            f"{sorted(HONOURED_GENERATION_KEYS)}."
+        )
 
 
 def _zero_stage(trainer: Any) -> int:

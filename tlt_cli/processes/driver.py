@@ -33,9 +33,9 @@ from rich.console import Console
 
 from tlt_cli.checkpoint import latest_checkpoint
 from tlt_cli.config import CPU_DEVICES, TRL_TRAINER, Recipe, recipe_to_yaml
-from tlt_cli.errors import UserError
 from tlt_cli.display import PhaseProgress, TrainingDisplay, render_summary
 from tlt_cli.drafter.initial import prepare_initial_drafter
+from tlt_cli.errors import UserError
 from tlt_cli.models.tiny import default_cache_dir
 from tlt_cli.processes.hostfile import runs_on_this_machine
 from tlt_cli.processes.launched_workers import LaunchedWorkers
@@ -109,7 +109,8 @@ def new_run_directory(recipe: Recipe) -> Path:
     if holds_run(run_directory):
         raise RunDirectoryError(
             f"run directory {run_directory} already holds a run; resume it with --resume {run_directory} "
-            f"or choose another name with run.name=<name>.")
+            f"or choose another name with run.name=<name>."
+        )
     run_directory.mkdir(parents=True, exist_ok=True)
     (run_directory / RECIPE_FILE).write_text(recipe_to_yaml(recipe), encoding="utf-8")
     return run_directory
@@ -148,14 +149,30 @@ def train(recipe: Recipe, console: Console, resume_directory: Path | None = None
     check_machine(recipe)
     cache = cache_directory(recipe)
     drafter_init = _prepare_drafter(recipe, cache, console)
-    first_new_folder = None if resume_directory else _first_missing(Path(recipe.run.output_dir).expanduser() / recipe.run.name)
+    first_new_folder = (
+        None if resume_directory else _first_missing(Path(recipe.run.output_dir).expanduser() / recipe.run.name)
+    )
     run_directory = resume_directory or new_run_directory(recipe)
     console.print(f"run directory: {run_directory}")
-    trace = RunTrace(run_directory / TRACE_FILE, start_step, {
-        "type": "run", "name": recipe.run.name, "world_size": recipe.workers.count,
-        "resumed_from_step": start_step if resume_directory else None, "steps": recipe.train.steps})
-    spec_base = dict(recipe=recipe, run_directory=run_directory, model_cache=cache, resume_from=resume_from,
-                     start_step=start_step, drafter_init=drafter_init)
+    trace = RunTrace(
+        run_directory / TRACE_FILE,
+        start_step,
+        {
+            "type": "run",
+            "name": recipe.run.name,
+            "world_size": recipe.workers.count,
+            "resumed_from_step": start_step if resume_directory else None,
+            "steps": recipe.train.steps,
+        },
+    )
+    spec_base = dict(
+        recipe=recipe,
+        run_directory=run_directory,
+        model_cache=cache,
+        resume_from=resume_from,
+        start_step=start_step,
+        drafter_init=drafter_init,
+    )
     try:
         with TrainingDisplay(console, f"tlt train {recipe.run.name}", recipe.train.steps) as display:
             _run_workers(spec_base, trace, display)
@@ -179,8 +196,9 @@ def _first_missing(folder: Path) -> Path | None:
     return missing
 
 
-def _after_failure(error: Exception, details: str, run_directory: Path, discard: Path | None,
-                   keep_log: bool) -> Exception:
+def _after_failure(
+    error: Exception, details: str, run_directory: Path, discard: Path | None, keep_log: bool
+) -> Exception:
     """Log the traceback in the run's log; remove what a run that failed before its first step created.
 
     Returns the error to raise: a bug's message then says where its traceback is (or how to keep it).
@@ -217,8 +235,10 @@ def _prepare_drafter(recipe: Recipe, cache: Path, console: Console) -> Path | No
     with PhaseProgress(console, "drafter warm-up") as progress:
         folder, report = prepare_initial_drafter(recipe, cache, progress)
     if report is not None:
-        console.print(f"drafter warmed up offline: top-1 agreement with the target {report['held_out_accuracy']:.1%} "
-                      f"(from {report['held_out_accuracy_before']:.1%}), cached in {folder}")
+        console.print(
+            f"drafter warmed up offline: top-1 agreement with the target {report['held_out_accuracy']:.1%} "
+            f"(from {report['held_out_accuracy_before']:.1%}), cached in {folder}"
+        )
     return folder
 
 
@@ -289,15 +309,22 @@ def _record_step(reports: list[WorkerStepReport], trace: RunTrace, display: Trai
         for warning in report.sd_warnings:
             _warn(report, f"worker {report.worker}: {warning}", trace, display)
         for failure in report.plugin_failures:
-            _warn(report, f"plugin {failure['plugin']} disabled on worker {report.worker}: {failure['hook']} raised "
-                          f"{failure['message']}", trace, display, details=failure["details"])
+            _warn(
+                report,
+                f"plugin {failure['plugin']} disabled on worker {report.worker}: {failure['hook']} raised "
+                f"{failure['message']}",
+                trace,
+                display,
+                details=failure["details"],
+            )
     checkpoint = next((report.checkpoint for report in reports if report.checkpoint), None)
     if checkpoint:
         display.note(f"checkpoint saved: {checkpoint}")
 
 
-def _warn(report: WorkerStepReport, message: str, trace: RunTrace, display: TrainingDisplay,
-          details: str | None = None) -> None:
+def _warn(
+    report: WorkerStepReport, message: str, trace: RunTrace, display: TrainingDisplay, details: str | None = None
+) -> None:
     """A warning shown once under the live table and kept in the trace."""
     record = {"type": "warning", "step": report.step, "worker": report.worker, "message": message}
     trace.write(record if details is None else {**record, "details": details})

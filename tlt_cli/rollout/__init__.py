@@ -1,1 +1,1 @@
-"""Rollout: the backend interface (embedded engine or SGLang), the embedded engine, its speculative decoding and the adaptive SD schedule."""
+"""Rollout: the backend interface (embedded or SGLang), the embedded engine, speculative decoding, adaptive SD."""

@@ -52,9 +52,13 @@ def parse_label(label: str) -> SpeculativeConfig | None:
         return None
     parts = {part[0]: part[1:] for part in label.split("-") if part}
     try:
-        return SpeculativeConfig(steps=int(parts["s"]), topk=int(parts.get("k", 1)), draft_tokens=int(parts.get("t", 0)))
+        return SpeculativeConfig(
+            steps=int(parts["s"]), topk=int(parts.get("k", 1)), draft_tokens=int(parts.get("t", 0))
+        )
     except (KeyError, ValueError):
-        raise RuleTableError(f"'{label}' is not an SD configuration; write off or s<steps>-k<topk>-t<draft tokens>, e.g. s4-k1-t5.") from None
+        raise RuleTableError(
+            f"'{label}' is not an SD configuration; write off or s<steps>-k<topk>-t<draft tokens>, e.g. s4-k1-t5."
+        ) from None
 
 
 def label_of(config: SpeculativeConfig | None) -> str:
@@ -72,7 +76,9 @@ class Rule:
     configs: tuple[SpeculativeConfig | None, ...]
 
     def matches(self, batch_size: int, accept_length: float) -> bool:
-        below_max = accept_length < self.accept_max or self.accept_max == UNBOUNDED  # an unmeasured bucket counts as unbounded
+        below_max = (
+            accept_length < self.accept_max or self.accept_max == UNBOUNDED
+        )  # an unmeasured bucket counts as unbounded
         return self.batch_min <= batch_size <= self.batch_max and self.accept_min <= accept_length and below_max
 
 
@@ -83,10 +89,20 @@ def build_rules(entries: list[dict]) -> list[Rule]:
         batch = list(entry.get("batch") or [1, None])
         accept = list(entry.get("accept") or [0.0, None])
         if len(batch) != 2 or len(accept) != 2 or batch[0] is None or accept[0] is None:
-            raise RuleTableError(f"rule {number}: batch and accept are [min, max] pairs (max may be null for no bound).")
-        configs = (parse_label(str(entry.get("use", OFF))), *(parse_label(str(label)) for label in entry.get("candidates") or []))
-        rule = Rule(int(batch[0]), UNBOUNDED if batch[1] is None else int(batch[1]),
-                    float(accept[0]), UNBOUNDED if accept[1] is None else float(accept[1]), configs)
+            raise RuleTableError(
+                f"rule {number}: batch and accept are [min, max] pairs (max may be null for no bound)."
+            )
+        configs = (
+            parse_label(str(entry.get("use", OFF))),
+            *(parse_label(str(label)) for label in entry.get("candidates") or []),
+        )
+        rule = Rule(
+            int(batch[0]),
+            UNBOUNDED if batch[1] is None else int(batch[1]),
+            float(accept[0]),
+            UNBOUNDED if accept[1] is None else float(accept[1]),
+            configs,
+        )
         if rule.batch_min < 1 or rule.batch_max < rule.batch_min:
             raise RuleTableError(f"rule {number}: batch range {batch} is empty or starts below 1.")
         if rule.accept_min < 0 or rule.accept_max <= rule.accept_min:
@@ -98,7 +114,13 @@ def build_rules(entries: list[dict]) -> list[Rule]:
 
 def bucket_edges(rules: list[Rule]) -> list[int]:
     """Sorted first batch sizes of the intervals on which the set of covering rules is constant."""
-    return sorted({1, *(rule.batch_min for rule in rules), *(int(rule.batch_max) + 1 for rule in rules if rule.batch_max < UNBOUNDED)})
+    return sorted(
+        {
+            1,
+            *(rule.batch_min for rule in rules),
+            *(int(rule.batch_max) + 1 for rule in rules if rule.batch_max < UNBOUNDED),
+        }
+    )
 
 
 def check_coverage(rules: list[Rule]) -> None:
@@ -106,14 +128,22 @@ def check_coverage(rules: list[Rule]) -> None:
     if not rules:
         raise RuleTableError("the rule table is empty; add at least one rule covering batch [1, null].")
     for batch_size in bucket_edges(rules):
-        covering = sorted((rule.accept_min, rule.accept_max, number) for number, rule in enumerate(rules, start=1)
-                          if rule.batch_min <= batch_size <= rule.batch_max)
+        covering = sorted(
+            (rule.accept_min, rule.accept_max, number)
+            for number, rule in enumerate(rules, start=1)
+            if rule.batch_min <= batch_size <= rule.batch_max
+        )
         reach = 0.0
         for accept_min, accept_max, number in covering:
             if accept_min > reach:
-                raise RuleTableError(f"no rule covers batch size {batch_size} with accept length in [{reach}, {accept_min}) (gap before rule {number}).")
+                raise RuleTableError(
+                    f"no rule covers batch size {batch_size} with accept length in [{reach}, {accept_min}) "
+                    f"(gap before rule {number})."
+                )
             if accept_min < reach:
-                raise RuleTableError(f"rule {number} overlaps an earlier rule at batch size {batch_size}, accept length {accept_min}.")
+                raise RuleTableError(
+                    f"rule {number} overlaps an earlier rule at batch size {batch_size}, accept length {accept_min}."
+                )
             reach = accept_max
         if reach < UNBOUNDED:
             raise RuleTableError(f"no rule covers batch size {batch_size} with accept length >= {reach}.")
@@ -146,8 +176,15 @@ class AdaptiveSchedule:
     accept length (a moving average over its SD steps), collapse flag and bandit rewards.
     """
 
-    def __init__(self, rules: list[Rule], collapse_accept_length: float = 1.3, reprobe_steps: int = 64,
-                 epsilon: float = 0.0, reward_window: int = 300, seed: int = 0):
+    def __init__(
+        self,
+        rules: list[Rule],
+        collapse_accept_length: float = 1.3,
+        reprobe_steps: int = 64,
+        epsilon: float = 0.0,
+        reward_window: int = 300,
+        seed: int = 0,
+    ):
         self.rules = rules
         self.collapse_accept_length = collapse_accept_length
         self.reprobe_steps = reprobe_steps
@@ -216,15 +253,24 @@ class AdaptiveSchedule:
     def _measure(self, bucket: int, accept_length: float) -> None:
         state = self.states[bucket]
         previous = state.accept_length
-        state.accept_length = accept_length if previous == UNBOUNDED else (1 - ACCEPT_SMOOTHING) * previous + ACCEPT_SMOOTHING * accept_length
+        state.accept_length = (
+            accept_length
+            if previous == UNBOUNDED
+            else (1 - ACCEPT_SMOOTHING) * previous + ACCEPT_SMOOTHING * accept_length
+        )
         state.measured_steps += 1
         # one unlucky first step is not a collapse: judge only a bucket measured a few times
         collapsed = state.accept_length < self.collapse_accept_length and state.measured_steps >= COLLAPSE_MIN_STEPS
         if collapsed and not state.collapsed:
-            self.warnings.append(f"SD accept length collapsed to {state.accept_length:.2f} at batch sizes {self._range(bucket)}: "
-                                 f"SD off there, re-probed every {self.reprobe_steps} decode steps")
+            self.warnings.append(
+                f"SD accept length collapsed to {state.accept_length:.2f} at batch sizes {self._range(bucket)}: "
+                f"SD off there, re-probed every {self.reprobe_steps} decode steps"
+            )
         elif state.collapsed and not collapsed:
-            self.warnings.append(f"SD accept length recovered to {state.accept_length:.2f} at batch sizes {self._range(bucket)}: SD back on")
+            self.warnings.append(
+                f"SD accept length recovered to {state.accept_length:.2f} at batch sizes {self._range(bucket)}: "
+                "SD back on"
+            )
         state.collapsed = collapsed
 
     def _range(self, bucket: int) -> str:
@@ -240,17 +286,30 @@ class AdaptiveSchedule:
         return warnings
 
     def state_dict(self) -> dict:
-        return {"states": [(state.accept_length, state.collapsed, state.steps_since_probe,
-                            {label: list(values) for label, values in state.rewards.items()}, state.measured_steps)
-                           for state in self.states],
-                "random": self.random.getstate()}
+        return {
+            "states": [
+                (
+                    state.accept_length,
+                    state.collapsed,
+                    state.steps_since_probe,
+                    {label: list(values) for label, values in state.rewards.items()},
+                    state.measured_steps,
+                )
+                for state in self.states
+            ],
+            "random": self.random.getstate(),
+        }
 
     def load_state_dict(self, saved: dict) -> None:
-        for state, (accept_length, collapsed, steps_since_probe, rewards, *measured) in zip(self.states, saved["states"]):
+        for state, (accept_length, collapsed, steps_since_probe, rewards, *measured) in zip(
+            self.states, saved["states"]
+        ):
             state.accept_length, state.collapsed, state.steps_since_probe = accept_length, collapsed, steps_since_probe
             state.rewards = {label: deque(values, maxlen=self.reward_window) for label, values in rewards.items()}
             # checkpoints written before measured_steps existed: a measured bucket counts as measured enough
-            state.measured_steps = measured[0] if measured else (COLLAPSE_MIN_STEPS if accept_length != UNBOUNDED else 0)
+            state.measured_steps = (
+                measured[0] if measured else (COLLAPSE_MIN_STEPS if accept_length != UNBOUNDED else 0)
+            )
         self.random.setstate(saved["random"])
 
 
@@ -269,11 +328,18 @@ class AdaptiveSpeculativeDecoder(SpeculativeDecoder):
 
 def adaptive_schedule(section: SpeculativeSection, seed: int = 0) -> AdaptiveSchedule:
     """The schedule of an adaptive `speculative` section (its rule table checked here)."""
-    return AdaptiveSchedule(build_rules([dict(rule) for rule in section.rules]), section.collapse_accept_length,
-                            section.reprobe_steps, section.bandit_epsilon, seed=seed)
+    return AdaptiveSchedule(
+        build_rules([dict(rule) for rule in section.rules]),
+        section.collapse_accept_length,
+        section.reprobe_steps,
+        section.bandit_epsilon,
+        seed=seed,
+    )
 
 
-def speculative_decoder(section: SpeculativeSection, drafter: nn.Module | None, seed: int = 0) -> SpeculativeDecoder | None:
+def speculative_decoder(
+    section: SpeculativeSection, drafter: nn.Module | None, seed: int = 0
+) -> SpeculativeDecoder | None:
     """The embedded engine's decoder for a recipe's `speculative` section (None when off or without a drafter)."""
     if section.mode == "off" or drafter is None:
         return None

@@ -98,8 +98,14 @@ class BackendSetup:
 def _embedded(setup: BackendSetup) -> RolloutBackend:
     from tlt_cli.rollout.embedded import EmbeddedRollout
 
-    return EmbeddedRollout(setup.policy, setup.eos_token_id, setup.pad_token_id, setup.recipe.speculative,
-                           setup.drafter, seed=setup.recipe.run.seed)
+    return EmbeddedRollout(
+        setup.policy,
+        setup.eos_token_id,
+        setup.pad_token_id,
+        setup.recipe.speculative,
+        setup.drafter,
+        seed=setup.recipe.run.seed,
+    )
 
 
 def _sglang(setup: BackendSetup) -> RolloutBackend:
@@ -117,4 +123,3 @@ def build_rollout_backend(setup: BackendSetup) -> RolloutBackend:
     if name not in ROLLOUT_BACKENDS:
         raise ValueError(f"rollout.backend is '{name}'; use one of {', '.join(ROLLOUT_BACKENDS)}.")
     return ROLLOUT_BACKENDS[name](setup)
-

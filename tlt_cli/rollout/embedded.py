@@ -34,8 +34,15 @@ class EmbeddedRollout:
     `policy` to speculate with (None: SD off). seed: the adaptive schedule's bandit draws.
     """
 
-    def __init__(self, policy: nn.Module, eos_token_id: int, pad_token_id: int,
-                 speculative: SpeculativeSection | None = None, drafter: nn.Module | None = None, seed: int = 0) -> None:
+    def __init__(
+        self,
+        policy: nn.Module,
+        eos_token_id: int,
+        pad_token_id: int,
+        speculative: SpeculativeSection | None = None,
+        drafter: nn.Module | None = None,
+        seed: int = 0,
+    ) -> None:
         decoder = speculative_decoder(speculative, drafter, seed) if speculative is not None else None
         self.schedule = decoder.adaptive_schedule if isinstance(decoder, AdaptiveSpeculativeDecoder) else None
         self.engine = EmbeddedEngine(policy, eos_token_id=eos_token_id, pad_token_id=pad_token_id, speculative=decoder)
@@ -51,14 +58,15 @@ class EmbeddedRollout:
         seed: int,
         on_request_finished: Callable[[Completion], None] | None = None,
     ) -> tuple[list[Completion], float]:
-        """The engine's completions sorted by request id; every random draw comes from `seed`, on the policy's device."""
+        """The engine's completions sorted by request id; every random draw comes from `seed` (policy's device)."""
         generator = torch.Generator(self.engine.device).manual_seed(seed)
         completions = self.engine.generate(requests, sampling, generator, on_request_finished=on_request_finished)
         busy_end = time.time()
         return sorted(completions, key=lambda completion: completion.request_id), busy_end
 
-    def after_update(self, weight_version: str, drafter_version: float | None,
-                     probe_prompts: Sequence[Sequence[int]]) -> dict[str, float]:
+    def after_update(
+        self, weight_version: str, drafter_version: float | None, probe_prompts: Sequence[Sequence[int]]
+    ) -> dict[str, float]:
         """Nothing to push: the engine generates with the updated module itself."""
         return {}
 

@@ -136,8 +136,15 @@ class EmbeddedEngine:
             return []
         # the decoder's own observer (the adaptive schedule) and the caller's see the same timed steps
         observe_step = self.speculative.observe_step if self.speculative is not None else None
-        call = _GenerateCall(list(requests), sampling, generator, on_request_finished, return_hidden, time.time(),
-                             _step_observer(observe_step, on_decode_step))
+        call = _GenerateCall(
+            list(requests),
+            sampling,
+            generator,
+            on_request_finished,
+            return_hidden,
+            time.time(),
+            _step_observer(observe_step, on_decode_step),
+        )
         drafter = self.speculative.drafter if self.speculative is not None else None
         with torch.no_grad(), _eval_mode(self.model), _eval_mode(drafter):
             self._run(call)

@@ -154,6 +154,4 @@ def decode_attention_mask(lengths: torch.Tensor, kv_length: int) -> torch.Tensor
 def additive_mask(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The float form of a boolean mask: 0 where visible, the dtype's minimum where hidden (eager
     and SDPA attention both add it to the scores)."""
-    return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill(
-        ~visible, torch.finfo(dtype).min
-    )
+    return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill(~visible, torch.finfo(dtype).min)

@@ -135,8 +135,12 @@ class SpeculativeDecoder:
         at the first SD step, from the target hidden states the engine keeps)."""
         self.drafter.refresh_draft_head()
         self.state = DraftState.empty(
-            batch.size, batch.cache.capacity, self.drafter.config.hidden_size, self.drafter.vocabulary.size,
-            next(self.drafter.parameters()).dtype, batch.lengths.device,
+            batch.size,
+            batch.cache.capacity,
+            self.drafter.config.hidden_size,
+            self.drafter.vocabulary.size,
+            next(self.drafter.parameters()).dtype,
+            batch.lengths.device,
         )
 
     def step(

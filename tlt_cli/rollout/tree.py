@@ -67,7 +67,11 @@ class ChainBuilder:
     vocabulary)."""
 
     def __init__(
-        self, root_tokens: torch.Tensor, steps: int, sampling: SamplingParams, generator: torch.Generator,
+        self,
+        root_tokens: torch.Tensor,
+        steps: int,
+        sampling: SamplingParams,
+        generator: torch.Generator,
         vocabulary: DraftVocabulary,
     ):
         self.root_tokens = root_tokens
@@ -167,10 +171,12 @@ class TreeBuilder:
         parents = torch.cat([zeros, tree_index_of.gather(1, candidate_parents + 1)], dim=1)
         tokens = torch.cat([self.root_tokens[:, None], torch.cat(self.candidate_tokens, dim=1).gather(1, kept)], dim=1)
         # the candidates of expansion d (1-based) all have depth d
-        candidate_depths = torch.cat([
-            torch.full((step_tokens.shape[1],), depth, device=device)
-            for depth, step_tokens in enumerate(self.candidate_tokens, start=1)
-        ])
+        candidate_depths = torch.cat(
+            [
+                torch.full((step_tokens.shape[1],), depth, device=device)
+                for depth, step_tokens in enumerate(self.candidate_tokens, start=1)
+            ]
+        )
         depths = torch.cat([zeros, candidate_depths[kept]], dim=1)
         return DraftTree(tokens, parents, depths, ancestor_mask(parents, self.config.steps), None)
 
