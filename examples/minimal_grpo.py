@@ -28,6 +28,7 @@ from tlt_cli.processes.distributed import WorkerAddress, free_port, init_worker_
 from tlt_cli.rollout.engine import EmbeddedEngine
 from tlt_cli.rollout.types import RolloutRequest, SamplingParams
 from tlt_cli.tasks.arithmetic import ArithmeticTask
+from tlt_cli.tasks.prompts import encode_prompt
 
 
 def main(steps: int, prompts: int, group_size: int, max_new_tokens: int, seed: int = 0) -> None:
@@ -50,7 +51,7 @@ def main(steps: int, prompts: int, group_size: int, max_new_tokens: int, seed: i
         requests = [
             RolloutRequest(
                 request_id=number * group_size + sample,
-                prompt_ids=tuple(tokenizer.encode(problem.prompt, add_special_tokens=False)),
+                prompt_ids=tuple(encode_prompt(tokenizer, problem.prompt)),
             )
             for number, problem in enumerate(problems)
             for sample in range(group_size)

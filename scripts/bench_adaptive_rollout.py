@@ -38,6 +38,7 @@ from tlt_cli.recipes import resolve_recipe_path
 from tlt_cli.rollout.adaptive import OFF, build_rules, parse_label, speculative_decoder
 from tlt_cli.rollout.speculative import SpeculativeDecoder
 from tlt_cli.rollout.types import RolloutRequest, SamplingParams
+from tlt_cli.tasks.prompts import encode_prompt
 from tlt_cli.tasks.registry import build_task
 
 PHASES = ("large", "tail")
@@ -129,14 +130,9 @@ def main() -> None:
     factories = variants(recipe, pair.drafter, [label for label in arguments.fixed.split(",") if label.strip()])
     measurements: dict[str, list[dict[str, list[float]]]] = {name: [] for name in factories}
     for repeat in range(arguments.repeats):
+        first = arguments.first_prompt + repeat * prompts_per_shard
         prompts = [
-            tuple(
-                tokenizer.encode(
-                    task.problem(arguments.first_prompt + repeat * prompts_per_shard + number).prompt,
-                    add_special_tokens=False,
-                )
-            )
-            for number in range(prompts_per_shard)
+            tuple(encode_prompt(tokenizer, task.problem(first + number).prompt)) for number in range(prompts_per_shard)
         ]
         requests = [
             RolloutRequest(row, prompts[row // recipe.train.group_size])

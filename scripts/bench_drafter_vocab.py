@@ -84,9 +84,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--model", required=True, help="a local Hugging Face folder (e.g. made by make_real_model.py)")
     parser.add_argument("--out", default="bench_drafter_vocab.json", help="where the JSON results go")
     parser.add_argument("--task", default="word_arithmetic", help="task whose prompts the drafter learns on")
-    parser.add_argument("--vocab-sizes", default="0,4096,49152",
-                        help="draft vocabulary sizes N (0: tlt's default for the model; the model's vocabulary "
-                             "size or more: the full vocabulary)")
+    parser.add_argument(
+        "--vocab-sizes",
+        default="0,4096,49152",
+        help="draft vocabulary sizes N (0: tlt's default for the model; the model's vocabulary "
+        "size or more: the full vocabulary)",
+    )
     parser.add_argument("--train-prompts", type=int, default=256, help="warm-up: prompts sampled")
     parser.add_argument("--held-out-prompts", type=int, default=48, help="warm-up: held-out prompts (greedy)")
     parser.add_argument("--steps", type=int, default=200, help="warm-up: optimizer steps per drafter")
@@ -102,8 +105,9 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
-def decode(target, tokenizer, prompts: list[list[int]], max_new_tokens: int, drafter: EagleDrafter | None,
-           depth: int) -> tuple[list[Completion], float, list[float]]:
+def decode(
+    target, tokenizer, prompts: list[list[int]], max_new_tokens: int, drafter: EagleDrafter | None, depth: int
+) -> tuple[list[Completion], float, list[float]]:
     """Greedy completions of `prompts` one at a time; (completions, seconds, draft step durations)."""
     speculative = SpeculativeDecoder(drafter, SpeculativeConfig(depth)) if drafter is not None else None
     engine = EmbeddedEngine(target, tokenizer.eos_token_id, tokenizer.pad_token_id, speculative=speculative)
@@ -121,12 +125,15 @@ def decode(target, tokenizer, prompts: list[list[int]], max_new_tokens: int, dra
     return completions, seconds, durations
 
 
-def summarize(completions: list[Completion], seconds: float, durations: list[float],
-              plain: list[Completion] | None) -> DecodeResult:
+def summarize(
+    completions: list[Completion], seconds: float, durations: list[float], plain: list[Completion] | None
+) -> DecodeResult:
     passes = sum(completion.speculative.verify_passes for completion in completions)
     accepted = sum(completion.speculative.accepted_draft_tokens for completion in completions)
-    identical = None if plain is None else all(
-        mine.response_ids == reference.response_ids for mine, reference in zip(completions, plain)
+    identical = (
+        None
+        if plain is None
+        else all(mine.response_ids == reference.response_ids for mine, reference in zip(completions, plain))
     )
     return DecodeResult(
         tokens=sum(len(completion.response_ids) for completion in completions),
@@ -150,16 +157,20 @@ def main() -> None:
     drafters, warmups = {}, {}
     for size in vocab_sizes:
         console.print(f"training the drafter with draft vocabulary {size} ...")
-        drafter, report = train_warmup_drafter(target, tokenizer, data, args.steps, args.batch_size, args.lr,
-                                               args.seed, vocab_size=size)
+        drafter, report = train_warmup_drafter(
+            target, tokenizer, data, args.steps, args.batch_size, args.lr, args.seed, vocab_size=size
+        )
         name = f"N={report.draft_vocab_size}"
         drafters[name], warmups[name] = drafter, report
     first_sd_prompt = args.train_prompts + args.held_out_prompts
     prompts = encode_prompts(tokenizer, task, range(first_sd_prompt, first_sd_prompt + args.sd_prompts))
     decodes = run_decodes(target, tokenizer, prompts, drafters, args)
-    results = {"settings": vars(args), "warmup": {name: asdict(report) for name, report in warmups.items()},
-               "decode": {name: asdict(result) for name, result in decodes.items()},
-               "summary": {name: summary_row(report, decodes[name], decodes["plain"]) for name, report in warmups.items()}}
+    results = {
+        "settings": vars(args),
+        "warmup": {name: asdict(report) for name, report in warmups.items()},
+        "decode": {name: asdict(result) for name, result in decodes.items()},
+        "summary": {name: summary_row(report, decodes[name], decodes["plain"]) for name, report in warmups.items()},
+    }
     render(console, results["summary"], decodes["plain"])
     with open(args.out, "w") as handle:
         json.dump(results, handle, indent=2)
@@ -177,8 +188,9 @@ def run_decodes(target, tokenizer, prompts, drafters: dict[str, EagleDrafter], a
         if "plain" not in best or candidate.seconds < best["plain"].seconds:
             best["plain"] = candidate
         for name, drafter in drafters.items():
-            completions, seconds, durations = decode(target, tokenizer, prompts, args.max_new_tokens, drafter,
-                                                     args.depth)
+            completions, seconds, durations = decode(
+                target, tokenizer, prompts, args.max_new_tokens, drafter, args.depth
+            )
             candidate = summarize(completions, seconds, durations, plain_completions)
             if name not in best or candidate.seconds < best[name].seconds:
                 best[name] = candidate
@@ -189,8 +201,10 @@ def summary_row(report, result: DecodeResult, plain: DecodeResult) -> dict:
     """The table's row for one drafter: warm-up cost and agreement, then SD against plain decoding."""
     plain_ms_per_token = 1000 * plain.seconds / max(plain.tokens, 1)
     return {
-        "warmup_minutes": (report.generate_seconds + report.prompt_seconds + report.train_seconds
-                           + report.evaluate_seconds) / 60,
+        "warmup_minutes": (
+            report.generate_seconds + report.prompt_seconds + report.train_seconds + report.evaluate_seconds
+        )
+        / 60,
         "train_seconds_per_step": report.train_seconds / max(report.steps, 1),
         "held_out_agreement": report.held_out_accuracy,
         "coverage": report.draft_vocab_coverage,
@@ -203,18 +217,36 @@ def summary_row(report, result: DecodeResult, plain: DecodeResult) -> dict:
 
 
 def render(console: Console, summary: dict[str, dict], plain: DecodeResult) -> None:
-    table = Table(title=f"draft vocabulary: warm-up, then greedy chain SD at batch 1 (plain decoding: "
-                        f"{plain.tokens / plain.seconds:.1f} tokens/s, {1000 * plain.seconds / plain.tokens:.0f} ms "
-                        f"per token)")
-    for column in ("drafter", "warm-up min", "train s/step", "held-out agreement", "coverage", "accept length",
-                   "draft step ms", "draft step / plain token", "SD / plain tokens/s", "identical"):
+    table = Table(
+        title=f"draft vocabulary: warm-up, then greedy chain SD at batch 1 (plain decoding: "
+        f"{plain.tokens / plain.seconds:.1f} tokens/s, {1000 * plain.seconds / plain.tokens:.0f} ms "
+        f"per token)"
+    )
+    for column in (
+        "drafter",
+        "warm-up min",
+        "train s/step",
+        "held-out agreement",
+        "coverage",
+        "accept length",
+        "draft step ms",
+        "draft step / plain token",
+        "SD / plain tokens/s",
+        "identical",
+    ):
         table.add_column(column, justify="right")
     for name, row in summary.items():
         table.add_row(
-            name, f"{row['warmup_minutes']:.1f}", f"{row['train_seconds_per_step']:.2f}",
-            f"{row['held_out_agreement']:.3f}", f"{row['coverage']:.3f}", f"{row['accept_length']:.2f}",
-            f"{row['draft_step_ms']:.1f}", f"{row['draft_step_over_plain_token']:.2f}",
-            f"{row['sd_over_plain_tokens_per_second']:.2f}x", str(row["identical_to_plain"]),
+            name,
+            f"{row['warmup_minutes']:.1f}",
+            f"{row['train_seconds_per_step']:.2f}",
+            f"{row['held_out_agreement']:.3f}",
+            f"{row['coverage']:.3f}",
+            f"{row['accept_length']:.2f}",
+            f"{row['draft_step_ms']:.1f}",
+            f"{row['draft_step_over_plain_token']:.2f}",
+            f"{row['sd_over_plain_tokens_per_second']:.2f}x",
+            str(row["identical_to_plain"]),
         )
     console.print(table)
 

@@ -28,6 +28,7 @@ from tlt_cli.config import load_recipe
 from tlt_cli.models.loading import load_policy
 from tlt_cli.rollout.engine import EmbeddedEngine
 from tlt_cli.rollout.types import RolloutRequest, SamplingParams
+from tlt_cli.tasks.prompts import encode_prompt
 from tlt_cli.tasks.registry import build_task
 
 # far above any index a run of the tiny recipe draws (steps x prompts_per_step)
@@ -52,7 +53,7 @@ def rewards_by_problem(
     for start in range(0, len(problems), BATCH // samples):
         chunk = problems[start : start + BATCH // samples]
         requests = [
-            RolloutRequest(index * samples + sample, tuple(tokenizer.encode(problem.prompt, add_special_tokens=False)))
+            RolloutRequest(index * samples + sample, tuple(encode_prompt(tokenizer, problem.prompt)))
             for index, problem in enumerate(chunk)
             for sample in range(samples)
         ]

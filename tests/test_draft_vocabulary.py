@@ -50,8 +50,13 @@ DRAFT_VOCAB_SIZE = 64
 def tiny_target(seed: int = 0) -> Qwen2ForCausalLM:
     torch.manual_seed(seed)
     config = Qwen2Config(
-        vocab_size=TARGET_VOCAB_SIZE, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+        vocab_size=TARGET_VOCAB_SIZE,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
     )
     return Qwen2ForCausalLM(config).eval()
 
@@ -167,8 +172,9 @@ def test_engine_hidden_states_build_the_same_batch_as_a_full_forward():
     target = tiny_target()
     tokenizer = type("Ids", (), {"eos_token_id": 3, "pad_token_id": 0})()
     prompts = [[1, 7, 9], [1, 20, 21, 22, 23], [1, 5]]
-    completions = sample_completions(target, tokenizer, prompts, SamplingParams(9, temperature=1.0), seed=0,
-                                     return_hidden=True)
+    completions = sample_completions(
+        target, tokenizer, prompts, SamplingParams(9, temperature=1.0), seed=0, return_hidden=True
+    )
     prompt_states = prompt_hidden_states(target, [c.prompt_ids for c in completions])
     batch = drafter_batch(completions, prompt_states, pad_token_id=0)
     length = max(len(c.prompt_ids) + len(c.response_ids) for c in completions)
@@ -214,16 +220,32 @@ def test_warm_up_with_a_reduced_vocabulary_reports_it_and_learns():
     with torch.no_grad():
         target.get_decoder().norm.weight.mul_(8.0)
     target.eval()
-    settings = {"steps": 60, "batch_size": 8, "lr": 3e-3, "train_prompts": 32, "held_out_prompts": 8, "max_new_tokens": 24}
+    settings = {
+        "steps": 60,
+        "batch_size": 8,
+        "lr": 3e-3,
+        "train_prompts": 32,
+        "held_out_prompts": 8,
+        "max_new_tokens": 24,
+    }
     reports = []
-    drafter, report = warm_up_drafter(target, tokenizer, ArithmeticTask(seed=0), seed=0, vocab_size=24,
-                                      progress=lambda *call: reports.append(call), **settings)
+    drafter, report = warm_up_drafter(
+        target,
+        tokenizer,
+        ArithmeticTask(seed=0),
+        seed=0,
+        vocab_size=24,
+        progress=lambda *call: reports.append(call),
+        **settings,
+    )
     # every phase's bar starts at 0 before its work and ends full, in order
     assert reports[0] == ("generate", 0, 40)
     phases = list(dict.fromkeys(phase for phase, _, _ in reports))
     assert phases == ["generate", "prompt states", "train", "evaluate"]
-    assert all([call for call in reports if call[0] == phase][-1][1:] == (total, total)
-               for phase, total in zip(phases, (40, 1, 60, 1)))
+    assert all(
+        [call for call in reports if call[0] == phase][-1][1:] == (total, total)
+        for phase, total in zip(phases, (40, 1, 60, 1))
+    )
     assert drafter.vocabulary.size == report.draft_vocab_size == 24 < target.config.vocab_size
     assert tokenizer.eos_token_id in drafter.vocabulary.target_ids.tolist()
     assert 0.5 < report.draft_vocab_coverage <= 1.0

@@ -23,12 +23,15 @@ STEPS = 3
 
 
 def tlt(*arguments: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "tlt_cli", *arguments], check=False, capture_output=True,
-                          text=True, timeout=3 * 3600)
+    return subprocess.run(
+        [sys.executable, "-m", "tlt_cli", *arguments], check=False, capture_output=True, text=True, timeout=3 * 3600
+    )
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not (MODEL / "config.json").is_file(), reason=f"no {MODEL}: make it with scripts/make_real_model.py")
+@pytest.mark.skipif(
+    not (MODEL / "config.json").is_file(), reason=f"no {MODEL}: make it with scripts/make_real_model.py"
+)
 def test_real_recipe_trains_three_steps_and_its_profile_shows_the_tail(tmp_path):
     trained = tlt("train", str(RECIPE), f"train.steps={STEPS}", f"run.output_dir={tmp_path}")
     assert trained.returncode == 0, trained.stdout[-4000:] + trained.stderr[-4000:]

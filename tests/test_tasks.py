@@ -156,20 +156,26 @@ def test_registry_builds_tasks_and_names_the_choices(tmp_path):
 @pytest.mark.parametrize("task_class", list(TASKS.values()), ids=lambda task_class: task_class.name)
 def test_declared_options_are_the_constructor_keywords_with_their_defaults(task_class):
     parameters = inspect.signature(task_class).parameters
-    keywords = {name: REQUIRED if parameter.default is parameter.empty else parameter.default
-                for name, parameter in parameters.items() if name != "seed"}
+    keywords = {
+        name: REQUIRED if parameter.default is parameter.empty else parameter.default
+        for name, parameter in parameters.items()
+        if name != "seed"
+    }
     assert {option.name: option.default for option in task_class.options} == keywords
 
 
-@pytest.mark.parametrize(("options", "message"), [
-    ({"max_terms": "5"}, "task.options.max_terms must be an integer, got '5'"),
-    ({"max_terms": 2.0}, "task.options.max_terms must be an integer"),
-    ({"max_terms": 0}, "task.options.max_terms must be at least 1, got 0"),
-    ({"max_terms": 49}, "task.options.max_terms must be at most 48"),
-    ({"tail_exponent": True}, "task.options.tail_exponent must be a number"),
-    ({"tail_exponent": float("nan")}, "task.options.tail_exponent must be a finite number"),
-    ({"min_terms": 5, "max_terms": 3}, "task.options.min_terms (5) must not exceed task.options.max_terms (3)"),
-])
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"max_terms": "5"}, "task.options.max_terms must be an integer, got '5'"),
+        ({"max_terms": 2.0}, "task.options.max_terms must be an integer"),
+        ({"max_terms": 0}, "task.options.max_terms must be at least 1, got 0"),
+        ({"max_terms": 49}, "task.options.max_terms must be at most 48"),
+        ({"tail_exponent": True}, "task.options.tail_exponent must be a number"),
+        ({"tail_exponent": float("nan")}, "task.options.tail_exponent must be a finite number"),
+        ({"min_terms": 5, "max_terms": 3}, "task.options.min_terms (5) must not exceed task.options.max_terms (3)"),
+    ],
+)
 def test_task_options_are_checked_by_type_and_range_naming_the_key(options, message):
     with pytest.raises(TaskOptionError) as caught:
         build_task("arithmetic", seed=0, options=options)

@@ -37,6 +37,7 @@ from tlt_cli.rollout.adaptive import OFF, RuleTableError, parse_label
 from tlt_cli.rollout.speculative import check_speculative_config
 from tlt_cli.rollout.types import RolloutRequest, SamplingParams, SpeculativeConfig
 from tlt_cli.tasks.base import Task
+from tlt_cli.tasks.prompts import encode_prompt
 from tlt_cli.tasks.registry import build_task
 
 CALIBRATION_DIRECTORY_SUFFIX = "-calibration"
@@ -198,7 +199,7 @@ def _shard_maker(
 
     def requests_for(repeat: int) -> list[RolloutRequest]:
         prompts = [
-            tuple(tokenizer.encode(task.problem(repeat * prompts_per_shard + number).prompt, add_special_tokens=False))
+            tuple(encode_prompt(tokenizer, task.problem(repeat * prompts_per_shard + number).prompt))
             for number in range(prompts_per_shard)
         ]
         return [

@@ -43,7 +43,9 @@ def warmup_key(recipe: Recipe, cache: Path) -> str:
         "max_new_tokens": recipe.rollout.max_new_tokens,
         "temperature": recipe.rollout.temperature,
         "drafter": {
-            key: value for key, value in asdict(recipe.drafter).items() if key.startswith("warmup") or key == "vocab_size"
+            key: value
+            for key, value in asdict(recipe.drafter).items()
+            if key.startswith("warmup") or key == "vocab_size"
         },
     }
     return hashlib.sha256(json.dumps(description, sort_keys=True, default=str).encode()).hexdigest()[:16]
@@ -72,10 +74,18 @@ def _warm_up_into(recipe: Recipe, folder: Path, progress: WarmupProgress | None)
     target, tokenizer = load_policy(recipe.model.path)
     task = build_task(recipe.task.name, recipe.run.seed, dict(recipe.task.options))
     drafter, report = warm_up_drafter(
-        target, tokenizer, task, steps=recipe.drafter.warmup_steps, batch_size=recipe.drafter.warmup_batch_size,
-        lr=recipe.drafter.warmup_lr, seed=recipe.run.seed, train_prompts=recipe.drafter.warmup_prompts,
-        max_new_tokens=recipe.rollout.max_new_tokens, temperature=max(recipe.rollout.temperature, 1e-3),
-        vocab_size=recipe.drafter.vocab_size, progress=progress,
+        target,
+        tokenizer,
+        task,
+        steps=recipe.drafter.warmup_steps,
+        batch_size=recipe.drafter.warmup_batch_size,
+        lr=recipe.drafter.warmup_lr,
+        seed=recipe.run.seed,
+        train_prompts=recipe.drafter.warmup_prompts,
+        max_new_tokens=recipe.rollout.max_new_tokens,
+        temperature=max(recipe.rollout.temperature, 1e-3),
+        vocab_size=recipe.drafter.vocab_size,
+        progress=progress,
     )
     folder.parent.mkdir(parents=True, exist_ok=True)
     save_drafter(drafter, folder)

@@ -102,8 +102,9 @@ class DrafterSidecar:
     def on_hidden_states(self, context: Any, batch: Any, hidden_states: torch.Tensor) -> None:
         """Keep this micro-batch's features; drop steps older than the window."""
         started = time.perf_counter()
-        features = DrafterBatch.from_sequences(batch.input_ids, hidden_states.detach(), batch.response_mask.bool(),
-                                               batch.attention_mask.bool())
+        features = DrafterBatch.from_sequences(
+            batch.input_ids, hidden_states.detach(), batch.response_mask.bool(), batch.attention_mask.bool()
+        )
         if not self.window or self.window[-1].step != context.step:
             self.window.append(StepData(context.step, []))
         self.window[-1].batches.append(features)
@@ -144,7 +145,9 @@ class DrafterSidecar:
         if float(total) > 0:
             with torch.no_grad():  # one flat all_reduce instead of one per parameter tensor
                 flat = torch.nn.utils.parameters_to_vector(self.drafter.parameters()) * weight
-                torch.nn.utils.vector_to_parameters(_all_reduce(flat, context.world_size) / total, self.drafter.parameters())
+                torch.nn.utils.vector_to_parameters(
+                    _all_reduce(flat, context.world_size) / total, self.drafter.parameters()
+                )
             if all(torch.isfinite(parameter).all() for parameter in self.drafter.parameters()):
                 self.version += 1
                 self.last_good = _copy_parameters(self.drafter)
@@ -152,12 +155,14 @@ class DrafterSidecar:
                 _load_parameters(self.drafter, self.last_good)
                 context.metrics[DISCARDED_STEPS_METRIC] = 1.0
         self.critical_seconds += time.perf_counter() - started
-        context.metrics.update({
-            STEPS_METRIC: float(self.steps_done),
-            TRAIN_SECONDS_METRIC: self.train_seconds,
-            CRITICAL_SECONDS_METRIC: self.critical_seconds,
-            VERSION_METRIC: float(self.version),
-        })
+        context.metrics.update(
+            {
+                STEPS_METRIC: float(self.steps_done),
+                TRAIN_SECONDS_METRIC: self.train_seconds,
+                CRITICAL_SECONDS_METRIC: self.critical_seconds,
+                VERSION_METRIC: float(self.version),
+            }
+        )
         self.critical_seconds = 0.0
         if self.steps_done:  # a worker that trained no step has no loss to average in
             context.metrics[LOSS_METRIC] = self.loss_sum / self.steps_done

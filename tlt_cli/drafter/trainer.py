@@ -220,12 +220,14 @@ class DrafterTrainer:
 
     def state_dict(self) -> dict:
         """A snapshot (deep copy): later steps do not change it, and loading it does not alias tensors."""
-        return copy.deepcopy({
-            "drafter": self.drafter.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-            "steps_taken": self.steps_taken,
-            "steps_skipped": self.steps_skipped,
-        })
+        return copy.deepcopy(
+            {
+                "drafter": self.drafter.state_dict(),
+                "optimizer": self.optimizer.state_dict(),
+                "steps_taken": self.steps_taken,
+                "steps_skipped": self.steps_skipped,
+            }
+        )
 
     def load_state_dict(self, state: dict) -> None:
         self.drafter.load_state_dict(state["drafter"])

@@ -178,6 +178,7 @@ def length_buckets(
     completions: list[Completion], prompt_states: list[torch.Tensor], bucket_size: int, pad_token_id: int
 ) -> list[DrafterBatch]:
     """DrafterBatches of `bucket_size` sequences of similar length (little padding)."""
+
     def sequence_length(index: int) -> int:
         return len(completions[index].prompt_ids) + len(completions[index].response_ids)
 
@@ -206,9 +207,7 @@ def train_on_buckets(
     generator = torch.Generator().manual_seed(seed)
     choices = torch.randint(0, len(buckets), (steps,), generator=generator).tolist()
     base_lr = trainer.optimizer.param_groups[0]["lr"]
-    schedule = torch.optim.lr_scheduler.CosineAnnealingLR(
-        trainer.optimizer, T_max=max(steps, 1), eta_min=0.1 * base_lr
-    )
+    schedule = torch.optim.lr_scheduler.CosineAnnealingLR(trainer.optimizer, T_max=max(steps, 1), eta_min=0.1 * base_lr)
     losses = []
     for step, choice in enumerate(choices, start=1):
         losses.append(float(trainer.train_step(buckets[choice]).total))
@@ -360,5 +359,6 @@ def warm_up_drafter(
     """
     sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature)
     data = collect_warmup_data(target, tokenizer, task, train_prompts, held_out_prompts, sampling, seed, progress)
-    return train_warmup_drafter(target, tokenizer, data, steps, batch_size, lr, seed, weight_decay, vocab_size,
-                                progress)
+    return train_warmup_drafter(
+        target, tokenizer, data, steps, batch_size, lr, seed, weight_decay, vocab_size, progress
+    )

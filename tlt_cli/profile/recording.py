@@ -29,6 +29,7 @@ from tlt_cli.profile.records import ProfileRecords, read_trace_records
 from tlt_cli.rollout.engine import EmbeddedEngine
 from tlt_cli.rollout.types import Completion, RolloutRequest, SamplingParams
 from tlt_cli.tasks.base import Task
+from tlt_cli.tasks.prompts import encode_prompt
 from tlt_cli.tasks.registry import build_task
 from tlt_cli.trace import TraceWriter
 
@@ -135,7 +136,7 @@ def _shard_requests(
     first = step * recipe.train.prompts_per_step + worker * prompts_per_worker
     requests = []
     for problem_number in range(prompts_per_worker):
-        prompt_ids = tuple(tokenizer.encode(task.problem(first + problem_number).prompt, add_special_tokens=False))
+        prompt_ids = tuple(encode_prompt(tokenizer, task.problem(first + problem_number).prompt))
         for sample in range(recipe.train.group_size):
             requests.append(
                 RolloutRequest(request_id=problem_number * recipe.train.group_size + sample, prompt_ids=prompt_ids)

@@ -62,7 +62,9 @@ class ArithmeticTask:
     def __init__(self, seed: int, max_terms: int = 48, tail_exponent: float = 1.5, min_terms: int = 1) -> None:
         check_option_values(self.options, max_terms=max_terms, tail_exponent=tail_exponent, min_terms=min_terms)
         if min_terms > max_terms:
-            raise TaskOptionError(f"task.options.min_terms ({min_terms}) must not exceed task.options.max_terms ({max_terms}).")
+            raise TaskOptionError(
+                f"task.options.min_terms ({min_terms}) must not exceed task.options.max_terms ({max_terms})."
+            )
         self.seed = seed
         self.min_terms = min_terms
         self.max_terms = max_terms
@@ -84,7 +86,9 @@ class ArithmeticTask:
         """
         rng = np.random.default_rng([self.seed, index])
         quantile = (self._quantile_offset + index * GOLDEN_RATIO_CONJUGATE) % 1.0
-        term_count = self.min_terms + min(int(np.searchsorted(self._term_cdf, quantile, side="right")), len(self._term_cdf) - 1)
+        term_count = self.min_terms + min(
+            int(np.searchsorted(self._term_cdf, quantile, side="right")), len(self._term_cdf) - 1
+        )
         digits = [int(digit) for digit in rng.integers(0, 10, size=term_count)]
         return make_problem(index, digits)
 

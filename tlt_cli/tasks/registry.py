@@ -42,8 +42,9 @@ def check_options(name: str, options: dict) -> None:
     declared = {option.name: option for option in TASKS[name].options}
     for key in options:
         if key not in declared:
-            raise TaskOptionError(f"task.options.{key} is not an option of task {name!r}; it takes: "
-                                  f"{', '.join(declared) or 'none'}.")
+            raise TaskOptionError(
+                f"task.options.{key} is not an option of task {name!r}; it takes: {', '.join(declared) or 'none'}."
+            )
         declared[key].check(options[key])
     missing = [key for key, option in declared.items() if option.default is REQUIRED and key not in options]
     if missing:

@@ -22,8 +22,14 @@ from tlt_cli.tasks.jsonl_math import last_number_reward
 
 # (name, subject pronoun, object pronoun)
 PEOPLE = (
-    ("Mia", "She", "her"), ("Tom", "He", "him"), ("Sara", "She", "her"), ("Ben", "He", "him"),
-    ("Lena", "She", "her"), ("Omar", "He", "him"), ("Ava", "She", "her"), ("Leo", "He", "him"),
+    ("Mia", "She", "her"),
+    ("Tom", "He", "him"),
+    ("Sara", "She", "her"),
+    ("Ben", "He", "him"),
+    ("Lena", "She", "her"),
+    ("Omar", "He", "him"),
+    ("Ava", "She", "her"),
+    ("Leo", "He", "him"),
 )
 THINGS = ("apples", "pencils", "stickers", "marbles", "cookies", "books", "coins", "shells")
 # an event that adds b: format fields subject, object, b
