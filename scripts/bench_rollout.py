@@ -7,6 +7,8 @@ Target: `builtin:tiny-arith` (held-out arithmetic prompts), or with --model a Hu
 prompts (short math and word questions written below) through the model's chat template, batch sizes 1 and
 4, plus a long-tailed batch of 16 requests (one-word answers to stories: rows end at very different steps,
 where the engine's early exit of finished rows pays; transformers' `generate` keeps every row to the end).
+With --task NAME (e.g. word_arithmetic, the task recipes/real-cpu.yaml warms its drafter on) the pool is that
+task's held-out prompts instead, and a drafter or assistant trained here trains on that task's prompts.
 Drafter: warmed up offline on the target's own sampled responses (tlt_cli/drafter/warmup.py), cached
 under --cache-dir, or --drafter. For each batch size B the same prompt pool is split into batches of B and
 generated greedily (or sampled at --temperature, as RL rollouts are); tokens/s is generated tokens over
@@ -46,6 +48,7 @@ from tlt_cli.rollout.speculative import SpeculativeDecoder
 from tlt_cli.rollout.types import RolloutRequest, SamplingParams, SpeculativeConfig
 from tlt_cli.tasks.arithmetic import ArithmeticTask
 from tlt_cli.tasks.prompts import encode_prompt
+from tlt_cli.tasks.registry import TASKS, build_task
 
 BATCH_SIZES = (1, 2, 4, 8, 16, 32)
 # a Hugging Face folder (--model): batch sizes, SD shapes and prompt pool unless given
@@ -207,6 +210,15 @@ def parse_args() -> argparse.Namespace:
         default=0,
         help="draft vocabulary of a drafter trained here (0: the default for the target's vocabulary)",
     )
+    parser.add_argument(
+        "--task",
+        default=None,
+        help="a task name (e.g. word_arithmetic): its held-out prompts are the pool, and a drafter or assistant "
+        "trained here trains on its prompts (default: arithmetic, and for a folder the chat questions as the pool)",
+    )
+    parser.add_argument(
+        "--warmup-batch-size", type=int, default=16, help="batch of the drafter (and assistant) training steps"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--drafter",
@@ -226,6 +238,8 @@ def parse_args() -> argparse.Namespace:
         args.long_tail = real
     if args.long_tail and not real:
         parser.error("--long-tail needs a model folder with a chat template (--model); the built-in model has none.")
+    if args.task is not None and args.task not in TASKS:
+        parser.error(f"unknown task {args.task}; choose from {', '.join(sorted(TASKS))}.")
     unknown = [name for name in args.configs.split(",") if name not in SD_CONFIGS]
     if unknown:
         parser.error(f"unknown SD config {unknown[0]}; choose from {', '.join(SD_CONFIGS)}.")
@@ -235,7 +249,8 @@ def parse_args() -> argparse.Namespace:
 def cached_dir(target, kind: str, args) -> Path:
     """Where the trained `kind` (drafter / assistant) for this target (its folder and files) and settings lives."""
     target_name = f"{Path(target.config._name_or_path).name}-{model_fingerprint(args.model)}"
-    settings = f"{args.warmup_prompts}p-{args.warmup_steps}s-seed{args.seed}"
+    settings = f"{args.task or ArithmeticTask.name}-{args.warmup_prompts}p-{args.warmup_steps}s"
+    settings += f"-b{args.warmup_batch_size}-seed{args.seed}"
     if kind == "drafter" and args.vocab_size:
         settings += f"-v{args.vocab_size}"
     return Path(args.cache_dir) / f"bench-{kind}-{target_name}-{settings}"
@@ -254,7 +269,7 @@ def prepare_drafter(target, tokenizer, task, args) -> tuple:
         tokenizer,
         task,
         steps=args.warmup_steps,
-        batch_size=16,
+        batch_size=args.warmup_batch_size,
         lr=3e-3,
         seed=args.seed,
         train_prompts=args.warmup_prompts,
@@ -279,12 +294,19 @@ def prepare_assistant(target, tokenizer, task, args):
     pairs = generate_responses(
         target, tokenizer, prompts, SamplingParams(args.max_new_tokens, temperature=1.0), args.seed
     )
-    train_causal_lm(assistant, pairs, tokenizer.pad_token_id, steps=args.warmup_steps, seed=args.seed)
+    train_causal_lm(
+        assistant,
+        pairs,
+        tokenizer.pad_token_id,
+        steps=args.warmup_steps,
+        seed=args.seed,
+        batch_size=args.warmup_batch_size,
+    )
     assistant.save_pretrained(directory)
     return assistant.eval()
 
 
-def train_causal_lm(model, pairs, pad_token_id: int, steps: int, seed: int, batch_size: int = 16) -> None:
+def train_causal_lm(model, pairs, pad_token_id: int, steps: int, seed: int, batch_size: int) -> None:
     """Cross-entropy on the response tokens of (prompt, response) pairs, AdamW lr 3e-3, clip 1.0."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95))
     generator = torch.Generator().manual_seed(seed)
@@ -496,10 +518,10 @@ def chat_prompts(tokenizer, questions) -> list[list[int]]:
 
 def benchmark_cells(tokenizer, task, args) -> list[tuple[str, int, list[list[int]], SamplingParams]]:
     """(cell, batch size, prompt pool, sampling) of every measured cell: each batch size over the pool
-    (held-out arithmetic prompts for the built-in model, chat questions for a folder), then the
-    long-tailed batch of 16 if asked."""
+    (held-out prompts of the task for the built-in model or with --task, chat questions for a folder
+    otherwise), then the long-tailed batch of 16 if asked."""
     sampling = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature)
-    if args.model == BUILTIN_TINY_MODEL:
+    if args.model == BUILTIN_TINY_MODEL or args.task is not None:
         pool = encode_prompts(tokenizer, task, range(FIRST_BENCH_PROBLEM, FIRST_BENCH_PROBLEM + args.prompts))
     else:
         questions = [CHAT_QUESTIONS[index % len(CHAT_QUESTIONS)] for index in range(args.prompts)]
@@ -518,7 +540,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     console = Console(width=120)
     target, tokenizer = load_policy(args.model)
-    task = ArithmeticTask(seed=args.seed)
+    task = build_task(args.task or ArithmeticTask.name, args.seed, {})
     shapes = [name for name in args.configs.split(",") if name != "off"]
     # `--configs off`: the plain engine against generate only, no drafter or assistant to train
     drafter, warmup_report = prepare_drafter(target, tokenizer, task, args) if shapes else (None, None)

@@ -30,8 +30,9 @@ SD_OFF = ["speculative.mode=off", "plugins.enabled=[]"]
 BACKENDS = {"trl": "rollout.backend=trl", "tlt": "rollout.backend=embedded"}
 
 
-def curves(recipe: Path, steps: int, seeds: list[int], overrides: list[str], work_dir: Path) -> dict:
-    """variant -> seed -> the mean reward of each step."""
+def curves(recipe: Path, steps: int, seeds: list[int], overrides: list[str], work_dir: Path, out: Path) -> dict:
+    """variant -> seed -> the mean reward of each step; after each run, what is found so far is written to
+    `out` (marked incomplete), so an interrupted comparison keeps its finished runs."""
     found: dict[str, dict[int, list[float]]] = {name: {} for name in BACKENDS}
     for seed in seeds:
         for name, backend in BACKENDS.items():
@@ -45,6 +46,7 @@ def curves(recipe: Path, steps: int, seeds: list[int], overrides: list[str], wor
             ]
             result = run_training(recipe, run_overrides, work_dir / f"{name}-seed{seed}")
             found[name][seed] = [step["mean_reward"] for step in result["steps"]]
+            out.write_text(json.dumps({"complete": False, "rewards": found}, indent=2))
     return found
 
 
@@ -78,12 +80,15 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("benchmarks/trl_fidelity.json"))
     parser.add_argument("overrides", nargs="*", help="key=value overrides applied to every run")
     arguments = parser.parse_args()
-    found = curves(arguments.recipe, arguments.steps, arguments.seeds, arguments.overrides, arguments.work_dir)
-    comparison = render(Console(), found, arguments.steps)
     arguments.out.parent.mkdir(parents=True, exist_ok=True)
+    found = curves(
+        arguments.recipe, arguments.steps, arguments.seeds, arguments.overrides, arguments.work_dir, arguments.out
+    )
+    comparison = render(Console(), found, arguments.steps)
     arguments.out.write_text(
         json.dumps(
             {
+                "complete": True,
                 "recipe": str(arguments.recipe),
                 "steps": arguments.steps,
                 "overrides": [*SD_OFF, *arguments.overrides],

@@ -39,6 +39,11 @@ def test_string_keys_keep_words_yaml_reads_as_booleans():
         load_checked_recipe(shipped_recipes()[0], ["train.steps=off"])
 
 
+def test_an_override_without_a_value_says_so():
+    with pytest.raises(RecipeError, match=r"gives model.path no value; write model.path=<value>"):
+        load_checked_recipe(shipped_recipes()[0], ["model.path="])
+
+
 def test_recipe_files_read_yes_no_on_off_as_words_and_refuse_repeated_keys(tmp_path):
     recipe_file = tmp_path / "words.yaml"
     recipe_file.write_text("run:\n  name: off\nspeculative:\n  mode: off\nrollout:\n  sglang:\n    colocated: no\n")

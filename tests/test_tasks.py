@@ -135,7 +135,7 @@ def test_jsonl_math_empty_and_missing_files(tmp_path):
     empty.write_text("\n  \n")
     with pytest.raises(TaskDataError, match=f"{empty} is empty"):
         JsonlMathTask(empty, seed=0)
-    with pytest.raises(TaskDataError, match="does not exist"):
+    with pytest.raises(TaskDataError, match="task.options.path: the data file .* does not exist"):
         JsonlMathTask(tmp_path / "absent.jsonl", seed=0)
 
 

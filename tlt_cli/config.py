@@ -421,6 +421,8 @@ def _apply_override(merged: DictConfig, override: str) -> DictConfig:
     try:
         return OmegaConf.merge(merged, parsed)
     except (OmegaConfBaseException, TypeError) as error:
+        if not value.strip():  # YAML reads nothing as null, which this key does not take
+            raise RecipeError(f"override '{override}' gives {key} no value; write {key}=<value>.") from None
         raise RecipeError(f"override '{override}': {_describe(error)}") from None
 
 

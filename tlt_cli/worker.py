@@ -13,8 +13,6 @@ servers this rank owns, which it starts before its first step and stops however 
 
 from __future__ import annotations
 
-import os
-import threading
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -34,6 +32,7 @@ from tlt_cli.models.loading import load_policy
 from tlt_cli.plugins import PluginHost, StepContext, agree_across_workers, build_plugins
 from tlt_cli.policy_batch import build_policy_batch
 from tlt_cli.processes.distributed import RolloutBarrier, WorkerAddress, init_worker_process
+from tlt_cli.processes.worker_process import exit_with_parent, redirect_output
 from tlt_cli.rollout.backend import BackendSetup, build_rollout_backend
 from tlt_cli.rollout.types import Completion, RolloutRequest, SamplingParams
 from tlt_cli.tasks.base import Problem
@@ -109,8 +108,8 @@ class StepShard:
 
 def worker_main(spec: WorkerSpec, events: Any) -> None:
     """Process entry point: run the loop, report failure instead of dying silently."""
-    _exit_with_parent()
-    _redirect_output(spec.run_directory / "workers" / f"worker-{spec.address.rank}.log")
+    exit_with_parent()
+    redirect_output(spec.run_directory / "workers" / f"worker-{spec.address.rank}.log")
     try:
         loop = WorkerLoop(spec, events)
         try:
@@ -124,26 +123,6 @@ def worker_main(spec: WorkerSpec, events: Any) -> None:
         else:
             events.put(WorkerFailed(spec.address.rank, f"{type(error).__name__}: {error}", traceback.format_exc()))
         raise SystemExit(1) from None
-
-
-def _exit_with_parent() -> None:
-    """A worker must not outlive `tlt train` (e.g. after SIGKILL of the driver)."""
-    parent = os.getppid()
-
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(0.5)
-        os._exit(1)
-
-    threading.Thread(target=watch, daemon=True).start()
-
-
-def _redirect_output(log_path: Path) -> None:
-    """Send this process's stdout/stderr (library chatter, warnings) to its log file, not the user's terminal."""
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    log = log_path.open("a", encoding="utf-8")
-    os.dup2(log.fileno(), 1)
-    os.dup2(log.fileno(), 2)
 
 
 class WorkerLoop:

@@ -41,14 +41,13 @@ from tlt_cli.integrations.trl_recipe import (
 )
 from tlt_cli.models.loading import load_policy
 from tlt_cli.processes.distributed import WorkerAddress
+from tlt_cli.processes.worker_process import exit_with_parent, redirect_output
 from tlt_cli.tasks.registry import build_task
 from tlt_cli.worker import (
     WorkerFailed,
     WorkerFinished,
     WorkerSpec,
     WorkerStepReport,
-    _exit_with_parent,
-    _redirect_output,
 )
 
 # rollout.backend value: TRL generates itself (transformers' generate), no speculative decoding
@@ -61,8 +60,8 @@ TRAINER_STATE_FILE = "trainer_state.json"
 
 def trl_worker_main(spec: WorkerSpec, events: Any) -> None:
     """Process entry point (the driver spawns one per process): train, report failure instead of dying silently."""
-    _exit_with_parent()
-    _redirect_output(spec.run_directory / "workers" / f"worker-{spec.address.rank}.log")
+    exit_with_parent()
+    redirect_output(spec.run_directory / "workers" / f"worker-{spec.address.rank}.log")
     try:
         TrlRun(spec, events).train()
         events.put(WorkerFinished(spec.address.rank))

@@ -12,4 +12,5 @@ what runs the algorithm in several processes:
   distributed.py       process-group init (gloo / NCCL) and the rollout barrier
   machine_checks.py    does this machine have the GPUs and SGLang the recipe asks for
   step_records.py      the workers' step reports turned into trace records
+  worker_process.py    what each worker process does first: exit with the driver, output to its log
 """

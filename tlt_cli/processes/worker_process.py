@@ -1,0 +1,31 @@
+"""What every worker process does first: die with `tlt train`, and write its output to its own log file.
+
+Shared by the native GRPO worker (tlt_cli/worker.py) and the TRL process (tlt_cli/integrations/trl_run.py).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+
+
+def exit_with_parent() -> None:
+    """A worker must not outlive `tlt train` (e.g. after SIGKILL of the driver)."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
+def redirect_output(log_path: Path) -> None:
+    """Send this process's stdout/stderr (library chatter, warnings) to its log file, not the user's terminal."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    log = log_path.open("a", encoding="utf-8")
+    os.dup2(log.fileno(), 1)
+    os.dup2(log.fileno(), 2)
