@@ -92,6 +92,13 @@ class WorkerFailed:
     details: str
     user_error: bool = False
 
+    @classmethod
+    def of_exception(cls, worker: int, error: BaseException) -> WorkerFailed:
+        """The report of `error`, raised in `worker` and being handled now (its traceback is the current one)."""
+        if isinstance(error, UserError):
+            return cls(worker, str(error), traceback.format_exc(), user_error=True)
+        return cls(worker, f"{type(error).__name__}: {error}", traceback.format_exc())
+
 
 @dataclass(frozen=True)
 class WorkerFinished:
@@ -118,10 +125,7 @@ def worker_main(spec: WorkerSpec, events: Any) -> None:
             loop.rollout_backend.stop()
         events.put(WorkerFinished(spec.address.rank))
     except BaseException as error:  # reported to the driver, which stops the run
-        if isinstance(error, UserError):
-            events.put(WorkerFailed(spec.address.rank, str(error), traceback.format_exc(), user_error=True))
-        else:
-            events.put(WorkerFailed(spec.address.rank, f"{type(error).__name__}: {error}", traceback.format_exc()))
+        events.put(WorkerFailed.of_exception(spec.address.rank, error))
         raise SystemExit(1) from None
 
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import os
 import time
-import traceback
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +31,6 @@ from transformers import TrainerCallback
 
 from tlt_cli.checkpoint import save_collectively
 from tlt_cli.drafter import sidecar
-from tlt_cli.errors import UserError
 from tlt_cli.integrations.trl import RolloutRecord, tlt_rollout
 from tlt_cli.integrations.trl_recipe import (
     TaskReward,
@@ -66,11 +64,7 @@ def trl_worker_main(spec: WorkerSpec, events: Any) -> None:
         TrlRun(spec, events).train()
         events.put(WorkerFinished(spec.address.rank))
     except BaseException as error:  # reported to the driver, which stops the run
-        details = traceback.format_exc()
-        if isinstance(error, UserError):
-            events.put(WorkerFailed(spec.address.rank, str(error), details, user_error=True))
-        else:
-            events.put(WorkerFailed(spec.address.rank, f"{type(error).__name__}: {error}", details))
+        events.put(WorkerFailed.of_exception(spec.address.rank, error))
         raise SystemExit(1) from None
 
 

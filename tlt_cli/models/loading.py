@@ -10,8 +10,10 @@ checks need (the vocabulary) without the weights.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -25,6 +27,7 @@ from transformers import (
     PreTrainedModel,
     PreTrainedTokenizerBase,
 )
+from transformers.utils import logging as transformers_logging
 
 from tlt_cli.errors import UserError
 from tlt_cli.models.tiny import BUILTIN_TINY_MODEL, SHIPPED_TINY_MODEL
@@ -126,7 +129,8 @@ def _load_tokenizer(model_dir: Path) -> PreTrainedTokenizerBase:
 
 def _load_model(model_dir: Path, dtype: torch.dtype) -> PreTrainedModel:
     try:
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, local_files_only=True)
+        with _without_progress_bars():  # tlt shows its own progress; transformers' "Loading weights" is noise
+            model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, local_files_only=True)
     except (OSError, SafetensorError) as error:
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise ModelLoadError(f"Model weights in {model_dir} cannot be loaded ({reason}).") from None
@@ -135,3 +139,14 @@ def _load_model(model_dir: Path, dtype: torch.dtype) -> PreTrainedModel:
             f"Model at {model_dir} ({type(model).__name__}) lacks get_decoder() or an lm_head, which tlt needs."
         )
     return model.eval()
+
+
+@contextlib.contextmanager
+def _without_progress_bars() -> Iterator[None]:
+    shown = transformers_logging.is_progress_bar_enabled()
+    transformers_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if shown:
+            transformers_logging.enable_progress_bar()

@@ -204,6 +204,7 @@ def _after_failure(
     Returns the error to raise: a bug's message then says where its traceback is (or how to keep it).
     """
     log = run_directory / RUN_LOG
+    run_directory.mkdir(parents=True, exist_ok=True)  # another failed run may have removed a shared new parent
     with log.open("a", encoding="utf-8") as handle:
         handle.write(f"{error}\n{details.rstrip()}\n")
     if discard is not None:
