@@ -106,7 +106,10 @@ def test_fragment_merged_into_the_tiny_recipe_validates():
         max_candidates=2,
     )
     fragment = fragment_text(rules, "tlt calibrate recipes/tiny-cpu.yaml --batch-sizes 1,4")
-    assert fragment.startswith("speculative:") and "# calibrated by: tlt calibrate recipes/tiny-cpu.yaml" in fragment
+    assert (
+        fragment.startswith("# speculative decoding in the rollout\nspeculative:")
+        and "# calibrated by: tlt calibrate recipes/tiny-cpu.yaml" in fragment
+    )
     merged = OmegaConf.merge(OmegaConf.load(TINY_RECIPE), OmegaConf.create(fragment))
     recipe = recipe_from_config(merged)
     assert recipe.speculative.mode == "adaptive" and recipe.speculative.rules == rules
@@ -140,6 +143,7 @@ def test_write_recipe_appends_a_missing_section_and_refuses_what_it_cannot_edit(
     assert load_recipe(plain).speculative.rules == rules and plain.read_text().startswith(
         "# tlt train plain.yaml\nrun:"
     )
+    assert "\n\n# speculative decoding in the rollout\nspeculative:\n" in plain.read_text()  # under its help
     flow = tmp_path / "flow.yaml"
     flow.write_text("run: {name: flow}\nspeculative: {mode: fixed}\n")
     with pytest.raises(RecipeEditError, match="paste the printed fragment"):

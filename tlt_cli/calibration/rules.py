@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tlt_cli.config import SpeculativeSection
+from tlt_cli.config import Recipe, SpeculativeSection
 from tlt_cli.recipe_help import comment_lines, key_help
 from tlt_cli.rollout.adaptive import OFF
 
@@ -80,8 +80,10 @@ def calibrated_rules(
 
 
 def fragment_text(rules: list[dict], command: str) -> str:
-    """The recipe YAML for the rules: `speculative:` with `mode: adaptive` and `rules:`, the command above."""
+    """The recipe YAML for the rules: `speculative:` under its help, with `mode: adaptive` and `rules:`,
+    the command above them."""
     lines = [
+        *comment_lines(key_help(Recipe, "speculative"), ""),
         "speculative:",
         *comment_lines(key_help(SpeculativeSection, "mode"), "  "),
         "  mode: adaptive",
