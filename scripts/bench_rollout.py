@@ -44,7 +44,7 @@ from rich.table import Table
 from tlt_cli.drafter.model import load_drafter, save_drafter
 from tlt_cli.drafter.warmup import encode_prompts, generate_responses, warm_up_drafter
 from tlt_cli.models.loading import load_policy, model_fingerprint
-from tlt_cli.models.tiny import BUILTIN_TINY_MODEL
+from tlt_cli.models.tiny import BUILTIN_TINY_MODEL, IGNORED_LABEL, pad_supervised_batch
 from tlt_cli.rollout.engine import EmbeddedEngine
 from tlt_cli.rollout.speculative import SpeculativeDecoder
 from tlt_cli.rollout.types import RolloutRequest, SamplingParams, SpeculativeConfig
@@ -325,17 +325,10 @@ def train_causal_lm(model, pairs, pad_token_id: int, steps: int, seed: int, batc
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95))
     generator = torch.Generator().manual_seed(seed)
     model.train()
+    examples = [(prompt + response, [IGNORED_LABEL] * len(prompt) + response) for prompt, response in pairs]
     for _ in range(steps):
         chosen = torch.randint(0, len(pairs), (batch_size,), generator=generator).tolist()
-        length = max(len(pairs[index][0]) + len(pairs[index][1]) for index in chosen)
-        input_ids = torch.full((batch_size, length), pad_token_id)
-        labels = torch.full((batch_size, length), -100)
-        attention_mask = torch.zeros(batch_size, length, dtype=torch.long)
-        for row, index in enumerate(chosen):
-            prompt, response = pairs[index]
-            input_ids[row, : len(prompt) + len(response)] = torch.tensor(prompt + response)
-            labels[row, len(prompt) : len(prompt) + len(response)] = torch.tensor(response)
-            attention_mask[row, : len(prompt) + len(response)] = 1
+        input_ids, attention_mask, labels = pad_supervised_batch([examples[index] for index in chosen], pad_token_id)
         loss = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels).loss
         optimizer.zero_grad(set_to_none=True)
         loss.backward()

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from recipe_overrides import PLAIN_DECODING
+from recipe_overrides import RECIPE, TLT, small_run
 from sglang_fakes import free_port_range, write_stand_in_sglang
 from typer.testing import CliRunner
 
@@ -33,8 +33,6 @@ from tlt_cli.processes.hostfile import deepspeed_launch_command
 from tlt_cli.sglang.server import live_group_members
 
 TESTS = Path(__file__).resolve().parent
-RECIPE = TESTS.parent / "recipes" / "tiny-cpu.yaml"
-TLT = [sys.executable, "-m", "tlt_cli"]
 # no test waits longer than this for tlt train to end
 RUN_TIMEOUT_SECONDS = 240
 runner = CliRunner()
@@ -53,22 +51,7 @@ def hostfile(tmp_path) -> Path:
 
 
 def hostfile_run(model: Path, hostfile: Path, output: Path, name: str, steps: int, *extra: str) -> list[str]:
-    return [
-        *TLT,
-        "train",
-        str(RECIPE),
-        f"model.path={model}",
-        *PLAIN_DECODING,
-        f"workers.hostfile={hostfile}",
-        f"run.output_dir={output}",
-        f"run.name={name}",
-        f"train.steps={steps}",
-        "train.prompts_per_step=4",
-        "train.group_size=2",
-        "rollout.max_new_tokens=48",
-        "checkpoint.every=2",
-        *extra,
-    ]
+    return small_run(model, output, name, steps, f"workers.hostfile={hostfile}", *extra)
 
 
 def records(run_directory: Path, kind: str) -> list[dict]:

@@ -8,17 +8,14 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
-from recipe_overrides import PLAIN_DECODING
+from recipe_overrides import TLT, small_run
 
 from tlt_cli.models.tiny import ensure_tiny_model
 
-TLT = [sys.executable, "-m", "tlt_cli"]
-RECIPE = Path(__file__).resolve().parent.parent / "recipes" / "tiny-cpu.yaml"
 # metrics that do not depend on wall-clock time
 DETERMINISTIC = (
     "mean_reward",
@@ -34,24 +31,6 @@ DETERMINISTIC = (
 def small_model(tmp_path_factory, cache_directory) -> Path:
     """A briefly warmed-up tiny model folder (a local Hugging Face folder, as users point at)."""
     return ensure_tiny_model(cache_directory, warmup_steps=40)
-
-
-def small_run(model: Path, output: Path, name: str, steps: int, *extra: str) -> list[str]:
-    return [
-        *TLT,
-        "train",
-        str(RECIPE),
-        f"model.path={model}",
-        *PLAIN_DECODING,
-        f"run.output_dir={output}",
-        f"run.name={name}",
-        f"train.steps={steps}",
-        "train.prompts_per_step=4",
-        "train.group_size=2",
-        "rollout.max_new_tokens=48",
-        "checkpoint.every=2",
-        *extra,
-    ]
 
 
 def read_records(run_directory: Path, kind: str) -> list[dict]:

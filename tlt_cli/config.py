@@ -421,8 +421,6 @@ def _apply_override(merged: DictConfig, override: str) -> DictConfig:
     try:
         return OmegaConf.merge(merged, parsed)
     except (OmegaConfBaseException, TypeError) as error:
-        if not value.strip():  # YAML reads nothing as null, which this key does not take
-            raise RecipeError(f"override '{override}' gives {key} no value; write {key}=<value>.") from None
         raise RecipeError(f"override '{override}': {_describe(error)}") from None
 
 
@@ -440,6 +438,8 @@ def _describe(error: OmegaConfBaseException | TypeError) -> str:
         return f"key '{key}' is not a recipe key; {_suggest(key)}"
     if "Value '" in message or "Invalid type" in message or "could not convert" in message.lower():
         return f"key '{key}' has the wrong type ({message})."
+    if "Incompatible value 'None'" in message:  # YAML reads an empty value as null, which this key does not take
+        return f"gives {key} no value; write {key}=<value>."
     if "Missing mandatory value" in message:
         return f"key '{key}' must be set."
     return f"key '{key}': {message}."

@@ -191,7 +191,7 @@ def _length_sorted_batches(tokenizer, task, steps, batch_size, generator, slip_p
         chunks = [examples[start : start + batch_size] for start in range(0, len(examples), batch_size)]
         generator.shuffle(chunks)
         for chunk in chunks:
-            yield _pad_batch(chunk, tokenizer.pad_token_id)
+            yield pad_supervised_batch(chunk, tokenizer.pad_token_id)
 
 
 def slipped_solution(problem: Problem, slip_probability: float, generator: random.Random) -> str:
@@ -216,8 +216,9 @@ def _supervised_example(tokenizer, prompt: str, solution: str) -> tuple[list[int
     return prompt_ids + solution_ids, [IGNORED_LABEL] * len(prompt_ids) + solution_ids
 
 
-def _pad_batch(examples, pad_token_id: int):
-    """Right-pad to the longest example: input_ids, attention_mask, labels, each [B, L]."""
+def pad_supervised_batch(examples, pad_token_id: int):
+    """(input_ids, labels) examples right-padded to the longest: input_ids, attention_mask, labels, each [B, L]
+    (labels IGNORED_LABEL where no loss is taken)."""
     longest = max(len(input_ids) for input_ids, _ in examples)
     input_rows, mask_rows, label_rows = [], [], []
     for input_ids, labels in examples:
