@@ -4,7 +4,7 @@ import copy
 
 import pytest
 import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM
+from tiny_models import tiny_qwen2
 
 from tlt_cli.actor import Actor
 from tlt_cli.config import ActorConfig
@@ -14,17 +14,7 @@ from tlt_cli.rollout.types import Completion
 
 
 def tiny_policy(seed=0):
-    torch.manual_seed(seed)
-    config = Qwen2Config(
-        vocab_size=32,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
-    return Qwen2ForCausalLM(config).eval()
+    return tiny_qwen2(vocab_size=32, seed=seed)
 
 
 def rollout_batch():

@@ -6,7 +6,8 @@ import json
 
 import pytest
 import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM
+from tiny_models import tiny_qwen2
+from transformers import Qwen2ForCausalLM
 
 from tlt_cli.drafter.loss import drafter_loss
 from tlt_cli.drafter.model import (
@@ -48,17 +49,7 @@ DRAFT_VOCAB_SIZE = 64
 
 
 def tiny_target(seed: int = 0) -> Qwen2ForCausalLM:
-    torch.manual_seed(seed)
-    config = Qwen2Config(
-        vocab_size=TARGET_VOCAB_SIZE,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-    )
-    return Qwen2ForCausalLM(config).eval()
+    return tiny_qwen2(vocab_size=TARGET_VOCAB_SIZE, seed=seed, max_position_embeddings=128)
 
 
 def every_eighth_token() -> DraftVocabulary:

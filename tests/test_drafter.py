@@ -6,7 +6,8 @@ import json
 
 import pytest
 import torch
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from tiny_models import tiny_qwen2
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, Qwen2ForCausalLM
 
 from tlt_cli.drafter.loss import drafter_loss
 from tlt_cli.drafter.model import (
@@ -28,19 +29,8 @@ VOCAB_SIZE = 48
 HIDDEN_SIZE = 32
 
 
-def tiny_qwen2(seed: int = 0, hidden_size: int = HIDDEN_SIZE) -> Qwen2ForCausalLM:
-    torch.manual_seed(seed)
-    config = Qwen2Config(
-        vocab_size=VOCAB_SIZE,
-        hidden_size=hidden_size,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        tie_word_embeddings=True,
-    )
-    return Qwen2ForCausalLM(config).eval()
+def tiny_target_qwen2(seed: int = 0, hidden_size: int = HIDDEN_SIZE) -> Qwen2ForCausalLM:
+    return tiny_qwen2(VOCAB_SIZE, seed, 128, hidden_size=hidden_size, tie_word_embeddings=True)
 
 
 def tiny_llama_untied(seed: int = 0) -> LlamaForCausalLM:
@@ -72,7 +62,7 @@ def random_inputs(batch_size: int = 2, length: int = 9, seed: int = 1):
     return input_ids, target_hidden, position_ids
 
 
-@pytest.mark.parametrize("build_target", [tiny_qwen2, tiny_llama_untied])
+@pytest.mark.parametrize("build_target", [tiny_target_qwen2, tiny_llama_untied])
 def test_shared_target_weights_are_not_drafter_parameters(build_target):
     target = build_target()
     drafter = EagleDrafter(target)
@@ -86,7 +76,7 @@ def test_shared_target_weights_are_not_drafter_parameters(build_target):
     assert type(drafter.decoder_layer).__name__ == type(target.get_decoder().layers[0]).__name__
 
 
-@pytest.mark.parametrize("build_target", [tiny_qwen2, tiny_llama_untied])
+@pytest.mark.parametrize("build_target", [tiny_target_qwen2, tiny_llama_untied])
 def test_forward_shapes_and_logits_come_from_target_head(build_target):
     target = build_target()
     drafter = EagleDrafter(target)
@@ -98,7 +88,7 @@ def test_forward_shapes_and_logits_come_from_target_head(build_target):
 
 
 def test_gradient_reaches_drafter_but_not_target():
-    target = tiny_qwen2()
+    target = tiny_target_qwen2()
     drafter = EagleDrafter(target)
     input_ids, target_hidden, position_ids = random_inputs()
     target_hidden.requires_grad_(True)
@@ -110,7 +100,7 @@ def test_gradient_reaches_drafter_but_not_target():
 
 
 def test_seed_fixes_initial_weights_without_touching_global_rng():
-    target = tiny_qwen2()
+    target = tiny_target_qwen2()
     torch.manual_seed(123)
     expected_next = torch.rand(3)
     torch.manual_seed(123)
@@ -123,7 +113,7 @@ def test_seed_fixes_initial_weights_without_touching_global_rng():
     assert not torch.equal(first.fc.weight, other.fc.weight)
 
 
-@pytest.mark.parametrize("build_target", [tiny_qwen2, tiny_llama_untied])
+@pytest.mark.parametrize("build_target", [tiny_target_qwen2, tiny_llama_untied])
 def test_incremental_cached_forward_matches_full_forward(build_target):
     target = build_target()
     drafter = EagleDrafter(target)
@@ -141,7 +131,7 @@ def test_incremental_cached_forward_matches_full_forward(build_target):
 
 
 def test_explicit_bool_mask_hides_keys():
-    target = tiny_qwen2()
+    target = tiny_target_qwen2()
     drafter = EagleDrafter(target)
     input_ids, target_hidden, position_ids = random_inputs(batch_size=1, length=6)
     with torch.no_grad():
@@ -157,7 +147,7 @@ def test_explicit_bool_mask_hides_keys():
     assert not torch.allclose(masked.logits[:, 1:], default.logits[:, 1:])
 
 
-@pytest.mark.parametrize("build_target", [tiny_qwen2, tiny_llama_untied])
+@pytest.mark.parametrize("build_target", [tiny_target_qwen2, tiny_llama_untied])
 def test_save_load_round_trip_gives_identical_logits(tmp_path, build_target):
     target = build_target()
     drafter = EagleDrafter(target, seed=3)
@@ -177,17 +167,17 @@ def test_save_load_round_trip_gives_identical_logits(tmp_path, build_target):
 
 
 def test_loading_against_a_different_target_is_a_clear_error(tmp_path):
-    save_drafter(EagleDrafter(tiny_qwen2()), tmp_path / "drafter")
+    save_drafter(EagleDrafter(tiny_target_qwen2()), tmp_path / "drafter")
     with pytest.raises(DrafterLoadError, match="trained for a Qwen2DecoderLayer"):
-        load_drafter(tmp_path / "drafter", tiny_qwen2(hidden_size=48))
+        load_drafter(tmp_path / "drafter", tiny_target_qwen2(hidden_size=48))
     with pytest.raises(DrafterLoadError, match="LlamaDecoderLayer"):
         load_drafter(tmp_path / "drafter", tiny_llama_untied())
     with pytest.raises(DrafterLoadError, match="No saved drafter"):
-        load_drafter(tmp_path / "missing", tiny_qwen2())
+        load_drafter(tmp_path / "missing", tiny_target_qwen2())
 
 
 def test_loading_weights_that_do_not_match_the_config_is_a_clear_error(tmp_path):
-    target = tiny_qwen2()
+    target = tiny_target_qwen2()
     save_drafter(EagleDrafter(target, seed=0), tmp_path / "first")
     save_drafter(EagleDrafter(target, seed=1), tmp_path / "second")
     (tmp_path / "first" / CONFIG_FILE).write_text((tmp_path / "second" / CONFIG_FILE).read_text())
@@ -251,7 +241,7 @@ def arithmetic_like_sequences(target, count: int = 4, prompt_length: int = 5, re
 
 
 def test_batch_shift_pairs_token_t_plus_1_with_hidden_t():
-    target = tiny_qwen2()
+    target = tiny_target_qwen2()
     sequences, response_mask = arithmetic_like_sequences(target, count=2, prompt_length=3, response_length=4)
     batch = collect_drafter_batch(target, sequences, response_mask)
     with torch.no_grad():
@@ -265,7 +255,7 @@ def test_batch_shift_pairs_token_t_plus_1_with_hidden_t():
 
 
 def test_left_padding_gives_the_same_features_and_loss_as_no_padding():
-    target = tiny_qwen2()
+    target = tiny_target_qwen2()
     drafter = EagleDrafter(target)
     sequences, response_mask = arithmetic_like_sequences(target, count=1)
     padding = 3
@@ -282,7 +272,7 @@ def test_left_padding_gives_the_same_features_and_loss_as_no_padding():
 
 
 def test_concatenate_right_pads_without_changing_each_rows_loss():
-    target = tiny_qwen2()
+    target = tiny_target_qwen2()
     drafter = EagleDrafter(target)
     short = collect_drafter_batch(target, *arithmetic_like_sequences(target, count=1, response_length=6, seed=1))
     long = collect_drafter_batch(target, *arithmetic_like_sequences(target, count=1, response_length=12, seed=2))
@@ -294,7 +284,7 @@ def test_concatenate_right_pads_without_changing_each_rows_loss():
 
 
 def test_train_steps_change_every_drafter_weight_and_no_target_weight():
-    target = tiny_qwen2()
+    target = tiny_target_qwen2()
     target_before = {name: value.clone() for name, value in target.state_dict().items()}
     drafter = EagleDrafter(target)
     drafter_before = {name: value.clone() for name, value in drafter.state_dict().items()}
@@ -312,7 +302,7 @@ def test_train_steps_change_every_drafter_weight_and_no_target_weight():
 
 
 def test_training_on_a_fixed_batch_reduces_the_loss():
-    target = tiny_qwen2()
+    target = tiny_target_qwen2()
     drafter = EagleDrafter(target)
     trainer = DrafterTrainer(drafter, lr=3e-3)
     batch = collect_drafter_batch(target, *arithmetic_like_sequences(target))
@@ -325,7 +315,7 @@ def test_training_on_a_fixed_batch_reduces_the_loss():
 
 
 def test_non_finite_step_is_skipped_and_leaves_parameters_untouched():
-    target = tiny_qwen2()
+    target = tiny_target_qwen2()
     drafter = EagleDrafter(target)
     trainer = DrafterTrainer(drafter, lr=1e-3)
     batch = collect_drafter_batch(target, *arithmetic_like_sequences(target))
@@ -345,7 +335,7 @@ def test_non_finite_step_is_skipped_and_leaves_parameters_untouched():
 
 
 def test_trainer_state_round_trip_continues_identically():
-    target = tiny_qwen2()
+    target = tiny_target_qwen2()
     batch = collect_drafter_batch(target, *arithmetic_like_sequences(target))
     trainer = DrafterTrainer(EagleDrafter(target, seed=0), lr=1e-3)
     trainer.train_step(batch)
@@ -385,7 +375,7 @@ def test_warm_up_teaches_the_drafter_to_agree_with_the_target():
 
 
 def test_drafter_follows_the_target_dtype():
-    target = tiny_qwen2().to(torch.bfloat16)
+    target = tiny_target_qwen2().to(torch.bfloat16)
     drafter = EagleDrafter(target)
     input_ids, target_hidden, position_ids = random_inputs()
     with torch.no_grad():

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.multiprocessing
-from transformers import Qwen2Config, Qwen2ForCausalLM
+from tiny_models import tiny_qwen2
 
 from tlt_cli.config import DrafterConfig
 from tlt_cli.drafter.model import EagleDrafter
@@ -20,17 +20,7 @@ torch.set_num_threads(1)
 
 
 def tiny_target():
-    torch.manual_seed(0)
-    config = Qwen2Config(
-        vocab_size=24,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
-    return Qwen2ForCausalLM(config).eval()
+    return tiny_qwen2(vocab_size=24)
 
 
 def recipe(window_steps=2, batch_size=4, lr=1e-2):

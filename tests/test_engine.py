@@ -2,7 +2,8 @@
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from tiny_models import tiny_qwen2
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2ForCausalLM
 
 from tlt_cli.rollout.engine import EmbeddedEngine
 from tlt_cli.rollout.types import RolloutRequest, SamplingParams
@@ -13,18 +14,8 @@ VOCAB = 64
 NEVER_EMITTED = VOCAB  # an EOS id outside the vocabulary: requests run to max_new_tokens
 
 
-def tiny_qwen2() -> Qwen2ForCausalLM:
-    torch.manual_seed(0)
-    config = Qwen2Config(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-    )
-    return Qwen2ForCausalLM(config).eval()
+def tiny_target_qwen2() -> Qwen2ForCausalLM:
+    return tiny_qwen2(vocab_size=VOCAB, max_position_embeddings=256)
 
 
 def tiny_llama_untied() -> LlamaForCausalLM:
@@ -72,7 +63,7 @@ def greedy(max_new_tokens: int) -> SamplingParams:
     return SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
 
 
-@pytest.mark.parametrize("build", [tiny_qwen2, tiny_llama_untied])
+@pytest.mark.parametrize("build", [tiny_target_qwen2, tiny_llama_untied])
 def test_greedy_matches_transformers_generate_on_ragged_prompts(build):
     model = build()
     requests = ragged_requests(6)
@@ -91,7 +82,7 @@ def test_greedy_matches_transformers_generate_on_ragged_prompts(build):
 
 
 def test_finished_rows_leave_the_batch():
-    model = tiny_qwen2()
+    model = tiny_target_qwen2()
     requests = ragged_requests(8, seed=3)
     free_run = EmbeddedEngine(model, NEVER_EMITTED, 0).generate(requests, greedy(12), torch.Generator())
     eos_token_id = free_run[0].response_ids[2]
@@ -114,7 +105,7 @@ def test_finished_rows_leave_the_batch():
 
 
 def test_max_new_tokens_and_eos_end_requests():
-    model = tiny_qwen2()
+    model = tiny_target_qwen2()
     requests = ragged_requests(5, seed=4)
     free_run = EmbeddedEngine(model, NEVER_EMITTED, 0).generate(requests, greedy(7), torch.Generator())
     assert all(len(completion.response_ids) == 7 and not completion.finished_by_eos for completion in free_run)
@@ -133,7 +124,7 @@ def test_max_new_tokens_and_eos_end_requests():
 
 
 def test_sampling_is_reproducible_with_a_seeded_generator():
-    model = tiny_qwen2()
+    model = tiny_target_qwen2()
     requests = ragged_requests(4, seed=5)
     engine = EmbeddedEngine(model, NEVER_EMITTED, 0)
     params = SamplingParams(max_new_tokens=12, temperature=1.0, top_p=0.9)
@@ -158,7 +149,7 @@ def test_target_hidden_is_what_produced_each_token_and_modes_are_restored():
 
 
 def test_finished_callback_and_wall_clock():
-    model = tiny_qwen2()
+    model = tiny_target_qwen2()
     requests = ragged_requests(4, seed=7)
     seen = []
     completions = EmbeddedEngine(model, NEVER_EMITTED, 0).generate(requests, greedy(3), torch.Generator(), seen.append)
@@ -167,7 +158,7 @@ def test_finished_callback_and_wall_clock():
 
 
 def test_user_errors_name_what_to_fix():
-    engine = EmbeddedEngine(tiny_qwen2(), NEVER_EMITTED, 0)
+    engine = EmbeddedEngine(tiny_target_qwen2(), NEVER_EMITTED, 0)
     with pytest.raises(ValueError, match="max_new_tokens"):
         engine.generate(ragged_requests(1), SamplingParams(max_new_tokens=0), torch.Generator())
     with pytest.raises(ValueError, match="empty prompt"):

@@ -3,12 +3,12 @@
 import pytest
 import torch
 from scipy.stats import chisquare
+from tiny_models import tiny_qwen2
 from torch import nn
 from transformers import (
     DynamicCache,
     LlamaConfig,
     LlamaForCausalLM,
-    Qwen2Config,
     Qwen2ForCausalLM,
 )
 
@@ -32,18 +32,7 @@ TREES = [
 
 
 def tiny_target(vocab_size: int = 64, initializer_range: float = 0.02) -> Qwen2ForCausalLM:
-    torch.manual_seed(0)
-    config = Qwen2Config(
-        vocab_size=vocab_size,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        initializer_range=initializer_range,
-    )
-    return Qwen2ForCausalLM(config).eval()
+    return tiny_qwen2(vocab_size=vocab_size, max_position_embeddings=256, initializer_range=initializer_range)
 
 
 class PrefixedCache:

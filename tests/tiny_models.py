@@ -1,0 +1,19 @@
+"""The tiny random Qwen2 causal LM the unit tests build (2 layers, hidden 32, grouped-query attention 4q/2kv)."""
+
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+
+def tiny_qwen2(vocab_size: int, seed: int = 0, max_position_embeddings: int = 64, **config) -> Qwen2ForCausalLM:
+    """A seeded tiny Qwen2 in eval mode; `config` overrides further Qwen2Config fields (e.g. hidden_size)."""
+    torch.manual_seed(seed)
+    shape = dict(
+        vocab_size=vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=max_position_embeddings,
+    )
+    return Qwen2ForCausalLM(Qwen2Config(**{**shape, **config})).eval()
