@@ -259,16 +259,24 @@ def test_sampled_sd_matches_the_target_distribution(config, params):
     assert_sd_has_the_target_law(target, EagleDrafter(target, seed=5), config, params)
 
 
-def assert_sd_has_the_target_law(target, drafter, config: SpeculativeConfig, params: SamplingParams) -> None:
-    """Chi-square test of 6000 SD samples of three tokens against the exact law of the target."""
-    prompt = (BOS, 3, 5)
+def assert_sd_has_the_target_law(
+    target,
+    drafter,
+    config: SpeculativeConfig,
+    params: SamplingParams,
+    prompt: tuple[int, ...] = (BOS, 3, 5),
+    group_size: int = 1,
+) -> list:
+    """Chi-square test of 6000 SD samples of three tokens against the exact law of the target (in
+    groups of `group_size` samples for n-gram proposals from siblings); returns the completions."""
     samples = 6000
-    requests = [RolloutRequest(index, prompt) for index in range(samples)]
+    requests = [RolloutRequest(index, prompt, group=index // group_size) for index in range(samples)]
     completions = generate(
         target, requests, params, eos_token_id=8, speculative=SpeculativeDecoder(drafter, config), seed=1
     )
     accepted = sum(c.speculative.accepted_draft_tokens for c in completions)
-    assert 0 < accepted < sum(c.speculative.verify_passes for c in completions) * config.steps
+    deepest = max(config.steps, config.ngram_tokens)
+    assert 0 < accepted < sum(c.speculative.verify_passes for c in completions) * deepest
     triples = torch.tensor([c.response_ids for c in completions])
     observed = torch.bincount(triples[:, 0] * 64 + triples[:, 1] * 8 + triples[:, 2], minlength=512).double()
     expected = exact_three_token_law(target, prompt, params).reshape(-1).double() * samples
@@ -282,6 +290,7 @@ def assert_sd_has_the_target_law(target, drafter, config: SpeculativeConfig, par
     else:
         observed, expected = observed[common], expected[common]
     assert chisquare(observed.numpy(), expected.numpy() * observed.sum().item() / expected.sum().item()).pvalue > 0.01
+    return completions
 
 
 # 3 of the 8 tokens: q is zero on the other 5, which the target still samples (through the residual)

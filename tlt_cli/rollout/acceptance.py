@@ -21,6 +21,14 @@ Why this is lossless (the output has exactly the target's distribution under Sam
   other token y with probability p(y). That is the law of a single draw y ~ p followed by "move to
   the child whose token is y, if there is one": `accept_tree` does exactly that at every node, so
   each emitted token is one draw from the target's distribution given the tokens before it.
+- n-gram proposals (tlt_cli/rollout/ngram.py) are deterministic too: a point mass q = delta_x, so x
+  is kept with probability p(x) and a rejection draws from norm(max(p - delta_x, 0)), p with x
+  removed. A model-free chain and a hybrid tree (the drafter's argmax chain or top-k tree with the
+  n-gram branch merged in where tokens coincide, so siblings stay distinct) are trees of point
+  masses, verified by `accept_tree` like any tree: a drafter child and an n-gram child of one node
+  are two candidates of the same multi-draft rejection, whichever source they came from. Padding
+  nodes (tree.valid false) are no candidates at all: past a row's last proposal the bonus token is
+  drawn from p itself.
 """
 
 from __future__ import annotations
@@ -95,6 +103,8 @@ def accept_tree(
         target_choice = sample(target_probs, generator).view(batch_size, node_count)
     # a node matches when its token is what the target chose at its parent
     matches = tree.tokens == target_choice.gather(1, tree.parents)
+    if tree.valid is not None:
+        matches = matches & tree.valid  # padding nodes are never reached
     matches[:, 0] = True
     # a node is reachable when it and all its ancestors match
     reachable = ~(tree.ancestors & ~matches[:, None, :]).any(dim=2)

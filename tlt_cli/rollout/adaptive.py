@@ -28,8 +28,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from tlt_cli.config import RecipeError
-from tlt_cli.rollout.speculative import SpeculativeDecoder
-from tlt_cli.rollout.types import DecodeStep, SpeculativeConfig
+from tlt_cli.rollout.speculative import SpeculativeDecoder, StepCounts
+from tlt_cli.rollout.types import DRAFT_SOURCES, DecodeStep, SpeculativeConfig
+from tlt_cli.rollout.types import accept_length as tokens_per_verify_pass
 
 if TYPE_CHECKING:
     from torch import nn
@@ -37,6 +38,7 @@ if TYPE_CHECKING:
     from tlt_cli.config import SpeculativeSection
 
 OFF = "off"
+NGRAM_PREFIX = "ngram"  # model-free labels: ngram<tokens>, alone or after a drafter shape and a +
 ACCEPT_SMOOTHING = 0.3  # weight of the newest step in the accept-length moving average
 COLLAPSE_MIN_STEPS = 4  # SD steps a bucket must have measured before its accept length can count as collapsed
 UNBOUNDED = float("inf")
@@ -47,18 +49,36 @@ class RuleTableError(RecipeError):
 
 
 def parse_label(label: str) -> SpeculativeConfig | None:
-    """'off' -> None; 's4-k1-t5' (steps, topk, draft tokens; '-tN' optional) -> SpeculativeConfig."""
+    """'off' -> None; 's4-k1-t5' (steps, topk, draft tokens; '-tN' optional) -> a drafter shape;
+    'ngram4' -> model-free (up to 4 n-gram tokens, no drafter pass); 's2-k1-t3+ngram4' -> hybrid
+    (the drafter's shape and the n-gram branch verified in one pass)."""
     if label == OFF:
         return None
-    parts = {part[0]: part[1:] for part in label.split("-") if part}
     try:
+        drafter, _, ngram = label.partition("+")
+        if drafter.startswith(NGRAM_PREFIX) and not ngram:
+            return SpeculativeConfig(steps=0, ngram_tokens=_ngram_tokens(drafter))
+        parts = {part[0]: part[1:] for part in drafter.split("-") if part}
+        if set(parts) - {"s", "k", "t"}:
+            raise ValueError(drafter)
         return SpeculativeConfig(
-            steps=int(parts["s"]), topk=int(parts.get("k", 1)), draft_tokens=int(parts.get("t", 0))
+            steps=int(parts["s"]),
+            topk=int(parts.get("k", 1)),
+            draft_tokens=int(parts.get("t", 0)),
+            ngram_tokens=_ngram_tokens(ngram) if ngram else 0,
         )
     except (KeyError, ValueError):
         raise RuleTableError(
-            f"'{label}' is not an SD configuration; write off or s<steps>-k<topk>-t<draft tokens>, e.g. s4-k1-t5."
+            f"'{label}' is not an SD configuration; write off, s<steps>-k<topk>-t<draft tokens> (e.g. s4-k1-t5), "
+            "ngram<tokens> (model-free, e.g. ngram4) or both joined by + (hybrid, e.g. s2-k1-t3+ngram4)."
         ) from None
+
+
+def _ngram_tokens(part: str) -> int:
+    """'ngram4' -> 4 (at least 1)."""
+    if not part.startswith(NGRAM_PREFIX) or int(part[len(NGRAM_PREFIX) :]) < 1:
+        raise ValueError(part)
+    return int(part[len(NGRAM_PREFIX) :])
 
 
 def label_of(config: SpeculativeConfig | None) -> str:
@@ -151,11 +171,32 @@ def check_coverage(rules: list[Rule]) -> None:
 
 @dataclass
 class ConfigUsage:
-    """Time spent in one configuration during a rollout."""
+    """Time spent in one configuration during a rollout, and (SD configurations) its verify passes
+    and the accepted tokens each draft source had proposed: the accept length of source S is
+    1 + S_accepted_tokens / verify_passes (`source_accept_lengths`)."""
 
     decode_steps: int = 0
     tokens: int = 0
     seconds: float = 0.0
+    verify_passes: int = 0
+    drafter_accepted_tokens: int = 0
+    ngram_accepted_tokens: int = 0
+
+
+def source_accept_lengths(usage: dict[str, float], label: str) -> dict[str, float]:
+    """Draft source -> accept length of `label`'s verify passes counting only that source's tokens
+    (usage: a ConfigUsage's fields, e.g. an sd_config trace record); sources the label does not use
+    are left out."""
+    config = parse_label(label)
+    passes = usage.get("verify_passes", 0)
+    if config is None or not passes:
+        return {}
+    used = {"drafter": config.uses_drafter, "ngram": config.uses_ngram}
+    return {
+        source: tokens_per_verify_pass(int(usage.get(f"{source}_accepted_tokens", 0)), int(passes))
+        for source in DRAFT_SOURCES
+        if used[source]
+    }
 
 
 @dataclass
@@ -230,10 +271,26 @@ class AdaptiveSchedule:
         rewards = state.rewards.get(label_of(config))
         return statistics.median(rewards) if rewards else UNBOUNDED  # untried candidates first
 
-    def observe_step(self, step: DecodeStep) -> None:
-        """The engine's record of the decode step the last choice was for (every row verified if SD ran)."""
+    @property
+    def uses_ngram(self) -> bool:
+        """Whether any configuration of the table drafts with the n-gram index."""
+        return any(config is not None and config.uses_ngram for rule in self.rules for config in rule.configs)
+
+    @property
+    def uses_drafter(self) -> bool:
+        """Whether any configuration of the table drafts with the drafter."""
+        return any(config is not None and config.uses_drafter for rule in self.rules for config in rule.configs)
+
+    def observe_step(self, step: DecodeStep, counts: StepCounts | None = None) -> None:
+        """The engine's record of the decode step the last choice was for (every row verified if SD
+        ran), with the decoder's counts of its verify pass (None: a plain step)."""
         speculated = self._last is not None and self._last[1] is not None
         self.observe(step.tokens, step.batch_size if speculated else 0, step.seconds)
+        if counts is not None and speculated:
+            usage = self.usage[label_of(self._last[1])]
+            usage.verify_passes += counts.verify_passes
+            usage.drafter_accepted_tokens += counts.accepted_by_source["drafter"]
+            usage.ngram_accepted_tokens += counts.accepted_by_source["ngram"]
 
     def observe(self, emitted_tokens: int, verify_passes: int, seconds: float) -> None:
         """What the last chosen step did: tokens emitted over the batch, verify passes (rows that speculated), time."""
@@ -320,10 +377,13 @@ class AdaptiveSpeculativeDecoder(SpeculativeDecoder):
     configurations (or plain decoding).
     """
 
-    def __init__(self, drafter: nn.Module, schedule: AdaptiveSchedule) -> None:
+    def __init__(self, drafter: nn.Module | None, schedule: AdaptiveSchedule) -> None:
         super().__init__(drafter, schedule)
         self.adaptive_schedule = schedule
-        self.observe_step = schedule.observe_step
+        self.keeps_index = schedule.uses_ngram
+
+    def observe_step(self, step: DecodeStep) -> None:
+        self.adaptive_schedule.observe_step(step, self.last_step)
 
 
 def adaptive_schedule(section: SpeculativeSection, seed: int = 0) -> AdaptiveSchedule:
@@ -340,9 +400,15 @@ def adaptive_schedule(section: SpeculativeSection, seed: int = 0) -> AdaptiveSch
 def speculative_decoder(
     section: SpeculativeSection, drafter: nn.Module | None, seed: int = 0
 ) -> SpeculativeDecoder | None:
-    """The embedded engine's decoder for a recipe's `speculative` section (None when off or without a drafter)."""
-    if section.mode == "off" or drafter is None:
+    """The embedded engine's decoder for a recipe's `speculative` section (None when off, or without a
+    drafter when a configuration needs one: a table of model-free configurations needs none)."""
+    if section.mode == "off":
         return None
     if section.mode == "adaptive":
-        return AdaptiveSpeculativeDecoder(drafter, adaptive_schedule(section, seed))
+        schedule = adaptive_schedule(section, seed)
+        if drafter is None and schedule.uses_drafter:
+            return None
+        return AdaptiveSpeculativeDecoder(drafter, schedule)
+    if drafter is None:
+        return None
     return SpeculativeDecoder(drafter, SpeculativeConfig(section.steps, section.topk, section.draft_tokens))

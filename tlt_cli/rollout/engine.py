@@ -42,6 +42,7 @@ from tlt_cli.rollout.types import (
 )
 
 if TYPE_CHECKING:
+    from tlt_cli.rollout.linear_forms import LinearForms
     from tlt_cli.rollout.speculative import SpeculativeDecoder
 
 # slots reserved past the longest prompt when the cache is first allocated (it grows by doubling)
@@ -96,10 +97,16 @@ class _GenerateCall:
 class EmbeddedEngine:
     """Batched generation with a KV cache, ragged prompts, early exit of finished requests and,
     when given a speculative decoder (`tlt_cli.rollout.speculative.SpeculativeDecoder`), lossless
-    speculative decoding."""
+    speculative decoding. With `linear_forms` (tlt_cli/rollout/linear_forms.py), the linear layers of the
+    target and drafter compute in the form fastest for each pass's rows, for the length of each generate call."""
 
     def __init__(
-        self, model: nn.Module, eos_token_id: int, pad_token_id: int, speculative: SpeculativeDecoder | None = None
+        self,
+        model: nn.Module,
+        eos_token_id: int,
+        pad_token_id: int,
+        speculative: SpeculativeDecoder | None = None,
+        linear_forms: LinearForms | None = None,
     ) -> None:
         self.model = model
         self.decoder = model.get_decoder()
@@ -107,6 +114,7 @@ class EmbeddedEngine:
         self.eos_token_id = eos_token_id
         self.pad_token_id = pad_token_id
         self.speculative = speculative
+        self.linear_forms = linear_forms
         self.mask_dtype = next(model.parameters()).dtype
         self.device = next(model.parameters()).device
 
@@ -146,14 +154,15 @@ class EmbeddedEngine:
             _step_observer(observe_step, on_decode_step),
         )
         drafter = self.speculative.drafter if self.speculative is not None else None
-        with torch.no_grad(), _eval_mode(self.model), _eval_mode(drafter):
+        forms = self.linear_forms.applied() if self.linear_forms is not None else contextlib.nullcontext()
+        with torch.no_grad(), _eval_mode(self.model), _eval_mode(drafter), forms:
             self._run(call)
         return [call.completions[index] for index in range(len(requests))]
 
     def _run(self, call: _GenerateCall) -> None:
         batch = self._prefill(call)
         if self.speculative is not None:
-            self.speculative.begin(batch)
+            self.speculative.begin(batch, call.requests)
         finished = self._emit(batch, batch.pending[:, None], torch.ones_like(batch.pending), call.sampling)
         self._retire(batch, finished, call)
         while batch.size > 0:
@@ -271,9 +280,10 @@ class EmbeddedEngine:
             if call.on_request_finished is not None:
                 call.on_request_finished(completion)
         keep = (~finished).nonzero().flatten()
-        batch.keep_rows(keep)
         if self.speculative is not None:
-            self.speculative.keep_rows(keep)
+            # before the batch drops the finished rows: the n-gram index reads their last tokens
+            self.speculative.keep_rows(batch, keep)
+        batch.keep_rows(keep)
 
     def _completion(self, batch: RunningBatch, row: int, call: _GenerateCall, end: float) -> Completion:
         request = call.requests[int(batch.request_index[row])]

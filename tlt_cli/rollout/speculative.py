@@ -20,6 +20,15 @@ decoding. An SD step, for every running row at once:
 Rejected entries in either cache sit past the row's committed length and are simply overwritten
 later. EOS and max_new_tokens inside an accepted run are cut by the engine, which ends the row.
 
+Drafts without a model: a shape with `ngram_tokens` also asks the n-gram index (tlt_cli/rollout/ngram.py)
+over the prompt and the sibling responses of each row's group (RolloutRequest.group) for up to that
+many tokens. Model-free (`ngram4`: steps 0) skips steps 0, 1 and the drafter's part of 4: the
+proposals alone form a chain, and no drafter is needed. Hybrid (`s2-k1-t3+ngram4`) drafts the
+drafter's part as a tree of point masses (its argmax chain when topk is 1) and hangs the proposals
+from the root as one more branch, merged where tokens coincide; `accept_tree` verifies both kinds
+of node alike (acceptance.py). The index learns every emitted token (at the next step that asks
+it, and when a row finishes, before it leaves the batch), so finished siblings stay in it.
+
 Drafter positions follow tlt_cli/drafter/trainer.py: drafter entry t reads (token[t+1],
 target_hidden[t]) at position t, so the drafter cache holds exactly as many entries as the target
 cache after every commit, and the entry of the last committed position yields the root's
@@ -37,20 +46,34 @@ from torch import nn
 
 from tlt_cli.rollout.acceptance import Verdict, accept_chain, accept_tree
 from tlt_cli.rollout.kv_cache import SlotCache, block_attention_mask, keep_rows_of
-from tlt_cli.rollout.tree import ChainBuilder, DraftTree, TreeBuilder, gather_rows
+from tlt_cli.rollout.ngram import NgramIndex
+from tlt_cli.rollout.tree import ChainBuilder, DraftTree, TreeBuilder, gather_rows, root_only, with_ngram_branch
 from tlt_cli.rollout.types import (
+    DRAFT_SOURCES,
     DecodeStep,
+    RolloutRequest,
     SamplingParams,
     SpeculativeConfig,
     SpeculativeStats,
 )
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from tlt_cli.rollout.engine import EmbeddedEngine, RunningBatch
 
 
 def check_speculative_config(config: SpeculativeConfig, vocab_size: int) -> None:
     """Raise ValueError naming the field to fix when `config` cannot be drafted."""
+    if config.ngram_tokens < 0:
+        raise ValueError(f"ngram tokens is {config.ngram_tokens}; set it to 0 (none) or more.")
+    if config.steps == 0 and config.uses_ngram:
+        if config.topk != 1 or config.draft_tokens != 0:
+            raise ValueError(
+                f"a model-free shape (steps 0, ngram {config.ngram_tokens}) drafts no tree; "
+                f"set topk to 1 and draft_tokens to 0, not {config.topk} and {config.draft_tokens}."
+            )
+        return
     if config.steps < 1:
         raise ValueError(f"speculative steps is {config.steps}; set it to at least 1.")
     if not 1 <= config.topk <= vocab_size:
@@ -85,6 +108,8 @@ class DraftState:
     accepted_draft_tokens: torch.Tensor  # [B]
     accepted_by_depth: torch.Tensor  # [B, deepest steps so far]
     proposed_by_depth: torch.Tensor  # [B, deepest steps so far]
+    passes_by_source: torch.Tensor  # [B, len(DRAFT_SOURCES)] verify passes of shapes using each source
+    accepted_by_source: torch.Tensor  # [B, len(DRAFT_SOURCES)] accepted tokens each source had proposed
 
     @classmethod
     def empty(
@@ -101,7 +126,18 @@ class DraftState:
             accepted_draft_tokens=counts.clone(),
             accepted_by_depth=torch.zeros(batch_size, 0, dtype=torch.long, device=device),
             proposed_by_depth=torch.zeros(batch_size, 0, dtype=torch.long, device=device),
+            passes_by_source=torch.zeros(batch_size, len(DRAFT_SOURCES), dtype=torch.long, device=device),
+            accepted_by_source=torch.zeros(batch_size, len(DRAFT_SOURCES), dtype=torch.long, device=device),
         )
+
+
+@dataclass(frozen=True)
+class StepCounts:
+    """What the verify pass of one SD step did over the batch: passes (rows verified) and, per draft
+    source, the accepted tokens it had proposed (a token both proposed counts for both)."""
+
+    verify_passes: int
+    accepted_by_source: dict[str, int]
 
 
 # running batch size -> the SD shape for this step, or None for a plain decoding step
@@ -109,8 +145,10 @@ ConfigSchedule = Callable[[int], "SpeculativeConfig | None"]
 
 
 class SpeculativeDecoder:
-    """Drafts with `drafter` in the shape of `config` and verifies exactly (see the module docstring).
+    """Drafts with `drafter` and the n-gram index in the shape of `config` and verifies exactly (see
+    the module docstring).
 
+    drafter: None when only model-free shapes are used (a shape that needs it is then refused).
     config: one SpeculativeConfig for every step, or a ConfigSchedule the engine consults before
     each step with the running batch size (the adaptive rule table). Committed state does not
     depend on the shape, so shapes may change, and SD may go off and on, from one step to the next.
@@ -119,29 +157,49 @@ class SpeculativeDecoder:
     # the engine calls it with every DecodeStep it timed with this decoder (None: nothing learns from them)
     observe_step: Callable[[DecodeStep], None] | None = None
 
-    def __init__(self, drafter: nn.Module, config: SpeculativeConfig | ConfigSchedule) -> None:
+    def __init__(self, drafter: nn.Module | None, config: SpeculativeConfig | ConfigSchedule) -> None:
         self.drafter = drafter
         self.schedule: ConfigSchedule = config if callable(config) else (lambda batch_size: config)
+        # a fixed shape without n-grams never asks the index, so it is not kept
+        self.keeps_index = config.uses_ngram if isinstance(config, SpeculativeConfig) else True
         # shapes already validated against the drafter's vocabulary
         self._checked: set[SpeculativeConfig] = set()
         if isinstance(config, SpeculativeConfig):
-            check_speculative_config(config, drafter.vocabulary.size)
-            self._checked.add(config)
+            self._check(config)
         self.state = DraftState.empty(0, 0, 0, 0, torch.float32, torch.device("cpu"))
+        self.index = NgramIndex()
+        self._indexed_tokens: list[int] = []  # per request of the call: response tokens the index has
+        # the latest step's StepCounts (None after a plain step), for the adaptive schedule
+        self.last_step: StepCounts | None = None
+        # finished siblings of a row -> [verify passes, accepted draft tokens] of its n-gram steps this call
+        self.by_finished_siblings: dict[int, list[int]] = {}
 
-    def begin(self, batch: RunningBatch) -> None:
+    def begin(self, batch: RunningBatch, requests: Sequence[RolloutRequest] = ()) -> None:
         """Start a generate call: the drafter's head re-read from the target (whose weights may have
         changed since the last call), empty drafter cache and counters (the drafter reads the prompt
-        at the first SD step, from the target hidden states the engine keeps)."""
-        self.drafter.refresh_draft_head()
-        self.state = DraftState.empty(
-            batch.size,
-            batch.cache.capacity,
-            self.drafter.config.hidden_size,
-            self.drafter.vocabulary.size,
-            next(self.drafter.parameters()).dtype,
-            batch.lengths.device,
-        )
+        at the first SD step, from the target hidden states the engine keeps), and a fresh n-gram
+        index over the requests' prompts (requests[i] is batch row i)."""
+        device = batch.lengths.device
+        if self.drafter is None:
+            self.state = DraftState.empty(batch.size, 0, 0, 0, torch.float32, device)
+        else:
+            self.drafter.refresh_draft_head()
+            self.state = DraftState.empty(
+                batch.size,
+                batch.cache.capacity,
+                self.drafter.config.hidden_size,
+                self.drafter.vocabulary.size,
+                next(self.drafter.parameters()).dtype,
+                device,
+            )
+        self.index = NgramIndex()
+        self._indexed_tokens = [0] * len(requests)
+        self.by_finished_siblings = {}
+        if self.keeps_index:
+            for position, request in enumerate(requests):
+                # a request without a group is a group of its own
+                group = ("group", request.group) if request.group is not None else ("request", position)
+                self.index.add_sequence(group, request.prompt_ids)
 
     def step(
         self, engine: EmbeddedEngine, batch: RunningBatch, sampling: SamplingParams, generator: torch.Generator
@@ -149,24 +207,56 @@ class SpeculativeDecoder:
         """One decoding step; returns the emitted tokens [B, E] and counts [B]. With a shape: one
         draft-verify-accept-commit round; with None from the schedule: plain decoding."""
         config = self._config_for(batch.size)
+        self.last_step = None
         if config is None:
             return engine.decode_step(batch, sampling, generator)
-        self._catch_up(batch)
-        tree = self._draft(batch, config, sampling, generator)
+        proposals = self._propose(batch, config.ngram_tokens) if config.uses_ngram else None
+        if config.uses_drafter:
+            self._catch_up(batch)
+            tree = self._draft(batch, config, sampling, generator)
+        else:
+            tree = root_only(batch.pending)
+        if proposals is not None:
+            tree = with_ngram_branch(tree, proposals)
         hidden = engine.forward_block(batch, tree.tokens, batch.lengths[:, None] + tree.depths, tree.ancestors)
         target_logits = engine.lm_head(hidden)
-        accept = accept_chain if config.is_chain else accept_tree
+        accept = accept_chain if config.is_chain and not config.uses_ngram else accept_tree
         verdict = accept(tree, target_logits, sampling, generator)
-        self._count(config, tree, verdict)
+        self._count(batch, config, tree, verdict)
         emitted = self._commit(batch, config, tree, verdict, hidden)
         return emitted, verdict.accept_length + 1
 
     def _config_for(self, batch_size: int) -> SpeculativeConfig | None:
         config = self.schedule(batch_size)
         if config is not None and config not in self._checked:
-            check_speculative_config(config, self.drafter.vocabulary.size)
-            self._checked.add(config)
+            self._check(config)
         return config
+
+    def _check(self, config: SpeculativeConfig) -> None:
+        if config.uses_drafter and self.drafter is None:
+            raise ValueError(f"SD configuration {config.label()} drafts with a model, and there is no drafter.")
+        check_speculative_config(config, self.drafter.vocabulary.size if config.uses_drafter else 1)
+        self._checked.add(config)
+
+    def _propose(self, batch: RunningBatch, max_tokens: int) -> list[list[int]]:
+        """Each row's n-gram proposal (target ids, up to max_tokens) after the index learns its new tokens."""
+        rows = range(batch.size)
+        self._index_rows(batch, rows)
+        return [self.index.propose(int(batch.request_index[row]), max_tokens) for row in rows]
+
+    def _index_rows(self, batch: RunningBatch, rows) -> None:
+        """Give the index the response tokens `rows` emitted since it last saw them."""
+        requests, prompt_lengths, generated = (
+            batch.request_index.tolist(),
+            batch.prompt_lengths.tolist(),
+            batch.generated.tolist(),
+        )
+        for row in rows:
+            request = requests[row]
+            start, end = prompt_lengths[row] + self._indexed_tokens[request], prompt_lengths[row] + generated[row]
+            if end > start:
+                self.index.extend(request, batch.tokens[row, start:end].tolist())
+                self._indexed_tokens[request] = generated[row]
 
     def _catch_up(self, batch: RunningBatch) -> None:
         """Feed the drafter every committed position it has not seen (the prompt, and whatever
@@ -193,12 +283,13 @@ class SpeculativeDecoder:
     def _draft(
         self, batch: RunningBatch, config: SpeculativeConfig, sampling: SamplingParams, generator: torch.Generator
     ) -> DraftTree:
-        """Run the drafter `steps` times from each row's root, expanding the chain or tree."""
+        """Run the drafter `steps` times from each row's root, expanding the chain or tree (with an
+        n-gram branch to come, always a tree of point masses: a chain is then the drafter's argmax)."""
         vocabulary = self.drafter.vocabulary
-        if config.is_chain:
+        if config.is_chain and not config.uses_ngram:
             builder = ChainBuilder(batch.pending, config.steps, sampling, generator, vocabulary)
         else:
-            builder = TreeBuilder(batch.pending, config, vocabulary)
+            builder = TreeBuilder(batch.pending, config.drafter_part, vocabulary)
         frontier_hidden, frontier_logits = self.state.root_hidden[:, None], self.state.root_logits[:, None]
         written = 0
         for step in range(config.steps):
@@ -233,13 +324,31 @@ class SpeculativeDecoder:
         accept_length, path = verdict.accept_length, verdict.path
         offsets = torch.arange(path.shape[1], device=path.device)
         caught_up = int(accept_length.max()) + 1
-        if not config.is_chain and caught_up > 1:
+        # a model-free chain keeps its nodes in place; trees (a hybrid's included) may branch
+        branching = config.uses_drafter and not (config.is_chain and not config.uses_ngram)
+        if branching and caught_up > 1:
             # kept node path[j] moves from slot lengths + path[j] to lengths + j; others stay put
             source = torch.where(offsets[None, :] <= accept_length[:, None], path, offsets[None, :])
             batch.cache.move_slots(batch.lengths[:, None] + source, batch.lengths[:, None] + offsets[None, :])
         path_tokens = tree.tokens.gather(1, path)
         emitted = torch.cat([path_tokens[:, 1:], torch.zeros_like(path_tokens[:, :1])], dim=1)
         emitted.scatter_(1, accept_length[:, None], verdict.bonus[:, None])
+        if config.uses_drafter:
+            self._drafter_reads(batch, emitted, hidden, verdict)
+        batch.lengths = batch.lengths + accept_length + 1
+        batch.pending = verdict.bonus
+        if config.uses_drafter:
+            self.state.drafter_lengths = batch.lengths.clone()
+        return emitted
+
+    def _drafter_reads(
+        self, batch: RunningBatch, emitted: torch.Tensor, hidden: torch.Tensor, verdict: Verdict
+    ) -> None:
+        """The drafter catches up on the kept tokens and the next root state is read off it (a
+        model-free step skips this: the drafter catches up at its next step, as after plain steps)."""
+        accept_length, path = verdict.accept_length, verdict.path
+        offsets = torch.arange(path.shape[1], device=path.device)
+        caught_up = int(accept_length.max()) + 1
         # drafter catch-up: entry at position lengths + j pairs target_hidden there with emitted[j]
         path_hidden = gather_rows(hidden, path[:, :caught_up])
         positions = batch.lengths[:, None] + offsets[None, :caught_up]
@@ -248,14 +357,10 @@ class SpeculativeDecoder:
         rows = torch.arange(path.shape[0], device=path.device)
         self.state.root_hidden = output.hidden[rows, accept_length]
         self.state.root_logits = output.logits[rows, accept_length]
-        batch.lengths = batch.lengths + accept_length + 1
-        batch.pending = verdict.bonus
-        self.state.drafter_lengths = batch.lengths.clone()
-        return emitted
 
-    def _count(self, config: SpeculativeConfig, tree: DraftTree, verdict: Verdict) -> None:
+    def _count(self, batch: RunningBatch, config: SpeculativeConfig, tree: DraftTree, verdict: Verdict) -> None:
         state = self.state
-        missing_depths = config.steps - state.accepted_by_depth.shape[1]
+        missing_depths = max(config.steps, config.ngram_tokens) - state.accepted_by_depth.shape[1]
         if missing_depths > 0:
             state.accepted_by_depth = torch.nn.functional.pad(state.accepted_by_depth, (0, missing_depths))
             state.proposed_by_depth = torch.nn.functional.pad(state.proposed_by_depth, (0, missing_depths))
@@ -263,11 +368,37 @@ class SpeculativeDecoder:
         state.verify_passes += 1
         state.accepted_draft_tokens += verdict.accept_length
         state.accepted_by_depth += depth_index[None, :] < verdict.accept_length[:, None]
-        tree_depth = tree.depths.max(dim=1).values
+        valid_depths = tree.depths if tree.valid is None else tree.depths.masked_fill(~tree.valid, 0)
+        tree_depth = valid_depths.max(dim=1).values
         state.proposed_by_depth += depth_index[None, :] < tree_depth[:, None]
+        self._count_sources(batch, config, tree, verdict)
 
-    def keep_rows(self, rows: torch.Tensor) -> None:
-        """Keep only rows `rows` of the drafter cache and every per-row tensor."""
+    def _count_sources(self, batch: RunningBatch, config: SpeculativeConfig, tree: DraftTree, verdict: Verdict) -> None:
+        """Accepted tokens per draft source (per row, for the step, and by finished siblings)."""
+        offsets = torch.arange(verdict.path.shape[1], device=verdict.path.device)
+        kept = (offsets[None, :] >= 1) & (offsets[None, :] <= verdict.accept_length[:, None])
+        path_sources = tree.drafted_by().gather(1, verdict.path[:, :, None].expand(-1, -1, len(DRAFT_SOURCES)))
+        accepted = (path_sources & kept[:, :, None]).sum(dim=1)  # [B, sources]
+        used = torch.tensor([config.uses_drafter, config.uses_ngram], device=accepted.device)
+        self.state.passes_by_source += used.long()[None, :]
+        self.state.accepted_by_source += accepted
+        totals = accepted.sum(dim=0).tolist()
+        self.last_step = StepCounts(batch.size, {source: totals[i] for i, source in enumerate(DRAFT_SOURCES)})
+        if config.uses_ngram:
+            accepted_per_row = verdict.accept_length.tolist()
+            for row, request in enumerate(batch.request_index.tolist()):
+                counts = self.by_finished_siblings.setdefault(self.index.finished_siblings(request), [0, 0])
+                counts[0] += 1
+                counts[1] += accepted_per_row[row]
+
+    def keep_rows(self, batch: RunningBatch, rows: torch.Tensor) -> None:
+        """Keep only rows `rows` of the drafter cache and every per-row tensor; the other rows have
+        finished: the index learns their last tokens first (call before the batch drops them)."""
+        if self.keeps_index:
+            leaving = sorted(set(range(batch.size)) - set(rows.tolist()))
+            self._index_rows(batch, leaving)
+            for row in leaving:
+                self.index.finish(int(batch.request_index[row]))
         keep_rows_of(self.state, rows)
 
     def stats(self, row: int) -> SpeculativeStats:
@@ -278,4 +409,6 @@ class SpeculativeDecoder:
             accepted_draft_tokens=int(self.state.accepted_draft_tokens[row]),
             accepted_by_depth=self.state.accepted_by_depth[row].tolist(),
             proposed_by_depth=self.state.proposed_by_depth[row].tolist(),
+            passes_by_source=dict(zip(DRAFT_SOURCES, self.state.passes_by_source[row].tolist())),
+            accepted_by_source=dict(zip(DRAFT_SOURCES, self.state.accepted_by_source[row].tolist())),
         )

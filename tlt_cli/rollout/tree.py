@@ -15,6 +15,12 @@ kept set always contains every kept node's parent.
 Both builders read the drafter's logits over its draft vocabulary (N tokens, possibly fewer than
 the target's V: tlt_cli/drafter/vocabulary.py) and hand back target token ids; a chain's draft
 distribution is handed back over all V target tokens, zero outside the draft vocabulary.
+
+`with_ngram_branch` adds the n-gram index's proposals (tlt_cli/rollout/ngram.py) to a tree as one
+more branch, merged into the tree where its tokens coincide with drafted ones (siblings always
+carry distinct tokens), or makes a chain of them alone from a root-only tree (`root_only`). Rows
+propose different numbers of tokens: the shorter ones are padded with invalid nodes that the
+acceptance never reaches.
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from tlt_cli.rollout.sampling import apply_sampling, sample
-from tlt_cli.rollout.types import SamplingParams, SpeculativeConfig
+from tlt_cli.rollout.types import DRAFT_SOURCES, SamplingParams, SpeculativeConfig
 
 if TYPE_CHECKING:
     from tlt_cli.drafter.vocabulary import DraftVocabulary
@@ -39,7 +45,10 @@ class DraftTree:
     depths: [B, N] (root 0); ancestors: [B, N, N] or a shared [N, N] bool, ancestors[.., n, m] iff m
     is n or an ancestor of n; draft_probs: [B, N - 1, V] the distribution each drafted token of a
     chain was sampled from, over the target's V tokens (None for greedy chains and for trees, whose
-    nodes are chosen, not drawn).
+    nodes are chosen, not drawn: each node is a point mass on its token); valid: [B, N] bool, the
+    nodes that exist (None: all; padding nodes of shorter rows are never accepted); sources: [B, N,
+    len(DRAFT_SOURCES)] bool, which sources proposed each node (None: every drafted node is the
+    drafter's).
     """
 
     tokens: torch.Tensor
@@ -47,6 +56,17 @@ class DraftTree:
     depths: torch.Tensor
     ancestors: torch.Tensor
     draft_probs: torch.Tensor | None
+    valid: torch.Tensor | None = None
+    sources: torch.Tensor | None = None
+
+    def drafted_by(self) -> torch.Tensor:
+        """[B, N, len(DRAFT_SOURCES)] bool: which sources proposed each node (the root: none)."""
+        if self.sources is not None:
+            return self.sources
+        drafted = torch.ones_like(self.tokens, dtype=torch.bool)
+        drafted[:, 0] = False
+        none = torch.zeros_like(drafted)
+        return torch.stack([drafted if source == "drafter" else none for source in DRAFT_SOURCES], dim=2)
 
 
 @dataclass
@@ -179,6 +199,64 @@ class TreeBuilder:
         )
         depths = torch.cat([zeros, candidate_depths[kept]], dim=1)
         return DraftTree(tokens, parents, depths, ancestor_mask(parents, self.config.steps), None)
+
+
+def root_only(root_tokens: torch.Tensor) -> DraftTree:
+    """A tree of the root alone (root_tokens: [B]), to graft a model-free n-gram chain onto."""
+    zeros = torch.zeros_like(root_tokens)[:, None]
+    mask = torch.ones(1, 1, dtype=torch.bool, device=root_tokens.device)
+    return DraftTree(root_tokens[:, None], zeros, zeros, mask, None)
+
+
+def with_ngram_branch(tree: DraftTree, proposals: list[list[int]]) -> DraftTree:
+    """`tree` (every node a point mass) with proposals[b] (target ids) hung from row b's root as one
+    more branch: it follows existing nodes while their tokens coincide, then goes on as new nodes.
+    Rows are padded to one width with invalid nodes (children of the root, never accepted)."""
+    batch_size, node_count = tree.tokens.shape
+    tokens, parents, depths = tree.tokens.tolist(), tree.parents.tolist(), tree.depths.tolist()
+    from_ngram = []
+    for row in range(batch_size):
+        row_tokens, row_parents, row_depths = tokens[row], parents[row], depths[row]
+        proposed = [False] * node_count
+        child_of = {(row_parents[node], row_tokens[node]): node for node in range(1, node_count)}
+        node = 0
+        for token in proposals[row]:
+            child = child_of.get((node, token))
+            if child is None:
+                # a new node: the drafter did not propose this token here
+                child = len(row_tokens)
+                row_tokens.append(token)
+                row_parents.append(node)
+                row_depths.append(row_depths[node] + 1)
+                proposed.append(False)
+                child_of[(node, token)] = child
+            proposed[child] = True
+            node = child
+        from_ngram.append(proposed)
+    width = max(len(row) for row in tokens)
+    valid = [[True] * len(row) + [False] * (width - len(row)) for row in tokens]
+    device = tree.tokens.device
+
+    def padded(rows: list[list], fill) -> torch.Tensor:
+        return torch.tensor([row + [fill] * (width - len(row)) for row in rows], device=device)
+
+    valid_nodes = torch.tensor(valid, device=device)
+    parent_index = padded(parents, 0)
+    node_depths = padded(depths, 1)
+    # the nodes the tree had besides its root (a root-only tree has none)
+    node_index = torch.arange(width, device=device)[None, :].expand(batch_size, -1)
+    by_drafter = (node_index > 0) & (node_index < node_count)
+    by_ngram = padded(from_ngram, False)
+    sources = torch.stack([by_drafter if source == "drafter" else by_ngram for source in DRAFT_SOURCES], dim=2)
+    return DraftTree(
+        tokens=padded(tokens, 0),
+        parents=parent_index,
+        depths=node_depths,
+        ancestors=ancestor_mask(parent_index, int(node_depths.max())),
+        draft_probs=None,
+        valid=valid_nodes,
+        sources=sources,
+    )
 
 
 def ancestor_mask(parents: torch.Tensor, max_depth: int) -> torch.Tensor:

@@ -2,7 +2,8 @@
 
 The trainer builds `RolloutRequest`s, an engine turns them into `Completion`s under one
 `SamplingParams`; `SpeculativeConfig` names a speculative-decoding shape the way SGLang does
-(steps, topk, draft_tokens). Engines, the adaptive rule table and the SGLang backend all
+(steps, topk, draft_tokens), optionally with a branch of model-free n-gram proposals
+(tlt_cli/rollout/ngram.py). Engines, the adaptive rule table and the SGLang backend all
 speak these types.
 """
 
@@ -22,6 +23,10 @@ def accept_length(accepted_draft_tokens: int, verify_passes: int) -> float | Non
     trace, `tlt profile`, SGLang's probes and `tlt export-drafter` all report this number.
     """
     return (accepted_draft_tokens + verify_passes) / verify_passes if verify_passes else None
+
+
+# where a drafted token came from: the trained drafter, or the model-free n-gram index
+DRAFT_SOURCES = ("drafter", "ngram")
 
 
 @dataclass(frozen=True)
@@ -44,24 +49,48 @@ class SamplingParams:
 class SpeculativeConfig:
     """One speculative-decoding shape.
 
-    steps: draft depth (tokens drafted along each branch); topk: branches kept per drafted
-    position (1 is a chain); draft_tokens: tokens verified in one target pass (for a chain,
-    steps + 1 including the root).
+    steps: draft depth of the drafter (tokens drafted along each branch; 0: no drafter pass);
+    topk: branches kept per drafted position (1 is a chain); draft_tokens: tokens the drafter's
+    part verifies in one target pass (for a chain, steps + 1 including the root); ngram_tokens:
+    up to this many tokens proposed by the n-gram index over the prompt and the sibling responses
+    of the request's group, as one more branch of the verified tree (0: none).
+
+    Labels: `s4-k1-t5` (drafter only), `ngram4` (model-free: steps 0, no drafter pass at all),
+    `s2-k1-t3+ngram4` (hybrid: the drafter's chain or tree and the n-gram branch in one pass).
     """
 
     steps: int
     topk: int = 1
     draft_tokens: int = 0
+    ngram_tokens: int = 0
 
     @property
     def is_chain(self) -> bool:
         return self.topk == 1
 
+    @property
+    def uses_drafter(self) -> bool:
+        return self.steps > 0
+
+    @property
+    def uses_ngram(self) -> bool:
+        return self.ngram_tokens > 0
+
+    @property
+    def drafter_part(self) -> SpeculativeConfig:
+        """The drafter's shape alone (no n-gram branch)."""
+        return SpeculativeConfig(self.steps, self.topk, self.draft_tokens)
+
     def label(self) -> str:
-        return f"s{self.steps}-k{self.topk}-t{self.verified_tokens}"
+        ngram = f"ngram{self.ngram_tokens}"
+        if not self.uses_drafter:
+            return ngram
+        drafter = f"s{self.steps}-k{self.topk}-t{self.verified_tokens}"
+        return f"{drafter}+{ngram}" if self.uses_ngram else drafter
 
     @property
     def verified_tokens(self) -> int:
+        """Tokens the drafter's part verifies per pass, root included (the n-gram branch adds up to ngram_tokens)."""
         return self.draft_tokens if self.draft_tokens > 0 else self.steps + 1
 
 
@@ -81,10 +110,15 @@ class DecodeStep:
 
 @dataclass(frozen=True)
 class RolloutRequest:
-    """One response to generate. prompt_ids: [P] token ids of the prompt."""
+    """One response to generate. prompt_ids: [P] token ids of the prompt.
+
+    group: the requests of one group (GRPO's G samples of one prompt) draft from each other's text
+    with n-gram proposals (tlt_cli/rollout/ngram.py); None: the request is a group of its own.
+    """
 
     request_id: int
     prompt_ids: tuple[int, ...]
+    group: int | None = None
 
 
 @dataclass
@@ -97,6 +131,10 @@ class SpeculativeStats:
     # accepted_by_depth[d] = drafts whose token at depth d (0-based) was accepted
     accepted_by_depth: list[int] = field(default_factory=list)
     proposed_by_depth: list[int] = field(default_factory=list)
+    # draft source (DRAFT_SOURCES) -> verify passes of configurations using it, and accepted tokens
+    # it had proposed (a token both sources proposed counts for both)
+    passes_by_source: dict[str, int] = field(default_factory=dict)
+    accepted_by_source: dict[str, int] = field(default_factory=dict)
 
     @property
     def accept_length(self) -> float | None:

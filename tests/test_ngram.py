@@ -1,0 +1,220 @@
+"""Model-free and hybrid drafting: the n-gram index, and SD with its proposals stays lossless."""
+
+import pytest
+import torch
+from test_speculative import (
+    BOS,
+    TargetAsDrafter,
+    assert_sd_has_the_target_law,
+    frequent_token,
+    generate,
+    requests_for,
+    tiny_target,
+)
+
+from tlt_cli.drafter.model import EagleDrafter
+from tlt_cli.rollout.adaptive import AdaptiveSchedule, AdaptiveSpeculativeDecoder, build_rules, parse_label
+from tlt_cli.rollout.engine import EmbeddedEngine
+from tlt_cli.rollout.ngram import NgramIndex
+from tlt_cli.rollout.speculative import SpeculativeDecoder
+from tlt_cli.rollout.tree import DraftTree, ancestor_mask, with_ngram_branch
+from tlt_cli.rollout.types import RolloutRequest, SamplingParams, SpeculativeConfig
+
+torch.set_num_threads(1)
+
+MODEL_FREE = [parse_label("ngram1"), parse_label("ngram4")]
+HYBRID = [parse_label("s2-k1-t3+ngram4"), parse_label("s3-k2-t6+ngram3"), parse_label("s4-k4-t16+ngram2")]
+
+
+def test_a_lookup_proposes_what_followed_the_longest_match():
+    index = NgramIndex()
+    first = index.add_sequence(group=0, prompt_ids=[5, 6, 7])
+    second = index.add_sequence(group=0, prompt_ids=[5, 6, 7])
+    index.extend(first, [8, 9, 10, 7, 11])
+    index.extend(second, [8])
+    # "7 8" occurred once (followed by 9 10 7 11); "8" alone too; the longest match wins
+    assert index.propose(second, 3) == [9, 10, 7]
+    assert index.propose(second, 9) == [9, 10, 7, 11]  # no more than what followed
+    index.extend(second, [12])
+    assert index.propose(second, 3) == []  # 12 never occurred before
+
+
+def test_the_index_learns_emitted_tokens_and_prefers_the_longer_match():
+    index = NgramIndex()
+    first = index.add_sequence(group=0, prompt_ids=[1, 2, 3, 4])
+    second = index.add_sequence(group=0, prompt_ids=[9, 2])
+    # "2" alone: the prompt of `first` continues with 3
+    assert index.propose(second, 2) == [3, 4]
+    index.extend(first, [9, 2, 20, 21])
+    # now "9 2" matched in `first`'s response: a longer match than "2"
+    assert index.propose(second, 2) == [20, 21]
+
+
+def test_the_most_frequent_continuation_wins_and_ties_go_to_the_most_recent():
+    index = NgramIndex()
+    sequences = [index.add_sequence(0, [1]) for _ in range(4)]
+    for sequence, response in zip(sequences[:3], ([5, 6, 7], [5, 6, 8], [5, 9, 9])):
+        index.extend(sequence, response)
+    index.extend(sequences[3], [5])
+    # after "1 5": 6 twice, 9 once; after "1 5 6": 7 and 8 once each, 8 the more recent
+    assert index.propose(sequences[3], 3) == [6, 8]
+
+
+def test_groups_do_not_see_each_other_and_a_shared_prompt_is_indexed_once():
+    index = NgramIndex()
+    mine = index.add_sequence("a", [1, 2])
+    other = index.add_sequence("b", [1, 2])
+    index.extend(other, [3, 4])
+    index.extend(mine, [3])
+    assert index.propose(mine, 2) == []  # "3" only occurred in group b
+    siblings = [index.add_sequence("c", [7, 8, 9]) for _ in range(3)]
+    places = index.groups["c"].table[(7,)]
+    assert len(places) == 1  # the prompt's inner n-grams once, however many siblings share it
+    assert len(index.groups["c"].table[(9,)]) == 3  # its last token: one place per sibling's response
+    index.finish(siblings[0])
+    index.finish(siblings[0])
+    assert [index.finished_siblings(sequence) for sequence in siblings] == [0, 1, 1]
+
+
+def test_a_row_repeating_itself_is_proposed_its_own_text():
+    index = NgramIndex()
+    sequence = index.add_sequence(0, [1])
+    index.extend(sequence, [4, 5, 6, 4, 5])
+    assert index.propose(sequence, 2) == [6, 4]
+
+
+def grouped_requests(groups: int, group_size: int, seed: int) -> list[RolloutRequest]:
+    """Ragged prompts; the members of a group share a prompt but for its last token, so greedy
+    responses differ and finish at different steps."""
+    prompts = requests_for(groups, seed=seed)
+    return [
+        RolloutRequest(group * group_size + member, (*prompts[group].prompt_ids, 2 + member % 3), group=group)
+        for group in range(groups)
+        for member in range(group_size)
+    ]
+
+
+@pytest.mark.parametrize("config", MODEL_FREE + HYBRID, ids=lambda config: config.label())
+def test_greedy_model_free_and_hybrid_sd_is_token_identical(config):
+    target = tiny_target()
+    greedy = SamplingParams(max_new_tokens=30, temperature=0.0)
+    requests = grouped_requests(4, 3, seed=3)
+    eos_token_id = frequent_token(generate(target, requests, greedy, eos_token_id=64))
+    plain = generate(target, requests, greedy, eos_token_id)
+    drafter = TargetAsDrafter(target, logit_noise=0.8) if config.uses_drafter else None
+    decoder = SpeculativeDecoder(drafter, config)
+    speculative = generate(target, requests, greedy, eos_token_id, decoder)
+    assert [c.response_ids for c in speculative] == [c.response_ids for c in plain]
+    assert [c.finished_by_eos for c in speculative] == [c.finished_by_eos for c in plain]
+    assert len({len(c.response_ids) for c in plain}) > 2  # ragged: rows finished at different steps
+    accepted = {source: sum(c.speculative.accepted_by_source[source] for c in speculative) for source in ("ngram",)}
+    assert accepted["ngram"] > 0
+    # some rows were verified while siblings of theirs had finished
+    assert any(finished > 0 for finished in decoder.by_finished_siblings)
+    for completion in speculative:
+        stats = completion.speculative
+        assert stats.passes_by_source["ngram"] == stats.verify_passes
+        assert stats.passes_by_source["drafter"] == (stats.verify_passes if config.uses_drafter else 0)
+
+
+def test_hybrid_trees_accept_tokens_from_both_sources():
+    target = tiny_target()
+    greedy = SamplingParams(max_new_tokens=30, temperature=0.0)
+    requests = grouped_requests(3, 4, seed=7)
+    decoder = SpeculativeDecoder(TargetAsDrafter(target, logit_noise=0.8), HYBRID[1])
+    completions = generate(target, requests, greedy, 64, decoder)
+    assert all(
+        sum(c.speculative.accepted_by_source[source] for c in completions) > 0 for source in ("drafter", "ngram")
+    )
+
+
+def test_finished_siblings_stay_in_the_index_with_every_emitted_token():
+    target = tiny_target()
+    greedy = SamplingParams(max_new_tokens=25, temperature=0.0)
+    requests = grouped_requests(3, 3, seed=5)
+    eos_token_id = frequent_token(generate(target, requests, greedy, eos_token_id=64))
+    decoder = SpeculativeDecoder(None, MODEL_FREE[1])
+    completions = generate(target, requests, greedy, eos_token_id, decoder)
+    for request, completion in zip(requests, completions):
+        assert decoder.index.sequences[request.request_id] == [*request.prompt_ids, *completion.response_ids]
+    assert all(decoder.index.finished_siblings(request.request_id) == 2 for request in requests)
+
+
+def test_requests_without_a_group_draft_only_from_their_own_text():
+    index_of_lone_rows = SpeculativeDecoder(None, MODEL_FREE[1])
+    target = tiny_target()
+    requests = [RolloutRequest(number, (BOS, 3, 4, 5)) for number in range(3)]
+    generate(target, requests, SamplingParams(max_new_tokens=8, temperature=0.0), 64, index_of_lone_rows)
+    assert len(index_of_lone_rows.index.groups) == 3
+
+
+def test_an_adaptive_table_of_model_free_configurations_needs_no_drafter():
+    target = tiny_target()
+    rules = build_rules(
+        [{"batch": [1, 4], "use": "ngram4", "candidates": ["ngram2"]}, {"batch": [5, None], "use": "off"}]
+    )
+    schedule = AdaptiveSchedule(rules, epsilon=0.5, collapse_accept_length=1.0)
+    greedy = SamplingParams(max_new_tokens=30, temperature=0.0)
+    requests = grouped_requests(2, 4, seed=9)
+    eos_token_id = frequent_token(generate(target, requests, greedy, eos_token_id=64))
+    plain = generate(target, requests, greedy, eos_token_id)
+    adaptive = generate(target, requests, greedy, eos_token_id, AdaptiveSpeculativeDecoder(None, schedule))
+    assert [c.response_ids for c in adaptive] == [c.response_ids for c in plain]
+    usage = schedule.take_usage()
+    assert {"off", "ngram4", "ngram2"} <= set(usage)
+    assert sum(usage[label].ngram_accepted_tokens for label in ("ngram4", "ngram2")) > 0
+    assert usage["ngram4"].drafter_accepted_tokens == 0 and usage["ngram4"].verify_passes > 0
+
+
+def test_a_shape_that_needs_a_drafter_is_refused_without_one():
+    with pytest.raises(ValueError, match="no drafter"):
+        SpeculativeDecoder(None, HYBRID[0])
+    engine = EmbeddedEngine(tiny_target(), 64, 0, SpeculativeDecoder(None, lambda batch_size: HYBRID[0]))
+    with pytest.raises(ValueError, match="no drafter"):
+        engine.generate(requests_for(2, seed=1), SamplingParams(4, temperature=0.0), torch.Generator())
+
+
+# every token of the 8 follows some other in the prompt, so every first token has a proposal
+SAMPLED_PROMPT = (BOS, 3, 5, 2, 7, 4, 6, 0, 3, 1, 5, 6, 2)
+SAMPLING = [SamplingParams(3, temperature=1.0), SamplingParams(3, temperature=0.8, top_k=5, top_p=0.9)]
+
+
+@pytest.mark.parametrize(
+    "label", ["ngram2", "s2-k1-t3+ngram2", "s2-k2-t4+ngram2"], ids=lambda label: label.replace("+", "_")
+)
+@pytest.mark.parametrize("params", SAMPLING, ids=["plain", "top-k-top-p"])
+def test_sampled_model_free_and_hybrid_sd_keep_the_target_distribution(label, params):
+    target = tiny_target(vocab_size=8, initializer_range=0.4)
+    config = parse_label(label)
+    drafter = EagleDrafter(target, seed=5) if config.uses_drafter else None
+    completions = assert_sd_has_the_target_law(target, drafter, config, params, prompt=SAMPLED_PROMPT, group_size=8)
+    ngram_accepted = sum(c.speculative.accepted_by_source["ngram"] for c in completions)
+    assert 0 < ngram_accepted < sum(c.speculative.verify_passes for c in completions) * config.ngram_tokens
+
+
+def test_parse_label_reads_model_free_and_hybrid_labels_back():
+    for label in ("ngram4", "s2-k1-t3+ngram4", "s4-k2-t8+ngram2", "s4-k1-t5"):
+        assert parse_label(label).label() == label
+    assert parse_label("ngram3") == SpeculativeConfig(0, ngram_tokens=3)
+    assert parse_label("s2-k1-t3+ngram4").drafter_part == SpeculativeConfig(2, 1, 3)
+
+
+def test_an_ngram_branch_merges_where_it_meets_drafted_tokens_and_rows_are_padded():
+    # root 10 with drafted children 11 (then 12) and 13
+    tree = DraftTree(
+        tokens=torch.tensor([[10, 11, 13, 12]]).repeat(2, 1),
+        parents=torch.tensor([[0, 0, 0, 1]]).repeat(2, 1),
+        depths=torch.tensor([[0, 1, 1, 2]]).repeat(2, 1),
+        ancestors=ancestor_mask(torch.tensor([[0, 0, 0, 1]]), 2).repeat(2, 1, 1),
+        draft_probs=None,
+    )
+    grafted = with_ngram_branch(tree, [[11, 14, 15], []])
+    # row 0: 11 is the drafter's node, 14 and 15 hang below it; row 1 proposed nothing: two padding nodes
+    assert grafted.tokens[0].tolist() == [10, 11, 13, 12, 14, 15]
+    assert grafted.parents[0].tolist() == [0, 0, 0, 1, 1, 4]
+    assert grafted.depths[0].tolist() == [0, 1, 1, 2, 2, 3]
+    assert grafted.valid.tolist() == [[True] * 6, [True] * 4 + [False] * 2]
+    drafter, ngram = grafted.sources[0].T.tolist()
+    assert drafter == [False, True, True, True, False, False]
+    assert ngram == [False, True, False, False, True, True]
+    assert grafted.ancestors[0, 5].tolist() == [True, True, False, False, True, True]
