@@ -23,7 +23,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from tlt_cli.checkpoint import latest_checkpoint
+from tlt_cli.checkpoint import latest_checkpoint, load_checkpoint_file
 from tlt_cli.config import load_recipe
 from tlt_cli.models.loading import load_policy
 from tlt_cli.rollout.engine import EmbeddedEngine
@@ -39,8 +39,8 @@ ACTOR_WEIGHTS = Path("actor") / "mp_rank_00_model_states.pt"
 
 def trained_policy(run_directory: Path, model_path: str):
     policy, _ = load_policy(model_path)
-    checkpoint, _ = latest_checkpoint(run_directory)
-    state = torch.load(checkpoint / ACTOR_WEIGHTS, map_location="cpu", weights_only=False)["module"]
+    checkpoint = latest_checkpoint(run_directory).directory
+    state = load_checkpoint_file(checkpoint / ACTOR_WEIGHTS, map_location="cpu")["module"]
     policy.load_state_dict(state)
     return policy.eval(), checkpoint
 

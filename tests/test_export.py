@@ -152,17 +152,30 @@ def test_llama_export_names_its_class_and_can_include_the_untied_head(tmp_path):
     load_exported_drafter(tmp_path / "out", reloaded_target)  # shared weights checked against the target's own
 
 
-def test_refuses_a_non_empty_folder_without_force_and_replaces_it_atomically_with_it(tmp_path, drafter_folder):
+def test_force_replaces_only_a_previous_export_atomically(tmp_path, drafter_folder):
     drafter_dir, recipe, _ = drafter_folder
     out = tmp_path / "out"
-    out.mkdir()
-    (out / "keep.txt").write_text("mine")
+    export_drafter(drafter_dir, out, recipe_path=recipe, prompts=1)
     with pytest.raises(ExportError, match="is not empty; pass --force"):
         export_drafter(drafter_dir, out, recipe_path=recipe, prompts=1)
-    assert (out / "keep.txt").read_text() == "mine"
+    (out / "model.safetensors").write_bytes(b"an older export")
     export_drafter(drafter_dir, out, recipe_path=recipe, prompts=1, force=True)
-    assert not (out / "keep.txt").exists() and (out / "model.safetensors").is_file()
+    assert load_file(str(out / "model.safetensors"))  # the new export replaced the old one
     assert [path.name for path in tmp_path.iterdir() if path.name.startswith(".")] == []
+
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "keep.txt").write_text("mine")
+    with pytest.raises(ExportError, match="is not a previous export"):
+        export_drafter(drafter_dir, mine, recipe_path=recipe, prompts=1, force=True)
+    (out / "notes.txt").write_text("added by hand")
+    with pytest.raises(ExportError, match="is not a previous export"):
+        export_drafter(drafter_dir, out, recipe_path=recipe, prompts=1, force=True)
+    assert (mine / "keep.txt").read_text() == "mine" and (out / "notes.txt").is_file()
+    for holder in (drafter_dir, tmp_path):
+        with pytest.raises(ExportError, match="or a folder holding it"):
+            export_drafter(drafter_dir, holder, recipe_path=recipe, prompts=1, force=True)
+    assert (drafter_dir / "drafter.safetensors").is_file()
 
 
 def test_a_drafter_folder_outside_a_run_needs_a_recipe(tmp_path, drafter_folder):
@@ -201,4 +214,4 @@ def test_run_directory_exports_the_latest_checkpoint_against_the_actor_weights_o
     assert again.exit_code == 2 and "not empty" in again.output
     (run / "checkpoints" / "step_000003" / "drafter" / "drafter_config.json").unlink()
     missing = runner.invoke(app, ["export-drafter", str(run), str(tmp_path / "other")])
-    assert missing.exit_code == 2 and "no drafter/ folder" in missing.output
+    assert missing.exit_code == 2 and "drafter_config.json is missing or truncated" in missing.output

@@ -18,8 +18,9 @@ def test_publish_makes_latest_point_at_a_complete_checkpoint_and_prunes(tmp_path
     checkpoints = tmp_path / "checkpoints"
     for step in (5, 10, 15):
         _checkpoint(checkpoints, step)
-    directory, state = latest_checkpoint(tmp_path)
-    assert directory.name == "step_000015" and state == {"next_step": 15, "world_size": 2}
+    checkpoint = latest_checkpoint(tmp_path)
+    assert checkpoint.directory.name == "step_000015" and checkpoint.warning is None
+    assert checkpoint.state["next_step"] == 15 and checkpoint.state["world_size"] == 2
     assert sorted(path.name for path in checkpoints.glob("step_*")) == ["step_000010", "step_000015"]
 
 
@@ -28,8 +29,8 @@ def test_a_killed_save_leaves_the_previous_checkpoint_in_charge(tmp_path):
     _checkpoint(checkpoints, 5)
     staging = prepare_staging(checkpoints, 10)  # killed before publish
     (staging / "weights.bin").write_bytes(b"partial")
-    directory, state = latest_checkpoint(tmp_path)
-    assert directory.name == "step_000005" and state["next_step"] == 5
+    checkpoint = latest_checkpoint(tmp_path)
+    assert checkpoint.directory.name == "step_000005" and checkpoint.next_step == 5
     # the next attempt starts from an empty staging folder
     assert list(prepare_staging(checkpoints, 10).iterdir()) == []
 

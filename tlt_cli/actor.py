@@ -15,10 +15,12 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import PreTrainedModel
 
+from tlt_cli.checkpoint import load_checkpoint_file
 from tlt_cli.config import ActorConfig
 from tlt_cli.grpo import PolicyLoss, policy_loss, token_logprobs
 from tlt_cli.policy_batch import PolicyBatch, micro_batches
@@ -158,12 +160,42 @@ class Actor:
         self.engine.save_checkpoint(str(directory), tag=CHECKPOINT_TAG, save_latest=False)
 
     def load(self, directory: Path) -> None:
-        """Collective: restore weights and optimizer state saved by `save`."""
+        """Collective: restore weights and optimizer state saved by `save`, every file read weights-only."""
+        if not isinstance(self.engine.checkpoint_engine, WeightsOnlyLoads):
+            self.engine.checkpoint_engine = WeightsOnlyLoads(self.engine.checkpoint_engine)
         load_path, _ = self.engine.load_checkpoint(
             str(directory), tag=CHECKPOINT_TAG, load_optimizer_states=True, load_lr_scheduler_states=True
         )
         if load_path is None:
             raise FileNotFoundError(f"no actor checkpoint under {directory}; the checkpoint is incomplete.")
+
+
+class WeightsOnlyLoads:
+    """DeepSpeed's checkpoint engine with its `load` replaced by tlt's weights-only one (tlt_cli/checkpoint.py).
+
+    DeepSpeed's TorchCheckpointEngine unpickles with weights_only=False, so a copied run directory
+    could run code on --resume. A ZeRO 1-2 optimizer shard holds, besides tensors and plain data,
+    the DeepSpeed classes named in `deepspeed_checkpoint_classes`; saving is DeepSpeed's own.
+    """
+
+    def __init__(self, wrapped: Any):
+        self.wrapped = wrapped
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.wrapped, name)
+
+    def load(self, path: str, map_location: Any = None) -> Any:
+        return load_checkpoint_file(Path(path), deepspeed_checkpoint_classes(), map_location)
+
+
+def deepspeed_checkpoint_classes() -> tuple[type, ...]:
+    """The DeepSpeed classes a ZeRO 1-2 optimizer shard pickles (as get_unsafe_globals_in_checkpoint lists them)."""
+    import_deepspeed()
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return (fragment_address, ZeroStageEnum, LossScaler, DynamicLossScaler)
 
 
 def deepspeed_config(config: ActorConfig, accumulation_steps: int) -> dict:

@@ -1,30 +1,57 @@
-"""Checkpoints of a run: written atomically, found again by `--resume`.
+"""Checkpoints of a run: written atomically and durably, found again (and checked) by `--resume` and export.
 
 Layout under runs/<name>/checkpoints/:
-  step_000010/        a complete checkpoint; state.json says `next_step: 10`
+  step_000010/        a complete checkpoint; state.json says `next_step: 10` and the size of every file
   latest              the name of the newest complete checkpoint
   .staging-step_N/    a checkpoint being written (never read; removed on the next attempt)
-Workers write into the staging folder collectively, then rank 0 adds state.json and renames it
-into place, so a kill at any moment leaves either the old or the new checkpoint, never half of one.
+Workers write into the staging folder collectively, then rank 0 adds state.json, fsyncs every file
+and folder, and renames it into place, so a kill or a power cut at any moment leaves either the old
+or the new checkpoint, never half of one. `latest_checkpoint` checks the checkpoint `latest` names
+(state.json readable, every file its recorded size); when it is damaged it falls back to the newest
+complete checkpoint before it, with a warning naming what was wrong.
+
+`load_checkpoint_file` is how every `.pt` file of a run directory is read: `torch.load` restricted to
+tensors and plain data (`weights_only=True`) plus the few classes a caller names, so a copied or
+shared run directory cannot run code on `--resume`.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import pickle
+import re
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tlt_cli.errors import UserError
+from tlt_cli.errors import UserError, writing
 
 STATE_FILE = "state.json"
 LATEST_FILE = "latest"
+# the sizes of the checkpoint's files, recorded in state.json at publish and checked before a resume
+FILE_SIZES_KEY = "file_sizes"
+CHECKPOINT_NAME = re.compile(r"step_\d{6}")
+WRITE_ADVICE = "free some space; the previous complete checkpoint is kept, continue with --resume once there is room."
 
 
 class CheckpointError(UserError):
     """A run directory that cannot be resumed; the message says what is missing."""
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A complete checkpoint: its folder, its state.json, and a warning when `latest` named a damaged one."""
+
+    directory: Path
+    state: dict[str, Any]
+    warning: str | None = None
+
+    @property
+    def next_step(self) -> int:
+        return int(self.state["next_step"])
 
 
 def checkpoint_name(next_step: int) -> str:
@@ -35,10 +62,24 @@ def staging_directory(checkpoints: Path, next_step: int) -> Path:
     return checkpoints / f".staging-{checkpoint_name(next_step)}"
 
 
+def fsync_path(path: Path) -> None:
+    """Flush a file's or a folder's data and metadata to the disk (a folder: the names in it)."""
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
 def write_atomically(path: Path, text: str) -> None:
+    """Write `text` to a temporary sibling, fsync it, rename it over `path`, fsync the folder."""
     staging = path.with_name(f".{path.name}.tmp")
-    staging.write_text(text, encoding="utf-8")
+    with staging.open("w", encoding="utf-8") as handle:
+        handle.write(text)
+        handle.flush()
+        os.fsync(handle.fileno())
     os.replace(staging, path)
+    fsync_path(path.parent)
 
 
 def prepare_staging(checkpoints: Path, next_step: int) -> Path:
@@ -50,16 +91,36 @@ def prepare_staging(checkpoints: Path, next_step: int) -> Path:
 
 
 def publish(checkpoints: Path, next_step: int, extra_state: dict[str, Any], keep: int) -> Path:
-    """Rank 0, after the collective save: state.json, rename into place, point `latest`, prune."""
+    """Rank 0, after the collective save: state.json, fsync, rename into place, point `latest`, prune.
+
+    Durability costs one fsync per file of the checkpoint (the ranks' weights and optimizer shards
+    were written through the page cache): on the tiny recipe's checkpoints (about 75 MB) that is
+    a fraction of a second every `checkpoint.every` steps, paid once, not per step.
+    """
     staging = staging_directory(checkpoints, next_step)
-    write_atomically(staging / STATE_FILE, json.dumps({"next_step": next_step, **extra_state}, indent=2))
+    file_sizes = {str(path.relative_to(staging)): path.stat().st_size for path in _files(staging)}
+    state = {"next_step": next_step, **extra_state, FILE_SIZES_KEY: file_sizes}
+    write_atomically(staging / STATE_FILE, json.dumps(state, indent=2))
+    for path in [*_files(staging), *_folders(staging)]:
+        fsync_path(path)
     final = checkpoints / checkpoint_name(next_step)
     if final.exists():
         shutil.rmtree(final)
     os.replace(staging, final)
+    fsync_path(checkpoints)
     write_atomically(checkpoints / LATEST_FILE, final.name)
     _prune(checkpoints, keep)
     return final
+
+
+def _files(folder: Path) -> list[Path]:
+    return sorted(path for path in folder.rglob("*") if path.is_file())
+
+
+def _folders(folder: Path) -> list[Path]:
+    """Every folder under `folder`, deepest first, then `folder` itself."""
+    inner = sorted((path for path in folder.rglob("*") if path.is_dir()), key=lambda path: -len(path.parts))
+    return [*inner, folder]
 
 
 def _prune(checkpoints: Path, keep: int) -> None:
@@ -68,19 +129,86 @@ def _prune(checkpoints: Path, keep: int) -> None:
         shutil.rmtree(old)
 
 
-def latest_checkpoint(run_directory: Path) -> tuple[Path, dict[str, Any]]:
-    """The newest complete checkpoint of a run and its state; CheckpointError if there is none."""
+def latest_checkpoint(run_directory: Path) -> Checkpoint:
+    """The newest complete checkpoint of a run; CheckpointError (naming the file at fault) if there is none.
+
+    The one `latest` names when it is intact, else the newest intact one before it, with a warning.
+    """
     checkpoints = run_directory / "checkpoints"
     latest = checkpoints / LATEST_FILE
     if not latest.is_file():
         raise CheckpointError(
             f"{run_directory} has no checkpoint to resume from (no {latest}); start a new run instead."
         )
-    directory = checkpoints / latest.read_text(encoding="utf-8").strip()
+    name = latest.read_text(encoding="utf-8", errors="replace").strip()
+    try:
+        if not CHECKPOINT_NAME.fullmatch(name):
+            raise CheckpointError(f"{latest} does not name a checkpoint (it holds {name[:40]!r}).")
+        return Checkpoint(checkpoints / name, checked_state(checkpoints / name))
+    except CheckpointError as damage:
+        for older in sorted(checkpoints.glob("step_*"), reverse=True):
+            if CHECKPOINT_NAME.fullmatch(older.name) and older.name < (name or "step_999999"):
+                try:
+                    state = checked_state(older)
+                except CheckpointError:
+                    continue
+                return Checkpoint(older, state, warning=f"{damage} Using the previous complete checkpoint {older}.")
+        raise damage from None
+
+
+def checked_state(directory: Path) -> dict[str, Any]:
+    """A checkpoint's state.json, checked: a JSON object with next_step, and every file its recorded size."""
     state_path = directory / STATE_FILE
     if not state_path.is_file():
-        raise CheckpointError(f"checkpoint {directory} named by {latest} is incomplete (no {STATE_FILE}).")
-    return directory, json.loads(state_path.read_text(encoding="utf-8"))
+        raise CheckpointError(f"checkpoint {directory} is incomplete (no {STATE_FILE}).")
+    try:
+        state = json.loads(state_path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        reason = getattr(error, "msg", None) or "not UTF-8"
+        raise CheckpointError(f"checkpoint state {state_path} is not valid JSON ({reason}).") from None
+    next_step = state.get("next_step") if isinstance(state, dict) else None
+    if not isinstance(next_step, int) or isinstance(next_step, bool) or next_step < 0:
+        raise CheckpointError(
+            f"checkpoint state {state_path} has no 'next_step' (a step count); it was not written by tlt or is damaged."
+        )
+    for relative, size in (state.get(FILE_SIZES_KEY) or {}).items():
+        path = directory / relative
+        if not path.is_file() or path.stat().st_size != size:
+            raise CheckpointError(
+                f"checkpoint file {path} is missing or truncated (expected {size} bytes); the checkpoint is damaged."
+            )
+    return state
+
+
+def load_checkpoint_file(path: Path, allowed_classes: Iterable[type] = (), map_location: Any = None) -> Any:
+    """`torch.load` of a run-directory file, restricted to tensors, plain data and `allowed_classes`.
+
+    Trade-off: `weights_only=True` refuses any object the caller did not name, so a class added to
+    a saved state later must be named here too (a resume then says which global was refused); in
+    exchange a copied or shared run directory can never run code. CheckpointError names the file.
+    """
+    import torch
+
+    try:
+        with torch.serialization.safe_globals(list(allowed_classes)):
+            return torch.load(path, map_location=map_location, weights_only=True)
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint file {path} is missing; the checkpoint is incomplete.") from None
+    except (pickle.UnpicklingError, RuntimeError, EOFError, OSError, ValueError) as error:
+        raise CheckpointError(
+            f"checkpoint file {path} cannot be loaded safely ({_load_failure(error)}): it is damaged or was not "
+            "written by tlt, and tlt loads only tensors and plain data from a run directory."
+        ) from None
+
+
+def _load_failure(error: Exception) -> str:
+    """The line of a torch.load error that says what was wrong (the refused global, the bad record)."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    for number, line in enumerate(lines):
+        if line.startswith("WeightsUnpickler error:"):
+            detail = line.removeprefix("WeightsUnpickler error:").strip() or (lines[number + 1 :] or [""])[0]
+            return detail.rstrip(".")[:200]
+    return (lines[0] if lines else type(error).__name__).rstrip(".")[:200]
 
 
 def save_collectively(
@@ -92,15 +220,21 @@ def save_collectively(
     extra_state: dict[str, Any],
     keep: int,
 ) -> Path:
-    """Run on every worker: stage, let each rank write its parts, then rank 0 publishes."""
+    """Run on every worker: stage, let each rank write its parts, then rank 0 publishes.
+
+    A write the disk refuses with an OSError (full, read-only) is a CheckpointError naming the folder.
+    """
     staging = staging_directory(checkpoints, next_step)
-    if rank == 0:
-        prepare_staging(checkpoints, next_step)
-    barrier()
-    save_parts(staging)
-    barrier()
     final = checkpoints / checkpoint_name(next_step)
     if rank == 0:
-        publish(checkpoints, next_step, extra_state, keep)
+        with writing(staging, WRITE_ADVICE, CheckpointError):
+            prepare_staging(checkpoints, next_step)
+    barrier()
+    with writing(staging, WRITE_ADVICE, CheckpointError):
+        save_parts(staging)
+    barrier()
+    if rank == 0:
+        with writing(final, WRITE_ADVICE, CheckpointError):
+            publish(checkpoints, next_step, extra_state, keep)
     barrier()
     return final

@@ -103,7 +103,7 @@ def train(
         raise fail(
             "interrupted; complete checkpoints are kept, continue with --resume <run directory>.", code=130
         ) from None
-    console.print(f"done: {len(summary.steps)} steps, run directory {summary.run_directory}")
+    console.print(f"done: {len(summary.steps)} steps, run directory {summary.run_directory}", markup=False)
 
 
 def _resolve_run(arguments: list[str], resume: Path | None) -> tuple[Recipe, Path | None]:
@@ -166,7 +166,7 @@ def recipes_validate(
     for name in names:
         try:
             _whole_checked_recipe(name, overrides, new_run=True)
-            console.print(f"ok  {name}", highlight=False)
+            console.print(f"ok  {name}", highlight=False, markup=False)
         except UserError as error:
             invalid += 1
             error_console.print(f"[bold red]invalid[/] {escape(str(error))}", highlight=False, soft_wrap=True)
@@ -366,6 +366,8 @@ def export_drafter(
         summary = run_export(source, output, recipe_path, include_shared, force, prompts, max_new_tokens, draft_steps)
     except (ExportError, ModelLoadError) as error:
         raise fail(str(error)) from None
+    for warning in summary.warnings:
+        error_console.print(f"warning: {warning}", markup=False, highlight=False, soft_wrap=True)
     measurement = summary.measurement
     console.print(
         f"exported {summary.architecture} drafter to {summary.output_dir}: "

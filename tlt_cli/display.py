@@ -3,6 +3,8 @@
 The driver reports the drafter warm-up's phases to a `PhaseProgress` (one rich progress bar per
 phase), then calls `TrainingDisplay.add_step(step_record)` as steps complete. On a terminal the
 table redraws in place (rich Live); elsewhere (pipes, CI, tests) each step prints one line.
+Text that comes from the user or a plugin (notes, the run's name and folder) is shown as plain
+`Text`, never parsed as rich markup: a plugin error quoting gloo's `[/path/pair.cc:537]` is text.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from rich.console import Console
 from rich.live import Live
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
+from rich.text import Text
 
 from tlt_cli.drafter import sidecar
 
@@ -76,7 +79,7 @@ class TrainingDisplay:
     def __init__(self, console: Console, title: str, total_steps: int):
         self.console, self.title, self.total_steps = console, title, total_steps
         self.records: list[dict[str, Any]] = []
-        self.notes: list[str] = []
+        self.notes: list[Text] = []
         self._live = Live(self._table(), console=console, auto_refresh=False) if console.is_terminal else None
 
     def __enter__(self) -> TrainingDisplay:
@@ -89,10 +92,10 @@ class TrainingDisplay:
             self._live.__exit__(*exception)
 
     def note(self, message: str) -> None:
-        """A one-time message (a warning, a checkpoint) shown under the table."""
-        self.notes.append(message)
+        """A one-time message (a warning, a checkpoint) shown under the table, as plain text."""
+        self.notes.append(Text(message))
         if self._live is None:
-            self.console.print(message)
+            self.console.print(self.notes[-1], soft_wrap=True)
         else:
             self._live.update(self._table(), refresh=True)
 
@@ -112,7 +115,7 @@ class TrainingDisplay:
         return COLUMNS + present
 
     def _table(self) -> Table:
-        table = Table(title=f"{self.title}: step {len(self.records)}/{self.total_steps}", title_justify="left")
+        table = Table(title=Text(f"{self.title}: step {len(self.records)}/{self.total_steps}"), title_justify="left")
         columns = self._columns()
         for name, _, _ in columns:
             table.add_column(name, justify="right")
@@ -155,7 +158,7 @@ def render_summary(console: Console, records: list[dict[str, Any]], run_director
             f"accept length, first {window} -> last {window} SD steps",
             f"{mean_of(accept_lengths[:window]):.2f} -> {mean_of(accept_lengths[-window:]):.2f}",
         )
-    table.add_row("run directory", str(run_directory))
+    table.add_row("run directory", Text(str(run_directory)))
     console.print(table)
 
 

@@ -3,8 +3,24 @@
 Its message is one sentence naming the key or file to fix. The CLI prints it and exits with code 2
 wherever it is raised: in the command itself, in the checks before a run, or in a worker process
 (the worker marks its failure as the user's, the driver re-raises it; tlt_cli/processes/driver.py).
+`writing(path, advice)` turns a write the disk refuses (full, read-only, no permission) into one.
 """
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
 
 
 class UserError(ValueError):
     """A problem the user can fix; the message is one sentence naming the key or file."""
+
+
+@contextlib.contextmanager
+def writing(path: Path, advice: str, error_type: type[UserError] = UserError) -> Iterator[None]:
+    """Around a write to `path`: an OSError becomes `error_type` naming the path and the reason, then `advice`."""
+    try:
+        yield
+    except OSError as error:
+        raise error_type(f"cannot write {path} ({error.strerror or type(error).__name__}); {advice}") from None

@@ -9,8 +9,10 @@ length on held-out prompts of the run's task with tlt's embedded engine, and wri
   README.md            the model card: target, RL step, accept length, serving command, known differences
   tlt_export.json      what was measured, for `load_exported_drafter` and scripts
 into a temporary sibling folder, reloads that folder into the embedded engine (`load_exported_drafter`),
-checks it reproduces the same accepted tokens, and only then renames it into place. A non-empty
-output folder is replaced only with force. Layout checked against SGLang 0.5.23's source
+checks it reproduces the same accepted tokens, and only then renames it into place, so a full disk
+or a failed check leaves nothing half-written. A non-empty output folder is replaced only with
+force, and only when it is a previous export (its files are the four above); the source, or any
+folder holding it, is never the output. Layout checked against SGLang 0.5.23's source
 (models/llama_eagle.py, models/qwen2_eagle.py, speculative/eagle_worker_v2.py).
 """
 
@@ -19,7 +21,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -27,11 +29,12 @@ from safetensors.torch import load_file, save
 from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from tlt_cli.actor import CHECKPOINT_TAG
-from tlt_cli.checkpoint import STATE_FILE, CheckpointError, latest_checkpoint
+from tlt_cli.checkpoint import STATE_FILE, CheckpointError, checked_state, latest_checkpoint, load_checkpoint_file
 from tlt_cli.config import Recipe, RecipeError
 from tlt_cli.drafter import sidecar
 from tlt_cli.drafter.model import CONFIG_FILE, DrafterLoadError, EagleDrafter, load_drafter
 from tlt_cli.drafter.warmup import encode_prompts
+from tlt_cli.errors import UserError, writing
 from tlt_cli.models.loading import load_policy
 from tlt_cli.recipe_checks import load_checked_recipe
 from tlt_cli.rollout.engine import EmbeddedEngine
@@ -49,9 +52,12 @@ ACTOR_WEIGHTS_FILE = "mp_rank_00_model_states.pt"
 SGLANG_ARCHITECTURES = {"qwen2": "Qwen2ForCausalLMEagle", "llama": "LlamaForCausalLMEagle"}
 SGLANG_VERSIONS_CHECKED = "0.5.23"
 SHARED_NAMES = ("embed_tokens.weight", "lm_head.weight")
+# every file an export holds: a folder of these (with SUMMARY_FILE) is one --force may replace
+EXPORT_FILES = frozenset({EXPORT_CONFIG_FILE, WEIGHTS_FILE, CARD_FILE, SUMMARY_FILE})
+WRITE_ADVICE = "nothing was exported: free some space or choose another output folder."
 
 
-class ExportError(ValueError):
+class ExportError(UserError):
     """A drafter that cannot be exported as asked; the message says what to fix."""
 
 
@@ -65,6 +71,8 @@ class DrafterSource:
     rl_step: int | None
     # the checkpoint whose actor weights are the target (None: the recipe's model as it is)
     checkpoint_dir: Path | None
+    # set when the run's `latest` checkpoint was damaged and an earlier one is exported
+    warning: str | None = None
 
 
 @dataclass(frozen=True)
@@ -104,6 +112,8 @@ class ExportSummary:
     measurement: AcceptMeasurement
     reloaded_accept_length: float
     files: list[str]
+    # one line each, for the terminal (a damaged latest checkpoint replaced by the previous one)
+    warnings: list[str]
 
 
 def export_drafter(
@@ -118,7 +128,7 @@ def export_drafter(
 ) -> ExportSummary:
     """Export, validate by reloading, then rename into place (see the module docstring)."""
     output_dir = Path(output_dir)
-    _check_output(output_dir, force)
+    _check_output(output_dir, force, Path(source))
     drafter_source = resolve_source(Path(source), recipe_path)
     target, tokenizer = load_target(drafter_source)
     try:
@@ -127,16 +137,15 @@ def export_drafter(
         raise ExportError(str(error)) from None
     probe = held_out_probe(drafter_source.recipe, tokenizer, prompts, max_new_tokens, draft_steps)
     measurement = measure_accept_length(target, drafter, probe)
-    output_dir.parent.mkdir(parents=True, exist_ok=True)
     # created like any folder (the umask decides its mode), under a name no other export uses
     staging = output_dir.with_name(f".{output_dir.name}.tmp-{os.getpid()}")
     shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir()
+    with writing(output_dir, WRITE_ADVICE, ExportError):
+        output_dir.parent.mkdir(parents=True, exist_ok=True)
+        staging.mkdir()
     try:
-        (staging / WEIGHTS_FILE).write_bytes(save(sglang_tensors(drafter, target, include_shared)))
-        (staging / EXPORT_CONFIG_FILE).write_text(
-            json.dumps(sglang_config(drafter, target), indent=2) + "\n", encoding="utf-8"
-        )
+        _write_file(staging / WEIGHTS_FILE, save(sglang_tensors(drafter, target, include_shared)))
+        _write_file(staging / EXPORT_CONFIG_FILE, json.dumps(sglang_config(drafter, target), indent=2) + "\n")
         reloaded = measure_accept_length(target, load_exported_drafter(staging, target), probe)
         _check_reproduced(measurement, reloaded, output_dir)
         summary = ExportSummary(
@@ -148,13 +157,21 @@ def export_drafter(
             measurement=measurement,
             reloaded_accept_length=reloaded.accept_length,
             files=[EXPORT_CONFIG_FILE, WEIGHTS_FILE, CARD_FILE, SUMMARY_FILE],
+            warnings=[drafter_source.warning] if drafter_source.warning else [],
         )
-        (staging / SUMMARY_FILE).write_text(json.dumps(asdict(summary), indent=2) + "\n", encoding="utf-8")
-        (staging / CARD_FILE).write_text(model_card(summary, drafter_source, drafter.config), encoding="utf-8")
-        _replace_directory(staging, output_dir)
+        _write_file(staging / SUMMARY_FILE, json.dumps(asdict(summary), indent=2) + "\n")
+        _write_file(staging / CARD_FILE, model_card(summary, drafter_source, drafter.config))
+        with writing(output_dir, WRITE_ADVICE, ExportError):
+            _replace_directory(staging, output_dir)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return summary
+
+
+def _write_file(path: Path, content: bytes | str) -> None:
+    """Write one file of the staged export; a full disk is an ExportError naming the file."""
+    with writing(path, WRITE_ADVICE, ExportError):
+        path.write_bytes(content.encode("utf-8") if isinstance(content, str) else content)
 
 
 def _check_reproduced(measurement: AcceptMeasurement, reloaded: AcceptMeasurement, output_dir: Path) -> None:
@@ -176,10 +193,10 @@ def resolve_source(source: Path, recipe_path: Path | None) -> DrafterSource:
         )
     if (source / "checkpoints").is_dir():
         try:
-            checkpoint_dir, _ = latest_checkpoint(source)
+            checkpoint = latest_checkpoint(source)
         except CheckpointError as error:
             raise ExportError(str(error)) from None
-        return _checkpoint_source(checkpoint_dir, recipe_path)
+        return replace(_checkpoint_source(checkpoint.directory, recipe_path), warning=checkpoint.warning)
     if (source / STATE_FILE).is_file():
         return _checkpoint_source(source, recipe_path)
     if (source / CONFIG_FILE).is_file() and (source.parent / STATE_FILE).is_file():
@@ -201,9 +218,12 @@ def _checkpoint_source(checkpoint_dir: Path, recipe_path: Path | None) -> Drafte
             "(enable the drafter sidecar)."
         )
     run_recipe = checkpoint_dir.parent.parent / "recipe.yaml"
-    state = json.loads((checkpoint_dir / STATE_FILE).read_text(encoding="utf-8"))
+    try:
+        state = checked_state(checkpoint_dir)
+    except CheckpointError as error:
+        raise ExportError(str(error)) from None
     return DrafterSource(
-        drafter_dir, _recipe(recipe_path or run_recipe), rl_step=int(state["next_step"]), checkpoint_dir=checkpoint_dir
+        drafter_dir, _recipe(recipe_path or run_recipe), rl_step=state["next_step"], checkpoint_dir=checkpoint_dir
     )
 
 
@@ -224,8 +244,14 @@ def load_target(source: DrafterSource) -> tuple[PreTrainedModel, PreTrainedToken
         raise ExportError(
             f"checkpoint {source.checkpoint_dir} has no actor weights ({weights_path}); it is incomplete."
         )
-    state = torch.load(weights_path, map_location="cpu", weights_only=True)["module"]
     try:
+        saved = load_checkpoint_file(weights_path, map_location="cpu")
+    except CheckpointError as error:
+        raise ExportError(str(error)) from None
+    state = saved.get("module") if isinstance(saved, dict) else None
+    try:
+        if not isinstance(state, dict):
+            raise RuntimeError("no module state")
         target.load_state_dict(state, strict=True)
     except RuntimeError:
         raise ExportError(
@@ -353,11 +379,35 @@ def load_exported_drafter(export_dir: Path, target: PreTrainedModel) -> EagleDra
     return drafter
 
 
-def _check_output(output_dir: Path, force: bool) -> None:
+def _check_output(output_dir: Path, force: bool, source: Path) -> None:
+    """Refuse an output that is the source or holds it, and (with force) anything but a previous export.
+
+    Trade-off: --force replaces only a folder recognised as an export (tlt_export.json and nothing but
+    export files), so re-exporting into a folder the user added files to needs them moved first; in
+    exchange a mistyped OUTPUT (a run directory, its parent, a home folder) is never deleted.
+    """
+    resolved, source_resolved = output_dir.resolve(), source.resolve()
+    if resolved == source_resolved or resolved in source_resolved.parents:
+        raise ExportError(
+            f"{output_dir} is the drafter source {source} or a folder holding it; choose an output folder outside it."
+        )
     if output_dir.exists() and not output_dir.is_dir():
         raise ExportError(f"{output_dir} exists and is not a directory; choose another output folder.")
-    if output_dir.is_dir() and any(output_dir.iterdir()) and not force:
+    if not output_dir.is_dir() or not any(output_dir.iterdir()):
+        return
+    if not force:
         raise ExportError(f"{output_dir} is not empty; pass --force to replace it, or choose another output folder.")
+    if not is_previous_export(output_dir):
+        raise ExportError(
+            f"{output_dir} is not a previous export (it holds files other than {', '.join(sorted(EXPORT_FILES))}), "
+            "so --force does not replace it; choose another output folder."
+        )
+
+
+def is_previous_export(folder: Path) -> bool:
+    """Whether `folder` holds an export of `tlt export-drafter`: its summary, and no file an export does not write."""
+    names = {path.name for path in folder.iterdir()}
+    return SUMMARY_FILE in names and names <= EXPORT_FILES and all((folder / name).is_file() for name in names)
 
 
 def _replace_directory(staging: Path, output_dir: Path) -> None:

@@ -5,9 +5,10 @@ at fault) at the first problem, reading what the recipe names but building and w
   1. values, ranges and how the sections fit (tlt_cli/recipe_checks.py);
   2. the task: its name, its options by the types and ranges it declares, its data files (a bad
      line is named), by building it;
-  3. the model folder: its config and tokenizer load (not the weights), the tokenizer fits the
-     model's vocabulary, which the SD shapes and the rule table must fit;
-  4. a drafter folder given as drafter.init holds a drafter;
+  3. the model folder: its config and tokenizer load (not the weights), the shapes in its
+     safetensors headers fit the config, the tokenizer fits the model's vocabulary, which the SD
+     shapes and the rule table must fit;
+  4. a drafter folder given as drafter.init holds a drafter (its config readable, its weights' hash);
   5. every plugin resolves to a class with WorkerPlugin hooks (tlt_cli/plugins.py) that takes
      its options (so `os:system` is refused);
   6. the run directory <run.output_dir>/<run.name> can be created, and (new_run) holds no run yet;
@@ -26,11 +27,11 @@ from pathlib import Path
 from typing import Any
 
 from tlt_cli.config import TRL_TRAINER, PluginsConfig, Recipe, RecipeError, RunConfig
-from tlt_cli.drafter.model import CONFIG_FILE
+from tlt_cli.drafter.model import CONFIG_FILE, read_drafter_metadata
 from tlt_cli.errors import UserError
-from tlt_cli.models.loading import load_config_and_tokenizer
+from tlt_cli.models.loading import check_weight_shapes, load_config_and_tokenizer, model_folder
 from tlt_cli.plugins import WorkerPlugin, plugin_factory
-from tlt_cli.processes.driver import holds_run
+from tlt_cli.processes.run_directory import holds_run
 from tlt_cli.recipe_checks import check_speculative_section, check_values
 from tlt_cli.tasks.registry import build_task
 
@@ -63,6 +64,7 @@ def _check_model(recipe: Recipe) -> int:
     """The model's vocabulary size, once its config and tokenizer load."""
     try:
         config, tokenizer = load_config_and_tokenizer(recipe.model.path)
+        check_weight_shapes(model_folder(recipe.model.path), config)
     except UserError as error:
         raise RecipeError(f"model.path: {error}") from None
     if len(tokenizer) > config.vocab_size:
@@ -82,6 +84,10 @@ def _check_drafter_folder(recipe: Recipe) -> None:
             f"drafter.init: {init} is not a drafter folder (it has no {CONFIG_FILE}); give warmup, random "
             "or a folder tlt saved a drafter in."
         )
+    try:
+        read_drafter_metadata(Path(init))
+    except UserError as error:
+        raise RecipeError(f"drafter.init: {error}") from None
 
 
 def _check_plugins(plugins: PluginsConfig) -> None:

@@ -13,35 +13,58 @@ step_records.py; fields in the README's trace section):
              SGLang sync): step, worker, message, and details (a failing plugin's traceback)
   step       one per step: timings (rollout, reward, update, step) and metrics
 `tlt profile` of a recipe writes run, request, worker and step records the same way. Only one
-process writes a trace. `read_trace` is the strict reader used by tools: a line that is not a
+process writes a trace. A write the disk refuses (full, read-only) is a `TraceWriteError`, one
+sentence naming the trace. `read_trace` is the strict reader used by tools: a line that is not a
 JSON object is an error naming the line.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from pathlib import Path
 from typing import Any, TextIO
+
+from tlt_cli.errors import UserError, writing
+
+# the record that ends a step: the trace is fsynced after it
+STEP_RECORD = "step"
+WRITE_ADVICE = "free some space; complete checkpoints are kept, continue with --resume once there is room."
 
 
 class TraceError(ValueError):
     """A trace file that cannot be read; the message names the file and line."""
 
 
+class TraceWriteError(UserError):
+    """A trace the disk refuses to extend (full, read-only); the message names the file."""
+
+
 class TraceWriter:
-    """Appends records to a trace file, one flushed line each, so a killed run loses at most one line."""
+    """Appends records to a trace file, one flushed line each, so a killed run loses at most one line.
+
+    Each step record (the last of its step) is also fsynced, so a power cut loses at most the step
+    being run. Cost: one fsync per step, about a millisecond on a local disk against steps of seconds
+    (a line per record would be one per generated response, hundreds per step).
+    """
 
     def __init__(self, path: Path):
         self.path = path
-        self._file: TextIO = path.open("a", encoding="utf-8")
+        with writing(path, WRITE_ADVICE, TraceWriteError):
+            self._file: TextIO = path.open("a", encoding="utf-8")
 
     def write(self, record: dict[str, Any]) -> None:
-        self._file.write(json.dumps(record, separators=(",", ":")) + "\n")
-        self._file.flush()
+        with writing(self.path, WRITE_ADVICE, TraceWriteError):
+            self._file.write(json.dumps(record, separators=(",", ":")) + "\n")
+            self._file.flush()
+            if record.get("type") == STEP_RECORD:
+                os.fsync(self._file.fileno())
 
     def close(self) -> None:
-        self._file.close()
+        # a line a full disk refused stays in the buffer: it was reported when written, closing drops it
+        with contextlib.suppress(OSError):
+            self._file.close()
 
 
 def read_trace(path: Path) -> list[dict[str, Any]]:
@@ -82,5 +105,9 @@ def truncate_trace(path: Path, first_dropped_step: int) -> None:
             if record.get("step", -1) < first_dropped_step:
                 kept.append(line if line.endswith("\n") else line + "\n")
     staging = path.with_suffix(".jsonl.tmp")
-    staging.write_text("".join(kept), encoding="utf-8")
-    os.replace(staging, path)
+    try:
+        with writing(path, WRITE_ADVICE, TraceWriteError):
+            staging.write_text("".join(kept), encoding="utf-8")
+            os.replace(staging, path)
+    finally:
+        staging.unlink(missing_ok=True)

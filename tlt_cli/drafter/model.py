@@ -31,18 +31,29 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.func import functional_call
 from transformers import DynamicCache, PretrainedConfig, PreTrainedModel
 
 from tlt_cli.drafter.vocabulary import DraftVocabulary
+from tlt_cli.errors import UserError
 
 DRAFTER_FORMAT_VERSION = 1
 WEIGHTS_FILE = "drafter.safetensors"
 # the draft vocabulary's target ids, stored beside the weights in WEIGHTS_FILE (reduced vocabularies only)
 DRAFT_TARGET_IDS = "draft_vocabulary.target_ids"
 CONFIG_FILE = "drafter_config.json"
+# the keys of CONFIG_FILE a load reads (drafter_metadata writes them)
+METADATA_KEYS = (
+    "architecture",
+    "hidden_size",
+    "vocab_size",
+    "target_name_or_path",
+    "target_fingerprint",
+    "weights_sha256",
+)
 # target config fields that fix the drafter's shapes and the meaning of its inputs and outputs
 FINGERPRINT_FIELDS = (
     "model_type",
@@ -60,8 +71,8 @@ FINGERPRINT_FIELDS = (
 )
 
 
-class DrafterLoadError(RuntimeError):
-    """A saved drafter cannot be loaded against the given target."""
+class DrafterLoadError(UserError):
+    """A saved drafter cannot be loaded against the given target; the message names the folder or file."""
 
 
 @dataclass
@@ -265,14 +276,31 @@ def save_drafter(drafter: EagleDrafter, directory: str | Path) -> Path:
 
 
 def read_drafter_metadata(directory: Path) -> dict:
+    """The drafter's config, checked: a JSON object of this format version with every key tlt writes,
+    and weights whose sha256 it records; DrafterLoadError names the file otherwise."""
     config_path, weights_path = directory / CONFIG_FILE, directory / WEIGHTS_FILE
     if not config_path.is_file() or not weights_path.is_file():
         raise DrafterLoadError(f"No saved drafter in {directory}: expected {CONFIG_FILE} and {WEIGHTS_FILE}.")
-    metadata = json.loads(config_path.read_text())
+    try:
+        metadata = json.loads(config_path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        reason = getattr(error, "msg", None) or "not UTF-8"
+        raise DrafterLoadError(
+            f"Drafter config {config_path} is not valid JSON ({reason}): save the drafter again."
+        ) from None
+    if not isinstance(metadata, dict):
+        raise DrafterLoadError(
+            f"Drafter config {config_path} is a JSON {type(metadata).__name__}, not an object: save the drafter again."
+        )
     if metadata.get("version") != DRAFTER_FORMAT_VERSION:
         raise DrafterLoadError(
             f"Drafter in {directory} has format version {metadata.get('version')}, this tlt reads "
             f"{DRAFTER_FORMAT_VERSION}: re-save it with this version."
+        )
+    missing = [key for key in METADATA_KEYS if key not in metadata]
+    if missing:
+        raise DrafterLoadError(
+            f"Drafter config {config_path} lacks {', '.join(missing)}: save the drafter again with tlt."
         )
     if metadata["weights_sha256"] != file_sha256(weights_path):
         raise DrafterLoadError(
@@ -296,12 +324,21 @@ def load_drafter(directory: str | Path, target: PreTrainedModel) -> EagleDrafter
     was saved with); DrafterLoadError on any mismatch."""
     directory = Path(directory)
     metadata = read_drafter_metadata(directory)
-    tensors = load_file(str(directory / WEIGHTS_FILE), device=str(target.get_input_embeddings().weight.device))
+    try:
+        tensors = load_file(str(directory / WEIGHTS_FILE), device=str(target.get_input_embeddings().weight.device))
+    except (SafetensorError, OSError) as error:
+        raise DrafterLoadError(f"Drafter weights {directory / WEIGHTS_FILE} cannot be read ({error}).") from None
     target_ids = tensors.pop(DRAFT_TARGET_IDS, None)
     drafter = EagleDrafter(target)
     check_target_matches(metadata, drafter, directory)
-    if target_ids is not None:
-        drafter.vocabulary = DraftVocabulary(target_ids.long(), drafter.config.vocab_size)
-        drafter.refresh_draft_head()
-    drafter.load_state_dict(tensors, strict=True)
+    try:
+        if target_ids is not None:
+            drafter.vocabulary = DraftVocabulary(target_ids.long(), drafter.config.vocab_size)
+            drafter.refresh_draft_head()
+        drafter.load_state_dict(tensors, strict=True)
+    except (RuntimeError, ValueError, IndexError) as error:
+        reason = str(error).strip().splitlines()[-1].strip() if str(error).strip() else type(error).__name__
+        raise DrafterLoadError(
+            f"Drafter weights {directory / WEIGHTS_FILE} do not fit a drafter of this target ({reason[:200]})."
+        ) from None
     return drafter

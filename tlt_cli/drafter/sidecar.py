@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from tlt_cli.checkpoint import load_checkpoint_file
 from tlt_cli.drafter.model import save_drafter
 from tlt_cli.drafter.trainer import DrafterBatch, DrafterTrainer
 
@@ -179,7 +180,8 @@ class DrafterSidecar:
         path = directory / STATE_DIRECTORY / f"rank-{rank}.pt"
         if not path.is_file():
             raise FileNotFoundError(f"checkpoint {directory} has no drafter sidecar state ({path}).")
-        self.pending_state = torch.load(path, weights_only=False)
+        # the buffer window pickles as StepData of DrafterBatch tensors: the only classes it may hold
+        self.pending_state = load_checkpoint_file(path, allowed_classes=(StepData, DrafterBatch))
 
     def _state(self) -> dict:
         return {

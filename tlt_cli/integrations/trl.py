@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from tlt_cli.checkpoint import load_checkpoint_file
 from tlt_cli.config import DrafterConfig, SpeculativeSection
 from tlt_cli.errors import UserError
 from tlt_cli.integrations.trl_support import (
@@ -301,13 +302,13 @@ class TltRollout:
 
     def load_state(self, directory: Path, process: int = 0) -> None:
         """Restore what `save_state` wrote: now the rollout count, the rest when the engine is built."""
-        state = torch.load(Path(directory) / STATE_DIRECTORY / f"rank-{process}.pt", weights_only=False)
+        state = load_checkpoint_file(Path(directory) / STATE_DIRECTORY / f"rank-{process}.pt")
         self.rollouts = state["rollouts"]
         self.pending_state = Path(directory)
         self.policy = None  # rebuild on the next call, from the checkpoint's drafter
 
     def _load_schedule(self, directory: Path, process: int) -> None:
-        state = torch.load(directory / STATE_DIRECTORY / f"rank-{process}.pt", weights_only=False)
+        state = load_checkpoint_file(directory / STATE_DIRECTORY / f"rank-{process}.pt")
         if state["schedule"] is not None and self.backend.schedule is not None:
             self.backend.schedule.load_state_dict(state["schedule"])
 

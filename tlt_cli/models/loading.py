@@ -5,7 +5,9 @@ that transformers can build from the folder and that exposes `get_decoder()` and
 head (`lm_head`) works: Qwen2, Llama and relatives, tied or untied embeddings. Nothing is
 downloaded (`local_files_only=True`). Problems a user can cause raise `ModelLoadError` with
 one sentence naming the folder and what to fix. `load_config_and_tokenizer` loads what the recipe
-checks need (the vocabulary) without the weights.
+checks need (the vocabulary) without the weights; `check_weight_shapes` compares the shapes in the
+safetensors headers with the model the config builds, so weights of another model are refused
+before anything loads them (by `tlt recipes validate` as by `tlt train`).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from transformers import (
     MODEL_FOR_CAUSAL_LM_MAPPING,
     AutoConfig,
@@ -48,7 +50,7 @@ def load_policy(model_path: str, dtype: torch.dtype = torch.float32) -> tuple[Pr
     The tokenizer's pad token falls back to its EOS token. The model is in eval mode.
     """
     model_dir = model_folder(model_path)
-    _check_causal_lm_config(model_dir)
+    check_weight_shapes(model_dir, _check_causal_lm_config(model_dir))
     tokenizer = _load_tokenizer(model_dir)
     model = _load_model(model_dir, dtype)
     if model.generation_config.pad_token_id is None:
@@ -71,6 +73,32 @@ def model_folder(model_path: str) -> Path:
             )
         return SHIPPED_TINY_MODEL
     return _checked_model_dir(model_path)
+
+
+def check_weight_shapes(model_dir: Path, config: PretrainedConfig) -> None:
+    """ModelLoadError naming the first tensor of the folder's safetensors files whose shape differs from
+    the model `config` builds (built on the meta device: no memory, no weights read).
+
+    Only names the model has are compared: a checkpoint with renamed keys (transformers maps some
+    legacy names on load) is left for the load to judge; .bin weights have no header to read.
+    """
+    with torch.device("meta"), _without_progress_bars():
+        model = AutoModelForCausalLM.from_config(config)
+    expected = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
+    for weights in sorted(model_dir.glob("*.safetensors")):
+        try:
+            with safe_open(str(weights), framework="pt") as tensors:
+                for name in tensors.keys():
+                    shape = tuple(tensors.get_slice(name).get_shape())
+                    if name in expected and shape != expected[name]:
+                        raise ModelLoadError(
+                            f"Model weights in {weights} do not fit its config.json: {name} has shape "
+                            f"{list(shape)}, the config makes it {list(expected[name])}; the weights belong to "
+                            "another model."
+                        )
+        except (SafetensorError, OSError) as error:
+            reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            raise ModelLoadError(f"Model weights in {weights} cannot be read ({reason}).") from None
 
 
 def model_fingerprint(model_path: str) -> str:
@@ -131,7 +159,8 @@ def _load_model(model_dir: Path, dtype: torch.dtype) -> PreTrainedModel:
     try:
         with _without_progress_bars():  # tlt shows its own progress; transformers' "Loading weights" is noise
             model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, local_files_only=True)
-    except (OSError, SafetensorError) as error:
+    except (OSError, SafetensorError, RuntimeError) as error:
+        # RuntimeError: weights that do not fit the config where no safetensors header showed it (.bin files)
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise ModelLoadError(f"Model weights in {model_dir} cannot be loaded ({reason}).") from None
     if not hasattr(model, "get_decoder") or model.get_output_embeddings() is None:

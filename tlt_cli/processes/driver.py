@@ -145,7 +145,7 @@ class RunTrace:
 
 def train(recipe: Recipe, console: Console, resume_directory: Path | None = None, keep_log: bool = False) -> RunSummary:
     """Run the GRPO loop with recipe.workers.count worker processes: a new run, or `resume_directory` resumed."""
-    resume_from, start_step = _resume_point(resume_directory) if resume_directory else (None, 0)
+    resume_from, start_step = _resume_point(resume_directory, console) if resume_directory else (None, 0)
     check_machine(recipe)
     cache = cache_directory(recipe)
     drafter_init = _prepare_drafter(recipe, cache, console)
@@ -243,9 +243,12 @@ def _prepare_drafter(recipe: Recipe, cache: Path, console: Console) -> Path | No
     return folder
 
 
-def _resume_point(run_directory: Path) -> tuple[Path, int]:
-    checkpoint, state = latest_checkpoint(run_directory)
-    return checkpoint, int(state["next_step"])
+def _resume_point(run_directory: Path, console: Console) -> tuple[Path, int]:
+    """The checkpoint to resume from (checked in tlt_cli/checkpoint.py); a damaged `latest` is one warning line."""
+    checkpoint = latest_checkpoint(run_directory)
+    if checkpoint.warning:
+        console.print(f"warning: {checkpoint.warning}", markup=False, highlight=False, soft_wrap=True)
+    return checkpoint.directory, checkpoint.next_step
 
 
 def _run_workers(spec_base: dict[str, Any], trace: RunTrace, display: TrainingDisplay) -> None:

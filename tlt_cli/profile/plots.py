@@ -4,27 +4,33 @@
   profile_timeline.png  per-worker Gantt over the whole run: busy, tail (1..tail_batch requests in
                         flight) and idle stretches of every step's rollout, on one time axis;
   profile_lengths.png   histogram of response lengths (log count axis) with p50, p90, p99 marked.
+Each is drawn into a temporary sibling and renamed into place, so a full disk leaves the previous
+picture (or none), never half of one, and is a `UserError` naming the file.
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
+from tlt_cli.errors import writing
 from tlt_cli.profile.analysis import Profile, Segment
 
 TIMELINE_FILE = "profile_timeline.png"
 LENGTHS_FILE = "profile_lengths.png"
 STATE_COLOURS = {"busy": "#1f5fa8", "tail": "#5ec4e6", "idle": "#e4572e"}
 DPI = 110
+PLOT_ADVICE = "free some space, pass --output-dir with another folder, or --no-plots."
 
 
 def write_plots(profile: Profile, segments: list[Segment], lengths: list[int], output_dir: Path) -> list[Path]:
     """Write both PNGs into output_dir (created if needed); return their paths."""
-    output_dir.mkdir(parents=True, exist_ok=True)
+    with writing(output_dir, PLOT_ADVICE):
+        output_dir.mkdir(parents=True, exist_ok=True)
     timeline = output_dir / TIMELINE_FILE
     histogram = output_dir / LENGTHS_FILE
     _plot_timeline(profile, segments, timeline)
@@ -103,4 +109,10 @@ def _plot_lengths(profile: Profile, lengths: list[int], path: Path) -> None:
 
 def _save(figure: Figure, path: Path) -> None:
     FigureCanvasAgg(figure)
-    figure.savefig(path)
+    staging = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with writing(path, PLOT_ADVICE):
+            figure.savefig(staging, format="png")
+            os.replace(staging, path)
+    finally:
+        staging.unlink(missing_ok=True)

@@ -7,7 +7,8 @@
     `step, worker, start, end, tokens` (times in seconds, any origin) and optionally
     `verify_passes, accepted_tokens`: the worker and step timelines are then derived from the
     requests (a worker is busy from its first request's start to its last request's end).
-Every problem a user can cause is a `ProfileInputError` naming the file and the line. A step of a
+Every problem a user can cause is a `ProfileInputError` naming the file and the line (a byte that
+is not UTF-8, a number that is NaN or infinite, a trace without request records). A step of a
 trace whose step record is missing (the run was still going, or was killed) is left out with a
 warning. The CLI and `tlt_cli.profile.analysis` call this module.
 """
@@ -15,7 +16,9 @@ warning. The CLI and `tlt_cli.profile.analysis` call this module.
 from __future__ import annotations
 
 import csv
+import io
 import json
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -130,8 +133,7 @@ def read_trace_records(path: Path) -> ProfileRecords:
 
 def numbered_json_lines(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
     """(line number, object) for every non-blank line; a line that is not a JSON object is an error naming it."""
-    text = path.read_text(encoding="utf-8")
-    lines = text.split("\n")
+    lines = utf8_text(path).split("\n")
     for number, line in enumerate(lines, start=1):
         if not line.strip():
             continue
@@ -190,6 +192,11 @@ def _trace_records(path: Path, lines: list[tuple[int, dict[str, Any]]]) -> Profi
         raise ProfileInputError(
             f"{path} has no complete step (no 'step' record); profile a run that finished at least one step."
         )
+    if not records.requests:
+        raise ProfileInputError(
+            f"{path} has no request records in its complete steps (one per generated response), so there is no "
+            "rollout to profile; profile the trace of a tlt run, or a CSV/JSONL of requests."
+        )
     return _sorted(records)
 
 
@@ -222,8 +229,20 @@ def _sorted(records: ProfileRecords) -> ProfileRecords:
     return records
 
 
+def utf8_text(path: Path) -> str:
+    """The file's text; a byte that is not UTF-8 is an error naming its line."""
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        line = data.count(b"\n", 0, error.start) + 1
+        raise ProfileInputError(
+            f"{path} line {line} is not UTF-8 text (byte 0x{data[error.start]:02x}); save the file as UTF-8."
+        ) from None
+
+
 def _csv_requests(path: Path) -> Iterator[RequestRecord]:
-    with path.open(encoding="utf-8", newline="") as handle:
+    with io.StringIO(utf8_text(path), newline="") as handle:
         reader = csv.DictReader(handle)
         columns = [name.strip() for name in reader.fieldnames or []]
         missing = [name for name in REQUIRED_REQUEST_FIELDS if name not in columns]
@@ -304,7 +323,8 @@ _MISSING = object()
 
 
 def _number(record: dict[str, Any], name: str, kind: type, where: str, default: Any = _MISSING) -> Any:
-    """record[name] as `kind` (from a JSON number or a CSV string); a clear error when absent or not a number."""
+    """record[name] as `kind` (from a JSON number or a CSV string); a clear error when absent, not a number,
+    or not finite (NaN and Infinity parse as numbers in JSON and CSV alike, and would poison every sum)."""
     value = record.get(name)
     if value is None:
         if default is _MISSING:
@@ -314,11 +334,11 @@ def _number(record: dict[str, Any], name: str, kind: type, where: str, default: 
         if isinstance(value, bool):
             raise ValueError
         number = float(value)
-        if kind is int and not number.is_integer():
+        if not math.isfinite(number) or (kind is int and not number.is_integer()):
             raise ValueError
         return kind(number)
     except (TypeError, ValueError):
-        expected = "an integer" if kind is int else "a number"
+        expected = "an integer" if kind is int else "a finite number"
         raise ProfileInputError(f"{where}: '{name}' is {value!r}, expected {expected}.") from None
 
 

@@ -3,7 +3,8 @@
 `render_profile(console, profile, segments, lengths, pictures)` is what `tlt profile` prints.
 The Gantt shows the last few steps side by side, each as wide as its rollout took: one row per
 worker, a column is the worker's state at that moment (busy, tail = 1..tail_batch requests in
-flight, idle). The histogram bins response lengths linearly.
+flight, idle). The histogram bins response lengths linearly. Text read from the input (its path,
+warnings, SD configuration labels) is escaped, never parsed as rich markup.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from pathlib import Path
 
 import numpy
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
@@ -33,7 +35,7 @@ def render_profile(
     """Print every table of the profile, the terminal Gantt and histogram, then where the PNGs went."""
     steps_word = "step" if len(profile.steps) == 1 else "steps"
     console.print(
-        f"[bold]tlt profile[/] {profile.source} "
+        f"[bold]tlt profile[/] {escape(profile.source)} "
         f"({profile.kind}, {profile.workers} workers, {len(profile.steps)} {steps_word})",
         highlight=False,
     )
@@ -56,9 +58,9 @@ def render_profile(
     for line in terminal_histogram(lengths):
         console.print(line, highlight=False)
     for warning in profile.warnings:
-        console.print(f"[yellow]warning:[/] {warning}", highlight=False)
+        console.print(f"[yellow]warning:[/] {escape(warning)}", highlight=False)
     for picture in pictures:
-        console.print(f"wrote {picture}", highlight=False)
+        console.print(f"wrote {picture}", highlight=False, markup=False)
 
 
 def _lengths_table(profile: Profile) -> Table:
@@ -148,7 +150,9 @@ def _render_speculative(console: Console, profile: Profile) -> None:
         for column in ("seconds", "share %", "decode steps"):
             table.add_column(column, justify="right")
         for entry in profile.sd_time:
-            table.add_row(entry.config, f"{entry.seconds:.2f}", f"{100 * entry.share:.0f}", str(entry.decode_steps))
+            table.add_row(
+                Text(entry.config), f"{entry.seconds:.2f}", f"{100 * entry.share:.0f}", str(entry.decode_steps)
+            )
         table.add_row(
             "SD on / off", f"{profile.sd_on_seconds:.2f} / {profile.sd_off_seconds:.2f}", "", "", style="bold"
         )

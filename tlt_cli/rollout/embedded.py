@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from tlt_cli.checkpoint import load_checkpoint_file
 from tlt_cli.config import SpeculativeSection
 from tlt_cli.rollout.adaptive import AdaptiveSpeculativeDecoder, ConfigUsage, speculative_decoder
 from tlt_cli.rollout.engine import EmbeddedEngine
@@ -83,7 +84,7 @@ class EmbeddedRollout:
 
     def load_state(self, path: Path) -> None:
         if self.schedule is not None:
-            self.schedule.load_state_dict(torch.load(path, weights_only=False))
+            self.schedule.load_state_dict(load_checkpoint_file(path))
 
     def stop(self) -> None:
         """Nothing to release."""
