@@ -167,6 +167,12 @@ class RolloutConfig:
         1.0, "nucleus sampling: keep the most likely tokens up to this total probability (1.0 keeps all)"
     )
     top_k: int = setting(0, "keep only the k most likely tokens (0 keeps all)")
+    linear_forms: str = setting(
+        "auto",
+        "auto (the embedded engine computes each linear layer in the form measured fastest on this machine "
+        "for the rows of each pass, e.g. x @ W.T with a transposed copy of the weights; measured once, "
+        "cached) or off (plain nn.Linear)",
+    )
     sglang: SGLangConfig = setting(SGLangConfig(), "SGLang servers, used when backend is sglang")
 
 

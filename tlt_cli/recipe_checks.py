@@ -28,6 +28,7 @@ from tlt_cli.config import (
 from tlt_cli.drafter import sidecar
 from tlt_cli.processes.hostfile import HostfileError, check_hostfile, ranks_per_node
 from tlt_cli.rollout.adaptive import RuleTableError, build_rules
+from tlt_cli.rollout.linear_forms_measure import LINEAR_FORM_MODES
 from tlt_cli.rollout.speculative import check_speculative_config
 from tlt_cli.rollout.types import SpeculativeConfig
 from tlt_cli.sglang.adaptive import batch_rules
@@ -134,6 +135,10 @@ def _check_rollout(recipe: Recipe) -> None:
     _require(rollout.temperature >= 0.0, f"rollout.temperature must be >= 0 (0 is greedy), got {rollout.temperature}.")
     _require(0.0 < rollout.top_p <= 1.0, f"rollout.top_p must be in (0, 1], got {rollout.top_p}.")
     _require(rollout.top_k >= 0, f"rollout.top_k must be >= 0 (0 keeps all tokens), got {rollout.top_k}.")
+    _require(
+        rollout.linear_forms in LINEAR_FORM_MODES,
+        f"rollout.linear_forms must be one of {', '.join(LINEAR_FORM_MODES)}, got '{rollout.linear_forms}'.",
+    )
 
 
 def _check_actor(recipe: Recipe) -> None:

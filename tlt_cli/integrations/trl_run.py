@@ -105,6 +105,8 @@ class TrlRun:
                 sidecar=sidecar.PLUGIN_NAME in recipe.plugins.enabled,
                 drafter_config=recipe.drafter,
                 seed=recipe.run.seed,
+                linear_forms=recipe.rollout.linear_forms,
+                cache_dir=spec.model_cache,
             )
         )
         self.trainer = TimedGRPOTrainer(

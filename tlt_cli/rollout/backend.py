@@ -93,6 +93,8 @@ class BackendSetup:
     worker: int
     rank_on_node: int
     run_directory: Path
+    # where measured plans are cached (the linear forms' plan; None: $TLT_CACHE_DIR or ~/.cache/tlt)
+    cache_dir: Path | None = None
 
 
 def _embedded(setup: BackendSetup) -> RolloutBackend:
@@ -105,6 +107,8 @@ def _embedded(setup: BackendSetup) -> RolloutBackend:
         setup.recipe.speculative,
         setup.drafter,
         seed=setup.recipe.run.seed,
+        linear_forms=setup.recipe.rollout.linear_forms,
+        cache_dir=setup.cache_dir,
     )
 
 

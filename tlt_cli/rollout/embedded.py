@@ -10,6 +10,10 @@ drafter over that policy, which is all a trainer of another library has in its o
                               SpeculativeSection(mode="adaptive"), drafter, seed=0)
     completions, busy_end = rollout.generate(requests, SamplingParams(max_new_tokens=128), seed=step)
     usage = rollout.take_usage()  # adaptive SD: decode steps, tokens and seconds per configuration
+
+`linear_forms="auto"` (the recipe's `rollout.linear_forms`) computes each linear layer of the policy
+and drafter, during generation only, in the form measured fastest for the pass's rows
+(tlt_cli/rollout/linear_forms.py); its transposed copies are refreshed by `after_update`.
 """
 
 from __future__ import annotations
@@ -23,8 +27,10 @@ from torch import nn
 
 from tlt_cli.checkpoint import load_checkpoint_file
 from tlt_cli.config import SpeculativeSection
+from tlt_cli.models.tiny import default_cache_dir
 from tlt_cli.rollout.adaptive import AdaptiveSpeculativeDecoder, ConfigUsage, speculative_decoder
 from tlt_cli.rollout.engine import EmbeddedEngine
+from tlt_cli.rollout.linear_forms_measure import prepare_linear_forms
 from tlt_cli.rollout.types import Completion, RolloutRequest, SamplingParams
 
 
@@ -33,6 +39,8 @@ class EmbeddedRollout:
 
     speculative: the recipe's `speculative` settings (None: SD off); drafter: the drafter over
     `policy` to speculate with (None: SD off). seed: the adaptive schedule's bandit draws.
+    linear_forms: "auto" or "off" (see the module docstring); cache_dir: where the measured plan is
+    cached (None: $TLT_CACHE_DIR or ~/.cache/tlt).
     """
 
     def __init__(
@@ -43,14 +51,25 @@ class EmbeddedRollout:
         speculative: SpeculativeSection | None = None,
         drafter: nn.Module | None = None,
         seed: int = 0,
+        linear_forms: str = "off",
+        cache_dir: Path | None = None,
     ) -> None:
         decoder = speculative_decoder(speculative, drafter, seed) if speculative is not None else None
         self.schedule = decoder.adaptive_schedule if isinstance(decoder, AdaptiveSpeculativeDecoder) else None
-        self.engine = EmbeddedEngine(policy, eos_token_id=eos_token_id, pad_token_id=pad_token_id, speculative=decoder)
+        self.linear_forms = prepare_linear_forms(
+            linear_forms, [policy, drafter], cache_dir if cache_dir is not None else default_cache_dir()
+        )
+        self.engine = EmbeddedEngine(
+            policy,
+            eos_token_id=eos_token_id,
+            pad_token_id=pad_token_id,
+            speculative=decoder,
+            linear_forms=self.linear_forms,
+        )
 
     def start(self) -> list[str]:
-        """Nothing to start: the engine runs in this process."""
-        return []
+        """Nothing to start: the engine runs in this process; the linear forms it uses, for the log."""
+        return [self.linear_forms.describe()] if self.linear_forms is not None else []
 
     def generate(
         self,
@@ -68,8 +87,15 @@ class EmbeddedRollout:
     def after_update(
         self, weight_version: str, drafter_version: float | None, probe_prompts: Sequence[Sequence[int]]
     ) -> dict[str, float]:
-        """Nothing to push: the engine generates with the updated module itself."""
+        """Nothing to push: the engine generates with the updated module itself; only the linear
+        forms' transposed copies are refreshed."""
+        self.refresh_copies()
         return {}
+
+    def refresh_copies(self) -> None:
+        """Copy the policy's and drafter's current weights into the linear forms' transposed copies."""
+        if self.linear_forms is not None:
+            self.linear_forms.refresh()
 
     def take_usage(self) -> dict[str, ConfigUsage]:
         return self.schedule.take_usage() if self.schedule is not None else {}

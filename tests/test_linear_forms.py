@@ -1,0 +1,273 @@
+"""Linear forms (tlt_cli/rollout/linear_forms*.py): same products, same tokens, fresh copies, cached plans.
+
+Plans are forced (every form at every row count, or a mix by rows) so each form really runs: on these
+tiny cached models a measured plan would mostly keep F.linear.
+"""
+
+import copy
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from tiny_models import tiny_qwen2
+from torch import nn
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from tlt_cli.config import RecipeError
+from tlt_cli.drafter.model import EagleDrafter
+from tlt_cli.recipe_checks import load_checked_recipe
+from tlt_cli.recipes import RECIPES_DIRECTORY
+from tlt_cli.rollout.embedded import EmbeddedRollout
+from tlt_cli.rollout.engine import EmbeddedEngine
+from tlt_cli.rollout.linear_forms import (
+    LINEAR,
+    TRANSPOSED,
+    WEIGHT_MAJOR,
+    LinearFormPlan,
+    LinearForms,
+    linear_layers,
+    shape_key,
+)
+from tlt_cli.rollout.linear_forms_measure import cached_plan, measure_plan, plan_key, plan_path
+from tlt_cli.rollout.speculative import SpeculativeDecoder
+from tlt_cli.rollout.types import RolloutRequest, SamplingParams, SpeculativeConfig
+
+torch.set_num_threads(1)
+
+VOCAB = 64
+NEVER_EMITTED = VOCAB
+# a different form by rows, every form used: 1 transposed, 2 weight-major, 3-4 linear, 5-8 transposed, 9-64 weight-major
+MIXED_BUCKETS = (1, 2, 4, 8, 64)
+MIXED_FORMS = (TRANSPOSED, WEIGHT_MAJOR, LINEAR, TRANSPOSED, WEIGHT_MAJOR)
+
+
+def tiny_llama(tied: bool) -> LlamaForCausalLM:
+    torch.manual_seed(1)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=tied,
+    )
+    return LlamaForCausalLM(config).eval()
+
+
+MODELS = {
+    "qwen2-tied": lambda: tiny_qwen2(VOCAB, max_position_embeddings=256),
+    "qwen2-untied": lambda: tiny_qwen2(VOCAB, max_position_embeddings=256, tie_word_embeddings=False),
+    "llama-tied": lambda: tiny_llama(tied=True),
+    "llama-untied": lambda: tiny_llama(tied=False),
+}
+
+
+def forced_plan(modules, form: str) -> LinearFormPlan:
+    """`form` at every row count up to 64 for every shape of `modules` ('mixed': MIXED_FORMS by rows)."""
+    keys = {shape_key(layer.weight) for layer in linear_layers(modules)}
+    if form == "mixed":
+        return LinearFormPlan(MIXED_BUCKETS, dict.fromkeys(keys, MIXED_FORMS))
+    return LinearFormPlan.uniform(form, keys)
+
+
+def ragged_requests(count: int, seed: int = 0) -> list[RolloutRequest]:
+    generator = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, 12, (count,), generator=generator).tolist()
+    return [
+        RolloutRequest(index, tuple(torch.randint(1, VOCAB, (length,), generator=generator).tolist()))
+        for index, length in enumerate(lengths)
+    ]
+
+
+def greedy_tokens(model, requests, max_new_tokens=12, linear_forms=None, speculative=None, eos=NEVER_EMITTED):
+    engine = EmbeddedEngine(model, eos, 0, speculative=speculative, linear_forms=linear_forms)
+    completions = engine.generate(requests, SamplingParams(max_new_tokens, temperature=0.0), torch.Generator())
+    return [completion.response_ids for completion in completions]
+
+
+def reference_greedy(model, request: RolloutRequest, max_new_tokens: int) -> list[int]:
+    prompt = torch.tensor([request.prompt_ids])
+    output = model.generate(
+        prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0
+    )
+    return output[0, prompt.shape[1] :].tolist()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("form", [TRANSPOSED, WEIGHT_MAJOR, "mixed"])
+def test_every_form_computes_the_same_product(form, dtype):
+    torch.manual_seed(0)
+    layers = nn.Sequential(nn.Linear(24, 40), nn.Linear(40, 24, bias=False)).to(dtype)
+    forms = LinearForms([layers], forced_plan([layers], form))
+    tolerance = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
+    for leading in [(1,), (3,), (1, 1), (2, 3), (1, 9), (4, 16), (2, 40)]:
+        inputs = torch.randn(*leading, 24, dtype=dtype)
+        with torch.no_grad():
+            expected = [F.linear(inputs, layers[0].weight, layers[0].bias)]
+            expected.append(F.linear(expected[0], layers[1].weight))
+            with forms.applied():
+                first = layers[0](inputs)
+                second = layers[1](first)
+        assert first.shape == expected[0].shape and first.is_contiguous()
+        torch.testing.assert_close(first, expected[0], **tolerance)
+        torch.testing.assert_close(second, expected[1], **tolerance)
+
+
+@pytest.mark.parametrize("form", [TRANSPOSED, WEIGHT_MAJOR, "mixed"])
+@pytest.mark.parametrize("name", MODELS)
+def test_greedy_tokens_with_forms_equal_forms_off_and_transformers_generate(name, form):
+    model = MODELS[name]()
+    requests = ragged_requests(5)
+    forms = LinearForms([model], forced_plan([model], form))
+    assert forms.layers, "the plan forms no layer: the test would compare F.linear with itself"
+    with_forms = greedy_tokens(model, requests, linear_forms=forms)
+    assert with_forms == greedy_tokens(model, requests)
+    assert with_forms == [reference_greedy(model, request, 12) for request in requests]
+    single = greedy_tokens(model, requests[:1], linear_forms=forms)
+    assert single == [reference_greedy(model, requests[0], 12)]
+
+
+@pytest.mark.parametrize("config", [SpeculativeConfig(4), SpeculativeConfig(4, 4, 16)], ids=["chain", "tree"])
+def test_speculative_decoding_with_forms_is_token_identical_to_plain(config):
+    target = tiny_qwen2(VOCAB, max_position_embeddings=256)
+    drafter = EagleDrafter(target, seed=3)
+    forms = LinearForms([target, drafter], forced_plan([target, drafter], "mixed"))
+    assert any(formed.layer is drafter.fc for formed in forms.layers)
+    for batch_size in (1, 3, 8):
+        requests = ragged_requests(batch_size, seed=batch_size)
+        plain = greedy_tokens(target, requests, max_new_tokens=16)
+        eos = max(set(plain[0][1:-1]), key=plain[0].count)  # a token some responses emit mid-way
+        plain = greedy_tokens(target, requests, max_new_tokens=16, eos=eos)
+        speculative = SpeculativeDecoder(drafter, config)
+        assert greedy_tokens(target, requests, 16, forms, speculative, eos) == plain
+
+
+def test_an_optimizer_step_never_leaves_a_stale_copy():
+    model = MODELS["qwen2-untied"]()
+    requests = ragged_requests(4)
+    forms = LinearForms([model], forced_plan([model], TRANSPOSED))
+    engine = EmbeddedEngine(model, NEVER_EMITTED, 0, linear_forms=forms)
+    before = greedy_tokens(model, requests, linear_forms=forms)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
+    inputs = torch.tensor([request.prompt_ids[:1] * 6 for request in requests])
+    model(inputs, labels=inputs).loss.backward()
+    optimizer.step()  # in place: bumps each weight's version, no refresh() called
+    after = engine.generate(requests, SamplingParams(12, temperature=0.0), torch.Generator())
+    assert [completion.response_ids for completion in after] == greedy_tokens(model, requests)
+    assert [completion.response_ids for completion in after] != before
+    for formed in forms.layers:
+        assert torch.equal(formed.transposed.buffer, formed.layer.weight.detach().t())
+
+
+def write_plan(cache_dir, modules, plan: LinearFormPlan) -> None:
+    """Put `plan` in the cache as this machine's plan for `modules`."""
+    key = plan_key(modules)
+    path = plan_path(cache_dir, key)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"key": key, "plan": plan.to_dict()}))
+
+
+def test_after_update_refreshes_copies_written_behind_autograds_back(tmp_path):
+    model = MODELS["llama-tied"]()
+    drafter = EagleDrafter(model, seed=2)
+    write_plan(tmp_path, [model, drafter], forced_plan([model, drafter], TRANSPOSED))
+    rollout = EmbeddedRollout(model, NEVER_EMITTED, 0, drafter=drafter, linear_forms="auto", cache_dir=tmp_path)
+    layers = linear_layers([model, drafter])
+    assert rollout.linear_forms.extra_bytes == sum(layer.weight.numel() * 4 for layer in layers)
+    assert f"({rollout.linear_forms.extra_bytes} bytes)" in rollout.start()[0]
+    requests = ragged_requests(3)
+    before, _ = rollout.generate(requests, SamplingParams(10, temperature=0.0), seed=0)
+    with torch.no_grad():
+        for parameter in model.parameters():  # as DeepSpeed writes ZeRO partitions: no version bump
+            parameter.data.copy_(torch.randn_like(parameter) * 0.1)
+    rollout.after_update("step-1", drafter_version=None, probe_prompts=())
+    after, _ = rollout.generate(requests, SamplingParams(10, temperature=0.0), seed=0)
+    assert [completion.response_ids for completion in after] == greedy_tokens(model, requests, 10)
+    assert [completion.response_ids for completion in after] != [completion.response_ids for completion in before]
+
+
+def test_forms_apply_only_during_generate_and_off_leaves_the_model_untouched(tmp_path):
+    model = MODELS["qwen2-tied"]()
+    off = EmbeddedRollout(model, NEVER_EMITTED, 0, linear_forms="off", cache_dir=tmp_path)
+    assert off.linear_forms is None and off.engine.linear_forms is None and off.start() == []
+    assert not (tmp_path / "linear_forms").exists()
+    write_plan(tmp_path, [model], forced_plan([model], WEIGHT_MAJOR))
+    rollout = EmbeddedRollout(model, NEVER_EMITTED, 0, linear_forms="auto", cache_dir=tmp_path)
+    layers = [module for module in model.modules() if isinstance(module, nn.Linear)]
+    formed_during = []
+
+    def look(completion) -> None:
+        formed_during.append(all("forward" in vars(layer) for layer in layers))
+
+    rollout.generate(ragged_requests(2), SamplingParams(4, temperature=0.0), seed=0, on_request_finished=look)
+    assert formed_during == [True, True]
+    assert all("forward" not in vars(layer) for layer in layers)
+    assert rollout.linear_forms.extra_bytes == 0  # weight-major needs no copy
+    with pytest.raises(ValueError, match="linear_forms"):
+        EmbeddedRollout(model, NEVER_EMITTED, 0, linear_forms="fast", cache_dir=tmp_path)
+
+
+def test_a_recipe_names_a_bad_linear_forms_value():
+    with pytest.raises(RecipeError, match="rollout.linear_forms must be one of auto, off, got 'fast'"):
+        load_checked_recipe(RECIPES_DIRECTORY / "tiny-cpu.yaml", ["rollout.linear_forms=fast"])
+
+
+def loss_and_gradients(model, inputs):
+    model.zero_grad()
+    loss = model(inputs, labels=inputs).loss
+    loss.backward()
+    return loss.detach(), [parameter.grad.clone() for parameter in model.parameters()]
+
+
+def test_the_actors_backward_is_unaffected():
+    model = MODELS["qwen2-untied"]()
+    untouched = copy.deepcopy(model)
+    inputs = torch.randint(1, VOCAB, (2, 7))
+    forms = LinearForms([model], forced_plan([model], "mixed"))
+    expected_loss, expected_gradients = loss_and_gradients(untouched, inputs)
+    with forms.applied():  # even inside the block, gradients go through F.linear
+        loss, gradients = loss_and_gradients(model, inputs)
+    assert torch.equal(loss, expected_loss)
+    assert all(torch.equal(got, want) for got, want in zip(gradients, expected_gradients, strict=True))
+    greedy_tokens(model, ragged_requests(2), 4, forms)
+    loss, gradients = loss_and_gradients(model, inputs)
+    assert torch.equal(loss, expected_loss)
+    assert all(torch.equal(got, want) for got, want in zip(gradients, expected_gradients, strict=True))
+
+
+def test_measure_plan_covers_every_shape_with_known_forms():
+    model = MODELS["qwen2-untied"]()
+    drafter = EagleDrafter(model, seed=0)
+    plan, milliseconds = measure_plan([model, drafter], row_buckets=(1, 2, 5), rounds=1)
+    keys = {shape_key(layer.weight) for layer in linear_layers([model, drafter])}
+    assert set(plan.forms) == keys == set(milliseconds) and plan.row_buckets == (1, 2, 5)
+    for key in keys:
+        assert len(plan.forms[key]) == 3 and set(plan.forms[key]) <= {LINEAR, TRANSPOSED, WEIGHT_MAJOR}
+        assert all(0 < value < float("inf") for times in milliseconds[key].values() for value in times)
+    assert plan.forms_by_rows(next(iter(keys)))[0] == LINEAR and len(plan.forms_by_rows(next(iter(keys)))) == 6
+
+
+def test_the_cached_plan_is_reused_and_measured_again_when_the_key_changes(tmp_path):
+    model = MODELS["llama-untied"]()
+    plan, path = cached_plan([model], tmp_path)
+    assert path.is_file() and json.loads(path.read_text())["key"] == plan_key([model])
+    sentinel = forced_plan([model], WEIGHT_MAJOR)
+    write_plan(tmp_path, [model], sentinel)
+    assert cached_plan([model], tmp_path) == (sentinel, path)  # read back, not measured again
+    threads = torch.get_num_threads()
+    torch.set_num_threads(threads + 1)
+    try:
+        other_plan, other_path = cached_plan([model], tmp_path)  # another machine key: another file
+    finally:
+        torch.set_num_threads(threads)
+    assert other_path != path and other_plan != sentinel
+    wider = tiny_qwen2(VOCAB, hidden_size=48)
+    assert cached_plan([wider], tmp_path)[1] not in (path, other_path)
+    stored = json.loads(path.read_text())
+    stored["key"]["torch"] = "0.0"  # a file at this name written for another key is measured again
+    path.write_text(json.dumps(stored))
+    remeasured, _ = cached_plan([model], tmp_path)
+    assert remeasured != sentinel and json.loads(path.read_text())["key"] == plan_key([model])

@@ -1,0 +1,196 @@
+"""Measure which linear form (tlt_cli/rollout/linear_forms.py) is fastest per weight shape and row count, and cache it.
+
+`prepare_linear_forms(mode, [policy, drafter], cache_dir)` is what the embedded rollout backend calls:
+`off` gives None (plain nn.Linear), `auto` loads the plan cached for this machine and these shapes, or
+measures and caches it first, and applies it (`LinearForms`).
+
+The measurement (`measure_plan`) runs the model's own weights, grouped by shape, the way a decode step
+meets them: for each row count (1..16, 24, 32, 64) and form it runs every group in turn, so between two
+visits of one group all the others have streamed through the cache, as in a forward pass over the
+model (a model that fits in the cache stays in it, as it would while decoding). Each group is timed
+on its own (synchronized on a GPU), over `rounds` interleaved rounds with the order of forms rotated;
+the best time counts; after the first round a form HOPELESS times slower than the best is dropped.
+A form other than `linear` replaces it only if it is at least MARGIN faster. It costs about 2 rounds
+x 3 forms of a pass over every weight at each of 1..16, 24, 32 and 64 rows: about 15 s for
+SmolLM2-135M on one thread of a 2-core CPU (more on a loaded one; it holds a transposed copy of every
+weight meanwhile), 1-2 s for the tests' tiny models (each timing repeats a tiny pass to last 0.5 ms).
+
+Cache: `<cache_dir>/linear_forms/<hash>.json`, keyed by the machine (CPU model string or GPU name,
+core count, torch threads, torch version, device type) and the model's shapes (each shape's dtype and
+count), under a file lock so concurrent ranks measure once; a changed key measures again.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import logging
+import math
+import os
+import platform
+import time
+from collections import Counter
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from tlt_cli.rollout.linear_forms import (
+    FORM_NAMES,
+    FORMS,
+    LINEAR,
+    LinearFormPlan,
+    LinearForms,
+    linear_layers,
+    shape_key,
+)
+
+LINEAR_FORM_MODES = ("auto", "off")
+ROW_BUCKETS = (*range(1, 17), 24, 32, 64)
+ROUNDS = 2
+# a form other than F.linear must be this much faster to be picked (timing noise must not cost memory)
+MARGIN = 0.1
+# after the first round, a form this many times slower than the best at a (shape, rows) is not timed again
+HOPELESS = 1.5
+# a group's timed call repeats its pass until it lasts about this long (tiny models' passes take microseconds)
+SHORTEST_TIMING_SECONDS = 5e-4
+PLAN_FORMAT = 1
+LOGGER = logging.getLogger(__name__)
+CACHE_FOLDER = "linear_forms"
+
+
+def prepare_linear_forms(mode: str, modules: Sequence[nn.Module | None], cache_dir: Path) -> LinearForms | None:
+    """`off`: None. `auto`: the cached (or now measured) plan of this machine and model applied to `modules`."""
+    if mode not in LINEAR_FORM_MODES:
+        raise ValueError(f"rollout.linear_forms is '{mode}'; use one of {', '.join(LINEAR_FORM_MODES)}.")
+    if mode == "off":
+        return None
+    plan, _ = cached_plan(modules, cache_dir)
+    return LinearForms(modules, plan)
+
+
+def cached_plan(modules: Sequence[nn.Module | None], cache_dir: Path) -> tuple[LinearFormPlan, Path]:
+    """The plan for these modules on this machine, and its file: read from the cache, or measured and
+    written there first (atomically, under a lock)."""
+    key = plan_key(modules)
+    path = plan_path(cache_dir, key)
+    folder = path.parent
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(path.with_suffix(".lock"), "w") as lock_file:
+        fcntl.flock(lock_file, fcntl.LOCK_EX)  # released when the file closes
+        if path.is_file():
+            stored = json.loads(path.read_text())
+            if stored.get("key") == key:
+                return LinearFormPlan.from_dict(stored["plan"]), path
+        LOGGER.info("Measuring the linear forms of this machine and model into %s (once).", path)
+        started = time.perf_counter()
+        plan, milliseconds = measure_plan(modules)
+        record = {
+            "key": key,
+            "plan": plan.to_dict(),
+            "milliseconds": {
+                shape: {form: [round(value, 4) for value in values] for form, values in forms.items()}
+                for shape, forms in milliseconds.items()
+            },
+            "measure_seconds": round(time.perf_counter() - started, 2),
+        }
+        temporary = folder / f".{path.stem}.tmp-{os.getpid()}"
+        temporary.write_text(json.dumps(record, indent=1) + "\n")
+        os.replace(temporary, path)
+    return plan, path
+
+
+def plan_path(cache_dir: Path, key: dict) -> Path:
+    """`<cache_dir>/linear_forms/<hash of key>.json`: where the plan of `key` is cached."""
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    return Path(cache_dir) / CACHE_FOLDER / f"{digest}.json"
+
+
+def plan_key(modules: Sequence[nn.Module | None]) -> dict:
+    """What a plan depends on: this machine, torch, and how many weights of each shape the modules hold."""
+    layers = linear_layers(modules)
+    device = layers[0].weight.device if layers else torch.device("cpu")
+    return {
+        "format": PLAN_FORMAT,
+        "processor": processor_name(device),
+        "cores": os.cpu_count(),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "device": device.type,
+        "shapes": dict(sorted(Counter(shape_key(layer.weight) for layer in layers).items())),
+        "row_buckets": list(ROW_BUCKETS),
+    }
+
+
+def processor_name(device: torch.device) -> str:
+    """The GPU's name, or the CPU's model string from /proc/cpuinfo (platform.processor() elsewhere)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.is_file():
+        for line in cpuinfo.read_text().splitlines():
+            if line.startswith("model name"):
+                return line.partition(":")[2].strip()
+    return platform.processor() or platform.machine()
+
+
+def measure_plan(
+    modules: Sequence[nn.Module | None], row_buckets: Sequence[int] = ROW_BUCKETS, rounds: int = ROUNDS
+) -> tuple[LinearFormPlan, dict[str, dict[str, list[float]]]]:
+    """The fastest form per (shape, row bucket), and the best milliseconds of every form (see the module docstring)."""
+    groups: dict[str, list[torch.Tensor]] = {}
+    for layer in linear_layers(modules):
+        groups.setdefault(shape_key(layer.weight), []).append(layer.weight.detach())
+    best = {key: {form: [math.inf] * len(row_buckets) for form in FORM_NAMES} for key in groups}
+    with torch.no_grad():
+        transposed = {key: [weight.t().contiguous() for weight in weights] for key, weights in groups.items()}
+        repeats = {key: _repeats(weights, transposed[key]) for key, weights in groups.items()}
+        for round_index in range(rounds):
+            for bucket, rows in enumerate(row_buckets):
+                shift = (round_index + bucket) % len(FORM_NAMES)
+                for form in FORM_NAMES[shift:] + FORM_NAMES[:shift]:
+                    for key, weights in groups.items():
+                        times = [best[key][name][bucket] for name in FORM_NAMES]
+                        if round_index > 0 and times[FORM_NAMES.index(form)] > HOPELESS * min(times):
+                            continue
+                        seconds = _time_pass(form, rows, weights, transposed[key], repeats[key])
+                        best[key][form][bucket] = min(best[key][form][bucket], seconds * 1e3)
+    plan = LinearFormPlan(tuple(row_buckets), {key: _fastest(times) for key, times in best.items()})
+    return plan, best
+
+
+def _fastest(milliseconds: dict[str, list[float]]) -> tuple[str, ...]:
+    """Per bucket, the fastest form; `linear` unless another beats it by MARGIN."""
+    chosen = []
+    for bucket, linear_time in enumerate(milliseconds[LINEAR]):
+        form = min(FORM_NAMES, key=lambda name: milliseconds[name][bucket])
+        chosen.append(form if milliseconds[form][bucket] < (1 - MARGIN) * linear_time else LINEAR)
+    return tuple(chosen)
+
+
+def _repeats(weights: list[torch.Tensor], transposed: list[torch.Tensor]) -> int:
+    """Passes per timing of this group so one lasts SHORTEST_TIMING_SECONDS (after a warm-up of every form)."""
+    for form in FORM_NAMES:
+        _time_pass(form, 1, weights, transposed, 1)
+    seconds = _time_pass(LINEAR, 1, weights, transposed, 1)
+    return max(1, math.ceil(SHORTEST_TIMING_SECONDS / max(seconds, 1e-9)))
+
+
+def _time_pass(form: str, rows: int, weights: list[torch.Tensor], transposed: list[torch.Tensor], repeats: int):
+    """Seconds per pass of `form` at `rows` rows over every weight of a group (synchronized on a GPU)."""
+    product = FORMS[form]
+    inputs = torch.randn(rows, weights[0].shape[1], dtype=weights[0].dtype, device=weights[0].device)
+    _synchronize(inputs.device)
+    started = time.perf_counter()
+    for _ in range(repeats):
+        for weight, weight_transposed in zip(weights, transposed, strict=True):
+            product(inputs, weight, weight_transposed, None)
+    _synchronize(inputs.device)
+    return (time.perf_counter() - started) / repeats
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
