@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from test_profile import hand_made_trace, write_jsonl
 from test_speculative import (
     BOS,
     TargetAsDrafter,
@@ -11,8 +12,12 @@ from test_speculative import (
     requests_for,
     tiny_target,
 )
+from typer.testing import CliRunner
 
+from tlt_cli.cli import app
 from tlt_cli.drafter.model import EagleDrafter
+from tlt_cli.profile.analysis import analyse
+from tlt_cli.profile.records import load_records
 from tlt_cli.rollout.adaptive import AdaptiveSchedule, AdaptiveSpeculativeDecoder, build_rules, parse_label
 from tlt_cli.rollout.engine import EmbeddedEngine
 from tlt_cli.rollout.ngram import NgramIndex
@@ -163,7 +168,7 @@ def test_an_adaptive_table_of_model_free_configurations_needs_no_drafter():
     usage = schedule.take_usage()
     assert {"off", "ngram4", "ngram2"} <= set(usage)
     assert sum(usage[label].ngram_accepted_tokens for label in ("ngram4", "ngram2")) > 0
-    assert usage["ngram4"].drafter_accepted_tokens == 0 and usage["ngram4"].verify_passes > 0
+    assert usage["ngram4"].drafter_verify_passes == 0 and usage["ngram4"].ngram_verify_passes > 0
 
 
 def test_a_shape_that_needs_a_drafter_is_refused_without_one():
@@ -218,3 +223,49 @@ def test_an_ngram_branch_merges_where_it_meets_drafted_tokens_and_rows_are_padde
     assert drafter == [False, True, True, True, False, False]
     assert ngram == [False, True, False, False, True, True]
     assert grafted.ancestors[0, 5].tolist() == [True, True, False, False, True, True]
+
+
+def test_tlt_profile_shows_accept_length_by_draft_source(tmp_path):
+    records = hand_made_trace()
+    records += [
+        {
+            "type": "sd_config",
+            "step": 0,
+            "worker": 1,
+            "config": "s2-k1-t3+ngram4",
+            "seconds": 1.0,
+            "decode_steps": 10,
+            "drafter_verify_passes": 40,
+            "drafter_accepted_tokens": 30,
+            "ngram_verify_passes": 40,
+            "ngram_accepted_tokens": 20,
+        },
+        {
+            "type": "sd_config",
+            "step": 0,
+            "worker": 0,
+            "config": "ngram4",
+            "seconds": 1.0,
+            "decode_steps": 10,
+            "ngram_verify_passes": 60,
+            "ngram_accepted_tokens": 30,
+        },
+    ]
+    write_jsonl(tmp_path / "trace.jsonl", records)
+    profile = analyse(load_records(tmp_path))
+    by_config = {entry.config: entry.accept_length_by_source for entry in profile.sd_time}
+    assert by_config["s2-k1-t3+ngram4"] == {"drafter": 1.75, "ngram": 1.5}
+    assert by_config["ngram4"] == {"ngram": 1.5} and by_config["off"] == {}
+    assert profile.accept_length_by_source == {"drafter": 1.75, "ngram": 1.5}
+    result = CliRunner().invoke(app, ["profile", str(tmp_path), "--no-plots"])
+    assert result.exit_code == 0, result.output
+    assert "accept length by draft source (its own drafts only): drafter 1.75, ngram 1.50" in result.output
+
+
+def test_trl_prompts_repeated_num_generations_times_are_one_group_each():
+    from tlt_cli.integrations.trl import grouped_requests
+
+    # TRL 1.16's RepeatSampler hands each prompt num_generations times in a row
+    requests = grouped_requests([[1, 2], [1, 2], [1, 2], [5], [5], [5]])
+    assert [request.group for request in requests] == [0, 0, 0, 1, 1, 1]
+    assert [request.request_id for request in requests] == list(range(6))

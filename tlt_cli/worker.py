@@ -165,7 +165,6 @@ class WorkerLoop:
                 self.rank,
                 spec.address.rank_on_node,
                 spec.run_directory,
-                cache_dir=spec.model_cache,
             )
         )
         self.barrier = RolloutBarrier(spec.address)
@@ -269,7 +268,9 @@ class WorkerLoop:
             prompt_ids = tuple(encode_prompt(self.tokenizer, problem.prompt))
             for sample in range(group_size):
                 shard.requests.append(
-                    RolloutRequest(request_id=problem_number * group_size + sample, prompt_ids=prompt_ids)
+                    RolloutRequest(
+                        request_id=problem_number * group_size + sample, prompt_ids=prompt_ids, group=problem_number
+                    )
                 )
         return shard
 

@@ -202,8 +202,9 @@ def _shard_maker(
             tuple(encode_prompt(tokenizer, task.problem(repeat * prompts_per_shard + number).prompt))
             for number in range(prompts_per_shard)
         ]
+        # the group_size samples of a prompt are one group (n-gram proposals from siblings)
         return [
-            RolloutRequest(row, prompts[row // recipe.train.group_size])
+            RolloutRequest(row, prompts[row // recipe.train.group_size], group=row // recipe.train.group_size)
             for row in range(prompts_per_shard * recipe.train.group_size)
         ]
 

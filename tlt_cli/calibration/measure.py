@@ -98,8 +98,10 @@ def bucket_totals(steps: list[DecodeStep], grid: list[int]) -> dict[int, ShardTo
 
 def fixed_decoder(pair: ModelPair, config: SpeculativeConfig | None) -> SpeculativeDecoder:
     """A decoder with `config` at every step (None: plain decoding steps inside it, as the adaptive engine runs
-    them)."""
-    return SpeculativeDecoder(pair.drafter, lambda batch_size: config)
+    them; an n-gram index only where the configuration drafts with it)."""
+    return SpeculativeDecoder(
+        pair.drafter, lambda batch_size: config, uses_ngram=config is not None and config.uses_ngram
+    )
 
 
 def time_shard(

@@ -18,13 +18,13 @@ Projection model (stated in every report next to its result, `Projection.model`)
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from itertools import groupby
 
 import numpy
 
-from tlt_cli.profile.records import ProfileRecords, RequestRecord, StepRecord, WorkerRecord
-from tlt_cli.rollout.types import accept_length
+from tlt_cli.profile.records import ProfileRecords, RequestRecord, SdConfigRecord, StepRecord, WorkerRecord
+from tlt_cli.rollout.types import accept_length, source_accept_lengths
 
 DEFAULT_TAIL_BATCH = 4
 # per-token speedup of SD in the tail assumed when the input measured none (the order reported for
@@ -81,6 +81,8 @@ class ConfigTime:
     seconds: float
     decode_steps: int
     share: float
+    # draft source -> accept length counting only its drafts (types.source_accept_lengths); empty for off
+    accept_length_by_source: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -128,6 +130,8 @@ class Profile:
     # (accepted drafts + verify passes) / verify passes over every request; None when SD never ran
     accept_length: float | None
     accept_by_depth: list[DepthAcceptance]
+    # draft source (drafter, ngram) -> its accept length over every configuration drafting with it
+    accept_length_by_source: dict[str, float]
     drafter_train_seconds: float
     drafter_steps: int
     # drafter training seconds / idle worker-seconds
@@ -168,6 +172,7 @@ def analyse(records: ProfileRecords, tail_batch: int = DEFAULT_TAIL_BATCH, sd_sp
         sd_off_seconds=sum(entry.seconds for entry in sd_time if entry.config == SD_OFF_LABEL) if sd_time else None,
         accept_length=accept_length,
         accept_by_depth=_accept_by_depth(records.requests),
+        accept_length_by_source=source_accept_lengths(_source_counts(records.sd_configs)),
         drafter_train_seconds=drafter_seconds,
         drafter_steps=sum(worker.drafter_steps for worker in records.workers),
         drafter_idle_share=drafter_seconds / idle_worker_seconds if idle_worker_seconds else 0.0,
@@ -335,11 +340,26 @@ def _sd_time(records: ProfileRecords) -> list[ConfigTime]:
         totals[record.config] = (seconds + record.seconds, decode_steps + record.decode_steps)
     all_seconds = sum(seconds for seconds, _ in totals.values())
     return [
-        ConfigTime(config, seconds, decode_steps, seconds / all_seconds if all_seconds else 0.0)
+        ConfigTime(
+            config,
+            seconds,
+            decode_steps,
+            seconds / all_seconds if all_seconds else 0.0,
+            source_accept_lengths(_source_counts([record for record in records.sd_configs if record.config == config])),
+        )
         for config, (seconds, decode_steps) in sorted(
             totals.items(), key=lambda item: (item[0] != SD_OFF_LABEL, item[0])
         )
     ]
+
+
+def _source_counts(records: list[SdConfigRecord]) -> dict[str, int]:
+    """The per-source verify passes and accepted tokens of `records`, summed."""
+    totals: dict[str, int] = {}
+    for record in records:
+        for name, count in record.source_counts.items():
+            totals[name] = totals.get(name, 0) + count
+    return totals
 
 
 def _sd_speedup(records: ProfileRecords, accept_length: float | None, given: float | None) -> tuple[float, str]:

@@ -139,7 +139,11 @@ def _shard_requests(
         prompt_ids = tuple(encode_prompt(tokenizer, task.problem(first + problem_number).prompt))
         for sample in range(recipe.train.group_size):
             requests.append(
-                RolloutRequest(request_id=problem_number * recipe.train.group_size + sample, prompt_ids=prompt_ids)
+                RolloutRequest(
+                    request_id=problem_number * recipe.train.group_size + sample,
+                    prompt_ids=prompt_ids,
+                    group=problem_number,
+                )
             )
     return requests
 

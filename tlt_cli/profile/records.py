@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from tlt_cli.errors import UserError
+from tlt_cli.rollout.types import DRAFT_SOURCES
 
 TRACE_FILE = "trace.jsonl"
 REQUIRED_REQUEST_FIELDS = ("step", "worker", "start", "end", "tokens")
@@ -83,6 +84,8 @@ class SdConfigRecord:
     config: str
     seconds: float
     decode_steps: int
+    # <source>_verify_passes and <source>_accepted_tokens per draft source (older traces: none)
+    source_counts: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -316,6 +319,11 @@ def _sd_config(record: dict[str, Any], where: str) -> SdConfigRecord:
         config=record["config"],
         seconds=_number(record, "seconds", float, where),
         decode_steps=_number(record, "decode_steps", int, where, default=0),
+        source_counts={
+            f"{source}_{count}": _number(record, f"{source}_{count}", int, where, default=0)
+            for source in DRAFT_SOURCES
+            for count in ("verify_passes", "accepted_tokens")
+        },
     )
 
 

@@ -147,14 +147,18 @@ def _render_speculative(console: Console, profile: Profile) -> None:
     if profile.sd_time:
         table = Table(title="decoding time by SD configuration", title_justify="left")
         table.add_column("config")
-        for column in ("seconds", "share %", "decode steps"):
+        for column in ("seconds", "share %", "decode steps", "accept length by draft source"):
             table.add_column(column, justify="right")
         for entry in profile.sd_time:
             table.add_row(
-                Text(entry.config), f"{entry.seconds:.2f}", f"{100 * entry.share:.0f}", str(entry.decode_steps)
+                Text(entry.config),
+                f"{entry.seconds:.2f}",
+                f"{100 * entry.share:.0f}",
+                str(entry.decode_steps),
+                _by_source(entry.accept_length_by_source),
             )
         table.add_row(
-            "SD on / off", f"{profile.sd_on_seconds:.2f} / {profile.sd_off_seconds:.2f}", "", "", style="bold"
+            "SD on / off", f"{profile.sd_on_seconds:.2f} / {profile.sd_off_seconds:.2f}", "", "", "", style="bold"
         )
         console.print(table)
     else:
@@ -163,6 +167,11 @@ def _render_speculative(console: Console, profile: Profile) -> None:
         console.print("accept length: SD did not run (no verify passes)")
         return
     console.print(f"accept length {profile.accept_length:.2f} tokens per verify pass", highlight=False)
+    if profile.accept_length_by_source:
+        console.print(
+            f"accept length by draft source (its own drafts only): {_by_source(profile.accept_length_by_source)}",
+            highlight=False,
+        )
     if profile.accept_by_depth:
         table = Table(title="acceptance per draft depth", title_justify="left")
         for column in ("depth", "drafted", "accepted", "rate %", "adds to accept length"):
@@ -176,6 +185,11 @@ def _render_speculative(console: Console, profile: Profile) -> None:
                 f"{depth.accept_length_share:.2f}",
             )
         console.print(table)
+
+
+def _by_source(lengths: dict[str, float]) -> str:
+    """'drafter 1.62, ngram 1.45' ('' when no source drafted)."""
+    return ", ".join(f"{source} {length:.2f}" for source, length in lengths.items())
 
 
 def _drafter_summary(profile: Profile) -> str:

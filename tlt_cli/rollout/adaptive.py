@@ -29,8 +29,7 @@ from typing import TYPE_CHECKING
 
 from tlt_cli.config import RecipeError
 from tlt_cli.rollout.speculative import SpeculativeDecoder, StepCounts
-from tlt_cli.rollout.types import DRAFT_SOURCES, DecodeStep, SpeculativeConfig
-from tlt_cli.rollout.types import accept_length as tokens_per_verify_pass
+from tlt_cli.rollout.types import DecodeStep, SpeculativeConfig
 
 if TYPE_CHECKING:
     from torch import nn
@@ -171,32 +170,17 @@ def check_coverage(rules: list[Rule]) -> None:
 
 @dataclass
 class ConfigUsage:
-    """Time spent in one configuration during a rollout, and (SD configurations) its verify passes
-    and the accepted tokens each draft source had proposed: the accept length of source S is
-    1 + S_accepted_tokens / verify_passes (`source_accept_lengths`)."""
+    """Time spent in one configuration during a rollout and, per draft source (DRAFT_SOURCES), the
+    verify passes that drafted with it and the accepted tokens it had proposed (a token both sources
+    proposed counts for both): types.source_accept_lengths reads them."""
 
     decode_steps: int = 0
     tokens: int = 0
     seconds: float = 0.0
-    verify_passes: int = 0
+    drafter_verify_passes: int = 0
     drafter_accepted_tokens: int = 0
+    ngram_verify_passes: int = 0
     ngram_accepted_tokens: int = 0
-
-
-def source_accept_lengths(usage: dict[str, float], label: str) -> dict[str, float]:
-    """Draft source -> accept length of `label`'s verify passes counting only that source's tokens
-    (usage: a ConfigUsage's fields, e.g. an sd_config trace record); sources the label does not use
-    are left out."""
-    config = parse_label(label)
-    passes = usage.get("verify_passes", 0)
-    if config is None or not passes:
-        return {}
-    used = {"drafter": config.uses_drafter, "ngram": config.uses_ngram}
-    return {
-        source: tokens_per_verify_pass(int(usage.get(f"{source}_accepted_tokens", 0)), int(passes))
-        for source in DRAFT_SOURCES
-        if used[source]
-    }
 
 
 @dataclass
@@ -288,8 +272,9 @@ class AdaptiveSchedule:
         self.observe(step.tokens, step.batch_size if speculated else 0, step.seconds)
         if counts is not None and speculated:
             usage = self.usage[label_of(self._last[1])]
-            usage.verify_passes += counts.verify_passes
+            usage.drafter_verify_passes += counts.passes_by_source["drafter"]
             usage.drafter_accepted_tokens += counts.accepted_by_source["drafter"]
+            usage.ngram_verify_passes += counts.passes_by_source["ngram"]
             usage.ngram_accepted_tokens += counts.accepted_by_source["ngram"]
 
     def observe(self, emitted_tokens: int, verify_passes: int, seconds: float) -> None:
@@ -378,9 +363,8 @@ class AdaptiveSpeculativeDecoder(SpeculativeDecoder):
     """
 
     def __init__(self, drafter: nn.Module | None, schedule: AdaptiveSchedule) -> None:
-        super().__init__(drafter, schedule)
+        super().__init__(drafter, schedule, uses_ngram=schedule.uses_ngram)
         self.adaptive_schedule = schedule
-        self.keeps_index = schedule.uses_ngram
 
     def observe_step(self, step: DecodeStep) -> None:
         self.adaptive_schedule.observe_step(step, self.last_step)

@@ -133,10 +133,11 @@ class DraftState:
 
 @dataclass(frozen=True)
 class StepCounts:
-    """What the verify pass of one SD step did over the batch: passes (rows verified) and, per draft
-    source, the accepted tokens it had proposed (a token both proposed counts for both)."""
+    """What the verify pass of one SD step did over the batch, per draft source: rows verified with
+    drafts of that source (0 when the shape does not use it), and the accepted tokens it had
+    proposed (a token both proposed counts for both)."""
 
-    verify_passes: int
+    passes_by_source: dict[str, int]
     accepted_by_source: dict[str, int]
 
 
@@ -149,6 +150,8 @@ class SpeculativeDecoder:
     the module docstring).
 
     drafter: None when only model-free shapes are used (a shape that needs it is then refused).
+    uses_ngram: whether any shape may draft with the n-gram index (None: a fixed shape says; a
+    schedule may); without, the index is not kept.
     config: one SpeculativeConfig for every step, or a ConfigSchedule the engine consults before
     each step with the running batch size (the adaptive rule table). Committed state does not
     depend on the shape, so shapes may change, and SD may go off and on, from one step to the next.
@@ -157,11 +160,18 @@ class SpeculativeDecoder:
     # the engine calls it with every DecodeStep it timed with this decoder (None: nothing learns from them)
     observe_step: Callable[[DecodeStep], None] | None = None
 
-    def __init__(self, drafter: nn.Module | None, config: SpeculativeConfig | ConfigSchedule) -> None:
+    def __init__(
+        self,
+        drafter: nn.Module | None,
+        config: SpeculativeConfig | ConfigSchedule,
+        uses_ngram: bool | None = None,
+    ) -> None:
         self.drafter = drafter
         self.schedule: ConfigSchedule = config if callable(config) else (lambda batch_size: config)
-        # a fixed shape without n-grams never asks the index, so it is not kept
-        self.keeps_index = config.uses_ngram if isinstance(config, SpeculativeConfig) else True
+        # whether a shape may ask the n-gram index (None: a fixed shape says, a schedule may): if not, none is kept
+        if uses_ngram is None:
+            uses_ngram = config.uses_ngram if isinstance(config, SpeculativeConfig) else True
+        self.keeps_index = uses_ngram
         # shapes already validated against the drafter's vocabulary
         self._checked: set[SpeculativeConfig] = set()
         if isinstance(config, SpeculativeConfig):
@@ -382,8 +392,8 @@ class SpeculativeDecoder:
         used = torch.tensor([config.uses_drafter, config.uses_ngram], device=accepted.device)
         self.state.passes_by_source += used.long()[None, :]
         self.state.accepted_by_source += accepted
-        totals = accepted.sum(dim=0).tolist()
-        self.last_step = StepCounts(batch.size, {source: totals[i] for i, source in enumerate(DRAFT_SOURCES)})
+        totals, passes = accepted.sum(dim=0).tolist(), (used.long() * batch.size).tolist()
+        self.last_step = StepCounts(dict(zip(DRAFT_SOURCES, passes)), dict(zip(DRAFT_SOURCES, totals)))
         if config.uses_ngram:
             accepted_per_row = verdict.accept_length.tolist()
             for row, request in enumerate(batch.request_index.tolist()):

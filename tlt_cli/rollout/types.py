@@ -9,6 +9,7 @@ speak these types.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -23,6 +24,19 @@ def accept_length(accepted_draft_tokens: int, verify_passes: int) -> float | Non
     trace, `tlt profile`, SGLang's probes and `tlt export-drafter` all report this number.
     """
     return (accepted_draft_tokens + verify_passes) / verify_passes if verify_passes else None
+
+
+def source_accept_lengths(counts: Mapping[str, float]) -> dict[str, float]:
+    """Draft source -> accept length counting only the drafts that source proposed, over the verify
+    passes of configurations using it, from counts named `<source>_verify_passes` and
+    `<source>_accepted_tokens` (a ConfigUsage's fields, an sd_config trace record); sources with no
+    verify pass are left out."""
+    lengths = {}
+    for source in DRAFT_SOURCES:
+        passes = int(counts.get(f"{source}_verify_passes", 0))
+        if passes:
+            lengths[source] = accept_length(int(counts.get(f"{source}_accepted_tokens", 0)), passes)
+    return lengths
 
 
 # where a drafted token came from: the trained drafter, or the model-free n-gram index
