@@ -165,6 +165,7 @@ class WorkerLoop:
                 self.rank,
                 spec.address.rank_on_node,
                 spec.run_directory,
+                cache_dir=spec.model_cache,
             )
         )
         self.barrier = RolloutBarrier(spec.address)

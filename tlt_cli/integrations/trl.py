@@ -23,7 +23,10 @@ auto-off of the `speculative` settings (tlt_cli/rollout/adaptive.py). With sever
 processes the drafter sidecar trains the drafter while this process waits for the others
 (tlt_cli/integrations/trl_sidecar.py). `take_records()` returns what each rollout did (timings,
 per-request lengths, SD usage and acceptance, sidecar metrics) for a trace;
-`save_state`/`load_state` carry the schedule and drafter through checkpoints.
+`save_state`/`load_state` carry the schedule and drafter through checkpoints. With
+`linear_forms="auto"` the engine computes each linear layer in the form measured fastest for the
+pass's rows (tlt_cli/rollout/linear_forms.py); its transposed copies are refreshed before every
+rollout, since TRL's optimizer steps in between.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from tlt_cli.checkpoint import load_checkpoint_file
 from tlt_cli.config import DrafterConfig, SpeculativeSection
 from tlt_cli.errors import UserError
 from tlt_cli.integrations.trl_support import (
@@ -47,6 +51,7 @@ from tlt_cli.integrations.trl_support import (
 )
 from tlt_cli.rollout.adaptive import OFF, adaptive_schedule
 from tlt_cli.rollout.embedded import EmbeddedRollout
+from tlt_cli.rollout.linear_forms_measure import LINEAR_FORM_MODES
 from tlt_cli.rollout.types import Completion, RolloutRequest
 
 if TYPE_CHECKING:
@@ -82,7 +87,8 @@ class RolloutRecord:
     logprob_seconds: the log-prob products; sd_usage: label -> {decode_steps, tokens, seconds};
     sd_seconds: decode seconds under an SD configuration; accept_length: tokens per verify pass
     over the rollout (0.0 without SD); sidecar: the drafter sidecar's metrics (empty when it did
-    not run: tlt_cli/drafter/sidecar.py names the keys), with idle_seconds, the wait it trained in.
+    not run: tlt_cli/drafter/sidecar.py names the keys), with idle_seconds, the wait it trained in;
+    linear_form_bytes: the memory of the linear forms' transposed weight copies (0: none).
     """
 
     rollout: int
@@ -101,6 +107,7 @@ class RolloutRecord:
     accept_length: float
     warnings: list[str]
     sidecar: dict[str, float] = field(default_factory=dict)
+    linear_form_bytes: int = 0
 
     @property
     def seconds(self) -> float:
@@ -117,6 +124,8 @@ def tlt_rollout(
     sidecar: bool = True,
     drafter_config: DrafterConfig | dict | None = None,
     seed: int = 0,
+    linear_forms: str = "auto",
+    cache_dir: str | Path | None = None,
 ) -> TltRollout:
     """A `rollout_func` for `GRPOTrainer` (checked now: TRL's version, the settings).
 
@@ -125,15 +134,20 @@ def tlt_rollout(
     rollout, cached under $TLT_CACHE_DIR), "random", a folder written by save_drafter, or an
     EagleDrafter. sidecar: train the drafter in the wait between data-parallel processes.
     drafter_config: the recipe's `drafter` section (warm-up and sidecar settings). seed: sampling
-    and the bandit's draws.
+    and the bandit's draws. linear_forms: "auto" or "off" (the recipe's `rollout.linear_forms`);
+    cache_dir: where its measured plan is cached (None: $TLT_CACHE_DIR or ~/.cache/tlt).
     """
     check_trl_version()
+    if linear_forms not in LINEAR_FORM_MODES:
+        raise UserError(f"linear_forms is {linear_forms!r}; use one of {', '.join(LINEAR_FORM_MODES)}.")
     return TltRollout(
         _section(SpeculativeSection, speculative, "speculative"),
         drafter,
         sidecar,
         _section(DrafterConfig, drafter_config, "drafter_config"),
         seed,
+        linear_forms,
+        None if cache_dir is None else Path(cache_dir),
     )
 
 
@@ -160,6 +174,8 @@ class TltRollout:
         sidecar: bool,
         drafter_config: DrafterConfig,
         seed: int,
+        linear_forms: str = "off",
+        cache_dir: Path | None = None,
     ) -> None:
         if speculative.mode == "adaptive":
             adaptive_schedule(speculative)  # the rule table is checked now, not at the first rollout
@@ -168,6 +184,7 @@ class TltRollout:
         self.use_sidecar = sidecar
         self.drafter_config = drafter_config
         self.seed = seed
+        self.linear_forms, self.cache_dir = linear_forms, cache_dir
         self.rollouts = 0
         self.backend: EmbeddedRollout | None = None
         self.policy: nn.Module | None = None
@@ -222,7 +239,14 @@ class TltRollout:
         )
         eos_ids, pad_token_id = eos_and_pad_ids(trainer)
         self.backend = HiddenStateRollout(
-            policy, eos_ids[0], pad_token_id, self.speculative, self.drafter, seed=self.seed
+            policy,
+            eos_ids[0],
+            pad_token_id,
+            self.speculative,
+            self.drafter,
+            seed=self.seed,
+            linear_forms=self.linear_forms,
+            cache_dir=self.cache_dir,
         )
         if self.pending_state is not None:
             self._load_schedule(self.pending_state, trainer.accelerator.process_index)
@@ -277,6 +301,7 @@ class TltRollout:
             accept_length=(accepted + passes) / passes if passes else 0.0,
             warnings=self.backend.take_warnings(),
             sidecar=sidecar,
+            linear_form_bytes=self.backend.linear_forms.extra_bytes if self.backend.linear_forms else 0,
         )
 
     def take_records(self) -> list[RolloutRecord]:
@@ -301,13 +326,13 @@ class TltRollout:
 
     def load_state(self, directory: Path, process: int = 0) -> None:
         """Restore what `save_state` wrote: now the rollout count, the rest when the engine is built."""
-        state = torch.load(Path(directory) / STATE_DIRECTORY / f"rank-{process}.pt", weights_only=False)
+        state = load_checkpoint_file(Path(directory) / STATE_DIRECTORY / f"rank-{process}.pt")
         self.rollouts = state["rollouts"]
         self.pending_state = Path(directory)
         self.policy = None  # rebuild on the next call, from the checkpoint's drafter
 
     def _load_schedule(self, directory: Path, process: int) -> None:
-        state = torch.load(directory / STATE_DIRECTORY / f"rank-{process}.pt", weights_only=False)
+        state = load_checkpoint_file(directory / STATE_DIRECTORY / f"rank-{process}.pt")
         if state["schedule"] is not None and self.backend.schedule is not None:
             self.backend.schedule.load_state_dict(state["schedule"])
 
@@ -319,6 +344,7 @@ class HiddenStateRollout(EmbeddedRollout):
         self, requests: list[RolloutRequest], sampling: Any, seed: int
     ) -> tuple[list[Completion], float]:
         """Completions in request order with `target_hidden`, and when the last one finished."""
+        self.refresh_copies()  # TRL's optimizer stepped since the last rollout
         generator = torch.Generator(self.engine.device).manual_seed(seed)
         completions = self.engine.generate(requests, sampling, generator, return_hidden=True)
         return completions, max(completion.end for completion in completions)
