@@ -15,6 +15,7 @@ from test_speculative import (
 from typer.testing import CliRunner
 
 from tlt_cli.cli import app
+from tlt_cli.config import RecipeError, SpeculativeSection
 from tlt_cli.drafter.model import EagleDrafter
 from tlt_cli.profile.analysis import analyse
 from tlt_cli.profile.records import load_records
@@ -24,6 +25,9 @@ from tlt_cli.rollout.ngram import NgramIndex
 from tlt_cli.rollout.speculative import SpeculativeDecoder
 from tlt_cli.rollout.tree import DraftTree, ancestor_mask, with_ngram_branch
 from tlt_cli.rollout.types import RolloutRequest, SamplingParams, SpeculativeConfig
+from tlt_cli.sglang.adaptive import batch_rules, plan_for_sglang
+from tlt_cli.sglang.server_args import speculative_flags
+from tlt_cli.sglang.version import sglang_features
 
 torch.set_num_threads(1)
 
@@ -269,3 +273,37 @@ def test_trl_prompts_repeated_num_generations_times_are_one_group_each():
     requests = grouped_requests([[1, 2], [1, 2], [1, 2], [5], [5], [5]])
     assert [request.group for request in requests] == [0, 0, 0, 1, 1, 1]
     assert [request.request_id for request in requests] == list(range(6))
+
+
+def test_sglang_runs_model_free_tables_with_its_ngram_flags():
+    rules = batch_rules(
+        SpeculativeSection(rules=[{"batch": [1, 8], "use": "ngram4"}, {"batch": [9, None], "use": "off"}])
+    )
+    plan = plan_for_sglang(rules, sglang_features("0.5.23"))
+    assert plan.mode == "ngram" and plan.launch == SpeculativeConfig(0, ngram_tokens=4)
+    assert any("one per server" in difference for difference in plan.differences)
+    flags = speculative_flags(plan, draft_model_path=None, adaptive_config_path=None)
+    assert flags == [
+        "--speculative-algorithm",
+        "NGRAM",
+        "--speculative-num-draft-tokens",
+        "5",
+        "--speculative-ngram-min-match-window-size",
+        "1",
+        "--speculative-ngram-max-match-window-size",
+        "4",
+        "--speculative-ngram-min-bfs-breadth",
+        "1",
+        "--speculative-ngram-max-bfs-breadth",
+        "1",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("uses", "message"),
+    [(["s2-k1-t3+ngram4", "off"], "hybrid of n-gram and drafter proposals"), (["ngram4", "s2-k1-t3"], "mixes")],
+)
+def test_sglang_refuses_hybrid_and_mixed_tables_in_one_sentence(uses, message):
+    rules = [{"batch": [1, 8], "use": uses[0]}, {"batch": [9, None], "use": uses[1]}]
+    with pytest.raises(RecipeError, match=message):
+        batch_rules(SpeculativeSection(rules=rules))

@@ -19,6 +19,10 @@ candidates). `plan_for_sglang(rules, features, auto_off_on_collapse)` then retur
   off and re-probe it later) or `[0]` for off. Written with `write_adaptive_config`.
 - **static**: a tree rule (topk > 1), or an SGLang without slots: one configuration, taken
   from the rule that covers `static_batch_size` (the tail), runs at every batch size.
+- **ngram**: the table's SD configurations are model-free (`ngram<k>`): SGLang's own NGRAM
+  drafting (`--speculative-algorithm NGRAM`, one trie per server fed by every running request),
+  one configuration at every batch size as in a static plan. NGRAM cannot run beside EAGLE, so
+  `batch_rules` refuses hybrid configurations (`s2-k1-t3+ngram4`) and tables mixing the two.
 
 `SGLangSpeculativePlan.differences` lists, in sentences, how the plan differs from the
 embedded engine; the backend logs them at start. The server command line is built from the
@@ -32,7 +36,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from tlt_cli.config import SpeculativeSection
+from tlt_cli.config import RecipeError, SpeculativeSection
 from tlt_cli.rollout.adaptive import UNBOUNDED, Rule, bucket_edges, build_rules
 from tlt_cli.rollout.types import SpeculativeConfig
 from tlt_cli.sglang.version import SGLangFeatures
@@ -80,7 +84,25 @@ def batch_rules(section: SpeculativeSection) -> list[BatchRule]:
         return [BatchRule(1, None, None)]
     if section.mode == "fixed":
         return [BatchRule(1, None, SpeculativeConfig(section.steps, section.topk, section.draft_tokens))]
-    return _adaptive_batch_rules(build_rules([dict(rule) for rule in section.rules]))
+    rules = build_rules([dict(rule) for rule in section.rules])
+    _check_one_algorithm([config for rule in rules for config in rule.configs if config is not None])
+    return _adaptive_batch_rules(rules)
+
+
+def _check_one_algorithm(configs: list[SpeculativeConfig]) -> None:
+    """SGLang runs NGRAM or EAGLE on a server, never both: no hybrid, no table mixing the two."""
+    for config in configs:
+        if config.uses_ngram and config.uses_drafter:
+            raise RecipeError(
+                f"{config.label()} is a hybrid of n-gram and drafter proposals, which SGLang cannot run (its "
+                f"NGRAM drafting does not combine with EAGLE); use ngram{config.ngram_tokens} or "
+                f"{config.drafter_part.label()} with rollout.backend: sglang."
+            )
+    if len({config.uses_ngram for config in configs}) > 1:
+        raise RecipeError(
+            "the rule table mixes model-free ngram<k> with drafter configurations, and an SGLang server runs one "
+            "speculative algorithm (NGRAM or EAGLE); use one kind with rollout.backend: sglang."
+        )
 
 
 def _adaptive_batch_rules(rules: list[Rule]) -> list[BatchRule]:
@@ -130,6 +152,9 @@ def plan_for_sglang(
     speculative_rules = [rule for rule in rules if rule.speculative is not None]
     if not speculative_rules:
         return SGLangSpeculativePlan("off", None, (), ("SD is off on every server, as every rule of the table says.",))
+    _check_one_algorithm([rule.speculative for rule in speculative_rules])
+    if speculative_rules[0].speculative.uses_ngram:
+        return _ngram_plan(rules, static_batch_size)
     all_chains = all(rule.speculative.is_chain for rule in speculative_rules)
     if all_chains and features.adaptive_slots:
         return _adaptive_plan(rules, auto_off_on_collapse, static_batch_size)
@@ -205,6 +230,21 @@ def _static_plan(
         )
     differences.append("acceptance is not acted on inside SGLang; the post-sync probe still checks it.")
     return SGLangSpeculativePlan("static", launch, (), tuple(differences))
+
+
+def _ngram_plan(rules: Sequence[BatchRule], static_batch_size: int) -> SGLangSpeculativePlan:
+    chosen = _tail_rule(rules, static_batch_size)
+    differences = [
+        f"SGLang's NGRAM drafting runs {chosen.speculative.label()} (from {chosen.describe()}) at every batch size: "
+        "it has no batch-size slots.",
+        "its n-gram trie is one per server, fed by every running request, where tlt's index is one per prompt "
+        "group (a prompt and its sibling responses) and keeps finished siblings.",
+        "hybrid drafting (n-gram beside the drafter in one tree) is not available on SGLang.",
+    ]
+    off_rules = [rule.describe() for rule in rules if rule.speculative is None]
+    if off_rules:
+        differences.append(f"SD stays on where the table says off ({', '.join(off_rules)}).")
+    return SGLangSpeculativePlan("ngram", chosen.speculative, (), tuple(differences))
 
 
 def write_adaptive_config(plan: SGLangSpeculativePlan, path: str | Path) -> Path:

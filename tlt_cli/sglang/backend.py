@@ -181,6 +181,8 @@ class SGLangBackend:
         reason = None
         if self.plan.mode == "off":
             reason = "SD is off on the servers"
+        elif self.plan.mode == "ngram":
+            reason = "the servers draft with SGLang's NGRAM, not the drafter"
         elif not self.features.drafter_sync:
             reason = f"SGLang {self.features.version} has no draft selector (0.5.21 and later)"
         elif not self.config.colocated:

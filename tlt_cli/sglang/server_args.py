@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from tlt_cli.rollout.ngram import DEFAULT_MAX_MATCH
 from tlt_cli.rollout.types import SpeculativeConfig
 from tlt_cli.sglang.adaptive import SGLangSpeculativePlan
 from tlt_cli.sglang.config import PORTS_PER_SERVER, SGLangConfig
@@ -21,6 +22,8 @@ from tlt_cli.sglang.config import PORTS_PER_SERVER, SGLangConfig
 SERVER_HOST = "127.0.0.1"
 # SGLang's name for the EAGLE drafter: fc(concat(embed, hidden)) -> decoder layer(s) -> lm_head
 SPECULATIVE_ALGORITHM = "EAGLE"
+# SGLang's model-free drafting: an n-gram trie over the server's requests
+NGRAM_ALGORITHM = "NGRAM"
 
 
 class LaunchConfigError(ValueError):
@@ -62,12 +65,33 @@ def _shape_flags(shape: SpeculativeConfig) -> list[str]:
     ]
 
 
+def ngram_flags(shape: SpeculativeConfig) -> list[str]:
+    """SGLang's NGRAM flags for model-free `ngram<k>`: k proposed tokens plus the root verified, suffix matches
+    of 1 to tlt's longest match, one branch (a chain, as tlt proposes)."""
+    return [
+        "--speculative-algorithm",
+        NGRAM_ALGORITHM,
+        "--speculative-num-draft-tokens",
+        str(shape.ngram_tokens + 1),
+        "--speculative-ngram-min-match-window-size",
+        "1",
+        "--speculative-ngram-max-match-window-size",
+        str(DEFAULT_MAX_MATCH),
+        "--speculative-ngram-min-bfs-breadth",
+        "1",
+        "--speculative-ngram-max-bfs-breadth",
+        "1",
+    ]
+
+
 def speculative_flags(
     plan: SGLangSpeculativePlan, draft_model_path: str | None, adaptive_config_path: str | Path | None
 ) -> list[str]:
-    """SGLang's speculative flags for `plan`; none for an off plan."""
+    """SGLang's speculative flags for `plan`; none for an off plan (an ngram plan needs no drafter)."""
     if plan.mode == "off":
         return []
+    if plan.mode == "ngram":
+        return ngram_flags(plan.launch)
     if draft_model_path is None:
         raise LaunchConfigError(
             "the rule table turns SD on but no drafter was given: export the drafter in SGLang's EAGLE layout first "
