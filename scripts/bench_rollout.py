@@ -24,6 +24,9 @@ The same prompts also go through transformers' `generate` (batched, left-padded)
 the same sampled target responses and for the same number of steps as the drafter, also cached. Where the
 time goes (target forwards, drafter or assistant forwards, the rest; CPU seconds) is measured with forward
 hooks.
+With --linear-forms on,off every engine method also runs as "<method>+forms": its linear layers in the forms
+measured fastest on this machine for each pass's rows (tlt_cli/rollout/linear_forms.py; plan cached under
+--cache-dir), checked token-identical to SD off like the rest.
 Prints a table per batch size, the ratios the goals are stated in (plain engine vs generate, best SD
 vs plain, best SD vs assisted generation) and writes everything to --out as JSON."""
 
@@ -46,6 +49,7 @@ from tlt_cli.drafter.warmup import encode_prompts, generate_responses, warm_up_d
 from tlt_cli.models.loading import load_policy, model_fingerprint
 from tlt_cli.models.tiny import BUILTIN_TINY_MODEL, IGNORED_LABEL, pad_supervised_batch
 from tlt_cli.rollout.engine import EmbeddedEngine
+from tlt_cli.rollout.linear_forms_measure import prepare_linear_forms
 from tlt_cli.rollout.speculative import SpeculativeDecoder
 from tlt_cli.rollout.types import RolloutRequest, SamplingParams, SpeculativeConfig
 from tlt_cli.tasks.arithmetic import ArithmeticTask
@@ -235,6 +239,12 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
+        "--linear-forms",
+        default="off",
+        help="off, on, or on,off: engine methods with the linear forms of rollout.linear_forms auto (as "
+        "'<method>+forms'), without, or both (SD off without forms always runs: it is the reference)",
+    )
+    parser.add_argument(
         "--drafter",
         default=None,
         help="a drafter folder to use instead of training one (e.g. the one `tlt train` warmed up "
@@ -350,10 +360,12 @@ class Measured:
     drafter_seconds: float
 
 
-def engine_runner(target, drafter, tokenizer, prompt_pool, batch_size, config, sampling):
+def engine_runner(target, drafter, tokenizer, prompt_pool, batch_size, config, sampling, linear_forms=None):
     """A callable that generates the whole pool in batches of batch_size with the embedded engine."""
     speculative = SpeculativeDecoder(drafter, config) if config is not None else None
-    engine = EmbeddedEngine(target, tokenizer.eos_token_id, tokenizer.pad_token_id, speculative=speculative)
+    engine = EmbeddedEngine(
+        target, tokenizer.eos_token_id, tokenizer.pad_token_id, speculative=speculative, linear_forms=linear_forms
+    )
 
     def run() -> Measured:
         decoder_timer, head_timer = ForwardTimer([target.get_decoder()]), ForwardTimer([target.get_output_embeddings()])
@@ -582,12 +594,21 @@ def main() -> None:
     # `--configs off`: the plain engine against generate only, no drafter or assistant to train
     drafter, warmup_report = prepare_drafter(target, tokenizer, task, args) if shapes else (None, None)
     assistant = prepare_assistant(target, tokenizer, task, args) if shapes and args.assisted else None
+    forms_modes = args.linear_forms.split(",")
+    forms = prepare_linear_forms("auto", [target, drafter], Path(args.cache_dir)) if "on" in forms_modes else None
+    if forms is not None:
+        console.print(forms.describe())
     results: list[RunResult] = []
     for cell, batch_size, pool, sampling in benchmark_cells(tokenizer, task, args):
         runners = {
             method: engine_runner(target, drafter, tokenizer, pool, batch_size, SD_CONFIGS[method], sampling)
             for method in ["off", *shapes]
+            if method == "off" or "off" in forms_modes
         }
+        for method in ["off", *shapes] if forms is not None else []:
+            runners[f"{method}+forms"] = engine_runner(
+                target, drafter, tokenizer, pool, batch_size, SD_CONFIGS[method], sampling, forms
+            )
         runners["hf-generate"] = transformers_runner(target, None, tokenizer, pool, batch_size, sampling)
         if batch_size == 1 and assistant is not None:
             runners["hf-assisted"] = transformers_runner(target, assistant, tokenizer, pool, 1, sampling)
