@@ -8,7 +8,7 @@ path but /health needs `Authorization: Bearer <api key>`. Modes: ok, slow (healt
 forks a sleeping child in the same process group and logs its pid, to test that stopping the
 group leaves no orphans.
 
-Run: python tests/sglang_fake_server.py --port 30100 --api-key KEY [--mode ok]
+Run: python tests/sglang_fake_server.py --port 30100 --api-key KEY (or --config KEY.yaml) [--mode ok]
 """
 
 from __future__ import annotations
@@ -21,6 +21,9 @@ import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import yaml
 
 EOS_TOKEN = 2
 ACCEPTED_PER_VERIFY = 2
@@ -152,7 +155,8 @@ class Handler(BaseHTTPRequestHandler):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--port", type=int, required=True)
-    parser.add_argument("--api-key", required=True)
+    parser.add_argument("--api-key")
+    parser.add_argument("--config", help="a YAML file with api-key, as tlt passes it to SGLang")
     parser.add_argument("--mode", choices=("ok", "slow", "hang", "crash"), default="ok")
     parser.add_argument("--startup-delay", type=float, default=0.0)
     parser.add_argument(
@@ -162,6 +166,10 @@ def main() -> None:
     parser.add_argument("--spawn-child", action="store_true")
     parser.add_argument("--break-draft-on-update", action="store_true")
     arguments = parser.parse_args()
+    if arguments.config:
+        arguments.api_key = str(yaml.safe_load(Path(arguments.config).read_text())["api-key"])
+    if not arguments.api_key:
+        parser.error("give --api-key or --config")
     print(f"fake-sglang: pid starting in mode {arguments.mode}", flush=True)
     print(f"fake-sglang: server pid {os.getpid()}", flush=True)
     if arguments.spawn_child:

@@ -10,7 +10,8 @@ import sys
 import textwrap
 from pathlib import Path
 
-from tlt_cli.sglang.server import ServerLaunch
+from tlt_cli.sglang.server import ServerLaunch, write_private
+from tlt_cli.sglang.server_args import api_key_config
 from tlt_cli.sglang.transport import ServerEndpoint
 
 FAKE_SERVER = Path(__file__).parent / "sglang_fake_server.py"
@@ -22,8 +23,8 @@ FAKE_ARGUMENTS_VARIABLE = "TLT_FAKE_SGLANG_ARGS"
 def write_stand_in_sglang(site: Path, version: str = "0.5.23") -> Path:
     """A `sglang` package (with dist-info saying `version`) under site; put site on PYTHONPATH.
 
-    Its launch_server logs the argv it got, then runs the fake server on the --port and --api-key
-    tlt passed, plus the arguments in $TLT_FAKE_SGLANG_ARGS.
+    Its launch_server logs the argv it got, then runs the fake server on the --port and --config
+    (the YAML holding the API key) tlt passed, plus the arguments in $TLT_FAKE_SGLANG_ARGS.
     """
     (site / "sglang").mkdir(parents=True)
     (site / "sglang" / "__init__.py").write_text("")
@@ -33,10 +34,10 @@ def write_stand_in_sglang(site: Path, version: str = "0.5.23") -> Path:
         print("argv:", " ".join(sys.argv[1:]), flush=True)
         parser = argparse.ArgumentParser()
         parser.add_argument("--port")
-        parser.add_argument("--api-key")
+        parser.add_argument("--config")
         known, _ = parser.parse_known_args()
         extra = os.environ.get({FAKE_ARGUMENTS_VARIABLE!r}, "").split()
-        sys.argv = [{str(FAKE_SERVER)!r}, "--port", known.port, "--api-key", known.api_key, *extra]
+        sys.argv = [{str(FAKE_SERVER)!r}, "--port", known.port, "--config", known.config, *extra]
         runpy.run_path({str(FAKE_SERVER)!r}, run_name="__main__")
     """)
     )
@@ -73,9 +74,12 @@ def port_is_free(port: int) -> bool:
 
 
 def fake_launch(index: int, log_dir: Path, *fake_arguments: str, port: int | None = None) -> ServerLaunch:
-    """A ServerLaunch that runs tests/sglang_fake_server.py with `fake_arguments` on a free port."""
+    """A ServerLaunch that runs tests/sglang_fake_server.py with `fake_arguments` on a free port; the API key
+    goes in a private --config file, as tlt passes it to SGLang."""
     port = port or free_port()
-    command = (sys.executable, str(FAKE_SERVER), "--port", str(port), "--api-key", API_KEY, *fake_arguments)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    key_file = write_private(log_dir / f"api_key-{index}.yaml", api_key_config(API_KEY))
+    command = (sys.executable, str(FAKE_SERVER), "--port", str(port), "--config", str(key_file), *fake_arguments)
     return ServerLaunch(
         endpoint=ServerEndpoint(index=index, url=f"http://127.0.0.1:{port}", api_key=API_KEY),
         command=command,

@@ -90,14 +90,18 @@ def test_port_in_use_is_refused_before_anything_starts(tmp_path):
     assert group.pids == []
 
 
-def test_log_tail_masks_nothing_but_hides_the_api_key_in_the_header(tmp_path):
-    launch = fake_launch(0, tmp_path)
-    with ServerGroup([launch], startup_timeout_s=20, stop_timeout_s=5):
-        pass
+def test_the_api_key_is_on_no_command_line_and_logs_and_key_file_are_private(tmp_path):
+    launch = fake_launch(0, tmp_path / "sglang")
+    with ServerGroup([launch], startup_timeout_s=20, stop_timeout_s=5) as group:
+        command_line = Path(f"/proc/{group.pids[0]}/cmdline").read_bytes().decode()
+    key = launch.endpoint.api_key
+    assert key not in command_line and "--config" in command_line  # what `ps` shows every local user
     header = launch.log_path.read_text().splitlines()[0]
-    assert header.startswith("# tlt: starting SGLang server 0:")
-    assert launch.endpoint.api_key not in header and "<api-key>" in header
+    assert header.startswith("# tlt: starting SGLang server 0:") and key not in header
     assert "listening on 127.0.0.1" in log_tail(launch.log_path)
+    key_file = Path(command_line.split("\0")[command_line.split("\0").index("--config") + 1])
+    assert (tmp_path / "sglang").stat().st_mode & 0o777 == 0o700
+    assert launch.log_path.stat().st_mode & 0o777 == 0o600 and key_file.stat().st_mode & 0o777 == 0o600
 
 
 DRIVER = textwrap.dedent(

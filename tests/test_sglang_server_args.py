@@ -15,6 +15,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import yaml
 
 from tlt_cli.config import RecipeError
 from tlt_cli.rollout.types import SpeculativeConfig
@@ -22,6 +23,7 @@ from tlt_cli.sglang.adaptive import BatchRule, plan_for_sglang, write_adaptive_c
 from tlt_cli.sglang.config import SGLangConfig, validate_sglang_config
 from tlt_cli.sglang.server_args import (
     LaunchConfigError,
+    api_key_config,
     server_command,
     server_environment,
     server_placements,
@@ -83,6 +85,10 @@ SGLANG_CHECK = textwrap.dedent(
         errors = io.StringIO()
         try:
             with contextlib.redirect_stderr(errors):
+                if "--config" in argv:  # as SGLang's prepare_server_args merges the file tlt passes the key in
+                    from sglang.srt.utils.server_args_config_parser import ConfigArgumentMerger
+
+                    argv = ConfigArgumentMerger(parser).merge_config_with_args(argv)
                 namespace = parser.parse_args(argv)
         except SystemExit:
             answers.append({"error": errors.getvalue().strip().splitlines()[-1]})
@@ -121,7 +127,9 @@ def command_for(plan, tmp_path: Path, server_index: int = 0) -> list[str]:
     )
     flags = speculative_flags(plan, "/models/drafter", adaptive_path)
     placement = server_placements(CONFIG)[server_index]
-    return server_command(CONFIG, placement, "/models/target", "secret-key", flags, seed=7)
+    key_file = tmp_path / "api_key.yaml"
+    key_file.write_text(api_key_config("secret-key"))
+    return server_command(CONFIG, placement, "/models/target", key_file, flags, seed=7)
 
 
 def every_plan() -> list:
@@ -156,6 +164,9 @@ def test_command_carries_the_chosen_configuration(tmp_path):
     assert command[-2:] == ["--attention-backend", "triton"]
     off = command_for(plan_for_sglang([BatchRule(1, None, None)], FEATURES), tmp_path)
     assert not any(argument.startswith("--speculative") for argument in off)
+    # the API key is never on the command line (`ps` shows it to every local user): a --config YAML carries it
+    assert "secret-key" not in joined and f"--config {tmp_path / 'api_key.yaml'}" in joined
+    assert yaml.safe_load(api_key_config("1234e5")) == {"api-key": "1234e5"}  # a key of digits stays a string
 
 
 def test_sd_on_without_a_drafter_is_refused():
@@ -171,6 +182,7 @@ def test_sd_on_without_a_drafter_is_refused():
         ({"port_base": 65535}, "rollout.sglang.port_base"),
         ({"mem_fraction": 1.5}, "rollout.sglang.mem_fraction"),
         ({"extra_args": ("--port=1",)}, "extra_args sets --port"),
+        ({"extra_args": ("--config", "mine.yaml")}, "extra_args sets --config"),
         ({"extra_args": ("--speculative-num-steps", "3")}, "extra_args sets --speculative-num-steps"),
         ({"dtype": "fp8"}, "rollout.sglang.dtype"),
     ],

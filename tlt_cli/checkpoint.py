@@ -22,6 +22,7 @@ import os
 import pickle
 import re
 import shutil
+import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +35,8 @@ LATEST_FILE = "latest"
 # the sizes of the checkpoint's files, recorded in state.json at publish and checked before a resume
 FILE_SIZES_KEY = "file_sizes"
 CHECKPOINT_NAME = re.compile(r"step_\d{6}")
+# the lines of torch.load's weights-only refusal that are advice, not the reason
+TORCH_LOAD_ADVICE = ("Weights only load failed", "Check the documentation")
 WRITE_ADVICE = "free some space; the previous complete checkpoint is kept, continue with --resume once there is room."
 
 
@@ -190,7 +193,9 @@ def load_checkpoint_file(path: Path, allowed_classes: Iterable[type] = (), map_l
     import torch
 
     try:
-        with torch.serialization.safe_globals(list(allowed_classes)):
+        # torch warns that a plain pickle's protocol is not its default: noise beside the refusal
+        with torch.serialization.safe_globals(list(allowed_classes)), warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
             return torch.load(path, map_location=map_location, weights_only=True)
     except FileNotFoundError:
         raise CheckpointError(f"checkpoint file {path} is missing; the checkpoint is incomplete.") from None
@@ -202,13 +207,15 @@ def load_checkpoint_file(path: Path, allowed_classes: Iterable[type] = (), map_l
 
 
 def _load_failure(error: Exception) -> str:
-    """The line of a torch.load error that says what was wrong (the refused global, the bad record)."""
+    """The line of a torch.load error that says what was wrong (the refused global, the bad record),
+    without torch's advice around it (which suggests weights_only=False)."""
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]
     for number, line in enumerate(lines):
-        if line.startswith("WeightsUnpickler error:"):
-            detail = line.removeprefix("WeightsUnpickler error:").strip() or (lines[number + 1 :] or [""])[0]
-            return detail.rstrip(".")[:200]
-    return (lines[0] if lines else type(error).__name__).rstrip(".")[:200]
+        _, marker, detail = line.partition("WeightsUnpickler error:")
+        reason = (detail.strip() or (lines[number + 1 :] or [""])[0]) if marker else line
+        if marker or not line.startswith(TORCH_LOAD_ADVICE):
+            return reason.split(". ")[0].rstrip(".")[:200]
+    return type(error).__name__
 
 
 def save_collectively(

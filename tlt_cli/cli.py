@@ -234,7 +234,9 @@ def profile(
     if json_output:
         typer.echo(
             json.dumps(
-                {**profile_to_json(result.profile), "pictures": [str(path) for path in result.pictures]}, indent=2
+                {**profile_to_json(result.profile), "pictures": [str(path) for path in result.pictures]},
+                indent=2,
+                allow_nan=False,  # strict JSON: records.py refuses NaN and Infinity, so none reaches here
             )
         )
         return

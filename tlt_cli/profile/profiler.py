@@ -9,6 +9,7 @@ to `output_dir`, else the run directory, the input file's folder, or for a recip
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,8 +49,8 @@ def profile_source(
         )
     if tail_batch < 1:
         raise ProfileInputError(f"--tail-batch is {tail_batch}; set it to at least 1 (requests in flight).")
-    if sd_speedup is not None and sd_speedup < 1.0:
-        raise ProfileInputError(f"--sd-speedup is {sd_speedup}; give a factor of at least 1.0.")
+    if sd_speedup is not None and not 1.0 <= sd_speedup < math.inf:
+        raise ProfileInputError(f"--sd-speedup is {sd_speedup}; give a finite factor of at least 1.0.")
     if recipe_path is not None:
         records, default_dir = _record(recipe_path, list(overrides or []), steps, output_dir)
     else:

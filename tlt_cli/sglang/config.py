@@ -19,6 +19,8 @@ FLAGS_SET_BY_TLT = (
     "--port",
     "--nccl-port",
     "--api-key",
+    # tlt's --config file carries the API key, and SGLang takes one --config
+    "--config",
     "--tp-size",
     "--tensor-parallel-size",
     "--base-gpu-id",

@@ -5,6 +5,9 @@
 API key, writes each server's output to `<run_dir>/sglang/server-<i>.log`, and returns a started
 `ServerGroup` once every server answers `/health`. A server that exits or stays unhealthy past
 `startup_timeout_s` stops the whole group and raises `ServerStartError` with its log tail.
+The key reaches the servers in `<run_dir>/sglang/api_key.yaml` (`--config`), never on a command
+line; that folder is the user's alone (0700) and its files too (0600), since a server's log may
+print its arguments, key included.
 
 Every server runs in its own process group (a session), so `ServerGroup.stop` reaches the
 scheduler and detokenizer processes SGLang forks: SIGTERM to the group, then SIGKILL after
@@ -34,6 +37,7 @@ from tlt_cli.sglang.adaptive import SGLangSpeculativePlan, write_adaptive_config
 from tlt_cli.sglang.config import SGLangConfig
 from tlt_cli.sglang.server_args import (
     SERVER_HOST,
+    api_key_config,
     server_command,
     server_environment,
     server_placements,
@@ -46,6 +50,9 @@ HEALTH_POLL_S = 0.25
 LOG_TAIL_LINES = 30
 LOG_TAIL_BYTES = 64 * 1024
 PR_SET_PDEATHSIG = 1
+API_KEY_FILE = "api_key.yaml"
+PRIVATE_FOLDER_MODE = 0o700
+PRIVATE_FILE_MODE = 0o600
 
 
 class ServerStartError(RuntimeError):
@@ -62,6 +69,22 @@ class ServerLaunch:
     log_path: Path
     # ports the server binds; checked free before it starts
     ports: tuple[int, ...]
+
+
+def private_folder(folder: Path) -> Path:
+    """`folder`, created if needed, readable by this user alone (an existing one is narrowed to 0700)."""
+    folder.mkdir(mode=PRIVATE_FOLDER_MODE, parents=True, exist_ok=True)
+    folder.chmod(PRIVATE_FOLDER_MODE)
+    return folder
+
+
+def write_private(path: Path, text: str) -> Path:
+    """Write `text` to `path` with mode 0600 from the start (never readable by others, not even briefly)."""
+    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, PRIVATE_FILE_MODE)
+    with os.fdopen(descriptor, "w", encoding="utf-8") as handle:
+        handle.write(text)
+    path.chmod(PRIVATE_FILE_MODE)  # a file that existed keeps its mode through O_CREAT
+    return path
 
 
 def log_tail(log_path: Path, lines: int = LOG_TAIL_LINES) -> str:
@@ -182,9 +205,11 @@ class ServerGroup:
             self._previous_sigterm = signal.signal(signal.SIGTERM, _raise_system_exit)
 
     def _spawn(self, launch: ServerLaunch) -> subprocess.Popen:
-        launch.log_path.parent.mkdir(parents=True, exist_ok=True)
-        shown = " ".join(launch.command).replace(launch.endpoint.api_key, "<api-key>")
-        with open(launch.log_path, "ab") as log:
+        private_folder(launch.log_path.parent)
+        shown = " ".join(launch.command)
+        with os.fdopen(
+            os.open(launch.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, PRIVATE_FILE_MODE), "ab"
+        ) as log:
             log.write(f"# tlt: starting SGLang server {launch.endpoint.index}: {shown}\n".encode())
             log.flush()
             return subprocess.Popen(
@@ -262,19 +287,20 @@ def launch_sglang_servers(
 
     on_spawned, if given, gets the servers' process groups (= leader pids) as soon as all are spawned.
     """
-    log_dir = Path(run_dir) / "sglang"
+    log_dir = private_folder(Path(run_dir) / "sglang")
     adaptive_path = (
         write_adaptive_config(plan, log_dir / "adaptive_speculative.json") if plan.mode == "adaptive" else None
     )
     flags = speculative_flags(plan, draft_model_path, adaptive_path)
     # hex: a URL-safe token may start with "-", which the server's argument parser reads as a flag
     api_key = secrets.token_hex(24)
+    api_key_file = write_private(log_dir / API_KEY_FILE, api_key_config(api_key))
     launches = []
     for placement in server_placements(config):
         launches.append(
             ServerLaunch(
                 endpoint=ServerEndpoint(index=placement.index, url=placement.url, api_key=api_key),
-                command=tuple(server_command(config, placement, model_path, api_key, flags, seed)),
+                command=tuple(server_command(config, placement, model_path, api_key_file, flags, seed)),
                 environment=server_environment(placement, os.environ),
                 log_path=log_dir / f"server-{placement.index}.log",
                 ports=(placement.port, placement.nccl_port),

@@ -3,7 +3,10 @@
 `server_placements(config)` gives every server its GPUs (CUDA_VISIBLE_DEVICES) and ports;
 `speculative_flags(plan, draft_model_path, adaptive_config_path)` turns an
 `SGLangSpeculativePlan` into SGLang's speculative flags; `server_command(...)` assembles the whole
-command. Flag names are those of SGLang 0.5.23's `ServerArgs` (checked by
+command. The API key is never on the command line (which every local user can read in `ps`): it
+goes in a YAML file passed with `--config`, which SGLang 0.5.23's `prepare_server_args` merges
+into the arguments (it reads no API key from the environment); `api_key_config` is that file's
+text. Flag names are those of SGLang 0.5.23's `ServerArgs` (checked by
 tests/test_sglang_server_args.py against SGLang's own argument parser when it is installed).
 """
 
@@ -114,11 +117,14 @@ def server_command(
     config: SGLangConfig,
     placement: ServerPlacement,
     model_path: str,
-    api_key: str,
+    api_key_file: Path,
     speculative: list[str],
     seed: int,
 ) -> list[str]:
-    """The full argv of one server; GPUs are chosen by `server_environment`, so base GPU is 0."""
+    """The full argv of one server; GPUs are chosen by `server_environment`, so base GPU is 0.
+
+    api_key_file: the `--config` YAML of `api_key_config` (SGLang takes one --config, so extra_args may not).
+    """
     python = config.python or sys.executable
     command = [
         python,
@@ -132,8 +138,8 @@ def server_command(
         str(placement.port),
         "--nccl-port",
         str(placement.nccl_port),
-        "--api-key",
-        api_key,
+        "--config",
+        str(api_key_file),
         "--tp-size",
         str(config.tp_size),
         "--base-gpu-id",
@@ -150,6 +156,11 @@ def server_command(
     if config.skip_tokenizer_init:
         command.append("--skip-tokenizer-init")
     return command + speculative + list(config.extra_args)
+
+
+def api_key_config(api_key: str) -> str:
+    """The `--config` YAML that gives SGLang its API key; quoted, so a key of digits stays a string."""
+    return f'api-key: "{api_key}"\n'
 
 
 def server_environment(placement: ServerPlacement, base_environment: Mapping[str, str]) -> dict[str, str]:
