@@ -18,6 +18,7 @@ from tlt_cli.config import RecipeError
 from tlt_cli.drafter.model import EagleDrafter
 from tlt_cli.recipe_checks import load_checked_recipe
 from tlt_cli.recipes import RECIPES_DIRECTORY
+from tlt_cli.rollout import linear_forms_measure
 from tlt_cli.rollout.embedded import EmbeddedRollout
 from tlt_cli.rollout.engine import EmbeddedEngine
 from tlt_cli.rollout.linear_forms import (
@@ -250,24 +251,26 @@ def test_measure_plan_covers_every_shape_with_known_forms():
     assert plan.forms_by_rows(next(iter(keys)))[0] == LINEAR and len(plan.forms_by_rows(next(iter(keys)))) == 6
 
 
-def test_the_cached_plan_is_reused_and_measured_again_when_the_key_changes(tmp_path):
+def test_the_cached_plan_is_reused_and_measured_again_when_the_key_changes(tmp_path, monkeypatch):
     model = MODELS["llama-untied"]()
-    plan, path = cached_plan([model], tmp_path)
-    assert path.is_file() and json.loads(path.read_text())["key"] == plan_key([model])
-    sentinel = forced_plan([model], WEIGHT_MAJOR)
-    write_plan(tmp_path, [model], sentinel)
-    assert cached_plan([model], tmp_path) == (sentinel, path)  # read back, not measured again
-    threads = torch.get_num_threads()
-    torch.set_num_threads(threads + 1)
-    try:
-        other_plan, other_path = cached_plan([model], tmp_path)  # another machine key: another file
-    finally:
-        torch.set_num_threads(threads)
-    assert other_path != path and other_plan != sentinel
+    quick = {"row_buckets": (1, 3), "rounds": 1}
+    plan, path = cached_plan([model], tmp_path, **quick)
+    assert path.is_file() and json.loads(path.read_text())["key"] == plan_key([model], (1, 3))
+    assert plan.row_buckets == (1, 3) and set(plan.forms) == {
+        shape_key(layer.weight) for layer in linear_layers([model])
+    }
+    sentinel = LinearFormPlan((1, 3), {key: (WEIGHT_MAJOR, TRANSPOSED) for key in plan.forms})
+    path.write_text(json.dumps({"key": plan_key([model], (1, 3)), "plan": sentinel.to_dict()}))
+    assert cached_plan([model], tmp_path, **quick) == (sentinel, path)  # read back, not measured again
+    with monkeypatch.context() as patch:  # this model on another machine: another key, another file
+        patch.setattr(linear_forms_measure, "processor_name", lambda device: "Another CPU")
+        other_path = cached_plan([model], tmp_path, **quick)[1]
+    assert other_path != path and json.loads(other_path.read_text())["key"]["processor"] == "Another CPU"
     wider = tiny_qwen2(VOCAB, hidden_size=48)
-    assert cached_plan([wider], tmp_path)[1] not in (path, other_path)
+    assert cached_plan([wider], tmp_path, **quick)[1] not in (path, other_path)
     stored = json.loads(path.read_text())
     stored["key"]["torch"] = "0.0"  # a file at this name written for another key is measured again
     path.write_text(json.dumps(stored))
-    remeasured, _ = cached_plan([model], tmp_path)
-    assert remeasured != sentinel and json.loads(path.read_text())["key"] == plan_key([model])
+    cached_plan([model], tmp_path, **quick)
+    assert json.loads(path.read_text())["key"] == plan_key([model], (1, 3))
+    assert "milliseconds" in json.loads(path.read_text())

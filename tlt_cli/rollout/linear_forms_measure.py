@@ -10,6 +10,8 @@ visits of one group all the others have streamed through the cache, as in a forw
 model (a model that fits in the cache stays in it, as it would while decoding). Each group is timed
 on its own (synchronized on a GPU), over `rounds` interleaved rounds with the order of forms rotated;
 the best time counts; after the first round a form HOPELESS times slower than the best is dropped.
+Each form is timed as the engine calls it (`linear` as a plain nn.Linear computes, the others through
+FormedLinear.forward), so where a layer takes microseconds the Python around a form counts against it.
 A form other than `linear` replaces it only if it is at least MARGIN faster. It costs about 2 rounds
 x 3 forms of a pass over every weight at each of 1..16, 24, 32 and 64 rows: about 15 s for
 SmolLM2-135M on one thread of a 2-core CPU (more on a loaded one; it holds a transposed copy of every
@@ -23,6 +25,7 @@ count), under a file lock so concurrent ranks measure once; a changed key measur
 from __future__ import annotations
 
 import fcntl
+import functools
 import hashlib
 import json
 import logging
@@ -31,16 +34,17 @@ import os
 import platform
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from tlt_cli.rollout.linear_forms import (
     FORM_NAMES,
-    FORMS,
     LINEAR,
+    FormedLinear,
     LinearFormPlan,
     LinearForms,
     linear_layers,
@@ -56,7 +60,7 @@ MARGIN = 0.1
 HOPELESS = 1.5
 # a group's timed call repeats its pass until it lasts about this long (tiny models' passes take microseconds)
 SHORTEST_TIMING_SECONDS = 5e-4
-PLAN_FORMAT = 1
+PLAN_FORMAT = 2
 LOGGER = logging.getLogger(__name__)
 CACHE_FOLDER = "linear_forms"
 
@@ -71,10 +75,15 @@ def prepare_linear_forms(mode: str, modules: Sequence[nn.Module | None], cache_d
     return LinearForms(modules, plan)
 
 
-def cached_plan(modules: Sequence[nn.Module | None], cache_dir: Path) -> tuple[LinearFormPlan, Path]:
-    """The plan for these modules on this machine, and its file: read from the cache, or measured and
-    written there first (atomically, under a lock)."""
-    key = plan_key(modules)
+def cached_plan(
+    modules: Sequence[nn.Module | None],
+    cache_dir: Path,
+    row_buckets: Sequence[int] = ROW_BUCKETS,
+    rounds: int = ROUNDS,
+) -> tuple[LinearFormPlan, Path]:
+    """The plan for these modules on this machine, and its file: read from the cache, or measured (see
+    measure_plan) and written there first (atomically, under a lock)."""
+    key = plan_key(modules, row_buckets)
     path = plan_path(cache_dir, key)
     folder = path.parent
     folder.mkdir(parents=True, exist_ok=True)
@@ -86,7 +95,7 @@ def cached_plan(modules: Sequence[nn.Module | None], cache_dir: Path) -> tuple[L
                 return LinearFormPlan.from_dict(stored["plan"]), path
         LOGGER.info("Measuring the linear forms of this machine and model into %s (once).", path)
         started = time.perf_counter()
-        plan, milliseconds = measure_plan(modules)
+        plan, milliseconds = measure_plan(modules, row_buckets, rounds)
         record = {
             "key": key,
             "plan": plan.to_dict(),
@@ -108,7 +117,7 @@ def plan_path(cache_dir: Path, key: dict) -> Path:
     return Path(cache_dir) / CACHE_FOLDER / f"{digest}.json"
 
 
-def plan_key(modules: Sequence[nn.Module | None]) -> dict:
+def plan_key(modules: Sequence[nn.Module | None], row_buckets: Sequence[int] = ROW_BUCKETS) -> dict:
     """What a plan depends on: this machine, torch, and how many weights of each shape the modules hold."""
     layers = linear_layers(modules)
     device = layers[0].weight.device if layers else torch.device("cpu")
@@ -120,7 +129,7 @@ def plan_key(modules: Sequence[nn.Module | None]) -> dict:
         "torch": torch.__version__,
         "device": device.type,
         "shapes": dict(sorted(Counter(shape_key(layer.weight) for layer in layers).items())),
-        "row_buckets": list(ROW_BUCKETS),
+        "row_buckets": list(row_buckets),
     }
 
 
@@ -140,25 +149,39 @@ def measure_plan(
     modules: Sequence[nn.Module | None], row_buckets: Sequence[int] = ROW_BUCKETS, rounds: int = ROUNDS
 ) -> tuple[LinearFormPlan, dict[str, dict[str, list[float]]]]:
     """The fastest form per (shape, row bucket), and the best milliseconds of every form (see the module docstring)."""
-    groups: dict[str, list[torch.Tensor]] = {}
+    groups: dict[str, list[nn.Linear]] = {}
     for layer in linear_layers(modules):
-        groups.setdefault(shape_key(layer.weight), []).append(layer.weight.detach())
+        groups.setdefault(shape_key(layer.weight), []).append(layer)
     best = {key: {form: [math.inf] * len(row_buckets) for form in FORM_NAMES} for key in groups}
     with torch.no_grad():
-        transposed = {key: [weight.t().contiguous() for weight in weights] for key, weights in groups.items()}
-        repeats = {key: _repeats(weights, transposed[key]) for key, weights in groups.items()}
+        calls = {key: _calls_by_form(layers, max(row_buckets)) for key, layers in groups.items()}
+        repeats = {key: _repeats(calls[key], layers[0]) for key, layers in groups.items()}
         for round_index in range(rounds):
             for bucket, rows in enumerate(row_buckets):
                 shift = (round_index + bucket) % len(FORM_NAMES)
                 for form in FORM_NAMES[shift:] + FORM_NAMES[:shift]:
-                    for key, weights in groups.items():
+                    for key, layers in groups.items():
                         times = [best[key][name][bucket] for name in FORM_NAMES]
                         if round_index > 0 and times[FORM_NAMES.index(form)] > HOPELESS * min(times):
                             continue
-                        seconds = _time_pass(form, rows, weights, transposed[key], repeats[key])
+                        seconds = _time_pass(calls[key][form], layers[0], rows, repeats[key])
                         best[key][form][bucket] = min(best[key][form][bucket], seconds * 1e3)
     plan = LinearFormPlan(tuple(row_buckets), {key: _fastest(times) for key, times in best.items()})
     return plan, best
+
+
+def _calls_by_form(layers: list[nn.Linear], most_rows: int) -> dict[str, list[Callable]]:
+    """Per form, one call per layer as the engine makes it: `linear` as a plain nn.Linear computes, the
+    others through FormedLinear.forward (their bookkeeping and the copy's freshness check included)."""
+    calls = {LINEAR: [functools.partial(_plain_linear, layer) for layer in layers]}
+    for form in FORM_NAMES:
+        if form != LINEAR:
+            calls[form] = [FormedLinear(layer, (form,) * (most_rows + 1)).forward for layer in layers]
+    return calls
+
+
+def _plain_linear(layer: nn.Linear, inputs: torch.Tensor) -> torch.Tensor:
+    return F.linear(inputs, layer.weight, layer.bias)
 
 
 def _fastest(milliseconds: dict[str, list[float]]) -> tuple[str, ...]:
@@ -170,23 +193,24 @@ def _fastest(milliseconds: dict[str, list[float]]) -> tuple[str, ...]:
     return tuple(chosen)
 
 
-def _repeats(weights: list[torch.Tensor], transposed: list[torch.Tensor]) -> int:
+def _repeats(calls: dict[str, list[Callable]], layer: nn.Linear) -> int:
     """Passes per timing of this group so one lasts SHORTEST_TIMING_SECONDS (after a warm-up of every form)."""
-    for form in FORM_NAMES:
-        _time_pass(form, 1, weights, transposed, 1)
-    seconds = _time_pass(LINEAR, 1, weights, transposed, 1)
+    for form_calls in calls.values():
+        _time_pass(form_calls, layer, 1, 1)
+    seconds = _time_pass(calls[LINEAR], layer, 1, 1)
     return max(1, math.ceil(SHORTEST_TIMING_SECONDS / max(seconds, 1e-9)))
 
 
-def _time_pass(form: str, rows: int, weights: list[torch.Tensor], transposed: list[torch.Tensor], repeats: int):
-    """Seconds per pass of `form` at `rows` rows over every weight of a group (synchronized on a GPU)."""
-    product = FORMS[form]
-    inputs = torch.randn(rows, weights[0].shape[1], dtype=weights[0].dtype, device=weights[0].device)
+def _time_pass(calls: list[Callable], layer: nn.Linear, rows: int, repeats: int) -> float:
+    """Seconds per pass of `calls` (one per layer of a group shaped like `layer`) at `rows` rows
+    (synchronized on a GPU)."""
+    weight = layer.weight
+    inputs = torch.randn(rows, weight.shape[1], dtype=weight.dtype, device=weight.device)
     _synchronize(inputs.device)
     started = time.perf_counter()
     for _ in range(repeats):
-        for weight, weight_transposed in zip(weights, transposed, strict=True):
-            product(inputs, weight, weight_transposed, None)
+        for call in calls:
+            call(inputs)
     _synchronize(inputs.device)
     return (time.perf_counter() - started) / repeats
 
