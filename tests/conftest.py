@@ -1,16 +1,30 @@
-"""Shared test fixtures: one thread per test process, and a process group for DeepSpeed tests.
+"""Shared test fixtures: every test hermetic (its own working folder, a cache of the test session), one
+thread per test process, and a process group for DeepSpeed tests.
+
+Hermetic: each test runs in an empty working folder of its own, so whatever is in the checkout
+(`runs/tiny-cpu` after README command 1) cannot change a test's outcome, and a test's relative
+paths (`runs/`) never land in the checkout. The tlt cache ($TLT_CACHE_DIR) and the caches that
+live under the home folder ($XDG_CACHE_HOME: Hugging Face, pip; $TRITON_CACHE_DIR) point at one
+temporary folder of the test session: never the user's ~/.cache, but shared by the session's
+tests because what it holds is dear to rebuild (DeepSpeed compiles its CPU communication op into
+it, about a minute on 2 cores; tiny models and drafter warm-ups are built there once). A test
+that needs a cold cache sets TLT_CACHE_DIR itself (monkeypatch.setenv), which wins over this.
+Files of the repository are found from this file's folder (`REPOSITORY`), never from the
+working folder.
 
 Also gives the test process a terminal's Ctrl-C: a shell starts background jobs (`pytest &`,
 some CI runners) with SIGINT ignored, children inherit that, and the tests that press Ctrl-C on a
 `tlt train` subprocess would then see it run on untouched.
 """
 
-import os
 import signal
+import tempfile
 from pathlib import Path
 
 import pytest
 import torch
+
+REPOSITORY = Path(__file__).resolve().parent.parent
 
 torch.set_num_threads(1)
 if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
@@ -18,18 +32,41 @@ if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
 
 
 @pytest.fixture(scope="session")
-def cache_directory() -> Path:
-    """The tlt cache (compiled DeepSpeed ops, built models): $TLT_CACHE_DIR or ~/.cache/tlt."""
-    return Path(os.environ.get("TLT_CACHE_DIR", Path.home() / ".cache" / "tlt"))
+def session_caches(tmp_path_factory) -> Path:
+    """The test session's cache folder (tlt's cache is its `tlt` subfolder)."""
+    return tmp_path_factory.mktemp("caches")
+
+
+@pytest.fixture(scope="session")
+def cache_directory(session_caches) -> Path:
+    """The tlt cache of the test session (compiled DeepSpeed ops, built models, drafter warm-ups)."""
+    return session_caches / "tlt"
+
+
+@pytest.fixture(autouse=True)
+def hermetic(tmp_path_factory, session_caches, cache_directory, monkeypatch) -> Path:
+    """Run the test in an empty working folder of its own, with every cache in the session's temporary folder."""
+    working_folder = tmp_path_factory.mktemp("cwd")
+    monkeypatch.chdir(working_folder)
+    monkeypatch.setenv("TLT_CACHE_DIR", str(cache_directory))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(session_caches))
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(session_caches / "triton"))
+    return working_folder
 
 
 @pytest.fixture(scope="session")
 def single_process_group(cache_directory):
-    """A world of one gloo rank, as a worker process would have, for in-process DeepSpeed tests."""
-    from tlt_cli.processes.distributed import WorkerAddress, free_port, init_worker_process
+    """A world of one gloo rank, as a worker process would have, for in-process DeepSpeed tests.
+
+    It meets in a private temporary folder (no TCP store), as the workers of a one-node run do.
+    """
+    from tlt_cli.processes.distributed import WorkerAddress, init_worker_process
 
     if not torch.distributed.is_initialized():
+        rendezvous = Path(tempfile.mkdtemp(prefix="tlt-test-rendezvous-"))
         init_worker_process(
-            WorkerAddress(0, 1, free_port()), threads=1, extensions_dir=cache_directory / "torch_extensions"
+            WorkerAddress(0, 1, 0, rendezvous_directory=rendezvous),
+            threads=1,
+            extensions_dir=cache_directory / "torch_extensions",
         )
     yield

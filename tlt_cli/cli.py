@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import signal
 from pathlib import Path
 from typing import Annotated
 
@@ -45,6 +46,8 @@ console = Console()
 error_console = Console(stderr=True)
 
 USAGE_ERROR = 2
+# the shell's code for a process ended by SIGTERM (128 + 15), as Ctrl-C's is 130
+SIGTERM_EXIT = 143
 
 
 def fail(message: str, code: int = USAGE_ERROR) -> typer.Exit:
@@ -92,6 +95,7 @@ def train(
     from tlt_cli.processes.driver import TrainingFailed
     from tlt_cli.processes.driver import train as run_training
 
+    previous_sigterm = signal.signal(signal.SIGTERM, _interrupt_on_sigterm)
     try:
         recipe, resume_directory = _resolve_run(list(arguments or []), resume)
         summary = run_training(recipe, console, resume_directory, keep_log)
@@ -99,11 +103,22 @@ def train(
         raise fail(str(error)) from None
     except TrainingFailed as error:
         raise fail(str(error), code=1) from None
-    except KeyboardInterrupt:
-        raise fail(
-            "interrupted; complete checkpoints are kept, continue with --resume <run directory>.", code=130
-        ) from None
+    except KeyboardInterrupt as interrupt:
+        how, code = ("terminated", SIGTERM_EXIT) if isinstance(interrupt, Terminated) else ("interrupted", 130)
+        raise fail(f"{how}; complete checkpoints are kept, continue with --resume <run directory>.", code) from None
+    finally:
+        signal.signal(signal.SIGTERM, previous_sigterm)
     console.print(f"done: {len(summary.steps)} steps, run directory {summary.run_directory}", markup=False)
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM reached `tlt train`: it stops as on Ctrl-C (workers and servers stopped, checkpoints kept)."""
+
+
+def _interrupt_on_sigterm(signum: int, frame: object) -> None:
+    # a second SIGTERM must not cut the clean stop short (SIGKILL still can)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    raise Terminated
 
 
 def _resolve_run(arguments: list[str], resume: Path | None) -> tuple[Recipe, Path | None]:

@@ -101,6 +101,11 @@ class WorkersConfig:
         "actor.devices cpu, CPU ranks); null: the workers are spawned on this "
         "machine without the DeepSpeed launcher",
     )
+    step_timeout_s: float = setting(
+        3600.0,
+        "seconds one worker may spend in one step (rollout, update, checkpoint; not the start-up) before the "
+        "run is stopped naming it; 0: no limit",
+    )
 
 
 @dataclass(frozen=True)

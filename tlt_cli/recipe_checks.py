@@ -123,6 +123,10 @@ def _check_train_and_workers(recipe: Recipe) -> None:
         workers.threads_per_worker >= 1,
         f"workers.threads_per_worker must be at least 1, got {workers.threads_per_worker}.",
     )
+    _require(
+        workers.step_timeout_s >= 0,
+        f"workers.step_timeout_s must be >= 0 (0: no limit), got {workers.step_timeout_s}.",
+    )
 
 
 def _check_rollout(recipe: Recipe) -> None:

@@ -13,6 +13,8 @@ servers this rank owns, which it starts before its first step and stops however 
 
 from __future__ import annotations
 
+import os
+import socket
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -31,7 +33,7 @@ from tlt_cli.grpo import group_advantages
 from tlt_cli.models.loading import load_policy
 from tlt_cli.plugins import PluginHost, StepContext, agree_across_workers, build_plugins
 from tlt_cli.policy_batch import build_policy_batch
-from tlt_cli.processes.distributed import RolloutBarrier, WorkerAddress, init_worker_process
+from tlt_cli.processes.distributed import RolloutBarrier, WorkerAddress, barrier_timeout, init_worker_process
 from tlt_cli.processes.worker_process import exit_with_parent, redirect_output
 from tlt_cli.rollout.backend import BackendSetup, build_rollout_backend
 from tlt_cli.rollout.types import Completion, RolloutRequest, SamplingParams
@@ -105,6 +107,21 @@ class WorkerFinished:
     worker: int
 
 
+@dataclass(frozen=True)
+class WorkerProgress:
+    """What a rank is doing now, sent as it enters each part of a step: the driver's step deadline names it.
+
+    waiting: the rank waits for the others here (the step's start, the rollout barrier).
+    """
+
+    worker: int
+    step: int
+    activity: str
+    waiting: bool
+    pid: int
+    host: str
+
+
 @dataclass
 class StepShard:
     """This rank's problems for one step, with one request per (problem, sample)."""
@@ -168,7 +185,7 @@ class WorkerLoop:
                 cache_dir=spec.model_cache,
             )
         )
-        self.barrier = RolloutBarrier(spec.address)
+        self.barrier = RolloutBarrier(spec.address, barrier_timeout(recipe.workers.step_timeout_s))
         plugins = build_plugins(recipe.plugins.enabled, dict(recipe.plugins.options), recipe)
         self.plugins = PluginHost(plugins, agree=agree_across_workers)
         self.sampling = SamplingParams(
@@ -195,6 +212,7 @@ class WorkerLoop:
             report = self.run_step(step)
             next_step = step + 1
             if next_step % self.recipe.checkpoint.every == 0 or next_step == self.recipe.train.steps:
+                self.progress(step, "saving the checkpoint")
                 report.checkpoint = str(self.save_checkpoint(next_step))
             self.events.put(report)
 
@@ -207,14 +225,18 @@ class WorkerLoop:
             policy=self.actor.policy,
             drafter=self.drafter,
         )
+        self.progress(step, "waiting for every worker to start the step", waiting=True)
         torch.distributed.barrier()
         rollout_start = time.time()
+        self.progress(step, "in the rollout")
         self.plugins.call("on_rollout_start", context)
         shard = self.shard(step)
         completions, busy_end = self.rollout(step, shard, context)
         self.barrier.mark_done(step)
+        self.progress(step, "waiting at the rollout barrier", waiting=True)
         self.barrier.wait(step, while_idle=self._hook("on_worker_idle", context))
         idle_end = time.time()
+        self.progress(step, "in the reward and update")
         self.plugins.call("on_rollout_end", context)
         rewards = self.score(shard, completions)
         reward_end = time.time()
@@ -242,6 +264,10 @@ class WorkerLoop:
             sd_usage={label: vars(usage) for label, usage in self.rollout_backend.take_usage().items()},
             sd_warnings=self.rollout_backend.take_warnings(),
         )
+
+    def progress(self, step: int, activity: str, waiting: bool = False) -> None:
+        """Tell the driver what this rank does now in `step` (its step deadline names a stuck rank by it)."""
+        self.events.put(WorkerProgress(self.rank, step, activity, waiting, os.getpid(), socket.gethostname()))
 
     def rollout(self, step: int, shard: StepShard, context: StepContext) -> tuple[list[Completion], float]:
         """This rank's completions, sorted by request id, and when its last request finished."""

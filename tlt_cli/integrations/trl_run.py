@@ -38,7 +38,7 @@ from tlt_cli.integrations.trl_recipe import (
     prompt_dataset,
 )
 from tlt_cli.models.loading import load_policy
-from tlt_cli.processes.distributed import WorkerAddress
+from tlt_cli.processes.distributed import WorkerAddress, one_node_rendezvous
 from tlt_cli.processes.worker_process import exit_with_parent, redirect_output
 from tlt_cli.tasks.registry import build_task
 from tlt_cli.worker import (
@@ -80,6 +80,9 @@ def join_processes(address: WorkerAddress, threads: int) -> None:
         TRL_EXPERIMENTAL_SILENCE="1",
     )
     torch.set_num_threads(threads)
+    if address.rendezvous_directory is not None:
+        # processes of one machine meet in a file, not a TCP store; accelerate then uses this group
+        torch.distributed.init_process_group("gloo", **one_node_rendezvous(address))
 
 
 class TrlRun:

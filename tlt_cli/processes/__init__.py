@@ -2,7 +2,9 @@
 
 None of it is the algorithm (that is tlt_cli/worker.py, actor.py, grpo.py, policy_batch.py); it is
 what runs the algorithm in several processes:
-  driver.py            `train(recipe)`: run directory, starting the workers, trace and live display
+  driver.py            `train(recipe)`: starting the workers, the step deadline, trace and live display
+  run_directory.py     the run directory: made, locked while the run lives, removed if it fails at once
+  step_deadline.py     which worker overran workers.step_timeout_s in its step
   local_workers.py     workers spawned on the driver's machine, events on a multiprocessing queue
   launched_workers.py  the driver's side of a hostfile run: the DeepSpeed launcher starts the ranks
   launched_rank.py     the entry point of one rank the DeepSpeed launcher starts (`python -m`)

@@ -6,27 +6,49 @@ DeepSpeed launcher. The driver starts its workers inside `visible_gpus(actor.dev
 DeepSpeed launcher does the same from its `--include`), so every rank sees exactly the actor's
 GPUs and local rank r of a node uses the r-th of them.
 `RolloutBarrier` lets a worker that finished its rollout shard keep doing useful work (the idle
-hook) while it waits for the others: it counts finished workers in a key-value store instead of
-blocking in a collective.
+hook) while it waits for the others: it marks finished workers in a key-value store instead of
+blocking in a collective, and gives up after a deadline, naming the workers it waited for.
+
+Where the ranks meet: torch's TCPStore has no authentication and listens on every interface
+whatever host it is given, so any peer that reaches the port could bump a barrier count or stall
+it. A run on one node therefore opens no store port at all: its ranks meet in files
+(`FileStore`) in a private folder (`rendezvous_directory`, mode 0700, on a local file system),
+and gloo/NCCL bind their own sockets to the loopback interface. Ranks on several nodes must meet
+over the network (TCP stores at the launcher's MASTER_ADDR): that keeps torch's unauthenticated
+store, which is why a multi-node run belongs on a cluster network only its nodes reach.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import socket
+import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import torch
 import torch.distributed
 
 POLL_SECONDS = 0.005
 STORE_TIMEOUT = timedelta(minutes=30)
+LOOPBACK_INTERFACE = "lo"
+PROCESS_GROUP_FILE = "process-group"
+BARRIER_FILE = "rollout-barrier"
+# the rollout barrier's deadline runs this much past workers.step_timeout_s: the driver, which sees
+# every rank's progress, names the stuck rank first; the barrier is the backstop of a rank whose
+# driver cannot judge (its events delayed), and must not race the driver to a vaguer message
+BARRIER_GRACE_SECONDS = 30.0
+
+
+class BarrierTimeout(RuntimeError):
+    """Workers did not finish their rollout shard before the barrier's deadline; the message names them."""
 
 
 @dataclass(frozen=True)
@@ -35,6 +57,9 @@ class WorkerAddress:
 
     local_rank is the rank's index on its own node (the DeepSpeed launcher's LOCAL_RANK, which
     picks its GPU); None when every rank runs on one node, where it equals rank.
+    rendezvous_directory: every rank on one node: they meet in files there (a private folder made
+    with `private_rendezvous_directory`, new for each start of the workers) and master_port is
+    unused; None: they meet at master_address:master_port over TCP.
     """
 
     rank: int
@@ -42,6 +67,7 @@ class WorkerAddress:
     master_port: int
     master_address: str = "127.0.0.1"
     local_rank: int | None = None
+    rendezvous_directory: Path | None = None
 
     @property
     def rank_on_node(self) -> int:
@@ -62,6 +88,16 @@ def free_port() -> int:
             except OSError:
                 continue
     raise RuntimeError("could not find two adjacent free TCP ports on 127.0.0.1.")
+
+
+def private_rendezvous_directory() -> Path:
+    """A new, empty folder only this user can enter, where the ranks of one node meet (remove it when they end).
+
+    In the system's temporary folder, not the run directory: a FileStore needs a local file
+    system's locks (a run directory may be on a network mount), and a file left by a killed run
+    would make the next rendezvous fail, so each start gets a folder of its own (mkdtemp: 0700).
+    """
+    return Path(tempfile.mkdtemp(prefix="tlt-rendezvous-"))
 
 
 def import_deepspeed() -> ModuleType:
@@ -108,36 +144,91 @@ def init_worker_process(
     device = torch.device("cuda", address.rank_on_node) if on_gpus else torch.device("cpu")
     if on_gpus:
         torch.cuda.set_device(device)
-    import_deepspeed().init_distributed(dist_backend="nccl" if on_gpus else "gloo")
+    backend = "nccl" if on_gpus else "gloo"
+    if address.rendezvous_directory is None:
+        import_deepspeed().init_distributed(dist_backend=backend)
+    else:
+        import_deepspeed().init_distributed(dist_backend=backend, **one_node_rendezvous(address))
     return device
 
 
-class RolloutBarrier:
-    """Counts workers whose rollout shard is done, per step, without blocking the finished ones."""
+def one_node_rendezvous(address: WorkerAddress) -> dict[str, Any]:
+    """init_process_group's arguments for ranks meeting in address.rendezvous_directory (a file, no port).
 
-    def __init__(self, address: WorkerAddress):
-        self.world_size = address.world_size
-        self.store = torch.distributed.TCPStore(
-            address.master_address,
-            address.master_port + 1,
-            address.world_size,
-            is_master=address.rank == 0,
-            timeout=STORE_TIMEOUT,
-        )
+    Also keeps gloo's and NCCL's own sockets on the loopback interface (a value the user set wins).
+    """
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", LOOPBACK_INTERFACE)
+    os.environ.setdefault("NCCL_SOCKET_IFNAME", LOOPBACK_INTERFACE)
+    return dict(
+        init_method=f"file://{address.rendezvous_directory / PROCESS_GROUP_FILE}",
+        rank=address.rank,
+        world_size=address.world_size,
+    )
+
+
+def barrier_timeout(step_timeout_seconds: float) -> float:
+    """How long a finished rank waits at the rollout barrier for the others (0: no limit, as the step's)."""
+    return step_timeout_seconds + BARRIER_GRACE_SECONDS if step_timeout_seconds > 0 else 0.0
+
+
+class RolloutBarrier:
+    """Marks, per step, the workers whose rollout shard is done, without blocking the finished ones.
+
+    timeout_seconds: how long `wait` waits for the others before it raises BarrierTimeout (0: no
+    limit). Each rank sets its own key, so a waiting rank knows which ranks it waits for.
+    """
+
+    def __init__(self, address: WorkerAddress, timeout_seconds: float = 0.0):
+        self.rank, self.world_size = address.rank, address.world_size
+        self.timeout_seconds = timeout_seconds
+        self.store = _barrier_store(address)
 
     def mark_done(self, step: int) -> None:
-        self.store.add(f"rollout_done/{step}", 1)
+        self.store.set(_done_key(step, self.rank), "1")
 
     def all_done(self, step: int) -> bool:
-        return self.store.add(f"rollout_done/{step}", 0) >= self.world_size
+        return self.store.check([_done_key(step, rank) for rank in range(self.world_size)])
+
+    def unfinished(self, step: int) -> list[int]:
+        """The ranks that have not marked `step` done."""
+        return [rank for rank in range(self.world_size) if not self.store.check([_done_key(step, rank)])]
 
     def wait(self, step: int, while_idle: Callable[[Callable[[], bool]], None] | None = None) -> None:
-        """Return once every worker is done with `step`'s rollout.
+        """Return once every worker is done with `step`'s rollout; BarrierTimeout after timeout_seconds.
 
         while_idle, if given, is called repeatedly with a `rollout_over()` function it must poll
-        between short units of work; it should return as soon as that function says True.
+        between short units of work; it should return as soon as that function says True (it
+        also says True once the deadline has passed).
         """
+        deadline = time.monotonic() + self.timeout_seconds if self.timeout_seconds > 0 else math.inf
+
+        def over() -> bool:
+            return self.all_done(step) or time.monotonic() > deadline
+
         while not self.all_done(step):
+            if time.monotonic() > deadline:
+                waited_for = ", ".join(str(rank) for rank in self.unfinished(step))
+                raise BarrierTimeout(
+                    f"worker(s) {waited_for} did not finish the rollout of step {step} within "
+                    f"{self.timeout_seconds:g} s of the others."
+                )
             if while_idle is not None:
-                while_idle(lambda: self.all_done(step))
+                while_idle(over)
             time.sleep(POLL_SECONDS)
+
+
+def _done_key(step: int, rank: int) -> str:
+    return f"rollout_done/{step}/{rank}"
+
+
+def _barrier_store(address: WorkerAddress) -> torch.distributed.Store:
+    """A file in the rendezvous folder on one node; else a TCP store at master_port + 1 (rank 0 serves it)."""
+    if address.rendezvous_directory is not None:
+        return torch.distributed.FileStore(str(address.rendezvous_directory / BARRIER_FILE), address.world_size)
+    return torch.distributed.TCPStore(
+        address.master_address,
+        address.master_port + 1,
+        address.world_size,
+        is_master=address.rank == 0,
+        timeout=STORE_TIMEOUT,
+    )

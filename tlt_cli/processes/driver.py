@@ -12,9 +12,12 @@ run's log (`run.log`), the run directory keeps every complete checkpoint for `--
 
 Before anything is created, `check_machine` makes sure this machine has what the recipe asks for
 (GPUs for `actor.devices`, SGLang for `rollout.backend: sglang`) and the drafter is prepared; only
-then is a new run directory made. A new run that fails before its first step is removed again
-(with `keep_log`, all but its logs stay), and the trace is opened at the first step, so a resume
-that fails first leaves the run's trace and checkpoints as they were. Workers start with only the
+then is a new run directory made, locked for the run's life (run_directory.py: a second
+`tlt train` of it refuses). A new run that fails before its first step is removed again (only
+what it made; with `keep_log`, all but its logs stay), and the trace is opened at the first step,
+so a resume that fails first leaves the run's trace and checkpoints as they were. A worker that
+spends more than `workers.step_timeout_s` in one step ends the run as a failure does, named
+(step_deadline.py); SIGTERM ends it as Ctrl-C does (tlt_cli/cli.py). Workers start with only the
 actor's GPUs visible. With SGLang each worker owns its servers; whatever way the run ends
 (finished, Ctrl-C, a failure, a worker killed), the driver finally stops every server process
 group the workers recorded in the run directory, so none is left behind (on this machine: with a
@@ -23,7 +26,7 @@ hostfile of several nodes each worker stops its own, and DeepSpeed ends the rank
 
 from __future__ import annotations
 
-import shutil
+import contextlib
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,7 +35,7 @@ from typing import Any, Protocol
 from rich.console import Console
 
 from tlt_cli.checkpoint import latest_checkpoint
-from tlt_cli.config import CPU_DEVICES, TRL_TRAINER, Recipe, recipe_to_yaml
+from tlt_cli.config import CPU_DEVICES, TRL_TRAINER, Recipe
 from tlt_cli.display import PhaseProgress, TrainingDisplay, render_summary
 from tlt_cli.drafter.initial import prepare_initial_drafter
 from tlt_cli.errors import UserError
@@ -41,18 +44,14 @@ from tlt_cli.processes.hostfile import runs_on_this_machine
 from tlt_cli.processes.launched_workers import LaunchedWorkers
 from tlt_cli.processes.local_workers import LocalWorkers
 from tlt_cli.processes.machine_checks import check_machine
+from tlt_cli.processes.run_directory import CHECKPOINTS, RUN_LOG, TRACE_FILE, RunDirectory
+from tlt_cli.processes.step_deadline import StepDeadline
 from tlt_cli.processes.step_records import step_records
 from tlt_cli.sglang.registry import stop_recorded_servers
 from tlt_cli.trace import TraceWriter, read_trace, truncate_trace
-from tlt_cli.worker import WorkerFailed, WorkerFinished, WorkerStepReport
+from tlt_cli.worker import WorkerFailed, WorkerFinished, WorkerProgress, WorkerStepReport
 
 EVENT_POLL_SECONDS = 1.0
-RECIPE_FILE = "recipe.yaml"
-TRACE_FILE = "trace.jsonl"
-CHECKPOINTS = "checkpoints"
-# the driver's log in the run directory: the traceback of whatever stopped the run
-RUN_LOG = "run.log"
-LOG_SUFFIX = ".log"
 
 
 class TrainingFailed(RuntimeError):
@@ -69,10 +68,6 @@ class WorkerInputError(UserError):
     def __init__(self, message: str, details: str = ""):
         super().__init__(message)
         self.details = details
-
-
-class RunDirectoryError(UserError):
-    """A run directory that cannot be used as asked (exists already, or is not a run)."""
 
 
 class WorkerGroup(Protocol):
@@ -96,24 +91,6 @@ class RunSummary:
 def cache_directory(recipe: Recipe) -> Path:
     """Where built models and compiled DeepSpeed ops are cached (model.cache_dir or the default)."""
     return Path(recipe.model.cache_dir).expanduser() if recipe.model.cache_dir else default_cache_dir()
-
-
-def holds_run(run_directory: Path) -> bool:
-    """Whether a folder holds a run already (its trace or checkpoints)."""
-    return (run_directory / TRACE_FILE).exists() or (run_directory / CHECKPOINTS).exists()
-
-
-def new_run_directory(recipe: Recipe) -> Path:
-    """runs/<name>/ for a fresh run; refuses to reuse one that holds a run."""
-    run_directory = Path(recipe.run.output_dir).expanduser() / recipe.run.name
-    if holds_run(run_directory):
-        raise RunDirectoryError(
-            f"run directory {run_directory} already holds a run; resume it with --resume {run_directory} "
-            f"or choose another name with run.name=<name>."
-        )
-    run_directory.mkdir(parents=True, exist_ok=True)
-    (run_directory / RECIPE_FILE).write_text(recipe_to_yaml(recipe), encoding="utf-8")
-    return run_directory
 
 
 class RunTrace:
@@ -144,34 +121,49 @@ class RunTrace:
 
 
 def train(recipe: Recipe, console: Console, resume_directory: Path | None = None, keep_log: bool = False) -> RunSummary:
-    """Run the GRPO loop with recipe.workers.count worker processes: a new run, or `resume_directory` resumed."""
+    """Run the GRPO loop with recipe.workers.count worker processes: a new run, or `resume_directory` resumed.
+
+    The run directory is locked from when it is taken (a resumed one: once its checkpoint is
+    found; a new one: once the drafter is ready) until this returns or raises.
+    """
     resume_from, start_step = _resume_point(resume_directory, console) if resume_directory else (None, 0)
-    check_machine(recipe)
-    cache = cache_directory(recipe)
-    drafter_init = _prepare_drafter(recipe, cache, console)
-    first_new_folder = (
-        None if resume_directory else _first_missing(Path(recipe.run.output_dir).expanduser() / recipe.run.name)
-    )
-    run_directory = resume_directory or new_run_directory(recipe)
-    console.print(f"run directory: {run_directory}")
+    held = RunDirectory.resume(resume_directory) if resume_directory else None
+    try:
+        check_machine(recipe)
+        cache = cache_directory(recipe)
+        drafter_init = _prepare_drafter(recipe, cache, console)
+        held = held or RunDirectory.create(recipe)
+        spec_base = dict(
+            recipe=recipe,
+            run_directory=held.path,
+            model_cache=cache,
+            resume_from=resume_from,
+            start_step=start_step,
+            drafter_init=drafter_init,
+        )
+        return _train_in(spec_base, held, console, resumed=resume_directory is not None, keep_log=keep_log)
+    finally:
+        if held is not None:
+            held.release()
+
+
+def _train_in(
+    spec_base: dict[str, Any], held: RunDirectory, console: Console, resumed: bool, keep_log: bool
+) -> RunSummary:
+    """The run in its (locked) run directory: workers, trace and display; the summary, or the error to show."""
+    recipe: Recipe = spec_base["recipe"]
+    run_directory = held.path
+    console.print(f"run directory: {run_directory}", markup=False)
     trace = RunTrace(
         run_directory / TRACE_FILE,
-        start_step,
+        spec_base["start_step"],
         {
             "type": "run",
             "name": recipe.run.name,
             "world_size": recipe.workers.count,
-            "resumed_from_step": start_step if resume_directory else None,
+            "resumed_from_step": spec_base["start_step"] if resumed else None,
             "steps": recipe.train.steps,
         },
-    )
-    spec_base = dict(
-        recipe=recipe,
-        run_directory=run_directory,
-        model_cache=cache,
-        resume_from=resume_from,
-        start_step=start_step,
-        drafter_init=drafter_init,
     )
     try:
         with TrainingDisplay(console, f"tlt train {recipe.run.name}", recipe.train.steps) as display:
@@ -179,8 +171,8 @@ def train(recipe: Recipe, console: Console, resume_directory: Path | None = None
     except (TrainingFailed, UserError) as error:
         trace.close()
         details = getattr(error, "details", "") or traceback.format_exc()
-        discard = resume_directory is None and not trace.started and not (run_directory / CHECKPOINTS).exists()
-        raise _after_failure(error, details, run_directory, first_new_folder if discard else None, keep_log) from None
+        discard = held.made_by_this_run and not trace.started and not (run_directory / CHECKPOINTS).exists()
+        raise _after_failure(error, details, held, discard, keep_log) from None
     finally:
         trace.close()
     steps = [record for record in read_trace(trace.path) if record["type"] == "step"]
@@ -188,47 +180,28 @@ def train(recipe: Recipe, console: Console, resume_directory: Path | None = None
     return RunSummary(run_directory, steps)
 
 
-def _first_missing(folder: Path) -> Path | None:
-    """The outermost folder of `folder`'s path that does not exist yet (what creating it would add), or None."""
-    missing = None
-    while not folder.exists() and folder != folder.parent:
-        missing, folder = folder, folder.parent
-    return missing
-
-
-def _after_failure(
-    error: Exception, details: str, run_directory: Path, discard: Path | None, keep_log: bool
-) -> Exception:
-    """Log the traceback in the run's log; remove what a run that failed before its first step created.
+def _after_failure(error: Exception, details: str, held: RunDirectory, discard: bool, keep_log: bool) -> Exception:
+    """Log the traceback in the run's log; with discard (a new run that failed before its first step), remove
+    what it made.
 
     Returns the error to raise: a bug's message then says where its traceback is (or how to keep it).
     """
+    run_directory = held.path
     log = run_directory / RUN_LOG
-    run_directory.mkdir(parents=True, exist_ok=True)  # another failed run may have removed a shared new parent
-    with log.open("a", encoding="utf-8") as handle:
-        handle.write(f"{error}\n{details.rstrip()}\n")
-    if discard is not None:
-        _discard(run_directory if keep_log else discard, keep_log)
+    # a disk that refused the trace may refuse the log too: the error itself then says so
+    with contextlib.suppress(OSError):
+        with log.open("a", encoding="utf-8") as handle:
+            handle.write(f"{error}\n{details.rstrip()}\n")
+    if discard:
+        held.discard(keep_log)
     if isinstance(error, UserError):
         return error
     first_line, newline, more = str(error).partition("\n")
-    if discard is not None and not keep_log:
+    if discard and not keep_log:
         note = "it failed before its first step, so its run directory is removed; --keep-log keeps its log"
     else:
         note = f"traceback in {log}; complete checkpoints are kept, continue with --resume {run_directory}"
     return TrainingFailed(f"{first_line.rstrip('.')} ({note}).{newline}{more}")
-
-
-def _discard(folder: Path, keep_log: bool) -> None:
-    """Remove `folder`, or with keep_log everything in it but the *.log files."""
-    if not keep_log:
-        shutil.rmtree(folder, ignore_errors=True)
-        return
-    for path in sorted(folder.rglob("*"), key=lambda path: len(path.parts), reverse=True):
-        if path.is_file() and path.suffix != LOG_SUFFIX:
-            path.unlink()
-        elif path.is_dir() and not any(path.iterdir()):
-            path.rmdir()
 
 
 def _prepare_drafter(recipe: Recipe, cache: Path, console: Console) -> Path | None:
@@ -238,7 +211,8 @@ def _prepare_drafter(recipe: Recipe, cache: Path, console: Console) -> Path | No
     if report is not None:
         console.print(
             f"drafter warmed up offline: top-1 agreement with the target {report['held_out_accuracy']:.1%} "
-            f"(from {report['held_out_accuracy_before']:.1%}), cached in {folder}"
+            f"(from {report['held_out_accuracy_before']:.1%}), cached in {folder}",
+            markup=False,
         )
     return folder
 
@@ -255,7 +229,7 @@ def _run_workers(spec_base: dict[str, Any], trace: RunTrace, display: TrainingDi
     recipe: Recipe = spec_base["recipe"]
     workers = _start_workers(spec_base)
     try:
-        _drain_events(workers, trace, display)
+        _drain_events(workers, trace, display, StepDeadline(recipe.workers.step_timeout_s))
     finally:
         workers.stop()
         if recipe.workers.hostfile is None or runs_on_this_machine(recipe):
@@ -275,15 +249,19 @@ def _start_workers(spec_base: dict[str, Any]) -> WorkerGroup:
     return LocalWorkers(spec_base, recipe.workers.count, gpus)
 
 
-def _drain_events(workers: WorkerGroup, trace: RunTrace, display: TrainingDisplay) -> None:
+def _drain_events(workers: WorkerGroup, trace: RunTrace, display: TrainingDisplay, deadline: StepDeadline) -> None:
     pending: dict[int, list[WorkerStepReport]] = {}
     finished: set[int] = set()
     while len(finished) < workers.size:
         event = workers.next_event(EVENT_POLL_SECONDS)
+        failure = workers.failure(finished) if event is None else None
+        stuck = deadline.overrun()
+        if failure is not None or stuck is not None:
+            raise TrainingFailed(failure or stuck)
         if event is None:
-            failure = workers.failure(finished)
-            if failure is not None:
-                raise TrainingFailed(failure)
+            continue
+        if isinstance(event, WorkerProgress):
+            deadline.progress(event)
             continue
         if isinstance(event, WorkerFailed):
             if event.user_error:
@@ -292,6 +270,7 @@ def _drain_events(workers: WorkerGroup, trace: RunTrace, display: TrainingDispla
         if isinstance(event, WorkerFinished):
             finished.add(event.worker)
             continue
+        deadline.reported(event)
         reports = pending.setdefault(event.step, [])
         reports.append(event)
         if len(reports) == workers.size:

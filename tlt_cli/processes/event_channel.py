@@ -10,6 +10,13 @@ the driver unpickle its data), and each rank connects with `connect_to_driver`.
 
 The connection also carries the driver's life: a rank whose driver exited or closed the channel
 (the run failed, `tlt train` was killed) exits at once instead of training on for nobody.
+
+Anything may connect to the port (a port scan, a stray client), so the driver never lets one
+connection hold up another: the accept loop only accepts; each connection's HMAC handshake runs
+in a thread of its own under a deadline (HANDSHAKE_SECONDS), and a peer that closes, stays silent
+or fails the handshake is dropped and reported to `on_rejected` (the launcher's log). A rank
+retries its connection until CONNECT_SECONDS have passed, each attempt under its own deadline,
+then stops with one sentence naming the address.
 """
 
 from __future__ import annotations
@@ -18,12 +25,20 @@ import os
 import queue
 import socket
 import threading
+import time
+from collections.abc import Callable
 from multiprocessing import AuthenticationError
-from multiprocessing.connection import Client, Connection, Listener
+from multiprocessing.connection import Connection, Listener, answer_challenge, deliver_challenge
 from typing import Any
 
 # exit status of a rank that lost its driver
 DRIVER_GONE_EXIT_CODE = 1
+# seconds a new connection has to complete the handshake, on either side
+HANDSHAKE_SECONDS = 10.0
+# seconds a rank keeps trying to reach the driver (its launcher started after the driver listened,
+# so this covers a slow network or a driver busy accepting, not a driver that is not there)
+CONNECT_SECONDS = 120.0
+RETRY_SECONDS = 1.0
 
 
 class DriverUnreachable(ConnectionError):
@@ -33,11 +48,16 @@ class DriverUnreachable(ConnectionError):
 class EventListener:
     """The driver's end: accepts every rank's connection and queues what they send, in arrival order."""
 
-    def __init__(self, host: str, authkey: bytes):
-        self.listener = Listener((host, 0), authkey=authkey)
+    def __init__(self, host: str, authkey: bytes, on_rejected: Callable[[str], None] = lambda line: None):
+        """Listen on `host` only (an ephemeral port); on_rejected gets one line per dropped connection."""
+        # no authkey here: Listener.accept would run the handshake in the accept loop, where one silent
+        # peer blocks every rank behind it; each connection's handshake runs in its own thread instead
+        self.listener = Listener((host, 0))
+        self.authkey, self.on_rejected = authkey, on_rejected
         self.inbox: queue.Queue[Any] = queue.Queue()
         self.connections: list[Connection] = []
         self.readers: list[threading.Thread] = []
+        self.closed = threading.Event()
         threading.Thread(target=self._accept, name="tlt-event-accept", daemon=True).start()
 
     @property
@@ -59,6 +79,7 @@ class EventListener:
 
     def close(self) -> None:
         """Stop accepting and drop every connection: ranks still running see their driver gone and exit."""
+        self.closed.set()
         self.listener.close()
         for connection in self.connections:
             _shut_down(connection)
@@ -67,14 +88,31 @@ class EventListener:
         while True:
             try:
                 connection = self.listener.accept()
-            except AuthenticationError:
-                continue  # not one of this run's ranks
             except OSError:
                 return  # the listener was closed
-            self.connections.append(connection)
-            reader = threading.Thread(target=self._read, args=(connection,), name="tlt-event-read", daemon=True)
-            self.readers.append(reader)
-            reader.start()
+            peer = self.listener.last_accepted
+            threading.Thread(
+                target=self._admit, args=(connection, peer), name="tlt-event-handshake", daemon=True
+            ).start()
+
+    def _admit(self, connection: Connection, peer: Any) -> None:
+        """Run the handshake of one connection; a rank of this run is read from, anything else dropped."""
+        try:
+            _handshake(
+                connection,
+                lambda: (deliver_challenge(connection, self.authkey), answer_challenge(connection, self.authkey)),
+            )
+        except (AuthenticationError, EOFError, OSError, TimeoutError) as error:
+            _shut_down(connection)
+            self.on_rejected(f"event channel: dropped a connection from {_address(peer)}: {_why(error)}")
+            return
+        if self.closed.is_set():  # the run ended during the handshake
+            _shut_down(connection)
+            return
+        self.connections.append(connection)
+        reader = threading.Thread(target=self._read, args=(connection,), name="tlt-event-read", daemon=True)
+        self.readers.append(reader)
+        reader.start()
 
     def _read(self, connection: Connection) -> None:
         while True:
@@ -110,22 +148,93 @@ class DriverConnection:
             os._exit(DRIVER_GONE_EXIT_CODE)
 
 
-def connect_to_driver(host: str, port: int, authkey: bytes) -> DriverConnection:
-    """Connect this rank to the driver's EventListener; DriverUnreachable names the address on failure."""
+def connect_to_driver(
+    host: str, port: int, authkey: bytes, deadline_seconds: float = CONNECT_SECONDS
+) -> DriverConnection:
+    """Connect this rank to the driver's EventListener, retrying for deadline_seconds; DriverUnreachable then.
+
+    A wrong secret is not retried: it will not get right.
+    """
+    deadline = time.monotonic() + deadline_seconds
+    while True:
+        try:
+            return DriverConnection(_connect(host, port, authkey))
+        except AuthenticationError as error:
+            last_error: BaseException = error
+            break
+        except (EOFError, OSError, TimeoutError) as error:
+            last_error = error
+        if time.monotonic() + RETRY_SECONDS > deadline:
+            break
+        time.sleep(RETRY_SECONDS)
+    raise DriverUnreachable(
+        f"cannot reach the tlt train driver's event channel at {host}:{port} within {deadline_seconds:g} s "
+        f"({_why(last_error)}); every node must reach the machine running tlt train on that port."
+    )
+
+
+def _connect(host: str, port: int, authkey: bytes) -> Connection:
+    """One attempt: connect and answer the handshake, each step within HANDSHAKE_SECONDS."""
+    with socket.create_connection((host, port), timeout=HANDSHAKE_SECONDS) as plain:
+        plain.settimeout(None)  # a Connection reads its descriptor in blocking mode; _handshake bounds it
+        connection = Connection(plain.detach())
     try:
-        return DriverConnection(Client((host, port), authkey=authkey))
-    except (OSError, AuthenticationError) as error:
-        raise DriverUnreachable(
-            f"cannot reach the tlt train driver's event channel at {host}:{port} ({error}); "
-            "every node must reach the machine running tlt train on that port."
-        ) from None
+        _handshake(connection, lambda: (answer_challenge(connection, authkey), deliver_challenge(connection, authkey)))
+    except BaseException:
+        connection.close()
+        raise
+    return connection
+
+
+def _handshake(connection: Connection, exchange: Callable[[], Any]) -> None:
+    """Run `exchange` (the HMAC challenge both ways) on `connection`; TimeoutError if it takes HANDSHAKE_SECONDS.
+
+    A Connection has no timeout of its own: a watchdog shuts its socket down at the deadline, which
+    ends a read blocked on a silent peer.
+    """
+    expired = threading.Event()
+
+    def expire() -> None:
+        expired.set()
+        _shut_down_socket(connection)
+
+    watchdog = threading.Timer(HANDSHAKE_SECONDS, expire)
+    watchdog.daemon = True
+    watchdog.start()
+    try:
+        exchange()
+    except (EOFError, OSError) as error:
+        if expired.is_set():
+            raise TimeoutError(f"no handshake within {HANDSHAKE_SECONDS:g} s") from error
+        raise
+    finally:
+        watchdog.cancel()
+    if expired.is_set():
+        raise TimeoutError(f"no handshake within {HANDSHAKE_SECONDS:g} s")
+
+
+def _address(peer: Any) -> str:
+    return f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) and len(peer) >= 2 else str(peer)
+
+
+def _why(error: BaseException) -> str:
+    """A short reason for a failed connection: the error's words, or what its type means."""
+    if isinstance(error, EOFError):
+        return "it closed before the handshake"
+    if isinstance(error, AuthenticationError):
+        return "it failed the handshake (not a rank of this run)"
+    return str(error) or type(error).__name__
 
 
 def _shut_down(connection: Connection) -> None:
     """Shut the socket down (waking a thread blocked reading it, which close alone does not), then close it."""
+    _shut_down_socket(connection)
+    connection.close()
+
+
+def _shut_down_socket(connection: Connection) -> None:
     try:
         with socket.socket(fileno=os.dup(connection.fileno())) as duplicate:
             duplicate.shutdown(socket.SHUT_RDWR)
     except OSError:
         pass  # already closed or reset by the other end
-    connection.close()

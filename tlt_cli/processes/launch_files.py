@@ -7,7 +7,8 @@ exactly what the driver prepared:
                 workers.hostfile pointing at the copy below
   hostfile      a copy of the recipe's hostfile (every rank validates the recipe, on any node)
   driver.json   readable by its owner only: the driver's event channel (host, port, secret) and
-                what the driver prepared once (model cache, checkpoint to resume, starting drafter)
+                what the driver prepared once (model cache, checkpoint to resume, starting drafter,
+                the ranks' rendezvous folder on one host)
 Written by launched_workers.py, read by launched_rank.py.
 """
 
@@ -41,6 +42,8 @@ class LaunchPlan:
     resume_from: str | None
     start_step: int
     drafter_init: str | None
+    # one host: the private folder where the ranks meet instead of a TCP store (distributed.py)
+    rendezvous_directory: str | None = None
 
 
 def write_launch_files(run_directory: Path, recipe: Recipe, plan: LaunchPlan) -> Path:

@@ -3,8 +3,10 @@
 With `workers.hostfile`, `tlt train` stays the driver (live display, trace, checkpoint notes) and
 `LaunchedWorkers` replaces the processes it would spawn:
 1. it opens the event channel (event_channel.py) on 127.0.0.1 when the hostfile has one host,
-   else on every interface, announced under this machine's host name;
-2. writes the recipe and its plan for the ranks under `<run_dir>/launch/` (launch_files.py);
+   else on the one address of this machine that routes to the hostfile's nodes (never every
+   interface), and announces that address; connections it drops go to the launcher's log;
+2. writes the recipe and its plan for the ranks under `<run_dir>/launch/` (launch_files.py); with
+   one host the plan names a private folder where the ranks meet (no TCP store, distributed.py);
 3. runs the DeepSpeed launcher (the command of hostfile.py) in its own session, its
    output in `<run_dir>/workers/launcher.log` (each rank logs to `workers/worker-<rank>.log`).
 The driver loop reads events with `next_event`, asks `failure` when none comes (has the launcher
@@ -16,9 +18,11 @@ grace period, and closes the channel, which ends any rank still running anywhere
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import queue
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
@@ -26,9 +30,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tlt_cli.processes.distributed import free_port
+from tlt_cli.config import Recipe
+from tlt_cli.errors import UserError
+from tlt_cli.processes.distributed import free_port, private_rendezvous_directory
 from tlt_cli.processes.event_channel import EventListener
-from tlt_cli.processes.hostfile import LOCAL_ADDRESS, deepspeed_launch_command, runs_on_this_machine
+from tlt_cli.processes.hostfile import LOCAL_ADDRESS, deepspeed_launch_command, read_hostfile, runs_on_this_machine
 from tlt_cli.processes.launch_files import LaunchPlan, write_launch_files
 from tlt_cli.worker import WorkerFinished
 
@@ -37,8 +43,9 @@ LAUNCHER_LOG = "launcher.log"
 EXIT_GRACE_SECONDS = 30.0
 # seconds to wait for a rank's last events after the launcher exited
 LAST_EVENTS_SECONDS = 5.0
-ALL_INTERFACES = "0.0.0.0"
 SESSION_POLL_SECONDS = 0.1
+# a port for the route probe: connecting a UDP socket sends nothing, it only asks for the route
+PROBE_PORT = 9
 
 
 class LaunchedWorkers:
@@ -50,24 +57,31 @@ class LaunchedWorkers:
         self.finished: set[int] = set()
         local = runs_on_this_machine(recipe)
         authkey = secrets.token_bytes(32)
-        self.channel = EventListener(LOCAL_ADDRESS if local else ALL_INTERFACES, authkey)
+        self.log_path = run_directory / "workers" / LAUNCHER_LOG
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        host = LOCAL_ADDRESS if local else address_towards(recipe)
+        self.channel = EventListener(host, authkey, on_rejected=self._log)
+        self.rendezvous = private_rendezvous_directory() if local else None
         plan = LaunchPlan(
-            driver_host=LOCAL_ADDRESS if local else socket.getfqdn(),
+            driver_host=host,
             driver_port=self.channel.port,
             authkey=authkey.hex(),
             model_cache=str(Path(spec_base["model_cache"]).resolve()),
             resume_from=_absolute(spec_base["resume_from"]),
             start_step=spec_base["start_step"],
             drafter_init=_absolute(spec_base["drafter_init"]),
+            rendezvous_directory=_absolute(self.rendezvous),
         )
         write_launch_files(run_directory, recipe, plan)
-        self.log_path = run_directory / "workers" / LAUNCHER_LOG
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
         command = deepspeed_launch_command(recipe, run_directory, free_port())
         with self.log_path.open("a", encoding="utf-8") as log:
             self.launcher = subprocess.Popen(
                 command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
             )
+
+    def _log(self, line: str) -> None:
+        with self.log_path.open("a", encoding="utf-8") as log:
+            log.write(f"{line}\n")
 
     def next_event(self, timeout: float) -> Any:
         """The next rank event, or None after `timeout` seconds without one."""
@@ -102,6 +116,33 @@ class LaunchedWorkers:
                 _signal_session(self.launcher, signal.SIGKILL)
             self.launcher.wait()
         self.channel.close()
+        if self.rendezvous is not None:
+            shutil.rmtree(self.rendezvous, ignore_errors=True)
+
+
+def address_towards(recipe: Recipe) -> str:
+    """This machine's address on the route to the hostfile's nodes: the event channel listens there only.
+
+    The first host that is not this machine decides (a cluster's nodes share one network); if every
+    host is this machine, loopback. UserError if no host's name resolves here.
+    """
+    resolved = False
+    for host in read_hostfile(Path(recipe.workers.hostfile)):
+        try:
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+                probe.connect((host.name, PROBE_PORT))
+                address = probe.getsockname()[0]
+        except OSError:
+            continue
+        resolved = True
+        if not ipaddress.ip_address(address).is_loopback:
+            return address
+    if resolved:
+        return LOCAL_ADDRESS
+    raise UserError(
+        f"workers.hostfile: none of the hosts in {recipe.workers.hostfile} can be reached from this machine "
+        "(their names do not resolve here); the driver must reach the nodes it launches on."
+    )
 
 
 def _absolute(path: Path | None) -> str | None:

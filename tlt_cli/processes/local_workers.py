@@ -4,16 +4,21 @@ The default of `tlt train` (no `workers.hostfile`). `LocalWorkers` starts `worke
 `workers.count` processes (with only the actor's GPUs visible) and offers the driver loop
 (driver.py) the same three calls as a DeepSpeed launch (launched_workers.py):
 `next_event`, `failure` when none comes (a worker died without reporting) and `stop`.
+The workers meet in a private folder of their own (distributed.py `private_rendezvous_directory`):
+no rank opens a TCP store, and gloo binds to loopback.
 """
 
 from __future__ import annotations
 
 import multiprocessing
+import os
 import queue
+import shutil
+import signal
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from tlt_cli.processes.distributed import WorkerAddress, free_port, visible_gpus
+from tlt_cli.processes.distributed import WorkerAddress, private_rendezvous_directory, visible_gpus
 from tlt_cli.worker import WorkerSpec, worker_main
 
 # seconds a terminated worker gets to exit before it is killed
@@ -34,11 +39,11 @@ class LocalWorkers:
         context = multiprocessing.get_context("spawn")
         self.size = world_size
         self.events = context.Queue()
-        port = free_port()
+        self.rendezvous = private_rendezvous_directory()
         self.processes = [
             context.Process(
                 target=target,
-                args=(WorkerSpec(address=WorkerAddress(rank, world_size, port), **spec_base), self.events),
+                args=(WorkerSpec(address=self._address(rank), **spec_base), self.events),
                 name=f"tlt-worker-{rank}",
             )
             for rank in range(world_size)
@@ -46,6 +51,10 @@ class LocalWorkers:
         with visible_gpus(gpus):
             for process in self.processes:
                 process.start()
+
+    def _address(self, rank: int) -> WorkerAddress:
+        """Rank `rank` of this machine's workers, meeting in the private rendezvous folder (no port)."""
+        return WorkerAddress(rank, self.size, master_port=0, rendezvous_directory=self.rendezvous)
 
     def next_event(self, timeout: float) -> Any:
         """The next worker event, or None after `timeout` seconds without one."""
@@ -65,11 +74,22 @@ class LocalWorkers:
         return None
 
     def stop(self) -> None:
+        """Terminate the workers still alive (a stopped one is continued so it can), kill those that linger."""
         for process in self.processes:
             if process.is_alive():
                 process.terminate()
+                _continue(process.pid)
         for process in self.processes:
             process.join(timeout=STOP_SECONDS)
             if process.is_alive():
                 process.kill()
                 process.join()
+        shutil.rmtree(self.rendezvous, ignore_errors=True)
+
+
+def _continue(pid: int) -> None:
+    """SIGCONT: a SIGSTOPped worker (often the one a step deadline named) acts on its SIGTERM now."""
+    try:
+        os.kill(pid, signal.SIGCONT)
+    except ProcessLookupError:
+        pass

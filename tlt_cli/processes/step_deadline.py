@@ -1,0 +1,87 @@
+"""The driver's step deadline: which worker has spent more than `workers.step_timeout_s` in one step.
+
+A live but hung worker (stopped, deadlocked, stuck in I/O) never fails, so nothing else ends the
+run: its peers wait for it at the rollout barrier and the driver waits for their reports.
+Every rank sends a `WorkerProgress` as it enters each part of a step (tlt_cli/worker.py); the
+driver (driver.py) feeds them and the step reports to `StepDeadline` and asks `overrun()` while
+it waits. The clock of a rank starts with its first progress of a step and stops with its
+report of that step, so start-up (model loading, SGLang servers) never counts. Of the ranks past
+the deadline, those that are working are named, not those waiting for them: the one line says
+which rank is stuck, its process (and the state Linux reports for it, on this machine) and what
+it was doing. Ranks that send no progress (TRL runs) are not watched.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from pathlib import Path
+
+from tlt_cli.worker import WorkerProgress, WorkerStepReport
+
+# the state letter of /proc/<pid>/stat, in words
+PROCESS_STATES = {
+    "R": "running",
+    "S": "sleeping",
+    "D": "waiting on I/O",
+    "T": "stopped",
+    "t": "stopped by a debugger",
+    "Z": "a zombie",
+}
+
+
+class StepDeadline:
+    """Each rank's current step, when it began and what the rank last said it does."""
+
+    def __init__(self, timeout_seconds: float):
+        """timeout_seconds: workers.step_timeout_s (0: no deadline, `overrun` is always None)."""
+        self.timeout_seconds = timeout_seconds
+        self.current: dict[int, tuple[WorkerProgress, float]] = {}
+
+    def progress(self, event: WorkerProgress) -> None:
+        """A rank entered a part of a step: its clock starts if the step is new to it."""
+        previous = self.current.get(event.worker)
+        started = previous[1] if previous is not None and previous[0].step == event.step else time.monotonic()
+        self.current[event.worker] = (event, started)
+
+    def reported(self, report: WorkerStepReport) -> None:
+        """A rank finished its step: its clock stops until its next step begins."""
+        self.current.pop(report.worker, None)
+
+    def overrun(self) -> str | None:
+        """One line naming the rank(s) past the deadline (working ones before waiting ones), or None."""
+        if self.timeout_seconds <= 0:
+            return None
+        now = time.monotonic()
+        late = [event for event, started in self.current.values() if now - started > self.timeout_seconds]
+        if not late:
+            return None
+        working = [event for event in late if not event.waiting]
+        stuck = sorted(working or late, key=lambda event: event.worker)
+        waiting = sorted(event.worker for event in late if event.waiting and working)
+        named = "; ".join(
+            f"worker {event.worker} ({_process(event)}) has not finished step {event.step} within "
+            f"workers.step_timeout_s={self.timeout_seconds:g} s: it is {event.activity}"
+            for event in stuck
+        )
+        others = f"; worker(s) {', '.join(map(str, waiting))} wait for it" if waiting else ""
+        return f"{named}{others}."
+
+
+def _process(event: WorkerProgress) -> str:
+    """`pid 123, stopped` (the state only for a process of this machine), `pid 123 on node-b` elsewhere."""
+    if event.host != socket.gethostname():
+        return f"pid {event.pid} on {event.host}"
+    state = _process_state(event.pid)
+    return f"pid {event.pid}, {state}" if state else f"pid {event.pid}"
+
+
+def _process_state(pid: int) -> str | None:
+    """What Linux says the process is doing (from /proc), or None where that cannot be read."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text(encoding="utf-8")
+    except OSError:
+        return None
+    # the state follows the command name, which is in parentheses and may itself hold spaces
+    letter = stat.rpartition(")")[2].split()[0]
+    return PROCESS_STATES.get(letter, letter)
