@@ -13,9 +13,10 @@ the best time counts; after the first round a form HOPELESS times slower than th
 Each form is timed as the engine calls it (`linear` as a plain nn.Linear computes, the others through
 FormedLinear.forward), so where a layer takes microseconds the Python around a form counts against it.
 A form other than `linear` replaces it only if it is at least MARGIN faster. It costs about 2 rounds
-x 3 forms of a pass over every weight at each of 1..16, 24, 32 and 64 rows: about 15 s for
-SmolLM2-135M on one thread of a 2-core CPU (more on a loaded one; it holds a transposed copy of every
-weight meanwhile), 1-2 s for the tests' tiny models (each timing repeats a tiny pass to last 0.5 ms).
+x 3 forms of a pass over every weight at each of 1..16, 24, 32 and 64 rows: 33 s for SmolLM2-135M
+and its drafter on one thread of a heavily loaded 2-core CPU (estimated 10-15 s idle; it holds a
+transposed copy of every weight meanwhile), about 2 s for the built-in tiny model (each timing repeats
+a tiny pass to last 0.5 ms), once per machine and model.
 
 Cache: `<cache_dir>/linear_forms/<hash>.json`, keyed by the machine (CPU model string or GPU name,
 core count, torch threads, torch version, device type) and the model's shapes (each shape's dtype and
