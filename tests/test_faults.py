@@ -30,6 +30,7 @@ from recipe_overrides import TLT, small_run
 from tlt_cli.checkpoint import latest_checkpoint, load_checkpoint_file
 from tlt_cli.models.tiny import ensure_tiny_model
 from tlt_cli.processes import event_channel
+from tlt_cli.processes.distributed import BarrierTimeout, RolloutBarrier, WorkerAddress
 from tlt_cli.processes.event_channel import DriverUnreachable, EventListener, connect_to_driver
 from tlt_cli.trace import read_trace
 
@@ -94,6 +95,29 @@ def test_a_rank_gives_up_on_a_silent_or_absent_driver_with_one_sentence(monkeypa
     # the port is closed now: nothing listens there
     with pytest.raises(DriverUnreachable, match=f"at 127.0.0.1:{port} within 3 s"):
         connect_to_driver("127.0.0.1", port, SECRET, deadline_seconds=3)
+
+
+# ---------------------------------------------------------------- the rollout barrier
+
+
+def test_the_rollout_barrier_gives_up_naming_the_worker_it_waited_for(tmp_path):
+    """Rank 0 is done and waits (idle work polling `rollout_over`); rank 1 never comes: BarrierTimeout names it."""
+    first = RolloutBarrier(WorkerAddress(0, 2, 0, rendezvous_directory=tmp_path), timeout_seconds=1.0)
+    first.mark_done(3)
+    polls = []
+
+    def idle_work(rollout_over):
+        while not rollout_over():
+            polls.append(1)
+            time.sleep(0.01)
+
+    with pytest.raises(BarrierTimeout, match=r"worker\(s\) 1 did not finish the rollout of step 3 within 1 s"):
+        first.wait(3, while_idle=idle_work)
+    assert polls, "the idle work ran until the deadline"
+    second = RolloutBarrier(WorkerAddress(1, 2, 0, rendezvous_directory=tmp_path), timeout_seconds=1.0)
+    second.mark_done(3)
+    first.wait(3)  # both done: no wait
+    assert first.unfinished(4) == [0, 1]
 
 
 # ---------------------------------------------------------------- one run: sockets, SIGTERM, SIGSTOP, SIGKILL
