@@ -16,6 +16,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from tlt_cli.config import RecipeError
 from tlt_cli.drafter.model import EagleDrafter
+from tlt_cli.errors import UserError
 from tlt_cli.recipe_checks import load_checked_recipe
 from tlt_cli.recipes import RECIPES_DIRECTORY
 from tlt_cli.rollout import linear_forms_measure
@@ -274,3 +275,21 @@ def test_the_cached_plan_is_reused_and_measured_again_when_the_key_changes(tmp_p
     cached_plan([model], tmp_path, **quick)
     assert json.loads(path.read_text())["key"] == plan_key([model], (1, 3))
     assert "milliseconds" in json.loads(path.read_text())
+
+
+def test_the_trl_rollout_refreshes_the_copies_before_every_rollout(tmp_path):
+    pytest.importorskip("trl")
+    from tlt_cli.integrations.trl import HiddenStateRollout, tlt_rollout
+
+    model = MODELS["qwen2-untied"]()
+    write_plan(tmp_path, [model], forced_plan([model], TRANSPOSED))
+    rollout = HiddenStateRollout(model, NEVER_EMITTED, 0, linear_forms="auto", cache_dir=tmp_path)
+    requests, greedy = ragged_requests(3), SamplingParams(8, temperature=0.0)
+    rollout.generate_with_hidden(requests, greedy, seed=0)
+    with torch.no_grad():
+        for parameter in model.parameters():  # an update TRL makes between rollouts, unseen by autograd
+            parameter.data.copy_(torch.randn_like(parameter) * 0.1)
+    completions, _ = rollout.generate_with_hidden(requests, greedy, seed=0)
+    assert [completion.response_ids for completion in completions] == greedy_tokens(model, requests, 8)
+    with pytest.raises(UserError, match="linear_forms is 'fast'; use one of auto, off"):
+        tlt_rollout(linear_forms="fast")
