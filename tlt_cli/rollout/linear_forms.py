@@ -21,11 +21,11 @@ backward never goes through another form.
 
 Copies: a shape gets transposed copies only if its plan uses `transposed` at some row count; at most
 one copy per weight (`extra_bytes`). A copy is refreshed (W.t() copied into the same buffer: one read
-and one write of the weight, about 0.1-0.3 s for all of SmolLM2-135M's on a CPU) by `refresh()`, which
-the rollout backends call after every actor update, and automatically before use whenever the
-weight's storage or autograd version counter changed (an in-place optimizer step bumps it). Writes
-through `.data` (DeepSpeed's ZeRO partitions) bump neither, which is why `refresh()` after each update
-is still needed.
+and one write of the weight; 0.4 s for all 513 MiB of SmolLM2-135M's on a loaded 2-core CPU) by
+`refresh()`, which the rollout backends call after every actor update, and automatically before use
+whenever the weight's storage or autograd version counter changed (an in-place optimizer step bumps
+it). Writes through `.data` (DeepSpeed's ZeRO partitions) bump neither, which is why `refresh()` after
+each update is still needed.
 """
 
 from __future__ import annotations
