@@ -293,3 +293,12 @@ def test_the_trl_rollout_refreshes_the_copies_before_every_rollout(tmp_path):
     assert [completion.response_ids for completion in completions] == greedy_tokens(model, requests, 8)
     with pytest.raises(UserError, match="linear_forms is 'fast'; use one of auto, off"):
         tlt_rollout(linear_forms="fast")
+
+
+@pytest.mark.parametrize("form", [TRANSPOSED, WEIGHT_MAJOR, "mixed"])
+def test_bfloat16_weights_generate_the_same_greedy_tokens_with_forms(form):
+    model = MODELS["qwen2-untied"]().to(torch.bfloat16)
+    requests = ragged_requests(5)
+    forms = LinearForms([model], forced_plan([model], form))
+    assert all(formed.layer.weight.dtype == torch.bfloat16 for formed in forms.layers)
+    assert greedy_tokens(model, requests, linear_forms=forms) == greedy_tokens(model, requests)
