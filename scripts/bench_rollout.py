@@ -27,6 +27,13 @@ hooks.
 With --linear-forms on,off every engine method also runs as "<method>+forms": its linear layers in the forms
 measured fastest on this machine for each pass's rows (tlt_cli/rollout/linear_forms.py; plan cached under
 --cache-dir), checked token-identical to SD off like the rest.
+--configs also takes any SD configuration label (tlt_cli/rollout/adaptive.py parse_label): model-free
+`ngram4` (n-gram proposals from the prompt and the sibling responses, no drafter pass) and hybrid
+`s2-k1-t3+ngram4`. With --group-size G each prompt is generated G times in one batch, as GRPO's group (use
+a batch size that is a multiple of G and --temperature 0.7): requests with equal prompts in a batch are one
+group, so siblings exist, and each SD method also reports its accept length by draft source (each source's
+own accepted drafts per verify pass) and, for n-gram shapes, by the number of the row's siblings that had
+finished.
 Prints a table per batch size, the ratios the goals are stated in (plain engine vs generate, best SD
 vs plain, best SD vs assisted generation) and writes everything to --out as JSON."""
 
@@ -37,7 +44,7 @@ import copy
 import json
 import math
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -48,6 +55,7 @@ from tlt_cli.drafter.model import load_drafter, save_drafter
 from tlt_cli.drafter.warmup import encode_prompts, generate_responses, warm_up_drafter
 from tlt_cli.models.loading import load_policy, model_fingerprint
 from tlt_cli.models.tiny import BUILTIN_TINY_MODEL, IGNORED_LABEL, pad_supervised_batch
+from tlt_cli.rollout.adaptive import RuleTableError, parse_label
 from tlt_cli.rollout.engine import EmbeddedEngine
 from tlt_cli.rollout.linear_forms_measure import prepare_linear_forms
 from tlt_cli.rollout.speculative import SpeculativeDecoder
@@ -141,6 +149,9 @@ class RunResult:
     # "tie" each that differs first differs at a float32 tie of the target's logits, "NO" otherwise
     same_as_off: str | None
     divergences: list[dict]  # per differing response: prompt, position, the two tokens, their logit gap
+    # draft source -> its own accepted drafts per verify pass + 1; n-gram shapes: finished siblings -> accept length
+    accept_length_by_source: dict[str, float] = field(default_factory=dict)
+    accept_length_by_finished_siblings: dict[int, float] = field(default_factory=dict)
 
 
 class ForwardTimer:
@@ -239,6 +250,12 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
+        "--group-size",
+        type=int,
+        default=1,
+        help="samples of each prompt in one batch (GRPO's G; n-gram shapes draft from the siblings)",
+    )
+    parser.add_argument(
         "--linear-forms",
         default="off",
         help="off, on, or on,off: engine methods with the linear forms of rollout.linear_forms auto (as "
@@ -264,10 +281,21 @@ def parse_args() -> argparse.Namespace:
         parser.error("--long-tail needs a model folder with a chat template (--model); the built-in model has none.")
     if args.task is not None and args.task not in TASKS:
         parser.error(f"unknown task {args.task}; choose from {', '.join(sorted(TASKS))}.")
-    unknown = [name for name in args.configs.split(",") if name not in SD_CONFIGS]
-    if unknown:
-        parser.error(f"unknown SD config {unknown[0]}; choose from {', '.join(SD_CONFIGS)}.")
+    for name in args.configs.split(","):
+        try:
+            register_label(name)
+        except RuleTableError:
+            parser.error(f"unknown SD config {name}; choose from {', '.join(SD_CONFIGS)} or give a label (ngram4).")
+    if args.group_size < 1:
+        parser.error(f"--group-size is {args.group_size}; give at least 1.")
     return args
+
+
+def register_label(name: str) -> None:
+    """Make an SD configuration label (ngram4, s2-k1-t3+ngram4, ...) a method of SD_CONFIGS (RuleTableError
+    if it is none)."""
+    if name not in SD_CONFIGS:
+        SD_CONFIGS[name] = parse_label(name)
 
 
 def cached_dir(target, kind: str, args) -> Path:
@@ -358,6 +386,9 @@ class Measured:
     target_seconds: float
     target_calls: int
     drafter_seconds: float
+    # draft source -> [verify passes, accepted drafts]; finished siblings -> [verify passes, accepted drafts]
+    by_source: dict[str, list[int]] = field(default_factory=dict)
+    by_finished_siblings: dict[int, list[int]] = field(default_factory=dict)
 
 
 def engine_runner(target, drafter, tokenizer, prompt_pool, batch_size, config, sampling, linear_forms=None):
@@ -371,14 +402,27 @@ def engine_runner(target, drafter, tokenizer, prompt_pool, batch_size, config, s
         decoder_timer, head_timer = ForwardTimer([target.get_decoder()]), ForwardTimer([target.get_output_embeddings()])
         drafter_timer = ForwardTimer([drafter] if drafter is not None else [])
         responses, passes, emitted = [], 0, 0
+        by_source: dict[str, list[int]] = {}
+        by_finished_siblings: dict[int, list[int]] = {}
         start, cpu_start = time.perf_counter(), time.process_time()
         for first in range(0, len(prompt_pool), batch_size):
             chunk = prompt_pool[first : first + batch_size]
-            requests = [RolloutRequest(index, tuple(prompt)) for index, prompt in enumerate(chunk)]
+            # equal prompts in a batch are one group (--group-size): their n-gram drafts come from each other
+            groups: dict[tuple[int, ...], int] = {}
+            requests = [
+                RolloutRequest(index, tuple(prompt), group=groups.setdefault(tuple(prompt), len(groups)))
+                for index, prompt in enumerate(chunk)
+            ]
             for completion in engine.generate(requests, sampling, torch.Generator().manual_seed(0)):
                 responses.append(completion.response_ids)
                 passes += completion.speculative.verify_passes
                 emitted += completion.speculative.accepted_draft_tokens + completion.speculative.verify_passes
+                add_counts(
+                    by_source, completion.speculative.passes_by_source, completion.speculative.accepted_by_source
+                )
+            if speculative is not None:
+                for finished, (finished_passes, accepted) in speculative.by_finished_siblings.items():
+                    add_counts(by_finished_siblings, {finished: finished_passes}, {finished: accepted})
         seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
         for timer in (decoder_timer, head_timer, drafter_timer):
             timer.remove()
@@ -391,9 +435,24 @@ def engine_runner(target, drafter, tokenizer, prompt_pool, batch_size, config, s
             decoder_timer.seconds + head_timer.seconds,
             decoder_timer.calls,
             drafter_timer.seconds,
+            {source: counts for source, counts in by_source.items() if counts[0]},
+            by_finished_siblings,
         )
 
     return run
+
+
+def add_counts(totals: dict, passes: dict, accepted: dict) -> None:
+    """totals[key] += [passes[key], accepted[key]] for every key of passes."""
+    for key, count in passes.items():
+        sums = totals.setdefault(key, [0, 0])
+        sums[0] += count
+        sums[1] += accepted.get(key, 0)
+
+
+def accept_lengths(counts: dict) -> dict:
+    """key -> (verify passes + accepted drafts) / verify passes, from [passes, accepted] pairs."""
+    return {key: (passes + accepted) / passes for key, (passes, accepted) in sorted(counts.items()) if passes}
 
 
 def transformers_runner(target, assistant, tokenizer, prompt_pool, batch_size, sampling):
@@ -472,6 +531,8 @@ def measure_batch_size(
                 measured.target_calls,
                 None if reference is None else same_verdict(divergences),
                 divergences,
+                accept_lengths(measured.by_source),
+                accept_lengths(measured.by_finished_siblings),
             )
         )
     return results
@@ -541,6 +602,17 @@ def render(console: Console, results: list[RunResult], cell: str, sampling: Samp
     console.print(table)
     for line in goal_ratios(rows):
         console.print(f"  {line}")
+    for result in rows:
+        if result.accept_length_by_source:
+            sources = ", ".join(f"{source} {length:.2f}" for source, length in result.accept_length_by_source.items())
+            line = f"  {result.method}: accept length by draft source {sources}"
+            if result.accept_length_by_finished_siblings:
+                siblings = ", ".join(
+                    f"{finished}: {length:.2f}"
+                    for finished, length in result.accept_length_by_finished_siblings.items()
+                )
+                line += f"; by finished siblings {siblings}"
+            console.print(line, highlight=False)
 
 
 def goal_ratios(rows: list[RunResult]) -> list[str]:
@@ -575,6 +647,8 @@ def benchmark_cells(tokenizer, task, args) -> list[tuple[str, int, list[list[int
     else:
         questions = [CHAT_QUESTIONS[index % len(CHAT_QUESTIONS)] for index in range(args.prompts)]
         pool = chat_prompts(tokenizer, questions)
+    # GRPO's group: each prompt args.group_size times in a row
+    pool = [prompt for prompt in pool for _ in range(args.group_size)]
     cells = [(str(size), int(size), pool, sampling) for size in args.batch_sizes.split(",")]
     if args.long_tail:
         long_tail_sampling = SamplingParams(args.long_tail_max_new_tokens, temperature=args.temperature)
@@ -591,9 +665,10 @@ def main() -> None:
     target, tokenizer = load_policy(args.model)
     task = build_task(args.task or ArithmeticTask.name, args.seed, {})
     shapes = [name for name in args.configs.split(",") if name != "off"]
-    # `--configs off`: the plain engine against generate only, no drafter or assistant to train
-    drafter, warmup_report = prepare_drafter(target, tokenizer, task, args) if shapes else (None, None)
-    assistant = prepare_assistant(target, tokenizer, task, args) if shapes and args.assisted else None
+    # only drafter shapes need a drafter (and get the assisted-generation baseline); off and ngram<k> need none
+    drafting = any(SD_CONFIGS[name].uses_drafter for name in shapes)
+    drafter, warmup_report = prepare_drafter(target, tokenizer, task, args) if drafting else (None, None)
+    assistant = prepare_assistant(target, tokenizer, task, args) if drafting and args.assisted else None
     forms_modes = args.linear_forms.split(",")
     forms = prepare_linear_forms("auto", [target, drafter], Path(args.cache_dir)) if "on" in forms_modes else None
     if forms is not None:

@@ -189,7 +189,7 @@ SAMPLING = [SamplingParams(3, temperature=1.0), SamplingParams(3, temperature=0.
 
 
 @pytest.mark.parametrize(
-    "label", ["ngram2", "s2-k1-t3+ngram2", "s2-k2-t4+ngram2"], ids=lambda label: label.replace("+", "_")
+    "label", ["ngram2", "s2-k1-t3+ngram2", "s2-k3-t6+ngram2"], ids=lambda label: label.replace("+", "_")
 )
 @pytest.mark.parametrize("params", SAMPLING, ids=["plain", "top-k-top-p"])
 def test_sampled_model_free_and_hybrid_sd_keep_the_target_distribution(label, params):

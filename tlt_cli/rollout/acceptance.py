@@ -18,9 +18,11 @@ Why this is lossless (the output has exactly the target's distribution under Sam
   and a rejection updates p <- norm(max(p - delta_c, 0)), i.e. p with c removed, renormalised.
   The first child is thus emitted with probability p(c1), the second with (1 - p(c1)) * p(c2) /
   (1 - p(c1)) = p(c2), and so on, and the fallback draw from the final residual emits every
-  other token y with probability p(y). That is the law of a single draw y ~ p followed by "move to
-  the child whose token is y, if there is one": `accept_tree` does exactly that at every node, so
-  each emitted token is one draw from the target's distribution given the tokens before it.
+  other token y with probability p(y), so each emitted token is one draw from the target's
+  distribution given the tokens before it. `accept_tree` runs exactly this rule at every node
+  with uniforms (child c kept iff u_c < p(c) / (1 - p(earlier siblings)) and no earlier sibling
+  was), and draws only the bonus token from a whole distribution: the deepest kept node's p with
+  its children removed, renormalised (a draw per row, as plain decoding makes, not per node).
 - n-gram proposals (tlt_cli/rollout/ngram.py) are deterministic too: a point mass q = delta_x, so x
   is kept with probability p(x) and a rejection draws from norm(max(p - delta_x, 0)), p with x
   removed. A model-free chain and a hybrid tree (the drafter's argmax chain or top-k tree with the
@@ -95,20 +97,19 @@ def accept_tree(
 ) -> Verdict:
     """Verdict for trees: tree with N nodes, target_logits [B, N, V] at every node."""
     batch_size, node_count = tree.tokens.shape
+    valid = tree.valid if tree.valid is not None else torch.ones_like(tree.tokens, dtype=torch.bool)
     if sampling.greedy:
         target_choice = target_logits.argmax(dim=-1)
+        # a node is kept when its token is the target's argmax at its parent
+        kept = tree.tokens == target_choice.gather(1, tree.parents)
     else:
-        target_probs = apply_sampling(target_logits.flatten(0, 1), sampling)
-        # one draw y ~ p at every node (see the module docstring for why this is the recursive rejection)
-        target_choice = sample(target_probs, generator).view(batch_size, node_count)
-    # a node matches when its token is what the target chose at its parent
-    matches = tree.tokens == target_choice.gather(1, tree.parents)
-    if tree.valid is not None:
-        matches = matches & tree.valid  # padding nodes are never reached
-    matches[:, 0] = True
-    # a node is reachable when it and all its ancestors match
-    reachable = ~(tree.ancestors & ~matches[:, None, :]).any(dim=2)
-    # siblings carry distinct tokens, so at most one node per depth is reachable: take the deepest
+        target_probs = apply_sampling(target_logits.flatten(0, 1), sampling).view(batch_size, node_count, -1)
+        kept = _kept_by_recursive_rejection(tree, target_probs, valid, generator)
+    kept = kept & valid  # padding nodes are never reached
+    kept[:, 0] = True
+    # a node is reachable when it and all its ancestors are kept
+    reachable = ~(tree.ancestors & ~kept[:, None, :]).any(dim=2)
+    # at most one child of a node is kept, so at most one node per depth is reachable: take the deepest
     deepest = torch.where(reachable, tree.depths, -1).argmax(dim=1)
     rows = torch.arange(batch_size, device=tree.tokens.device)
     accept_length = tree.depths[rows, deepest]
@@ -117,4 +118,50 @@ def accept_tree(
     # path nodes in tree order (parents come before children) = depth order
     path = torch.where(on_path, node_index, node_count + node_index).sort(dim=1).values % node_count
     max_depth = int(tree.depths.max())
-    return Verdict(accept_length, path[:, : max_depth + 1], target_choice[rows, deepest])
+    if sampling.greedy:
+        bonus = target_choice[rows, deepest]
+    else:
+        bonus = _bonus_after_children(tree, target_probs[rows, deepest], deepest, valid, generator)
+    return Verdict(accept_length, path[:, : max_depth + 1], bonus)
+
+
+def _kept_by_recursive_rejection(
+    tree: DraftTree, target_probs: torch.Tensor, valid: torch.Tensor, generator: torch.Generator
+) -> torch.Tensor:
+    """Which nodes [B, N] the recursive rejection keeps at their parent (target_probs: [B, N, V] at every
+    node); children of a node are tried in node order."""
+    batch_size, node_count = tree.tokens.shape
+    # p(c) at c's parent: the point mass delta_c is kept with probability p(c) of what is left
+    p_at_parent = target_probs.gather(1, tree.parents[:, :, None].expand(-1, -1, target_probs.shape[2]))
+    p_node = p_at_parent.gather(2, tree.tokens[:, :, None]).squeeze(2) * valid
+    node_index = torch.arange(node_count, device=tree.tokens.device)
+    earlier_sibling = (
+        (tree.parents[:, :, None] == tree.parents[:, None, :])
+        & (node_index[None, :, None] > node_index[None, None, :])
+        & valid[:, None, :]
+    )
+    earlier_sibling[:, :, 0] = False  # the root is nobody's sibling
+    # after the earlier siblings' rejections the residual is p without them: keep c with p(c) / (1 - their mass)
+    left = (1.0 - (earlier_sibling.float() @ p_node[:, :, None]).squeeze(2)).clamp(min=torch.finfo(p_node.dtype).tiny)
+    uniform = torch.rand(batch_size, node_count, generator=generator, device=tree.tokens.device)
+    accepted = uniform * left < p_node
+    # only the first accepted child of a node is tried and kept; later ones are never reached
+    kept = accepted & ~(earlier_sibling & accepted[:, None, :]).any(dim=2)
+    return kept
+
+
+def _bonus_after_children(
+    tree: DraftTree, deepest_probs: torch.Tensor, deepest: torch.Tensor, valid: torch.Tensor, generator
+) -> torch.Tensor:
+    """The token after the deepest kept node: one draw from its p ([B, V]) with every child it has (all
+    rejected) removed, renormalised; p itself for a leaf."""
+    children = (tree.parents == deepest[:, None]) & valid
+    children[:, 0] = False
+    # scatter_add: padding nodes may carry the token of a real child, and must not hide it
+    removed = torch.zeros_like(deepest_probs, dtype=torch.long).scatter_add_(1, tree.tokens, children.long()) > 0
+    residual = deepest_probs.masked_fill(removed, 0.0)
+    mass = residual.sum(dim=-1, keepdim=True)
+    # no mass left only if the children held all of it, and then one was kept with probability 1
+    return sample(
+        torch.where(mass > 0, residual / mass.clamp(min=torch.finfo(mass.dtype).tiny), deepest_probs), generator
+    )
