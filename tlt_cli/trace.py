@@ -8,7 +8,8 @@ step_records.py; fields in the README's trace section):
   worker     one per worker per step: busy_start, busy_end, idle_start, idle_end, idle_seconds,
              and the numbers plugins added (the drafter sidecar's drafter_* metrics)
   sd_config  one per worker per step per SD configuration it decoded in ("off" = plain):
-             config, and the decode steps, tokens and seconds spent in it
+             config, and the decode steps, tokens and seconds spent in it, and per draft
+             source (drafter, ngram) its verify passes and accepted tokens
   warning    one per warning shown under the live table (SD collapse, a plugin disabled, an
              SGLang sync): step, worker, message, and details (a failing plugin's traceback)
   step       one per step: timings (rollout, reward, update, step) and metrics
