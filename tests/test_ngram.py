@@ -181,6 +181,11 @@ def test_a_shape_that_needs_a_drafter_is_refused_without_one():
     engine = EmbeddedEngine(tiny_target(), 64, 0, SpeculativeDecoder(None, lambda batch_size: HYBRID[0]))
     with pytest.raises(ValueError, match="no drafter"):
         engine.generate(requests_for(2, seed=1), SamplingParams(4, temperature=0.0), torch.Generator())
+    without_index = SpeculativeDecoder(None, lambda batch_size: MODEL_FREE[1], uses_ngram=False)
+    with pytest.raises(ValueError, match="keeps no index"):
+        EmbeddedEngine(tiny_target(), 64, 0, without_index).generate(
+            requests_for(2, seed=1), SamplingParams(4, temperature=0.0), torch.Generator()
+        )
 
 
 # every token of the 8 follows some other in the prompt, so every first token has a proposal

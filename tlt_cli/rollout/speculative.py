@@ -245,14 +245,15 @@ class SpeculativeDecoder:
     def _check(self, config: SpeculativeConfig) -> None:
         if config.uses_drafter and self.drafter is None:
             raise ValueError(f"SD configuration {config.label()} drafts with a model, and there is no drafter.")
+        if config.uses_ngram and not self.keeps_index:
+            raise ValueError(f"SD configuration {config.label()} drafts n-grams, and this decoder keeps no index.")
         check_speculative_config(config, self.drafter.vocabulary.size if config.uses_drafter else 1)
         self._checked.add(config)
 
     def _propose(self, batch: RunningBatch, max_tokens: int) -> list[list[int]]:
         """Each row's n-gram proposal (target ids, up to max_tokens) after the index learns its new tokens."""
-        rows = range(batch.size)
-        self._index_rows(batch, rows)
-        return [self.index.propose(int(batch.request_index[row]), max_tokens) for row in rows]
+        self._index_rows(batch, range(batch.size))
+        return [self.index.propose(request, max_tokens) for request in batch.request_index.tolist()]
 
     def _index_rows(self, batch: RunningBatch, rows) -> None:
         """Give the index the response tokens `rows` emitted since it last saw them."""
