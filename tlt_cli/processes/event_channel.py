@@ -39,6 +39,8 @@ HANDSHAKE_SECONDS = 10.0
 # so this covers a slow network or a driver busy accepting, not a driver that is not there)
 CONNECT_SECONDS = 120.0
 RETRY_SECONDS = 1.0
+# connections the kernel queues before the accept loop takes them (every rank connects at start-up)
+LISTEN_BACKLOG = 128
 
 
 class DriverUnreachable(ConnectionError):
@@ -52,7 +54,7 @@ class EventListener:
         """Listen on `host` only (an ephemeral port); on_rejected gets one line per dropped connection."""
         # no authkey here: Listener.accept would run the handshake in the accept loop, where one silent
         # peer blocks every rank behind it; each connection's handshake runs in its own thread instead
-        self.listener = Listener((host, 0))
+        self.listener = Listener((host, 0), backlog=LISTEN_BACKLOG)
         self.authkey, self.on_rejected = authkey, on_rejected
         self.inbox: queue.Queue[Any] = queue.Queue()
         self.connections: list[Connection] = []
