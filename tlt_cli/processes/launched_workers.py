@@ -111,6 +111,7 @@ class LaunchedWorkers:
         """End the launch: let it exit on its own if every rank finished, else terminate it; close the channel."""
         if len(self.finished) < self.size or not _wait(self.launcher, EXIT_GRACE_SECONDS):
             _signal_session(self.launcher, signal.SIGTERM)
+            _signal_session(self.launcher, signal.SIGCONT)  # a stopped rank (a step deadline's) acts on it now
             # ranks stop their SGLang servers on SIGTERM: give the whole session the grace, not just the launcher
             if not _session_ended(self.launcher, EXIT_GRACE_SECONDS):
                 _signal_session(self.launcher, signal.SIGKILL)
