@@ -39,7 +39,15 @@ from tlt_cli.checkpoint import (
     load_checkpoint_file,
 )
 from tlt_cli.cli import app
-from tlt_cli.drafter.model import CONFIG_FILE, WEIGHTS_FILE, file_sha256, load_drafter, read_drafter_metadata
+from tlt_cli.drafter.model import (
+    CONFIG_FILE,
+    WEIGHTS_FILE,
+    EagleDrafter,
+    file_sha256,
+    load_drafter,
+    read_drafter_metadata,
+    save_drafter,
+)
 from tlt_cli.drafter.sidecar import DRAFTER_DIRECTORY, PLUGIN_NAME, StepData
 from tlt_cli.drafter.trainer import DrafterBatch
 from tlt_cli.models.loading import load_policy
@@ -210,10 +218,15 @@ def test_wrong_shape_weights_fail_validate_and_train_in_one_sentence(wrong_shape
 
 
 @pytest.fixture
-def drafter_export(base_run, tmp_path) -> tuple[Path, Path]:
-    """(a copy of the base run's last drafter, the run's recipe) for export-drafter."""
-    drafter = Path(shutil.copytree(base_run / "checkpoints" / "step_000004" / DRAFTER_DIRECTORY, tmp_path / "drafter"))
-    return drafter, base_run / "recipe.yaml"
+def drafter_export(tmp_path) -> tuple[Path, Path]:
+    """(a drafter folder of the shipped tiny model, a recipe naming that model) for export-drafter."""
+    save_drafter(EagleDrafter(load_policy(BUILTIN_TINY_MODEL)[0], seed=0), tmp_path / "drafter")
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(
+        f"run: {{name: exported, output_dir: {tmp_path / 'runs'}}}\nmodel: {{path: {BUILTIN_TINY_MODEL}}}\n"
+        "train: {steps: 2, prompts_per_step: 2, group_size: 2}\nrollout: {max_new_tokens: 24}\n"
+    )
+    return tmp_path / "drafter", recipe
 
 
 def _wrong_shape_drafter(drafter: Path) -> None:
@@ -242,7 +255,20 @@ MALFORMED_DRAFTERS = {
 }
 
 
-@pytest.mark.slow
+@pytest.mark.parametrize(("content", "message"), [("{bad", "is not valid JSON"), ("{}", "has no 'next_step'")])
+def test_export_of_a_checkpoint_with_a_corrupt_state_json_is_one_sentence(drafter_export, tmp_path, content, message):
+    drafter, recipe = drafter_export
+    checkpoint = tmp_path / "run" / "checkpoints" / "step_000002"
+    shutil.copytree(drafter, checkpoint / DRAFTER_DIRECTORY)
+    shutil.copy(recipe, tmp_path / "run" / "recipe.yaml")
+    (checkpoint / STATE_FILE).write_text(content)
+    (checkpoint.parent / "latest").write_text(checkpoint.name)
+    for source in (checkpoint, tmp_path / "run"):
+        cli_fails_with(["export-drafter", str(source), str(tmp_path / "out")], str(checkpoint / STATE_FILE), message)
+    assert (checkpoint / STATE_FILE).read_text() == content and not (tmp_path / "out").exists()
+    read_drafter_metadata(checkpoint / DRAFTER_DIRECTORY)
+
+
 @pytest.mark.parametrize("fault", sorted(MALFORMED_DRAFTERS))
 def test_a_malformed_drafter_folder_is_one_sentence_naming_the_file(drafter_export, tmp_path, fault):
     drafter, recipe = drafter_export
@@ -254,7 +280,6 @@ def test_a_malformed_drafter_folder_is_one_sentence_naming_the_file(drafter_expo
     assert {path.name: path.read_bytes() for path in drafter.iterdir()} == kept
 
 
-@pytest.mark.slow
 def test_export_force_onto_the_source_parent_is_refused_and_the_drafter_stays(drafter_export, tmp_path):
     drafter, recipe = drafter_export
     for output in (drafter.parent, drafter):
@@ -307,6 +332,8 @@ def test_export_onto_a_full_disk_is_one_sentence_and_leaves_nothing(drafter_expo
             str(output),
             "--recipe",
             str(recipe),
+            "--prompts",
+            "1",
         ]
         fails_with(tlt(command, FAILING_COMMAND_TIMEOUT_S, preexec), "cannot write", "nothing was exported")
         assert not output.exists() and list(disk.iterdir()) == []
