@@ -364,7 +364,9 @@ def export_drafter(
             help="Also write the target's embedding (and untied lm_head), which SGLang takes from the target anyway.",
         ),
     ] = False,
-    force: Annotated[bool, typer.Option("--force", help="Replace OUTPUT if it is not empty.")] = False,
+    force: Annotated[
+        bool, typer.Option("--force", help="Replace OUTPUT when it holds a previous export (and nothing else).")
+    ] = False,
     prompts: Annotated[int, typer.Option(help="Held-out prompts the accept length is measured on.")] = 8,
     draft_steps: Annotated[
         int, typer.Option(help="Draft tokens per verify pass (a chain) when measuring acceptance.")
