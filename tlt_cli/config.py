@@ -58,7 +58,10 @@ class RunConfig:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    path: str = setting("builtin:tiny-arith", "a local Hugging Face folder, or builtin:tiny-arith")
+    path: str = setting(
+        "builtin:tiny-arith",
+        "a local Hugging Face folder (cache:<path> is one under $TLT_CACHE_DIR or ~/.cache/tlt), or builtin:tiny-arith",
+    )
     cache_dir: str | None = setting(
         None, "where warmed-up drafters and compiled ops are cached (null: $TLT_CACHE_DIR or ~/.cache/tlt)"
     )
@@ -75,7 +78,8 @@ class TaskConfig:
         {},
         "options of the task: arithmetic takes min_terms (1), max_terms (48) and "
         "tail_exponent (1.5: P(n) ~ n^-tail_exponent); word_arithmetic takes "
-        "max_steps (2) and max_number (20); jsonl_math takes path",
+        "max_steps (2: events per story), max_number (20) and tail_exponent (0: "
+        "uniform over 1..max_steps); jsonl_math takes path",
     )
 
 

@@ -1,6 +1,7 @@
 """Load the policy model and its tokenizer: the built-in tiny model or a local Hugging Face folder.
 
-`load_policy` is what the worker loop, the rollout engines and the profiler call. Any causal LM
+`load_policy` is what the worker loop, the rollout engines and the profiler call. A path
+`cache:<relative path>` names a folder under tlt's cache (`resolve_model_path`). Any causal LM
 that transformers can build from the folder and that exposes `get_decoder()` and an output
 head (`lm_head`) works: Qwen2, Llama and relatives, tied or untied embeddings. Nothing is
 downloaded (`local_files_only=True`). Problems a user can cause raise `ModelLoadError` with
@@ -32,10 +33,12 @@ from transformers import (
 from transformers.utils import logging as transformers_logging
 
 from tlt_cli.errors import UserError
-from tlt_cli.models.tiny import BUILTIN_TINY_MODEL, SHIPPED_TINY_MODEL
+from tlt_cli.models.tiny import BUILTIN_TINY_MODEL, SHIPPED_TINY_MODEL, default_cache_dir
 
 # any one of these files means the folder ships a tokenizer
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+# a model path under tlt's cache: cache:models/<name> is $TLT_CACHE_DIR/models/<name> (else ~/.cache/tlt/...)
+CACHE_PREFIX = "cache:"
 # weight files a Hugging Face folder may hold (their names, sizes and times fingerprint the model)
 WEIGHT_SUFFIXES = (".safetensors", ".bin")
 
@@ -73,6 +76,17 @@ def model_folder(model_path: str) -> Path:
             )
         return SHIPPED_TINY_MODEL
     return _checked_model_dir(model_path)
+
+
+def resolve_model_path(model_path: str) -> Path:
+    """The folder a model path names: `cache:<relative path>` is under tlt's cache ($TLT_CACHE_DIR, else
+    ~/.cache/tlt), where scripts/make_real_model.py writes; any other path has `~` expanded.
+
+    Example: "cache:models/SmolLM2-135M-Instruct" -> ~/.cache/tlt/models/SmolLM2-135M-Instruct
+    """
+    if model_path.startswith(CACHE_PREFIX):
+        return default_cache_dir() / model_path.removeprefix(CACHE_PREFIX)
+    return Path(model_path).expanduser()
 
 
 def check_weight_shapes(model_dir: Path, config: PretrainedConfig) -> None:
@@ -117,7 +131,13 @@ def model_fingerprint(model_path: str) -> str:
 
 
 def _checked_model_dir(model_path: str) -> Path:
-    model_dir = Path(model_path).expanduser()
+    model_dir = resolve_model_path(model_path)
+    if not model_dir.exists() and model_path.startswith(CACHE_PREFIX):
+        raise ModelLoadError(
+            f"Model path {model_path} ({model_dir}) does not exist; make it with `python "
+            f"scripts/make_real_model.py`, which writes SmolLM2-135M-Instruct to {CACHE_PREFIX}models/"
+            "SmolLM2-135M-Instruct, or give a local Hugging Face folder."
+        )
     if not model_dir.exists():
         raise ModelLoadError(
             f"Model path {model_dir} does not exist; give a local Hugging Face folder or {BUILTIN_TINY_MODEL!r}."

@@ -19,6 +19,7 @@ from collections.abc import Callable
 import numpy as np
 
 from tlt_cli.tasks.base import Problem, TaskOption, TaskOptionError, check_option_values
+from tlt_cli.tasks.tail import StratifiedPowerLaw
 
 # one label per digit position; max_terms is bounded by their number
 LABELS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUV"
@@ -29,8 +30,6 @@ SUM_SEPARATOR = ":"
 ANSWER_MARKER = "#"
 # most a complete chain with a wrong answer can score (scaled by its share of right step totals)
 PARTIAL_CREDIT = 0.5
-# stride of the low-discrepancy sequence that stratifies term counts across indices
-GOLDEN_RATIO_CONJUGATE = 0.6180339887498949
 # every character a prompt or a solution can contain (the tiny model's vocabulary)
 CHARACTERS = DIGITS + LABELS + QUESTION_END + STEP_SEPARATOR + SUM_SEPARATOR + ANSWER_MARKER
 
@@ -69,27 +68,19 @@ class ArithmeticTask:
         self.min_terms = min_terms
         self.max_terms = max_terms
         self.tail_exponent = tail_exponent
-        term_counts = np.arange(min_terms, max_terms + 1, dtype=np.float64)
-        weights = term_counts**-tail_exponent  # P(n) ~ n^-alpha
-        self._term_cdf = np.cumsum(weights / weights.sum())
-        self._quantile_offset = float(np.random.default_rng([seed]).random())
+        self._term_counts = StratifiedPowerLaw(min_terms, max_terms, tail_exponent, seed)
         # characters in the longest reference solution (EOS not counted): a budget for max_new_tokens
         self.max_solution_length = len(make_problem(0, [9] * max_terms).solution)
 
     def problem(self, index: int) -> Problem:
         """The problem at `index`: digits from a generator seeded by (seed, index).
 
-        The term count is stratified rather than drawn independently: index i takes the quantile
-        u_i = frac(offset + i * golden_ratio) of the term-count distribution (a low-discrepancy
-        sequence), so any run of consecutive indices, such as one RL step's prompts, covers the
-        long tail evenly. Step-to-step reward then reflects the policy, not the luck of the mix.
+        The term count is stratified rather than drawn independently (tlt_cli/tasks/tail.py): any
+        run of consecutive indices, such as one RL step's prompts, covers the long tail evenly.
+        Step-to-step reward then reflects the policy, not the luck of the mix.
         """
         rng = np.random.default_rng([self.seed, index])
-        quantile = (self._quantile_offset + index * GOLDEN_RATIO_CONJUGATE) % 1.0
-        term_count = self.min_terms + min(
-            int(np.searchsorted(self._term_cdf, quantile, side="right")), len(self._term_cdf) - 1
-        )
-        digits = [int(digit) for digit in rng.integers(0, 10, size=term_count)]
+        digits = [int(digit) for digit in rng.integers(0, 10, size=self._term_counts.count(index))]
         return make_problem(index, digits)
 
     def reward(self, problem: Problem, response: str) -> float:

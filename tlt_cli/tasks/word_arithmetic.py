@@ -19,6 +19,7 @@ import numpy as np
 
 from tlt_cli.tasks.base import Problem, TaskOption, check_option_values
 from tlt_cli.tasks.jsonl_math import last_number_reward
+from tlt_cli.tasks.tail import StratifiedPowerLaw
 
 # (name, subject pronoun, object pronoun)
 PEOPLE = (
@@ -38,6 +39,14 @@ ADDITIONS = ("{subject} buys {b} more.", "{subject} finds {b} more.", "A friend 
 SUBTRACTIONS = ("{subject} gives {b} to a friend.", "{subject} loses {b}.", "{subject} uses {b}.")
 # an event that adds b x c
 BAGS = "{subject} buys {b} bags with {c} {things} in each."
+# what the prompt asks for before the story: step-by-step work, shown by one worked example
+INSTRUCTION = (
+    "Solve the problem step by step, one line per event, then give the answer, as in this example.\n"
+    "Problem: Tom has 4 coins. He finds 3 more. Then he loses 2. How many coins does Tom have now?\n"
+    "Solution:\n4 + 3 = 7\n7 - 2 = 5\nThe answer is 5.\n\nProblem: "
+)
+# most events a story can have
+MAX_STEPS = 48
 
 
 class WordArithmeticTask:
@@ -51,15 +60,18 @@ class WordArithmeticTask:
 
     name = "word_arithmetic"
     options = (
-        TaskOption("max_steps", int, 2, minimum=1, maximum=8),
+        TaskOption("max_steps", int, 2, minimum=1, maximum=MAX_STEPS),
         TaskOption("max_number", int, 20, minimum=2, maximum=1000),
+        TaskOption("tail_exponent", float, 0.0, minimum=0.0),
     )
 
-    def __init__(self, seed: int, max_steps: int = 2, max_number: int = 20) -> None:
-        check_option_values(self.options, max_steps=max_steps, max_number=max_number)
+    def __init__(self, seed: int, max_steps: int = 2, max_number: int = 20, tail_exponent: float = 0.0) -> None:
+        check_option_values(self.options, max_steps=max_steps, max_number=max_number, tail_exponent=tail_exponent)
         self.seed = seed
         self.max_steps = max_steps
         self.max_number = max_number
+        self.tail_exponent = tail_exponent
+        self._event_counts = StratifiedPowerLaw(1, max_steps, tail_exponent, seed)
 
     def problem(self, index: int) -> Problem:
         """The story at `index`: its person, thing, amounts and events drawn from (seed, index)."""
@@ -69,13 +81,13 @@ class WordArithmeticTask:
         count = int(rng.integers(1, self.max_number + 1))
         sentences = [f"{name} has {count} {things}."]
         working = []
-        for step in range(int(rng.integers(1, self.max_steps + 1))):
+        for step in range(self._event_counts.count(index)):
             sentence, count, worked = self._event(rng, count, subject, object_pronoun, things)
             sentences.append(sentence if step == 0 else f"Then {sentence[0].lower()}{sentence[1:]}")
             working.append(worked)
         sentences.append(f"How many {things} does {name} have now?")
-        solution = " ".join(working) + f" So {name} has {count} {things}."
-        return Problem(index=index, prompt=" ".join(sentences), answer=str(count), solution=solution)
+        solution = "\n".join([*working, f"The answer is {count}."])
+        return Problem(index=index, prompt=INSTRUCTION + " ".join(sentences), answer=str(count), solution=solution)
 
     def _event(
         self, rng: np.random.Generator, count: int, subject: str, object_pronoun: str, things: str
@@ -86,13 +98,13 @@ class WordArithmeticTask:
         if kind == 1 and count > 0:
             b = min(b, count)
             sentence = SUBTRACTIONS[int(rng.integers(len(SUBTRACTIONS)))]
-            return sentence.format(subject=subject, b=b), count - b, f"{count} - {b} = {count - b}."
+            return sentence.format(subject=subject, b=b), count - b, f"{count} - {b} = {count - b}"
         if kind == 2:
             b, c = int(rng.integers(2, 6)), int(rng.integers(2, 11))
             sentence = BAGS.format(subject=subject, b=b, c=c, things=things)
-            return sentence, count + b * c, f"{b} x {c} = {b * c}, and {count} + {b * c} = {count + b * c}."
+            return sentence, count + b * c, f"{b} x {c} = {b * c}, and {count} + {b * c} = {count + b * c}"
         sentence = ADDITIONS[int(rng.integers(len(ADDITIONS)))]
-        return sentence.format(subject=subject, object=object_pronoun, b=b), count + b, f"{count} + {b} = {count + b}."
+        return sentence.format(subject=subject, object=object_pronoun, b=b), count + b, f"{count} + {b} = {count + b}"
 
     def reward(self, problem: Problem, response: str) -> float:
         """1.0 iff the response's last number equals the answer, else 0.0."""
