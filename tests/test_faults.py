@@ -17,6 +17,7 @@ import ipaddress
 import json
 import os
 import random
+import shutil
 import signal
 import socket
 import subprocess
@@ -27,11 +28,12 @@ import psutil
 import pytest
 from recipe_overrides import TLT, small_run
 
-from tlt_cli.checkpoint import latest_checkpoint, load_checkpoint_file
+from tlt_cli.checkpoint import latest_checkpoint, load_checkpoint_file, prepare_staging, publish
 from tlt_cli.models.tiny import ensure_tiny_model
 from tlt_cli.processes import event_channel
 from tlt_cli.processes.distributed import BarrierTimeout, RolloutBarrier, WorkerAddress
 from tlt_cli.processes.event_channel import DriverUnreachable, EventListener, connect_to_driver
+from tlt_cli.processes.run_directory import resume_checkpoint
 from tlt_cli.trace import read_trace
 
 TESTS = Path(__file__).resolve().parent
@@ -237,6 +239,26 @@ def test_two_runs_with_one_name_and_a_failing_run_beside_a_live_one(small_model,
 
 
 # ---------------------------------------------------------------- resume after a kill at a random moment
+
+
+def test_a_resume_starts_from_the_newest_checkpoint_the_trace_covers(tmp_path):
+    """Workers publish a checkpoint before reporting its step: a driver killed in between leaves one ahead of the
+    trace (what the random-kill test below met: a trace of steps 0, 2, 3)."""
+    checkpoints = tmp_path / "checkpoints"
+    for next_step in (1, 2):
+        (prepare_staging(checkpoints, next_step) / "weights.pt").write_bytes(b"weights")
+        publish(checkpoints, next_step, {}, keep=2)
+    step_zero = json.dumps({"type": "step", "step": 0})
+    (tmp_path / "trace.jsonl").write_text(f'{{"type": "run"}}\n{step_zero}\n{{"type": "step", "st')  # cut by the kill
+    checkpoint, warnings = resume_checkpoint(tmp_path)
+    assert checkpoint.directory == checkpoints / "step_000001"
+    assert warnings == [
+        "checkpoint step_000002 is ahead of the trace (step 1 never recorded: tlt train was stopped first); "
+        "resuming from step_000001 so that the trace stays whole."
+    ]
+    shutil.rmtree(checkpoints / "step_000001")  # none older kept: resume at the newest, and say what the trace lacks
+    checkpoint, warnings = resume_checkpoint(tmp_path)
+    assert checkpoint.directory == checkpoints / "step_000002" and "no record of step 1" in warnings[0]
 
 
 @pytest.mark.slow

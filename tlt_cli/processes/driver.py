@@ -34,7 +34,6 @@ from typing import Any, Protocol
 
 from rich.console import Console
 
-from tlt_cli.checkpoint import latest_checkpoint
 from tlt_cli.config import CPU_DEVICES, TRL_TRAINER, Recipe
 from tlt_cli.display import PhaseProgress, TrainingDisplay, render_summary
 from tlt_cli.drafter.initial import prepare_initial_drafter
@@ -44,7 +43,7 @@ from tlt_cli.processes.hostfile import runs_on_this_machine
 from tlt_cli.processes.launched_workers import LaunchedWorkers
 from tlt_cli.processes.local_workers import LocalWorkers
 from tlt_cli.processes.machine_checks import check_machine
-from tlt_cli.processes.run_directory import CHECKPOINTS, RUN_LOG, TRACE_FILE, RunDirectory
+from tlt_cli.processes.run_directory import CHECKPOINTS, RUN_LOG, TRACE_FILE, RunDirectory, resume_checkpoint
 from tlt_cli.processes.step_deadline import StepDeadline
 from tlt_cli.processes.step_records import step_records
 from tlt_cli.sglang.registry import stop_recorded_servers
@@ -218,10 +217,10 @@ def _prepare_drafter(recipe: Recipe, cache: Path, console: Console) -> Path | No
 
 
 def _resume_point(run_directory: Path, console: Console) -> tuple[Path, int]:
-    """The checkpoint to resume from (checked in tlt_cli/checkpoint.py); a damaged `latest` is one warning line."""
-    checkpoint = latest_checkpoint(run_directory)
-    if checkpoint.warning:
-        console.print(f"warning: {checkpoint.warning}", markup=False, highlight=False, soft_wrap=True)
+    """The checkpoint to resume from (run_directory.py: checked, and covered by the trace); each warning one line."""
+    checkpoint, warnings = resume_checkpoint(run_directory)
+    for warning in warnings:
+        console.print(f"warning: {warning}", markup=False, highlight=False, soft_wrap=True)
     return checkpoint.directory, checkpoint.next_step
 
 

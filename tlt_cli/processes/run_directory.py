@@ -6,18 +6,23 @@ path this run made) and `RunDirectory.resume(path)` takes an existing one; both 
 included), so a second `tlt train` of the same run refuses in one sentence instead of sharing the
 folder. A new run that fails before its first step is discarded: its own folder goes, and of the
 parent folders it made only those still empty (rmdir), so a `runs/` that another run has put its
-own run into since is never touched. Used by the driver (driver.py); `holds_run` is the test the
+own run into since is never touched. `resume_checkpoint` picks where a `--resume` starts: the
+newest complete checkpoint whose steps the trace all recorded (workers publish a checkpoint before
+they report its step, and outlive a killed driver by up to half a second, so the newest checkpoint
+can be a step ahead of the trace). Used by the driver (driver.py); `holds_run` is the test the
 whole-recipe check (tlt_cli/preflight.py) shares.
 """
 
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import shutil
 from pathlib import Path
 from typing import TextIO
 
+from tlt_cli.checkpoint import CHECKPOINT_NAME, Checkpoint, CheckpointError, checked_state, latest_checkpoint
 from tlt_cli.config import Recipe, recipe_to_yaml
 from tlt_cli.errors import UserError
 
@@ -40,6 +45,66 @@ class RunDirectoryError(UserError):
 def holds_run(run_directory: Path) -> bool:
     """Whether a folder holds a run already (its trace or checkpoints)."""
     return (run_directory / TRACE_FILE).exists() or (run_directory / CHECKPOINTS).exists()
+
+
+def resume_checkpoint(run_directory: Path) -> tuple[Checkpoint, list[str]]:
+    """Where `--resume` starts, and the warnings to show (one line each): a damaged `latest`, a checkpoint ahead
+    of the trace.
+
+    A checkpoint ahead of the trace (its last steps never recorded: the driver was killed first) is
+    passed over for the newest complete one the trace covers, which the run then recomputes to the
+    same weights (a resumed step draws the same samples); only when none is kept does the resume
+    start at it, and those steps stay missing from the trace.
+    """
+    checkpoint = latest_checkpoint(run_directory)
+    warnings = [checkpoint.warning] if checkpoint.warning else []
+    recorded = recorded_steps(run_directory / TRACE_FILE)
+    if checkpoint.next_step <= recorded:
+        return checkpoint, warnings
+    last = checkpoint.next_step - 1
+    unrecorded = f"step {last}" if recorded == last else f"steps {recorded}..{last}"
+    covered = _newest_checkpoint_until(run_directory / CHECKPOINTS, recorded)
+    if covered is None:
+        warnings.append(
+            f"the trace has no record of {unrecorded} (tlt train was stopped before it wrote them) and no older "
+            f"checkpoint is kept; resuming at step {checkpoint.next_step}, those steps stay missing from the trace."
+        )
+        return checkpoint, warnings
+    warnings.append(
+        f"checkpoint {checkpoint.directory.name} is ahead of the trace ({unrecorded} never recorded: tlt train was "
+        f"stopped first); resuming from {covered.directory.name} so that the trace stays whole."
+    )
+    return covered, warnings
+
+
+def recorded_steps(trace_path: Path) -> int:
+    """The step after the trace's last step record (0 without one); a last line cut short by a kill is skipped."""
+    if not trace_path.is_file():
+        return 0
+    recorded = 0
+    with trace_path.open(encoding="utf-8", errors="replace") as lines:
+        for line in lines:
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(record, dict) and record.get("type") == "step" and isinstance(record.get("step"), int):
+                recorded = max(recorded, record["step"] + 1)
+    return recorded
+
+
+def _newest_checkpoint_until(checkpoints: Path, next_step: int) -> Checkpoint | None:
+    """The newest complete checkpoint with next_step at most `next_step`, or None."""
+    for folder in sorted(checkpoints.glob("step_*"), reverse=True):
+        if not CHECKPOINT_NAME.fullmatch(folder.name):
+            continue
+        try:
+            state = checked_state(folder)
+        except CheckpointError:
+            continue
+        if int(state["next_step"]) <= next_step:
+            return Checkpoint(folder, state)
+    return None
 
 
 class RunDirectory:
