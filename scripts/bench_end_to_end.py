@@ -1,16 +1,22 @@
-"""End to end: step time and reward of the tiny recipe with tlt on vs SD off, over several seeds.
+"""End to end: step time and reward of a recipe with tlt on vs SD off, over several seeds.
 
     python scripts/bench_end_to_end.py --steps 60 --seeds 0 1 2 --out benchmarks/bench_end_to_end.json
+    python scripts/bench_end_to_end.py --recipe recipes/real-cpu.yaml --steps 6 --skip 1 --seeds 0
 
-For every seed it runs `tlt train recipes/tiny-cpu.yaml` twice, back to back so both see the
-same machine load:
+For every seed it runs `tlt train <recipe>` (recipes/tiny-cpu.yaml by default) twice, one after
+the other (never at once, so neither slows the other):
   off   speculative.mode=off, no plugins (plain decoding)
   tlt   speculative.mode=adaptive (the recipe's rule table) and the drafter sidecar
 then prints per seed the mean step time of each and their ratio, the mean reward over the first
 and last 5 steps, and whether the tlt run's per-step reward stays within the band the SD-off
 seeds span (sampled SD is lossless in distribution, not sample for sample, so curves differ by
-sampling noise only). The breakdown of a step (rollout, reward, actor update, idle, release
-delay) says what bounds the ratio: speculative decoding only shortens the rollout. Writes JSON.
+sampling noise only). Over all seeds (the first --skip steps of each run left out): the rollout
+and step ratios off / tlt, the Amdahl bound 1 / ((1 - r) + r / s) (r: the SD-off rollout share of
+a step, s: the rollout ratio) and the step ratio as a fraction of it; the mean reward of each step
+over the seeds per variant, and the gap between the variants' mean rewards next to the seed-to-seed
+standard deviation (as scripts/trl_fidelity.py compares curves). The breakdown of a step (rollout,
+reward, actor update, idle, release delay) says what bounds the ratio: speculative decoding only
+shortens the rollout. Writes JSON.
 """
 
 from __future__ import annotations
@@ -20,7 +26,17 @@ from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
-from training_runs import benchmark_parser, mean, run_training, step_rows
+from training_runs import (
+    RECIPE,
+    benchmark_parser,
+    mean,
+    render_rewards,
+    render_side_by_side,
+    reward_gap,
+    run_training,
+    side_by_side,
+    step_rows,
+)
 
 VARIANTS = {
     "off": ["speculative.mode=off", "plugins.enabled=[]"],
@@ -29,19 +45,31 @@ VARIANTS = {
 BREAKDOWN = ("rollout_seconds", "reward_seconds", "update_seconds", "idle_worker_seconds", "release_delay_seconds")
 
 
-def run_seeds(seeds: list[int], steps: int, output: Path, extra: list[str]) -> dict[str, dict[int, list[dict]]]:
+def run_seeds(
+    recipe: Path, seeds: list[int], steps: int, output: Path, extra: list[str]
+) -> dict[str, dict[int, list[dict]]]:
     results: dict[str, dict[int, list[dict]]] = {name: {} for name in VARIANTS}
     for seed in seeds:
-        for name, overrides in VARIANTS.items():
-            records = run_training(f"{name}-seed{seed}", [*overrides, f"run.seed={seed}", *extra], steps, output)
-            results[name][seed] = step_rows(records)
+        for name, variant in VARIANTS.items():
+            overrides = [*variant, f"run.seed={seed}", *extra]
+            results[name][seed] = step_rows(run_training(f"{name}-seed{seed}", overrides, steps, output, recipe=recipe))
     return results
 
 
-def summarize(results: dict[str, dict[int, list[dict]]]) -> dict:
+def summarize(results: dict[str, dict[int, list[dict]]], skip: int) -> dict:
+    """Per seed and over all seeds (each run's first `skip` steps left out of the time means)."""
+    timed = {name: {seed: rows[skip:] for seed, rows in runs.items()} for name, runs in results.items()}
+    pooled = {
+        name: {key: mean([row[key] for rows in runs.values() for row in rows]) for key in BREAKDOWN + ("step_seconds",)}
+        for name, runs in timed.items()
+    }
+    curves = {
+        name: {seed: [row["mean_reward"] for row in rows] for seed, rows in runs.items()}
+        for name, runs in results.items()
+    }
     per_seed = {}
-    for seed, off_rows in results["off"].items():
-        tlt_rows = results["tlt"][seed]
+    for seed, off_rows in timed["off"].items():
+        tlt_rows = timed["tlt"][seed]
         off_time, tlt_time = (
             mean([row["step_seconds"] for row in off_rows]),
             mean([row["step_seconds"] for row in tlt_rows]),
@@ -52,23 +80,17 @@ def summarize(results: dict[str, dict[int, list[dict]]]) -> dict:
             "speedup": off_time / tlt_time,
             "rollout_seconds_off": mean([row["rollout_seconds"] for row in off_rows]),
             "rollout_seconds_tlt": mean([row["rollout_seconds"] for row in tlt_rows]),
-            **{
-                f"reward_{name}_first5": mean([row["mean_reward"] for row in rows[:5]])
-                for name, rows in (("off", off_rows), ("tlt", tlt_rows))
-            },
-            **{
-                f"reward_{name}_last5": mean([row["mean_reward"] for row in rows[-5:]])
-                for name, rows in (("off", off_rows), ("tlt", tlt_rows))
-            },
+            **{f"reward_{name}_first5": mean(curves[name][seed][:5]) for name in VARIANTS},
+            **{f"reward_{name}_last5": mean(curves[name][seed][-5:]) for name in VARIANTS},
             "accept_length_tlt": mean([row["accept_length"] for row in tlt_rows if row["accept_length"] is not None]),
         }
     return {
         "per_seed": per_seed,
+        "side_by_side": side_by_side(pooled["off"], pooled["tlt"]),
+        "rewards": curves,
+        "reward_gap": reward_gap(curves, "off", "tlt"),
         "reward_band": reward_band(results),
-        "breakdown": {
-            name: {key: mean([row[key] for rows in runs.values() for row in rows]) for key in BREAKDOWN}
-            for name, runs in results.items()
-        },
+        "breakdown": {name: {key: values[key] for key in BREAKDOWN} for name, values in pooled.items()},
     }
 
 
@@ -101,9 +123,9 @@ def _inside(curve: list[float], references: list[list[float]]) -> float:
     return sum(hits) / max(len(hits), 1)
 
 
-def render(summary: dict) -> None:
+def render(summary: dict, recipe: Path) -> None:
     console = Console()
-    table = Table(title="tlt on vs SD off, tiny recipe (means over steps)")
+    table = Table(title=f"tlt on vs SD off, {recipe.name} (means over steps)")
     columns = (
         "seed",
         "step s off",
@@ -137,17 +159,22 @@ def render(summary: dict) -> None:
     for name, values in summary["breakdown"].items():
         breakdown.add_row(name, *(f"{values[key]:.2f}" for key in BREAKDOWN))
     console.print(breakdown)
+    render_side_by_side(console, summary["side_by_side"], "off", "tlt")
+    render_rewards(console, summary["rewards"], summary["reward_gap"])
     console.print({"tlt reward inside the SD-off seeds' band": summary["reward_band"]})
 
 
 def main() -> None:
     parser = benchmark_parser(__doc__.splitlines()[0], "bench-end-to-end")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--recipe", type=Path, default=RECIPE)
+    parser.add_argument("--skip", type=int, default=0, help="first steps of each run left out of the time means")
     arguments = parser.parse_args()
-    results = run_seeds(arguments.seeds, arguments.steps, arguments.output_dir, arguments.overrides)
-    summary = summarize(results)
-    render(summary)
-    arguments.out.write_text(json.dumps({"summary": summary, "steps": results}, indent=1))
+    results = run_seeds(arguments.recipe, arguments.seeds, arguments.steps, arguments.output_dir, arguments.overrides)
+    summary = summarize(results, arguments.skip)
+    render(summary, arguments.recipe)
+    report = {"recipe": str(arguments.recipe), "skip": arguments.skip, "summary": summary, "steps": results}
+    arguments.out.write_text(json.dumps(report, indent=1))
 
 
 if __name__ == "__main__":

@@ -13,8 +13,13 @@ Then reads both traces and prints, per variant, the mean over the steps after th
 goes (rollout; TRL's scoring: rewards, advantages and any log-prob forwards; the update: TRL's
 loss forward/backward and optimizer step), the accept length, the share of idle process-seconds
 the drafter trained in, the mean reward, and response tokens per rollout second (the variants
-sample different tokens, so their lengths differ); with the ratios trl / tlt (tokens/s: tlt / trl). Writes the per-step
-numbers and the means as JSON. scripts/trl_fidelity.py compares the reward curves with SD off.
+sample different tokens, so their lengths differ); with the ratios trl / tlt (tokens/s: tlt / trl).
+Then the rollout and step ratios, the Amdahl bound 1 / ((1 - r) + r / s) (r: TRL generation's
+rollout share of its step, s: the rollout ratio) and the step ratio as a fraction of it, and the
+per-step rewards of both (compared as scripts/trl_fidelity.py does, which runs several seeds with
+SD off). Writes the per-step numbers and the means as JSON. On the real model:
+
+    python scripts/bench_trl.py --recipe recipes/trl-real-cpu.yaml --one-at-a-time --steps 6 --skip 1
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
+from training_runs import render_rewards, render_side_by_side, reward_gap, side_by_side
 
 from tlt_cli.recipes import RECIPES_DIRECTORY
 from tlt_cli.trace import read_trace
@@ -99,6 +105,16 @@ def summary(steps: list[dict], skip: int) -> dict:
     }
 
 
+def compare(results: dict) -> dict:
+    """tlt against TRL's generation: side_by_side of their means, and their reward curves (one seed)."""
+    rewards = {name: {0: [step["mean_reward"] for step in results[name]["steps"]]} for name in VARIANTS}
+    return {
+        "side_by_side": side_by_side(results["trl"]["summary"], results["tlt"]["summary"]),
+        "rewards": rewards,
+        "reward_gap": reward_gap(rewards, "trl", "tlt"),
+    }
+
+
 def render(console: Console, results: dict) -> None:
     table = Table(title="TRL GRPOTrainer: its own generation (trl) vs tlt's rollout (tlt)", title_justify="left")
     for column in ("per step (mean)", "trl", "tlt", "trl / tlt"):
@@ -162,11 +178,21 @@ def main() -> None:
         results[name] = finish_training(started[name], arguments.work_dir / name)
     for result in results.values():
         result["summary"] = summary(result["steps"], arguments.skip)
-    render(Console(), results)
+    comparison = compare(results)
+    console = Console()
+    render(console, results)
+    render_side_by_side(console, comparison["side_by_side"], "trl", "tlt")
+    render_rewards(console, comparison["rewards"], comparison["reward_gap"])
     arguments.out.parent.mkdir(parents=True, exist_ok=True)
     arguments.out.write_text(
         json.dumps(
-            {"recipe": str(arguments.recipe), "overrides": overrides, "skip": arguments.skip, "variants": results},
+            {
+                "recipe": str(arguments.recipe),
+                "overrides": overrides,
+                "skip": arguments.skip,
+                "variants": results,
+                **comparison,
+            },
             indent=2,
         )
     )
