@@ -18,7 +18,6 @@ some CI runners) with SIGINT ignored, children inherit that, and the tests that 
 """
 
 import signal
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -55,7 +54,7 @@ def hermetic(tmp_path_factory, session_caches, cache_directory, monkeypatch) -> 
 
 
 @pytest.fixture(scope="session")
-def single_process_group(cache_directory):
+def single_process_group(cache_directory, tmp_path_factory):
     """A world of one gloo rank, as a worker process would have, for in-process DeepSpeed tests.
 
     It meets in a private temporary folder (no TCP store), as the workers of a one-node run do.
@@ -63,9 +62,8 @@ def single_process_group(cache_directory):
     from tlt_cli.processes.distributed import WorkerAddress, init_worker_process
 
     if not torch.distributed.is_initialized():
-        rendezvous = Path(tempfile.mkdtemp(prefix="tlt-test-rendezvous-"))
         init_worker_process(
-            WorkerAddress(0, 1, 0, rendezvous_directory=rendezvous),
+            WorkerAddress(0, 1, 0, rendezvous_directory=tmp_path_factory.mktemp("rendezvous")),
             threads=1,
             extensions_dir=cache_directory / "torch_extensions",
         )

@@ -149,7 +149,7 @@ def test_a_stopped_worker_is_named_by_the_step_deadline_and_the_run_ends(small_m
     run_directory = tmp_path / "stopped"
     markers = tmp_path / "markers"
     command = small_run(
-        small_model, tmp_path, "stopped", 20, "checkpoint.every=1", "workers.step_timeout_s=20", *mark_rollouts(markers)
+        small_model, tmp_path, "stopped", 20, "checkpoint.every=1", "workers.step_timeout_s=30", *mark_rollouts(markers)
     )
     driver = start(command, tmp_path)
     wait_until(lambda: (markers / "rollout-1-1").exists(), seconds=HANG_GUARD_SECONDS, process=driver)
@@ -161,7 +161,7 @@ def test_a_stopped_worker_is_named_by_the_step_deadline_and_the_run_ends(small_m
     assert code == 1, stderr
     line = one_line(stdout, stderr)
     assert line.startswith(f"error: worker 1 (pid {stopped}, stopped) has not finished step 1 within "), line
-    assert "workers.step_timeout_s=20 s: it is in the rollout; worker(s) 0 wait for it" in line, line
+    assert "workers.step_timeout_s=30 s: it is in the rollout; worker(s) 0 wait for it" in line, line
     assert "complete checkpoints are kept" in line
     assert_gone(processes)
     assert_intact(run_directory)
