@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from scipy.stats import chisquare
 from test_profile import hand_made_trace, write_jsonl
 from test_speculative import (
     BOS,
@@ -19,6 +20,7 @@ from tlt_cli.config import RecipeError, SpeculativeSection
 from tlt_cli.drafter.model import EagleDrafter
 from tlt_cli.profile.analysis import analyse
 from tlt_cli.profile.records import load_records
+from tlt_cli.rollout.acceptance import accept_tree
 from tlt_cli.rollout.adaptive import AdaptiveSchedule, AdaptiveSpeculativeDecoder, build_rules, parse_label
 from tlt_cli.rollout.engine import EmbeddedEngine
 from tlt_cli.rollout.ngram import NgramIndex
@@ -312,3 +314,36 @@ def test_sglang_refuses_hybrid_and_mixed_tables_in_one_sentence(uses, message):
     rules = [{"batch": [1, 8], "use": uses[0]}, {"batch": [9, None], "use": uses[1]}]
     with pytest.raises(RecipeError, match=message):
         batch_rules(SpeculativeSection(rules=rules))
+
+
+@pytest.mark.parametrize("ngram_token", [0, 5])  # tokens the target likes more than the drafter: r(y) > 0
+@pytest.mark.parametrize("temperature", [1.0, 0.8])
+def test_a_sampled_drafter_child_then_an_ngram_child_emit_the_target_law(ngram_token, temperature):
+    # one node, two candidates: x ~ q (the drafter's sampled chain) first, then the n-gram's y on the
+    # residual norm(max(p - q, 0)); where y == x the two are one node. The first token must follow p.
+    rows, vocab_size = 40000, 8
+    generator = torch.Generator().manual_seed(3)
+    params = SamplingParams(2, temperature=temperature)
+    target_logits = torch.tensor([2.0, 0.5, 1.5, -1.0, 0.0, 1.0, -0.5, 0.3]).expand(rows, 3, vocab_size)
+    q = torch.softmax(torch.tensor([0.0, 1.0, 2.5, 0.5, -1.0, 0.2, 1.5, 0.0]), dim=0)
+    drafted = torch.multinomial(q.expand(rows, -1), 1, replacement=True, generator=generator).squeeze(1)
+    root = torch.zeros(rows, dtype=torch.long)
+    tree = DraftTree(
+        tokens=torch.stack([root, drafted, torch.full_like(root, ngram_token)], dim=1),
+        parents=torch.zeros(rows, 3, dtype=torch.long),
+        depths=torch.tensor([0, 1, 1]).expand(rows, -1),
+        ancestors=ancestor_mask(torch.zeros(rows, 3, dtype=torch.long), 1),
+        draft_probs=q.expand(rows, 1, -1),
+        # the n-gram node exists only where it differs from the drafted token (else they merge)
+        valid=torch.stack([root == 0, root == 0, drafted != ngram_token], dim=1),
+    )
+    verdict = accept_tree(tree, target_logits, params, generator)
+    first = torch.where(
+        verdict.accept_length > 0, tree.tokens.gather(1, verdict.path[:, 1:2]).squeeze(1), verdict.bonus
+    )
+    observed = torch.bincount(first, minlength=vocab_size).double()
+    expected = torch.softmax(target_logits[0, 0].double() / temperature, dim=0) * observed.sum()
+    assert chisquare(observed.numpy(), expected.numpy()).pvalue > 0.01
+    # both kinds of candidate were kept now and then
+    kept = verdict.path[:, 1][verdict.accept_length > 0]
+    assert bool((kept == 1).any()) and bool((kept == 2).any())

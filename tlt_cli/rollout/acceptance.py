@@ -25,12 +25,18 @@ Why this is lossless (the output has exactly the target's distribution under Sam
   its children removed, renormalised (a draw per row, as plain decoding makes, not per node).
 - n-gram proposals (tlt_cli/rollout/ngram.py) are deterministic too: a point mass q = delta_x, so x
   is kept with probability p(x) and a rejection draws from norm(max(p - delta_x, 0)), p with x
-  removed. A model-free chain and a hybrid tree (the drafter's argmax chain or top-k tree with the
-  n-gram branch merged in where tokens coincide, so siblings stay distinct) are trees of point
-  masses, verified by `accept_tree` like any tree: a drafter child and an n-gram child of one node
-  are two candidates of the same multi-draft rejection, whichever source they came from. Padding
-  nodes (tree.valid false) are no candidates at all: past a row's last proposal the bonus token is
-  drawn from p itself.
+  removed. A model-free chain and a hybrid tree (the drafter's top-k tree with the n-gram branch
+  merged in where tokens coincide, so siblings stay distinct) are trees of point masses, verified
+  by `accept_tree` like any tree: a drafter child and an n-gram child of one node are two
+  candidates of the same multi-draft rejection, whichever source they came from. Padding nodes
+  (tree.valid false) are no candidates at all: past a row's last proposal the bonus token is drawn
+  from p itself.
+- A sampled drafter chain with an n-gram branch (hybrid with topk 1): at a chain node the drafter's
+  child x ~ q is tried first (kept with probability min(1, p(x)/q(x))); after its rejection the
+  target's law there is the residual r = norm(max(p - q, 0)), so the n-gram child y comes second as
+  a point mass on r (kept with probability r(y)), and the bonus is drawn from r without y. Where y
+  equals x the two are one node: after x's rejection r(x) = 0, so a second try could never keep it.
+  Elsewhere r is p itself (no drafter child), and `accept_tree` runs the same rule everywhere.
 """
 
 from __future__ import annotations
@@ -121,19 +127,40 @@ def accept_tree(
     if sampling.greedy:
         bonus = target_choice[rows, deepest]
     else:
-        bonus = _bonus_after_children(tree, target_probs[rows, deepest], deepest, valid, generator)
+        q_at_node, _ = _sampled_chain_probs(tree, target_probs)
+        left_at_deepest = _residual(target_probs[rows, deepest], q_at_node[rows, deepest])
+        bonus = _bonus_after_children(tree, left_at_deepest, deepest, valid, generator)
     return Verdict(accept_length, path[:, : max_depth + 1], bonus)
+
+
+def _sampled_chain_probs(tree: DraftTree, target_probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q [B, N, V]: at each node, the distribution its sampled drafter child was drawn from, zero where it
+    has none; sampled [B, N]: which nodes were drawn from q). Only a sampled chain (draft_probs given, its
+    nodes 1..S first) has such nodes; every other node is a point mass."""
+    batch_size, node_count = tree.tokens.shape
+    q_at_node = torch.zeros_like(target_probs)
+    sampled = torch.zeros(batch_size, node_count, dtype=torch.bool, device=tree.tokens.device)
+    if tree.draft_probs is not None:
+        chain_length = tree.draft_probs.shape[1]
+        q_at_node[:, :chain_length] = tree.draft_probs
+        sampled[:, 1 : chain_length + 1] = True
+    return q_at_node, sampled
 
 
 def _kept_by_recursive_rejection(
     tree: DraftTree, target_probs: torch.Tensor, valid: torch.Tensor, generator: torch.Generator
 ) -> torch.Tensor:
     """Which nodes [B, N] the recursive rejection keeps at their parent (target_probs: [B, N, V] at every
-    node); children of a node are tried in node order."""
+    node); children of a node are tried in node order (a sampled drafter child first)."""
     batch_size, node_count = tree.tokens.shape
-    # p(c) at c's parent: the point mass delta_c is kept with probability p(c) of what is left
-    p_at_parent = target_probs.gather(1, tree.parents[:, :, None].expand(-1, -1, target_probs.shape[2]))
-    p_node = p_at_parent.gather(2, tree.tokens[:, :, None]).squeeze(2) * valid
+    q_at_node, sampled = _sampled_chain_probs(tree, target_probs)
+    parent_index = tree.parents[:, :, None].expand(-1, -1, target_probs.shape[2])
+    p_at_parent, q_at_parent = target_probs.gather(1, parent_index), q_at_node.gather(1, parent_index)
+    # what is left at the parent once its sampled child (if any) is rejected: r = norm(max(p - q, 0)), else p
+    residual_at_parent = _residual(p_at_parent.flatten(0, 1), q_at_parent.flatten(0, 1)).view_as(p_at_parent)
+    token_index = tree.tokens[:, :, None]
+    p_node, q_node = p_at_parent.gather(2, token_index).squeeze(2), q_at_parent.gather(2, token_index).squeeze(2)
+    r_node = residual_at_parent.gather(2, token_index).squeeze(2) * valid
     node_index = torch.arange(node_count, device=tree.tokens.device)
     earlier_sibling = (
         (tree.parents[:, :, None] == tree.parents[:, None, :])
@@ -141,20 +168,24 @@ def _kept_by_recursive_rejection(
         & valid[:, None, :]
     )
     earlier_sibling[:, :, 0] = False  # the root is nobody's sibling
-    # after the earlier siblings' rejections the residual is p without them: keep c with p(c) / (1 - their mass)
-    left = (1.0 - (earlier_sibling.float() @ p_node[:, :, None]).squeeze(2)).clamp(min=torch.finfo(p_node.dtype).tiny)
+    # point masses on the residual r: keep c with r(c) / (1 - r's mass on earlier point-mass siblings)
+    earlier_point_masses = earlier_sibling & ~sampled[:, None, :]
+    left = (1.0 - (earlier_point_masses.float() @ r_node[:, :, None]).squeeze(2)).clamp(
+        min=torch.finfo(r_node.dtype).tiny
+    )
     uniform = torch.rand(batch_size, node_count, generator=generator, device=tree.tokens.device)
-    accepted = uniform * left < p_node
+    # a sampled child x ~ q: keep with min(1, p(x)/q(x)), written u * q < p
+    accepted = torch.where(sampled, uniform * q_node < p_node, uniform * left < r_node) & valid
     # only the first accepted child of a node is tried and kept; later ones are never reached
-    kept = accepted & ~(earlier_sibling & accepted[:, None, :]).any(dim=2)
-    return kept
+    return accepted & ~(earlier_sibling & accepted[:, None, :]).any(dim=2)
 
 
 def _bonus_after_children(
     tree: DraftTree, deepest_probs: torch.Tensor, deepest: torch.Tensor, valid: torch.Tensor, generator
 ) -> torch.Tensor:
-    """The token after the deepest kept node: one draw from its p ([B, V]) with every child it has (all
-    rejected) removed, renormalised; p itself for a leaf."""
+    """The token after the deepest kept node: one draw from what is left of its p after its sampled child's
+    rejection (deepest_probs [B, V]: norm(max(p - q, 0)), or p) with every child it has (all rejected)
+    removed, renormalised; p itself for a leaf."""
     children = (tree.parents == deepest[:, None]) & valid
     children[:, 0] = False
     # scatter_add: padding nodes may carry the token of a real child, and must not hide it

@@ -24,9 +24,10 @@ Drafts without a model: a shape with `ngram_tokens` also asks the n-gram index (
 over the prompt and the sibling responses of each row's group (RolloutRequest.group) for up to that
 many tokens. Model-free (`ngram4`: steps 0) skips steps 0, 1 and the drafter's part of 4: the
 proposals alone form a chain, and no drafter is needed. Hybrid (`s2-k1-t3+ngram4`) drafts the
-drafter's part as a tree of point masses (its argmax chain when topk is 1) and hangs the proposals
-from the root as one more branch, merged where tokens coincide; `accept_tree` verifies both kinds
-of node alike (acceptance.py). The index learns every emitted token (at the next step that asks
+drafter's part as usual (a sampled chain, or a tree of point masses) and hangs the proposals from
+the root as one more branch, merged where tokens coincide; `accept_tree` verifies drafter and
+n-gram nodes under one rule (acceptance.py: a sampled drafter child first, then the n-gram child on
+the residual). The index learns every emitted token (at the next step that asks
 it, and when a row finishes, before it leaves the batch), so finished siblings stay in it.
 
 Drafter positions follow tlt_cli/drafter/trainer.py: drafter entry t reads (token[t+1],
@@ -294,10 +295,9 @@ class SpeculativeDecoder:
     def _draft(
         self, batch: RunningBatch, config: SpeculativeConfig, sampling: SamplingParams, generator: torch.Generator
     ) -> DraftTree:
-        """Run the drafter `steps` times from each row's root, expanding the chain or tree (with an
-        n-gram branch to come, always a tree of point masses: a chain is then the drafter's argmax)."""
+        """Run the drafter `steps` times from each row's root, expanding the chain or tree."""
         vocabulary = self.drafter.vocabulary
-        if config.is_chain and not config.uses_ngram:
+        if config.is_chain:
             builder = ChainBuilder(batch.pending, config.steps, sampling, generator, vocabulary)
         else:
             builder = TreeBuilder(batch.pending, config.drafter_part, vocabulary)

@@ -43,12 +43,12 @@ class DraftTree:
 
     tokens: [B, N]; parents: [B, N] tree index of each node's parent (the root points at itself);
     depths: [B, N] (root 0); ancestors: [B, N, N] or a shared [N, N] bool, ancestors[.., n, m] iff m
-    is n or an ancestor of n; draft_probs: [B, N - 1, V] the distribution each drafted token of a
-    chain was sampled from, over the target's V tokens (None for greedy chains and for trees, whose
-    nodes are chosen, not drawn: each node is a point mass on its token); valid: [B, N] bool, the
-    nodes that exist (None: all; padding nodes of shorter rows are never accepted); sources: [B, N,
-    len(DRAFT_SOURCES)] bool, which sources proposed each node (None: every drafted node is the
-    drafter's).
+    is n or an ancestor of n; draft_probs: [B, S, V] the distribution each drafted token of a chain
+    (nodes 1..S) was sampled from, over the target's V tokens (None for greedy chains and for trees,
+    whose nodes are chosen, not drawn: each node is a point mass on its token; an n-gram branch
+    grafted onto a sampled chain comes after its S nodes); valid: [B, N] bool, the nodes that exist
+    (None: all; padding nodes of shorter rows are never accepted); sources: [B, N, len(DRAFT_SOURCES)]
+    bool, which sources proposed each node (None: every drafted node is the drafter's).
     """
 
     tokens: torch.Tensor
@@ -209,7 +209,7 @@ def root_only(root_tokens: torch.Tensor) -> DraftTree:
 
 
 def with_ngram_branch(tree: DraftTree, proposals: list[list[int]]) -> DraftTree:
-    """`tree` (every node a point mass) with proposals[b] (target ids) hung from row b's root as one
+    """`tree` (point masses, or a sampled chain) with proposals[b] (target ids) hung from row b's root as one
     more branch: it follows existing nodes while their tokens coincide, then goes on as new nodes.
     Rows are padded to one width with invalid nodes (children of the root, never accepted)."""
     batch_size, node_count = tree.tokens.shape
@@ -253,7 +253,8 @@ def with_ngram_branch(tree: DraftTree, proposals: list[list[int]]) -> DraftTree:
         parents=parent_index,
         depths=node_depths,
         ancestors=ancestor_mask(parent_index, int(node_depths.max())),
-        draft_probs=None,
+        # a sampled chain keeps its nodes 1..S and their q; the grafted nodes come after them
+        draft_probs=tree.draft_probs,
         valid=valid_nodes,
         sources=sources,
     )
