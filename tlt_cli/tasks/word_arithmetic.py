@@ -1,16 +1,21 @@
-"""Arithmetic word questions in plain English, rewarded on the final number: a task for pretrained
-instruct models, which answer in prose.
+"""Arithmetic word questions in plain English, worked step by step and rewarded on the final number: a
+task for pretrained instruct models, which answer in prose.
 
 A problem is a short story about one person counting one kind of thing: a starting amount, then
 1..max_steps events, each adding or taking away some (or adding a few bags of a few each), then
 the question how many they have now. For example (two steps):
     "Mia has 7 apples. She buys 5 more. Then she gives 3 to a friend. How many apples does Mia
     have now?"  (answer "9")
-Amounts stay in 1..max_number per event and never go below zero. Problems are generated from a
-generator seeded by (seed, index), so the set is unbounded and the same index always gives the
-same problem. The reward is that of jsonl_math: 1.0 when the last number in the response equals
-the answer, else 0.0, so a model may work the sum out in prose first. A small model gets one
-step right often and more steps less often, so rewards within a GRPO group vary.
+The prompt asks for the work step by step, one line per event, and shows one worked example
+before the story (INSTRUCTION); the reference solution has that form ("7 + 5 = 12", "12 - 3 = 9",
+"The answer is 9."). The number of events is drawn from P(n) ~ n^-tail_exponent on 1..max_steps
+(0: uniform), stratified across indices (tlt_cli/tasks/tail.py): most stories are short and a few
+long, so response lengths have the long tail RL on reasoning has. Amounts stay in 1..max_number
+per event and never go below zero. Problems are generated from a generator seeded by (seed,
+index), so the set is unbounded and the same index always gives the same problem. The reward is
+that of jsonl_math: 1.0 when the last number in the response equals the answer, else 0.0, so a
+model may work the sum out in prose first. A small model gets one step right often and more steps
+less often, so rewards within a GRPO group vary.
 """
 
 from __future__ import annotations
