@@ -6,8 +6,8 @@ import json
 
 import pytest
 import torch
-from tiny_models import tiny_qwen2
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, Qwen2ForCausalLM
+from tiny_models import tiny_llama, tiny_qwen2
+from transformers import DynamicCache, LlamaForCausalLM, Qwen2ForCausalLM
 
 from tlt_cli.drafter.loss import drafter_loss
 from tlt_cli.drafter.model import (
@@ -34,18 +34,7 @@ def tiny_target_qwen2(seed: int = 0, hidden_size: int = HIDDEN_SIZE) -> Qwen2For
 
 
 def tiny_llama_untied(seed: int = 0) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=VOCAB_SIZE,
-        hidden_size=HIDDEN_SIZE,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        max_position_embeddings=128,
-        tie_word_embeddings=False,
-    )
-    return LlamaForCausalLM(config).eval()
+    return tiny_llama(VOCAB_SIZE, seed, 128, hidden_size=HIDDEN_SIZE, num_key_value_heads=4, tie_word_embeddings=False)
 
 
 def confident_logits(shape: tuple[int, int], generator: torch.Generator) -> torch.Tensor:

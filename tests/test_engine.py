@@ -2,8 +2,8 @@
 
 import pytest
 import torch
-from tiny_models import tiny_qwen2
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2ForCausalLM
+from tiny_models import tiny_llama, tiny_qwen2
+from transformers import LlamaForCausalLM, Qwen2ForCausalLM
 
 from tlt_cli.rollout.engine import EmbeddedEngine
 from tlt_cli.rollout.types import RolloutRequest, SamplingParams
@@ -19,18 +19,7 @@ def tiny_target_qwen2() -> Qwen2ForCausalLM:
 
 
 def tiny_llama_untied() -> LlamaForCausalLM:
-    torch.manual_seed(1)
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        max_position_embeddings=256,
-        tie_word_embeddings=False,
-    )
-    model = LlamaForCausalLM(config).eval()
+    model = tiny_llama(VOCAB, 1, 256, num_key_value_heads=4, tie_word_embeddings=False)
     assert model.lm_head.weight.data_ptr() != model.model.embed_tokens.weight.data_ptr()
     return model
 

@@ -10,9 +10,8 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
-from tiny_models import tiny_qwen2
+from tiny_models import tiny_llama, tiny_qwen2
 from torch import nn
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from tlt_cli.config import RecipeError
 from tlt_cli.drafter.model import EagleDrafter
@@ -44,26 +43,11 @@ MIXED_BUCKETS = (1, 2, 4, 8, 64)
 MIXED_FORMS = (TRANSPOSED, WEIGHT_MAJOR, LINEAR, TRANSPOSED, WEIGHT_MAJOR)
 
 
-def tiny_llama(tied: bool) -> LlamaForCausalLM:
-    torch.manual_seed(1)
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        tie_word_embeddings=tied,
-    )
-    return LlamaForCausalLM(config).eval()
-
-
 MODELS = {
-    "qwen2-tied": lambda: tiny_qwen2(VOCAB, max_position_embeddings=256),
+    "qwen2-tied": lambda: tiny_qwen2(VOCAB, max_position_embeddings=256, tie_word_embeddings=True),
     "qwen2-untied": lambda: tiny_qwen2(VOCAB, max_position_embeddings=256, tie_word_embeddings=False),
-    "llama-tied": lambda: tiny_llama(tied=True),
-    "llama-untied": lambda: tiny_llama(tied=False),
+    "llama-tied": lambda: tiny_llama(VOCAB, 1, 256, tie_word_embeddings=True),
+    "llama-untied": lambda: tiny_llama(VOCAB, 1, 256, tie_word_embeddings=False),
 }
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from tiny_models import tiny_llama, tiny_qwen2
 
 from tlt_cli.drafter.model import EagleDrafter
 from tlt_cli.sglang.version import sglang_features
@@ -97,17 +97,8 @@ def assert_complete(loaded: dict[str, set], parameters: set[str]) -> None:
 
 
 def tiny_target(kind: str, tied: bool):
-    torch.manual_seed(0)
-    shape = dict(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=tied,
-    )
-    return Qwen2ForCausalLM(Qwen2Config(**shape)) if kind == "qwen2" else LlamaForCausalLM(LlamaConfig(**shape))
+    build = tiny_qwen2 if kind == "qwen2" else tiny_llama
+    return build(64, tie_word_embeddings=tied)
 
 
 @pytest.mark.parametrize("kind, tied", [("qwen2", True), ("qwen2", False), ("llama", False), ("llama", True)])

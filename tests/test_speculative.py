@@ -3,14 +3,9 @@
 import pytest
 import torch
 from scipy.stats import chisquare
-from tiny_models import tiny_qwen2
+from tiny_models import tiny_llama, tiny_qwen2
 from torch import nn
-from transformers import (
-    DynamicCache,
-    LlamaConfig,
-    LlamaForCausalLM,
-    Qwen2ForCausalLM,
-)
+from transformers import DynamicCache, Qwen2ForCausalLM
 
 from tlt_cli.drafter.model import DrafterOutput, EagleDrafter
 from tlt_cli.drafter.vocabulary import DraftVocabulary, most_frequent_tokens
@@ -139,19 +134,7 @@ def test_greedy_sd_is_token_identical_at_batch_16(config, drafter_kind):
 
 @pytest.mark.parametrize("config", [CHAINS[3], TREES[2]], ids=lambda config: config.label())
 def test_untied_llama_target_and_hidden_states_under_sd(config):
-    torch.manual_seed(2)
-    target = LlamaForCausalLM(
-        LlamaConfig(
-            vocab_size=64,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=4,
-            max_position_embeddings=256,
-            tie_word_embeddings=False,
-        )
-    ).eval()
+    target = tiny_llama(64, 2, 256, num_key_value_heads=4, tie_word_embeddings=False)
     greedy = SamplingParams(max_new_tokens=17, temperature=0.0)
     requests = requests_for(5, seed=50)
     plain = generate(target, requests, greedy, 64)
