@@ -10,8 +10,15 @@ import torch
 from omegaconf import OmegaConf
 from typer.testing import CliRunner
 
-from tlt_cli.calibration.calibrate import batch_size_grid
-from tlt_cli.calibration.measure import ModelPair, bucket_of, bucket_totals, fixed_decoder, time_shard
+from tlt_cli.calibration.calibrate import batch_size_grid, load_model_pair
+from tlt_cli.calibration.measure import (
+    ModelPair,
+    bucket_of,
+    bucket_totals,
+    fixed_decoder,
+    shard_engine,
+    time_shard,
+)
 from tlt_cli.calibration.recipe_text import RecipeEditError, write_rules_into_recipe
 from tlt_cli.calibration.rules import (
     CALIBRATED_BY,
@@ -29,9 +36,11 @@ from tlt_cli.models.tiny import (
     tiny_model_config,
     tiny_tokenizer,
 )
+from tlt_cli.recipe_checks import load_checked_recipe
 from tlt_cli.recipes import RECIPES_DIRECTORY
 from tlt_cli.rollout.adaptive import build_rules
 from tlt_cli.rollout.engine import EmbeddedEngine
+from tlt_cli.rollout.linear_forms import linear_layers, shape_key
 from tlt_cli.rollout.speculative import SpeculativeDecoder
 from tlt_cli.rollout.types import DecodeStep, RolloutRequest, SamplingParams, SpeculativeConfig
 
@@ -241,6 +250,21 @@ def test_cli_measures_a_tiny_pair_and_writes_json_fragment_and_recipe(tiny_pair_
         load_recipe(rewritten).speculative.rules == rules
         and "# plain decoding until calibrated" in rewritten.read_text()
     )
+
+
+def test_shards_are_timed_with_the_linear_forms_a_worker_uses(tiny_pair_recipe, tmp_path):
+    """rollout.linear_forms=auto: the pair's plan covers the target's and the drafter's shapes, measured into
+    model.cache_dir, and every shard's engine computes with it; off: plain nn.Linear."""
+    cache = tmp_path / "cache"
+    recipe = load_checked_recipe(tiny_pair_recipe, ["rollout.linear_forms=auto", f"model.cache_dir={cache}"])
+    pair, _, _ = load_model_pair(recipe)
+    assert pair.linear_forms is not None
+    shapes = {shape_key(layer.weight) for layer in linear_layers([pair.target, pair.drafter])}
+    assert shapes <= set(pair.linear_forms.plan.forms) and list(cache.rglob("*.json"))
+    assert shard_engine(pair, fixed_decoder(pair, None)).linear_forms is pair.linear_forms
+    recipe = load_checked_recipe(tiny_pair_recipe, ["rollout.linear_forms=off", f"model.cache_dir={cache}"])
+    pair, _, _ = load_model_pair(recipe)
+    assert pair.linear_forms is None and shard_engine(pair, fixed_decoder(pair, None)).linear_forms is None
 
 
 @pytest.mark.parametrize(

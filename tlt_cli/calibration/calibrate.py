@@ -178,6 +178,7 @@ def load_model_pair(recipe: Recipe) -> tuple[ModelPair, PreTrainedTokenizerBase,
     from tlt_cli.drafter.initial import initial_drafter, prepare_initial_drafter
     from tlt_cli.models.loading import load_policy
     from tlt_cli.processes.driver import cache_directory
+    from tlt_cli.rollout.linear_forms_measure import prepare_linear_forms
 
     cache = cache_directory(recipe)
     dtype = torch.bfloat16 if recipe.actor.precision == "bf16" else torch.float32
@@ -187,7 +188,11 @@ def load_model_pair(recipe: Recipe) -> tuple[ModelPair, PreTrainedTokenizerBase,
     # the drafter a run would start with, whatever the recipe's speculative mode is now
     folder, _ = prepare_initial_drafter(replace(recipe, speculative=replace(recipe.speculative, mode="fixed")), cache)
     drafter = initial_drafter(recipe, folder, target).to(device, dtype).eval()
-    return ModelPair(target, drafter, tokenizer.pad_token_id, tokenizer.eos_token_id, device), tokenizer, str(folder)
+    # the forms a worker's engine computes the pair's linear layers with (EmbeddedRollout), so calibrated costs are
+    # the costs a run pays
+    linear_forms = prepare_linear_forms(recipe.rollout.linear_forms, [target, drafter], cache)
+    pair = ModelPair(target, drafter, tokenizer.pad_token_id, tokenizer.eos_token_id, device, linear_forms)
+    return pair, tokenizer, str(folder)
 
 
 def _shard_maker(

@@ -22,19 +22,22 @@ import torch
 from torch import nn
 
 from tlt_cli.rollout.engine import EmbeddedEngine
+from tlt_cli.rollout.linear_forms import LinearForms
 from tlt_cli.rollout.speculative import SpeculativeDecoder
 from tlt_cli.rollout.types import DecodeStep, RolloutRequest, SamplingParams, SpeculativeConfig
 
 
 @dataclass(frozen=True)
 class ModelPair:
-    """The target and its drafter on one device, with the ids the engine needs."""
+    """The target and its drafter on one device, with the ids the engine needs and the linear forms a worker's
+    engine computes them with (None: plain nn.Linear, the recipe's rollout.linear_forms is off)."""
 
     target: nn.Module
     drafter: nn.Module
     pad_token_id: int
     eos_token_id: int
     device: torch.device
+    linear_forms: LinearForms | None = None
 
 
 @dataclass(frozen=True)
@@ -104,15 +107,23 @@ def fixed_decoder(pair: ModelPair, config: SpeculativeConfig | None) -> Speculat
     )
 
 
+def shard_engine(pair: ModelPair, decoder: SpeculativeDecoder) -> EmbeddedEngine:
+    """The engine a shard is timed on: the pair's target with `decoder` and the pair's linear forms."""
+    return EmbeddedEngine(
+        pair.target,
+        eos_token_id=pair.eos_token_id,
+        pad_token_id=pair.pad_token_id,
+        speculative=decoder,
+        linear_forms=pair.linear_forms,
+    )
+
+
 def time_shard(
     pair: ModelPair, decoder: SpeculativeDecoder, requests: list[RolloutRequest], sampling: SamplingParams, seed: int
 ) -> list[DecodeStep]:
     """Generate `requests` to their natural end with `decoder`; each decode step's record."""
-    engine = EmbeddedEngine(
-        pair.target, eos_token_id=pair.eos_token_id, pad_token_id=pair.pad_token_id, speculative=decoder
-    )
     steps: list[DecodeStep] = []
-    engine.generate(
+    shard_engine(pair, decoder).generate(
         requests, sampling, torch.Generator(device=pair.device).manual_seed(seed), on_decode_step=steps.append
     )
     return steps

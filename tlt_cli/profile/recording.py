@@ -3,7 +3,8 @@
 `record_rollout(recipe, steps, trace_path)` loads the recipe's policy and task, then for each
 step generates the same prompts `tlt train` would (step s, worker w gets the w-th slice of step
 s's prompts, `group_size` samples each, sampling seeded by (seed, step, worker)) with the embedded
-engine, and writes a tlt trace (request, worker and step records) that `load_records` reads back.
+engine, its linear layers in the recipe's `rollout.linear_forms` as a worker's, and writes a tlt
+trace (request, worker and step records) that `load_records` reads back.
 
 Simplification, stated in the trace's run record and the README: everything runs in this one
 process. The `workers.count` shards of a step are generated one after the other, each on
@@ -25,8 +26,10 @@ from transformers import PreTrainedTokenizerBase
 
 from tlt_cli.config import Recipe
 from tlt_cli.models.loading import load_policy
+from tlt_cli.processes.driver import cache_directory
 from tlt_cli.profile.records import ProfileRecords, read_trace_records
 from tlt_cli.rollout.engine import EmbeddedEngine
+from tlt_cli.rollout.linear_forms_measure import prepare_linear_forms
 from tlt_cli.rollout.types import Completion, RolloutRequest, SamplingParams
 from tlt_cli.tasks.base import Task
 from tlt_cli.tasks.prompts import encode_prompt
@@ -44,7 +47,11 @@ def record_rollout(
         raise ValueError(f"steps is {steps}; record at least 1 step.")
     policy, tokenizer = load_policy(recipe.model.path)
     task = build_task(recipe.task.name, recipe.run.seed, dict(recipe.task.options))
-    engine = EmbeddedEngine(policy, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    # the linear forms a worker's engine computes the policy with (EmbeddedRollout, no drafter: SD off here)
+    linear_forms = prepare_linear_forms(recipe.rollout.linear_forms, [policy, None], cache_directory(recipe))
+    engine = EmbeddedEngine(
+        policy, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, linear_forms=linear_forms
+    )
     sampling = SamplingParams(
         max_new_tokens=recipe.rollout.max_new_tokens,
         temperature=recipe.rollout.temperature,
