@@ -8,7 +8,9 @@ prompts (short math and word questions written below) through the model's chat t
 4, plus a long-tailed batch of 16 requests (one-word answers to stories: rows end at very different steps,
 where the engine's early exit of finished rows pays; transformers' `generate` keeps every row to the end).
 With --task NAME (e.g. word_arithmetic, the task recipes/real-cpu.yaml warms its drafter on) the pool is that
-task's held-out prompts instead, and a drafter or assistant trained here trains on that task's prompts.
+task's held-out prompts instead, and a drafter or assistant trained here trains on that task's prompts;
+--task-options JSON gives the task's options as a recipe's task.options does (real-cpu's:
+'{"max_steps": 16, "max_number": 3, "tail_exponent": 2.5}').
 Drafter: warmed up offline on the target's own sampled responses (tlt_cli/drafter/warmup.py), cached
 under --cache-dir, or --drafter. For each batch size B the same prompt pool is split into batches of B and
 generated greedily (or sampled at --temperature, as RL rollouts are); tokens/s is generated tokens over
@@ -43,6 +45,7 @@ import argparse
 import copy
 import json
 import math
+import shlex
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -62,7 +65,7 @@ from tlt_cli.rollout.speculative import SpeculativeDecoder
 from tlt_cli.rollout.types import RolloutRequest, SamplingParams, SpeculativeConfig
 from tlt_cli.tasks.arithmetic import ArithmeticTask
 from tlt_cli.tasks.prompts import encode_prompt
-from tlt_cli.tasks.registry import TASKS, build_task
+from tlt_cli.tasks.registry import TASKS, TaskOptionError, build_task, check_options
 
 BATCH_SIZES = (1, 2, 4, 8, 16, 32)
 # a Hugging Face folder (--model): batch sizes, SD shapes and prompt pool unless given
@@ -246,6 +249,12 @@ def parse_args() -> argparse.Namespace:
         "trained here trains on its prompts (default: arithmetic, and for a folder the chat questions as the pool)",
     )
     parser.add_argument(
+        "--task-options",
+        default="{}",
+        help="the --task's options as a JSON object, as a recipe's task.options (e.g. real-cpu's "
+        '\'{"max_steps": 16, "max_number": 3, "tail_exponent": 2.5}\')',
+    )
+    parser.add_argument(
         "--warmup-batch-size", type=int, default=16, help="batch of the drafter (and assistant) training steps"
     )
     parser.add_argument("--seed", type=int, default=0)
@@ -281,6 +290,13 @@ def parse_args() -> argparse.Namespace:
         parser.error("--long-tail needs a model folder with a chat template (--model); the built-in model has none.")
     if args.task is not None and args.task not in TASKS:
         parser.error(f"unknown task {args.task}; choose from {', '.join(sorted(TASKS))}.")
+    try:
+        options = task_options(args)
+        if options and args.task is None:
+            parser.error("--task-options needs --task: name the task they are options of.")
+        check_options(args.task or ArithmeticTask.name, options)
+    except (ValueError, TaskOptionError) as error:
+        parser.error(f"--task-options {args.task_options}: {error}")
     for name in args.configs.split(","):
         try:
             register_label(name)
@@ -289,6 +305,14 @@ def parse_args() -> argparse.Namespace:
     if args.group_size < 1:
         parser.error(f"--group-size is {args.group_size}; give at least 1.")
     return args
+
+
+def task_options(args) -> dict:
+    """The --task-options JSON object (ValueError if it is not one)."""
+    options = json.loads(args.task_options)
+    if not isinstance(options, dict):
+        raise ValueError("give a JSON object, e.g. '{\"max_steps\": 16}'")
+    return options
 
 
 def register_label(name: str) -> None:
@@ -302,6 +326,7 @@ def cached_dir(target, kind: str, args) -> Path:
     """Where the trained `kind` (drafter / assistant) for this target (its folder and files) and settings lives."""
     target_name = f"{Path(target.config._name_or_path).name}-{model_fingerprint(args.model)}"
     settings = f"{args.task or ArithmeticTask.name}-{args.warmup_prompts}p-{args.warmup_steps}s"
+    settings += "".join(f"-{key}{value}" for key, value in sorted(task_options(args).items()))
     settings += f"-b{args.warmup_batch_size}-seed{args.seed}"
     if kind == "drafter" and args.vocab_size:
         settings += f"-v{args.vocab_size}"
@@ -663,7 +688,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     console = Console(width=120)
     target, tokenizer = load_policy(args.model)
-    task = build_task(args.task or ArithmeticTask.name, args.seed, {})
+    task = build_task(args.task or ArithmeticTask.name, args.seed, task_options(args))
     shapes = [name for name in args.configs.split(",") if name != "off"]
     # only drafter shapes need a drafter (and get the assisted-generation baseline); off and ngram<k> need none
     drafting = any(SD_CONFIGS[name].uses_drafter for name in shapes)
@@ -691,7 +716,7 @@ def main() -> None:
         render(console, results, cell, sampling)
     output = {
         "command": "python scripts/bench_rollout.py "
-        + " ".join(f"--{key.replace('_', '-')} {value}" for key, value in vars(args).items()),
+        + " ".join(f"--{key.replace('_', '-')} {shlex.quote(str(value))}" for key, value in vars(args).items()),
         "threads": args.threads,
         "drafter_warmup": warmup_report,
         "results": [asdict(result) for result in results],
