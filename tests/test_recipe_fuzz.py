@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import safetensors.torch
+import torch
 from typer.testing import CliRunner
 
 from tlt_cli.cli import app
@@ -341,12 +343,18 @@ def test_a_recipe_that_is_not_utf8_is_one_line_in_a_real_validate_process(worksp
 
 
 def test_a_user_error_inside_a_worker_is_one_line_and_its_traceback_goes_to_the_log(workspace):
-    """Weights that do not load pass the checks (they read config and tokenizer only) and fail in the worker."""
+    """A torn download of .bin weights passes the checks and fails in the worker that loads it.
+
+    The checks read the config, the tokenizer and the safetensors headers; a pytorch_model.bin has no
+    header, so only loading it (in the worker, after the driver started it) finds that it is cut short.
+    """
     folder, output = workspace
     model = folder / "model_with_broken_weights"
     shutil.copytree(SHIPPED_TINY_MODEL, model)
-    weights = model / "model.safetensors"
-    weights.write_bytes(weights.read_bytes()[:1000])
+    weights = model / "pytorch_model.bin"
+    torch.save(safetensors.torch.load_file(model / "model.safetensors"), weights)
+    (model / "model.safetensors").unlink()
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
     command = [
         sys.executable,
         "-m",
@@ -370,5 +378,7 @@ def test_a_user_error_inside_a_worker_is_one_line_and_its_traceback_goes_to_the_
     assert not (folder / "runs" / "broken").exists()
     kept = subprocess.run([*command, "--keep-log"], capture_output=True, text=True, cwd=folder, timeout=300)
     assert kept.returncode == 2 and "Traceback" not in kept.stderr
-    logs = "".join(log.read_text() for log in (folder / "runs" / "broken").rglob("*.log"))
-    assert "Traceback" in logs and ("SafetensorError" in logs or "ModelLoadError" in logs)
+    run_directory = folder / "runs" / "broken"
+    assert (run_directory / "workers" / "worker-0.log").is_file()
+    logs = "".join(log.read_text() for log in run_directory.rglob("*.log"))
+    assert "Traceback" in logs and "ModelLoadError" in logs and "load_policy" in logs, logs
