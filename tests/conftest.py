@@ -1,5 +1,5 @@
 """Shared test fixtures: every test hermetic (its own working folder, a cache of the test session), one
-thread per test process, and a process group for DeepSpeed tests.
+thread per test process, a process group for DeepSpeed tests, and the tiny model the `tlt train` tests run.
 
 Hermetic: each test runs in an empty working folder of its own, so whatever is in the checkout
 (`runs/tiny-cpu` after README command 1) cannot change a test's outcome, and a test's relative
@@ -40,6 +40,15 @@ def session_caches(tmp_path_factory) -> Path:
 def cache_directory(session_caches) -> Path:
     """The tlt cache of the test session (compiled DeepSpeed ops, built models, drafter warm-ups)."""
     return session_caches / "tlt"
+
+
+@pytest.fixture(scope="session")
+def small_model(cache_directory) -> Path:
+    """The briefly warmed-up tiny model folder the `tlt train` tests run (a local Hugging Face folder, as users
+    point at; built once in the session's cache)."""
+    from tlt_cli.models.tiny import ensure_tiny_model
+
+    return ensure_tiny_model(cache_directory, warmup_steps=40)
 
 
 @pytest.fixture(autouse=True)

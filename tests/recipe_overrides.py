@@ -11,6 +11,15 @@ from pathlib import Path
 PLAIN_DECODING = ("speculative.mode=off", "plugins.enabled=[]")
 TLT = [sys.executable, "-m", "tlt_cli"]
 RECIPE = Path(__file__).resolve().parent.parent / "recipes" / "tiny-cpu.yaml"
+# metrics of a step that do not depend on wall-clock time: what runs compared step for step must agree on
+DETERMINISTIC = (
+    "mean_reward",
+    "response_length_p50",
+    "response_length_max",
+    "response_tokens",
+    "actor_loss",
+    "actor_grad_norm",
+)
 
 
 def small_run(model: Path, output: Path, name: str, steps: int, *extra: str) -> list[str]:

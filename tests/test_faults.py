@@ -26,10 +26,9 @@ from pathlib import Path
 
 import psutil
 import pytest
-from recipe_overrides import TLT, small_run
+from recipe_overrides import DETERMINISTIC, TLT, small_run
 
 from tlt_cli.checkpoint import latest_checkpoint, load_checkpoint_file, prepare_staging, publish
-from tlt_cli.models.tiny import ensure_tiny_model
 from tlt_cli.processes import event_channel
 from tlt_cli.processes.distributed import BarrierTimeout, RolloutBarrier, WorkerAddress
 from tlt_cli.processes.event_channel import DriverUnreachable, EventListener, connect_to_driver
@@ -40,21 +39,6 @@ TESTS = Path(__file__).resolve().parent
 # the bound on any one command or wait of this suite (a hang guard, not a speed assertion)
 HANG_GUARD_SECONDS = 600
 SECRET = b"secret of the run"
-# metrics of a step that do not depend on wall-clock time (as tests/test_train_end_to_end.py compares)
-DETERMINISTIC = (
-    "mean_reward",
-    "response_length_p50",
-    "response_length_max",
-    "response_tokens",
-    "actor_loss",
-    "actor_grad_norm",
-)
-
-
-@pytest.fixture(scope="module")
-def small_model(cache_directory) -> Path:
-    """The briefly warmed-up tiny model the end-to-end tests use (built once per test session)."""
-    return ensure_tiny_model(cache_directory, warmup_steps=40)
 
 
 # ---------------------------------------------------------------- the event channel
@@ -127,12 +111,8 @@ def test_the_rollout_barrier_gives_up_naming_the_worker_it_waited_for(tmp_path):
 
 def test_a_single_node_run_listens_on_loopback_only_and_sigterm_stops_it_cleanly(small_model, tmp_path):
     run_directory = tmp_path / "term"
-    markers = tmp_path / "markers"
-    driver = start(
-        small_run(small_model, tmp_path, "term", 20, "checkpoint.every=1", *mark_rollouts(markers)), tmp_path
-    )
-    wait_until(lambda: (markers / "rollout-1-1").exists(), seconds=HANG_GUARD_SECONDS, process=driver)
-    processes = [psutil.Process(driver.pid), *psutil.Process(driver.pid).children(recursive=True)]
+    driver, _ = start_in_rollout(small_model, tmp_path, "term")
+    processes = run_processes(driver)
     listening = [address for process in processes for address in listening_addresses(process)]
     assert listening, "the run's gloo group should listen on loopback"
     assert all(ipaddress.ip_address(host).is_loopback for host, _ in listening), listening
@@ -146,53 +126,25 @@ def test_a_single_node_run_listens_on_loopback_only_and_sigterm_stops_it_cleanly
 
 
 def test_a_stopped_worker_is_named_by_the_step_deadline_and_the_run_ends(small_model, tmp_path):
-    run_directory = tmp_path / "stopped"
-    markers = tmp_path / "markers"
-    command = small_run(
-        small_model, tmp_path, "stopped", 20, "checkpoint.every=1", "workers.step_timeout_s=30", *mark_rollouts(markers)
+    # SIGSTOP mid-rollout of step 1: rank 1's rollout has just started
+    stopped, line = end_by_signalling_rank_one(
+        small_model, tmp_path, "stopped", signal.SIGSTOP, "workers.step_timeout_s=30"
     )
-    driver = start(command, tmp_path)
-    wait_until(lambda: (markers / "rollout-1-1").exists(), seconds=HANG_GUARD_SECONDS, process=driver)
-    stopped = int((markers / "rollout-1-1").read_text())
-    processes = [psutil.Process(driver.pid), *psutil.Process(driver.pid).children(recursive=True)]
-    os.kill(stopped, signal.SIGSTOP)  # mid-rollout of step 1: rank 1's rollout has just started
-
-    code, stdout, stderr = finish(driver, tmp_path)
-    assert code == 1, stderr
-    line = one_line(stdout, stderr)
     assert line.startswith(f"error: worker 1 (pid {stopped}, stopped) has not finished step 1 within "), line
     assert "workers.step_timeout_s=30 s: it is in the rollout; worker(s) 0 wait for it" in line, line
     assert "complete checkpoints are kept" in line
-    assert_gone(processes)
-    assert_intact(run_directory)
 
 
 @pytest.mark.slow
 def test_sigkill_of_one_worker_ends_the_run_naming_it(small_model, tmp_path):
-    run_directory = tmp_path / "killed-worker"
-    markers = tmp_path / "markers"
-    driver = start(
-        small_run(small_model, tmp_path, "killed-worker", 20, "checkpoint.every=1", *mark_rollouts(markers)), tmp_path
-    )
-    wait_until(lambda: (markers / "rollout-1-1").exists(), seconds=HANG_GUARD_SECONDS, process=driver)
-    processes = [psutil.Process(driver.pid), *psutil.Process(driver.pid).children(recursive=True)]
-    os.kill(int((markers / "rollout-1-1").read_text()), signal.SIGKILL)
-
-    code, stdout, stderr = finish(driver, tmp_path)
-    assert code == 1, stderr
-    assert one_line(stdout, stderr).startswith("error: worker 1 exited with code -9 without reporting an error")
-    assert_gone(processes)
-    assert_intact(run_directory)
+    _, line = end_by_signalling_rank_one(small_model, tmp_path, "killed-worker", signal.SIGKILL)
+    assert line.startswith("error: worker 1 exited with code -9 without reporting an error"), line
 
 
 @pytest.mark.slow
 def test_sigkill_of_the_driver_alone_ends_its_workers_and_keeps_the_run(small_model, tmp_path):
     run_directory = tmp_path / "killed-driver"
-    markers = tmp_path / "markers"
-    driver = start(
-        small_run(small_model, tmp_path, "killed-driver", 20, "checkpoint.every=1", *mark_rollouts(markers)), tmp_path
-    )
-    wait_until(lambda: (markers / "rollout-1-1").exists(), seconds=HANG_GUARD_SECONDS, process=driver)
+    driver, _ = start_in_rollout(small_model, tmp_path, "killed-driver")
     processes = psutil.Process(driver.pid).children(recursive=True)
     driver.kill()  # the driver alone: its workers are not signalled
     driver.wait(timeout=HANG_GUARD_SECONDS)
@@ -303,6 +255,36 @@ def mark_rollouts(directory: Path) -> list[str]:
         "plugins.enabled=[fault_plugins:MarkRollouts]",
         f"plugins.options.fault_plugins:MarkRollouts.directory={directory}",
     ]
+
+
+def start_in_rollout(model: Path, folder: Path, name: str, *extra: str) -> tuple[subprocess.Popen, int]:
+    """A 20-step run `name` (a checkpoint every step, `extra` overrides) started by `start` and waited for until
+    rank 1's rollout of step 1 has begun: its driver and rank 1's pid."""
+    markers = folder / "markers"
+    driver = start(small_run(model, folder, name, 20, "checkpoint.every=1", *extra, *mark_rollouts(markers)), folder)
+    wait_until(lambda: (markers / "rollout-1-1").exists(), seconds=HANG_GUARD_SECONDS, process=driver)
+    return driver, int((markers / "rollout-1-1").read_text())
+
+
+def end_by_signalling_rank_one(
+    model: Path, folder: Path, name: str, signal_number: int, *extra: str
+) -> tuple[int, str]:
+    """`start_in_rollout`, then `signal_number` to rank 1: the run must end with code 1, leave no process and keep
+    its files intact. Rank 1's pid and the one line on the terminal."""
+    driver, rank_one = start_in_rollout(model, folder, name, *extra)
+    processes = run_processes(driver)
+    os.kill(rank_one, signal_number)
+    code, stdout, stderr = finish(driver, folder)
+    assert code == 1, stderr
+    line = one_line(stdout, stderr)
+    assert_gone(processes)
+    assert_intact(folder / name)
+    return rank_one, line
+
+
+def run_processes(driver: subprocess.Popen) -> list[psutil.Process]:
+    """The run's processes: its driver first, then every process under it."""
+    return [psutil.Process(driver.pid), *psutil.Process(driver.pid).children(recursive=True)]
 
 
 def held_run(model: Path, runs: Path, name: str, release: Path, fail: bool = False) -> list[str]:

@@ -27,7 +27,6 @@ from typer.testing import CliRunner
 
 from tlt_cli.cli import app
 from tlt_cli.config import load_recipe
-from tlt_cli.models.tiny import ensure_tiny_model
 from tlt_cli.processes.event_channel import EventListener, connect_to_driver
 from tlt_cli.processes.hostfile import deepspeed_launch_command
 from tlt_cli.sglang.server import live_group_members
@@ -36,11 +35,6 @@ TESTS = Path(__file__).resolve().parent
 # no test waits longer than this for tlt train to end
 RUN_TIMEOUT_SECONDS = 240
 runner = CliRunner()
-
-
-@pytest.fixture(scope="module")
-def small_model(cache_directory) -> Path:
-    return ensure_tiny_model(cache_directory, warmup_steps=40)
 
 
 @pytest.fixture()

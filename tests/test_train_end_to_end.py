@@ -12,25 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from recipe_overrides import TLT, small_run
-
-from tlt_cli.models.tiny import ensure_tiny_model
-
-# metrics that do not depend on wall-clock time
-DETERMINISTIC = (
-    "mean_reward",
-    "response_length_p50",
-    "response_length_max",
-    "response_tokens",
-    "actor_loss",
-    "actor_grad_norm",
-)
-
-
-@pytest.fixture(scope="module")
-def small_model(tmp_path_factory, cache_directory) -> Path:
-    """A briefly warmed-up tiny model folder (a local Hugging Face folder, as users point at)."""
-    return ensure_tiny_model(cache_directory, warmup_steps=40)
+from recipe_overrides import DETERMINISTIC, TLT, small_run
 
 
 def read_records(run_directory: Path, kind: str) -> list[dict]:

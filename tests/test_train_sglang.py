@@ -13,24 +13,14 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
-from recipe_overrides import PLAIN_DECODING
+from recipe_overrides import PLAIN_DECODING, RECIPE, TLT
 from sglang_fakes import FAKE_ARGUMENTS_VARIABLE, free_port_range, write_stand_in_sglang
 
-from tlt_cli.models.tiny import ensure_tiny_model
 from tlt_cli.sglang.server import live_group_members
-
-TLT = [sys.executable, "-m", "tlt_cli"]
-RECIPE = Path(__file__).resolve().parent.parent / "recipes" / "tiny-cpu.yaml"
-
-
-@pytest.fixture(scope="module")
-def small_model(tmp_path_factory, cache_directory) -> Path:
-    return ensure_tiny_model(cache_directory, warmup_steps=40)
 
 
 @pytest.fixture()
