@@ -201,7 +201,10 @@ def test_bad_traces_are_one_clear_error_naming_the_line(tmp_path, content, messa
     "content, message",
     [
         ("step,worker,start,tokens\n0,0,0.0,5\n", "lacks the column\\(s\\) end"),
-        ("step,worker,start,end,tokens\n0,0,0.0,1.0,5\n0,0,0.0,x,5\n", "line 3: 'end' is 'x', expected a finite number"),
+        (
+            "step,worker,start,end,tokens\n0,0,0.0,1.0,5\n0,0,0.0,x,5\n",
+            "line 3: 'end' is 'x', expected a finite number",
+        ),
         ("step,worker,start,end,tokens\n0,0,2.0,1.0,5\n", "end \\(1.0\\) is before start"),
         ("step,worker,start,end,tokens\n", "holds no request records"),
     ],
