@@ -1,6 +1,6 @@
 """Full vs reduced draft vocabulary on a real model: warm-up time and agreement, accept length, draft step time.
 
-    python scripts/bench_drafter_vocab.py --model /work/models/SmolLM2-135M-Instruct --out bench_drafter_vocab.json
+    python scripts/bench_drafter_vocab.py --model ~/.cache/tlt/models/SmolLM2-135M-Instruct --out vocab.json
 
 One collection of the target's own responses (tlt_cli/drafter/warmup.py `collect_warmup_data`:
 sampled answers to the training prompts, greedy answers to held-out prompts, through the model's

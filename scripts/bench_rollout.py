@@ -1,7 +1,7 @@
 """Rollout throughput of the embedded engine: SD off vs chain vs tree, and vs transformers' assisted generation.
 
     python scripts/bench_rollout.py --out bench_rollout.json
-    python scripts/bench_rollout.py --model /work/models/SmolLM2-135M-Instruct --drafter <folder> --out real.json
+    python scripts/bench_rollout.py --model ~/.cache/tlt/models/SmolLM2-135M-Instruct --drafter <folder> --out real.json
 
 Target: `builtin:tiny-arith` (held-out arithmetic prompts), or with --model a Hugging Face folder: real chat
 prompts (short math and word questions written below) through the model's chat template, batch sizes 1 and

@@ -173,9 +173,9 @@ class Actor:
 class WeightsOnlyLoads:
     """DeepSpeed's checkpoint engine with its `load` replaced by tlt's weights-only one (tlt_cli/checkpoint.py).
 
-    DeepSpeed's TorchCheckpointEngine unpickles with weights_only=False, so a copied run directory
-    could run code on --resume. A ZeRO 1-2 optimizer shard holds, besides tensors and plain data,
-    the DeepSpeed classes named in `deepspeed_checkpoint_classes`; saving is DeepSpeed's own.
+    DeepSpeed's TorchCheckpointEngine unpickles arbitrary objects (torch.load without weights-only), so
+    a copied run directory could run code on --resume. A ZeRO 1-2 optimizer shard holds, besides
+    tensors and plain data, the DeepSpeed classes named in `deepspeed_checkpoint_classes`; saving is DeepSpeed's own.
     """
 
     def __init__(self, wrapped: Any):

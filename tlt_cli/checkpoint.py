@@ -208,7 +208,7 @@ def load_checkpoint_file(path: Path, allowed_classes: Iterable[type] = (), map_l
 
 def _load_failure(error: Exception) -> str:
     """The line of a torch.load error that says what was wrong (the refused global, the bad record),
-    without torch's advice around it (which suggests weights_only=False)."""
+    without torch's advice around it (which suggests turning the weights-only check off)."""
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]
     for number, line in enumerate(lines):
         _, marker, detail = line.partition("WeightsUnpickler error:")
