@@ -168,9 +168,8 @@ class FormedLinear:
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
         layer = self.layer
         rows = inputs.numel() // inputs.shape[-1] if inputs.shape[-1] else 0
-        if rows >= len(self.products) or torch.is_grad_enabled():
-            return F.linear(inputs, layer.weight, layer.bias)
-        product = self.products[rows]
+        planned = rows < len(self.products) and not torch.is_grad_enabled()
+        product = self.products[rows] if planned else linear_product
         if product is linear_product:
             return F.linear(inputs, layer.weight, layer.bias)
         transposed = self.transposed.fresh() if product is transposed_product else None
