@@ -77,11 +77,14 @@ def fsync_path(path: Path) -> None:
 def write_atomically(path: Path, text: str) -> None:
     """Write `text` to a temporary sibling, fsync it, rename it over `path`, fsync the folder."""
     staging = path.with_name(f".{path.name}.tmp")
-    with staging.open("w", encoding="utf-8") as handle:
-        handle.write(text)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(staging, path)
+    try:
+        with staging.open("w", encoding="utf-8") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(staging, path)
+    finally:
+        staging.unlink(missing_ok=True)
     fsync_path(path.parent)
 
 

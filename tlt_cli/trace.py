@@ -27,6 +27,7 @@ import os
 from pathlib import Path
 from typing import Any, TextIO
 
+from tlt_cli.checkpoint import write_atomically
 from tlt_cli.errors import UserError, writing
 
 # the record that ends a step: the trace is fsynced after it
@@ -105,10 +106,5 @@ def truncate_trace(path: Path, first_dropped_step: int) -> None:
                 continue
             if record.get("step", -1) < first_dropped_step:
                 kept.append(line if line.endswith("\n") else line + "\n")
-    staging = path.with_suffix(".jsonl.tmp")
-    try:
-        with writing(path, WRITE_ADVICE, TraceWriteError):
-            staging.write_text("".join(kept), encoding="utf-8")
-            os.replace(staging, path)
-    finally:
-        staging.unlink(missing_ok=True)
+    with writing(path, WRITE_ADVICE, TraceWriteError):
+        write_atomically(path, "".join(kept))
