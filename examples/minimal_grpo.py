@@ -8,7 +8,7 @@ Run it from the repository root with tlt installed (CPU, about 15 s with the def
 Each step: the embedded engine (sharing the actor's weights) samples `group-size` responses per
 prompt -> the arithmetic task rewards each one -> GRPO turns rewards into advantages within each
 prompt's group -> the responses become one padded policy batch -> the DeepSpeed actor takes one
-update. `tlt train` runs the same five calls in tlt_cli/worker.py, on several processes, with
+update. `tlt train` runs the same five calls in tlt_cli/training/worker_loop.py, on several processes, with
 speculative decoding, checkpoints and a trace (tlt_cli/processes/ starts and hears from them).
 """
 
@@ -18,17 +18,17 @@ import argparse
 
 import torch
 
-from tlt_cli.actor import Actor
 from tlt_cli.config import ActorConfig
-from tlt_cli.grpo import group_advantages
 from tlt_cli.models.loading import load_policy
 from tlt_cli.models.tiny import default_cache_dir
-from tlt_cli.policy_batch import build_policy_batch
 from tlt_cli.processes.distributed import WorkerAddress, free_port, init_worker_process
 from tlt_cli.rollout.engine import EmbeddedEngine
 from tlt_cli.rollout.types import RolloutRequest, SamplingParams
 from tlt_cli.tasks.arithmetic import ArithmeticTask
 from tlt_cli.tasks.prompts import encode_prompt
+from tlt_cli.training.actor import Actor
+from tlt_cli.training.grpo import group_advantages
+from tlt_cli.training.policy_batch import build_policy_batch
 
 
 def main(steps: int, prompts: int, group_size: int, max_new_tokens: int, seed: int = 0) -> None:

@@ -6,11 +6,11 @@ import pytest
 import torch
 from tiny_models import tiny_qwen2
 
-from tlt_cli.actor import Actor
 from tlt_cli.config import ActorConfig
-from tlt_cli.grpo import token_logprobs
-from tlt_cli.policy_batch import build_policy_batch
 from tlt_cli.rollout.types import Completion
+from tlt_cli.training.actor import Actor
+from tlt_cli.training.grpo import token_logprobs
+from tlt_cli.training.policy_batch import build_policy_batch
 
 
 def tiny_policy(seed=0):

@@ -7,14 +7,14 @@ import pytest
 import torch
 import torch.multiprocessing
 from tiny_models import tiny_qwen2
+from tlt_cli.drafter.sidecar import DrafterSidecar
 
 from tlt_cli.config import DrafterConfig
 from tlt_cli.drafter.model import EagleDrafter
-from tlt_cli.drafter.sidecar import DrafterSidecar
 from tlt_cli.plugins import StepContext
-from tlt_cli.policy_batch import build_policy_batch
 from tlt_cli.processes.distributed import free_port
 from tlt_cli.rollout.types import Completion
+from tlt_cli.training.policy_batch import build_policy_batch
 
 torch.set_num_threads(1)
 

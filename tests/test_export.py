@@ -7,7 +7,6 @@ import torch
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
-from tlt_cli.actor import Actor
 from tlt_cli.checkpoint import prepare_staging, publish
 from tlt_cli.cli import app
 from tlt_cli.config import ActorConfig
@@ -22,6 +21,7 @@ from tlt_cli.export import (
     resolve_source,
 )
 from tlt_cli.models.tiny import build_tiny_model, save_model_folder, tiny_model_config, tiny_tokenizer
+from tlt_cli.training.actor import Actor
 
 torch.set_num_threads(1)
 runner = CliRunner()

@@ -367,7 +367,7 @@ def assert_intact(run_directory: Path, steps: int | None = None) -> None:
     assert checkpoint.warning is None and 1 <= checkpoint.next_step <= len(recorded)
     state = json.loads((checkpoint.directory / "state.json").read_text())
     assert state["next_step"] == checkpoint.next_step
-    from tlt_cli.actor import deepspeed_checkpoint_classes
+    from tlt_cli.training.actor import deepspeed_checkpoint_classes
 
     loaded = [load_checkpoint_file(path, deepspeed_checkpoint_classes()) for path in checkpoint.directory.rglob("*.pt")]
     assert loaded

@@ -27,9 +27,9 @@ from pathlib import Path
 
 import pytest
 from recipe_overrides import small_run
+from tlt_cli.drafter.sidecar import DRAFTER_DIRECTORY, PLUGIN_NAME, StepData
 from typer.testing import CliRunner
 
-from tlt_cli.actor import deepspeed_checkpoint_classes
 from tlt_cli.checkpoint import (
     FILE_SIZES_KEY,
     STATE_FILE,
@@ -48,11 +48,11 @@ from tlt_cli.drafter.model import (
     read_drafter_metadata,
     save_drafter,
 )
-from tlt_cli.drafter.sidecar import DRAFTER_DIRECTORY, PLUGIN_NAME, StepData
 from tlt_cli.drafter.trainer import DrafterBatch
 from tlt_cli.models.loading import load_policy
 from tlt_cli.models.tiny import BUILTIN_TINY_MODEL, SHIPPED_TINY_MODEL
 from tlt_cli.trace import read_trace
+from tlt_cli.training.actor import deepspeed_checkpoint_classes
 
 TESTS = Path(__file__).resolve().parent
 # hang guards only: a case that ends on its own takes a fraction of these

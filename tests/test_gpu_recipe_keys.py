@@ -15,7 +15,6 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from tlt_cli.actor import deepspeed_config
 from tlt_cli.cli import app
 from tlt_cli.config import RecipeError
 from tlt_cli.processes.distributed import visible_gpus
@@ -26,6 +25,7 @@ from tlt_cli.recipes import RECIPES_DIRECTORY
 from tlt_cli.rollout.types import SpeculativeConfig
 from tlt_cli.sglang.adaptive import BatchRule, batch_rules
 from tlt_cli.sglang.rollout import servers_of_worker
+from tlt_cli.training.actor import deepspeed_config
 
 runner = CliRunner()
 TINY = RECIPES_DIRECTORY / "tiny-cpu.yaml"

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from tlt_cli.grpo import group_advantages, policy_loss, token_logprobs
+from tlt_cli.training.grpo import group_advantages, policy_loss, token_logprobs
 
 
 def test_group_advantages_normalize_within_each_group():

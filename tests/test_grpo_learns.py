@@ -8,14 +8,14 @@ the update (engine sampling, advantages, log-probs, DeepSpeed step), independent
 
 import torch
 
-from tlt_cli.actor import Actor
 from tlt_cli.config import ActorConfig
-from tlt_cli.grpo import group_advantages
 from tlt_cli.models.tiny import build_tiny_model, tiny_model_config, tiny_tokenizer
-from tlt_cli.policy_batch import build_policy_batch
 from tlt_cli.rollout.engine import EmbeddedEngine
 from tlt_cli.rollout.types import RolloutRequest, SamplingParams
 from tlt_cli.tasks.arithmetic import ArithmeticTask
+from tlt_cli.training.actor import Actor
+from tlt_cli.training.grpo import group_advantages
+from tlt_cli.training.policy_batch import build_policy_batch
 
 GROUP = 4
 

@@ -28,7 +28,6 @@ import torch
 from safetensors.torch import load_file, save
 from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
-from tlt_cli.actor import CHECKPOINT_TAG
 from tlt_cli.checkpoint import STATE_FILE, CheckpointError, checked_state, latest_checkpoint, load_checkpoint_file
 from tlt_cli.config import Recipe, RecipeError
 from tlt_cli.drafter import sidecar
@@ -42,6 +41,7 @@ from tlt_cli.rollout.speculative import SpeculativeDecoder
 from tlt_cli.rollout.types import RolloutRequest, SamplingParams, SpeculativeConfig, accept_length
 from tlt_cli.sglang.weight_sync import drafter_tensors
 from tlt_cli.tasks.registry import build_task
+from tlt_cli.training.actor import CHECKPOINT_TAG
 
 WEIGHTS_FILE = "model.safetensors"
 EXPORT_CONFIG_FILE = "config.json"

@@ -41,7 +41,7 @@ from tlt_cli.models.loading import load_policy
 from tlt_cli.processes.distributed import WorkerAddress, one_node_rendezvous
 from tlt_cli.processes.worker_process import exit_with_parent, redirect_output
 from tlt_cli.tasks.registry import build_task
-from tlt_cli.worker import (
+from tlt_cli.training.worker_loop import (
     WorkerFailed,
     WorkerFinished,
     WorkerSpec,
@@ -208,8 +208,8 @@ class TrlRun:
 
     def _save_parts(self, directory: Path) -> None:
         """TRL's checkpoint files, the rollout's state and drafter, and the actor weights for export-drafter."""
-        from tlt_cli.actor import CHECKPOINT_TAG
         from tlt_cli.export import ACTOR_WEIGHTS_FILE
+        from tlt_cli.training.actor import CHECKPOINT_TAG
 
         trainer = self.trainer
         trainer.save_model(str(directory), _internal_call=True)

@@ -1,6 +1,6 @@
 """Process plumbing of `tlt train`: how the GRPO workers are started, joined and heard from.
 
-None of it is the algorithm (that is tlt_cli/worker.py, actor.py, grpo.py, policy_batch.py); it is
+None of it is the algorithm (that is tlt_cli/training/worker_loop.py, actor.py, grpo.py, policy_batch.py); it is
 what runs the algorithm in several processes:
   driver.py            `train(recipe)`: starting the workers, the step deadline, trace and live display
   run_directory.py     the run directory: made, locked while the run lives, removed if it fails at once

@@ -1,7 +1,7 @@
 """The driver of `tlt train`: prepares the run directory, spawns the workers, writes the trace.
 
 `train(recipe, ...)` is what the CLI calls. It builds the model cache once (so workers do not
-race to build it), starts one process per worker (a DeepSpeed rank each, see tlt_cli/worker.py), then
+race to build it), starts one process per worker (a DeepSpeed rank each, see tlt_cli/training/worker_loop.py), then
 turns their per-step reports into trace records and the live display. Without
 `workers.hostfile` it spawns the workers itself (local_workers.py); with one, it runs
 them on the hostfile's nodes with the DeepSpeed launcher and receives their reports over TCP
@@ -48,7 +48,7 @@ from tlt_cli.processes.step_deadline import StepDeadline
 from tlt_cli.processes.step_records import step_records
 from tlt_cli.sglang.registry import stop_recorded_servers
 from tlt_cli.trace import TraceWriter, read_trace, truncate_trace
-from tlt_cli.worker import WorkerFailed, WorkerFinished, WorkerProgress, WorkerStepReport
+from tlt_cli.training.worker_loop import WorkerFailed, WorkerFinished, WorkerProgress, WorkerStepReport
 
 EVENT_POLL_SECONDS = 1.0
 

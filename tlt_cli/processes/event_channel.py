@@ -1,7 +1,7 @@
 """The event channel from launched ranks to the driver: authenticated TCP, across nodes.
 
 Workers report to the driver with `put(event)` (step reports, a failure, a finish; see
-tlt_cli/worker.py) and the driver reads with `get(timeout)`, which raises `queue.Empty` when nothing
+tlt_cli/training/worker_loop.py) and the driver reads with `get(timeout)`, which raises `queue.Empty` when nothing
 came. Workers the driver spawns on its own machine use a multiprocessing queue, which offers
 exactly these two calls (local_workers.py). Ranks the DeepSpeed launcher starts may
 run on other nodes, so for them the driver opens an `EventListener`, a TCP socket of

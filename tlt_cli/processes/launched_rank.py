@@ -4,7 +4,7 @@
 this module once per rank on every node with RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and
 MASTER_PORT set. The rank reads the recipe and the driver's plan from the run directory
 (launch_files.py), connects to the driver's event channel (event_channel.py) and runs
-the same worker loop as a spawned worker (tlt_cli/worker.py), joining the process group with
+the same worker loop as a spawned worker (tlt_cli/training/worker_loop.py), joining the process group with
 env:// from those variables: NCCL on `cuda:<LOCAL_RANK>`, gloo with `actor.devices: cpu`.
 """
 
@@ -18,7 +18,7 @@ from pathlib import Path
 from tlt_cli.processes.distributed import WorkerAddress
 from tlt_cli.processes.event_channel import DriverUnreachable, connect_to_driver
 from tlt_cli.processes.launch_files import read_launch_files
-from tlt_cli.worker import WorkerSpec, worker_main
+from tlt_cli.training.worker_loop import WorkerSpec, worker_main
 
 
 def launched_address() -> WorkerAddress:

@@ -36,7 +36,7 @@ from tlt_cli.processes.distributed import free_port, private_rendezvous_director
 from tlt_cli.processes.event_channel import EventListener
 from tlt_cli.processes.hostfile import LOCAL_ADDRESS, deepspeed_launch_command, read_hostfile, runs_on_this_machine
 from tlt_cli.processes.launch_files import LaunchPlan, write_launch_files
-from tlt_cli.worker import WorkerFinished
+from tlt_cli.training.worker_loop import WorkerFinished
 
 LAUNCHER_LOG = "launcher.log"
 # seconds the launcher gets to exit after every rank finished, and after SIGTERM

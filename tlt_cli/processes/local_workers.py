@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from tlt_cli.processes.distributed import WorkerAddress, private_rendezvous_directory, visible_gpus
-from tlt_cli.worker import WorkerSpec, worker_main
+from tlt_cli.training.worker_loop import WorkerSpec, worker_main
 
 # seconds a terminated worker gets to exit before it is killed
 STOP_SECONDS = 10

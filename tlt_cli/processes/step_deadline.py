@@ -2,7 +2,7 @@
 
 A live but hung worker (stopped, deadlocked, stuck in I/O) never fails, so nothing else ends the
 run: its peers wait for it at the rollout barrier and the driver waits for their reports.
-Every rank sends a `WorkerProgress` as it enters each part of a step (tlt_cli/worker.py); the
+Every rank sends a `WorkerProgress` as it enters each part of a step (tlt_cli/training/worker_loop.py); the
 driver (driver.py) feeds them and the step reports to `StepDeadline` and asks `overrun()` while
 it waits. The clock of a rank starts with its first progress of a step and stops with its
 report of that step, so start-up (model loading, SGLang servers) never counts. Of the ranks past
@@ -17,7 +17,7 @@ import socket
 import time
 from pathlib import Path
 
-from tlt_cli.worker import WorkerProgress, WorkerStepReport
+from tlt_cli.training.worker_loop import WorkerProgress, WorkerStepReport
 
 # the state letter of /proc/<pid>/stat, in words
 PROCESS_STATES = {

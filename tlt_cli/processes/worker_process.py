@@ -1,6 +1,7 @@
 """What every worker process does first: die with `tlt train`, and write its output to its own log file.
 
-Shared by the native GRPO worker (tlt_cli/worker.py) and the TRL process (tlt_cli/integrations/trl_run.py).
+Shared by the native GRPO worker (tlt_cli/training/worker_loop.py) and the TRL process
+(tlt_cli/integrations/trl_run.py).
 """
 
 from __future__ import annotations

@@ -138,7 +138,7 @@ def _record_step(
 def _shard_requests(
     recipe: Recipe, task: Task, tokenizer: PreTrainedTokenizerBase, step: int, worker: int
 ) -> list[RolloutRequest]:
-    """The prompts `tlt train` gives this worker at this step (tlt_cli/worker.py, WorkerLoop.shard)."""
+    """The prompts `tlt train` gives this worker at this step (tlt_cli/training/worker_loop.py, WorkerLoop.shard)."""
     prompts_per_worker = recipe.train.prompts_per_step // recipe.workers.count
     first = step * recipe.train.prompts_per_step + worker * prompts_per_worker
     requests = []

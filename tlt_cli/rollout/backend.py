@@ -1,6 +1,6 @@
 """The rollout-backend interface: what a trainer asks of whatever generates its rollouts.
 
-A worker (tlt_cli/worker.py), or any other trainer, holds one `RolloutBackend` and uses only this:
+A worker (tlt_cli/training/worker_loop.py), or any other trainer, holds one `RolloutBackend` and uses only this:
 
     lines = backend.start()                       # before the first rollout; lines for the log
     completions, busy_end = backend.generate(requests, sampling, seed, on_request_finished)

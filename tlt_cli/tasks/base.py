@@ -1,7 +1,7 @@
 """The contract every task meets: deterministic problems by index, and an exact reward.
 
-The worker loop (tlt_cli/worker.py) asks a task for `problem(index)`; the same index always gives the same problem,
-so a resumed run sees the same data order. `reward(problem, response)` scores a decoded
+The worker loop (tlt_cli/training/worker_loop.py) asks a task for `problem(index)`; the same index always gives
+the same problem, so a resumed run sees the same data order. `reward(problem, response)` scores a decoded
 response; `solution` is the reference chain of thought used for supervised warm-up.
 A task declares the options it takes from the recipe's `task.options` (`TaskOption`: name,
 type, default, range); the registry checks a recipe's options against them before building it.

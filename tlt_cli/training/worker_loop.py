@@ -23,16 +23,13 @@ from typing import Any
 
 import torch
 
-from tlt_cli.actor import Actor
 from tlt_cli.checkpoint import save_collectively
 from tlt_cli.config import CPU_DEVICES, Recipe
 from tlt_cli.drafter import sidecar
 from tlt_cli.drafter.initial import initial_drafter, needs_drafter
 from tlt_cli.errors import UserError
-from tlt_cli.grpo import group_advantages
 from tlt_cli.models.loading import load_policy
 from tlt_cli.plugins import PluginHost, StepContext, agree_across_workers, build_plugins
-from tlt_cli.policy_batch import build_policy_batch
 from tlt_cli.processes.distributed import RolloutBarrier, WorkerAddress, barrier_timeout, init_worker_process
 from tlt_cli.processes.worker_process import exit_with_parent, redirect_output
 from tlt_cli.rollout.backend import BackendSetup, build_rollout_backend
@@ -40,6 +37,9 @@ from tlt_cli.rollout.types import Completion, RolloutRequest, SamplingParams
 from tlt_cli.tasks.base import Problem
 from tlt_cli.tasks.prompts import encode_prompt
 from tlt_cli.tasks.registry import build_task
+from tlt_cli.training.actor import Actor
+from tlt_cli.training.grpo import group_advantages
+from tlt_cli.training.policy_batch import build_policy_batch
 
 # prompts of the step (one per group) a rollout backend that pushes weights probes acceptance on
 PROBE_PROMPTS = 2

@@ -22,9 +22,9 @@ from transformers import PreTrainedModel
 
 from tlt_cli.checkpoint import load_checkpoint_file
 from tlt_cli.config import ActorConfig
-from tlt_cli.grpo import PolicyLoss, policy_loss, token_logprobs
-from tlt_cli.policy_batch import PolicyBatch, micro_batches
 from tlt_cli.processes.distributed import import_deepspeed
+from tlt_cli.training.grpo import PolicyLoss, policy_loss, token_logprobs
+from tlt_cli.training.policy_batch import PolicyBatch, micro_batches
 
 ADAMW_BETAS = (0.9, 0.999)
 CHECKPOINT_TAG = "actor"
