@@ -7,6 +7,8 @@ from pathlib import Path
 class RecordingPlugin:
     """Appends the name of each hook call to <directory>/worker-<rank>.jsonl."""
 
+    metric_prefix = "recorded_"
+
     def __init__(self, recipe, directory):
         self.directory = Path(directory)
         self.worker = None

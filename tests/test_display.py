@@ -1,10 +1,11 @@
-"""The training display: base columns always, SD and drafter columns once a run reports them."""
+"""The training display: base columns always, SD and plugin columns once a run reports them."""
 
 import io
 
 from rich.console import Console
 
 from tlt_cli.display import TrainingDisplay, render_summary
+from tlt_cli.plugins import plugin_columns, plugin_idle_uses
 
 BASE = {
     "step": 0,
@@ -19,9 +20,10 @@ BASE = {
 }
 
 
-def printed_lines(records):
+def printed_lines(records, plugins=()):
     output = io.StringIO()
-    with TrainingDisplay(Console(file=output, width=400), "run", total_steps=len(records)) as display:
+    console = Console(file=output, width=400)
+    with TrainingDisplay(console, "run", total_steps=len(records), plugin_columns=plugin_columns(plugins)) as display:
         for record in records:
             display.add_step(record)
     return output.getvalue().splitlines()
@@ -35,7 +37,7 @@ def test_plain_runs_show_only_the_base_columns():
 
 def test_sd_and_sidecar_metrics_appear_in_the_live_rows():
     record = {**BASE, "accept_length": 2.5, "drafter_steps": 7.0, "drafter_train_seconds": 0.3, "drafter_loss": 1.25}
-    (line,) = printed_lines([record])
+    (line,) = printed_lines([record], plugins=["drafter_sidecar"])
     assert "accept len 2.50" in line and "drafter steps 7" in line
     assert "drafter train s 0.30" in line and "drafter loss 1.250" in line
 
@@ -43,7 +45,14 @@ def test_sd_and_sidecar_metrics_appear_in_the_live_rows():
 def test_summary_reports_idle_time_used_by_the_drafter_and_accept_length(tmp_path):
     records = [{**BASE, "step": step, "accept_length": 2.0 + step, "drafter_train_seconds": 0.2} for step in range(6)]
     output = io.StringIO()
-    render_summary(Console(file=output, width=200), records, tmp_path)
+    render_summary(Console(file=output, width=200), records, tmp_path, plugin_idle_uses(["drafter_sidecar"]))
     text = output.getvalue()
+    assert "idle worker-seconds spent training the drafter" in text
     assert "1.2 (50%)" in text  # 1.2 of 2.4 idle worker-seconds
     assert "4.00 -> 5.00" in text  # steps 0-4 vs steps 1-5
+
+
+def test_a_plugin_column_shows_only_when_its_plugin_declares_it():
+    record = {**BASE, "drafter_steps": 7.0}
+    (line,) = printed_lines([record])
+    assert "drafter" not in line

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.multiprocessing
 from tiny_models import tiny_qwen2
-from tlt_cli.drafter.sidecar import DrafterSidecar
+from tlt_plugins.drafter_sidecar import DrafterSidecar
 
 from tlt_cli.config import DrafterConfig
 from tlt_cli.drafter.model import EagleDrafter

@@ -27,10 +27,11 @@ from pathlib import Path
 
 import pytest
 from recipe_overrides import small_run
-from tlt_cli.drafter.sidecar import DRAFTER_DIRECTORY, PLUGIN_NAME, StepData
+from tlt_plugins.drafter_sidecar import PLUGIN_NAME, StepData
 from typer.testing import CliRunner
 
 from tlt_cli.checkpoint import (
+    DRAFTER_DIRECTORY,
     FILE_SIZES_KEY,
     STATE_FILE,
     CheckpointError,

@@ -32,6 +32,9 @@ from tlt_cli.errors import UserError, writing
 
 STATE_FILE = "state.json"
 LATEST_FILE = "latest"
+# the run's drafter in a checkpoint, in the save_drafter format: whoever trains or keeps the drafter
+# writes it there (a drafter-training plugin, TRL's rollout) and `tlt export-drafter` reads it
+DRAFTER_DIRECTORY = "drafter"
 # the sizes of the checkpoint's files, recorded in state.json at publish and checked before a resume
 FILE_SIZES_KEY = "file_sizes"
 CHECKPOINT_NAME = re.compile(r"step_\d{6}")

@@ -1,7 +1,9 @@
 """What `tlt train` shows: progress bars while it prepares, a live table with one row per step, then a summary.
 
 The driver reports the drafter warm-up's phases to a `PhaseProgress` (one rich progress bar per
-phase), then calls `TrainingDisplay.add_step(step_record)` as steps complete. On a terminal the
+phase), then calls `TrainingDisplay.add_step(step_record)` as steps complete. Plugin metrics show
+as the columns the run's plugins declare (tlt_cli/plugins.py `plugin_columns`), by key: the
+display knows no plugin by name. On a terminal the
 table redraws in place (rich Live); elsewhere (pipes, CI, tests) each step prints one line.
 Text that comes from the user or a plugin (notes, the run's name and folder) is shown as plain
 `Text`, never parsed as rich markup: a plugin error quoting gloo's `[/path/pair.cc:537]` is text.
@@ -18,7 +20,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 from rich.text import Text
 
-from tlt_cli.drafter import sidecar
+from tlt_cli.plugins import MetricColumn
 
 VISIBLE_STEPS = 20
 COLUMNS = (
@@ -31,13 +33,8 @@ COLUMNS = (
     ("idle worker-s", "idle_worker_seconds", "{:.2f}"),
     ("step s", "step_seconds", "{:.2f}"),
 )
-# shown once a run's records carry them (speculative decoding on, the drafter sidecar enabled)
-OPTIONAL_COLUMNS = (
-    ("accept len", "accept_length", "{:.2f}"),
-    ("drafter steps", sidecar.STEPS_METRIC, "{:.0f}"),
-    ("drafter train s", sidecar.TRAIN_SECONDS_METRIC, "{:.2f}"),
-    ("drafter loss", sidecar.LOSS_METRIC, "{:.3f}"),
-)
+# shown once a run's records carry them (speculative decoding on), then the plugins' columns
+OPTIONAL_COLUMNS = (("accept len", "accept_length", "{:.2f}"),)
 
 
 class PhaseProgress:
@@ -74,10 +71,13 @@ def _cell(record: dict[str, Any], key: str, template: str) -> str:
 
 
 class TrainingDisplay:
-    """Live per-step table for a run; a context manager."""
+    """Live per-step table for a run; a context manager. plugin_columns: what the run's plugins declare."""
 
-    def __init__(self, console: Console, title: str, total_steps: int):
+    def __init__(self, console: Console, title: str, total_steps: int, plugin_columns: tuple[MetricColumn, ...] = ()):
         self.console, self.title, self.total_steps = console, title, total_steps
+        self.optional_columns = OPTIONAL_COLUMNS + tuple(
+            (column.title, column.key, column.template) for column in plugin_columns
+        )
         self.records: list[dict[str, Any]] = []
         self.notes: list[Text] = []
         self._live = Live(self._table(), console=console, auto_refresh=False) if console.is_terminal else None
@@ -110,7 +110,9 @@ class TrainingDisplay:
     def _columns(self) -> tuple[tuple[str, str, str], ...]:
         """The base columns, then each optional one some record has a value for."""
         present = tuple(
-            column for column in OPTIONAL_COLUMNS if any(record.get(column[1]) is not None for record in self.records)
+            column
+            for column in self.optional_columns
+            if any(record.get(column[1]) is not None for record in self.records)
         )
         return COLUMNS + present
 
@@ -126,8 +128,16 @@ class TrainingDisplay:
         return table
 
 
-def render_summary(console: Console, records: list[dict[str, Any]], run_directory: Path) -> None:
-    """The end-of-run table: first vs last steps, totals, and where the run lives."""
+def render_summary(
+    console: Console,
+    records: list[dict[str, Any]],
+    run_directory: Path,
+    idle_uses: tuple[tuple[str, str], ...] = (),
+) -> None:
+    """The end-of-run table: first vs last steps, totals, and where the run lives.
+
+    idle_uses: (what, record key) of the idle worker-seconds plugins used (`idle_seconds_used`).
+    """
     table = Table(title="run summary", title_justify="left", show_header=False)
     table.add_column("metric")
     table.add_column("value", justify="right")
@@ -147,11 +157,10 @@ def render_summary(console: Console, records: list[dict[str, Any]], run_director
     )
     idle_seconds = sum(r["idle_worker_seconds"] for r in records)
     table.add_row("idle worker-seconds in rollouts", f"{idle_seconds:.1f}")
-    if any(r.get(sidecar.TRAIN_SECONDS_METRIC) is not None for r in records):
-        used = sum(r.get(sidecar.TRAIN_SECONDS_METRIC) or 0.0 for r in records)
-        table.add_row(
-            "idle worker-seconds spent training the drafter", f"{used:.1f} ({used / max(idle_seconds, 1e-9):.0%})"
-        )
+    for what, key in idle_uses:
+        if any(r.get(key) is not None for r in records):
+            used = sum(r.get(key) or 0.0 for r in records)
+            table.add_row(f"idle worker-seconds spent {what}", f"{used:.1f} ({used / max(idle_seconds, 1e-9):.0%})")
     accept_lengths = [r["accept_length"] for r in records if r.get("accept_length") is not None]
     if accept_lengths:
         table.add_row(

@@ -28,9 +28,15 @@ import torch
 from safetensors.torch import load_file, save
 from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
-from tlt_cli.checkpoint import STATE_FILE, CheckpointError, checked_state, latest_checkpoint, load_checkpoint_file
+from tlt_cli.checkpoint import (
+    DRAFTER_DIRECTORY,
+    STATE_FILE,
+    CheckpointError,
+    checked_state,
+    latest_checkpoint,
+    load_checkpoint_file,
+)
 from tlt_cli.config import Recipe, RecipeError
-from tlt_cli.drafter import sidecar
 from tlt_cli.drafter.model import CONFIG_FILE, DrafterLoadError, EagleDrafter, load_drafter
 from tlt_cli.drafter.warmup import encode_prompts
 from tlt_cli.errors import UserError, writing
@@ -211,11 +217,11 @@ def resolve_source(source: Path, recipe_path: Path | None) -> DrafterSource:
 
 
 def _checkpoint_source(checkpoint_dir: Path, recipe_path: Path | None) -> DrafterSource:
-    drafter_dir = checkpoint_dir / sidecar.DRAFTER_DIRECTORY
+    drafter_dir = checkpoint_dir / DRAFTER_DIRECTORY
     if not (drafter_dir / CONFIG_FILE).is_file():
         raise ExportError(
             f"checkpoint {checkpoint_dir} has no drafter/ folder: the run trained no drafter "
-            "(enable the drafter sidecar)."
+            "(enable a plugin that trains the drafter in plugins.enabled)."
         )
     run_recipe = checkpoint_dir.parent.parent / "recipe.yaml"
     try:

@@ -15,6 +15,22 @@ plugin name (the driver shows it and writes it to the trace). Hooks that talk ac
 (on_rollout_end, on_checkpoint_*) run only for plugins that are enabled on every worker: the
 host agrees on that set with one collective first, so a plugin that failed on one worker
 cannot leave the others waiting.
+
+A plugin reports numbers by adding them to `context.metrics` under its own prefix (its class's
+`metric_prefix`, else its name and "_"); the host checks every key a hook added starts with it
+(a key that does not is a failure: the plugin is disabled). The driver sums keys ending in
+_steps or _seconds over workers and averages the others into the step record. A plugin may
+declare `display_columns` (MetricColumn: the live table shows them once a record has them) and
+`idle_seconds_used` (the summary's share of idle worker time it used), `trains_drafter = True`
+(the run then builds a drafter even with speculative decoding off), and set
+`context.drafter_version` when it changed the drafter in place (servers reload it then).
+
+Driver-side hooks (`DriverPlugin`: loggers) run in the driver process only, which alone sees
+the step records: on_run_start(RunInfo) once the run directory exists -> on_step_record(record)
+per step, after the trace has it -> on_run_end() however the run ends. None is collective; a
+hook that raises disables its plugin with one warning and the run goes on. The driver builds
+only the plugins with a driver hook, each worker only those with a worker hook; one class may
+have both. docs/plugins.md has the whole contract and an example.
 """
 
 from __future__ import annotations
@@ -29,10 +45,12 @@ from typing import Any, Protocol
 
 import torch
 
+from tlt_cli.errors import UserError
+
 ENTRY_POINT_GROUP = "tlt.plugins"
 
 
-class PluginError(ValueError):
+class PluginError(UserError):
     """A plugin named in a recipe that cannot be found or built."""
 
 
@@ -42,8 +60,10 @@ class StepContext:
 
     engine: the worker's rollout backend (a RolloutBackend, tlt_cli/rollout/backend.py); policy: the
     actor's module (shared weights); drafter: the drafter the rollout speculates with (None when the
-    run has none; a plugin may train it in place); metrics: a dict the plugin may add numbers to,
-    reported in the step's worker record.
+    run has none; a plugin may train it in place); metrics: a dict the plugin may add numbers to
+    under its metric prefix, reported in the step's worker record; drafter_version: set by a plugin
+    that changed the drafter in place (a number that moves with each change: rollout servers
+    reload the drafter when it moved since their last push).
     """
 
     step: int
@@ -53,6 +73,29 @@ class StepContext:
     policy: torch.nn.Module
     drafter: torch.nn.Module | None = None
     metrics: dict[str, float] = field(default_factory=dict)
+    drafter_version: float | None = None
+
+
+@dataclass(frozen=True)
+class MetricColumn:
+    """A plugin metric the live table shows (title, the record key, a format such as "{:.2f}")."""
+
+    title: str
+    key: str
+    template: str
+
+
+@dataclass(frozen=True)
+class RunInfo:
+    """What a driver-side hook learns when a run starts. recipe: the resolved recipe as plain values."""
+
+    name: str
+    run_directory: Path
+    world_size: int
+    steps: int
+    start_step: int
+    resumed: bool
+    recipe: dict[str, Any]
 
 
 class WorkerPlugin(Protocol):
@@ -78,6 +121,20 @@ class WorkerPlugin(Protocol):
     def on_checkpoint_load(self, directory: Path) -> None: ...
 
 
+class DriverPlugin(Protocol):
+    """The driver-side hooks (loggers; every one optional). record: a step record as trace.jsonl holds it."""
+
+    name: str
+
+    def on_run_start(self, run: RunInfo) -> None: ...
+
+    def on_step_record(self, record: dict[str, Any]) -> None: ...
+
+    def on_run_end(self) -> None: ...
+
+
+WORKER_HOOKS = tuple(name for name in vars(WorkerPlugin) if name.startswith("on_"))
+DRIVER_HOOKS = tuple(name for name in vars(DriverPlugin) if name.startswith("on_"))
 COLLECTIVE_HOOKS = ("on_rollout_end", "on_checkpoint_save", "on_checkpoint_load")
 
 
@@ -100,17 +157,75 @@ def plugin_factory(name: str) -> Callable[..., Any]:
         raise PluginError(
             f"plugin '{name}' is not installed (entry point group {ENTRY_POINT_GROUP}; available: {choices})."
         )
-    return found[name].load()
+    try:
+        return found[name].load()
+    except ImportError as error:
+        raise PluginError(
+            f"plugin '{name}' is declared by an installed package ({found[name].value}) but cannot be imported "
+            f"({error}); reinstall the package that provides it or leave '{name}' out of plugins.enabled."
+        ) from None
 
 
-def build_plugins(names: list[str] | tuple[str, ...], options: dict[str, dict[str, Any]], recipe: Any) -> list[Any]:
-    """Instantiate the named plugins: factory(recipe=..., **options[name])."""
+def build_plugins(
+    names: list[str] | tuple[str, ...],
+    options: dict[str, dict[str, Any]],
+    recipe: Any,
+    hooks: tuple[str, ...] = WORKER_HOOKS,
+) -> list[Any]:
+    """Instantiate the named plugins that have one of `hooks`: factory(recipe=..., **options[name])."""
     plugins = []
     for name in names:
-        plugin = plugin_factory(name)(recipe=recipe, **options.get(name, {}))
+        factory = plugin_factory(name)
+        if not any(hasattr(factory, hook) for hook in hooks):
+            continue
+        plugin = factory(recipe=recipe, **options.get(name, {}))
         plugin.name = name
+        plugin.metric_prefix = metric_prefix(name, factory)
         plugins.append(plugin)
     return plugins
+
+
+def metric_prefix(name: str, factory: Any) -> str:
+    """What a plugin's metric keys start with: its `metric_prefix`, else its name's last part and "_"."""
+    declared = getattr(factory, "metric_prefix", None)
+    return declared if declared else name.rpartition(":")[2].rpartition(".")[2].lower() + "_"
+
+
+def plugins_train_drafter(names: list[str] | tuple[str, ...]) -> bool:
+    """Whether a named plugin trains the drafter (its class sets `trains_drafter = True`): the run needs one."""
+    return any(getattr(plugin_factory(name), "trains_drafter", False) for name in names)
+
+
+def drafter_training_plugin(names: list[str] | tuple[str, ...]) -> Any | None:
+    """The class of the first named plugin that trains the drafter, or None."""
+    return next((factory for factory in map(plugin_factory, names) if getattr(factory, "trains_drafter", False)), None)
+
+
+def plugin_columns(names: list[str] | tuple[str, ...]) -> tuple[MetricColumn, ...]:
+    """The live-table columns the named plugins declare (`display_columns`), in recipe order."""
+    return tuple(column for name in names for column in getattr(plugin_factory(name), "display_columns", ()))
+
+
+def plugin_idle_uses(names: list[str] | tuple[str, ...]) -> tuple[tuple[str, str], ...]:
+    """(what, record key) of the idle worker-seconds each named plugin uses (`idle_seconds_used`), if declared."""
+    uses = (getattr(plugin_factory(name), "idle_seconds_used", None) for name in names)
+    return tuple(use for use in uses if use is not None)
+
+
+def scalar_metrics(record: dict[str, Any]) -> dict[str, float]:
+    """The numbers of a step record a logger plots: every numeric key but the step and wall-clock times.
+
+    Wall-clock times (keys ending in _start or _end, seconds since 1970) are left out: as float32
+    scalars they would be rounded to minutes and mean nothing on a plot.
+    """
+    return {
+        key: float(value)
+        for key, value in record.items()
+        if isinstance(value, int | float)
+        and not isinstance(value, bool)
+        and key != "step"
+        and not key.endswith(("_start", "_end"))
+    }
 
 
 @dataclass(frozen=True)
@@ -140,8 +255,11 @@ class PluginHost:
             method = getattr(plugin, hook, None)
             if plugin.name in self.disabled or method is None:
                 continue
+            metrics = _step_metrics(arguments)
+            before = dict(metrics)
             try:
                 method(*arguments)
+                _check_metric_keys(plugin, before, metrics)
             except Exception as error:  # a plugin's bug must not end or corrupt the step: disable it, report it
                 self.disabled.add(plugin.name)
                 self.failures.append(
@@ -155,6 +273,34 @@ class PluginHost:
     def take_failures(self) -> list[PluginFailure]:
         failures, self.failures = self.failures, []
         return failures
+
+
+class MetricKeyError(ValueError):
+    """A plugin reported a metric outside its prefix."""
+
+
+def _step_metrics(arguments: tuple[Any, ...]) -> dict[str, float]:
+    """The step's metrics dict when a hook gets a StepContext (a fresh dict otherwise: nothing to check)."""
+    context = arguments[0] if arguments else None
+    return context.metrics if isinstance(context, StepContext) else {}
+
+
+def _check_metric_keys(plugin: Any, before: dict[str, float], metrics: dict[str, float]) -> None:
+    """Every key the hook added or changed starts with the plugin's prefix; others are undone and raise."""
+    prefix = getattr(plugin, "metric_prefix", "")
+    foreign = sorted(
+        key
+        for key, value in metrics.items()
+        if not key.startswith(prefix) and (key not in before or before[key] is not value)
+    )
+    if not foreign:
+        return
+    for key in foreign:
+        if key in before:
+            metrics[key] = before[key]
+        else:
+            del metrics[key]
+    raise MetricKeyError(f"metric {foreign[0]!r} does not start with the plugin's metric prefix {prefix!r}")
 
 
 def agree_across_workers(disabled: set[str]) -> set[str]:

@@ -9,8 +9,9 @@ at fault) at the first problem, reading what the recipe names but building and w
      safetensors headers fit the config, the tokenizer fits the model's vocabulary, which the SD
      shapes and the rule table must fit;
   4. a drafter folder given as drafter.init holds a drafter (its config readable, its weights' hash);
-  5. every plugin resolves to a class with WorkerPlugin hooks (tlt_cli/plugins.py) that takes
-     its options (so `os:system` is refused);
+  5. every plugin resolves to a class with worker or driver hooks (tlt_cli/plugins.py) that takes
+     its options (so `os:system` is refused); under train.trainer trl, only driver-side plugins
+     (loggers) and one that trains the drafter between TRL's processes;
   6. the run directory <run.output_dir>/<run.name> can be created, and (new_run) holds no run yet;
   7. with train.trainer trl: the installed TRL is supported and its GRPOConfig takes the recipe's
      settings and trl section (tlt_cli/integrations/trl_recipe.py; this imports TRL).
@@ -30,12 +31,12 @@ from tlt_cli.config import TRL_TRAINER, PluginsConfig, Recipe, RecipeError, RunC
 from tlt_cli.drafter.model import CONFIG_FILE, read_drafter_metadata
 from tlt_cli.errors import UserError
 from tlt_cli.models.loading import check_weight_shapes, load_config_and_tokenizer, model_folder
-from tlt_cli.plugins import WorkerPlugin, plugin_factory
+from tlt_cli.plugins import DRIVER_HOOKS, WORKER_HOOKS, plugin_factory
 from tlt_cli.processes.run_directory import holds_run
 from tlt_cli.recipe_checks import check_speculative_section, check_values
 from tlt_cli.tasks.registry import build_task
 
-PLUGIN_HOOKS = tuple(name for name in vars(WorkerPlugin) if name.startswith("on_"))
+PLUGIN_HOOKS = WORKER_HOOKS + DRIVER_HOOKS
 
 
 def check_recipe(recipe: Recipe, new_run: bool = False) -> None:
@@ -46,6 +47,8 @@ def check_recipe(recipe: Recipe, new_run: bool = False) -> None:
     check_speculative_section(recipe.speculative, vocabulary_size)
     _check_drafter_folder(recipe)
     _check_plugins(recipe.plugins)
+    if recipe.train.trainer == TRL_TRAINER:
+        _check_trl_plugins(recipe)
     check_output_folder(recipe.run, new_run)
     if recipe.train.trainer == TRL_TRAINER:
         from tlt_cli.integrations.trl_recipe import check_trl_recipe
@@ -107,6 +110,23 @@ def _check_plugins(plugins: PluginsConfig) -> None:
                 f"plugins.options.{name}: plugin '{name}' cannot be built with recipe= and the options "
                 f"{sorted(options)} ({error})."
             ) from None
+
+
+def _check_trl_plugins(recipe: Recipe) -> None:
+    """A TRL run drives no worker hooks: it takes loggers, and a drafter-training plugin TRL's processes can run."""
+    for name in recipe.plugins.enabled:
+        factory = _plugin_factory(name)
+        trains_drafter = getattr(factory, "trains_drafter", False)
+        if recipe.rollout.backend == "trl" and trains_drafter:
+            raise RecipeError(
+                f"plugins.enabled: {name} trains the drafter, which rollout.backend trl (TRL's own generation) "
+                "does not use; leave it out of plugins.enabled."
+            )
+        if any(hasattr(factory, hook) for hook in WORKER_HOOKS) and not hasattr(factory, "trl_process_sidecar"):
+            raise RecipeError(
+                f"plugins.enabled: {name} hooks into tlt's own worker loop, which a TRL run does not run; a TRL "
+                "run takes plugins with driver-side hooks only (loggers) and one that trains the drafter."
+            )
 
 
 def _plugin_factory(name: str) -> Any:

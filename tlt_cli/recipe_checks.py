@@ -25,7 +25,6 @@ from tlt_cli.config import (
     SpeculativeSection,
     load_recipe,
 )
-from tlt_cli.drafter import sidecar
 from tlt_cli.processes.hostfile import HostfileError, check_hostfile, ranks_per_node
 from tlt_cli.rollout.adaptive import RuleTableError, build_rules
 from tlt_cli.rollout.linear_forms_measure import LINEAR_FORM_MODES
@@ -182,12 +181,6 @@ def _check_trainer(recipe: Recipe) -> None:
         "workers.hostfile is not supported with train.trainer trl yet; its "
         "processes run on this machine (remove workers.hostfile).",
     )
-    others = [name for name in recipe.plugins.enabled if name != sidecar.PLUGIN_NAME]
-    _require(
-        not others,
-        f"plugins.enabled: {(others or [''])[0]} hooks into tlt's own worker loop, which a TRL "
-        f"run does not run; a TRL run takes only {sidecar.PLUGIN_NAME}.",
-    )
     _require(
         recipe.rollout.temperature > 0.0,
         "rollout.temperature must be > 0 with train.trainer trl (TRL divides its log-probs by it).",
@@ -199,10 +192,10 @@ def _check_trainer(recipe: Recipe) -> None:
         "TRL process trains on per step (train.prompts_per_step x train.group_size / workers.count).",
     )
     if backend == "trl":
+        # a plugin that trains the drafter is refused with it too, where plugins resolve (tlt_cli/preflight.py)
         _require(
-            recipe.speculative.mode == "off" and sidecar.PLUGIN_NAME not in recipe.plugins.enabled,
-            "rollout.backend trl (TRL's own generation) does not speculate or train a drafter; set "
-            f"speculative.mode: off and leave {sidecar.PLUGIN_NAME} out of plugins.enabled.",
+            recipe.speculative.mode == "off",
+            "rollout.backend trl (TRL's own generation) does not speculate; set speculative.mode: off.",
         )
 
 

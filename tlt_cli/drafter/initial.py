@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING
 from transformers import PreTrainedModel
 
 from tlt_cli.config import Recipe
-from tlt_cli.drafter import sidecar
 from tlt_cli.drafter.model import CONFIG_FILE, EagleDrafter, load_drafter, save_drafter
+from tlt_cli.plugins import plugins_train_drafter
 
 if TYPE_CHECKING:
     from tlt_cli.drafter.warmup import WarmupProgress
@@ -94,7 +94,7 @@ def _warm_up_into(recipe: Recipe, folder: Path, progress: WarmupProgress | None)
 
 def needs_drafter(recipe: Recipe) -> bool:
     """A run needs a drafter when it speculates or when a plugin trains one."""
-    return recipe.speculative.mode != "off" or sidecar.PLUGIN_NAME in recipe.plugins.enabled
+    return recipe.speculative.mode != "off" or plugins_train_drafter(recipe.plugins.enabled)
 
 
 def initial_drafter(recipe: Recipe, folder: Path | None, policy: PreTrainedModel) -> EagleDrafter:

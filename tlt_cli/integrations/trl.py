@@ -20,8 +20,9 @@ rollout sees the weights of the latest optimizer step. It speculates with a draf
 (tlt_cli/integrations/trl_drafter.py: warmed up on the trainer's own prompts and cached, random,
 a saved folder or an EagleDrafter), steered by the adaptive rule table, bandit and collapse
 auto-off of the `speculative` settings (tlt_cli/rollout/adaptive.py). With several data-parallel
-processes the drafter sidecar trains the drafter while this process waits for the others
-(tlt_cli/integrations/trl_sidecar.py). `take_records()` returns what each rollout did (timings,
+processes the plugin that trains the drafter (found by its entry point like any plugin; the
+recipe's default plugins.enabled has one) does so while this process waits for the others,
+through its class's `trl_process_sidecar`. `take_records()` returns what each rollout did (timings,
 per-request lengths, SD usage and acceptance, sidecar metrics) for a trace;
 `save_state`/`load_state` carry the schedule and drafter through checkpoints. With
 `linear_forms="auto"` the engine computes each linear layer in the form measured fastest for the
@@ -32,14 +33,15 @@ rollout, since TRL's optimizer steps in between.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from tlt_cli.checkpoint import load_checkpoint_file
-from tlt_cli.config import DrafterConfig, SpeculativeSection
+from tlt_cli.checkpoint import DRAFTER_DIRECTORY, load_checkpoint_file
+from tlt_cli.config import DrafterConfig, PluginsConfig, SpeculativeSection
 from tlt_cli.errors import UserError
 from tlt_cli.integrations.trl_support import (
     check_trainer_supported,
@@ -49,6 +51,7 @@ from tlt_cli.integrations.trl_support import (
     prompt_token_ids,
     trl_sampling,
 )
+from tlt_cli.plugins import drafter_training_plugin
 from tlt_cli.rollout.adaptive import OFF, adaptive_schedule
 from tlt_cli.rollout.embedded import EmbeddedRollout
 from tlt_cli.rollout.linear_forms_measure import LINEAR_FORM_MODES
@@ -58,7 +61,6 @@ if TYPE_CHECKING:
     from torch import nn
 
     from tlt_cli.drafter.model import EagleDrafter
-    from tlt_cli.integrations.trl_sidecar import TrlSidecar
 
 # response positions per lm_head product when computing log-probs ([rows, V] floats at a time)
 LOGPROB_CHUNK = 1024
@@ -86,8 +88,8 @@ class RolloutRecord:
     idle_end: every process had finished (busy_end with one process or without the sidecar);
     logprob_seconds: the log-prob products; sd_usage: label -> {decode_steps, tokens, seconds};
     sd_seconds: decode seconds under an SD configuration; accept_length: tokens per verify pass
-    over the rollout (0.0 without SD); sidecar: the drafter sidecar's metrics (empty when it did
-    not run: tlt_cli/drafter/sidecar.py names the keys), with idle_seconds, the wait it trained in;
+    over the rollout (0.0 without SD); sidecar: the drafter-training plugin's metrics (empty when
+    none ran; under its metric prefix), with idle_seconds, the wait it trained in;
     linear_form_bytes: the memory of the linear forms' transposed weight copies (0: none).
     """
 
@@ -121,7 +123,7 @@ class RolloutRecord:
 def tlt_rollout(
     speculative: SpeculativeSection | dict | None = None,
     drafter: str | Path | EagleDrafter = "warmup",
-    sidecar: bool = True,
+    sidecar: bool | Sequence[str] = True,
     drafter_config: DrafterConfig | dict | None = None,
     seed: int = 0,
     linear_forms: str = "auto",
@@ -132,7 +134,9 @@ def tlt_rollout(
     speculative: the recipe's `speculative` section (None: its defaults, adaptive; {"mode": "off"}:
     plain decoding). drafter: "warmup" (trained on the trainer's first prompts before the first
     rollout, cached under $TLT_CACHE_DIR), "random", a folder written by save_drafter, or an
-    EagleDrafter. sidecar: train the drafter in the wait between data-parallel processes.
+    EagleDrafter. sidecar: train the drafter in the wait between data-parallel processes, with the
+    first of these plugin names whose class trains the drafter (True: the recipe's default
+    plugins.enabled; False: no training).
     drafter_config: the recipe's `drafter` section (warm-up and sidecar settings). seed: sampling
     and the bandit's draws. linear_forms: "auto" or "off" (the recipe's `rollout.linear_forms`);
     cache_dir: where its measured plan is cached (None: $TLT_CACHE_DIR or ~/.cache/tlt).
@@ -143,12 +147,20 @@ def tlt_rollout(
     return TltRollout(
         _section(SpeculativeSection, speculative, "speculative"),
         drafter,
-        sidecar,
+        process_sidecar_factory(sidecar),
         _section(DrafterConfig, drafter_config, "drafter_config"),
         seed,
         linear_forms,
         None if cache_dir is None else Path(cache_dir),
     )
+
+
+def process_sidecar_factory(sidecar: bool | Sequence[str]) -> Callable[..., Any] | None:
+    """What builds the drafter training between TRL's processes: the `trl_process_sidecar` of the first
+    named plugin that trains the drafter (True: the recipe schema's default plugins), or None."""
+    names = (PluginsConfig().enabled if sidecar else []) if isinstance(sidecar, bool) else list(sidecar)
+    plugin = drafter_training_plugin(names)
+    return getattr(plugin, "trl_process_sidecar", None)
 
 
 def _section(kind: type, given: Any, name: str) -> Any:
@@ -171,7 +183,7 @@ class TltRollout:
         self,
         speculative: SpeculativeSection,
         drafter: str | Path | EagleDrafter,
-        sidecar: bool,
+        sidecar: Callable[..., Any] | None,
         drafter_config: DrafterConfig,
         seed: int,
         linear_forms: str = "off",
@@ -181,7 +193,9 @@ class TltRollout:
             adaptive_schedule(speculative)  # the rule table is checked now, not at the first rollout
         self.speculative = speculative
         self.drafter_source = drafter
-        self.use_sidecar = sidecar
+        # builds the process sidecar (a plugin's trl_process_sidecar), None: no drafter training
+        self.sidecar_factory = sidecar
+        self.use_sidecar = sidecar is not None
         self.drafter_config = drafter_config
         self.seed = seed
         self.linear_forms, self.cache_dir = linear_forms, cache_dir
@@ -189,7 +203,7 @@ class TltRollout:
         self.backend: EmbeddedRollout | None = None
         self.policy: nn.Module | None = None
         self.drafter: EagleDrafter | None = None
-        self.sidecar: TrlSidecar | None = None
+        self.sidecar: Any | None = None
         self.records: list[RolloutRecord] = []
         self.pending_state: Path | None = None
 
@@ -228,7 +242,6 @@ class TltRollout:
         if policy is self.policy:
             return
         from tlt_cli.integrations.trl_drafter import starting_drafter
-        from tlt_cli.integrations.trl_sidecar import TrlSidecar
 
         processes = trainer.accelerator.num_processes
         wants_drafter = self.speculative.mode != "off" or (self.use_sidecar and processes > 1)
@@ -251,15 +264,15 @@ class TltRollout:
         if self.pending_state is not None:
             self._load_schedule(self.pending_state, trainer.accelerator.process_index)
         if self.use_sidecar and processes > 1:
-            self.sidecar = TrlSidecar(
-                policy,
-                self.drafter,
-                self.drafter_config,
-                self.seed,
-                trainer.accelerator.process_index,
-                processes,
-                trainer.accelerator.device,
-                pad_token_id,
+            self.sidecar = self.sidecar_factory(
+                policy=policy,
+                drafter=self.drafter,
+                settings=self.drafter_config,
+                seed=self.seed,
+                process=trainer.accelerator.process_index,
+                processes=processes,
+                device=trainer.accelerator.device,
+                pad_token_id=pad_token_id,
             )
             if self.pending_state is not None:
                 self.sidecar.load_state(self.pending_state)
@@ -313,7 +326,6 @@ class TltRollout:
         """Into a checkpoint folder: the adaptive schedule's learning and the rollout count
         (tlt_rollout/rank-<process>.pt), the sidecar's state, and the drafter (drafter/, process 0)."""
         from tlt_cli.drafter.model import save_drafter
-        from tlt_cli.drafter.sidecar import DRAFTER_DIRECTORY
 
         state_directory = Path(directory) / STATE_DIRECTORY
         state_directory.mkdir(parents=True, exist_ok=True)

@@ -27,9 +27,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from tlt_cli.checkpoint import DRAFTER_DIRECTORY
 from tlt_cli.config import DrafterConfig
 from tlt_cli.drafter.model import CONFIG_FILE, DrafterLoadError, EagleDrafter, load_drafter, save_drafter
-from tlt_cli.drafter.sidecar import DRAFTER_DIRECTORY
 from tlt_cli.errors import UserError
 from tlt_cli.integrations.trl_support import policy_in_eval_mode, prompt_token_ids, trl_sampling
 from tlt_cli.models.tiny import default_cache_dir

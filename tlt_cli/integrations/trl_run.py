@@ -30,7 +30,6 @@ import torch
 from transformers import TrainerCallback
 
 from tlt_cli.checkpoint import save_collectively
-from tlt_cli.drafter import sidecar
 from tlt_cli.integrations.trl import RolloutRecord, tlt_rollout
 from tlt_cli.integrations.trl_recipe import (
     TaskReward,
@@ -105,7 +104,7 @@ class TrlRun:
             else tlt_rollout(
                 speculative=recipe.speculative,
                 drafter=str(spec.drafter_init) if spec.drafter_init else "random",
-                sidecar=sidecar.PLUGIN_NAME in recipe.plugins.enabled,
+                sidecar=list(recipe.plugins.enabled),
                 drafter_config=recipe.drafter,
                 seed=recipe.run.seed,
                 linear_forms=recipe.rollout.linear_forms,
@@ -261,7 +260,7 @@ def _mean(updates: list[dict[str, float]]) -> dict[str, float]:
 
 
 def _sidecar_metrics(record: RolloutRecord | None) -> dict[str, float]:
-    """The drafter sidecar's numbers for the trace's worker and step records (its wait is in the worker record)."""
+    """The drafter-training plugin's numbers for the trace's worker and step records (its wait: the worker record)."""
     if record is None:
         return {}
     return {name: value for name, value in record.sidecar.items() if name != "idle_seconds"}

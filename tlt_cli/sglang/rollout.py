@@ -87,7 +87,7 @@ class SGLangRollout:
             tie_word_embeddings=self.tie_word_embeddings,
             on_servers_spawned=lambda groups: record_server_groups(setup.run_directory, setup.worker, groups),
         )
-        # the drafter_sidecar's version the servers hold (it starts at 0, the drafter they launch with)
+        # the drafter version the servers hold (StepContext.drafter_version; 0 is the drafter they launch with)
         self.pushed_drafter_version = 0.0
         self.shown_notes: set[str] = set()
         self.warnings: list[str] = []

@@ -25,7 +25,6 @@ import torch
 
 from tlt_cli.checkpoint import save_collectively
 from tlt_cli.config import CPU_DEVICES, Recipe
-from tlt_cli.drafter import sidecar
 from tlt_cli.drafter.initial import initial_drafter, needs_drafter
 from tlt_cli.errors import UserError
 from tlt_cli.models.loading import load_policy
@@ -241,9 +240,8 @@ class WorkerLoop:
         rewards = self.score(shard, completions)
         reward_end = time.time()
         update = self.update(completions, rewards, self._hook("on_hidden_states", context))
-        drafter_version = context.metrics.get(sidecar.VERSION_METRIC)
         context.metrics.update(
-            self.rollout_backend.after_update(f"step-{step + 1}", drafter_version, self.probe_prompts(shard))
+            self.rollout_backend.after_update(f"step-{step + 1}", context.drafter_version, self.probe_prompts(shard))
         )
         self.plugins.call("on_weights_updated", context)
         return WorkerStepReport(

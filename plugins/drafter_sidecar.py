@@ -12,9 +12,13 @@ section (lr, weight_decay, window_steps, batch_size). In every worker it:
     by the steps each worker did; the engines of the next step speculate with the result. An
     average that is not finite is discarded and the last good drafter kept;
   - saves and restores its state with checkpoints: drafter weights, optimizer and buffer window.
-It is part of tlt's core but plugs in like any plugin (tlt_cli/plugins.py): the entry point
-`drafter_sidecar` of the `tlt.plugins` group names this class. The core refers to it only through
-the names below (`PLUGIN_NAME`, the `*_METRIC` keys of its step metrics).
+It ships with tlt but plugs in as a third party's plugin would (tlt_cli/plugins.py): the entry
+point `drafter_sidecar` of the `tlt.plugins` group names this class, and the core never names it.
+The core learns what it needs from class attributes: `trains_drafter` (the run builds a drafter),
+`metric_prefix` and `display_columns` (its drafter_* metrics in the trace and the live table),
+`idle_seconds_used` (the summary's share of idle time), `trl_process_sidecar` (the same training
+in the wait between TRL's processes, drafter_sidecar_trl.py); and it sets
+`context.drafter_version` when the average changed the drafter (SGLang servers reload it).
 """
 
 from __future__ import annotations
@@ -27,22 +31,22 @@ from typing import Any
 
 import torch
 
-from tlt_cli.checkpoint import load_checkpoint_file
+from tlt_cli.checkpoint import DRAFTER_DIRECTORY, load_checkpoint_file
 from tlt_cli.drafter.model import save_drafter
 from tlt_cli.drafter.trainer import DrafterBatch, DrafterTrainer
+from tlt_cli.plugins import MetricColumn
 
 # what recipes enable it by (`plugins.enabled: [drafter_sidecar]`): its entry point in the tlt.plugins group
 PLUGIN_NAME = "drafter_sidecar"
 STATE_DIRECTORY = "drafter_sidecar"
-# the averaged drafter of a checkpoint, in the save_drafter format (what export-drafter reads)
-DRAFTER_DIRECTORY = "drafter"
-# the metrics it adds to each worker's step report at rollout end (the driver sums the counters
-# over workers: names ending in _steps or _seconds); the display and the SGLang push read them
+# the metrics it adds to each worker's step report at rollout end, all under METRIC_PREFIX (the
+# driver sums the counters over workers: names ending in _steps or _seconds)
+METRIC_PREFIX = "drafter_"
 STEPS_METRIC = "drafter_steps"
 TRAIN_SECONDS_METRIC = "drafter_train_seconds"
 # collection in the last update + averaging: the sidecar's direct cost on the critical path
 CRITICAL_SECONDS_METRIC = "drafter_critical_seconds"
-# how many averages the drafter has taken; the SGLang servers reload it when this moves
+# how many averages the drafter has taken (also context.drafter_version: SGLang servers reload it when it moves)
 VERSION_METRIC = "drafter_version"
 # mean training loss of the worker's steps (only when it took some)
 LOSS_METRIC = "drafter_loss"
@@ -62,6 +66,21 @@ class DrafterSidecar:
     """Online drafter training in the idle tail of each rollout (see the module docstring)."""
 
     name = PLUGIN_NAME
+    trains_drafter = True
+    metric_prefix = METRIC_PREFIX
+    display_columns = (
+        MetricColumn("drafter steps", STEPS_METRIC, "{:.0f}"),
+        MetricColumn("drafter train s", TRAIN_SECONDS_METRIC, "{:.2f}"),
+        MetricColumn("drafter loss", LOSS_METRIC, "{:.3f}"),
+    )
+    idle_seconds_used = ("training the drafter", TRAIN_SECONDS_METRIC)
+
+    @staticmethod
+    def trl_process_sidecar(**arguments: Any) -> Any:
+        """The sidecar driven from TRL's rollout_func in a data-parallel TRL run (drafter_sidecar_trl.py)."""
+        from tlt_plugins.drafter_sidecar_trl import TrlSidecar  # it builds on this class
+
+        return TrlSidecar(**arguments)
 
     def __init__(self, recipe: Any):
         self.settings = recipe.drafter
@@ -164,6 +183,7 @@ class DrafterSidecar:
                 VERSION_METRIC: float(self.version),
             }
         )
+        context.drafter_version = float(self.version)
         self.critical_seconds = 0.0
         if self.steps_done:  # a worker that trained no step has no loss to average in
             context.metrics[LOSS_METRIC] = self.loss_sum / self.steps_done

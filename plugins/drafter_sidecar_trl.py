@@ -8,12 +8,13 @@ its own shard, then would sit in TRL's next collective until the slowest process
   2. waits for the other processes (tlt_cli/integrations/process_wait.py) and, in that wait, runs
      short units of work, checking between units whether everyone is done: first turning kept
      completions into drafter features (one no-grad forward over the prompts of a few sequences
-     adds the prompt states), then drafter training steps (tlt_cli/drafter/sidecar.py's
+     adds the prompt states), then drafter training steps (drafter_sidecar.py's
      `on_worker_idle`: EAGLE losses, a window of recent rollouts);
   3. averages the processes' drafter copies, weighted by the steps each took (the sidecar's
      `on_rollout_end`, as in tlt's own trainer).
 A unit of work never starts after the wait is over, so the step is delayed by at most one unit.
-In a single-process run there is no such wait, and tlt_cli/integrations/trl.py does not build one.
+In a single-process run there is no such wait, and tlt_cli/integrations/trl.py does not build one;
+it builds one through `DrafterSidecar.trl_process_sidecar`, never by this module's name.
 """
 
 from __future__ import annotations
@@ -26,12 +27,12 @@ import torch
 from torch import nn
 
 from tlt_cli.config import DrafterConfig, Recipe, RunConfig
-from tlt_cli.drafter.sidecar import DrafterSidecar
 from tlt_cli.drafter.warmup import prompt_hidden_states
 from tlt_cli.integrations.process_wait import wait_for_other_processes
 from tlt_cli.integrations.trl_support import policy_in_eval_mode
 from tlt_cli.plugins import StepContext
 from tlt_cli.rollout.types import Completion
+from tlt_plugins.drafter_sidecar import DrafterSidecar
 
 # sequences per feature unit (one prompt forward, one stored micro-batch for the sidecar to draw from)
 FEATURE_ROWS = 8
