@@ -83,9 +83,9 @@ def accept_chain(
     accepted = uniform * q_of_draft < p_of_draft
     accept_length = accepted.long().cumprod(dim=1).sum(dim=1)
     # q is 0 past the last draft, so the residual there is p itself: the bonus token's law
-    padded_draft_probs = torch.cat([draft_probs, torch.zeros_like(draft_probs[:, :1])], dim=1)
     rows = torch.arange(batch_size, device=drafted.device)
-    p_next, q_next = target_probs[rows, accept_length], padded_draft_probs[rows, accept_length]
+    p_next = target_probs[rows, accept_length]
+    q_next = draft_probs[rows, accept_length.clamp(max=depth - 1)] * (accept_length < depth)[:, None]
     bonus = sample(_residual(p_next, q_next), generator)
     return Verdict(accept_length, path, bonus)
 
@@ -101,7 +101,11 @@ def _residual(target_probs: torch.Tensor, draft_probs: torch.Tensor) -> torch.Te
 def accept_tree(
     tree: DraftTree, target_logits: torch.Tensor, sampling: SamplingParams, generator: torch.Generator
 ) -> Verdict:
-    """Verdict for trees: tree with N nodes, target_logits [B, N, V] at every node."""
+    """Verdict for trees: tree with N nodes, target_logits [B, N, V] at every node.
+
+    Sampled, the rule needs only a few numbers per node (p, q and the residual at its parent, at its own
+    token) and one whole distribution per row (the bonus token's); the full-vocabulary residual
+    norm(max(p - q, 0)) exists only at the S nodes of a sampled chain (elsewhere q is 0 and it is p)."""
     batch_size, node_count = tree.tokens.shape
     valid = tree.valid if tree.valid is not None else torch.ones_like(tree.tokens, dtype=torch.bool)
     if sampling.greedy:
@@ -110,7 +114,8 @@ def accept_tree(
         kept = tree.tokens == target_choice.gather(1, tree.parents)
     else:
         target_probs = apply_sampling(target_logits.flatten(0, 1), sampling).view(batch_size, node_count, -1)
-        kept = _kept_by_recursive_rejection(tree, target_probs, valid, generator)
+        chain_residuals = _chain_residuals(tree, target_probs)
+        kept = _kept_by_recursive_rejection(tree, target_probs, chain_residuals, valid, generator)
     kept = kept & valid  # padding nodes are never reached
     kept[:, 0] = True
     # a node is reachable when it and all its ancestors are kept
@@ -127,40 +132,57 @@ def accept_tree(
     if sampling.greedy:
         bonus = target_choice[rows, deepest]
     else:
-        q_at_node, _ = _sampled_chain_probs(tree, target_probs)
-        left_at_deepest = _residual(target_probs[rows, deepest], q_at_node[rows, deepest])
+        left_at_deepest = target_probs[rows, deepest]
+        if chain_residuals is not None:
+            chain_length = chain_residuals.shape[1]
+            at_chain_node = (deepest < chain_length)[:, None]
+            residual = chain_residuals[rows, deepest.clamp(max=chain_length - 1)]
+            left_at_deepest = torch.where(at_chain_node, residual, left_at_deepest)
         bonus = _bonus_after_children(tree, left_at_deepest, deepest, valid, generator)
     return Verdict(accept_length, path[:, : max_depth + 1], bonus)
 
 
-def _sampled_chain_probs(tree: DraftTree, target_probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(q [B, N, V]: at each node, the distribution its sampled drafter child was drawn from, zero where it
-    has none; sampled [B, N]: which nodes were drawn from q). Only a sampled chain (draft_probs given, its
-    nodes 1..S first) has such nodes; every other node is a point mass."""
-    batch_size, node_count = tree.tokens.shape
-    q_at_node = torch.zeros_like(target_probs)
-    sampled = torch.zeros(batch_size, node_count, dtype=torch.bool, device=tree.tokens.device)
-    if tree.draft_probs is not None:
-        chain_length = tree.draft_probs.shape[1]
-        q_at_node[:, :chain_length] = tree.draft_probs
-        sampled[:, 1 : chain_length + 1] = True
-    return q_at_node, sampled
+def _chain_residuals(tree: DraftTree, target_probs: torch.Tensor) -> torch.Tensor | None:
+    """[B, S, V]: what is left of p at the S nodes of a sampled chain (nodes 0..S-1, each the parent of a
+    child drawn from tree.draft_probs) once that child is rejected, norm(max(p - q, 0)); None for a tree of
+    point masses only (there every node's residual is p itself)."""
+    if tree.draft_probs is None:
+        return None
+    chain_length = tree.draft_probs.shape[1]
+    chain_probs = target_probs[:, :chain_length]
+    return _residual(chain_probs.flatten(0, 1), tree.draft_probs.flatten(0, 1)).view_as(chain_probs)
+
+
+def _at_parent_token(values: torch.Tensor, parents: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """values [B, M, V] read at (parent, token) of every node: [B, N] (parents < M)."""
+    vocab_size = values.shape[2]
+    return values.flatten(1).gather(1, parents * vocab_size + tokens)
 
 
 def _kept_by_recursive_rejection(
-    tree: DraftTree, target_probs: torch.Tensor, valid: torch.Tensor, generator: torch.Generator
+    tree: DraftTree,
+    target_probs: torch.Tensor,
+    chain_residuals: torch.Tensor | None,
+    valid: torch.Tensor,
+    generator: torch.Generator,
 ) -> torch.Tensor:
     """Which nodes [B, N] the recursive rejection keeps at their parent (target_probs: [B, N, V] at every
     node); children of a node are tried in node order (a sampled drafter child first)."""
     batch_size, node_count = tree.tokens.shape
-    q_at_node, sampled = _sampled_chain_probs(tree, target_probs)
-    parent_index = tree.parents[:, :, None].expand(-1, -1, target_probs.shape[2])
-    p_at_parent, q_at_parent = target_probs.gather(1, parent_index), q_at_node.gather(1, parent_index)
-    # what is left at the parent once its sampled child (if any) is rejected: r = norm(max(p - q, 0)), else p
-    residual_at_parent = _residual(p_at_parent.flatten(0, 1), q_at_parent.flatten(0, 1)).view_as(p_at_parent)
-    token_index = tree.tokens[:, :, None]
-    p_node, q_node = p_at_parent.gather(2, token_index).squeeze(2), q_at_parent.gather(2, token_index).squeeze(2)
-    r_node = residual_at_parent.gather(2, token_index).squeeze(2) * valid
+    p_node = _at_parent_token(target_probs, tree.parents, tree.tokens)
+    sampled = torch.zeros(batch_size, node_count, dtype=torch.bool, device=tree.tokens.device)
+    if chain_residuals is None:
+        # every candidate is a point mass on p (nothing sampled at its parent): r = p, q unused
+        q_node, r_node = torch.zeros_like(p_node), p_node
+    else:
+        chain_length = chain_residuals.shape[1]
+        sampled[:, 1 : chain_length + 1] = True
+        # at a chain node q is the drafter's and r = norm(max(p - q, 0)); elsewhere q = 0 and r = p
+        under_chain = tree.parents < chain_length
+        chain_parent = tree.parents.clamp(max=chain_length - 1)
+        q_node = torch.where(under_chain, _at_parent_token(tree.draft_probs, chain_parent, tree.tokens), 0.0)
+        r_node = torch.where(under_chain, _at_parent_token(chain_residuals, chain_parent, tree.tokens), p_node)
+    r_node = r_node * valid
     node_index = torch.arange(node_count, device=tree.tokens.device)
     earlier_sibling = (
         (tree.parents[:, :, None] == tree.parents[:, None, :])
