@@ -69,3 +69,13 @@ def test_degenerate_filters_reduce_to_the_argmax(params):
     probs = apply_sampling(LOGITS, params)
     assert probs.argmax(dim=-1).tolist() == [0, 1]
     assert torch.allclose(probs.max(dim=-1).values, torch.ones(2))
+
+
+def test_sample_draws_unnormalised_rows_by_their_mass_and_never_a_zero_probability_token():
+    # zeros first, in the middle and last (top-k masks), a row that does not sum to 1, a lone tiny mass
+    probs = torch.tensor([[0.0, 2.0, 0.0, 6.0, 0.0], [0.0, 0.0, 0.0, 0.0, 1e-30]])
+    draws = sample(probs.repeat_interleave(20000, dim=0), torch.Generator().manual_seed(5)).view(2, -1)
+    first = torch.bincount(draws[0], minlength=5).float() / draws.shape[1]
+    assert first[[0, 2, 4]].sum() == 0
+    assert torch.allclose(first[[1, 3]], torch.tensor([0.25, 0.75]), atol=0.02)
+    assert bool((draws[1] == 4).all())
