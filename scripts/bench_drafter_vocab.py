@@ -158,7 +158,7 @@ def main() -> None:
     for size in vocab_sizes:
         console.print(f"training the drafter with draft vocabulary {size} ...")
         drafter, report = train_warmup_drafter(
-            target, tokenizer, data, args.steps, args.batch_size, args.lr, args.seed, vocab_size=size
+            target, tokenizer, data, args.steps, args.batch_size, args.lr, args.seed, draft_vocab_size=size
         )
         name = f"N={report.draft_vocab_size}"
         drafters[name], warmups[name] = drafter, report

@@ -350,7 +350,7 @@ def prepare_drafter(target, tokenizer, task, args) -> tuple:
         lr=3e-3,
         seed=args.seed,
         train_prompts=args.warmup_prompts,
-        vocab_size=args.vocab_size,
+        draft_vocab_size=args.vocab_size,
     )
     save_drafter(drafter, directory)
     report_path.write_text(json.dumps(asdict(report), indent=2) + "\n")

@@ -43,8 +43,8 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from tlt_cli.drafter.model import EagleDrafter
 from tlt_cli.drafter.trainer import DrafterTrainer
+from tlt_cli.drafter.vocabulary import choose_vocabulary
 from tlt_cli.drafter.warmup import (
-    choose_vocabulary,
     collect_warmup_data,
     encode_prompts,
     length_buckets,
@@ -135,7 +135,8 @@ def train_drafter(target, tokenizer, task, args) -> tuple[EagleDrafter, dict]:
     """A drafter trained for about args.drafter_seconds on the target's greedy answers (the warm-up's code)."""
     greedy = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=0.0)
     data = collect_warmup_data(target, tokenizer, task, args.train_prompts, args.held_out_prompts, greedy, args.seed)
-    vocabulary = choose_vocabulary(data, 0, target.config.vocab_size, tokenizer.eos_token_id)
+    responses = [completion.response_ids for completion in data.train]
+    vocabulary = choose_vocabulary(responses, 0, target.config.vocab_size, tokenizer.eos_token_id)
     buckets = length_buckets(data.train, data.train_prompt_states, DRAFTER_BATCH_SIZE, tokenizer.pad_token_id)
     probe = DrafterTrainer(EagleDrafter(target, seed=args.seed, vocabulary=vocabulary), lr=DRAFTER_LR)
     probe.train_step(buckets[0])  # the first step also selects kernels: not timed

@@ -15,6 +15,7 @@ from tlt_cli.drafter.model import (
     DrafterOutput,
     EagleDrafter,
     load_drafter,
+    read_drafter_metadata,
     save_drafter,
 )
 from tlt_cli.drafter.trainer import (
@@ -26,10 +27,10 @@ from tlt_cli.drafter.vocabulary import (
     FULL_VOCABULARY_LIMIT,
     REDUCED_VOCABULARY_SIZE,
     DraftVocabulary,
+    choose_vocabulary,
     default_draft_vocab_size,
     most_frequent_tokens,
     resolve_draft_vocab_size,
-    save_token_map,
     token_coverage,
 )
 from tlt_cli.drafter.warmup import (
@@ -40,6 +41,7 @@ from tlt_cli.drafter.warmup import (
 )
 from tlt_cli.models.tiny import build_tiny_model, tiny_model_config, tiny_tokenizer
 from tlt_cli.rollout.types import SamplingParams
+from tlt_cli.sglang.drafter_format import save_token_map
 from tlt_cli.tasks.arithmetic import ArithmeticTask
 
 torch.set_num_threads(1)
@@ -134,6 +136,43 @@ def test_save_and_load_keep_the_draft_vocabulary(tmp_path):
         torch.testing.assert_close(loaded(*inputs).logits, drafter(*inputs).logits)
 
 
+def test_save_names_the_two_vocabulary_sizes_apart(tmp_path):
+    save_drafter(EagleDrafter(tiny_target(), vocabulary=every_eighth_token()), tmp_path)
+    saved = json.loads((tmp_path / CONFIG_FILE).read_text())
+    assert (saved["target_vocab_size"], saved["draft_vocab_size"]) == (TARGET_VOCAB_SIZE, DRAFT_VOCAB_SIZE)
+    assert "vocab_size" not in saved
+
+
+@pytest.mark.parametrize("reduced", [True, False])
+def test_a_drafter_folder_saved_under_the_old_key_names_still_loads(tmp_path, reduced):
+    """Folders saved before the sizes were named apart hold the target's vocabulary as vocab_size, and
+    those saved before draft vocabularies have no draft_vocab_size (they draft over every token)."""
+    target = tiny_target()
+    drafter = EagleDrafter(target, seed=2, vocabulary=every_eighth_token() if reduced else None)
+    save_drafter(drafter, tmp_path)
+    config = json.loads((tmp_path / CONFIG_FILE).read_text())
+    config["vocab_size"] = config.pop("target_vocab_size")
+    if not reduced:
+        del config["draft_vocab_size"]
+    (tmp_path / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+    metadata = read_drafter_metadata(tmp_path)
+    expected_draft_size = DRAFT_VOCAB_SIZE if reduced else TARGET_VOCAB_SIZE
+    assert (metadata["target_vocab_size"], metadata["draft_vocab_size"]) == (TARGET_VOCAB_SIZE, expected_draft_size)
+    loaded = load_drafter(tmp_path, target)
+    assert loaded.vocabulary.size == expected_draft_size and loaded.target_vocab_size == TARGET_VOCAB_SIZE
+    inputs = random_inputs()
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(*inputs).logits, drafter(*inputs).logits)
+
+
+def test_one_chooser_resolves_the_recipe_setting_and_keeps_eos():
+    responses = [[5, 5, 5, 7, 7, 9], [5, 7, 11]]
+    # 0: the default for a small target, its whole vocabulary
+    assert choose_vocabulary(responses, 0, 16, eos_token_id=15).target_ids is None
+    chosen = choose_vocabulary(responses, 3, 16, eos_token_id=15)
+    assert chosen.target_ids.tolist() == [5, 7, 15] and chosen.target_size == 16
+
+
 def test_token_map_is_what_sglang_loads(tmp_path):
     path = tmp_path / "token_map.pt"
     save_token_map(every_eighth_token(), path)
@@ -225,7 +264,7 @@ def test_warm_up_with_a_reduced_vocabulary_reports_it_and_learns():
         tokenizer,
         ArithmeticTask(seed=0),
         seed=0,
-        vocab_size=24,
+        draft_vocab_size=24,
         progress=lambda *call: reports.append(call),
         **settings,
     )

@@ -25,7 +25,7 @@ import torch
 from typer.testing import CliRunner
 
 from tlt_cli.cli import app
-from tlt_cli.config import Recipe
+from tlt_cli.config import Recipe, SpeculativeMode, Trainer
 from tlt_cli.models.tiny import SHIPPED_TINY_MODEL
 
 runner = CliRunner()
@@ -42,6 +42,8 @@ WRONG_VALUES = {
     list[dict[str, typing.Any]]: ["5", "[1, 2]"],
     dict[str, typing.Any]: ["5", "[1]"],
     typing.Any: ["{a: 1}", "[a]"],
+    SpeculativeMode: ["{a: 1}", "[a, b]"],
+    Trainer: ["[a, b]", "tlr"],
 }
 OUT_OF_RANGE = [
     "train.steps=0",

@@ -4,13 +4,18 @@ from dataclasses import FrozenInstanceError
 from pathlib import Path
 
 import pytest
+import torch
 from typer.testing import CliRunner
 
 from tlt_cli.cli import app
-from tlt_cli.config import RecipeError
+from tlt_cli.config import RecipeError, SpeculativeMode, SpeculativeSection, TrainConfig, Trainer
+from tlt_cli.drafter.model import EagleDrafter, save_drafter
+from tlt_cli.drafter.vocabulary import DraftVocabulary
+from tlt_cli.models.loading import load_policy
 from tlt_cli.preflight import check_recipe
 from tlt_cli.recipe_checks import load_checked_recipe
-from tlt_cli.recipes import shipped_recipes
+from tlt_cli.recipe_help import key_help
+from tlt_cli.recipes import resolve_recipe_path, shipped_recipes
 
 runner = CliRunner()
 
@@ -80,6 +85,21 @@ MALFORMED = {
     "override without =": ("run: {name: t}\n", ["train.steps"], "key=value"),
     "override wrong type": ("run: {name: t}\n", ["train.steps=abc"], "train.steps"),
     "bad zero stage": ("actor:\n  zero_stage: 4\n", [], "actor.zero_stage"),
+    "bad mode": (
+        "speculative:\n  mode: sometimes\n",
+        [],
+        "speculative.mode must be one of off, fixed, adaptive, got 'sometimes'.",
+    ),
+    "override bad trainer": (
+        "run: {name: t}\n",
+        ["train.trainer=tlr"],
+        "train.trainer must be one of native, trl, got 'tlr'.",
+    ),
+    "mode a mapping": (
+        "speculative:\n  mode: {a: 1}\n",
+        [],
+        "speculative.mode must be one of off, fixed, adaptive, got {a: 1}.",
+    ),
 }
 
 
@@ -120,3 +140,51 @@ def test_cli_validate_and_version():
     assert runner.invoke(app, ["recipes", "validate", "tiny-cpu"]).exit_code == 0
     result = runner.invoke(app, ["--version"])
     assert result.exit_code == 0 and "tlt " in result.output
+
+
+@pytest.mark.parametrize(
+    "choice, section_name, section, key",
+    [
+        (SpeculativeMode, "speculative", SpeculativeSection, "mode"),
+        (Trainer, "train", TrainConfig, "trainer"),
+    ],
+)
+def test_choice_keys_take_their_enum_and_their_help_lists_every_choice(choice, section_name, section, key):
+    for member in choice:
+        recipe = load_checked_recipe(resolve_recipe_path("tiny-cpu"), [f"{section_name}.{key}={member.value}"])
+        assert getattr(getattr(recipe, section_name), key) is member
+        assert member.value in key_help(section, key)
+    # `tlt recipes show` writes the spelling a recipe uses
+    shown = runner.invoke(app, ["recipes", "show", "tiny-cpu"]).output
+    assert f"  {key}: {getattr(section(), key).value}\n" in shown
+
+
+def draft_vocabulary_recipe(overrides: list[str]):
+    """tiny-cpu (builtin:tiny-arith, 66 tokens) drafting one level of `topk` branches."""
+    return load_checked_recipe(
+        resolve_recipe_path("tiny-cpu"),
+        ["speculative.mode=fixed", "speculative.steps=1", "speculative.draft_tokens=0", *overrides],
+    )
+
+
+def test_topk_is_checked_once_against_the_draft_vocabulary_of_the_drafter_the_run_starts_with(tmp_path):
+    # the values alone do not know the vocabulary: no bound there
+    draft_vocabulary_recipe(["speculative.topk=100"])
+    # a random drafter drafts over the target's 66 tokens
+    check_recipe(draft_vocabulary_recipe(["speculative.topk=20", "drafter.init=random"]))
+    with pytest.raises(RecipeError, match="topk is 67; set it between 1 and the draft vocabulary size 66"):
+        check_recipe(draft_vocabulary_recipe(["speculative.topk=67", "drafter.init=random"]))
+    # the warm-up keeps drafter.vocab_size tokens: 20 branches fit the target, not 16 draft tokens
+    with pytest.raises(RecipeError, match="^speculative: speculative topk is 20; .* draft vocabulary size 16[.]$"):
+        check_recipe(draft_vocabulary_recipe(["speculative.topk=20", "drafter.vocab_size=16"]))
+    # a saved drafter keeps its own vocabulary, whatever drafter.vocab_size says
+    target, _ = load_policy("builtin:tiny-arith")
+    save_drafter(EagleDrafter(target, vocabulary=DraftVocabulary(torch.arange(8), 66)), tmp_path / "drafter")
+    saved = [f"drafter.init={tmp_path / 'drafter'}", "drafter.vocab_size=32"]
+    check_recipe(draft_vocabulary_recipe(["speculative.topk=8", *saved]))
+    with pytest.raises(RecipeError, match="draft vocabulary size 8"):
+        check_recipe(draft_vocabulary_recipe(["speculative.topk=9", *saved]))
+    # the rule table's shapes, in mode adaptive, meet the same bound
+    rules = "speculative.rules=[{batch: [1, null], use: s1-k9-t10}]"
+    with pytest.raises(RecipeError, match="^speculative.rules: rule 1: .*draft vocabulary size 8"):
+        check_recipe(draft_vocabulary_recipe(["speculative.topk=1", "speculative.mode=adaptive", rules, *saved]))

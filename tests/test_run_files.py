@@ -5,7 +5,8 @@ import json
 import pytest
 
 from tlt_cli.checkpoint import CheckpointError, latest_checkpoint, prepare_staging, publish
-from tlt_cli.trace import TraceError, TraceWriter, read_trace, truncate_trace
+from tlt_cli.profile.records import ProfileInputError, load_records
+from tlt_cli.trace import TraceError, TraceWriter, numbered_records, read_trace, request_record, truncate_trace
 
 
 def _checkpoint(checkpoints, next_step, keep=2):
@@ -60,5 +61,89 @@ def test_bad_trace_lines_name_the_line(tmp_path):
     with pytest.raises(TraceError, match="line 2"):
         read_trace(path)
     path.write_text("[1, 2]\n")
+    with pytest.raises(TraceError, match="line 1 is not a JSON object"):
+        read_trace(path)
+    path.write_text('{"step": 0}\n')
     with pytest.raises(TraceError, match="line 1 is not a trace record"):
         read_trace(path)
+    path.write_bytes(b'{"type": "run"}\n{"type": "st\xc3\x28ep"}\n')
+    with pytest.raises(TraceError, match="line 2 is not UTF-8 text"):
+        read_trace(path)
+
+
+def test_trace_and_profile_read_jsonl_through_one_reader(tmp_path):
+    """read_trace and `tlt profile` share numbered_records: the same lines and messages, each its own error type."""
+    path = tmp_path / "trace.jsonl"
+    path.write_text('{"type": "run", "world_size": 1}\n\n{"type": "step", "st')
+    with pytest.raises(TraceError) as from_trace:
+        read_trace(path)
+    with pytest.raises(ProfileInputError) as from_profile:
+        load_records(path)
+    assert (
+        str(from_trace.value)
+        == str(from_profile.value)
+        == (
+            f"{path} line 3 (the last) is cut short (Unterminated string starting at): the file is truncated; "
+            "wait for the run to write it, or delete that line."
+        )
+    )
+    path.write_text('{"type": "run", "world_size": 1}\n\n{"type": "step", "step": 0}\n')
+    assert list(numbered_records(path)) == [(1, {"type": "run", "world_size": 1}), (3, {"type": "step", "step": 0})]
+
+
+def test_request_records_have_one_builder_and_read_back(tmp_path):
+    """The native worker loop and the TRL worker build request records with trace.request_record."""
+    native = request_record(
+        step=0,
+        worker=1,
+        request_id=3,
+        start=10.0,
+        end=12.5,
+        prompt_tokens=7,
+        tokens=9,
+        reward=1.0,
+        finished_by_eos=True,
+        verify_passes=4,
+        accepted_tokens=5,
+        accepted_by_depth=(3, 2),
+        proposed_by_depth=(4, 3),
+    )
+    # TRL's own generation counts no SD: zeros and empty lists, the same keys in the same order
+    trl = request_record(
+        step=0,
+        worker=0,
+        request_id=0,
+        start=10.0,
+        end=11.0,
+        prompt_tokens=7,
+        tokens=4,
+        reward=0.0,
+        finished_by_eos=False,
+    )
+    assert (
+        list(native)
+        == list(trl)
+        == [
+            "type",
+            "step",
+            "worker",
+            "request_id",
+            "start",
+            "end",
+            "prompt_tokens",
+            "tokens",
+            "reward",
+            "finished_by_eos",
+            "verify_passes",
+            "accepted_tokens",
+            "accepted_by_depth",
+            "proposed_by_depth",
+        ]
+    )
+    assert (native["accepted_by_depth"], trl["verify_passes"], trl["proposed_by_depth"]) == ([3, 2], 0, [])
+    path = tmp_path / "trace.jsonl"
+    writer = TraceWriter(path)
+    for record in (native, trl):
+        writer.write(record)
+    writer.close()
+    assert read_trace(path) == [native, trl]

@@ -11,7 +11,7 @@ from tlt_cli.drafter.model import DrafterOutput, EagleDrafter
 from tlt_cli.drafter.vocabulary import DraftVocabulary, most_frequent_tokens
 from tlt_cli.rollout.engine import EmbeddedEngine
 from tlt_cli.rollout.sampling import apply_sampling
-from tlt_cli.rollout.speculative import SpeculativeDecoder, check_speculative_config
+from tlt_cli.rollout.speculative import SpeculativeDecoder, check_speculative_config, check_topk_fits
 from tlt_cli.rollout.types import RolloutRequest, SamplingParams, SpeculativeConfig
 
 torch.set_num_threads(1)
@@ -316,10 +316,23 @@ def test_greedy_sd_with_a_reduced_draft_vocabulary_is_token_identical(config, dr
 
 def test_bad_configs_name_the_field_to_fix():
     with pytest.raises(ValueError, match="draft_tokens"):
-        check_speculative_config(SpeculativeConfig(2, 2, 9), vocab_size=64)
+        check_speculative_config(SpeculativeConfig(2, 2, 9))
     with pytest.raises(ValueError, match="steps"):
-        check_speculative_config(SpeculativeConfig(0), vocab_size=64)
+        check_speculative_config(SpeculativeConfig(0))
     with pytest.raises(ValueError, match="draft_tokens"):
-        check_speculative_config(SpeculativeConfig(3, 1, 7), vocab_size=64)
+        check_speculative_config(SpeculativeConfig(3, 1, 7))
+    with pytest.raises(ValueError, match="topk is 0"):
+        check_speculative_config(SpeculativeConfig(2, 0, 3))
     with pytest.raises(ValueError, match="topk"):
         SpeculativeDecoder(EagleDrafter(tiny_target(vocab_size=8)), SpeculativeConfig(2, 9, 4))
+
+
+def test_topk_is_checked_against_the_draft_vocabulary_not_the_targets():
+    target = tiny_target(vocab_size=8)
+    drafter = EagleDrafter(target, vocabulary=DraftVocabulary(torch.tensor([0, 2, 4, 6]), 8))
+    check_topk_fits(SpeculativeConfig(2, 4, 6), drafter.vocabulary.size)
+    # topk 5 fits the target's 8 tokens but not the drafter's 4
+    with pytest.raises(ValueError, match="topk is 5; set it between 1 and the draft vocabulary size 4"):
+        SpeculativeDecoder(drafter, SpeculativeConfig(2, 5, 6))
+    # a model-free shape drafts with no drafter, so no draft vocabulary bounds it
+    check_topk_fits(SpeculativeConfig(0, ngram_tokens=4), 1)

@@ -18,12 +18,14 @@ from __future__ import annotations
 import copy
 import dataclasses
 import re
+import typing
 from dataclasses import dataclass, field
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
 import yaml
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from yaml import YAMLError
 
@@ -37,6 +39,35 @@ MAX_RECIPE_BYTES = 1 << 20
 
 class RecipeError(UserError):
     """A recipe (or an override) that cannot be run; the message names the key to fix."""
+
+
+class RecipeChoice(str, Enum):
+    """A key that takes one of a few words. Members are named by their recipe spelling (OmegaConf
+    matches a recipe's value to a member's name), compare equal to it and print as it."""
+
+    def __str__(self) -> str:
+        return self.value
+
+    @classmethod
+    def choices(cls) -> str:
+        """The recipe spellings, as an error message lists them: "off, fixed, adaptive"."""
+        return ", ".join(member.value for member in cls)
+
+
+class SpeculativeMode(RecipeChoice):
+    """speculative.mode: how the rollout drafts."""
+
+    off = "off"
+    fixed = "fixed"
+    adaptive = "adaptive"
+
+
+class Trainer(RecipeChoice):
+    """train.trainer: whose GRPO loop trains the policy."""
+
+    native = "native"
+    # Hugging Face TRL's GRPOTrainer with tlt's rollout (tlt_cli/integrations/trl_run.py)
+    trl = "trl"
 
 
 def setting(default: Any, help_text: str) -> Any:
@@ -88,8 +119,8 @@ class TrainConfig:
     steps: int = setting(60, "RL steps")
     prompts_per_step: int = setting(16, "prompts per step across all workers (a multiple of workers.count)")
     group_size: int = setting(8, "responses sampled per prompt (the GRPO group)")
-    trainer: str = setting(
-        "native",
+    trainer: Trainer = setting(
+        Trainer.native,
         "native (tlt's GRPO loop on DeepSpeed workers) or trl (Hugging Face TRL's "
         "GRPOTrainer with tlt's rollout; its own options in the trl section)",
     )
@@ -216,8 +247,9 @@ DEFAULT_RULES = [
 
 @dataclass(frozen=True)
 class SpeculativeSection:
-    mode: str = setting(
-        "adaptive", "off: plain decoding; fixed: the shape below at every decode step; adaptive: the rules below"
+    mode: SpeculativeMode = setting(
+        SpeculativeMode.adaptive,
+        "off: plain decoding; fixed: the shape below at every decode step; adaptive: the rules below",
     )
     steps: int = setting(4, "draft depth of mode fixed: tokens drafted in a row before a verify pass")
     topk: int = setting(1, "branches per drafted position of mode fixed (1: a chain)")
@@ -298,8 +330,6 @@ class Recipe:
 
 
 CPU_DEVICES = "cpu"
-# train.trainer value of a run under Hugging Face TRL's GRPOTrainer (tlt_cli/integrations/trl_run.py)
-TRL_TRAINER = "trl"
 
 
 class _RecipeYamlLoader(yaml.SafeLoader):
@@ -449,6 +479,9 @@ def _describe(error: OmegaConfBaseException | TypeError) -> str:
         return "a list cannot take the place of a section, nor a section the place of a list or value."
     key = getattr(error, "full_key", None) or "?"
     message = _first_line(error)
+    choice = _key_type(key)
+    if isinstance(choice, type) and issubclass(choice, RecipeChoice):
+        return f"{key} must be one of {choice.choices()}, got {_flow_value(getattr(error, 'value', None))}."
     if "not in struct" in message or ("Key '" in message and "not in" in message):
         return f"key '{key}' is not a recipe key; {_suggest(key)}"
     if "Value '" in message or "Invalid type" in message or "could not convert" in message.lower():
@@ -458,6 +491,25 @@ def _describe(error: OmegaConfBaseException | TypeError) -> str:
     if "Missing mandatory value" in message:
         return f"key '{key}' must be set."
     return f"key '{key}': {message}."
+
+
+def _key_type(key: str) -> Any:
+    """The schema's type of a dotted recipe key, or None for a key the schema does not have."""
+    kind: Any = Recipe
+    for name in key.split("."):
+        if not (isinstance(kind, type) and dataclasses.is_dataclass(kind)):
+            return None
+        kind = typing.get_type_hints(kind).get(name)
+    return kind
+
+
+def _flow_value(value: Any) -> str:
+    """A recipe value as one quoted word or one line of YAML, for an error message."""
+    if isinstance(value, DictConfig | ListConfig):
+        value = OmegaConf.to_container(value)
+    if isinstance(value, dict | list):
+        return yaml.safe_dump(value, default_flow_style=True, width=float("inf")).strip()
+    return f"'{value}'"
 
 
 def _suggest(key: str) -> str:
@@ -483,3 +535,8 @@ def _require(condition: bool, message: str) -> None:
 def recipe_to_yaml(recipe: Recipe) -> str:
     """The resolved recipe as YAML, as written into every run directory."""
     return OmegaConf.to_yaml(OmegaConf.structured(recipe))
+
+
+def recipe_to_dict(recipe: Recipe) -> dict[str, Any]:
+    """The resolved recipe as plain values (nested dicts, lists, str, numbers): what loggers record as config."""
+    return OmegaConf.to_container(OmegaConf.structured(recipe), enum_to_str=True)

@@ -6,9 +6,10 @@ at fault) at the first problem, reading what the recipe names but building and w
   2. the task: its name, its options by the types and ranges it declares, its data files (a bad
      line is named), by building it;
   3. the model folder: its config and tokenizer load (not the weights), the shapes in its
-     safetensors headers fit the config, the tokenizer fits the model's vocabulary, which the SD
-     shapes and the rule table must fit;
-  4. a drafter folder given as drafter.init holds a drafter (its config readable, its weights' hash);
+     safetensors headers fit the config, the tokenizer fits the model's vocabulary;
+  4. a drafter folder given as drafter.init holds a drafter (its config readable, its weights' hash),
+     and the SD shapes and the rule table fit the draft vocabulary of the drafter the run starts
+     with (topk <= N);
   5. every plugin resolves to a class with worker or driver hooks (tlt_cli/plugins.py) that takes
      its options (so `os:system` is refused); under train.trainer trl, only driver-side plugins
      (loggers) and one that trains the drafter between TRL's processes;
@@ -27,13 +28,14 @@ import os
 from pathlib import Path
 from typing import Any
 
-from tlt_cli.config import TRL_TRAINER, PluginsConfig, Recipe, RecipeError, RunConfig
+from tlt_cli.config import PluginsConfig, Recipe, RecipeError, RunConfig, Trainer
 from tlt_cli.drafter.model import CONFIG_FILE, read_drafter_metadata
+from tlt_cli.drafter.vocabulary import resolve_draft_vocab_size
 from tlt_cli.errors import UserError
 from tlt_cli.models.loading import check_weight_shapes, load_config_and_tokenizer, model_folder
 from tlt_cli.plugins import DRIVER_HOOKS, WORKER_HOOKS, plugin_factory
 from tlt_cli.processes.run_directory import holds_run
-from tlt_cli.recipe_checks import check_speculative_section, check_values
+from tlt_cli.recipe_checks import check_shapes_fit_draft_vocabulary, check_values
 from tlt_cli.tasks.registry import build_task
 
 PLUGIN_HOOKS = WORKER_HOOKS + DRIVER_HOOKS
@@ -43,14 +45,14 @@ def check_recipe(recipe: Recipe, new_run: bool = False) -> None:
     """Raise RecipeError naming the key (and file) of the first problem that would stop a run of `recipe`."""
     check_values(recipe)
     _check_task(recipe)
-    vocabulary_size = _check_model(recipe)
-    check_speculative_section(recipe.speculative, vocabulary_size)
-    _check_drafter_folder(recipe)
+    target_vocab_size = _check_model(recipe)
+    draft_vocab_size = _check_drafter_start(recipe, target_vocab_size)
+    check_shapes_fit_draft_vocabulary(recipe.speculative, draft_vocab_size)
     _check_plugins(recipe.plugins)
-    if recipe.train.trainer == TRL_TRAINER:
+    if recipe.train.trainer == Trainer.trl:
         _check_trl_plugins(recipe)
     check_output_folder(recipe.run, new_run)
-    if recipe.train.trainer == TRL_TRAINER:
+    if recipe.train.trainer == Trainer.trl:
         from tlt_cli.integrations.trl_recipe import check_trl_recipe
 
         check_trl_recipe(recipe)
@@ -64,7 +66,7 @@ def _check_task(recipe: Recipe) -> None:
 
 
 def _check_model(recipe: Recipe) -> int:
-    """The model's vocabulary size, once its config and tokenizer load."""
+    """The model's (the target's) vocabulary size, once its config and tokenizer load."""
     try:
         config, tokenizer = load_config_and_tokenizer(recipe.model.path)
         check_weight_shapes(model_folder(recipe.model.path), config)
@@ -78,17 +80,21 @@ def _check_model(recipe: Recipe) -> int:
     return int(config.vocab_size)
 
 
-def _check_drafter_folder(recipe: Recipe) -> None:
+def _check_drafter_start(recipe: Recipe, target_vocab_size: int) -> int:
+    """N, the draft vocabulary of the drafter the run starts with: the warm-up's (drafter.vocab_size
+    for this target), all of the target's (random), or a saved drafter's own, once its folder checks."""
     init = recipe.drafter.init
-    if init in ("warmup", "random"):
-        return
+    if init == "random":
+        return target_vocab_size
+    if init == "warmup":
+        return resolve_draft_vocab_size(recipe.drafter.vocab_size, target_vocab_size)
     if not (Path(init) / CONFIG_FILE).is_file():
         raise RecipeError(
             f"drafter.init: {init} is not a drafter folder (it has no {CONFIG_FILE}); give warmup, random "
             "or a folder tlt saved a drafter in."
         )
     try:
-        read_drafter_metadata(Path(init))
+        return read_drafter_metadata(Path(init))["draft_vocab_size"]
     except UserError as error:
         raise RecipeError(f"drafter.init: {error}") from None
 

@@ -18,34 +18,31 @@ from typing import Any
 
 from tlt_cli.config import (
     CPU_DEVICES,
-    TRL_TRAINER,
     DrafterConfig,
     Recipe,
     RecipeError,
+    SpeculativeMode,
     SpeculativeSection,
+    Trainer,
     load_recipe,
 )
 from tlt_cli.processes.hostfile import HostfileError, check_hostfile, ranks_per_node
 from tlt_cli.rollout.adaptive import RuleTableError, build_rules
 from tlt_cli.rollout.linear_forms_measure import LINEAR_FORM_MODES
-from tlt_cli.rollout.speculative import check_speculative_config
+from tlt_cli.rollout.speculative import check_speculative_config, check_topk_fits
 from tlt_cli.rollout.types import SpeculativeConfig
 from tlt_cli.sglang.adaptive import batch_rules
 from tlt_cli.sglang.config import validate_sglang_config
 
 ROLLOUT_BACKENDS = ("embedded", "sglang", "trl")
-TRAINERS = ("native", TRL_TRAINER)
 # a TRL run generates with tlt's embedded engine, or with TRL's own generation (rollout.backend trl, the baseline)
 TRL_BACKENDS = ("embedded", "trl")
 PRECISIONS = ("fp32", "bf16")
-SPECULATIVE_MODES = ("off", "fixed", "adaptive")
 DRAFTER_STARTS = ("warmup", "random")
 # ZeRO-3 shards the parameters; the rollout (embedded engine or weight push) needs the whole policy
 ZERO_STAGES = (0, 1, 2)
 BUILTIN_PREFIX = "builtin:"
 BUILTIN_MODELS = ("builtin:tiny-arith",)
-# the SD shape check needs a vocabulary; without the model any size will do (tlt_cli/preflight.py uses the model's)
-ANY_VOCABULARY = 2**31
 
 
 def _require(condition: bool, message: str) -> None:
@@ -73,7 +70,7 @@ def check_values(recipe: Recipe) -> None:
     )
     _require(recipe.checkpoint.keep >= 1, f"checkpoint.keep must be at least 1, got {recipe.checkpoint.keep}.")
     _check_model_path(recipe.model.path)
-    check_speculative_section(recipe.speculative, ANY_VOCABULARY)
+    check_speculative_section(recipe.speculative)
     _check_drafter(recipe.drafter)
     _check_plugins(recipe)
     _check_actor_placement(recipe)
@@ -161,10 +158,9 @@ def _check_actor(recipe: Recipe) -> None:
 
 
 def _check_trainer(recipe: Recipe) -> None:
-    """train.trainer, and what a TRL run takes (TRL's own settings are checked by tlt_cli/preflight.py)."""
+    """What a TRL run takes (TRL's own settings are checked by tlt_cli/preflight.py)."""
     trainer, backend = recipe.train.trainer, recipe.rollout.backend
-    _require(trainer in TRAINERS, f"train.trainer must be one of {', '.join(TRAINERS)}, got '{trainer}'.")
-    if trainer != TRL_TRAINER:
+    if trainer != Trainer.trl:
         _require(
             not recipe.trl,
             f"trl.{next(iter(recipe.trl), '')} is set but train.trainer is {trainer}; set "
@@ -194,7 +190,7 @@ def _check_trainer(recipe: Recipe) -> None:
     if backend == "trl":
         # a plugin that trains the drafter is refused with it too, where plugins resolve (tlt_cli/preflight.py)
         _require(
-            recipe.speculative.mode == "off",
+            recipe.speculative.mode == SpeculativeMode.off,
             "rollout.backend trl (TRL's own generation) does not speculate; set speculative.mode: off.",
         )
 
@@ -250,13 +246,11 @@ def _check_sglang_backend(recipe: Recipe) -> None:
         raise RecipeError(f"speculative.rules: {error}") from None
 
 
-def check_speculative_section(section: SpeculativeSection, vocabulary_size: int) -> None:
-    """The mode, the fixed shape and (mode adaptive) the rule table, for a model of `vocabulary_size` tokens."""
-    _require(
-        section.mode in SPECULATIVE_MODES,
-        f"speculative.mode must be one of {', '.join(SPECULATIVE_MODES)}, got '{section.mode}'.",
-    )
-    _check_shape("speculative", SpeculativeConfig(section.steps, section.topk, section.draft_tokens), vocabulary_size)
+def check_speculative_section(section: SpeculativeSection) -> None:
+    """The fixed shape, the decoder's settings and (mode adaptive) the rule table. Whether the shapes
+    fit the drafter's vocabulary needs the model: `check_shapes_fit_draft_vocabulary`."""
+    where, fixed = _fixed_shape(section)
+    _check_shape(where, fixed)
     _require(
         section.collapse_accept_length >= 1.0,
         "speculative.collapse_accept_length must be >= 1 (1 means no draft accepted), "
@@ -267,21 +261,43 @@ def check_speculative_section(section: SpeculativeSection, vocabulary_size: int)
         0.0 <= section.bandit_epsilon <= 1.0,
         f"speculative.bandit_epsilon must be in [0, 1], got {section.bandit_epsilon}.",
     )
-    if section.mode != "adaptive":
-        return
+    for where, config in _rule_shapes(section):
+        _check_shape(where, config)
+
+
+def check_shapes_fit_draft_vocabulary(section: SpeculativeSection, draft_vocab_size: int) -> None:
+    """Every shape the section names branches over at most the drafter's `draft_vocab_size` tokens."""
+    for where, config in [_fixed_shape(section), *_rule_shapes(section)]:
+        try:
+            check_topk_fits(config, draft_vocab_size)
+        except ValueError as error:
+            raise RecipeError(f"{where}: {error}") from None
+
+
+def _fixed_shape(section: SpeculativeSection) -> tuple[str, SpeculativeConfig]:
+    """(where an error names it, the shape of mode fixed)."""
+    return "speculative", SpeculativeConfig(section.steps, section.topk, section.draft_tokens)
+
+
+def _rule_shapes(section: SpeculativeSection) -> list[tuple[str, SpeculativeConfig]]:
+    """(where, shape) of every SD configuration of the rule table, in mode adaptive (the table is unused otherwise)."""
+    if section.mode != SpeculativeMode.adaptive:
+        return []
     try:
         rules = build_rules([dict(rule) for rule in section.rules])
     except RuleTableError as error:
         raise RecipeError(f"speculative.rules: {error}") from None
-    for number, rule in enumerate(rules, start=1):
-        for config in rule.configs:
-            if config is not None:
-                _check_shape(f"speculative.rules: rule {number}", config, vocabulary_size)
+    return [
+        (f"speculative.rules: rule {number}", config)
+        for number, rule in enumerate(rules, start=1)
+        for config in rule.configs
+        if config is not None
+    ]
 
 
-def _check_shape(where: str, config: SpeculativeConfig, vocabulary_size: int) -> None:
+def _check_shape(where: str, config: SpeculativeConfig) -> None:
     try:
-        check_speculative_config(config, vocab_size=vocabulary_size)
+        check_speculative_config(config)
     except ValueError as error:
         raise RecipeError(f"{where}: {error}") from None
 

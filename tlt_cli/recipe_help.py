@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import textwrap
+from enum import Enum
 from typing import Any
 
 import yaml
@@ -61,4 +62,6 @@ def _plain(value: Any) -> Any:
         return [_plain(item) for item in value]
     if isinstance(value, dict):
         return {key: _plain(item) for key, item in value.items()}
+    if isinstance(value, Enum):
+        return value.value
     return value

@@ -16,7 +16,8 @@ step_records.py; fields in the README's trace section):
 `tlt profile` of a recipe writes run, request, worker and step records the same way. Only one
 process writes a trace. A write the disk refuses (full, read-only) is a `TraceWriteError`, one
 sentence naming the trace. `read_trace` is the strict reader used by tools: a line that is not a
-JSON object is an error naming the line.
+JSON object is an error naming the line. `numbered_records` is the one JSONL reader beneath it and
+beneath `tlt profile`'s (tlt_cli/profile/records.py), which passes its own error type.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -69,25 +71,91 @@ class TraceWriter:
             self._file.close()
 
 
+def request_record(
+    *,
+    step: int,
+    worker: int,
+    request_id: int,
+    start: float,
+    end: float,
+    prompt_tokens: int,
+    tokens: int,
+    reward: float,
+    finished_by_eos: bool,
+    verify_passes: int = 0,
+    accepted_tokens: int = 0,
+    accepted_by_depth: Sequence[int] = (),
+    proposed_by_depth: Sequence[int] = (),
+) -> dict[str, Any]:
+    """A `request` record: one generated response (tlt's worker loop and the TRL worker both write them).
+
+    start / end: time.time() seconds; tokens: the response's; accepted_tokens: draft tokens accepted
+    over its verify_passes (0 and 0 without SD); accepted_by_depth[d] / proposed_by_depth[d]: its
+    verify passes whose depth-d draft was accepted / drafted (empty where not counted).
+    """
+    return {
+        "type": "request",
+        "step": step,
+        "worker": worker,
+        "request_id": request_id,
+        "start": start,
+        "end": end,
+        "prompt_tokens": prompt_tokens,
+        "tokens": tokens,
+        "reward": reward,
+        "finished_by_eos": finished_by_eos,
+        "verify_passes": verify_passes,
+        "accepted_tokens": accepted_tokens,
+        "accepted_by_depth": list(accepted_by_depth),
+        "proposed_by_depth": list(proposed_by_depth),
+    }
+
+
 def read_trace(path: Path) -> list[dict[str, Any]]:
     """All records of a trace; TraceError names the first bad line."""
     if not path.is_file():
         raise TraceError(f"trace file {path} does not exist.")
     records = []
-    with path.open(encoding="utf-8") as lines:
-        for number, line in enumerate(lines, start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as error:
-                raise TraceError(
-                    f"{path} line {number} is not valid JSON ({error.msg}); the trace may be truncated."
-                ) from None
-            if not isinstance(record, dict) or "type" not in record:
-                raise TraceError(f"{path} line {number} is not a trace record (a JSON object with a 'type').")
-            records.append(record)
+    for number, record in numbered_records(path):
+        if "type" not in record:
+            raise TraceError(f"{path} line {number} is not a trace record (a JSON object with a 'type').")
+        records.append(record)
     return records
+
+
+def numbered_records(path: Path, error: type[Exception] = TraceError) -> Iterator[tuple[int, dict[str, Any]]]:
+    """(line number, object) of every non-blank line of a JSONL file (a trace, or `tlt profile`'s
+    per-request records); a line that is not a JSON object raises `error` naming it."""
+    lines = utf8_text(path, error).split("\n")
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as decode_error:
+            if number == len(lines):
+                raise error(
+                    f"{path} line {number} (the last) is cut short ({decode_error.msg}): the file is truncated; "
+                    "wait for the run to write it, or delete that line."
+                ) from None
+            raise error(
+                f"{path} line {number} is not valid JSON ({decode_error.msg}); fix or delete that line."
+            ) from None
+        if not isinstance(record, dict):
+            raise error(f"{path} line {number} is not a JSON object; each line must be one record.")
+        yield number, record
+
+
+def utf8_text(path: Path, error: type[Exception] = TraceError) -> str:
+    """The file's text; a byte that is not UTF-8 raises `error` naming its line."""
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as decode_error:
+        line = data.count(b"\n", 0, decode_error.start) + 1
+        raise error(
+            f"{path} line {line} is not UTF-8 text (byte 0x{data[decode_error.start]:02x}); save the file as UTF-8."
+        ) from None
 
 
 def truncate_trace(path: Path, first_dropped_step: int) -> None:

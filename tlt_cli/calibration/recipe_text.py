@@ -21,7 +21,7 @@ from tlt_cli.calibration.rules import (
     rules_block,
     rules_comment,
 )
-from tlt_cli.config import RecipeError
+from tlt_cli.config import RecipeError, SpeculativeMode
 from tlt_cli.recipe_checks import load_checked_recipe
 
 SECTION = re.compile(r"^speculative:\s*(#.*)?$")
@@ -41,7 +41,7 @@ def write_rules_into_recipe(path: Path, rules: list[dict], command: str) -> None
     text = path.read_text(encoding="utf-8")
     candidate = path.with_name(f".{path.name}.calibrated")
     candidate.write_text(edited_recipe_text(text, rules, command), encoding="utf-8")
-    expected = replace(before, speculative=replace(before.speculative, mode="adaptive", rules=rules))
+    expected = replace(before, speculative=replace(before.speculative, mode=SpeculativeMode.adaptive, rules=rules))
     try:
         after = load_checked_recipe(candidate)
     except RecipeError as error:

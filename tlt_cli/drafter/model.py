@@ -45,15 +45,17 @@ WEIGHTS_FILE = "drafter.safetensors"
 # the draft vocabulary's target ids, stored beside the weights in WEIGHTS_FILE (reduced vocabularies only)
 DRAFT_TARGET_IDS = "draft_vocabulary.target_ids"
 CONFIG_FILE = "drafter_config.json"
-# the keys of CONFIG_FILE a load reads (drafter_metadata writes them)
+# the keys of CONFIG_FILE a load reads (drafter_metadata writes them, with draft_vocab_size)
 METADATA_KEYS = (
     "architecture",
     "hidden_size",
-    "vocab_size",
+    "target_vocab_size",
     "target_name_or_path",
     "target_fingerprint",
     "weights_sha256",
 )
+# keys of CONFIG_FILE that folders saved by an earlier tlt name otherwise: {old name: name now}
+RENAMED_KEYS = {"vocab_size": "target_vocab_size"}
 # target config fields that fix the drafter's shapes and the meaning of its inputs and outputs
 FINGERPRINT_FIELDS = (
     "model_type",
@@ -157,11 +159,11 @@ class EagleDrafter(nn.Module):
         self.to(device=reference.device, dtype=reference.dtype)
         # built after the dtype cast so its inverse frequencies stay float32, as in the target
         self.rotary_emb = type(base_model.rotary_emb)(config=self.config).to(reference.device)
-        self.vocabulary = (vocabulary or DraftVocabulary.full(self.config.vocab_size)).to(reference.device)
-        if self.vocabulary.target_size != self.config.vocab_size:
+        self.vocabulary = (vocabulary or DraftVocabulary.full(self.target_vocab_size)).to(reference.device)
+        if self.vocabulary.target_size != self.target_vocab_size:
             raise ValueError(
                 f"the draft vocabulary maps into {self.vocabulary.target_size} target tokens, but the target has "
-                f"{self.config.vocab_size}."
+                f"{self.target_vocab_size}."
             )
         # [N, H] and [N] or None: the target lm_head's rows of the draft tokens (reduced vocabularies)
         self.draft_head_weight: torch.Tensor | None = None
@@ -171,6 +173,12 @@ class EagleDrafter(nn.Module):
     @property
     def architecture(self) -> str:
         return type(self.decoder_layer).__name__
+
+    @property
+    def target_vocab_size(self) -> int:
+        """V, the target's vocabulary (the drafter's config is a copy of the target's); the drafter
+        proposes from its own N of them, `vocabulary.size`."""
+        return self.config.vocab_size
 
     def refresh_draft_head(self) -> None:
         """Copy the target lm_head's rows of the draft tokens (a reduced vocabulary only), on the
@@ -232,7 +240,7 @@ def drafter_metadata(drafter: EagleDrafter, weights_sha256: str) -> dict:
         "version": DRAFTER_FORMAT_VERSION,
         "architecture": drafter.architecture,
         "hidden_size": drafter.config.hidden_size,
-        "vocab_size": drafter.config.vocab_size,
+        "target_vocab_size": drafter.target_vocab_size,
         "draft_vocab_size": drafter.vocabulary.size,
         "target_name_or_path": drafter.target_name_or_path,
         "target_fingerprint": drafter.target_fingerprint,
@@ -292,6 +300,7 @@ def read_drafter_metadata(directory: Path) -> dict:
         raise DrafterLoadError(
             f"Drafter config {config_path} is a JSON {type(metadata).__name__}, not an object: save the drafter again."
         )
+    metadata = with_current_key_names(metadata)
     if metadata.get("version") != DRAFTER_FORMAT_VERSION:
         raise DrafterLoadError(
             f"Drafter in {directory} has format version {metadata.get('version')}, this tlt reads "
@@ -309,13 +318,24 @@ def read_drafter_metadata(directory: Path) -> dict:
     return metadata
 
 
+def with_current_key_names(metadata: dict) -> dict:
+    """A drafter config under this tlt's key names. Folders saved by an earlier tlt call the target's
+    vocabulary `vocab_size`, and those saved before draft vocabularies have no `draft_vocab_size`:
+    they draft over the whole target vocabulary."""
+    current = {RENAMED_KEYS.get(key, key): value for key, value in metadata.items()}
+    if "draft_vocab_size" not in current and "target_vocab_size" in current:
+        current["draft_vocab_size"] = current["target_vocab_size"]
+    return current
+
+
 def check_target_matches(metadata: dict, drafter: EagleDrafter, directory: Path) -> None:
     if metadata["architecture"] != drafter.architecture or metadata["target_fingerprint"] != drafter.target_fingerprint:
         raise DrafterLoadError(
             f"Drafter in {directory} was trained for a {metadata['architecture']} target "
-            f"'{metadata['target_name_or_path']}' (hidden {metadata['hidden_size']}, vocab {metadata['vocab_size']}), "
+            f"'{metadata['target_name_or_path']}' (hidden {metadata['hidden_size']}, "
+            f"vocab {metadata['target_vocab_size']}), "
             f"not this {drafter.architecture} target (hidden {drafter.config.hidden_size}, vocab "
-            f"{drafter.config.vocab_size}): load it with the model it was trained for."
+            f"{drafter.target_vocab_size}): load it with the model it was trained for."
         )
 
 
@@ -333,7 +353,7 @@ def load_drafter(directory: str | Path, target: PreTrainedModel) -> EagleDrafter
     check_target_matches(metadata, drafter, directory)
     try:
         if target_ids is not None:
-            drafter.vocabulary = DraftVocabulary(target_ids.long(), drafter.config.vocab_size)
+            drafter.vocabulary = DraftVocabulary(target_ids.long(), drafter.target_vocab_size)
             drafter.refresh_draft_head()
         drafter.load_state_dict(tensors, strict=True)
     except (RuntimeError, ValueError, IndexError) as error:

@@ -9,7 +9,8 @@ draft distribution q is simply zero on the other V - N tokens.
 
 `DraftVocabulary.target_ids[i]` is the target id of draft token i, ascending (EAGLE-3 stores the
 same list as offsets, d2t[i] = target_ids[i] - i; SGLang reads the list itself, see
-`save_token_map`). The warm-up picks the tokens with `most_frequent_tokens`; the drafter, the
+tlt_cli/sglang/drafter_format.py `save_token_map`). The warm-ups (tlt's and the TRL integration's) pick the tokens with
+`choose_vocabulary`; the drafter, the
 speculative decoder and `tlt export-drafter` use the result.
 """
 
@@ -17,7 +18,6 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
@@ -100,6 +100,16 @@ class DraftVocabulary:
         return target_logits.index_select(-1, self.target_ids)
 
 
+def choose_vocabulary(
+    responses: Iterable[Sequence[int]], draft_vocab_size: int, target_vocab_size: int, eos_token_id: int
+) -> DraftVocabulary:
+    """The draft vocabulary a warm-up trains over: the `draft_vocab_size` tokens (the recipe's
+    `drafter.vocab_size`; 0: the default for the target) the target emitted most often in its
+    `responses`, EOS always among them."""
+    size = resolve_draft_vocab_size(draft_vocab_size, target_vocab_size)
+    return most_frequent_tokens(responses, target_vocab_size, size, [eos_token_id])
+
+
 def most_frequent_tokens(
     sequences: Iterable[Sequence[int]], target_size: int, size: int, required_ids: Sequence[int] = ()
 ) -> DraftVocabulary:
@@ -134,14 +144,3 @@ def token_coverage(sequences: Iterable[Sequence[int]], vocabulary: DraftVocabula
         total += ids.numel()
         covered += int(kept[ids].sum())
     return covered / max(total, 1)
-
-
-def save_token_map(vocabulary: DraftVocabulary, path: Path) -> None:
-    """Write the kept target ids as SGLang's `--speculative-token-map` reads them: a 1-D int64
-    tensor saved with torch.save, loaded with torch.load(weights_only=True); draft id i is
-    target id map[i] (SGLang keeps lm_head rows map[i] as its draft head)."""
-    if not vocabulary.is_reduced:
-        raise ValueError(
-            "a full draft vocabulary has no token map; SGLang drafts over the whole vocabulary without one."
-        )
-    torch.save(vocabulary.target_ids.detach().cpu().to(torch.int64).clone(), path)

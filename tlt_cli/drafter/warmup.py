@@ -7,7 +7,7 @@
   2. prompt states: one target forward over the prompts alone (length buckets) completes the
      hidden states;
   3. train: the draft vocabulary is chosen, the N tokens the target emitted most often in its
-     training responses (tlt_cli/drafter/vocabulary.py; N from `vocab_size`), and a fresh
+     training responses (tlt_cli/drafter/vocabulary.py; N from `draft_vocab_size`), and a fresh
      `EagleDrafter` over it takes `steps` optimizer steps on length buckets of the training
      sequences, the hidden states computed once and reused every step;
   4. evaluate: top-1 agreement with the target on the held-out greedy answers, before and after.
@@ -31,12 +31,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from tlt_cli.drafter.model import EagleDrafter
 from tlt_cli.drafter.trainer import DrafterBatch, DrafterTrainer, evaluate_drafter
-from tlt_cli.drafter.vocabulary import (
-    DraftVocabulary,
-    most_frequent_tokens,
-    resolve_draft_vocab_size,
-    token_coverage,
-)
+from tlt_cli.drafter.vocabulary import choose_vocabulary, token_coverage
 from tlt_cli.rollout.engine import EmbeddedEngine
 from tlt_cli.rollout.types import Completion, RolloutRequest, SamplingParams
 from tlt_cli.tasks.base import Task
@@ -269,14 +264,6 @@ def collect_warmup_data(
     return WarmupData(train, held_out, train_states, held_out_states, generate_seconds, time.perf_counter() - start)
 
 
-def choose_vocabulary(data: WarmupData, vocab_size: int, target_vocab_size: int, eos_token_id: int) -> DraftVocabulary:
-    """The draft vocabulary of `vocab_size` (0: the default for the target): the tokens the target
-    emitted most often in its training responses, EOS always among them."""
-    size = resolve_draft_vocab_size(vocab_size, target_vocab_size)
-    responses = [completion.response_ids for completion in data.train]
-    return most_frequent_tokens(responses, target_vocab_size, size, [eos_token_id])
-
-
 def train_warmup_drafter(
     target: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
@@ -286,12 +273,17 @@ def train_warmup_drafter(
     lr: float,
     seed: int,
     weight_decay: float = 0.1,
-    vocab_size: int = 0,
+    draft_vocab_size: int = 0,
     progress: WarmupProgress | None = None,
 ) -> tuple[EagleDrafter, WarmupReport]:
     """Phases 3 and 4 on collected data: a fresh drafter over the chosen vocabulary, trained
     `steps` steps on length buckets of `batch_size` sequences, evaluated on the held-out answers."""
-    vocabulary = choose_vocabulary(data, vocab_size, target.config.vocab_size, tokenizer.eos_token_id)
+    vocabulary = choose_vocabulary(
+        [completion.response_ids for completion in data.train],
+        draft_vocab_size,
+        target.config.vocab_size,
+        tokenizer.eos_token_id,
+    )
     pad_token_id = tokenizer.pad_token_id
     train_buckets = length_buckets(data.train, data.train_prompt_states, batch_size, pad_token_id)
     held_out_buckets = length_buckets(data.held_out, data.held_out_prompt_states, EVALUATION_BUCKET_SIZE, pad_token_id)
@@ -345,12 +337,12 @@ def warm_up_drafter(
     max_new_tokens: int = 256,
     temperature: float = 1.0,
     weight_decay: float = 0.1,
-    vocab_size: int = 0,
+    draft_vocab_size: int = 0,
     progress: WarmupProgress | None = None,
 ) -> tuple[EagleDrafter, WarmupReport]:
     """Train a fresh drafter on the target's own sampled responses to `task` (temperature given).
 
-    vocab_size: draft vocabulary size N (0: the default for the target's vocabulary, see
+    draft_vocab_size: N, the recipe's drafter.vocab_size (0: the default for the target's vocabulary, see
     tlt_cli/drafter/vocabulary.py; at least V: the full vocabulary).
 
     Example:
@@ -360,5 +352,5 @@ def warm_up_drafter(
     sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature)
     data = collect_warmup_data(target, tokenizer, task, train_prompts, held_out_prompts, sampling, seed, progress)
     return train_warmup_drafter(
-        target, tokenizer, data, steps, batch_size, lr, seed, weight_decay, vocab_size, progress
+        target, tokenizer, data, steps, batch_size, lr, seed, weight_decay, draft_vocab_size, progress
     )

@@ -124,19 +124,18 @@ def _warm_up(
 ) -> EagleDrafter:
     """tlt_cli/drafter/warmup.py's phases 1-3 on these prompts: sample, choose the vocabulary, train."""
     from tlt_cli.drafter.trainer import DrafterTrainer
-    from tlt_cli.drafter.vocabulary import most_frequent_tokens, resolve_draft_vocab_size
+    from tlt_cli.drafter.vocabulary import choose_vocabulary
     from tlt_cli.drafter.warmup import length_buckets, prompt_hidden_states, sample_completions, train_on_buckets
 
     tokenizer = trainer._tokenizer
     completions = sample_completions(policy, tokenizer, prompts, trl_sampling(trainer), seed, return_hidden=True)
     with policy_in_eval_mode(policy):
         prompt_states = prompt_hidden_states(policy, [completion.prompt_ids for completion in completions])
-    vocab_size = policy.config.vocab_size
-    vocabulary = most_frequent_tokens(
+    vocabulary = choose_vocabulary(
         [completion.response_ids for completion in completions],
-        vocab_size,
-        resolve_draft_vocab_size(settings.vocab_size, vocab_size),
-        [tokenizer.eos_token_id],
+        settings.vocab_size,
+        policy.config.vocab_size,
+        tokenizer.eos_token_id,
     )
     drafter = EagleDrafter(policy, seed=seed, vocabulary=vocabulary)
     buckets = length_buckets(completions, prompt_states, settings.warmup_batch_size, tokenizer.pad_token_id)

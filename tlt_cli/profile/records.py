@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import csv
 import io
-import json
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -26,6 +25,7 @@ from typing import Any
 
 from tlt_cli.errors import UserError
 from tlt_cli.rollout.types import DRAFT_SOURCES
+from tlt_cli.trace import numbered_records, utf8_text
 
 TRACE_FILE = "trace.jsonl"
 REQUIRED_REQUEST_FIELDS = ("step", "worker", "start", "end", "tokens")
@@ -120,7 +120,7 @@ def load_records(path: Path) -> ProfileRecords:
     if path.suffix.lower() == ".csv":
         return records_from_requests(str(path), "csv", list(_csv_requests(path)))
     if path.suffix.lower() in (".jsonl", ".json"):
-        lines = list(numbered_json_lines(path))
+        lines = list(numbered_records(path, ProfileInputError))
         if lines and "type" in lines[0][1]:
             return _trace_records(path, lines)
         return records_from_requests(
@@ -131,29 +131,7 @@ def load_records(path: Path) -> ProfileRecords:
 
 def read_trace_records(path: Path) -> ProfileRecords:
     """The records of a tlt trace file."""
-    return _trace_records(path, list(numbered_json_lines(path)))
-
-
-def numbered_json_lines(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
-    """(line number, object) for every non-blank line; a line that is not a JSON object is an error naming it."""
-    lines = utf8_text(path).split("\n")
-    for number, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as error:
-            if number == len(lines):
-                raise ProfileInputError(
-                    f"{path} line {number} (the last) is cut short ({error.msg}): the file is truncated; "
-                    "wait for the run to write it, or delete that line."
-                ) from None
-            raise ProfileInputError(
-                f"{path} line {number} is not valid JSON ({error.msg}); fix or delete that line."
-            ) from None
-        if not isinstance(record, dict):
-            raise ProfileInputError(f"{path} line {number} is not a JSON object; each line must be one record.")
-        yield number, record
+    return _trace_records(path, list(numbered_records(path, ProfileInputError)))
 
 
 def _trace_records(path: Path, lines: list[tuple[int, dict[str, Any]]]) -> ProfileRecords:
@@ -232,20 +210,8 @@ def _sorted(records: ProfileRecords) -> ProfileRecords:
     return records
 
 
-def utf8_text(path: Path) -> str:
-    """The file's text; a byte that is not UTF-8 is an error naming its line."""
-    data = path.read_bytes()
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as error:
-        line = data.count(b"\n", 0, error.start) + 1
-        raise ProfileInputError(
-            f"{path} line {line} is not UTF-8 text (byte 0x{data[error.start]:02x}); save the file as UTF-8."
-        ) from None
-
-
 def _csv_requests(path: Path) -> Iterator[RequestRecord]:
-    with io.StringIO(utf8_text(path), newline="") as handle:
+    with io.StringIO(utf8_text(path, ProfileInputError), newline="") as handle:
         reader = csv.DictReader(handle)
         columns = [name.strip() for name in reader.fieldnames or []]
         missing = [name for name in REQUIRED_REQUEST_FIELDS if name not in columns]

@@ -27,7 +27,7 @@ from collections import defaultdict, deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from tlt_cli.config import RecipeError
+from tlt_cli.config import RecipeError, SpeculativeMode
 from tlt_cli.rollout.speculative import SpeculativeDecoder, StepCounts
 from tlt_cli.rollout.types import DecodeStep, SpeculativeConfig
 
@@ -386,9 +386,9 @@ def speculative_decoder(
 ) -> SpeculativeDecoder | None:
     """The embedded engine's decoder for a recipe's `speculative` section (None when off, or without a
     drafter when a configuration needs one: a table of model-free configurations needs none)."""
-    if section.mode == "off":
+    if section.mode == SpeculativeMode.off:
         return None
-    if section.mode == "adaptive":
+    if section.mode == SpeculativeMode.adaptive:
         schedule = adaptive_schedule(section, seed)
         if drafter is None and schedule.uses_drafter:
             return None

@@ -7,7 +7,7 @@ no worker: a policy module, its EOS and pad ids, the `speculative` settings and,
 drafter over that policy, which is all a trainer of another library has in its own process:
 
     rollout = EmbeddedRollout(model, tokenizer.eos_token_id, tokenizer.pad_token_id,
-                              SpeculativeSection(mode="adaptive"), drafter, seed=0)
+                              SpeculativeSection(mode=SpeculativeMode.adaptive), drafter, seed=0)
     completions, busy_end = rollout.generate(requests, SamplingParams(max_new_tokens=128), seed=step)
     usage = rollout.take_usage()  # adaptive SD: decode steps, tokens and seconds per configuration
 

@@ -64,8 +64,9 @@ if TYPE_CHECKING:
     from tlt_cli.rollout.engine import EmbeddedEngine, RunningBatch
 
 
-def check_speculative_config(config: SpeculativeConfig, vocab_size: int) -> None:
-    """Raise ValueError naming the field to fix when `config` cannot be drafted."""
+def check_speculative_config(config: SpeculativeConfig) -> None:
+    """Raise ValueError naming the field to fix when `config` cannot be drafted by any drafter
+    (whether its topk fits a given drafter's vocabulary: `check_topk_fits`)."""
     if config.ngram_tokens < 0:
         raise ValueError(f"ngram tokens is {config.ngram_tokens}; set it to 0 (none) or more.")
     if config.steps == 0 and config.uses_ngram:
@@ -77,10 +78,8 @@ def check_speculative_config(config: SpeculativeConfig, vocab_size: int) -> None
         return
     if config.steps < 1:
         raise ValueError(f"speculative steps is {config.steps}; set it to at least 1.")
-    if not 1 <= config.topk <= vocab_size:
-        raise ValueError(
-            f"speculative topk is {config.topk}; set it between 1 and the draft vocabulary size {vocab_size}."
-        )
+    if config.topk < 1:
+        raise ValueError(f"speculative topk is {config.topk}; set it to at least 1.")
     if config.is_chain:
         if config.draft_tokens not in (0, config.steps + 1):
             raise ValueError(
@@ -93,6 +92,15 @@ def check_speculative_config(config: SpeculativeConfig, vocab_size: int) -> None
         raise ValueError(
             f"speculative draft_tokens is {config.verified_tokens}; with steps {config.steps} and topk "
             f"{config.topk} set it between 2 and {candidates + 1}."
+        )
+
+
+def check_topk_fits(config: SpeculativeConfig, draft_vocab_size: int) -> None:
+    """Raise ValueError when `config` branches over more tokens than the drafter proposes from (its
+    draft vocabulary, N tokens; a model-free shape uses no drafter)."""
+    if config.uses_drafter and config.topk > draft_vocab_size:
+        raise ValueError(
+            f"speculative topk is {config.topk}; set it between 1 and the draft vocabulary size {draft_vocab_size}."
         )
 
 
@@ -248,7 +256,9 @@ class SpeculativeDecoder:
             raise ValueError(f"SD configuration {config.label()} drafts with a model, and there is no drafter.")
         if config.uses_ngram and not self.keeps_index:
             raise ValueError(f"SD configuration {config.label()} drafts n-grams, and this decoder keeps no index.")
-        check_speculative_config(config, self.drafter.vocabulary.size if config.uses_drafter else 1)
+        check_speculative_config(config)
+        if config.uses_drafter:
+            check_topk_fits(config, self.drafter.vocabulary.size)
         self._checked.add(config)
 
     def _propose(self, batch: RunningBatch, max_tokens: int) -> list[list[int]]:

@@ -11,7 +11,7 @@ the section to one `BatchRule` per batch-size range, in order from 1: `off` is S
 `fixed` one shape everywhere, and `adaptive` takes, for every range on which the rule table
 (tlt_cli/rollout/adaptive.py, which checks it) is constant, the configuration tlt's own schedule
 starts with (the rule matching an accept length not yet measured; its `use:`, not its bandit
-candidates). `plan_for_sglang(rules, features, auto_off_on_collapse)` then returns one of three plans:
+candidates). `plan_for_sglang(rules, features, auto_off_on_collapse)` then returns one of four plans:
 
 - **off**: every rule is off; servers launch without speculative flags.
 - **adaptive**: every rule is off or a chain; slot `min_batch` gets candidate steps `[steps]`
@@ -34,9 +34,10 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
+from enum import Enum
 from pathlib import Path
 
-from tlt_cli.config import RecipeError, SpeculativeSection
+from tlt_cli.config import RecipeError, SpeculativeMode, SpeculativeSection
 from tlt_cli.rollout.adaptive import UNBOUNDED, Rule, bucket_edges, build_rules
 from tlt_cli.rollout.types import SpeculativeConfig
 from tlt_cli.sglang.version import SGLangFeatures
@@ -63,12 +64,20 @@ class BatchRule:
         return self.min_batch <= batch_size and (self.max_batch is None or batch_size <= self.max_batch)
 
 
+class PlanMode(str, Enum):
+    """How the servers speculate (see the module docstring); not the recipe's speculative.mode."""
+
+    off = "off"
+    adaptive = "adaptive"
+    static = "static"
+    ngram = "ngram"
+
+
 @dataclass(frozen=True)
 class SGLangSpeculativePlan:
     """What the servers are launched with; slots: (min_batch, candidate steps) in adaptive mode."""
 
-    # "off", "adaptive" or "static" (see the module docstring)
-    mode: str
+    mode: PlanMode
     launch: SpeculativeConfig | None
     slots: tuple[tuple[int, tuple[int, ...]], ...]
     differences: tuple[str, ...]
@@ -80,9 +89,9 @@ class SGLangSpeculativePlan:
 
 def batch_rules(section: SpeculativeSection) -> list[BatchRule]:
     """Batch-size rules from the recipe's speculative section, covering batch sizes 1.. in order."""
-    if section.mode == "off":
+    if section.mode == SpeculativeMode.off:
         return [BatchRule(1, None, None)]
-    if section.mode == "fixed":
+    if section.mode == SpeculativeMode.fixed:
         return [BatchRule(1, None, SpeculativeConfig(section.steps, section.topk, section.draft_tokens))]
     rules = build_rules([dict(rule) for rule in section.rules])
     _check_one_algorithm([config for rule in rules for config in rule.configs if config is not None])
@@ -151,7 +160,9 @@ def plan_for_sglang(
     release `features` describes."""
     speculative_rules = [rule for rule in rules if rule.speculative is not None]
     if not speculative_rules:
-        return SGLangSpeculativePlan("off", None, (), ("SD is off on every server, as every rule of the table says.",))
+        return SGLangSpeculativePlan(
+            PlanMode.off, None, (), ("SD is off on every server, as every rule of the table says.",)
+        )
     _check_one_algorithm([rule.speculative for rule in speculative_rules])
     if speculative_rules[0].speculative.uses_ngram:
         return _ngram_plan(rules, static_batch_size)
@@ -182,7 +193,9 @@ def _adaptive_plan(
             # step 0 beside the rule's depth lets SGLang's acceptance EMA switch a collapsed slot off
             steps = (0, rule.speculative.steps) if auto_off_on_collapse else (rule.speculative.steps,)
             slots.append((rule.min_batch, steps))
-    return SGLangSpeculativePlan("adaptive", launch, tuple(slots), _adaptive_differences(rules, auto_off_on_collapse))
+    return SGLangSpeculativePlan(
+        PlanMode.adaptive, launch, tuple(slots), _adaptive_differences(rules, auto_off_on_collapse)
+    )
 
 
 def _adaptive_differences(rules: Sequence[BatchRule], auto_off_on_collapse: bool) -> tuple[str, ...]:
@@ -229,7 +242,7 @@ def _static_plan(
             f"SD stays on where the table says off ({', '.join(off_rules)}), where it costs target compute."
         )
     differences.append("acceptance is not acted on inside SGLang; the post-sync probe still checks it.")
-    return SGLangSpeculativePlan("static", launch, (), tuple(differences))
+    return SGLangSpeculativePlan(PlanMode.static, launch, (), tuple(differences))
 
 
 def _ngram_plan(rules: Sequence[BatchRule], static_batch_size: int) -> SGLangSpeculativePlan:
@@ -244,13 +257,13 @@ def _ngram_plan(rules: Sequence[BatchRule], static_batch_size: int) -> SGLangSpe
     off_rules = [rule.describe() for rule in rules if rule.speculative is None]
     if off_rules:
         differences.append(f"SD stays on where the table says off ({', '.join(off_rules)}).")
-    return SGLangSpeculativePlan("ngram", chosen.speculative, (), tuple(differences))
+    return SGLangSpeculativePlan(PlanMode.ngram, chosen.speculative, (), tuple(differences))
 
 
 def write_adaptive_config(plan: SGLangSpeculativePlan, path: str | Path) -> Path:
     """Write the plan's slot JSON for --speculative-adaptive-config; only adaptive plans have one."""
-    if plan.mode != "adaptive":
-        raise ValueError(f"only an adaptive plan has a slot config, this plan is '{plan.mode}'.")
+    if plan.mode is not PlanMode.adaptive:
+        raise ValueError(f"only an adaptive plan has a slot config, this plan is '{plan.mode.value}'.")
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(plan.adaptive_config(), indent=2) + "\n")

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from tlt_cli.rollout.types import Completion, RolloutRequest, SamplingParams
-from tlt_cli.sglang.adaptive import BatchRule, SGLangSpeculativePlan, plan_for_sglang
+from tlt_cli.sglang.adaptive import BatchRule, PlanMode, SGLangSpeculativePlan, plan_for_sglang
 from tlt_cli.sglang.client import SGLangClient
 from tlt_cli.sglang.config import SGLangConfig
 from tlt_cli.sglang.server import ServerGroup, launch_sglang_servers
@@ -96,7 +96,7 @@ class SGLangBackend:
             self.group.endpoints, self.eos_token_id, self.config.request_timeout_s, self.config.max_in_flight_per_server
         )
         self._last_probes = [None] * len(self.group.endpoints)
-        return [self.features.describe(), f"SD plan on SGLang: {self.plan.mode}", *self.plan.differences]
+        return [self.features.describe(), f"SD plan on SGLang: {self.plan.mode.value}", *self.plan.differences]
 
     def stop(self) -> None:
         if self.group is not None:
@@ -179,9 +179,9 @@ class SGLangBackend:
 
     def _can_push_drafter(self, report: SyncReport) -> bool:
         reason = None
-        if self.plan.mode == "off":
+        if self.plan.mode is PlanMode.off:
             reason = "SD is off on the servers"
-        elif self.plan.mode == "ngram":
+        elif self.plan.mode is PlanMode.ngram:
             reason = "the servers draft with SGLang's NGRAM, not the drafter"
         elif not self.features.drafter_sync:
             reason = f"SGLang {self.features.version} has no draft selector (0.5.21 and later)"

@@ -33,7 +33,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from tlt_cli.sglang.adaptive import SGLangSpeculativePlan, write_adaptive_config
+from tlt_cli.sglang.adaptive import PlanMode, SGLangSpeculativePlan, write_adaptive_config
 from tlt_cli.sglang.config import SGLangConfig
 from tlt_cli.sglang.server_args import (
     SERVER_HOST,
@@ -289,7 +289,7 @@ def launch_sglang_servers(
     """
     log_dir = private_folder(Path(run_dir) / "sglang")
     adaptive_path = (
-        write_adaptive_config(plan, log_dir / "adaptive_speculative.json") if plan.mode == "adaptive" else None
+        write_adaptive_config(plan, log_dir / "adaptive_speculative.json") if plan.mode is PlanMode.adaptive else None
     )
     flags = speculative_flags(plan, draft_model_path, adaptive_path)
     # hex: a URL-safe token may start with "-", which the server's argument parser reads as a flag

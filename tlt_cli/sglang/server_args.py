@@ -19,7 +19,7 @@ from pathlib import Path
 
 from tlt_cli.rollout.ngram import DEFAULT_MAX_MATCH
 from tlt_cli.rollout.types import SpeculativeConfig
-from tlt_cli.sglang.adaptive import SGLangSpeculativePlan
+from tlt_cli.sglang.adaptive import PlanMode, SGLangSpeculativePlan
 from tlt_cli.sglang.config import PORTS_PER_SERVER, SGLangConfig
 
 SERVER_HOST = "127.0.0.1"
@@ -91,9 +91,9 @@ def speculative_flags(
     plan: SGLangSpeculativePlan, draft_model_path: str | None, adaptive_config_path: str | Path | None
 ) -> list[str]:
     """SGLang's speculative flags for `plan`; none for an off plan (an ngram plan needs no drafter)."""
-    if plan.mode == "off":
+    if plan.mode is PlanMode.off:
         return []
-    if plan.mode == "ngram":
+    if plan.mode is PlanMode.ngram:
         return ngram_flags(plan.launch)
     if draft_model_path is None:
         raise LaunchConfigError(
@@ -102,14 +102,14 @@ def speculative_flags(
         )
     flags = ["--speculative-algorithm", SPECULATIVE_ALGORITHM, "--speculative-draft-model-path", str(draft_model_path)]
     flags += _shape_flags(plan.launch)
-    if plan.mode == "adaptive":
+    if plan.mode is PlanMode.adaptive:
         if adaptive_config_path is None:
             raise LaunchConfigError(
                 "an adaptive plan needs the path of its slot file (adaptive.write_adaptive_config)."
             )
         flags += ["--speculative-adaptive", "--speculative-adaptive-config", str(adaptive_config_path)]
-    elif plan.mode != "static":
-        raise LaunchConfigError(f"unknown plan mode '{plan.mode}'.")
+    elif plan.mode is not PlanMode.static:
+        raise LaunchConfigError(f"unknown plan mode '{plan.mode.value}'.")
     return flags
 
 
