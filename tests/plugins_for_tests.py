@@ -54,3 +54,14 @@ class CrashingPlugin:
     def on_rollout_start(self, context):
         self.calls += 1
         raise RuntimeError(f"boom on call {self.calls}")
+
+
+class FailingLogger:
+    """A driver-side plugin (a logger) whose step hook raises: the run warns once and goes on."""
+
+    def __init__(self, recipe):
+        self.records = 0
+
+    def on_step_record(self, record):
+        self.records += 1
+        raise OSError(f"logger backend unreachable at step {record['step']}")

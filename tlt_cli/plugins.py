@@ -35,9 +35,10 @@ have both. docs/plugins.md has the whole contract and an example.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 from pathlib import Path
@@ -212,6 +213,23 @@ def plugin_idle_uses(names: list[str] | tuple[str, ...]) -> tuple[tuple[str, str
     return tuple(use for use in uses if use is not None)
 
 
+def trl_reporting(
+    names: list[str] | tuple[str, ...], options: dict[str, dict[str, Any]], run_directory: Path
+) -> tuple[list[str], dict[str, str]]:
+    """Under TRL: the `report_to` names of the named loggers TRL also has (class attribute `trl_report_to`),
+    and the environment TRL's own loggers then read (`trl_environment(run_directory, **options)`: where
+    they write under the run directory, W&B's mode)."""
+    report_to, environment = [], {}
+    for name in names:
+        factory = plugin_factory(name)
+        if getattr(factory, "trl_report_to", None) is None:
+            continue
+        report_to.append(factory.trl_report_to)
+        if hasattr(factory, "trl_environment"):
+            environment.update(factory.trl_environment(run_directory, **options.get(name, {})))
+    return report_to, environment
+
+
 def scalar_metrics(record: dict[str, Any]) -> dict[str, float]:
     """The numbers of a step record a logger plots: every numeric key but the step and wall-clock times.
 
@@ -273,6 +291,44 @@ class PluginHost:
     def take_failures(self) -> list[PluginFailure]:
         failures, self.failures = self.failures, []
         return failures
+
+
+class DriverPlugins:
+    """A run's driver-side plugins (loggers), built and called in the driver: a failure is one warning.
+
+    Example (tlt_cli/processes/driver.py):
+        loggers = DriverPlugins(recipe)
+        with loggers.running(run, warn=display.note):   # on_run_start ... on_run_end
+            ... loggers.step_recorded(step_record) ...
+    """
+
+    def __init__(self, recipe: Any):
+        self.recipe = recipe
+        self.host = PluginHost([])
+        self.warn: Callable[[str], None] = print
+
+    @contextlib.contextmanager
+    def running(self, run: RunInfo, warn: Callable[[str], None]) -> Iterator[DriverPlugins]:
+        """Build the plugins, call on_run_start; on_run_end when the block ends, however it ends."""
+        self.warn = warn
+        for name in self.recipe.plugins.enabled:
+            try:
+                self.host.plugins += build_plugins([name], dict(self.recipe.plugins.options), self.recipe, DRIVER_HOOKS)
+            except Exception as error:  # a logger that cannot be built must not stop the run
+                warn(f"plugin {name} disabled: it could not be built ({type(error).__name__}: {error}).")
+        self._call("on_run_start", run)
+        try:
+            yield self
+        finally:
+            self._call("on_run_end")
+
+    def step_recorded(self, record: dict[str, Any]) -> None:
+        self._call("on_step_record", record)
+
+    def _call(self, hook: str, *arguments: Any) -> None:
+        self.host.call(hook, *arguments)
+        for failure in self.host.take_failures():
+            self.warn(f"plugin {failure.plugin} disabled: {failure.hook} raised {failure.message}; the run goes on.")
 
 
 class MetricKeyError(ValueError):

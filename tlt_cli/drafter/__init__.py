@@ -1,1 +1,1 @@
-"""The EAGLE-style drafter: model, losses, offline warm-up, and the sidecar that trains it online on idle workers."""
+"""The EAGLE-style drafter: model, losses, offline warm-up, and the trainer a plugin runs to train it online."""

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from tlt_cli.config import CPU_DEVICES, Recipe, RecipeError
 from tlt_cli.integrations.trl_support import check_trl_version
+from tlt_cli.plugins import trl_reporting
 from tlt_cli.tasks.base import Task
 from tlt_cli.tasks.prompts import uses_chat_template
 
@@ -110,7 +111,8 @@ def grpo_config_arguments(recipe: Recipe, processes: int, run_directory: Path) -
         "bf16": actor.precision == "bf16",
         "save_strategy": "no",
         "logging_steps": 1,
-        "report_to": "none",
+        # the recipe's logger plugins TRL has too log TRL's own numbers (its process sets their environment)
+        "report_to": trl_reporting(recipe.plugins.enabled, dict(recipe.plugins.options), run_directory)[0] or "none",
         "disable_tqdm": True,
         "lr_scheduler_type": LR_SCHEDULE,
         "shuffle_dataset": False,

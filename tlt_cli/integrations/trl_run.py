@@ -37,6 +37,7 @@ from tlt_cli.integrations.trl_recipe import (
     prompt_dataset,
 )
 from tlt_cli.models.loading import load_policy
+from tlt_cli.plugins import trl_reporting
 from tlt_cli.processes.distributed import WorkerAddress, one_node_rendezvous
 from tlt_cli.processes.worker_process import exit_with_parent, redirect_output
 from tlt_cli.tasks.registry import build_task
@@ -94,6 +95,8 @@ class TrlRun:
         self.spec, self.events, self.recipe = spec, events, recipe
         self.rank, self.processes = spec.address.rank, spec.address.world_size
         join_processes(spec.address, recipe.workers.threads_per_worker)
+        # where TRL's own loggers (report_to) write under the run directory, and how (W&B offline by default)
+        os.environ.update(trl_reporting(recipe.plugins.enabled, dict(recipe.plugins.options), spec.run_directory)[1])
         torch.manual_seed(recipe.run.seed)
         policy, tokenizer = load_policy(recipe.model.path)
         task = build_task(recipe.task.name, recipe.run.seed, dict(recipe.task.options))

@@ -34,11 +34,12 @@ from typing import Any, Protocol
 
 from rich.console import Console
 
-from tlt_cli.config import CPU_DEVICES, TRL_TRAINER, Recipe
+from tlt_cli.config import CPU_DEVICES, TRL_TRAINER, Recipe, recipe_to_dict
 from tlt_cli.display import PhaseProgress, TrainingDisplay, render_summary
 from tlt_cli.drafter.initial import prepare_initial_drafter
 from tlt_cli.errors import UserError
 from tlt_cli.models.tiny import default_cache_dir
+from tlt_cli.plugins import DriverPlugins, RunInfo, plugin_columns, plugin_idle_uses
 from tlt_cli.processes.hostfile import runs_on_this_machine
 from tlt_cli.processes.launched_workers import LaunchedWorkers
 from tlt_cli.processes.local_workers import LocalWorkers
@@ -47,7 +48,7 @@ from tlt_cli.processes.run_directory import CHECKPOINTS, RUN_LOG, TRACE_FILE, Ru
 from tlt_cli.processes.step_deadline import StepDeadline
 from tlt_cli.processes.step_records import step_records
 from tlt_cli.sglang.registry import stop_recorded_servers
-from tlt_cli.trace import TraceWriter, read_trace, truncate_trace
+from tlt_cli.trace import STEP_RECORD, TraceWriter, read_trace, truncate_trace
 from tlt_cli.training.worker_loop import WorkerFailed, WorkerFinished, WorkerProgress, WorkerStepReport
 
 EVENT_POLL_SECONDS = 1.0
@@ -99,9 +100,11 @@ class RunTrace:
     the `run` record goes first.
     """
 
-    def __init__(self, path: Path, start_step: int, run_record: dict[str, Any]):
+    def __init__(self, path: Path, start_step: int, run_record: dict[str, Any], loggers: DriverPlugins):
         self.path, self.start_step, self.run_record = path, start_step, run_record
         self.writer: TraceWriter | None = None
+        # driver-side plugins see each step record once the trace holds it
+        self.loggers = loggers
 
     @property
     def started(self) -> bool:
@@ -113,6 +116,8 @@ class RunTrace:
             self.writer = TraceWriter(self.path)
             self.writer.write(self.run_record)
         self.writer.write(record)
+        if record["type"] == STEP_RECORD:
+            self.loggers.step_recorded(record)
 
     def close(self) -> None:
         if self.writer is not None:
@@ -153,6 +158,16 @@ def _train_in(
     recipe: Recipe = spec_base["recipe"]
     run_directory = held.path
     console.print(f"run directory: {run_directory}", markup=False)
+    loggers = DriverPlugins(recipe)
+    run = RunInfo(
+        recipe.run.name,
+        run_directory,
+        recipe.workers.count,
+        recipe.train.steps,
+        spec_base["start_step"],
+        resumed,
+        recipe_to_dict(recipe),
+    )
     trace = RunTrace(
         run_directory / TRACE_FILE,
         spec_base["start_step"],
@@ -163,9 +178,14 @@ def _train_in(
             "resumed_from_step": spec_base["start_step"] if resumed else None,
             "steps": recipe.train.steps,
         },
+        loggers,
     )
+    columns = plugin_columns(recipe.plugins.enabled)
     try:
-        with TrainingDisplay(console, f"tlt train {recipe.run.name}", recipe.train.steps) as display:
+        with (
+            TrainingDisplay(console, f"tlt train {recipe.run.name}", recipe.train.steps, columns) as display,
+            loggers.running(run, warn=display.note),
+        ):
             _run_workers(spec_base, trace, display)
     except (TrainingFailed, UserError) as error:
         trace.close()
@@ -175,7 +195,7 @@ def _train_in(
     finally:
         trace.close()
     steps = [record for record in read_trace(trace.path) if record["type"] == "step"]
-    render_summary(console, steps, run_directory)
+    render_summary(console, steps, run_directory, plugin_idle_uses(recipe.plugins.enabled))
     return RunSummary(run_directory, steps)
 
 
