@@ -6,7 +6,7 @@ step_records.py; fields in the README's trace section):
   request    one per generated response: step, worker, request_id, start, end, prompt_tokens,
              tokens, reward, finished_by_eos, and speculative-decoding counters
   worker     one per worker per step: busy_start, busy_end, idle_start, idle_end, idle_seconds,
-             and the numbers plugins added (the drafter sidecar's drafter_* metrics)
+             and the numbers plugins added, each under its plugin's prefix (drafter_*, ...)
   sd_config  one per worker per step per SD configuration it decoded in ("off" = plain):
              config, and the decode steps, tokens and seconds spent in it, and per draft
              source (drafter, ngram) its verify passes and accepted tokens
