@@ -25,7 +25,7 @@ from tlt_cli.rollout.adaptive import AdaptiveSchedule, AdaptiveSpeculativeDecode
 from tlt_cli.rollout.engine import EmbeddedEngine
 from tlt_cli.rollout.ngram import NgramIndex
 from tlt_cli.rollout.speculative import SpeculativeDecoder
-from tlt_cli.rollout.tree import DraftTree, ancestor_mask, with_ngram_branch
+from tlt_cli.rollout.tree import DraftTree, ancestor_mask, with_chosen_chains, with_ngram_branch
 from tlt_cli.rollout.types import RolloutRequest, SamplingParams, SpeculativeConfig
 from tlt_cli.sglang.adaptive import batch_rules, plan_for_sglang
 from tlt_cli.sglang.server_args import speculative_flags
@@ -347,3 +347,71 @@ def test_a_sampled_drafter_child_then_an_ngram_child_emit_the_target_law(ngram_t
     # both kinds of candidate were kept now and then
     kept = verdict.path[:, 1][verdict.accept_length > 0]
     assert bool((kept == 1).any()) and bool((kept == 2).any())
+
+
+PICKS_SOURCE = [parse_label("s2-k1-t3|ngram4"), parse_label("s3-k1-t4|ngram2")]
+
+
+@pytest.mark.parametrize("config", PICKS_SOURCE, ids=lambda config: config.label())
+def test_greedy_sd_with_one_source_per_row_is_token_identical(config):
+    target = tiny_target()
+    greedy = SamplingParams(max_new_tokens=30, temperature=0.0)
+    requests = grouped_requests(4, 3, seed=3)
+    eos_token_id = frequent_token(generate(target, requests, greedy, eos_token_id=64))
+    plain = generate(target, requests, greedy, eos_token_id)
+    decoder = SpeculativeDecoder(TargetAsDrafter(target, logit_noise=0.8), config)
+    speculative = generate(target, requests, greedy, eos_token_id, decoder)
+    assert [c.response_ids for c in speculative] == [c.response_ids for c in plain]
+    assert [c.finished_by_eos for c in speculative] == [c.finished_by_eos for c in plain]
+    for completion in speculative:
+        stats = completion.speculative
+        # every verify pass drafted from exactly one source
+        assert stats.passes_by_source["drafter"] + stats.passes_by_source["ngram"] == stats.verify_passes
+    for source in ("drafter", "ngram"):
+        assert sum(c.speculative.accepted_by_source[source] for c in speculative) > 0
+
+
+@pytest.mark.parametrize("params", SAMPLING, ids=["plain", "top-k-top-p"])
+def test_sampled_sd_with_one_source_per_row_keeps_the_target_distribution(params):
+    target = tiny_target(vocab_size=8, initializer_range=0.4)
+    config = parse_label("s2-k1-t3|ngram2")
+    # the short prompt leaves some rows without an n-gram proposal at their second step: those verify the
+    # drafter's chain in the same pass as rows verifying n-gram chains
+    completions = assert_sd_has_the_target_law(target, EagleDrafter(target, seed=5), config, params, group_size=8)
+    first_passes = len(completions)  # every row tries the drafter first
+    assert sum(c.speculative.passes_by_source["drafter"] for c in completions) > first_passes
+    assert sum(c.speculative.passes_by_source["ngram"] for c in completions) > 0
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.8])
+def test_rows_verifying_sampled_drafts_beside_rows_verifying_ngram_drafts_emit_the_target_law(temperature):
+    # one verify pass, half the rows a sampled drafter chain x1 ~ q, x2 ~ q, half an n-gram chain (point
+    # masses 5, 2): the first emitted token of either kind of row must follow p
+    rows, vocab_size = 40000, 8
+    generator = torch.Generator().manual_seed(4)
+    params = SamplingParams(3, temperature=temperature)
+    target_logits = torch.tensor([2.0, 0.5, 1.5, -1.0, 0.0, 1.0, -0.5, 0.3]).expand(rows, 4, vocab_size)
+    q = torch.softmax(torch.tensor([0.0, 1.0, 2.5, 0.5, -1.0, 0.2, 1.5, 0.0]), dim=0)
+    drafted = torch.multinomial(q.expand(rows, -1), 2, replacement=True, generator=generator)
+    root = torch.zeros(rows, 1, dtype=torch.long)
+    chain = DraftTree(
+        tokens=torch.cat([root, drafted], dim=1),
+        parents=torch.tensor([0, 0, 1]).expand(rows, -1),
+        depths=torch.tensor([0, 1, 2]).expand(rows, -1),
+        ancestors=torch.ones(3, 3, dtype=torch.bool).tril(),
+        draft_probs=q.expand(rows, 2, -1),
+    )
+    ngram_rows = torch.arange(rows) % 2 == 1
+    tree = with_chosen_chains(chain, [[5, 2, 7]] * rows, ngram_rows)
+    verdict = accept_tree(tree, target_logits, params, generator)
+    first = torch.where(
+        verdict.accept_length > 0, tree.tokens.gather(1, verdict.path[:, 1:2]).squeeze(1), verdict.bonus
+    )
+    law = torch.softmax(target_logits[0, 0].double() / temperature, dim=0)
+    for kind in (ngram_rows, ~ngram_rows):
+        observed = torch.bincount(first[kind], minlength=vocab_size).double()
+        assert chisquare(observed.numpy(), (law * observed.sum()).numpy()).pvalue > 0.01
+        assert 0 < int((verdict.accept_length[kind] > 0).sum()) < int(kind.sum())
+    # an n-gram row keeps its proposals in order; a drafter row never reaches past its two drafts
+    assert bool((tree.tokens[ngram_rows, 1:] == torch.tensor([5, 2, 7])).all())
+    assert int(verdict.accept_length[~ngram_rows].max()) <= 2

@@ -135,7 +135,7 @@ def accept_tree(
         left_at_deepest = target_probs[rows, deepest]
         if chain_residuals is not None:
             chain_length = chain_residuals.shape[1]
-            at_chain_node = (deepest < chain_length)[:, None]
+            at_chain_node = ((deepest < chain_length) & _drawn_rows(tree))[:, None]
             residual = chain_residuals[rows, deepest.clamp(max=chain_length - 1)]
             left_at_deepest = torch.where(at_chain_node, residual, left_at_deepest)
         bonus = _bonus_after_children(tree, left_at_deepest, deepest, valid, generator)
@@ -151,6 +151,13 @@ def _chain_residuals(tree: DraftTree, target_probs: torch.Tensor) -> torch.Tenso
     chain_length = tree.draft_probs.shape[1]
     chain_probs = target_probs[:, :chain_length]
     return _residual(chain_probs.flatten(0, 1), tree.draft_probs.flatten(0, 1)).view_as(chain_probs)
+
+
+def _drawn_rows(tree: DraftTree) -> torch.Tensor:
+    """[B] bool: the rows whose chain nodes 1..S were drawn from tree.draft_probs."""
+    if tree.drawn_rows is not None:
+        return tree.drawn_rows
+    return torch.ones(tree.tokens.shape[0], dtype=torch.bool, device=tree.tokens.device)
 
 
 def _at_parent_token(values: torch.Tensor, parents: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
@@ -176,9 +183,10 @@ def _kept_by_recursive_rejection(
         q_node, r_node = torch.zeros_like(p_node), p_node
     else:
         chain_length = chain_residuals.shape[1]
-        sampled[:, 1 : chain_length + 1] = True
+        drawn = _drawn_rows(tree)
+        sampled[:, 1 : chain_length + 1] = drawn[:, None]
         # at a chain node q is the drafter's and r = norm(max(p - q, 0)); elsewhere q = 0 and r = p
-        under_chain = tree.parents < chain_length
+        under_chain = (tree.parents < chain_length) & drawn[:, None]
         chain_parent = tree.parents.clamp(max=chain_length - 1)
         q_node = torch.where(under_chain, _at_parent_token(tree.draft_probs, chain_parent, tree.tokens), 0.0)
         r_node = torch.where(under_chain, _at_parent_token(chain_residuals, chain_parent, tree.tokens), p_node)

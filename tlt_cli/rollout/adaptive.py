@@ -50,11 +50,15 @@ class RuleTableError(RecipeError):
 def parse_label(label: str) -> SpeculativeConfig | None:
     """'off' -> None; 's4-k1-t5' (steps, topk, draft tokens; '-tN' optional) -> a drafter shape;
     'ngram4' -> model-free (up to 4 n-gram tokens, no drafter pass); 's2-k1-t3+ngram4' -> hybrid
-    (the drafter's shape and the n-gram branch verified in one pass)."""
+    (the drafter's shape and the n-gram branch verified in one pass); 's2-k1-t3|ngram4' -> each row
+    verifies one chain, the drafter's or the n-gram index's, by its recent acceptance (picks_source)."""
     if label == OFF:
         return None
     try:
-        drafter, _, ngram = label.partition("+")
+        picks_source = "|" in label
+        drafter, _, ngram = label.partition("|" if picks_source else "+")
+        if picks_source and not ngram:
+            raise ValueError(label)
         if drafter.startswith(NGRAM_PREFIX) and not ngram:
             return SpeculativeConfig(steps=0, ngram_tokens=_ngram_tokens(drafter))
         parts = {part[0]: part[1:] for part in drafter.split("-") if part}
@@ -65,11 +69,13 @@ def parse_label(label: str) -> SpeculativeConfig | None:
             topk=int(parts.get("k", 1)),
             draft_tokens=int(parts.get("t", 0)),
             ngram_tokens=_ngram_tokens(ngram) if ngram else 0,
+            picks_source=picks_source,
         )
     except (KeyError, ValueError):
         raise RuleTableError(
             f"'{label}' is not an SD configuration; write off, s<steps>-k<topk>-t<draft tokens> (e.g. s4-k1-t5), "
-            "ngram<tokens> (model-free, e.g. ngram4) or both joined by + (hybrid, e.g. s2-k1-t3+ngram4)."
+            "ngram<tokens> (model-free, e.g. ngram4), both joined by + (hybrid, e.g. s2-k1-t3+ngram4) or a chain "
+            "and ngram<tokens> joined by | (one source per row, e.g. s2-k1-t3|ngram4)."
         ) from None
 
 

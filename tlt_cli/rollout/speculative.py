@@ -27,7 +27,11 @@ proposals alone form a chain, and no drafter is needed. Hybrid (`s2-k1-t3+ngram4
 drafter's part as usual (a sampled chain, or a tree of point masses) and hangs the proposals from
 the root as one more branch, merged where tokens coincide; `accept_tree` verifies drafter and
 n-gram nodes under one rule (acceptance.py: a sampled drafter child first, then the n-gram child on
-the residual). The index learns every emitted token (at the next step that asks
+the residual). One source per row (`s2-k1-t3|ngram4`, picks_source) verifies a chain per row instead,
+the drafter's or the n-gram index's, whichever has the higher running mean of accepted drafts for
+that row (each tried once first; a row without a proposal drafts with the model), so the verify
+pass is as narrow as a chain's, and a step where every row picks the index skips the drafter as a
+model-free step does. The index learns every emitted token (at the next step that asks
 it, and when a row finishes, before it leaves the batch), so finished siblings stay in it.
 
 Drafter positions follow tlt_cli/drafter/trainer.py: drafter entry t reads (token[t+1],
@@ -48,7 +52,15 @@ from torch import nn
 from tlt_cli.rollout.acceptance import Verdict, accept_chain, accept_tree
 from tlt_cli.rollout.kv_cache import SlotCache, block_attention_mask, keep_rows_of
 from tlt_cli.rollout.ngram import NgramIndex
-from tlt_cli.rollout.tree import ChainBuilder, DraftTree, TreeBuilder, gather_rows, root_only, with_ngram_branch
+from tlt_cli.rollout.tree import (
+    ChainBuilder,
+    DraftTree,
+    TreeBuilder,
+    gather_rows,
+    root_only,
+    with_chosen_chains,
+    with_ngram_branch,
+)
 from tlt_cli.rollout.types import (
     DRAFT_SOURCES,
     DecodeStep,
@@ -80,6 +92,11 @@ def check_speculative_config(config: SpeculativeConfig) -> None:
         raise ValueError(f"speculative steps is {config.steps}; set it to at least 1.")
     if config.topk < 1:
         raise ValueError(f"speculative topk is {config.topk}; set it to at least 1.")
+    if config.picks_source and not (config.is_chain and config.uses_ngram):
+        raise ValueError(
+            f"a per-row choice of source (|) verifies one chain per row; give the drafter a chain (topk 1, not "
+            f"{config.topk}) and ngram tokens >= 1 (not {config.ngram_tokens}), e.g. s2-k1-t3|ngram4."
+        )
     if config.is_chain:
         if config.draft_tokens not in (0, config.steps + 1):
             raise ValueError(
@@ -119,6 +136,9 @@ class DraftState:
     proposed_by_depth: torch.Tensor  # [B, deepest steps so far]
     passes_by_source: torch.Tensor  # [B, len(DRAFT_SOURCES)] verify passes of shapes using each source
     accepted_by_source: torch.Tensor  # [B, len(DRAFT_SOURCES)] accepted tokens each source had proposed
+    # [B, len(DRAFT_SOURCES)] running mean of the drafts accepted per verify pass when the row verified that
+    # source's chain alone (a picks_source shape: s2-k1-t3|ngram4); NaN until the row has tried it
+    source_means: torch.Tensor
 
     @classmethod
     def empty(
@@ -137,6 +157,7 @@ class DraftState:
             proposed_by_depth=torch.zeros(batch_size, 0, dtype=torch.long, device=device),
             passes_by_source=torch.zeros(batch_size, len(DRAFT_SOURCES), dtype=torch.long, device=device),
             accepted_by_source=torch.zeros(batch_size, len(DRAFT_SOURCES), dtype=torch.long, device=device),
+            source_means=torch.full((batch_size, len(DRAFT_SOURCES)), float("nan"), device=device),
         )
 
 
@@ -149,6 +170,9 @@ class StepCounts:
     passes_by_source: dict[str, int]
     accepted_by_source: dict[str, int]
 
+
+# weight of the newest verify pass in a row's running mean of accepted drafts per source (picks_source shapes)
+SOURCE_SMOOTHING = 0.3
 
 # running batch size -> the SD shape for this step, or None for a plain decoding step
 ConfigSchedule = Callable[[int], "SpeculativeConfig | None"]
@@ -230,20 +254,42 @@ class SpeculativeDecoder:
         if config is None:
             return engine.decode_step(batch, sampling, generator)
         proposals = self._propose(batch, config.ngram_tokens) if config.uses_ngram else None
-        if config.uses_drafter:
+        # a picks_source shape: which rows verify their n-gram chain this step (the others the drafter's)
+        ngram_rows = self._pick_ngram_rows(proposals) if config.picks_source else None
+        drafts = config.uses_drafter and (ngram_rows is None or not bool(ngram_rows.all()))
+        if drafts:
             self._catch_up(batch)
             tree = self._draft(batch, config, sampling, generator)
         else:
             tree = root_only(batch.pending)
-        if proposals is not None:
+        if ngram_rows is not None:
+            tree = with_chosen_chains(tree, proposals, ngram_rows)
+        elif proposals is not None:
             tree = with_ngram_branch(tree, proposals)
         hidden = engine.forward_block(batch, tree.tokens, batch.lengths[:, None] + tree.depths, tree.ancestors)
         target_logits = engine.lm_head(hidden)
         accept = accept_chain if config.is_chain and not config.uses_ngram else accept_tree
         verdict = accept(tree, target_logits, sampling, generator)
-        self._count(batch, config, tree, verdict)
-        emitted = self._commit(batch, config, tree, verdict, hidden)
+        self._count(batch, config, tree, verdict, ngram_rows)
+        emitted = self._commit(batch, config, tree, verdict, hidden, drafts)
         return emitted, verdict.accept_length + 1
+
+    def _pick_ngram_rows(self, proposals: list[list[int]]) -> torch.Tensor:
+        """[B] bool: the rows that verify their n-gram proposal rather than the drafter's chain. A row tries
+        the drafter first, then the n-gram index, then keeps to the one with the higher running mean of
+        accepted drafts (ties: the drafter); a row with no proposal drafts with the model."""
+        means = self.state.source_means
+        drafter_mean, ngram_mean = means[:, DRAFT_SOURCES.index("drafter")], means[:, DRAFT_SOURCES.index("ngram")]
+        proposes = torch.tensor([len(proposal) > 0 for proposal in proposals], device=means.device)
+        return proposes & ~drafter_mean.isnan() & (ngram_mean.isnan() | (ngram_mean > drafter_mean))
+
+    def _remember_sources(self, ngram_rows: torch.Tensor, accept_length: torch.Tensor) -> None:
+        """Fold each row's accepted drafts into the running mean of the source it verified."""
+        means = self.state.source_means
+        chosen = torch.stack([ngram_rows if source == "ngram" else ~ngram_rows for source in DRAFT_SOURCES], dim=1)
+        observed = accept_length.to(means.dtype)[:, None].expand_as(means)
+        updated = torch.where(means.isnan(), observed, (1 - SOURCE_SMOOTHING) * means + SOURCE_SMOOTHING * observed)
+        self.state.source_means = torch.where(chosen, updated, means)
 
     def _config_for(self, batch_size: int) -> SpeculativeConfig | None:
         config = self.schedule(batch_size)
@@ -338,15 +384,22 @@ class SpeculativeDecoder:
         return self.drafter(input_ids, target_hidden, positions, mask, self.state.cache)
 
     def _commit(
-        self, batch: RunningBatch, config: SpeculativeConfig, tree: DraftTree, verdict: Verdict, hidden: torch.Tensor
+        self,
+        batch: RunningBatch,
+        config: SpeculativeConfig,
+        tree: DraftTree,
+        verdict: Verdict,
+        hidden: torch.Tensor,
+        drafted: bool,
     ) -> torch.Tensor:
-        """Move kept entries into place, catch the drafter up, advance the rows; return the
-        emitted tokens [B, D + 1] (kept drafts, then the bonus at index accept_length)."""
+        """Move kept entries into place, catch the drafter up (if it drafted this step), advance the rows;
+        return the emitted tokens [B, D + 1] (kept drafts, then the bonus at index accept_length)."""
         accept_length, path = verdict.accept_length, verdict.path
         offsets = torch.arange(path.shape[1], device=path.device)
         caught_up = int(accept_length.max()) + 1
-        # a model-free chain keeps its nodes in place; trees (a hybrid's included) may branch
-        branching = config.uses_drafter and not (config.is_chain and not config.uses_ngram)
+        # chains (model-free, the drafter's, one source per row) keep their nodes in place; trees (a hybrid's
+        # included) may branch
+        branching = not config.is_chain or (config.uses_drafter and config.uses_ngram and not config.picks_source)
         if branching and caught_up > 1:
             # kept node path[j] moves from slot lengths + path[j] to lengths + j; others stay put
             source = torch.where(offsets[None, :] <= accept_length[:, None], path, offsets[None, :])
@@ -354,11 +407,11 @@ class SpeculativeDecoder:
         path_tokens = tree.tokens.gather(1, path)
         emitted = torch.cat([path_tokens[:, 1:], torch.zeros_like(path_tokens[:, :1])], dim=1)
         emitted.scatter_(1, accept_length[:, None], verdict.bonus[:, None])
-        if config.uses_drafter:
+        if drafted:
             self._drafter_reads(batch, emitted, hidden, verdict)
         batch.lengths = batch.lengths + accept_length + 1
         batch.pending = verdict.bonus
-        if config.uses_drafter:
+        if drafted:
             self.state.drafter_lengths = batch.lengths.clone()
         return emitted
 
@@ -379,7 +432,15 @@ class SpeculativeDecoder:
         self.state.root_hidden = output.hidden[rows, accept_length]
         self.state.root_logits = output.logits[rows, accept_length]
 
-    def _count(self, batch: RunningBatch, config: SpeculativeConfig, tree: DraftTree, verdict: Verdict) -> None:
+    def _count(
+        self,
+        batch: RunningBatch,
+        config: SpeculativeConfig,
+        tree: DraftTree,
+        verdict: Verdict,
+        ngram_rows: torch.Tensor | None,
+    ) -> None:
+        """Per-row counters of the step; ngram_rows: a picks_source step's rows that verified n-gram drafts."""
         state = self.state
         missing_depths = max(config.steps, config.ngram_tokens) - state.accepted_by_depth.shape[1]
         if missing_depths > 0:
@@ -392,22 +453,31 @@ class SpeculativeDecoder:
         valid_depths = tree.depths if tree.valid is None else tree.depths.masked_fill(~tree.valid, 0)
         tree_depth = valid_depths.max(dim=1).values
         state.proposed_by_depth += depth_index[None, :] < tree_depth[:, None]
-        self._count_sources(batch, config, tree, verdict)
+        if ngram_rows is None:
+            uses = torch.tensor([config.uses_drafter, config.uses_ngram], device=depth_index.device)
+            used = uses[None, :].expand(batch.size, -1)
+        else:
+            used = torch.stack([ngram_rows if source == "ngram" else ~ngram_rows for source in DRAFT_SOURCES], dim=1)
+            self._remember_sources(ngram_rows, verdict.accept_length)
+        self._count_sources(batch, tree, verdict, used)
 
-    def _count_sources(self, batch: RunningBatch, config: SpeculativeConfig, tree: DraftTree, verdict: Verdict) -> None:
-        """Accepted tokens per draft source (per row, for the step, and by finished siblings)."""
+    def _count_sources(self, batch: RunningBatch, tree: DraftTree, verdict: Verdict, used: torch.Tensor) -> None:
+        """Accepted tokens per draft source (per row, for the step, and by finished siblings); used: [B,
+        len(DRAFT_SOURCES)] bool, which sources drafted for each row this step."""
         offsets = torch.arange(verdict.path.shape[1], device=verdict.path.device)
         kept = (offsets[None, :] >= 1) & (offsets[None, :] <= verdict.accept_length[:, None])
         path_sources = tree.drafted_by().gather(1, verdict.path[:, :, None].expand(-1, -1, len(DRAFT_SOURCES)))
         accepted = (path_sources & kept[:, :, None]).sum(dim=1)  # [B, sources]
-        used = torch.tensor([config.uses_drafter, config.uses_ngram], device=accepted.device)
-        self.state.passes_by_source += used.long()[None, :]
+        self.state.passes_by_source += used.long()
         self.state.accepted_by_source += accepted
-        totals, passes = accepted.sum(dim=0).tolist(), (used.long() * batch.size).tolist()
+        totals, passes = accepted.sum(dim=0).tolist(), used.long().sum(dim=0).tolist()
         self.last_step = StepCounts(dict(zip(DRAFT_SOURCES, passes)), dict(zip(DRAFT_SOURCES, totals)))
-        if config.uses_ngram:
+        ngram_used = used[:, DRAFT_SOURCES.index("ngram")].tolist()
+        if any(ngram_used):
             accepted_per_row = verdict.accept_length.tolist()
             for row, request in enumerate(batch.request_index.tolist()):
+                if not ngram_used[row]:
+                    continue
                 counts = self.by_finished_siblings.setdefault(self.index.finished_siblings(request), [0, 0])
                 counts[0] += 1
                 counts[1] += accepted_per_row[row]

@@ -48,7 +48,9 @@ class DraftTree:
     whose nodes are chosen, not drawn: each node is a point mass on its token; an n-gram branch
     grafted onto a sampled chain comes after its S nodes); valid: [B, N] bool, the nodes that exist
     (None: all; padding nodes of shorter rows are never accepted); sources: [B, N, len(DRAFT_SOURCES)]
-    bool, which sources proposed each node (None: every drafted node is the drafter's).
+    bool, which sources proposed each node (None: every drafted node is the drafter's); drawn_rows: [B]
+    bool, the rows whose nodes 1..S were drawn from draft_probs (None: every row; a row of
+    `with_chosen_chains` that verifies n-gram proposals has point masses there instead).
     """
 
     tokens: torch.Tensor
@@ -58,6 +60,7 @@ class DraftTree:
     draft_probs: torch.Tensor | None
     valid: torch.Tensor | None = None
     sources: torch.Tensor | None = None
+    drawn_rows: torch.Tensor | None = None
 
     def drafted_by(self) -> torch.Tensor:
         """[B, N, len(DRAFT_SOURCES)] bool: which sources proposed each node (the root: none)."""
@@ -257,6 +260,44 @@ def with_ngram_branch(tree: DraftTree, proposals: list[list[int]]) -> DraftTree:
         draft_probs=tree.draft_probs,
         valid=valid_nodes,
         sources=sources,
+    )
+
+
+def with_chosen_chains(chain: DraftTree, proposals: list[list[int]], ngram_rows: torch.Tensor) -> DraftTree:
+    """One chain per row: proposals[b] (target ids) where ngram_rows[b], else the drafter's chain of `chain` (a
+    ChainBuilder's, or `root_only` when no row drafted). Rows are padded to one width with invalid nodes; the
+    n-gram rows' nodes are point masses (drawn_rows false), the drafter rows' keep their draft_probs."""
+    batch_size, chain_nodes = chain.tokens.shape
+    device = chain.tokens.device
+    chosen = ngram_rows.tolist()
+    proposal_lengths = [len(proposal) if use else 0 for proposal, use in zip(proposals, chosen)]
+    width = max(chain_nodes, 1 + max(proposal_lengths))
+    proposed = torch.tensor(
+        [
+            (proposal if use else []) + [0] * (width - 1 - length)
+            for proposal, use, length in zip(proposals, chosen, proposal_lengths)
+        ],
+        dtype=chain.tokens.dtype,
+        device=device,
+    ).view(batch_size, width - 1)
+    drafted = torch.nn.functional.pad(chain.tokens[:, 1:], (0, width - chain_nodes))
+    tokens = torch.cat([chain.tokens[:, :1], torch.where(ngram_rows[:, None], proposed, drafted)], dim=1)
+    node_index = torch.arange(width, device=device)
+    row_nodes = torch.where(ngram_rows, 1 + torch.tensor(proposal_lengths, device=device), chain_nodes)
+    valid = node_index[None, :] < row_nodes[:, None]
+    drafted_node = valid & (node_index[None, :] > 0)
+    sources = torch.stack(
+        [drafted_node & (ngram_rows if source == "ngram" else ~ngram_rows)[:, None] for source in DRAFT_SOURCES], dim=2
+    )
+    return DraftTree(
+        tokens=tokens,
+        parents=(node_index - 1).clamp(min=0).expand(batch_size, -1),
+        depths=node_index.expand(batch_size, -1),
+        ancestors=torch.ones(width, width, dtype=torch.bool, device=device).tril().expand(batch_size, -1, -1),
+        draft_probs=chain.draft_probs,
+        valid=valid,
+        sources=sources,
+        drawn_rows=None if chain.draft_probs is None else ~ngram_rows,
     )
 
 

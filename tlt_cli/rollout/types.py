@@ -70,13 +70,16 @@ class SpeculativeConfig:
     of the request's group, as one more branch of the verified tree (0: none).
 
     Labels: `s4-k1-t5` (drafter only), `ngram4` (model-free: steps 0, no drafter pass at all),
-    `s2-k1-t3+ngram4` (hybrid: the drafter's chain or tree and the n-gram branch in one pass).
+    `s2-k1-t3+ngram4` (hybrid: the drafter's chain or tree and the n-gram branch in one pass),
+    `s2-k1-t3|ngram4` (picks_source: each row verifies one chain, the drafter's or the n-gram
+    index's, whichever has accepted more for that row lately).
     """
 
     steps: int
     topk: int = 1
     draft_tokens: int = 0
     ngram_tokens: int = 0
+    picks_source: bool = False
 
     @property
     def is_chain(self) -> bool:
@@ -100,7 +103,9 @@ class SpeculativeConfig:
         if not self.uses_drafter:
             return ngram
         drafter = f"s{self.steps}-k{self.topk}-t{self.verified_tokens}"
-        return f"{drafter}+{ngram}" if self.uses_ngram else drafter
+        if not self.uses_ngram:
+            return drafter
+        return f"{drafter}{'|' if self.picks_source else '+'}{ngram}"
 
     @property
     def verified_tokens(self) -> int:
