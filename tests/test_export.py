@@ -15,12 +15,12 @@ from tlt_cli.export import (
     ExportError,
     export_drafter,
     held_out_probe,
-    load_exported_drafter,
     load_target,
     measure_accept_length,
     resolve_source,
 )
 from tlt_cli.models.tiny import build_tiny_model, save_model_folder, tiny_model_config, tiny_tokenizer
+from tlt_cli.sglang.drafter_format import DrafterFormatError, load_exported_drafter
 from tlt_cli.training.actor import Actor
 
 torch.set_num_threads(1)
@@ -134,7 +134,7 @@ def test_a_wrong_drafter_for_the_target_does_not_reload(tmp_path, drafter_folder
     drafter_dir, recipe, _ = drafter_folder
     export_drafter(drafter_dir, tmp_path / "out", recipe_path=recipe, prompts=1)
     llama, _ = tiny_target("llama")
-    with pytest.raises(ExportError, match="not a LlamaForCausalLMEagle drafter"):
+    with pytest.raises(DrafterFormatError, match="not a LlamaForCausalLMEagle drafter"):
         load_exported_drafter(tmp_path / "out", llama)
 
 

@@ -93,7 +93,7 @@ def train(
 ) -> None:
     """Run GRPO training with the TLT machinery on."""
     from tlt_cli.processes.driver import TrainingFailed
-    from tlt_cli.processes.driver import train as run_training
+    from tlt_cli.training.trainers import train as run_training
 
     previous_sigterm = signal.signal(signal.SIGTERM, _interrupt_on_sigterm)
     try:
@@ -376,14 +376,14 @@ def export_drafter(
     ] = None,
 ) -> None:
     """Export the trained drafter as a Hugging Face folder SGLang serves as an EAGLE draft model."""
-    from tlt_cli.export import ExportError
     from tlt_cli.export import export_drafter as run_export
     from tlt_cli.models.loading import ModelLoadError
+    from tlt_cli.sglang.drafter_format import DrafterFormatError
 
     recipe_path = resolve_recipe_path(recipe) if recipe is not None else None
     try:
         summary = run_export(source, output, recipe_path, include_shared, force, prompts, max_new_tokens, draft_steps)
-    except (ExportError, ModelLoadError) as error:
+    except (DrafterFormatError, ModelLoadError) as error:  # ExportError is a DrafterFormatError
         raise fail(str(error)) from None
     for warning in summary.warnings:
         error_console.print(f"warning: {warning}", markup=False, highlight=False, soft_wrap=True)

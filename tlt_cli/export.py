@@ -3,17 +3,16 @@
 `export_drafter(source, output_dir, ...)` reads a drafter saved by `save_drafter` (a drafter folder,
 a run checkpoint's `drafter/`, or a run directory's latest checkpoint), measures its greedy accept
 length on held-out prompts of the run's task with tlt's embedded engine, and writes
-  config.json          the target's config with one layer, architectures [Qwen2|Llama]ForCausalLMEagle
-  model.safetensors    fc.weight, fc.bias, layers.0.* (names from tlt_cli/sglang/weight_sync.py),
-                       plus embed_tokens.weight / lm_head.weight with include_shared
+  config.json          the drafter in SGLang's EAGLE format (tlt_cli/sglang/drafter_format.py):
+  model.safetensors    the target's config with one layer; the tensors, with include_shared the target's
+                       embed_tokens.weight / lm_head.weight too
   README.md            the model card: target, RL step, accept length, serving command, known differences
   tlt_export.json      what was measured, for `load_exported_drafter` and scripts
 into a temporary sibling folder, reloads that folder into the embedded engine (`load_exported_drafter`),
 checks it reproduces the same accepted tokens, and only then renames it into place, so a full disk
 or a failed check leaves nothing half-written. A non-empty output folder is replaced only with
 force, and only when it is a previous export (its files are the four above); the source, or any
-folder holding it, is never the output. Layout checked against SGLang 0.5.23's source
-(models/llama_eagle.py, models/qwen2_eagle.py, speculative/eagle_worker_v2.py).
+folder holding it, is never the output.
 """
 
 from __future__ import annotations
@@ -25,7 +24,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save
+from safetensors.torch import save
 from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from tlt_cli.checkpoint import (
@@ -37,33 +36,34 @@ from tlt_cli.checkpoint import (
     load_checkpoint_file,
 )
 from tlt_cli.config import Recipe, RecipeError
-from tlt_cli.drafter.model import CONFIG_FILE, DrafterLoadError, EagleDrafter, load_drafter
+from tlt_cli.drafter.model import CONFIG_FILE, DrafterLoadError, load_drafter
 from tlt_cli.drafter.warmup import encode_prompts
-from tlt_cli.errors import UserError, writing
-from tlt_cli.models.loading import load_policy
+from tlt_cli.errors import writing
 from tlt_cli.recipe_checks import load_checked_recipe
 from tlt_cli.rollout.engine import EmbeddedEngine
 from tlt_cli.rollout.speculative import SpeculativeDecoder
 from tlt_cli.rollout.types import RolloutRequest, SamplingParams, SpeculativeConfig, accept_length
-from tlt_cli.sglang.weight_sync import drafter_tensors
-from tlt_cli.tasks.registry import build_task
-from tlt_cli.training.actor import CHECKPOINT_TAG
+from tlt_cli.sglang.drafter_format import CONFIG_FILE as EXPORT_CONFIG_FILE
+from tlt_cli.sglang.drafter_format import (
+    SGLANG_VERSIONS_CHECKED,
+    WEIGHTS_FILE,
+    DrafterFormatError,
+    load_exported_drafter,
+    sglang_architecture,
+    sglang_config,
+    sglang_tensors,
+)
+from tlt_cli.training import setup
+from tlt_cli.training.actor import ACTOR_WEIGHTS_FILE, CHECKPOINT_TAG
 
-WEIGHTS_FILE = "model.safetensors"
-EXPORT_CONFIG_FILE = "config.json"
 SUMMARY_FILE = "tlt_export.json"
 CARD_FILE = "README.md"
-# the file DeepSpeed writes the (ZeRO 0-2) module state into, under the actor's checkpoint tag
-ACTOR_WEIGHTS_FILE = "mp_rank_00_model_states.pt"
-SGLANG_ARCHITECTURES = {"qwen2": "Qwen2ForCausalLMEagle", "llama": "LlamaForCausalLMEagle"}
-SGLANG_VERSIONS_CHECKED = "0.5.23"
-SHARED_NAMES = ("embed_tokens.weight", "lm_head.weight")
 # every file an export holds: a folder of these (with SUMMARY_FILE) is one --force may replace
 EXPORT_FILES = frozenset({EXPORT_CONFIG_FILE, WEIGHTS_FILE, CARD_FILE, SUMMARY_FILE})
 WRITE_ADVICE = "nothing was exported: free some space or choose another output folder."
 
 
-class ExportError(UserError):
+class ExportError(DrafterFormatError):
     """A drafter that cannot be exported as asked; the message says what to fix."""
 
 
@@ -242,7 +242,7 @@ def _recipe(path: Path) -> Recipe:
 
 def load_target(source: DrafterSource) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """The recipe's model, with the checkpoint's actor weights when the source is a run checkpoint."""
-    target, tokenizer = load_policy(source.recipe.model.path)
+    target, tokenizer = setup.policy_and_tokenizer(source.recipe)
     if source.checkpoint_dir is None:
         return target, tokenizer
     weights_path = source.checkpoint_dir / CHECKPOINT_TAG / ACTOR_WEIGHTS_FILE
@@ -276,9 +276,8 @@ def held_out_probe(
             f"need at least 1 prompt and 1 draft step to measure acceptance, got {prompts} and {draft_steps}."
         )
     first_index = recipe.train.steps * recipe.train.prompts_per_step
-    task = build_task(recipe.task.name, recipe.run.seed, dict(recipe.task.options))
     return HeldOutProbe(
-        prompt_ids=encode_prompts(tokenizer, task, range(first_index, first_index + prompts)),
+        prompt_ids=encode_prompts(tokenizer, setup.task(recipe), range(first_index, first_index + prompts)),
         first_problem_index=first_index,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
@@ -315,74 +314,6 @@ def measure_accept_length(target: PreTrainedModel, drafter: torch.nn.Module, pro
         draft_steps=probe.draft_steps,
         max_new_tokens=probe.max_new_tokens,
     )
-
-
-def sglang_architecture(target: PreTrainedModel) -> str:
-    model_type = target.config.model_type
-    if model_type not in SGLANG_ARCHITECTURES:
-        raise ExportError(
-            f"SGLang has no EAGLE draft class for a {model_type!r} target; tlt exports Qwen2 and Llama drafters."
-        )
-    return SGLANG_ARCHITECTURES[model_type]
-
-
-def sglang_config(drafter: EagleDrafter, target: PreTrainedModel) -> dict:
-    """The drafter's config (the target's, one layer) as SGLang's EAGLE loader reads it."""
-    config = {name: value for name, value in drafter.config.to_dict().items() if not name.startswith("_")}
-    config["architectures"] = [sglang_architecture(target)]
-    config["num_hidden_layers"] = 1
-    config["dtype"] = str(next(drafter.parameters()).dtype).removeprefix("torch.")
-    rope_parameters = config.get("rope_parameters") or {}
-    if "rope_theta" in rope_parameters:
-        # loaders written for transformers 4 read rope_theta at the top level
-        config["rope_theta"] = rope_parameters["rope_theta"]
-    return config
-
-
-def sglang_tensors(drafter: EagleDrafter, target: PreTrainedModel, include_shared: bool) -> dict[str, torch.Tensor]:
-    """Checkpoint tensors under SGLang's EAGLE names; the shared embedding and lm_head only with include_shared."""
-    tensors = dict(drafter_tensors(drafter.state_dict()))
-    if include_shared:
-        tensors["embed_tokens.weight"] = target.get_input_embeddings().weight.detach()
-        if not target.config.tie_word_embeddings:
-            tensors["lm_head.weight"] = target.get_output_embeddings().weight.detach()
-    return {name: tensor.contiguous().cpu() for name, tensor in tensors.items()}
-
-
-def load_exported_drafter(export_dir: Path, target: PreTrainedModel) -> EagleDrafter:
-    """Rebuild tlt's drafter from an export (the inverse of `sglang_tensors`); ExportError on any mismatch."""
-    config = json.loads((export_dir / EXPORT_CONFIG_FILE).read_text(encoding="utf-8"))
-    expected = sglang_architecture(target)
-    if config.get("architectures") != [expected] or config.get("hidden_size") != target.config.hidden_size:
-        raise ExportError(
-            f"{export_dir} is a {config.get('architectures')} drafter of hidden size {config.get('hidden_size')}, "
-            f"not a {expected} drafter for this target."
-        )
-    drafter = EagleDrafter(target)
-    state = {}
-    for name, tensor in load_file(str(export_dir / WEIGHTS_FILE)).items():
-        if name == "fc.bias":
-            if bool(tensor.any()):
-                raise ExportError(
-                    f"{export_dir}: fc.bias is not zero, and tlt's drafter has no fc bias; it was not exported by tlt."
-                )
-        elif name in SHARED_NAMES:
-            shared = target.get_input_embeddings() if name == "embed_tokens.weight" else target.get_output_embeddings()
-            if not torch.equal(tensor, shared.weight.detach().cpu()):
-                raise ExportError(
-                    f"{export_dir}: {name} differs from the target's; the export belongs to another target."
-                )
-        elif name == "fc.weight" or name.startswith("layers.0."):
-            state[name.replace("layers.0.", "decoder_layer.", 1)] = tensor
-        else:
-            raise ExportError(f"{export_dir}: tensor {name!r} is not part of an EAGLE drafter exported by tlt.")
-    try:
-        drafter.load_state_dict(state, strict=True)
-    except RuntimeError as error:
-        raise ExportError(
-            f"{export_dir}: the weights do not fit this target's drafter ({str(error).splitlines()[0]})."
-        ) from None
-    return drafter
 
 
 def _check_output(output_dir: Path, force: bool, source: Path) -> None:

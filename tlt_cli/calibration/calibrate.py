@@ -30,15 +30,15 @@ from tlt_cli.calibration.settings import (
     CalibrationSettings,
     check_settings,
 )
-from tlt_cli.config import CPU_DEVICES, Recipe
+from tlt_cli.config import CPU_DEVICES, Recipe, SpeculativeMode
 from tlt_cli.recipe_checks import load_checked_recipe
 from tlt_cli.recipes import resolve_recipe_path
 from tlt_cli.rollout.adaptive import OFF, RuleTableError, parse_label
-from tlt_cli.rollout.speculative import check_speculative_config
-from tlt_cli.rollout.types import RolloutRequest, SamplingParams, SpeculativeConfig
+from tlt_cli.rollout.speculative import check_speculative_config, check_topk_fits
+from tlt_cli.rollout.types import RolloutRequest, SpeculativeConfig
 from tlt_cli.tasks.base import Task
 from tlt_cli.tasks.prompts import encode_prompt
-from tlt_cli.tasks.registry import build_task
+from tlt_cli.training import setup
 
 CALIBRATION_DIRECTORY_SUFFIX = "-calibration"
 OUTPUT_FILE = "calibration.json"
@@ -75,14 +75,12 @@ def calibrate(
     largest = largest_running_batch(recipe)
     batch_sizes = batch_size_grid(settings.batch_sizes, largest)
     configs = parse_configs(settings.configs)
-    task = build_task(recipe.task.name, recipe.run.seed, dict(recipe.task.options))
+    task = setup.task(recipe)
     pair, tokenizer, drafter_source = load_model_pair(recipe)
     for config in configs.values():
         if config is not None:
-            _check_shape(config, pair.drafter.config.vocab_size)
-    sampling = SamplingParams(
-        recipe.rollout.max_new_tokens, recipe.rollout.temperature, recipe.rollout.top_p, recipe.rollout.top_k
-    )
+            _check_topk(config, pair.drafter.vocabulary.size)
+    sampling = setup.sampling(recipe)
     threads = torch.get_num_threads()
     torch.set_num_threads(recipe.workers.threads_per_worker)
     try:
@@ -158,16 +156,23 @@ def parse_configs(labels: tuple[str, ...]) -> dict[str, SpeculativeConfig | None
         if config is not None and config.label() in configs:
             raise CalibrationError(f"--configs lists {config.label()} twice.")
         if config is not None:
-            _check_shape(config, vocab_size=2**31)
+            _check_shape(config)
             configs[config.label()] = config
     if len(configs) == 1:
         raise CalibrationError("--configs has no SD configuration; add at least one, e.g. off,s4-k1-t5.")
     return configs
 
 
-def _check_shape(config: SpeculativeConfig, vocab_size: int) -> None:
+def _check_shape(config: SpeculativeConfig) -> None:
     try:
-        check_speculative_config(config, vocab_size)
+        check_speculative_config(config)
+    except ValueError as error:
+        raise CalibrationError(f"--configs {config.label()}: {error}") from None
+
+
+def _check_topk(config: SpeculativeConfig, draft_vocab_size: int) -> None:
+    try:
+        check_topk_fits(config, draft_vocab_size)
     except ValueError as error:
         raise CalibrationError(f"--configs {config.label()}: {error}") from None
 
@@ -175,19 +180,18 @@ def _check_shape(config: SpeculativeConfig, vocab_size: int) -> None:
 def load_model_pair(recipe: Recipe) -> tuple[ModelPair, PreTrainedTokenizerBase, str]:
     """(the target and its initial drafter as a training run starts them, the tokenizer, where the drafter came
     from)."""
-    from tlt_cli.drafter.initial import initial_drafter, prepare_initial_drafter
-    from tlt_cli.models.loading import load_policy
-    from tlt_cli.processes.driver import cache_directory
     from tlt_cli.rollout.linear_forms_measure import prepare_linear_forms
 
-    cache = cache_directory(recipe)
+    cache = setup.model_cache(recipe)
     dtype = torch.bfloat16 if recipe.actor.precision == "bf16" else torch.float32
     device = torch.device("cpu" if recipe.actor.devices == CPU_DEVICES else f"cuda:{recipe.actor.devices[0]}")
-    target, tokenizer = load_policy(recipe.model.path)
+    target, tokenizer = setup.policy_and_tokenizer(recipe)
     target = target.to(device, dtype).eval()
     # the drafter a run would start with, whatever the recipe's speculative mode is now
-    folder, _ = prepare_initial_drafter(replace(recipe, speculative=replace(recipe.speculative, mode="fixed")), cache)
-    drafter = initial_drafter(recipe, folder, target).to(device, dtype).eval()
+    folder, _ = setup.prepare_drafter(
+        replace(recipe, speculative=replace(recipe.speculative, mode=SpeculativeMode.fixed)), cache
+    )
+    drafter = setup.starting_drafter(recipe, folder, target).to(device, dtype).eval()
     # the forms a worker's engine computes the pair's linear layers with (EmbeddedRollout), so calibrated costs are
     # the costs a run pays
     linear_forms = prepare_linear_forms(recipe.rollout.linear_forms, [target, drafter], cache)

@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from tlt_cli.checkpoint import DRAFTER_DIRECTORY, load_checkpoint_file
-from tlt_cli.config import DrafterConfig, PluginsConfig, SpeculativeSection
+from tlt_cli.config import DrafterConfig, PluginsConfig, SpeculativeMode, SpeculativeSection
 from tlt_cli.errors import UserError
 from tlt_cli.integrations.trl_support import (
     check_trainer_supported,
@@ -56,6 +56,7 @@ from tlt_cli.rollout.adaptive import OFF, adaptive_schedule
 from tlt_cli.rollout.embedded import EmbeddedRollout
 from tlt_cli.rollout.linear_forms_measure import LINEAR_FORM_MODES
 from tlt_cli.rollout.types import Completion, RolloutRequest
+from tlt_cli.training.setup import rollout_needs_drafter
 
 if TYPE_CHECKING:
     from torch import nn
@@ -189,7 +190,7 @@ class TltRollout:
         linear_forms: str = "off",
         cache_dir: Path | None = None,
     ) -> None:
-        if speculative.mode == "adaptive":
+        if speculative.mode == SpeculativeMode.adaptive:
             adaptive_schedule(speculative)  # the rule table is checked now, not at the first rollout
         self.speculative = speculative
         self.drafter_source = drafter
@@ -244,10 +245,11 @@ class TltRollout:
         from tlt_cli.integrations.trl_drafter import starting_drafter
 
         processes = trainer.accelerator.num_processes
-        wants_drafter = self.speculative.mode != "off" or (self.use_sidecar and processes > 1)
+        # the sidecar trains the drafter only in the wait between processes: with one there is none
+        trains_drafter = self.use_sidecar and processes > 1
         self.drafter = (
             starting_drafter(self.drafter_source, policy, trainer, self.drafter_config, self.seed, self.pending_state)
-            if wants_drafter
+            if rollout_needs_drafter(self.speculative.mode, trains_drafter)
             else None
         )
         eos_ids, pad_token_id = eos_and_pad_ids(trainer)
@@ -263,7 +265,7 @@ class TltRollout:
         )
         if self.pending_state is not None:
             self._load_schedule(self.pending_state, trainer.accelerator.process_index)
-        if self.use_sidecar and processes > 1:
+        if trains_drafter:
             self.sidecar = self.sidecar_factory(
                 policy=policy,
                 drafter=self.drafter,

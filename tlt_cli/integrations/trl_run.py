@@ -36,17 +36,12 @@ from tlt_cli.integrations.trl_recipe import (
     build_grpo_config,
     prompt_dataset,
 )
-from tlt_cli.models.loading import load_policy
 from tlt_cli.plugins import trl_reporting
 from tlt_cli.processes.distributed import WorkerAddress, one_node_rendezvous
+from tlt_cli.processes.messages import WorkerFailed, WorkerFinished, WorkerSpec, WorkerStepReport
 from tlt_cli.processes.worker_process import exit_with_parent, redirect_output
-from tlt_cli.tasks.registry import build_task
-from tlt_cli.training.worker_loop import (
-    WorkerFailed,
-    WorkerFinished,
-    WorkerSpec,
-    WorkerStepReport,
-)
+from tlt_cli.trace import request_record
+from tlt_cli.training import setup
 
 # rollout.backend value: TRL generates itself (transformers' generate), no speculative decoding
 TRL_GENERATION = "trl"
@@ -98,8 +93,8 @@ class TrlRun:
         # where TRL's own loggers (report_to) write under the run directory, and how (W&B offline by default)
         os.environ.update(trl_reporting(recipe.plugins.enabled, dict(recipe.plugins.options), spec.run_directory)[1])
         torch.manual_seed(recipe.run.seed)
-        policy, tokenizer = load_policy(recipe.model.path)
-        task = build_task(recipe.task.name, recipe.run.seed, dict(recipe.task.options))
+        policy, tokenizer = setup.policy_and_tokenizer(recipe)
+        task = setup.task(recipe)
         self.reward = TaskReward(task)
         self.rollout = (
             None
@@ -175,22 +170,19 @@ class TrlRun:
                 for prompt_tokens, ids in zip(generation.prompt_lengths, generation.completion_ids, strict=True)
             ]
         return [
-            {
-                "type": "request",
-                "step": step,
-                "worker": self.rank,
-                "request_id": index,
-                "start": generation.start,
-                "end": end,
-                "prompt_tokens": prompt_tokens,
-                "tokens": tokens,
-                "reward": reward,
-                "finished_by_eos": eos,
-                "verify_passes": passes,
-                "accepted_tokens": accepted,
-                "accepted_by_depth": [],
-                "proposed_by_depth": [],
-            }
+            request_record(
+                step=step,
+                worker=self.rank,
+                request_id=index,
+                start=generation.start,
+                end=end,
+                prompt_tokens=prompt_tokens,
+                tokens=tokens,
+                reward=reward,
+                finished_by_eos=eos,
+                verify_passes=passes,
+                accepted_tokens=accepted,
+            )
             for index, ((prompt_tokens, tokens, eos, end, passes, accepted), reward) in enumerate(
                 zip(rows, self.reward.latest, strict=True)
             )
@@ -210,8 +202,7 @@ class TrlRun:
 
     def _save_parts(self, directory: Path) -> None:
         """TRL's checkpoint files, the rollout's state and drafter, and the actor weights for export-drafter."""
-        from tlt_cli.export import ACTOR_WEIGHTS_FILE
-        from tlt_cli.training.actor import CHECKPOINT_TAG
+        from tlt_cli.training.actor import ACTOR_WEIGHTS_FILE, CHECKPOINT_TAG
 
         trainer = self.trainer
         trainer.save_model(str(directory), _internal_call=True)

@@ -83,6 +83,12 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("TLT_CACHE_DIR", Path.home() / ".cache" / "tlt"))
 
 
+def cache_directory(cache_dir: str | None) -> Path:
+    """Where built models, measured plans and compiled DeepSpeed ops go: the recipe's model.cache_dir, else the
+    default."""
+    return Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
+
+
 def tiny_tokenizer() -> PreTrainedTokenizerBase:
     """The character tokenizer of the arithmetic task (specials first, then its characters)."""
     return build_char_tokenizer(CHARACTERS)

@@ -1,8 +1,10 @@
 """The driver of `tlt train`: prepares the run directory, spawns the workers, writes the trace.
 
-`train(recipe, ...)` is what the CLI calls. It builds the model cache once (so workers do not
-race to build it), starts one process per worker (a DeepSpeed rank each, see tlt_cli/training/worker_loop.py), then
-turns their per-step reports into trace records and the live display. Without
+`train(recipe, trainer, ...)` is what the composition root calls (tlt_cli/training/trainers.py gives
+the `TrainerEntry` of the recipe's train.trainer: each process's body, how the starting drafter is
+prepared). It prepares the drafter once (so workers do not race to build it), starts one process
+per worker (a DeepSpeed rank each, running the trainer's body), then turns their per-step reports
+(messages.py) into trace records and the live display. Without
 `workers.hostfile` it spawns the workers itself (local_workers.py); with one, it runs
 them on the hostfile's nodes with the DeepSpeed launcher and receives their reports over TCP
 (launched_workers.py); the loop here is the same for both. If any worker fails, the
@@ -28,28 +30,28 @@ from __future__ import annotations
 
 import contextlib
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
 from rich.console import Console
 
-from tlt_cli.config import CPU_DEVICES, TRL_TRAINER, Recipe, recipe_to_dict
+from tlt_cli.config import CPU_DEVICES, Recipe, recipe_to_dict
 from tlt_cli.display import PhaseProgress, TrainingDisplay, render_summary
-from tlt_cli.drafter.initial import prepare_initial_drafter
 from tlt_cli.errors import UserError
-from tlt_cli.models.tiny import default_cache_dir
+from tlt_cli.models.tiny import cache_directory
 from tlt_cli.plugins import DriverPlugins, RunInfo, plugin_columns, plugin_idle_uses
 from tlt_cli.processes.hostfile import runs_on_this_machine
 from tlt_cli.processes.launched_workers import LaunchedWorkers
 from tlt_cli.processes.local_workers import LocalWorkers
 from tlt_cli.processes.machine_checks import check_machine
+from tlt_cli.processes.messages import WorkerBody, WorkerFailed, WorkerFinished, WorkerProgress, WorkerStepReport
 from tlt_cli.processes.run_directory import CHECKPOINTS, RUN_LOG, TRACE_FILE, RunDirectory, resume_checkpoint
 from tlt_cli.processes.step_deadline import StepDeadline
 from tlt_cli.processes.step_records import step_records
 from tlt_cli.sglang.registry import stop_recorded_servers
 from tlt_cli.trace import STEP_RECORD, TraceWriter, read_trace, truncate_trace
-from tlt_cli.training.worker_loop import WorkerFailed, WorkerFinished, WorkerProgress, WorkerStepReport
 
 EVENT_POLL_SECONDS = 1.0
 
@@ -88,9 +90,17 @@ class RunSummary:
     steps: list[dict[str, Any]]
 
 
-def cache_directory(recipe: Recipe) -> Path:
-    """Where built models and compiled DeepSpeed ops are cached (model.cache_dir or the default)."""
-    return Path(recipe.model.cache_dir).expanduser() if recipe.model.cache_dir else default_cache_dir()
+@dataclass(frozen=True)
+class TrainerEntry:
+    """What the driver runs for one train.trainer, given by the composition root (tlt_cli/training/trainers.py).
+
+    worker_body: each process's body (a module-level function: spawned processes and launched ranks
+    import it); prepare_drafter(recipe, model cache, progress): the starting drafter's folder (None:
+    random or none) and the report of a warm-up that ran now (None: cached or none).
+    """
+
+    worker_body: WorkerBody
+    prepare_drafter: Callable[[Recipe, Path, Any], tuple[Path | None, dict | None]]
 
 
 class RunTrace:
@@ -124,8 +134,14 @@ class RunTrace:
             self.writer.close()
 
 
-def train(recipe: Recipe, console: Console, resume_directory: Path | None = None, keep_log: bool = False) -> RunSummary:
-    """Run the GRPO loop with recipe.workers.count worker processes: a new run, or `resume_directory` resumed.
+def train(
+    recipe: Recipe,
+    trainer: TrainerEntry,
+    console: Console,
+    resume_directory: Path | None = None,
+    keep_log: bool = False,
+) -> RunSummary:
+    """Run `trainer` with recipe.workers.count worker processes: a new run, or `resume_directory` resumed.
 
     The run directory is locked from when it is taken (a resumed one: once its checkpoint is
     found; a new one: once the drafter is ready) until this returns or raises.
@@ -134,8 +150,8 @@ def train(recipe: Recipe, console: Console, resume_directory: Path | None = None
     held = RunDirectory.resume(resume_directory) if resume_directory else None
     try:
         check_machine(recipe)
-        cache = cache_directory(recipe)
-        drafter_init = _prepare_drafter(recipe, cache, console)
+        cache = cache_directory(recipe.model.cache_dir)
+        drafter_init = _prepare_drafter(trainer, recipe, cache, console)
         held = held or RunDirectory.create(recipe)
         spec_base = dict(
             recipe=recipe,
@@ -145,14 +161,16 @@ def train(recipe: Recipe, console: Console, resume_directory: Path | None = None
             start_step=start_step,
             drafter_init=drafter_init,
         )
-        return _train_in(spec_base, held, console, resumed=resume_directory is not None, keep_log=keep_log)
+        return _train_in(
+            spec_base, trainer.worker_body, held, console, resumed=resume_directory is not None, keep_log=keep_log
+        )
     finally:
         if held is not None:
             held.release()
 
 
 def _train_in(
-    spec_base: dict[str, Any], held: RunDirectory, console: Console, resumed: bool, keep_log: bool
+    spec_base: dict[str, Any], body: WorkerBody, held: RunDirectory, console: Console, resumed: bool, keep_log: bool
 ) -> RunSummary:
     """The run in its (locked) run directory: workers, trace and display; the summary, or the error to show."""
     recipe: Recipe = spec_base["recipe"]
@@ -186,7 +204,7 @@ def _train_in(
             TrainingDisplay(console, f"tlt train {recipe.run.name}", recipe.train.steps, columns) as display,
             loggers.running(run, warn=display.note),
         ):
-            _run_workers(spec_base, trace, display)
+            _run_workers(spec_base, body, trace, display)
     except (TrainingFailed, UserError) as error:
         trace.close()
         details = getattr(error, "details", "") or traceback.format_exc()
@@ -223,10 +241,10 @@ def _after_failure(error: Exception, details: str, held: RunDirectory, discard: 
     return TrainingFailed(f"{first_line.rstrip('.')} ({note}).{newline}{more}")
 
 
-def _prepare_drafter(recipe: Recipe, cache: Path, console: Console) -> Path | None:
+def _prepare_drafter(trainer: TrainerEntry, recipe: Recipe, cache: Path, console: Console) -> Path | None:
     console.print("preparing the drafter (an offline warm-up runs once per model and task, then is cached)")
     with PhaseProgress(console, "drafter warm-up") as progress:
-        folder, report = prepare_initial_drafter(recipe, cache, progress)
+        folder, report = trainer.prepare_drafter(recipe, cache, progress)
     if report is not None:
         console.print(
             f"drafter warmed up offline: top-1 agreement with the target {report['held_out_accuracy']:.1%} "
@@ -244,9 +262,9 @@ def _resume_point(run_directory: Path, console: Console) -> tuple[Path, int]:
     return checkpoint.directory, checkpoint.next_step
 
 
-def _run_workers(spec_base: dict[str, Any], trace: RunTrace, display: TrainingDisplay) -> None:
+def _run_workers(spec_base: dict[str, Any], body: WorkerBody, trace: RunTrace, display: TrainingDisplay) -> None:
     recipe: Recipe = spec_base["recipe"]
-    workers = _start_workers(spec_base)
+    workers = _start_workers(spec_base, body)
     try:
         _drain_events(workers, trace, display, StepDeadline(recipe.workers.step_timeout_s))
     finally:
@@ -255,17 +273,13 @@ def _run_workers(spec_base: dict[str, Any], trace: RunTrace, display: TrainingDi
             stop_recorded_servers(spec_base["run_directory"], recipe.rollout.sglang.stop_timeout_s)
 
 
-def _start_workers(spec_base: dict[str, Any]) -> WorkerGroup:
-    """Spawned on this machine, or started on the hostfile's nodes by the DeepSpeed launcher."""
+def _start_workers(spec_base: dict[str, Any], body: WorkerBody) -> WorkerGroup:
+    """`body` in each process: spawned on this machine, or started on the hostfile's nodes by the DeepSpeed launcher."""
     recipe: Recipe = spec_base["recipe"]
     if recipe.workers.hostfile is not None:
-        return LaunchedWorkers(spec_base)
+        return LaunchedWorkers(spec_base, body)
     gpus = [] if recipe.actor.devices == CPU_DEVICES else recipe.actor.devices
-    if recipe.train.trainer == TRL_TRAINER:
-        from tlt_cli.integrations.trl_run import trl_worker_main
-
-        return LocalWorkers(spec_base, recipe.workers.count, gpus, target=trl_worker_main)
-    return LocalWorkers(spec_base, recipe.workers.count, gpus)
+    return LocalWorkers(spec_base, recipe.workers.count, gpus, body)
 
 
 def _drain_events(workers: WorkerGroup, trace: RunTrace, display: TrainingDisplay, deadline: StepDeadline) -> None:

@@ -6,15 +6,16 @@ exactly what the driver prepared:
   recipe.yaml   the recipe of this launch, resolved (overrides and a --resume included), its
                 workers.hostfile pointing at the copy below
   hostfile      a copy of the recipe's hostfile (every rank validates the recipe, on any node)
-  driver.json   readable by its owner only: the driver's event channel (host, port, secret) and
+  driver.json   readable by its owner only: the driver's event channel (host, port, secret),
                 what the driver prepared once (model cache, checkpoint to resume, starting drafter,
-                the ranks' rendezvous folder on one host)
+                the ranks' rendezvous folder on one host) and the worker body each rank runs
 Written by launched_workers.py, read by launched_rank.py.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import json
 import os
 import shutil
@@ -22,6 +23,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from tlt_cli.config import Recipe, load_recipe, recipe_to_yaml
+from tlt_cli.processes.messages import WorkerBody
 
 LAUNCH_DIRECTORY = "launch"
 RECIPE_FILE = "recipe.yaml"
@@ -42,6 +44,8 @@ class LaunchPlan:
     resume_from: str | None
     start_step: int
     drafter_init: str | None
+    # the body each rank runs, as "module:function" (the trainer's, chosen by the driver's caller)
+    worker_body: str
     # one host: the private folder where the ranks meet instead of a TCP store (distributed.py)
     rendezvous_directory: str | None = None
 
@@ -66,3 +70,14 @@ def read_launch_files(run_directory: Path) -> tuple[Recipe, LaunchPlan]:
     directory = run_directory / LAUNCH_DIRECTORY
     plan = LaunchPlan(**json.loads((directory / PLAN_FILE).read_text(encoding="utf-8")))
     return load_recipe(directory / RECIPE_FILE), plan
+
+
+def body_function(name: str) -> WorkerBody:
+    """The worker body a launch plan names ("module:function"; see `body_name`)."""
+    module, _, function = name.partition(":")
+    return getattr(importlib.import_module(module), function)
+
+
+def body_name(body: WorkerBody) -> str:
+    """How a launch plan names a worker body (a module-level function): "module:function"."""
+    return f"{body.__module__}:{body.__qualname__}"

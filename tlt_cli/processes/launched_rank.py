@@ -3,9 +3,10 @@
 `tlt train` with `workers.hostfile` runs the launcher (launched_workers.py), which starts
 this module once per rank on every node with RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and
 MASTER_PORT set. The rank reads the recipe and the driver's plan from the run directory
-(launch_files.py), connects to the driver's event channel (event_channel.py) and runs
-the same worker loop as a spawned worker (tlt_cli/training/worker_loop.py), joining the process group with
-env:// from those variables: NCCL on `cuda:<LOCAL_RANK>`, gloo with `actor.devices: cpu`.
+(launch_files.py), connects to the driver's event channel (event_channel.py) and runs the worker
+body the plan names, as a spawned worker does (tlt_cli/training/worker_loop.py for the native
+trainer), joining the process group with env:// from those variables: NCCL on `cuda:<LOCAL_RANK>`,
+gloo with `actor.devices: cpu`.
 """
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ from pathlib import Path
 
 from tlt_cli.processes.distributed import WorkerAddress
 from tlt_cli.processes.event_channel import DriverUnreachable, connect_to_driver
-from tlt_cli.processes.launch_files import read_launch_files
-from tlt_cli.training.worker_loop import WorkerSpec, worker_main
+from tlt_cli.processes.launch_files import body_function, read_launch_files
+from tlt_cli.processes.messages import WorkerSpec
 
 
 def launched_address() -> WorkerAddress:
@@ -51,7 +52,7 @@ def main(arguments: list[str]) -> None:
     except DriverUnreachable as error:
         sys.exit(f"rank {spec.address.rank}: {error}")
     try:
-        worker_main(spec, events)
+        body_function(plan.worker_body)(spec, events)
     finally:
         events.close()
 

@@ -35,8 +35,8 @@ from tlt_cli.errors import UserError
 from tlt_cli.processes.distributed import free_port, private_rendezvous_directory
 from tlt_cli.processes.event_channel import EventListener
 from tlt_cli.processes.hostfile import LOCAL_ADDRESS, deepspeed_launch_command, read_hostfile, runs_on_this_machine
-from tlt_cli.processes.launch_files import LaunchPlan, write_launch_files
-from tlt_cli.training.worker_loop import WorkerFinished
+from tlt_cli.processes.launch_files import LaunchPlan, body_name, write_launch_files
+from tlt_cli.processes.messages import WorkerBody, WorkerFinished
 
 LAUNCHER_LOG = "launcher.log"
 # seconds the launcher gets to exit after every rank finished, and after SIGTERM
@@ -51,7 +51,8 @@ PROBE_PORT = 9
 class LaunchedWorkers:
     """The ranks of one DeepSpeed launch, as the driver sees them."""
 
-    def __init__(self, spec_base: dict[str, Any]):
+    def __init__(self, spec_base: dict[str, Any], body: WorkerBody):
+        """body: what each rank runs (a module-level function; the plan names it, launched_rank.py imports it)."""
         recipe, run_directory = spec_base["recipe"], spec_base["run_directory"]
         self.size = recipe.workers.count
         self.finished: set[int] = set()
@@ -70,6 +71,7 @@ class LaunchedWorkers:
             resume_from=_absolute(spec_base["resume_from"]),
             start_step=spec_base["start_step"],
             drafter_init=_absolute(spec_base["drafter_init"]),
+            worker_body=body_name(body),
             rendezvous_directory=_absolute(self.rendezvous),
         )
         write_launch_files(run_directory, recipe, plan)

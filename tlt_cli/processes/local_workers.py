@@ -1,9 +1,10 @@
 """Workers on the driver's own machine: one spawned process per rank, events on a multiprocessing queue.
 
-The default of `tlt train` (no `workers.hostfile`). `LocalWorkers` starts `worker_main` in
-`workers.count` processes (with only the actor's GPUs visible) and offers the driver loop
-(driver.py) the same three calls as a DeepSpeed launch (launched_workers.py):
-`next_event`, `failure` when none comes (a worker died without reporting) and `stop`.
+The default of `tlt train` (no `workers.hostfile`). `LocalWorkers` starts the worker body it is
+given (the trainer's, chosen by tlt_cli/training/trainers.py) in `workers.count` processes (with
+only the actor's GPUs visible) and offers the driver loop (driver.py) the same three calls as a
+DeepSpeed launch (launched_workers.py): `next_event`, `failure` when none comes (a worker died
+without reporting) and `stop`.
 The workers meet in a private folder of their own (distributed.py `private_rendezvous_directory`):
 no rank opens a TCP store, and gloo binds to loopback.
 """
@@ -15,11 +16,11 @@ import os
 import queue
 import shutil
 import signal
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from tlt_cli.processes.distributed import WorkerAddress, private_rendezvous_directory, visible_gpus
-from tlt_cli.training.worker_loop import WorkerSpec, worker_main
+from tlt_cli.processes.messages import WorkerBody, WorkerSpec
 
 # seconds a terminated worker gets to exit before it is killed
 STOP_SECONDS = 10
@@ -28,21 +29,15 @@ STOP_SECONDS = 10
 class LocalWorkers:
     """workers.count processes of this machine, rank r the r-th."""
 
-    def __init__(
-        self,
-        spec_base: dict[str, Any],
-        world_size: int,
-        gpus: Sequence[int],
-        target: Callable[[WorkerSpec, Any], None] = worker_main,
-    ):
-        """target: each process's body (worker_main; a TRL run's tlt_cli/integrations/trl_run.py:trl_worker_main)."""
+    def __init__(self, spec_base: dict[str, Any], world_size: int, gpus: Sequence[int], body: WorkerBody):
+        """body: each process's body (a module-level function, so a spawned process can import it)."""
         context = multiprocessing.get_context("spawn")
         self.size = world_size
         self.events = context.Queue()
         self.rendezvous = private_rendezvous_directory()
         self.processes = [
             context.Process(
-                target=target,
+                target=body,
                 args=(WorkerSpec(address=self._address(rank), **spec_base), self.events),
                 name=f"tlt-worker-{rank}",
             )

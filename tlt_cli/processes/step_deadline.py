@@ -17,7 +17,7 @@ import socket
 import time
 from pathlib import Path
 
-from tlt_cli.training.worker_loop import WorkerProgress, WorkerStepReport
+from tlt_cli.processes.messages import WorkerProgress, WorkerStepReport
 
 # the state letter of /proc/<pid>/stat, in words
 PROCESS_STATES = {

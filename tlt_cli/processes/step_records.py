@@ -11,8 +11,8 @@ from typing import Any
 
 import numpy
 
+from tlt_cli.processes.messages import WorkerStepReport
 from tlt_cli.rollout.types import accept_length
-from tlt_cli.training.worker_loop import WorkerStepReport
 
 
 def step_records(reports: list[WorkerStepReport]) -> list[dict[str, Any]]:

@@ -25,16 +25,14 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from tlt_cli.config import Recipe
-from tlt_cli.models.loading import load_policy
-from tlt_cli.processes.driver import cache_directory
 from tlt_cli.profile.records import ProfileRecords, read_trace_records
 from tlt_cli.rollout.engine import EmbeddedEngine
 from tlt_cli.rollout.linear_forms_measure import prepare_linear_forms
 from tlt_cli.rollout.types import Completion, RolloutRequest, SamplingParams
 from tlt_cli.tasks.base import Task
 from tlt_cli.tasks.prompts import encode_prompt
-from tlt_cli.tasks.registry import build_task
 from tlt_cli.trace import TraceWriter
+from tlt_cli.training import setup
 
 SIMPLIFICATION = "one process; worker shards generated one after another and re-timed to start together"
 
@@ -45,19 +43,14 @@ def record_rollout(
     """Generate `steps` steps of the recipe's rollout, write them as a trace at trace_path, return its records."""
     if steps < 1:
         raise ValueError(f"steps is {steps}; record at least 1 step.")
-    policy, tokenizer = load_policy(recipe.model.path)
-    task = build_task(recipe.task.name, recipe.run.seed, dict(recipe.task.options))
+    policy, tokenizer = setup.policy_and_tokenizer(recipe)
+    task = setup.task(recipe)
     # the linear forms a worker's engine computes the policy with (EmbeddedRollout, no drafter: SD off here)
-    linear_forms = prepare_linear_forms(recipe.rollout.linear_forms, [policy, None], cache_directory(recipe))
+    linear_forms = prepare_linear_forms(recipe.rollout.linear_forms, [policy, None], setup.model_cache(recipe))
     engine = EmbeddedEngine(
         policy, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, linear_forms=linear_forms
     )
-    sampling = SamplingParams(
-        max_new_tokens=recipe.rollout.max_new_tokens,
-        temperature=recipe.rollout.temperature,
-        top_p=recipe.rollout.top_p,
-        top_k=recipe.rollout.top_k,
-    )
+    sampling = setup.sampling(recipe)
     trace_path.parent.mkdir(parents=True, exist_ok=True)
     trace_path.unlink(missing_ok=True)
     writer = TraceWriter(trace_path)

@@ -10,26 +10,22 @@ A worker (tlt_cli/training/worker_loop.py), or any other trainer, holds one `Rol
     backend.save_state(path) / backend.load_state(path)                       # with the checkpoint
     backend.stop()                                                            # however the run ends
 
-Two implementations, chosen by name from the recipe's `rollout.backend` through `ROLLOUT_BACKENDS`
-(name -> factory of a `BackendSetup`):
+Two implementations, chosen by name from the recipe's `rollout.backend` in the composition root
+(tlt_cli/training/setup.py, `ROLLOUT_BACKENDS`):
   - `embedded` (tlt_cli/rollout/embedded.py): the in-process engine on the actor's own module, so
     there is nothing to start, push or stop; constructible without a recipe or a worker;
   - `sglang` (tlt_cli/sglang/rollout.py): this worker's SGLang servers, imported only when chosen so
     the CPU path never loads the SGLang package.
-This module imports neither torch nor SGLang, so recipe checks can read the names cheaply.
+This module imports neither torch nor SGLang.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from torch import nn
-
-    from tlt_cli.config import Recipe
     from tlt_cli.rollout.adaptive import ConfigUsage
     from tlt_cli.rollout.types import Completion, RolloutRequest, SamplingParams
 
@@ -77,53 +73,3 @@ class RolloutBackend(Protocol):
 
     def stop(self) -> None:
         """Release what `start` took (idempotent; also safe when `start` never ran)."""
-
-
-@dataclass(frozen=True)
-class BackendSetup:
-    """What a backend is built from inside a worker: the recipe, this rank's modules and place."""
-
-    recipe: Recipe
-    # the actor's module (the embedded engine generates with it; SGLang gets its weights pushed)
-    policy: nn.Module
-    eos_token_id: int
-    pad_token_id: int
-    # the drafter the run speculates with or trains (None when it has none)
-    drafter: nn.Module | None
-    worker: int
-    rank_on_node: int
-    run_directory: Path
-    # where measured plans are cached (the linear forms' plan; None: $TLT_CACHE_DIR or ~/.cache/tlt)
-    cache_dir: Path | None = None
-
-
-def _embedded(setup: BackendSetup) -> RolloutBackend:
-    from tlt_cli.rollout.embedded import EmbeddedRollout
-
-    return EmbeddedRollout(
-        setup.policy,
-        setup.eos_token_id,
-        setup.pad_token_id,
-        setup.recipe.speculative,
-        setup.drafter,
-        seed=setup.recipe.run.seed,
-        linear_forms=setup.recipe.rollout.linear_forms,
-        cache_dir=setup.cache_dir,
-    )
-
-
-def _sglang(setup: BackendSetup) -> RolloutBackend:
-    from tlt_cli.sglang.rollout import SGLangRollout
-
-    return SGLangRollout(setup)
-
-
-ROLLOUT_BACKENDS: dict[str, Callable[[BackendSetup], RolloutBackend]] = {"embedded": _embedded, "sglang": _sglang}
-
-
-def build_rollout_backend(setup: BackendSetup) -> RolloutBackend:
-    """The backend the recipe's `rollout.backend` names (not started yet)."""
-    name = setup.recipe.rollout.backend
-    if name not in ROLLOUT_BACKENDS:
-        raise ValueError(f"rollout.backend is '{name}'; use one of {', '.join(ROLLOUT_BACKENDS)}.")
-    return ROLLOUT_BACKENDS[name](setup)

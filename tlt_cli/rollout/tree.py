@@ -26,15 +26,22 @@ acceptance never reaches.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from tlt_cli.rollout.sampling import apply_sampling, sample
 from tlt_cli.rollout.types import DRAFT_SOURCES, SamplingParams, SpeculativeConfig
 
-if TYPE_CHECKING:
-    from tlt_cli.drafter.vocabulary import DraftVocabulary
+
+class DraftVocabulary(Protocol):
+    """What the builders need of a draft vocabulary (tlt_cli/drafter/vocabulary.py's DraftVocabulary)."""
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        """Draft token ids -> the target's token ids."""
+
+    def to_target_probs(self, draft_probs: torch.Tensor) -> torch.Tensor:
+        """A distribution over the N draft tokens -> the same over the V target tokens (zero elsewhere)."""
 
 
 @dataclass

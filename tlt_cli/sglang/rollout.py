@@ -1,6 +1,7 @@
 """One worker's rollout through its own SGLang servers (`rollout.backend: sglang`).
 
-`SGLangRollout` is the SGLang implementation of tlt_cli/rollout/backend.py's RolloutBackend.
+`SGLangRollout` is the SGLang implementation of tlt_cli/rollout/backend.py's RolloutBackend; it takes
+explicit arguments (tlt_cli/training/setup.py reads them from the recipe).
 Ownership: `rollout.sglang.gpus` split into groups of tp_size gives S servers on each node; with N
 worker ranks on the node, the rank of local index r owns servers r*S/N .. (r+1)*S/N - 1 (their
 GPUs and their slice of the port range).
@@ -21,29 +22,22 @@ here); weight-sync notes and collapses come back through `take_warnings`.
 from __future__ import annotations
 
 import dataclasses
-import json
 import statistics
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-import torch
-from transformers import PreTrainedModel
+from torch import nn
 
 from tlt_cli.config import SGLangConfig
-from tlt_cli.models.loading import model_folder
-from tlt_cli.processes.hostfile import ranks_per_node
 from tlt_cli.rollout.adaptive import ConfigUsage
 from tlt_cli.rollout.types import Completion, RolloutRequest, SamplingParams
-from tlt_cli.sglang.adaptive import batch_rules
+from tlt_cli.sglang.adaptive import BatchRule
 from tlt_cli.sglang.backend import SGLangBackend
 from tlt_cli.sglang.config import PORTS_PER_SERVER
+from tlt_cli.sglang.drafter_format import write_drafter_folder
 from tlt_cli.sglang.registry import record_server_groups
 from tlt_cli.sglang.weight_sync import target_tensors, write_checkpoint
-
-if TYPE_CHECKING:
-    from tlt_cli.rollout.backend import BackendSetup
 
 
 def servers_of_worker(config: SGLangConfig, worker: int, worker_count: int) -> SGLangConfig:
@@ -54,38 +48,35 @@ def servers_of_worker(config: SGLangConfig, worker: int, worker_count: int) -> S
     return dataclasses.replace(config, gpus=gpus, port_base=config.port_base + PORTS_PER_SERVER * first)
 
 
-def export_drafter_for_sglang(drafter: torch.nn.Module, target: PreTrainedModel, directory: Path) -> Path:
-    """Write the drafter as an SGLang EAGLE draft folder (config.json, model.safetensors), as `tlt export-drafter`
-    does."""
-    from safetensors.torch import save_file
-
-    from tlt_cli.export import EXPORT_CONFIG_FILE, WEIGHTS_FILE, sglang_config, sglang_tensors
-
-    directory.mkdir(parents=True, exist_ok=True)
-    (directory / EXPORT_CONFIG_FILE).write_text(json.dumps(sglang_config(drafter, target), indent=2), encoding="utf-8")
-    save_file(sglang_tensors(drafter, target, include_shared=False), str(directory / WEIGHTS_FILE))
-    return directory
-
-
 class SGLangRollout:
     """The SGLang servers of one worker, from start to stop (see the module docstring)."""
 
-    def __init__(self, setup: BackendSetup):
-        recipe = setup.recipe
-        self.policy, self.drafter = setup.policy, setup.drafter
-        self.directory = setup.run_directory / "workers" / f"worker-{setup.worker}"
-        self.tie_word_embeddings = bool(setup.policy.config.tie_word_embeddings)
-        # rollout.sglang.gpus are the GPUs of each node, shared among the ranks of that node
-        config = servers_of_worker(recipe.rollout.sglang, setup.rank_on_node, ranks_per_node(recipe))
+    def __init__(
+        self,
+        policy: nn.Module,
+        drafter: nn.Module | None,
+        servers: SGLangConfig,
+        model_path: str,
+        rules: Sequence[BatchRule],
+        eos_token_id: int,
+        seed: int,
+        run_directory: Path,
+        worker: int,
+    ):
+        """servers: the part of rollout.sglang this worker owns (`servers_of_worker`); model_path: the target's
+        Hugging Face folder; rules: the batch-size rules the servers follow (tlt_cli/sglang/adaptive.py)."""
+        self.policy, self.drafter = policy, drafter
+        self.directory = run_directory / "workers" / f"worker-{worker}"
+        self.tie_word_embeddings = bool(policy.config.tie_word_embeddings)
         self.backend = SGLangBackend(
-            config,
-            str(model_folder(recipe.model.path)),
+            servers,
+            model_path,
             self.directory,
-            batch_rules(recipe.speculative),
-            eos_token_id=setup.eos_token_id,
-            seed=recipe.run.seed,
+            rules,
+            eos_token_id=eos_token_id,
+            seed=seed,
             tie_word_embeddings=self.tie_word_embeddings,
-            on_servers_spawned=lambda groups: record_server_groups(setup.run_directory, setup.worker, groups),
+            on_servers_spawned=lambda groups: record_server_groups(run_directory, worker, groups),
         )
         # the drafter version the servers hold (StepContext.drafter_version; 0 is the drafter they launch with)
         self.pushed_drafter_version = 0.0
@@ -97,7 +88,7 @@ class SGLangRollout:
         draft_model_path = None
         if self.drafter is not None:
             folder = self.directory / "sglang" / "drafter-initial"
-            draft_model_path = str(export_drafter_for_sglang(self.drafter, self.policy, folder))
+            draft_model_path = str(write_drafter_folder(self.drafter, self.policy, folder))
         return self.backend.start(draft_model_path)
 
     def stop(self) -> None:

@@ -1,6 +1,10 @@
-"""GRPO training: the worker loop, the actor, the GRPO loss and the policy batch.
+"""GRPO training, and the composition root: the one place a recipe becomes a running trainer.
 
-One rank's step (worker_loop.py) rolls out a shard of prompts, scores them with the task, turns the
-rewards into group advantages (grpo.py), packs the rows into a padded batch (policy_batch.py) and
-updates the policy through DeepSpeed (actor.py).
+setup.py         the only code that turns a Recipe into parts (policy, task, sampling, drafter,
+                 rollout backend); every trainer and command builds through it
+trainers.py      the trainers by train.trainer (each process's body) and `train`, what `tlt train` runs
+worker_loop.py   one rank's GRPO step: rollout -> reward -> advantages -> actor update
+grpo.py          group advantages and the clipped policy loss
+policy_batch.py  completions packed into one padded batch
+actor.py         the DeepSpeed actor: log-probs and the update
 """

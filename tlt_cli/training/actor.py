@@ -28,6 +28,8 @@ from tlt_cli.training.policy_batch import PolicyBatch, micro_batches
 
 ADAMW_BETAS = (0.9, 0.999)
 CHECKPOINT_TAG = "actor"
+# the file DeepSpeed writes the (ZeRO 0-2) module state into, under CHECKPOINT_TAG (`tlt export-drafter` reads it)
+ACTOR_WEIGHTS_FILE = "mp_rank_00_model_states.pt"
 
 # Called with (micro_batch, last_hidden_state [B,T,H]) during the log-prob pass.
 HiddenStatesCallback = Callable[[PolicyBatch, torch.Tensor], None]

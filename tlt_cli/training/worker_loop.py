@@ -1,14 +1,16 @@
 """One worker process: a DeepSpeed rank with its rollout shard, running the GRPO step loop.
 
-`worker_main` is the entry point of every rank: spawned by the driver (one per rank), or called
-by tlt_cli/processes/launched_rank.py in a rank the DeepSpeed launcher started. Each step reads as the
-dataflow: rollout the shard -> wait for the others (idle) -> reward -> advantages ->
-log-probs -> actor update -> rollout backend brought up to date -> report to the driver ->
-checkpoint when due. Every rank sends its `WorkerStepReport` to the driver with `events.put`
-(a multiprocessing queue, or the TCP channel of tlt_cli/processes/event_channel.py); the driver
-writes the trace. The rollout goes through the RolloutBackend `rollout.backend` names
-(tlt_cli/rollout/backend.py): the embedded engine sharing the actor's weights, or the SGLang
-servers this rank owns, which it starts before its first step and stops however it ends.
+`worker_main` is the body of every native rank (trainers.py names it for `train.trainer: native`):
+spawned by the driver (one per rank), or run by tlt_cli/processes/launched_rank.py in a rank the
+DeepSpeed launcher started. Its parts (policy, task, drafter, rollout backend, sampling) come from
+the recipe through setup.py. Each step reads as the dataflow: rollout the shard -> wait for the
+others (idle) -> reward -> advantages -> log-probs -> actor update -> rollout backend brought up
+to date -> report to the driver -> checkpoint when due. Every rank sends its `WorkerStepReport`
+(tlt_cli/processes/messages.py) to the driver with `events.put` (a multiprocessing queue, or the
+TCP channel of tlt_cli/processes/event_channel.py); the driver writes the trace. The rollout goes
+through the RolloutBackend (tlt_cli/rollout/backend.py) `rollout.backend` names: the embedded
+engine sharing the actor's weights, or the SGLang servers this rank owns, which it starts before
+its first step and stops however it ends.
 """
 
 from __future__ import annotations
@@ -16,7 +18,6 @@ from __future__ import annotations
 import os
 import socket
 import time
-import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,101 +25,22 @@ from typing import Any
 import torch
 
 from tlt_cli.checkpoint import save_collectively
-from tlt_cli.config import CPU_DEVICES, Recipe
-from tlt_cli.drafter.initial import initial_drafter, needs_drafter
-from tlt_cli.errors import UserError
-from tlt_cli.models.loading import load_policy
+from tlt_cli.config import CPU_DEVICES
 from tlt_cli.plugins import PluginHost, StepContext, agree_across_workers, build_plugins
-from tlt_cli.processes.distributed import RolloutBarrier, WorkerAddress, barrier_timeout, init_worker_process
+from tlt_cli.processes.distributed import RolloutBarrier, barrier_timeout, init_worker_process
+from tlt_cli.processes.messages import WorkerFailed, WorkerFinished, WorkerProgress, WorkerSpec, WorkerStepReport
 from tlt_cli.processes.worker_process import exit_with_parent, redirect_output
-from tlt_cli.rollout.backend import BackendSetup, build_rollout_backend
-from tlt_cli.rollout.types import Completion, RolloutRequest, SamplingParams
+from tlt_cli.rollout.types import Completion, RolloutRequest
 from tlt_cli.tasks.base import Problem
 from tlt_cli.tasks.prompts import encode_prompt
-from tlt_cli.tasks.registry import build_task
+from tlt_cli.trace import request_record
+from tlt_cli.training import setup
 from tlt_cli.training.actor import Actor
 from tlt_cli.training.grpo import group_advantages
 from tlt_cli.training.policy_batch import build_policy_batch
 
 # prompts of the step (one per group) a rollout backend that pushes weights probes acceptance on
 PROBE_PROMPTS = 2
-
-
-@dataclass(frozen=True)
-class WorkerSpec:
-    """Everything a spawned worker needs (picklable)."""
-
-    recipe: Recipe
-    run_directory: Path
-    address: WorkerAddress
-    model_cache: Path
-    resume_from: Path | None = None
-    start_step: int = 0
-    # folder of the starting drafter (None: random init); used only when the run needs a drafter
-    drafter_init: Path | None = None
-
-
-@dataclass
-class WorkerStepReport:
-    """One rank's account of one step (sent to the driver)."""
-
-    step: int
-    worker: int
-    rollout_start: float
-    busy_end: float
-    idle_end: float
-    reward_seconds: float
-    update_seconds: float
-    requests: list[dict[str, Any]]
-    update: dict[str, float]
-    # numbers plugins added to the step context (e.g. drafter_steps), and plugins disabled this step
-    plugin_metrics: dict[str, float] = field(default_factory=dict)
-    plugin_failures: list[dict[str, str]] = field(default_factory=list)
-    # adaptive SD: decode steps, tokens and seconds per configuration label; warnings (collapse, recovery)
-    sd_usage: dict[str, dict[str, float]] = field(default_factory=dict)
-    sd_warnings: list[str] = field(default_factory=list)
-    checkpoint: str | None = None
-
-
-@dataclass(frozen=True)
-class WorkerFailed:
-    """A worker raised: its rank, one-line message and the traceback (kept for the log).
-
-    user_error: the error is the user's to fix (a tlt UserError: a data file, model weights); the
-    message is then the sentence to show, without the worker's name or the error's type.
-    """
-
-    worker: int
-    message: str
-    details: str
-    user_error: bool = False
-
-    @classmethod
-    def of_exception(cls, worker: int, error: BaseException) -> WorkerFailed:
-        """The report of `error`, raised in `worker` and being handled now (its traceback is the current one)."""
-        if isinstance(error, UserError):
-            return cls(worker, str(error), traceback.format_exc(), user_error=True)
-        return cls(worker, f"{type(error).__name__}: {error}", traceback.format_exc())
-
-
-@dataclass(frozen=True)
-class WorkerFinished:
-    worker: int
-
-
-@dataclass(frozen=True)
-class WorkerProgress:
-    """What a rank is doing now, sent as it enters each part of a step: the driver's step deadline names it.
-
-    waiting: the rank waits for the others here (the step's start, the rollout barrier).
-    """
-
-    worker: int
-    step: int
-    activity: str
-    waiting: bool
-    pid: int
-    host: str
 
 
 @dataclass
@@ -159,40 +81,30 @@ class WorkerLoop:
             on_gpus=recipe.actor.devices != CPU_DEVICES,
         )
         torch.manual_seed(recipe.run.seed)
-        policy, self.tokenizer = load_policy(recipe.model.path)
-        reference = load_policy(recipe.model.path)[0].eval() if recipe.actor.kl_coef > 0 else None
-        self.task = build_task(recipe.task.name, recipe.run.seed, dict(recipe.task.options))
+        policy, self.tokenizer = setup.policy_and_tokenizer(recipe)
+        self.task = setup.task(recipe)
         self.prompts_per_worker = recipe.train.prompts_per_step // recipe.workers.count
-        self.actor = Actor(policy, recipe.actor, self.prompts_per_worker * recipe.train.group_size, reference)
+        self.actor = Actor(
+            policy, recipe.actor, self.prompts_per_worker * recipe.train.group_size, setup.reference_policy(recipe)
+        )
         self.actor.engine.eval()
         self.drafter = None
-        if needs_drafter(recipe):
+        if setup.drafter_needed(recipe):
             # on the policy's device and dtype (the drafter shares its embedding, norm and lm_head)
-            self.drafter = initial_drafter(recipe, spec.drafter_init, self.actor.policy).to(
+            self.drafter = setup.starting_drafter(recipe, spec.drafter_init, self.actor.policy).to(
                 self.actor.device, self.actor.dtype
             )
-        self.rollout_backend = build_rollout_backend(
-            BackendSetup(
-                recipe,
-                self.actor.policy,
-                self.tokenizer.eos_token_id,
-                self.tokenizer.pad_token_id,
-                self.drafter,
-                self.rank,
-                spec.address.rank_on_node,
-                spec.run_directory,
-                cache_dir=spec.model_cache,
-            )
+        self.rollout_backend = setup.rollout_backend(
+            recipe,
+            self.actor.policy,
+            self.tokenizer,
+            self.drafter,
+            setup.BackendPlace(self.rank, spec.address.rank_on_node, spec.run_directory, cache_dir=spec.model_cache),
         )
         self.barrier = RolloutBarrier(spec.address, barrier_timeout(recipe.workers.step_timeout_s))
         plugins = build_plugins(recipe.plugins.enabled, dict(recipe.plugins.options), recipe)
         self.plugins = PluginHost(plugins, agree=agree_across_workers)
-        self.sampling = SamplingParams(
-            max_new_tokens=recipe.rollout.max_new_tokens,
-            temperature=recipe.rollout.temperature,
-            top_p=recipe.rollout.top_p,
-            top_k=recipe.rollout.top_k,
-        )
+        self.sampling = setup.sampling(recipe)
         if spec.resume_from is not None:
             self.actor.load(spec.resume_from)
             self.rollout_backend.load_state(self._rollout_state_path(spec.resume_from))
@@ -320,22 +232,21 @@ class WorkerLoop:
 
     def request_record(self, step: int, completion: Completion, reward: float) -> dict[str, Any]:
         stats = completion.speculative
-        return {
-            "type": "request",
-            "step": step,
-            "worker": self.rank,
-            "request_id": completion.request_id,
-            "start": completion.start,
-            "end": completion.end,
-            "prompt_tokens": len(completion.prompt_ids),
-            "tokens": len(completion.response_ids),
-            "reward": reward,
-            "finished_by_eos": completion.finished_by_eos,
-            "verify_passes": stats.verify_passes,
-            "accepted_tokens": stats.accepted_draft_tokens,
-            "accepted_by_depth": list(stats.accepted_by_depth),
-            "proposed_by_depth": list(stats.proposed_by_depth),
-        }
+        return request_record(
+            step=step,
+            worker=self.rank,
+            request_id=completion.request_id,
+            start=completion.start,
+            end=completion.end,
+            prompt_tokens=len(completion.prompt_ids),
+            tokens=len(completion.response_ids),
+            reward=reward,
+            finished_by_eos=completion.finished_by_eos,
+            verify_passes=stats.verify_passes,
+            accepted_tokens=stats.accepted_draft_tokens,
+            accepted_by_depth=stats.accepted_by_depth,
+            proposed_by_depth=stats.proposed_by_depth,
+        )
 
     def _rollout_state_path(self, directory: Path) -> Path:
         return directory / f"adaptive-schedule-rank-{self.rank}.pt"

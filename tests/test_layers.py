@@ -1,0 +1,174 @@
+"""The package tree's floors: no tlt_cli module imports one of a higher layer, and none imports the plugins.
+
+Every import of every tlt_cli module is read with `ast` (imports inside functions and under
+TYPE_CHECKING included: a type-only import is still a dependency a reader follows) and checked
+against LAYERS, lowest first. A module belongs to the layer of the longest prefix that names it;
+it may import modules of its own layer and of the layers below. The composition root
+(tlt_cli/training/) builds parts from everything below it; integrations/ (TRL) builds on it; the
+trainer table (training/trainers.py) names both trainers' bodies, so it sits above integrations;
+the commands' implementations and the CLI come last. ALLOWED_UPWARD lists the exceptions, each
+with its reason (none today).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE_ROOT = Path(__file__).resolve().parent.parent / "tlt_cli"
+ROOT_PACKAGE = "tlt_cli"
+
+LAYERS: list[tuple[str, tuple[str, ...]]] = [
+    (
+        "foundations",
+        (
+            ROOT_PACKAGE,
+            "tlt_cli.errors",
+            "tlt_cli.config",
+            "tlt_cli.recipes",
+            "tlt_cli.recipe_help",
+            "tlt_cli.checkpoint",
+            "tlt_cli.trace",
+            "tlt_cli.plugins",
+            "tlt_cli.display",
+        ),
+    ),
+    ("tasks", ("tlt_cli.tasks",)),
+    ("models", ("tlt_cli.models",)),
+    ("rollout", ("tlt_cli.rollout",)),
+    ("drafter", ("tlt_cli.drafter",)),
+    ("sglang", ("tlt_cli.sglang",)),
+    ("processes", ("tlt_cli.processes",)),
+    ("training", ("tlt_cli.training",)),
+    ("integrations", ("tlt_cli.integrations",)),
+    ("trainers", ("tlt_cli.training.trainers",)),
+    (
+        "commands",
+        ("tlt_cli.recipe_checks", "tlt_cli.preflight", "tlt_cli.profile", "tlt_cli.calibration", "tlt_cli.export"),
+    ),
+    ("cli", ("tlt_cli.cli", "tlt_cli.__main__")),
+]
+
+# (importer, imported) -> why the import runs up the tree
+ALLOWED_UPWARD: dict[tuple[str, str], str] = {}
+
+PLUGINS_PACKAGE = "tlt_plugins"
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE_ROOT.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def is_module(name: str) -> bool:
+    relative = Path(*name.split("."))
+    return (PACKAGE_ROOT.parent / relative).with_suffix(".py").is_file() or (
+        PACKAGE_ROOT.parent / relative / "__init__.py"
+    ).is_file()
+
+
+def imported_modules(path: Path) -> set[str]:
+    """Every module `path` imports (a `from package import module` names the module)."""
+    importer = module_name(path)
+    package = importer if path.name == "__init__.py" else importer.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([node.module] if node.module else []))
+            for alias in node.names:
+                candidate = f"{base}.{alias.name}"
+                found.add(candidate if is_module(candidate) else base)
+    return found
+
+
+def layer_of(module: str) -> int:
+    """The index in LAYERS of the longest prefix naming `module` (the root package names only itself)."""
+    best, best_length = None, -1
+    for index, (_, prefixes) in enumerate(LAYERS):
+        for prefix in prefixes:
+            inside = module.startswith(prefix + ".") and prefix != ROOT_PACKAGE
+            if (module == prefix or inside) and len(prefix) > best_length:
+                best, best_length = index, len(prefix)
+    if best is None:
+        raise AssertionError(f"{module} is in no layer of tests/test_layers.py; add it to LAYERS.")
+    return best
+
+
+def tlt_modules() -> list[Path]:
+    return sorted(PACKAGE_ROOT.rglob("*.py"))
+
+
+def upward_imports(modules: list[Path]) -> list[str]:
+    """'importer (layer) -> imported (higher layer)' for each import that runs up the tree and is not allowed."""
+    found = []
+    for path in modules:
+        importer = module_name(path)
+        for imported in sorted(imported_modules(path)):
+            if not imported.startswith("tlt_cli") or (importer, imported) in ALLOWED_UPWARD:
+                continue
+            if layer_of(imported) > layer_of(importer):
+                found.append(
+                    f"{importer} ({LAYERS[layer_of(importer)][0]}) -> {imported} ({LAYERS[layer_of(imported)][0]})"
+                )
+    return found
+
+
+def test_every_module_has_a_layer():
+    for path in tlt_modules():
+        layer_of(module_name(path))
+
+
+def test_no_module_imports_a_higher_layer():
+    assert upward_imports(tlt_modules()) == []
+
+
+def test_the_allowed_exceptions_still_exist():
+    """An exception whose import is gone is removed from ALLOWED_UPWARD (the list stays the truth)."""
+    for importer, imported in ALLOWED_UPWARD:
+        path = PACKAGE_ROOT.parent / Path(*importer.split("."))
+        path = path / "__init__.py" if path.is_dir() else path.with_suffix(".py")
+        assert imported in imported_modules(path), f"{importer} no longer imports {imported}"
+
+
+def test_the_core_never_imports_the_plugins_package():
+    offenders = [
+        module_name(path)
+        for path in tlt_modules()
+        if any(name.split(".")[0] == PLUGINS_PACKAGE for name in imported_modules(path))
+        or _names_the_plugins_module(path)
+    ]
+    assert offenders == []
+
+
+def _names_the_plugins_module(path: Path) -> bool:
+    """Whether the module imports tlt_plugins by name (importlib.import_module / __import__ with a literal)."""
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant):
+            function = ast.unparse(node.func)
+            value = node.args[0].value
+            if function.endswith(("import_module", "__import__")) and str(value).startswith(PLUGINS_PACKAGE):
+                return True
+    return False
+
+
+@pytest.mark.parametrize(
+    "source, upward",
+    [
+        ("from tlt_cli.training.worker_loop import worker_main\n", True),
+        ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from tlt_cli.cli import app\n", True),
+        ("def body():\n    from tlt_cli.integrations import trl_run\n", True),
+        ("from tlt_cli.rollout.types import Completion\nfrom tlt_cli.errors import UserError\n", False),
+    ],
+)
+def test_an_upward_import_is_found(tmp_path, monkeypatch, source, upward):
+    """A module of processes/ written with `source` is reported exactly when it reaches above its layer."""
+    module = PACKAGE_ROOT / "processes" / "layering_probe.py"
+    monkeypatch.setattr(Path, "read_text", lambda self, encoding=None: source)
+    assert bool(upward_imports([module])) is upward

@@ -1,0 +1,81 @@
+"""The composition root's setup (tlt_cli/training/setup.py): a recipe turned into the parts every trainer uses."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from tiny_models import tiny_qwen2
+
+from tlt_cli.config import Recipe, SpeculativeMode
+from tlt_cli.rollout.embedded import EmbeddedRollout
+from tlt_cli.rollout.types import RolloutRequest
+from tlt_cli.training import setup
+
+
+class DrafterTrainingPlugin:
+    """A plugin that declares it trains the drafter (as the drafter sidecar does)."""
+
+    trains_drafter = True
+
+
+class LoggingPlugin:
+    """A plugin that trains nothing."""
+
+
+def recipe_with(mode: SpeculativeMode, plugins: list[str], **rollout) -> Recipe:
+    recipe = Recipe()
+    return dataclasses.replace(
+        recipe,
+        speculative=dataclasses.replace(recipe.speculative, mode=mode),
+        plugins=dataclasses.replace(recipe.plugins, enabled=plugins),
+        rollout=dataclasses.replace(recipe.rollout, **rollout),
+    )
+
+
+@pytest.mark.parametrize(
+    "mode, plugins, needed",
+    [
+        (SpeculativeMode.off, [], False),
+        (SpeculativeMode.off, [f"{__name__}:LoggingPlugin"], False),
+        (SpeculativeMode.off, [f"{__name__}:DrafterTrainingPlugin"], True),
+        (SpeculativeMode.fixed, [], True),
+        (SpeculativeMode.adaptive, [f"{__name__}:LoggingPlugin"], True),
+    ],
+)
+def test_a_run_needs_a_drafter_when_it_speculates_or_a_plugin_trains_one(mode, plugins, needed):
+    assert setup.drafter_needed(recipe_with(mode, plugins)) is needed
+
+
+def test_no_drafter_is_prepared_for_a_run_that_needs_none(tmp_path):
+    recipe = recipe_with(SpeculativeMode.off, [])
+    assert setup.prepare_drafter(recipe, tmp_path) == (None, None)
+    assert not any(tmp_path.iterdir())
+
+
+def test_sampling_is_the_recipes_rollout_settings():
+    recipe = recipe_with(SpeculativeMode.off, [], max_new_tokens=17, temperature=0.5, top_p=0.9, top_k=7)
+    sampling = setup.sampling(recipe)
+    assert (sampling.max_new_tokens, sampling.temperature, sampling.top_p, sampling.top_k) == (17, 0.5, 0.9, 7)
+
+
+class Tokens:
+    eos_token_id, pad_token_id = 1, 0
+
+
+def test_the_embedded_backend_generates_with_the_policy_it_is_given(tmp_path):
+    recipe = recipe_with(SpeculativeMode.off, [], linear_forms="off", temperature=0.0, max_new_tokens=3)
+    policy = tiny_qwen2(vocab_size=32, seed=3).eval()
+    backend = setup.rollout_backend(recipe, policy, Tokens(), None, setup.BackendPlace(0, 0, tmp_path, tmp_path))
+    assert isinstance(backend, EmbeddedRollout)
+    completions, _ = backend.generate([RolloutRequest(0, (2, 3, 4))], setup.sampling(recipe), seed=5)
+    with torch.no_grad():
+        greedy_first = int(policy(torch.tensor([[2, 3, 4]])).logits[0, -1].argmax())
+    assert completions[0].response_ids[0] == greedy_first
+
+
+def test_an_unknown_rollout_backend_is_refused_in_one_sentence(tmp_path):
+    recipe = recipe_with(SpeculativeMode.off, [], backend="vllm")
+    with pytest.raises(ValueError, match="rollout.backend is 'vllm'; use one of embedded, sglang"):
+        setup.rollout_backend(recipe, None, Tokens(), None, setup.BackendPlace(0, 0, tmp_path))

@@ -1,0 +1,102 @@
+"""The messages between the driver and its worker processes, apart from any worker's body.
+
+The driver hands each process a `WorkerSpec` (picklable: spawned processes get it as an
+argument, launched ranks rebuild it from the run directory). A process, whatever trainer it runs
+(tlt's worker loop, tlt_cli/training/worker_loop.py, or TRL's, tlt_cli/integrations/trl_run.py),
+sends the driver `WorkerProgress` as it enters each part of a step, one `WorkerStepReport` per
+step, and finally `WorkerFinished` or `WorkerFailed`. The driver (driver.py) turns the reports into
+trace records (step_records.py) and names a stuck rank from the progress (step_deadline.py).
+"""
+
+from __future__ import annotations
+
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tlt_cli.config import Recipe
+from tlt_cli.errors import UserError
+from tlt_cli.processes.distributed import WorkerAddress
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """Everything a spawned worker needs (picklable)."""
+
+    recipe: Recipe
+    run_directory: Path
+    address: WorkerAddress
+    model_cache: Path
+    resume_from: Path | None = None
+    start_step: int = 0
+    # folder of the starting drafter (None: random init); used only when the run needs a drafter
+    drafter_init: Path | None = None
+
+
+# the body of one worker process: runs the trainer and reports on `events` (anything with `put`)
+WorkerBody = Callable[[WorkerSpec, Any], None]
+
+
+@dataclass
+class WorkerStepReport:
+    """One rank's account of one step (sent to the driver)."""
+
+    step: int
+    worker: int
+    rollout_start: float
+    busy_end: float
+    idle_end: float
+    reward_seconds: float
+    update_seconds: float
+    requests: list[dict[str, Any]]
+    update: dict[str, float]
+    # numbers plugins added to the step context (e.g. drafter_steps), and plugins disabled this step
+    plugin_metrics: dict[str, float] = field(default_factory=dict)
+    plugin_failures: list[dict[str, str]] = field(default_factory=list)
+    # adaptive SD: decode steps, tokens and seconds per configuration label; warnings (collapse, recovery)
+    sd_usage: dict[str, dict[str, float]] = field(default_factory=dict)
+    sd_warnings: list[str] = field(default_factory=list)
+    checkpoint: str | None = None
+
+
+@dataclass(frozen=True)
+class WorkerFailed:
+    """A worker raised: its rank, one-line message and the traceback (kept for the log).
+
+    user_error: the error is the user's to fix (a tlt UserError: a data file, model weights); the
+    message is then the sentence to show, without the worker's name or the error's type.
+    """
+
+    worker: int
+    message: str
+    details: str
+    user_error: bool = False
+
+    @classmethod
+    def of_exception(cls, worker: int, error: BaseException) -> WorkerFailed:
+        """The report of `error`, raised in `worker` and being handled now (its traceback is the current one)."""
+        if isinstance(error, UserError):
+            return cls(worker, str(error), traceback.format_exc(), user_error=True)
+        return cls(worker, f"{type(error).__name__}: {error}", traceback.format_exc())
+
+
+@dataclass(frozen=True)
+class WorkerFinished:
+    worker: int
+
+
+@dataclass(frozen=True)
+class WorkerProgress:
+    """What a rank is doing now, sent as it enters each part of a step: the driver's step deadline names it.
+
+    waiting: the rank waits for the others here (the step's start, the rollout barrier).
+    """
+
+    worker: int
+    step: int
+    activity: str
+    waiting: bool
+    pid: int
+    host: str

@@ -1,0 +1,41 @@
+"""The trainers `tlt train` can run, by `train.trainer`: the table the driver receives its worker body from.
+
+`train(recipe, console, ...)` is what `tlt train` calls: it looks the recipe's trainer up in
+`TRAINERS` and hands the driver (tlt_cli/processes/driver.py) that trainer's worker body and the
+starting drafter's preparation (setup.py), so the process plumbing imports no trainer:
+  native  tlt's own GRPO worker loop (worker_loop.py)
+  trl     Hugging Face TRL's GRPOTrainer with tlt's rollout (tlt_cli/integrations/trl_run.py),
+          imported only when a TRL run starts (the native path never loads TRL)
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from tlt_cli.config import Recipe, Trainer
+from tlt_cli.processes.driver import RunSummary, TrainerEntry
+from tlt_cli.processes.driver import train as run_driver
+from tlt_cli.processes.messages import WorkerSpec
+from tlt_cli.training.setup import prepare_drafter
+from tlt_cli.training.worker_loop import worker_main
+
+
+def trl_worker_main(spec: WorkerSpec, events: Any) -> None:
+    """The body of one TRL process (tlt_cli/integrations/trl_run.py), imported when the process starts."""
+    from tlt_cli.integrations.trl_run import trl_worker_main as body
+
+    body(spec, events)
+
+
+TRAINERS: dict[Trainer, TrainerEntry] = {
+    Trainer.native: TrainerEntry(worker_main, prepare_drafter),
+    Trainer.trl: TrainerEntry(trl_worker_main, prepare_drafter),
+}
+
+
+def train(recipe: Recipe, console: Console, resume_directory: Path | None = None, keep_log: bool = False) -> RunSummary:
+    """Run the recipe's trainer (a new run, or `resume_directory` resumed); see tlt_cli/processes/driver.py."""
+    return run_driver(recipe, TRAINERS[recipe.train.trainer], console, resume_directory, keep_log)
