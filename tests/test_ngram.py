@@ -21,10 +21,16 @@ from tlt_cli.drafter.model import EagleDrafter
 from tlt_cli.profile.analysis import analyse
 from tlt_cli.profile.records import load_records
 from tlt_cli.rollout.acceptance import accept_tree
-from tlt_cli.rollout.adaptive import AdaptiveSchedule, AdaptiveSpeculativeDecoder, build_rules, parse_label
+from tlt_cli.rollout.adaptive import (
+    AdaptiveSchedule,
+    AdaptiveSpeculativeDecoder,
+    RuleTableError,
+    build_rules,
+    parse_label,
+)
 from tlt_cli.rollout.engine import EmbeddedEngine
 from tlt_cli.rollout.ngram import NgramIndex
-from tlt_cli.rollout.speculative import SpeculativeDecoder
+from tlt_cli.rollout.speculative import SpeculativeDecoder, check_speculative_config
 from tlt_cli.rollout.tree import DraftTree, ancestor_mask, with_chosen_chains, with_ngram_branch
 from tlt_cli.rollout.types import RolloutRequest, SamplingParams, SpeculativeConfig
 from tlt_cli.sglang.adaptive import batch_rules, plan_for_sglang
@@ -209,8 +215,14 @@ def test_sampled_model_free_and_hybrid_sd_keep_the_target_distribution(label, pa
 
 
 def test_parse_label_reads_model_free_and_hybrid_labels_back():
-    for label in ("ngram4", "s2-k1-t3+ngram4", "s4-k2-t8+ngram2", "s4-k1-t5"):
+    for label in ("ngram4", "s2-k1-t3+ngram4", "s4-k2-t8+ngram2", "s4-k1-t5", "s2-k1-t3|ngram4"):
         assert parse_label(label).label() == label
+    assert parse_label("s2-k1-t3|ngram4") == SpeculativeConfig(2, 1, 3, ngram_tokens=4, picks_source=True)
+    # one source per row verifies chains: a tree shape or a missing n-gram part is refused
+    with pytest.raises(ValueError, match="topk 1, not 2"):
+        check_speculative_config(parse_label("s2-k2-t4|ngram4"))
+    with pytest.raises(RuleTableError, match="joined by |"):
+        parse_label("s2-k1-t3|")
     assert parse_label("ngram3") == SpeculativeConfig(0, ngram_tokens=3)
     assert parse_label("s2-k1-t3+ngram4").drafter_part == SpeculativeConfig(2, 1, 3)
 
@@ -308,7 +320,11 @@ def test_sglang_runs_model_free_tables_with_its_ngram_flags():
 
 @pytest.mark.parametrize(
     ("uses", "message"),
-    [(["s2-k1-t3+ngram4", "off"], "hybrid of n-gram and drafter proposals"), (["ngram4", "s2-k1-t3"], "mixes")],
+    [
+        (["s2-k1-t3+ngram4", "off"], "both the n-gram index and the drafter"),
+        (["off", "s2-k1-t3|ngram4"], "s2-k1-t3|ngram4 drafts with both the n-gram index and the drafter"),
+        (["ngram4", "s2-k1-t3"], "mixes"),
+    ],
 )
 def test_sglang_refuses_hybrid_and_mixed_tables_in_one_sentence(uses, message):
     rules = [{"batch": [1, 8], "use": uses[0]}, {"batch": [9, None], "use": uses[1]}]

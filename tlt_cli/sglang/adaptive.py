@@ -103,7 +103,7 @@ def _check_one_algorithm(configs: list[SpeculativeConfig]) -> None:
     for config in configs:
         if config.uses_ngram and config.uses_drafter:
             raise RecipeError(
-                f"{config.label()} is a hybrid of n-gram and drafter proposals, which SGLang cannot run (its "
+                f"{config.label()} drafts with both the n-gram index and the drafter, which SGLang cannot run (its "
                 f"NGRAM drafting does not combine with EAGLE); use ngram{config.ngram_tokens} or "
                 f"{config.drafter_part.label()} with rollout.backend: sglang."
             )
