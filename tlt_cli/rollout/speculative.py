@@ -142,7 +142,13 @@ class DraftState:
 
     @classmethod
     def empty(
-        cls, batch_size: int, capacity: int, hidden_size: int, vocab_size: int, dtype: torch.dtype, device: torch.device
+        cls,
+        batch_size: int,
+        capacity: int,
+        hidden_size: int,
+        draft_vocab_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
     ) -> DraftState:
         """Fresh rows: an empty drafter cache of `capacity` slots, zero counters, zero root states."""
         counts = torch.zeros(batch_size, dtype=torch.long, device=device)
@@ -150,7 +156,7 @@ class DraftState:
             cache=SlotCache(batch_size, capacity),
             drafter_lengths=counts,
             root_hidden=torch.zeros(batch_size, hidden_size, dtype=dtype, device=device),
-            root_logits=torch.zeros(batch_size, vocab_size, dtype=dtype, device=device),
+            root_logits=torch.zeros(batch_size, draft_vocab_size, dtype=dtype, device=device),
             verify_passes=counts.clone(),
             accepted_draft_tokens=counts.clone(),
             accepted_by_depth=torch.zeros(batch_size, 0, dtype=torch.long, device=device),
