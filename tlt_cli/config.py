@@ -53,6 +53,20 @@ class RecipeChoice(str, Enum):
         """The recipe spellings, as an error message lists them: "off, fixed, adaptive"."""
         return ", ".join(member.value for member in cls)
 
+    @classmethod
+    def refusal(cls, key: str, value: Any) -> str:
+        """The one sentence that refuses `value` for `key`, listing the choices."""
+        return f"{key} must be one of {cls.choices()}, got {_flow_value(value)}."
+
+    @classmethod
+    def of(cls, value: Any, key: str) -> RecipeChoice:
+        """`value` (a member or its recipe spelling) as a member, for values that do not come through a
+        recipe (the TRL integration's Python arguments); RecipeError naming `key` otherwise."""
+        try:
+            return cls(value)
+        except (ValueError, TypeError):
+            raise RecipeError(cls.refusal(key, value)) from None
+
 
 class SpeculativeMode(RecipeChoice):
     """speculative.mode: how the rollout drafts."""
@@ -481,7 +495,7 @@ def _describe(error: OmegaConfBaseException | TypeError) -> str:
     message = _first_line(error)
     choice = _key_type(key)
     if isinstance(choice, type) and issubclass(choice, RecipeChoice):
-        return f"{key} must be one of {choice.choices()}, got {_flow_value(getattr(error, 'value', None))}."
+        return choice.refusal(key, getattr(error, "value", None))
     if "not in struct" in message or ("Key '" in message and "not in" in message):
         return f"key '{key}' is not a recipe key; {_suggest(key)}"
     if "Value '" in message or "Invalid type" in message or "could not convert" in message.lower():

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -145,8 +145,9 @@ def tlt_rollout(
     check_trl_version()
     if linear_forms not in LINEAR_FORM_MODES:
         raise UserError(f"linear_forms is {linear_forms!r}; use one of {', '.join(LINEAR_FORM_MODES)}.")
+    section = _section(SpeculativeSection, speculative, "speculative")
     return TltRollout(
-        _section(SpeculativeSection, speculative, "speculative"),
+        replace(section, mode=SpeculativeMode.of(section.mode, "speculative mode")),
         drafter,
         process_sidecar_factory(sidecar),
         _section(DrafterConfig, drafter_config, "drafter_config"),
