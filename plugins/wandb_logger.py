@@ -49,6 +49,8 @@ class WandbLogger:
             "WANDB_DIR": str(run_directory / TRL_FOLDER),
             "WANDB_PROJECT": project,
             "WANDB_NAME": f"{run_directory.name}-trl",
+            # its notes would land on the driver's terminal under the live table; the worker log has TRL's
+            "WANDB_SILENT": "true",
         }
         if entity is not None:
             environment["WANDB_ENTITY"] = entity

@@ -243,7 +243,7 @@ def test_under_trl_the_recipes_loggers_map_to_report_to_writing_under_the_run_di
     assert report_to == ["tensorboard", "wandb"]
     assert environment["TENSORBOARD_LOGGING_DIR"] == str(tmp_path / "run" / "tensorboard" / "trl")
     assert environment["WANDB_DIR"] == str(tmp_path / "run" / "trl") and environment["WANDB_PROJECT"] == "mine"
-    assert environment["WANDB_MODE"] == "offline"
+    assert environment["WANDB_MODE"] == "offline" and environment["WANDB_NAME"] == "run-trl"
     monkeypatch.setenv("WANDB_API_KEY", "set-up-by-the-user")
     assert "WANDB_MODE" not in trl_reporting(names, {}, tmp_path)[1]
     recipe = load_checked_recipe(RECIPE, ["train.trainer=trl", "plugins.enabled=[tensorboard]"])
