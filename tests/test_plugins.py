@@ -276,3 +276,14 @@ def test_the_example_plugin_of_docs_plugins_md_runs_on_both_sides(tmp_path, caps
     finally:
         sys.path.remove(str(tmp_path))
     assert "at step 3" in capsys.readouterr().out
+
+
+def test_a_trl_run_takes_loggers_and_the_drafter_trainer_but_no_other_worker_plugin():
+    trl_recipe = RECIPE.parent / "trl-tiny-cpu.yaml"
+    check_recipe(load_checked_recipe(trl_recipe, ["plugins.enabled=[drafter_sidecar,tensorboard,wandb]"]))
+    with pytest.raises(RecipeError, match="CrashingPlugin hooks into tlt's own worker loop"):
+        check_recipe(load_checked_recipe(trl_recipe, ["plugins.enabled=[plugins_for_tests:CrashingPlugin]"]))
+    generating = ["rollout.backend=trl", "speculative.mode=off"]
+    with pytest.raises(RecipeError, match="drafter_sidecar trains the drafter, which rollout.backend trl"):
+        check_recipe(load_checked_recipe(trl_recipe, [*generating, "plugins.enabled=[drafter_sidecar]"]))
+    check_recipe(load_checked_recipe(trl_recipe, [*generating, "plugins.enabled=[tensorboard]"]))

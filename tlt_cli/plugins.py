@@ -1,4 +1,4 @@
-"""Plugin hooks: the Protocol a worker calls at each point of a step, and the host that calls them.
+"""Plugin hooks: the Protocols the workers and the driver call, the hosts that call them, what plugins declare.
 
 A plugin is any object with some of the `WorkerPlugin` methods (all are optional). Recipes list
 plugins under `plugins.enabled`: a name is looked up among the `tlt.plugins` entry points, so a
@@ -194,7 +194,7 @@ def metric_prefix(name: str, factory: Any) -> str:
 
 def plugins_train_drafter(names: list[str] | tuple[str, ...]) -> bool:
     """Whether a named plugin trains the drafter (its class sets `trains_drafter = True`): the run needs one."""
-    return any(getattr(plugin_factory(name), "trains_drafter", False) for name in names)
+    return drafter_training_plugin(names) is not None
 
 
 def drafter_training_plugin(names: list[str] | tuple[str, ...]) -> Any | None:
