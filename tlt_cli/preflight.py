@@ -36,7 +36,7 @@ from tlt_cli.models.loading import check_weight_shapes, load_config_and_tokenize
 from tlt_cli.plugins import DRIVER_HOOKS, WORKER_HOOKS, plugin_factory
 from tlt_cli.processes.run_directory import holds_run
 from tlt_cli.recipe_checks import check_shapes_fit_draft_vocabulary, check_values
-from tlt_cli.tasks.registry import build_task
+from tlt_cli.training import setup
 
 PLUGIN_HOOKS = WORKER_HOOKS + DRIVER_HOOKS
 
@@ -60,7 +60,7 @@ def check_recipe(recipe: Recipe, new_run: bool = False) -> None:
 
 def _check_task(recipe: Recipe) -> None:
     try:
-        build_task(recipe.task.name, recipe.run.seed, dict(recipe.task.options))
+        setup.task(recipe)
     except UserError as error:
         raise RecipeError(str(error)) from None
 
