@@ -7,7 +7,6 @@ import pytest
 import torch
 import torch.multiprocessing
 from tiny_models import tiny_qwen2
-from tlt_plugins.drafter_sidecar import DrafterSidecar
 
 from tlt_cli.config import DrafterConfig
 from tlt_cli.drafter.model import EagleDrafter
@@ -15,6 +14,7 @@ from tlt_cli.plugins import StepContext
 from tlt_cli.processes.distributed import free_port
 from tlt_cli.rollout.types import Completion
 from tlt_cli.training.policy_batch import build_policy_batch
+from tlt_plugins.drafter_sidecar import DrafterSidecar
 
 torch.set_num_threads(1)
 

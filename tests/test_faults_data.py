@@ -27,7 +27,6 @@ from pathlib import Path
 
 import pytest
 from recipe_overrides import small_run
-from tlt_plugins.drafter_sidecar import PLUGIN_NAME, StepData
 from typer.testing import CliRunner
 
 from tlt_cli.checkpoint import (
@@ -54,6 +53,7 @@ from tlt_cli.models.loading import load_policy
 from tlt_cli.models.tiny import BUILTIN_TINY_MODEL, SHIPPED_TINY_MODEL
 from tlt_cli.trace import read_trace
 from tlt_cli.training.actor import deepspeed_checkpoint_classes
+from tlt_plugins.drafter_sidecar import PLUGIN_NAME, StepData
 
 TESTS = Path(__file__).resolve().parent
 # hang guards only: a case that ends on its own takes a fraction of these
