@@ -431,3 +431,20 @@ def test_rows_verifying_sampled_drafts_beside_rows_verifying_ngram_drafts_emit_t
     # an n-gram row keeps its proposals in order; a drafter row never reaches past its two drafts
     assert bool((tree.tokens[ngram_rows, 1:] == torch.tensor([5, 2, 7])).all())
     assert int(verdict.accept_length[~ngram_rows].max()) <= 2
+
+
+def test_an_adaptive_table_counts_one_source_per_row_passes_by_source():
+    target = tiny_target()
+    schedule = AdaptiveSchedule(build_rules([{"batch": [1, None], "use": "s2-k1-t3|ngram4"}]))
+    greedy = SamplingParams(max_new_tokens=30, temperature=0.0)
+    requests = grouped_requests(2, 4, seed=9)
+    eos_token_id = frequent_token(generate(target, requests, greedy, eos_token_id=64))
+    plain = generate(target, requests, greedy, eos_token_id)
+    decoder = AdaptiveSpeculativeDecoder(TargetAsDrafter(target, logit_noise=0.8), schedule)
+    adaptive = generate(target, requests, greedy, eos_token_id, decoder)
+    assert [c.response_ids for c in adaptive] == [c.response_ids for c in plain]
+    usage = schedule.take_usage()["s2-k1-t3|ngram4"]
+    row_passes = sum(c.speculative.verify_passes for c in adaptive)
+    # each row's verify pass drafted from one source: the sources' passes add up to the rows' passes
+    assert usage.drafter_verify_passes + usage.ngram_verify_passes == row_passes
+    assert usage.drafter_verify_passes > 0 and usage.ngram_verify_passes > 0
