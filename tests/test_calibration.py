@@ -194,7 +194,7 @@ def test_cli_measures_a_tiny_pair_and_writes_json_fragment_and_recipe(tiny_pair_
             "--batch-sizes",
             "1,4",
             "--configs",
-            "off,s2-k1-t3,s2-k2-t4,ngram2,s2-k1-t3+ngram2",
+            "off,s2-k1-t3,s2-k2-t4,ngram2,s2-k1-t3+ngram2,s2-k1-t3|ngram2",
             "--repeats",
             "2",
             "--output",
@@ -209,6 +209,7 @@ def test_cli_measures_a_tiny_pair_and_writes_json_fragment_and_recipe(tiny_pair_
         "s2-k1-t3",
         "s2-k2-t4",
         "s2-k1-t3+ngram2",
+        "s2-k1-t3|ngram2",
         "speculative:",
         "mode: adaptive",
         "rules:",
@@ -221,9 +222,10 @@ def test_cli_measures_a_tiny_pair_and_writes_json_fragment_and_recipe(tiny_pair_
         "s2-k2-t4",
         "ngram2",
         "s2-k1-t3+ngram2",
+        "s2-k1-t3|ngram2",
     ]
     cells = {(cell["batch_size"], cell["config"]): cell for cell in written["measurements"]}
-    assert len(cells) == 10 and all(len(cell["shards"]) == 2 for cell in cells.values())
+    assert len(cells) == 12 and all(len(cell["shards"]) == 2 for cell in cells.values())
     assert cells[(1, "off")]["accept_length"] == 1.0 and cells[(4, "off")]["ratio_vs_off"] == 1.0
     # off emits one token per running row and step; a chain of 2 at most three
     assert all(
@@ -234,7 +236,7 @@ def test_cli_measures_a_tiny_pair_and_writes_json_fragment_and_recipe(tiny_pair_
     assert 1.0 <= cells[(4, "s2-k1-t3")]["accept_length"] <= 3.0
     assert 1.0 <= cells[(4, "ngram2")]["accept_length"] <= 3.0  # model-free: at most 2 proposed + the bonus
     # every shard runs 4 rows of at most 40 tokens: the buckets share out all of its tokens
-    for label in ("off", "s2-k1-t3", "s2-k2-t4", "ngram2", "s2-k1-t3+ngram2"):
+    for label in ("off", "s2-k1-t3", "s2-k2-t4", "ngram2", "s2-k1-t3+ngram2", "s2-k1-t3|ngram2"):
         for repeat in range(2):
             shard_tokens = sum(cells[(size, label)]["shards"][repeat]["tokens"] for size in (1, 4))
             assert 4 <= shard_tokens <= 4 * 40
