@@ -31,11 +31,11 @@ measured fastest on this machine for each pass's rows (tlt_cli/rollout/linear_fo
 --cache-dir), checked token-identical to SD off like the rest.
 --configs also takes any SD configuration label (tlt_cli/rollout/adaptive.py parse_label): model-free
 `ngram4` (n-gram proposals from the prompt and the sibling responses, no drafter pass), hybrid
-`s2-k1-t3+ngram4` and one source per row `'s2-k1-t3|ngram4'` (quote the |). With --group-size G each prompt is generated G times in one batch, as GRPO's group (use
-a batch size that is a multiple of G and --temperature 0.7): requests with equal prompts in a batch are one
-group, so siblings exist, and each SD method also reports its accept length by draft source (each source's
-own accepted drafts per verify pass) and, for n-gram shapes, by the number of the row's siblings that had
-finished.
+`s2-k1-t3+ngram4` and one source per row `'s2-k1-t3|ngram4'` (quote the |). With --group-size G each
+prompt is generated G times in one batch, as GRPO's group (use a batch size that is a multiple of G and
+--temperature 0.7): requests with equal prompts in a batch are one group, so siblings exist, and each SD
+method also reports its accept length by draft source (each source's own accepted drafts per verify pass)
+and, for n-gram shapes, by the number of the row's siblings that had finished.
 Prints a table per batch size, the ratios the goals are stated in (plain engine vs generate, best SD
 vs plain, best SD vs assisted generation) and writes everything to --out as JSON."""
 
@@ -316,8 +316,9 @@ def task_options(args) -> dict:
 
 
 def register_label(name: str) -> None:
-    """Make an SD configuration label (ngram4, s2-k1-t3+ngram4, s2-k1-t3|ngram4, ...) a method of SD_CONFIGS (RuleTableError
-    if it is none)."""
+    """Make an SD configuration label (ngram4, s2-k1-t3+ngram4, s2-k1-t3|ngram4, ...) a method of SD_CONFIGS.
+
+    RuleTableError if it is none."""
     if name not in SD_CONFIGS:
         SD_CONFIGS[name] = parse_label(name)
 
