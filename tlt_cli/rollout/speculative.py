@@ -58,6 +58,7 @@ from tlt_cli.rollout.tree import (
     TreeBuilder,
     gather_rows,
     root_only,
+    rows_by_source,
     with_chosen_chains,
     with_ngram_branch,
 )
@@ -289,10 +290,10 @@ class SpeculativeDecoder:
         proposes = torch.tensor([len(proposal) > 0 for proposal in proposals], device=means.device)
         return proposes & ~drafter_mean.isnan() & (ngram_mean.isnan() | (ngram_mean > drafter_mean))
 
-    def _remember_sources(self, ngram_rows: torch.Tensor, accept_length: torch.Tensor) -> None:
-        """Fold each row's accepted drafts into the running mean of the source it verified."""
+    def _remember_sources(self, chosen: torch.Tensor, accept_length: torch.Tensor) -> None:
+        """Fold each row's accepted drafts into the running mean of the source it verified (chosen: [B,
+        len(DRAFT_SOURCES)] bool, `rows_by_source`)."""
         means = self.state.source_means
-        chosen = torch.stack([ngram_rows if source == "ngram" else ~ngram_rows for source in DRAFT_SOURCES], dim=1)
         observed = accept_length.to(means.dtype)[:, None].expand_as(means)
         updated = torch.where(means.isnan(), observed, (1 - SOURCE_SMOOTHING) * means + SOURCE_SMOOTHING * observed)
         self.state.source_means = torch.where(chosen, updated, means)
@@ -463,8 +464,8 @@ class SpeculativeDecoder:
             uses = torch.tensor([config.uses_drafter, config.uses_ngram], device=depth_index.device)
             used = uses[None, :].expand(batch.size, -1)
         else:
-            used = torch.stack([ngram_rows if source == "ngram" else ~ngram_rows for source in DRAFT_SOURCES], dim=1)
-            self._remember_sources(ngram_rows, verdict.accept_length)
+            used = rows_by_source(ngram_rows)
+            self._remember_sources(used, verdict.accept_length)
         self._count_sources(batch, tree, verdict, used)
 
     def _count_sources(self, batch: RunningBatch, tree: DraftTree, verdict: Verdict, used: torch.Tensor) -> None:

@@ -293,9 +293,7 @@ def with_chosen_chains(chain: DraftTree, proposals: list[list[int]], ngram_rows:
     row_nodes = torch.where(ngram_rows, 1 + torch.tensor(proposal_lengths, device=device), chain_nodes)
     valid = node_index[None, :] < row_nodes[:, None]
     drafted_node = valid & (node_index[None, :] > 0)
-    sources = torch.stack(
-        [drafted_node & (ngram_rows if source == "ngram" else ~ngram_rows)[:, None] for source in DRAFT_SOURCES], dim=2
-    )
+    sources = drafted_node[:, :, None] & rows_by_source(ngram_rows)[:, None, :]
     return DraftTree(
         tokens=tokens,
         parents=(node_index - 1).clamp(min=0).expand(batch_size, -1),
@@ -306,6 +304,12 @@ def with_chosen_chains(chain: DraftTree, proposals: list[list[int]], ngram_rows:
         sources=sources,
         drawn_rows=None if chain.draft_probs is None else ~ngram_rows,
     )
+
+
+def rows_by_source(ngram_rows: torch.Tensor) -> torch.Tensor:
+    """[B, len(DRAFT_SOURCES)] bool: the one source each row drafts from in a one-source-per-row step
+    (ngram_rows [B]: the rows verifying n-gram proposals; the others the drafter's chain)."""
+    return torch.stack([ngram_rows if source == "ngram" else ~ngram_rows for source in DRAFT_SOURCES], dim=1)
 
 
 def ancestor_mask(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
