@@ -2,6 +2,7 @@
 
     python scripts/bench_end_to_end.py --steps 60 --seeds 0 1 2 --out benchmarks/bench_end_to_end.json
     python scripts/bench_end_to_end.py --recipe recipes/real-cpu.yaml --steps 6 --skip 1 --seeds 0
+    python scripts/bench_end_to_end.py --recipe recipes/real-cpu.yaml --skip 1 --seeds 0 1 --from-runs  # re-summarize
 
 For every seed it runs `tlt train <recipe>` (recipes/tiny-cpu.yaml by default) twice, one after
 the other (never at once, so neither slows the other):
@@ -36,6 +37,7 @@ from training_runs import (
     run_training,
     side_by_side,
     step_rows,
+    trace_records,
 )
 
 VARIANTS = {
@@ -54,6 +56,17 @@ def run_seeds(
             overrides = [*variant, f"run.seed={seed}", *extra]
             results[name][seed] = step_rows(run_training(f"{name}-seed{seed}", overrides, steps, output, recipe=recipe))
     return results
+
+
+def read_seeds(seeds: list[int], output: Path) -> dict[str, dict[int, list[dict]]]:
+    """The step records of runs an earlier call left under `output` (<variant>-seed<seed>), not run again."""
+    runs = {name: {seed: output / f"{name}-seed{seed}" for seed in seeds} for name in VARIANTS}
+    missing = [str(run) for by_seed in runs.values() for run in by_seed.values() if not (run / "trace.jsonl").is_file()]
+    if missing:
+        raise SystemExit(f"no trace.jsonl in {', '.join(missing)}: give the --output-dir and --seeds of the runs.")
+    return {
+        name: {seed: step_rows(trace_records(run)) for seed, run in by_seed.items()} for name, by_seed in runs.items()
+    }
 
 
 def summarize(results: dict[str, dict[int, list[dict]]], skip: int) -> dict:
@@ -169,8 +182,18 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--recipe", type=Path, default=RECIPE)
     parser.add_argument("--skip", type=int, default=0, help="first steps of each run left out of the time means")
+    parser.add_argument(
+        "--from-runs",
+        action="store_true",
+        help="summarize the runs an earlier call left in --output-dir instead of training again",
+    )
     arguments = parser.parse_args()
-    results = run_seeds(arguments.recipe, arguments.seeds, arguments.steps, arguments.output_dir, arguments.overrides)
+    if arguments.from_runs:
+        results = read_seeds(arguments.seeds, arguments.output_dir)
+    else:
+        results = run_seeds(
+            arguments.recipe, arguments.seeds, arguments.steps, arguments.output_dir, arguments.overrides
+        )
     summary = summarize(results, arguments.skip)
     render(summary, arguments.recipe)
     report = {"recipe": str(arguments.recipe), "skip": arguments.skip, "summary": summary, "steps": results}

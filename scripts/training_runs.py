@@ -53,7 +53,12 @@ def run_training(
     if python_path is not None:
         environment["PYTHONPATH"] = os.pathsep.join(filter(None, (str(python_path), environment.get("PYTHONPATH"))))
     subprocess.run(command, check=True, stdout=subprocess.DEVNULL, env=environment)
-    lines = (output / run_name / "trace.jsonl").read_text().splitlines()
+    return trace_records(output / run_name)
+
+
+def trace_records(run_directory: Path) -> list[dict]:
+    """The step, worker, sd_config and warning records of a run's trace."""
+    lines = (run_directory / "trace.jsonl").read_text().splitlines()
     return [record for record in map(json.loads, lines) if record["type"] in ("step", "worker", "sd_config", "warning")]
 
 

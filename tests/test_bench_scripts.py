@@ -4,6 +4,7 @@ their shared scripts/training_runs.py): ratios, the Amdahl bound, reward curves,
 from __future__ import annotations
 
 import io
+import json
 import math
 import sys
 
@@ -77,6 +78,19 @@ def test_end_to_end_summary_leaves_out_skipped_steps_from_times_but_not_from_rew
     bench_end_to_end.render(summary, REPOSITORY / "recipes" / "real-cpu.yaml")
     render_side_by_side(Console(file=output, width=200), summary["side_by_side"], "off", "tlt")
     assert "Amdahl bound is 1.33x and the step got 100% of it" in output.getvalue()
+
+
+def test_end_to_end_from_runs_reads_the_step_records_of_the_runs_left_in_the_output_folder(tmp_path):
+    records = {"off": [step(20.0, 40.0, 0.1)], "tlt": [step(10.0, 30.0, 0.2)]}
+    for name, steps in records.items():
+        run = tmp_path / f"{name}-seed3"
+        run.mkdir()
+        lines = [{"type": "header"}, *({"type": "step", **record} for record in steps), {"type": "worker"}]
+        (run / "trace.jsonl").write_text("\n".join(json.dumps(line) for line in lines) + "\n")
+    results = bench_end_to_end.read_seeds([3], tmp_path)
+    assert results == {name: {3: [{"type": "step", **steps[0]}]} for name, steps in records.items()}
+    with pytest.raises(SystemExit, match="off-seed4"):
+        bench_end_to_end.read_seeds([4], tmp_path)
 
 
 def test_bench_trl_compares_tlt_with_trls_generation():
