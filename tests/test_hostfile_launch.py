@@ -29,6 +29,7 @@ from tlt_cli.cli import app
 from tlt_cli.config import load_recipe
 from tlt_cli.processes.event_channel import EventListener, connect_to_driver
 from tlt_cli.processes.hostfile import deepspeed_launch_command
+from tlt_cli.processes.launched_rank import SHARED_MEMORY_DIRECTORY, deepspeed_shared_buffer
 from tlt_cli.sglang.server import live_group_members
 
 TESTS = Path(__file__).resolve().parent
@@ -111,8 +112,13 @@ def test_hostfile_mistakes_are_one_line_naming_the_key_and_exit_2(name, tmp_path
     assert "workers" in result.output and expected.format(hostfile=hostfile) in result.output.replace("\n", "")
 
 
+def deepspeed_shared_buffers() -> set[Path]:
+    return set(SHARED_MEMORY_DIRECTORY.glob("deepspeed_allreduce_buffer_*"))
+
+
 def test_two_steps_with_the_deepspeed_launcher(small_model, hostfile, tmp_path):
     run_directory = tmp_path / "launched"
+    buffers_before = deepspeed_shared_buffers()
     result = subprocess.run(
         hostfile_run(small_model, hostfile, tmp_path, "launched", 2),
         capture_output=True,
@@ -136,6 +142,21 @@ def test_two_steps_with_the_deepspeed_launcher(small_model, hostfile, tmp_path):
     assert launcher_log.count("-m', 'tlt_cli.processes.launched_rank'") == 2
     assert stat.S_IMODE((run_directory / "launch" / "driver.json").stat().st_mode) == 0o600
     assert not processes_of(run_directory)
+    assert deepspeed_shared_buffers() <= buffers_before  # each rank unlinked its DeepSpeed all-reduce buffer
+
+
+def test_a_launched_rank_names_the_buffer_deepspeed_maps_only_when_all_ranks_share_the_node():
+    environment = {
+        "LOCAL_SIZE": "2",
+        "WORLD_SIZE": "2",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": "29500",
+        "RANK": "1",
+    }
+    expected = f"deepspeed_allreduce_buffer_{os.getuid()}_127.0.0.1_29500_1"
+    assert deepspeed_shared_buffer(environment) == SHARED_MEMORY_DIRECTORY / expected
+    assert deepspeed_shared_buffer({**environment, "LOCAL_SIZE": "1"}) is None
+    assert deepspeed_shared_buffer({key: value for key, value in environment.items() if key != "LOCAL_SIZE"}) is None
 
 
 @pytest.mark.slow
