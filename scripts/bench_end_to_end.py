@@ -47,6 +47,11 @@ VARIANTS = {
 BREAKDOWN = ("rollout_seconds", "reward_seconds", "update_seconds", "idle_worker_seconds", "release_delay_seconds")
 
 
+def run_name(variant: str, seed: int) -> str:
+    """The run folder of one variant and seed under --output-dir."""
+    return f"{variant}-seed{seed}"
+
+
 def run_seeds(
     recipe: Path, seeds: list[int], steps: int, output: Path, extra: list[str]
 ) -> dict[str, dict[int, list[dict]]]:
@@ -54,13 +59,13 @@ def run_seeds(
     for seed in seeds:
         for name, variant in VARIANTS.items():
             overrides = [*variant, f"run.seed={seed}", *extra]
-            results[name][seed] = step_rows(run_training(f"{name}-seed{seed}", overrides, steps, output, recipe=recipe))
+            results[name][seed] = step_rows(run_training(run_name(name, seed), overrides, steps, output, recipe=recipe))
     return results
 
 
 def read_seeds(seeds: list[int], output: Path) -> dict[str, dict[int, list[dict]]]:
-    """The step records of runs an earlier call left under `output` (<variant>-seed<seed>), not run again."""
-    runs = {name: {seed: output / f"{name}-seed{seed}" for seed in seeds} for name in VARIANTS}
+    """The step records of runs an earlier call left under `output` (`run_name`), not run again."""
+    runs = {name: {seed: output / run_name(name, seed) for seed in seeds} for name in VARIANTS}
     missing = [str(run) for by_seed in runs.values() for run in by_seed.values() if not (run / "trace.jsonl").is_file()]
     if missing:
         raise SystemExit(f"no trace.jsonl in {', '.join(missing)}: give the --output-dir and --seeds of the runs.")

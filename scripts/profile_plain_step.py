@@ -3,14 +3,15 @@
 Plain decoding at a few rows streams every weight once per step, so a step cannot be faster than
 the model's bytes over the memory bandwidth one core gets. This script measures that bandwidth (a
 sum over buffers far larger than the caches), then runs the embedded engine with linear forms on
-(as a worker does) on real-cpu's task and splits one decode step by torch.profiler into the matrix
-products by weight shape (with the bandwidth each reaches), attention, and the rest of the model's
-forward (norms, rotary embedding, residual adds, cache writes, the Python of the modules). Then it
-times, interleaved over --rounds rounds after an untimed one, tokens per CPU second of the engine
-with and without the forms and of transformers' greedy `generate` with and without them (forced to
---max-new-tokens tokens, so all four decode the same number), and checks the tokens are the same.
+(as a worker does) on the recipe's model and held-out prompts of its task, and splits one decode
+step by torch.profiler into the matrix products by weight shape (with the bandwidth each reaches),
+attention, and the rest of the model's forward (norms, rotary embedding, residual adds, cache
+writes, the Python of the modules). Then it times, interleaved over --rounds rounds after an untimed
+one, tokens per CPU second of the engine with and without the forms and of transformers' greedy
+`generate` with and without them (forced to --max-new-tokens tokens, so all four decode the same
+number), and checks the tokens are the same.
 
-    python scripts/profile_plain_step.py --batch-size 1 --out benchmarks/profile_plain_step.json
+    python scripts/profile_plain_step.py recipes/real-cpu.yaml --batch-size 1 --out benchmarks/profile_plain_step.json
 """
 
 from __future__ import annotations
@@ -24,20 +25,18 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
+from bench_rollout import FIRST_BENCH_PROBLEM
 from rich.console import Console
 from rich.table import Table
 from torch.profiler import ProfilerActivity, profile
 
+from tlt_cli.config import load_recipe
 from tlt_cli.drafter.warmup import encode_prompts
-from tlt_cli.models.loading import load_policy
-from tlt_cli.models.tiny import default_cache_dir
 from tlt_cli.rollout.engine import EmbeddedEngine
 from tlt_cli.rollout.linear_forms_measure import prepare_linear_forms
 from tlt_cli.rollout.types import RolloutRequest, SamplingParams
-from tlt_cli.tasks.registry import build_task
+from tlt_cli.training import setup
 
-REAL_CPU_TASK = {"max_steps": 16, "max_number": 3, "tail_exponent": 2.5}
-FIRST_PROBLEM = 100_000  # held-out prompts, as bench_rollout.py's
 NEVER_EMITTED = -1  # an end-of-sequence id no token has: every response runs to max_new_tokens
 MATRIX_PRODUCTS = ("aten::mm", "aten::addmm")
 
@@ -68,7 +67,7 @@ def decode_breakdown(engine: EmbeddedEngine, requests, sampling) -> dict:
         shapes = event.input_shapes
         if event.key in MATRIX_PRODUCTS:
             key, weight_elements = _weight_of(shapes[-2], shapes[-1], rows)
-            if key is None:  # a product of the prefill
+            if key is None:  # a product of the prefill, or not of a weight
                 continue
             by_shape[key][0] += event.self_cpu_time_total / 1e3 / decode_steps
             by_shape[key][1] += event.count * weight_elements * 4 / decode_steps
@@ -92,8 +91,10 @@ def decode_breakdown(engine: EmbeddedEngine, requests, sampling) -> dict:
 
 def _weight_of(first: list[int], second: list[int], rows: int) -> tuple[str | None, int]:
     """The weight of a product `first @ second` named out x in, and its element count; None for the
-    prefill's. The forms multiply x [rows, in] @ W^T [in, out] (linear, transposed) or W [out, in] @
-    x^T [in, rows] (weight-major): the weight is the larger operand."""
+    prefill's and for any that is not two matrices. The forms multiply x [rows, in] @ W^T [in, out]
+    (linear, transposed) or W [out, in] @ x^T [in, rows] (weight-major): the weight is the larger operand."""
+    if len(first) != 2 or len(second) != 2:
+        return None, 0
     weight_first = first[0] * first[1] > second[0] * second[1]
     weight, activations = (first, second) if weight_first else (second, first)
     if rows not in activations:
@@ -180,7 +181,7 @@ def render(report: dict) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default=str(default_cache_dir() / "models" / "SmolLM2-135M-Instruct"))
+    parser.add_argument("recipe", type=Path, nargs="?", default=Path("recipes/real-cpu.yaml"))
     parser.add_argument("--batch-size", type=int, default=1, help="rows of the profiled decode step")
     parser.add_argument("--prompts", type=int, default=4, help="prompts of the timed comparison (one row each)")
     parser.add_argument("--max-new-tokens", type=int, default=96)
@@ -188,10 +189,11 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("profile_plain_step.json"))
     args = parser.parse_args()
     torch.set_num_threads(1)
-    target, tokenizer = load_policy(args.model)
-    forms = prepare_linear_forms("auto", [target], default_cache_dir())
-    task = build_task("word_arithmetic", 0, REAL_CPU_TASK)
-    prompts = encode_prompts(tokenizer, task, range(FIRST_PROBLEM, FIRST_PROBLEM + max(args.prompts, args.batch_size)))
+    recipe = load_recipe(args.recipe)
+    target, tokenizer = setup.policy_and_tokenizer(recipe)
+    forms = prepare_linear_forms("auto", [target], setup.model_cache(recipe))
+    held_out = range(FIRST_BENCH_PROBLEM, FIRST_BENCH_PROBLEM + max(args.prompts, args.batch_size))
+    prompts = encode_prompts(tokenizer, setup.task(recipe), held_out)
     engine = EmbeddedEngine(target, NEVER_EMITTED, tokenizer.pad_token_id, linear_forms=forms)
     requests = [RolloutRequest(row, tuple(prompts[row]), group=row) for row in range(args.batch_size)]
     sampling = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=0.0)
@@ -199,7 +201,8 @@ def main() -> None:
     unprofiled: list = []
     engine.generate(requests, sampling, torch.Generator(), on_decode_step=unprofiled.append)
     report = {
-        "model": args.model,
+        "recipe": str(args.recipe),
+        "model": recipe.model.path,
         "batch_size": args.batch_size,
         "streaming_gb_per_s": streaming_bandwidth(),
         "step_ms": 1e3 * statistics.median(step.seconds for step in unprofiled),

@@ -1,11 +1,13 @@
 """The arithmetic of the side-by-side benchmarks (scripts/bench_end_to_end.py, scripts/bench_trl.py and
-their shared scripts/training_runs.py): ratios, the Amdahl bound, reward curves, on made-up step records."""
+their shared scripts/training_runs.py): ratios, the Amdahl bound, reward curves, on made-up step records;
+and scripts/profile_plain_step.py run end to end on the tiny recipe."""
 
 from __future__ import annotations
 
 import io
 import json
 import math
+import subprocess
 import sys
 
 import pytest
@@ -108,3 +110,26 @@ def test_bench_trl_compares_tlt_with_trls_generation():
     output = io.StringIO()
     render_rewards(Console(file=output, width=200), comparison["rewards"], comparison["reward_gap"])
     assert "gap +0.050" in output.getvalue() and "seed-to-seed std nan" in output.getvalue()
+
+
+def test_profile_plain_step_splits_a_decode_step_and_compares_decoders_on_the_tiny_recipe(tmp_path):
+    out = tmp_path / "profile.json"
+    command = [
+        sys.executable,
+        str(REPOSITORY / "scripts" / "profile_plain_step.py"),
+        str(REPOSITORY / "recipes" / "tiny-cpu.yaml"),
+    ]
+    arguments = ["--prompts", "1", "--max-new-tokens", "6", "--rounds", "2", "--out", str(out)]
+    result = subprocess.run([*command, *arguments], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(out.read_text())
+    breakdown = report["breakdown"]
+    assert breakdown["decode_steps"] == 5  # the prefill draws the first of 6 tokens
+    assert breakdown["matrix_products"] and all(
+        product["megabytes"] > 0 for product in breakdown["matrix_products"].values()
+    )
+    assert breakdown["rest_ms"] == pytest.approx(
+        breakdown["step_ms_under_profiler"] - breakdown["matrix_ms"] - breakdown["attention_ms"]
+    )
+    assert set(report["methods"]) == {"engine+forms", "engine", "generate", "generate+forms"}
+    assert all(method["same_tokens_as_generate"] for method in report["methods"].values())

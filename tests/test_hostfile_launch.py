@@ -29,7 +29,7 @@ from tlt_cli.cli import app
 from tlt_cli.config import load_recipe
 from tlt_cli.processes.event_channel import EventListener, connect_to_driver
 from tlt_cli.processes.hostfile import deepspeed_launch_command
-from tlt_cli.processes.launched_rank import SHARED_MEMORY_DIRECTORY, deepspeed_shared_buffer
+from tlt_cli.processes.launched_rank import DEEPSPEED_BUFFER_PREFIX, SHARED_MEMORY_DIRECTORY, deepspeed_shared_buffer
 from tlt_cli.sglang.server import live_group_members
 
 TESTS = Path(__file__).resolve().parent
@@ -113,7 +113,7 @@ def test_hostfile_mistakes_are_one_line_naming_the_key_and_exit_2(name, tmp_path
 
 
 def deepspeed_shared_buffers() -> set[Path]:
-    return set(SHARED_MEMORY_DIRECTORY.glob("deepspeed_allreduce_buffer_*"))
+    return set(SHARED_MEMORY_DIRECTORY.glob(f"{DEEPSPEED_BUFFER_PREFIX}_*"))
 
 
 def test_two_steps_with_the_deepspeed_launcher(small_model, hostfile, tmp_path):

@@ -39,8 +39,10 @@ def launched_address() -> WorkerAddress:
     )
 
 
-# where DeepSpeed's shared-memory all-reduce keeps each rank's buffer (its shm.cpp: SHM_BUFFER_NAME_uid_addr_port_rank)
+# where DeepSpeed's shared-memory all-reduce keeps each rank's buffer, and its name: <prefix>_uid_addr_port_rank
+# (SHM_BUFFER_NAME in its shm.cpp)
 SHARED_MEMORY_DIRECTORY = Path("/dev/shm")
+DEEPSPEED_BUFFER_PREFIX = "deepspeed_allreduce_buffer"
 
 
 def deepspeed_shared_buffer(environment: Mapping[str, str]) -> Path | None:
@@ -50,7 +52,7 @@ def deepspeed_shared_buffer(environment: Mapping[str, str]) -> Path | None:
         return None
     name = "_".join(
         (
-            "deepspeed_allreduce_buffer",
+            DEEPSPEED_BUFFER_PREFIX,
             str(os.getuid()),
             environment["MASTER_ADDR"],
             environment["MASTER_PORT"],
