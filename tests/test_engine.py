@@ -6,6 +6,7 @@ from tiny_models import tiny_llama, tiny_qwen2
 from transformers import LlamaForCausalLM, Qwen2ForCausalLM
 
 from tlt_cli.rollout.engine import EmbeddedEngine
+from tlt_cli.rollout.kv_cache import SlotCache
 from tlt_cli.rollout.types import RolloutRequest, SamplingParams
 
 torch.set_num_threads(1)
@@ -152,3 +153,22 @@ def test_user_errors_name_what_to_fix():
         engine.generate(ragged_requests(1), SamplingParams(max_new_tokens=0), torch.Generator())
     with pytest.raises(ValueError, match="empty prompt"):
         engine.generate([RolloutRequest(1, ())], greedy(2), torch.Generator())
+
+
+@pytest.mark.parametrize(
+    "call_style",
+    [
+        pytest.param(lambda cache, key, value: cache.update(key, value, 0), id="5.23: update(k, v, layer_idx)"),
+        pytest.param(lambda cache, key, value: cache.update(key, value, 0, {}), id="5.23: with cache_kwargs"),
+        pytest.param(lambda cache, key, value: cache.update(key, value, 0, kwargs={}), id="5.24: kwargs=..."),
+    ],
+)
+def test_slot_cache_takes_every_update_call_transformers_makes(call_style):
+    """transformers 5.24's attention layers call `cache.update(k, v, layer_idx, kwargs=kwargs)`; the
+    cache the engine hands them stores the entries at the prepared slots however it is called."""
+    cache = SlotCache(batch_size=2, capacity=8)
+    cache.prepare(torch.tensor([[3], [5]]), kv_length=6)
+    key, value = torch.randn(2, 1, 1, 4), torch.randn(2, 1, 1, 4)
+    keys, values = call_style(cache, key, value)
+    assert keys.shape == (2, 1, 6, 4)
+    assert torch.equal(keys[0, :, 3], key[0, :, 0]) and torch.equal(values[1, :, 5], value[1, :, 0])

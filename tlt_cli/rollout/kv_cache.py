@@ -52,9 +52,14 @@ class SlotCache:
         value_states: torch.Tensor,
         layer_idx: int,
         cache_kwargs: dict | None = None,
+        **call_kwargs,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Store key/value states [B, kv_heads, T, head_dim] of layer `layer_idx`; return the
-        layer's keys and values over slots [0, kv_length)."""
+        layer's keys and values over slots [0, kv_length).
+
+        Both ways transformers' attention layers call a cache are accepted: up to 5.23
+        `update(k, v, layer_idx)` (or with `cache_kwargs`), from 5.24 `update(k, v, layer_idx,
+        kwargs=...)`. Where the entries go is fixed by `prepare`, so neither argument is read."""
         if layer_idx == len(self.keys):
             self.keys.append(self._new_buffer(key_states))
             self.values.append(self._new_buffer(value_states))
