@@ -33,6 +33,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "tlt_cli.trace",
             "tlt_cli.plugins",
             "tlt_cli.display",
+            "tlt_cli.versions",
         ),
     ),
     ("tasks", ("tlt_cli.tasks",)),

@@ -75,6 +75,8 @@ def test_a_plain_install_finds_its_packages_model_and_recipes(tmp_path):
     ).stdout.strip()
     assert Path(where) == installed / "tlt_recipes"
     tlt = [environment / "bin" / "tlt"]
+    shown = subprocess.run([*tlt, "--version"], check=True, capture_output=True, text=True, cwd=tmp_path).stdout
+    assert "transformers " in shown  # the tested set (constraints.txt) ships with the package
     listed = subprocess.run([*tlt, "recipes", "list"], check=True, capture_output=True, text=True, cwd=tmp_path).stdout
     assert sorted(line.split()[0] for line in listed.splitlines()) == sorted(
         path.stem for path in (ROOT / "recipes").glob("*.yaml")

@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 from recipe_overrides import DETERMINISTIC, TLT, small_run
 
+from tlt_cli.versions import installed_versions
+
 
 def read_records(run_directory: Path, kind: str) -> list[dict]:
     lines = (run_directory / "trace.jsonl").read_text().splitlines()
@@ -37,6 +39,8 @@ def test_two_steps_write_trace_checkpoint_and_summary(small_model, tmp_path):
         assert idle[0] == 0.0
     assert (run_directory / "checkpoints" / "latest").read_text() == "step_000002"
     assert (run_directory / "recipe.yaml").is_file()
+    (run,) = read_records(run_directory, "run")
+    assert run["versions"] == installed_versions() and run["versions"]["transformers"]
 
 
 def test_a_second_run_with_the_same_name_is_refused(small_model, tmp_path):

@@ -23,7 +23,6 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from tlt_cli import __version__
 from tlt_cli.calibration.settings import (
     DEFAULT_CONFIGS,
     CalibrationError,
@@ -34,6 +33,7 @@ from tlt_cli.checkpoint import CheckpointError
 from tlt_cli.config import Recipe, RecipeError, load_recipe
 from tlt_cli.errors import UserError
 from tlt_cli.recipes import resolve_recipe_path, shipped_recipes
+from tlt_cli.versions import out_of_range_warnings, version_table
 
 app = typer.Typer(
     help="tlt: faster RL training of reasoning LLMs with lossless speculative decoding in the rollout long tail.",
@@ -58,17 +58,26 @@ def fail(message: str, code: int = USAGE_ERROR) -> typer.Exit:
 
 def _version(value: bool) -> None:
     if value:
-        console.print(f"tlt {__version__}")
+        for line in version_table():
+            console.print(line, highlight=False)
         raise typer.Exit()
 
 
 @app.callback()
 def main(
     version: Annotated[
-        bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version and exit.")
+        bool,
+        typer.Option(
+            "--version",
+            callback=_version,
+            is_eager=True,
+            help="Print the versions of tlt, Python and its libraries, then exit.",
+        ),
     ] = False,
 ) -> None:
     """tlt: faster RL training of reasoning LLMs."""
+    for warning in out_of_range_warnings():
+        error_console.print(f"[bold yellow]warning:[/] {escape(warning)}", highlight=False, soft_wrap=True)
 
 
 @app.command(context_settings={"allow_extra_args": False})

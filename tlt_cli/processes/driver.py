@@ -52,6 +52,7 @@ from tlt_cli.processes.step_deadline import StepDeadline
 from tlt_cli.processes.step_records import step_records
 from tlt_cli.sglang.registry import stop_recorded_servers
 from tlt_cli.trace import STEP_RECORD, TraceWriter, read_trace, truncate_trace
+from tlt_cli.versions import installed_versions
 
 EVENT_POLL_SECONDS = 1.0
 
@@ -195,6 +196,7 @@ def _train_in(
             "world_size": recipe.workers.count,
             "resumed_from_step": spec_base["start_step"] if resumed else None,
             "steps": recipe.train.steps,
+            "versions": installed_versions(),
         },
         loggers,
     )

@@ -33,6 +33,7 @@ from tlt_cli.tasks.base import Task
 from tlt_cli.tasks.prompts import encode_prompt
 from tlt_cli.trace import TraceWriter
 from tlt_cli.training import setup
+from tlt_cli.versions import installed_versions
 
 SIMPLIFICATION = "one process; worker shards generated one after another and re-timed to start together"
 
@@ -66,6 +67,7 @@ def record_rollout(
                 "resumed_from_step": None,
                 "recorded_by": "tlt profile",
                 "simplification": SIMPLIFICATION,
+                "versions": installed_versions(),
             }
         )
         step_start = time.time()
