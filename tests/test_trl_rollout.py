@@ -26,6 +26,7 @@ from tlt_cli.integrations import trl_support
 from tlt_cli.integrations.trl import tlt_rollout
 from tlt_cli.integrations.trl_support import UnsupportedTrlError, UnsupportedTrlSettingError
 from tlt_cli.models.tiny import build_tiny_model, tiny_model_config, tiny_tokenizer
+from tlt_cli.versions import supported_ranges
 
 os.environ["TRL_EXPERIMENTAL_SILENCE"] = "1"
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "trl_grpo.py"
@@ -169,7 +170,7 @@ def test_an_unsupported_trl_version_is_refused_in_one_sentence_naming_the_range(
     with pytest.raises(UnsupportedTrlError) as refused:
         trl_support.check_trl_version("1.15.2")
     message = str(refused.value)
-    assert ">=1.16,<1.17" in message and message.count(". ") == 0 and message.endswith(".")
+    assert f"trl{supported_ranges()['trl']} " in message and message.count(". ") == 0 and message.endswith(".")
     monkeypatch.setattr(trl_support, "installed_trl_version", lambda: "1.17.0")
     with pytest.raises(UnsupportedTrlError, match="TRL 1.17.0 is not supported"):
         tlt_rollout()

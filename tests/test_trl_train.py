@@ -23,11 +23,12 @@ from tlt_cli.cli import app
 from tlt_cli.config import load_recipe
 from tlt_cli.integrations import trl_support
 from tlt_cli.integrations.trl_recipe import grpo_config_arguments
-from tlt_cli.integrations.trl_support import SUPPORTED_TRL_TEXT, UnsupportedTrlError
+from tlt_cli.integrations.trl_support import UnsupportedTrlError
 from tlt_cli.models.loading import load_config_and_tokenizer
 from tlt_cli.models.tiny import SHIPPED_TINY_MODEL
 from tlt_cli.recipes import RECIPES_DIRECTORY
 from tlt_cli.trace import read_trace
+from tlt_cli.versions import supported_ranges
 
 RECIPE = RECIPES_DIRECTORY / "trl-tiny-cpu.yaml"
 # a short run: 4 prompts x 4 samples a step, short responses, no drafter warm-up
@@ -126,8 +127,8 @@ def test_a_tokenizer_of_another_model_is_refused(tmp_path):
 
 
 def test_an_unsupported_trl_version_is_one_sentence_naming_the_range(tmp_path, monkeypatch):
-    with pytest.raises(UnsupportedTrlError, match=re.escape(SUPPORTED_TRL_TEXT)):
+    with pytest.raises(UnsupportedTrlError, match=re.escape(supported_ranges()["trl"])):
         trl_support.check_trl_version("0.19.1")
     monkeypatch.setattr(trl_support, "installed_trl_version", lambda: "0.19.1")
-    message = assert_refused(tmp_path, [], SUPPORTED_TRL_TEXT)
+    message = assert_refused(tmp_path, [], supported_ranges()["trl"])
     assert "0.19.1" in message and message.count(". ") == 0

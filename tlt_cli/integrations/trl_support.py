@@ -22,17 +22,16 @@ from collections.abc import Iterator
 from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING, Any
 
+from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
 from tlt_cli.errors import UserError
 from tlt_cli.rollout.types import SamplingParams
+from tlt_cli.versions import supported_ranges
 
 if TYPE_CHECKING:
     from torch import nn
 
-# the releases whose rollout_func contract tlt was written against and tested with
-SUPPORTED_TRL = (Version("1.16.0"), Version("1.17.0"))
-SUPPORTED_TRL_TEXT = ">=1.16,<1.17"
 INSTALL_HINT = 'pip install -e ".[trl]"'
 # generation_kwargs keys the engine honours (read below); any other key is refused
 HONOURED_GENERATION_KEYS = frozenset({"do_sample", "temperature", "top_p", "top_k", "max_new_tokens"})
@@ -57,14 +56,13 @@ def installed_trl_version() -> str | None:
 def check_trl_version(found: str | None = None) -> str:
     """The installed (or given) TRL version; UnsupportedTrlError when it is missing or unsupported."""
     found = installed_trl_version() if found is None else found
+    # the releases whose rollout_func contract tlt was written against and tested with: the trl extra's range
+    supported = supported_ranges()["trl"]
     if found is None:
+        raise UnsupportedTrlError(f"TRL is not installed; tlt's TRL rollout needs trl{supported} ({INSTALL_HINT}).")
+    if not SpecifierSet(supported).contains(Version(found).public, prereleases=True):
         raise UnsupportedTrlError(
-            f"TRL is not installed; tlt's TRL rollout needs trl{SUPPORTED_TRL_TEXT} ({INSTALL_HINT})."
-        )
-    lowest, past_highest = SUPPORTED_TRL
-    if not lowest <= Version(found) < past_highest:
-        raise UnsupportedTrlError(
-            f"TRL {found} is not supported; tlt's TRL rollout needs trl{SUPPORTED_TRL_TEXT} ({INSTALL_HINT})."
+            f"TRL {found} is not supported; tlt's TRL rollout needs trl{supported} ({INSTALL_HINT})."
         )
     return found
 
