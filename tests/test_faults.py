@@ -120,7 +120,9 @@ def test_a_single_node_run_listens_on_loopback_only_and_sigterm_stops_it_cleanly
     driver.send_signal(signal.SIGTERM)
     code, stdout, stderr = finish(driver, tmp_path)
     assert code == 143, stderr
-    assert one_line(stdout, stderr).startswith("error: terminated; complete checkpoints are kept")
+    assert one_line(stdout, stderr) == (
+        f"error: terminated; complete checkpoints are kept, continue with --resume {run_directory}."
+    )
     assert_gone(processes)
     assert_intact(run_directory)
 

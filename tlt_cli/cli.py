@@ -105,8 +105,10 @@ def train(
     from tlt_cli.training.trainers import train as run_training
 
     previous_sigterm = signal.signal(signal.SIGTERM, _interrupt_on_sigterm)
+    run_directory: Path | None = None
     try:
         recipe, resume_directory = _resolve_run(list(arguments or []), resume)
+        run_directory = resume_directory or Path(recipe.run.output_dir).expanduser() / recipe.run.name
         summary = run_training(recipe, console, resume_directory, keep_log)
     except UserError as error:
         raise fail(str(error)) from None
@@ -114,7 +116,9 @@ def train(
         raise fail(str(error), code=1) from None
     except KeyboardInterrupt as interrupt:
         how, code = ("terminated", SIGTERM_EXIT) if isinstance(interrupt, Terminated) else ("interrupted", 130)
-        raise fail(f"{how}; complete checkpoints are kept, continue with --resume <run directory>.", code) from None
+        if run_directory is None:  # stopped while the recipe was read: no run to continue
+            raise fail(f"{how} before the run started.", code) from None
+        raise fail(f"{how}; complete checkpoints are kept, continue with --resume {run_directory}.", code) from None
     finally:
         signal.signal(signal.SIGTERM, previous_sigterm)
     console.print(f"done: {len(summary.steps)} steps, run directory {summary.run_directory}", markup=False)
@@ -150,6 +154,14 @@ def _whole_checked_recipe(name: str, overrides: list[str], new_run: bool) -> Rec
 
     recipe = load_recipe(resolve_recipe_path(name), overrides)
     check_recipe(recipe, new_run=new_run)
+    if recipe.model.trust_remote_code:
+        error_console.print(
+            f"warning: model.trust_remote_code is true, so the Python code that the model folder {recipe.model.path} "
+            "ships may run.",
+            markup=False,
+            highlight=False,
+            soft_wrap=True,
+        )
     return recipe
 
 

@@ -110,6 +110,11 @@ class ModelConfig:
     cache_dir: str | None = setting(
         None, "where warmed-up drafters and compiled ops are cached (null: $TLT_CACHE_DIR or ~/.cache/tlt)"
     )
+    trust_remote_code: bool = setting(
+        False,
+        "run Python code the model folder ships (auto_map in its config.json or tokenizer_config.json); "
+        "false refuses such a folder. Only for a folder whose code you trust",
+    )
 
 
 @dataclass(frozen=True)

@@ -5,15 +5,17 @@ at fault) at the first problem, reading what the recipe names but building and w
   1. values, ranges and how the sections fit (tlt_cli/recipe_checks.py);
   2. the task: its name, its options by the types and ranges it declares, its data files (a bad
      line is named), by building it;
-  3. the model folder: its config and tokenizer load (not the weights), the shapes in its
-     safetensors headers fit the config, the tokenizer fits the model's vocabulary;
+  3. the model folder: no code of its own runs unless model.trust_remote_code says so, its config and
+     tokenizer load (not the weights), the shapes in its safetensors headers fit the config, the
+     tokenizer fits the model's vocabulary and encodes the task's first prompt (its chat template);
   4. a drafter folder given as drafter.init holds a drafter (its config readable, its weights' hash),
      and the SD shapes and the rule table fit the draft vocabulary of the drafter the run starts
      with (topk <= N);
   5. every plugin resolves to a class with worker or driver hooks (tlt_cli/plugins.py) that takes
      its options (so `os:system` is refused); under train.trainer trl, only driver-side plugins
      (loggers) and one that trains the drafter between TRL's processes;
-  6. the run directory <run.output_dir>/<run.name> can be created, and (new_run) holds no run yet;
+  6. the run directory <run.output_dir>/<run.name> can be created, and (new_run) holds no run yet; the
+     cache folder (model.cache_dir or $TLT_CACHE_DIR) is writable;
   7. with train.trainer trl: the installed TRL is supported and its GRPOConfig takes the recipe's
      settings and trl section (tlt_cli/integrations/trl_recipe.py; this imports TRL).
 `tlt recipes validate` says ok exactly when this passes, so `tlt train` starts; what the machine
@@ -33,9 +35,11 @@ from tlt_cli.drafter.model import CONFIG_FILE, read_drafter_metadata
 from tlt_cli.drafter.vocabulary import resolve_draft_vocab_size
 from tlt_cli.errors import UserError
 from tlt_cli.models.loading import check_weight_shapes, load_config_and_tokenizer, model_folder
+from tlt_cli.models.tiny import cache_directory
 from tlt_cli.plugins import DRIVER_HOOKS, WORKER_HOOKS, plugin_factory
 from tlt_cli.processes.run_directory import holds_run
 from tlt_cli.recipe_checks import check_shapes_fit_draft_vocabulary, check_values
+from tlt_cli.tasks.prompts import encode_prompt
 from tlt_cli.training import setup
 
 PLUGIN_HOOKS = WORKER_HOOKS + DRIVER_HOOKS
@@ -52,6 +56,7 @@ def check_recipe(recipe: Recipe, new_run: bool = False) -> None:
     if recipe.train.trainer == Trainer.trl:
         _check_trl_plugins(recipe)
     check_output_folder(recipe.run, new_run)
+    check_cache_folder(recipe)
     if recipe.train.trainer == Trainer.trl:
         from tlt_cli.integrations.trl_recipe import check_trl_recipe
 
@@ -66,10 +71,11 @@ def _check_task(recipe: Recipe) -> None:
 
 
 def _check_model(recipe: Recipe) -> int:
-    """The model's (the target's) vocabulary size, once its config and tokenizer load."""
+    """The model's (the target's) vocabulary size, once its config and tokenizer load and the tokenizer encodes
+    the task's first prompt (through its chat template, as the workers will)."""
     try:
-        config, tokenizer = load_config_and_tokenizer(recipe.model.path)
-        check_weight_shapes(model_folder(recipe.model.path), config)
+        config, tokenizer = load_config_and_tokenizer(recipe.model.path, recipe.model.trust_remote_code)
+        check_weight_shapes(model_folder(recipe.model.path), config, recipe.model.trust_remote_code)
     except UserError as error:
         raise RecipeError(f"model.path: {error}") from None
     if len(tokenizer) > config.vocab_size:
@@ -77,7 +83,36 @@ def _check_model(recipe: Recipe) -> int:
             f"model.path: the tokenizer of {recipe.model.path} has {len(tokenizer)} tokens but the model's "
             f"vocabulary holds {config.vocab_size}; the tokenizer belongs to another model."
         )
+    _check_prompt_encoding(recipe, tokenizer)
     return int(config.vocab_size)
+
+
+def _check_prompt_encoding(recipe: Recipe, tokenizer: Any) -> None:
+    prompt = setup.task(recipe).problem(0).prompt
+    try:
+        encode_prompt(tokenizer, prompt)
+    except Exception as error:  # the chat template is the folder's own Jinja code: any error is the folder's
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise RecipeError(
+            f"model.path: the chat template of the tokenizer in {model_folder(recipe.model.path)} fails on the "
+            f"task's first prompt ({reason}); fix chat_template in its tokenizer_config.json."
+        ) from None
+
+
+def check_cache_folder(recipe: Recipe) -> None:
+    """The tlt cache (model.cache_dir, else $TLT_CACHE_DIR or ~/.cache/tlt) is a folder tlt can write, or can be
+    made."""
+    cache = cache_directory(recipe.model.cache_dir)
+    key = "model.cache_dir" if recipe.model.cache_dir else "the cache folder ($TLT_CACHE_DIR, else ~/.cache/tlt)"
+    existing = cache
+    while not os.path.lexists(existing) and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        what = "not a folder" if not existing.is_dir() else "not writable"
+        raise RecipeError(
+            f"{key}: {cache} cannot hold tlt's cache (built models, drafter warm-ups, compiled ops): {existing} is "
+            f"{what}; point it at a writable folder."
+        )
 
 
 def _check_drafter_start(recipe: Recipe, target_vocab_size: int) -> int:
@@ -152,6 +187,15 @@ def check_output_folder(run: RunConfig, new_run: bool) -> None:
     With new_run, it must not hold a run already (`tlt train` refuses to mix two runs in one folder).
     """
     run_directory = Path(run.output_dir).expanduser() / run.name
+    try:
+        _check_run_directory(run_directory, new_run)
+    except OSError as error:  # a path the file system refuses (a part too long, too many links)
+        raise RecipeError(
+            f"run.output_dir: the run directory {run_directory} cannot be created ({error.strerror or error})."
+        ) from None
+
+
+def _check_run_directory(run_directory: Path, new_run: bool) -> None:
     existing = run_directory
     while not os.path.lexists(existing) and existing != existing.parent:
         existing = existing.parent

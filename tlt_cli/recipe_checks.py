@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +44,12 @@ DRAFTER_STARTS = ("warmup", "random")
 ZERO_STAGES = (0, 1, 2)
 BUILTIN_PREFIX = "builtin:"
 BUILTIN_MODELS = ("builtin:tiny-arith",)
+# the longest folder name Linux file systems take (NAME_MAX), in bytes
+FOLDER_NAME_BYTES = 255
+# what a shell reads as itself in a word (shlex.quote leaves such words alone); anything else is refused in run
+# paths under a hostfile launch
+SHELL_SAFE_PUNCTUATION = "@ % + = : , . / _ -"
+SHELL_UNSAFE = re.compile(r"[^\w@%+=:,./-]", re.ASCII)
 
 
 def _require(condition: bool, message: str) -> None:
@@ -99,6 +106,20 @@ def _check_run(recipe: Recipe) -> None:
         recipe.run.output_dir.strip() != "" and "\0" not in recipe.run.output_dir,
         f"run.output_dir must name a folder, got '{recipe.run.output_dir}'.",
     )
+    _require(
+        len(name.encode("utf-8", "surrogateescape")) <= FOLDER_NAME_BYTES,
+        f"run.name is {len(name.encode('utf-8', 'surrogateescape'))} bytes long, more than a folder name may be "
+        f"({FOLDER_NAME_BYTES}); choose a shorter run.name.",
+    )
+    if recipe.workers.hostfile is not None:
+        # the launcher hands the run directory to pdsh, which passes it through a remote shell
+        for key, value in (("run.name", name), ("run.output_dir", recipe.run.output_dir)):
+            unsafe = sorted(set(SHELL_UNSAFE.findall(value)))
+            _require(
+                not unsafe,
+                f"{key} holds {' '.join(repr(character) for character in unsafe)}, which a hostfile launch would "
+                f"pass through a shell; use letters, digits and {SHELL_SAFE_PUNCTUATION} only.",
+            )
 
 
 def _check_train_and_workers(recipe: Recipe) -> None:

@@ -8,7 +8,10 @@ downloaded (`local_files_only=True`). Problems a user can cause raise `ModelLoad
 one sentence naming the folder and what to fix. `load_config_and_tokenizer` loads what the recipe
 checks need (the vocabulary) without the weights; `check_weight_shapes` compares the shapes in the
 safetensors headers with the model the config builds, so weights of another model are refused
-before anything loads them (by `tlt recipes validate` as by `tlt train`).
+before anything loads them (by `tlt recipes validate` as by `tlt train`). A folder that ships its own
+Python code (`auto_map` in config.json or tokenizer_config.json) is refused unless the caller passes
+trust_remote_code=True (the recipe's `model.trust_remote_code`); every transformers load here says
+which, so transformers never asks on the terminal.
 """
 
 from __future__ import annotations
@@ -41,30 +44,63 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 CACHE_PREFIX = "cache:"
 # weight files a Hugging Face folder may hold (their names, sizes and times fingerprint the model)
 WEIGHT_SUFFIXES = (".safetensors", ".bin")
+# the files whose `auto_map` points transformers at Python code in the model folder
+REMOTE_CODE_FILES = ("config.json", "tokenizer_config.json")
 
 
 class ModelLoadError(UserError):
     """The policy model or its tokenizer cannot be loaded from the given path."""
 
 
-def load_policy(model_path: str, dtype: torch.dtype = torch.float32) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+def load_policy(
+    model_path: str, dtype: torch.dtype = torch.float32, trust_remote_code: bool = False
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """The causal LM and tokenizer at `model_path` ("builtin:tiny-arith" or a local folder).
 
-    The tokenizer's pad token falls back to its EOS token. The model is in eval mode.
+    The tokenizer's pad token falls back to its EOS token. The model is in eval mode. The folder's
+    own Python code runs only with trust_remote_code (else a folder that has some is refused).
     """
     model_dir = model_folder(model_path)
-    check_weight_shapes(model_dir, _check_causal_lm_config(model_dir))
-    tokenizer = _load_tokenizer(model_dir)
-    model = _load_model(model_dir, dtype)
+    check_remote_code(model_dir, trust_remote_code)
+    check_weight_shapes(model_dir, _check_causal_lm_config(model_dir, trust_remote_code), trust_remote_code)
+    tokenizer = _load_tokenizer(model_dir, trust_remote_code)
+    model = _load_model(model_dir, dtype, trust_remote_code)
     if model.generation_config.pad_token_id is None:
         model.generation_config.pad_token_id = tokenizer.pad_token_id
     return model, tokenizer
 
 
-def load_config_and_tokenizer(model_path: str) -> tuple[PretrainedConfig, PreTrainedTokenizerBase]:
+def load_config_and_tokenizer(
+    model_path: str, trust_remote_code: bool = False
+) -> tuple[PretrainedConfig, PreTrainedTokenizerBase]:
     """The config and tokenizer at `model_path`, checked as `load_policy` checks them, without the weights."""
     model_dir = model_folder(model_path)
-    return _check_causal_lm_config(model_dir), _load_tokenizer(model_dir)
+    check_remote_code(model_dir, trust_remote_code)
+    return _check_causal_lm_config(model_dir, trust_remote_code), _load_tokenizer(model_dir, trust_remote_code)
+
+
+def remote_code_files(model_dir: Path) -> list[str]:
+    """The files of `model_dir` whose `auto_map` names Python code of the folder for transformers to run."""
+    named = []
+    for file_name in REMOTE_CODE_FILES:
+        try:
+            settings = json.loads((model_dir / file_name).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue  # absent or unreadable: the load that follows says so
+        if isinstance(settings, dict) and settings.get("auto_map"):
+            named.append(file_name)
+    return named
+
+
+def check_remote_code(model_dir: Path, trust_remote_code: bool) -> None:
+    """ModelLoadError when the folder ships Python code (auto_map) and the caller does not trust it."""
+    files = remote_code_files(model_dir)
+    if files and not trust_remote_code:
+        raise ModelLoadError(
+            f"Model folder {model_dir} asks transformers to run Python code it ships (auto_map in "
+            f"{' and '.join(files)}), which tlt never runs unless the recipe sets model.trust_remote_code: true; "
+            "set it only for a folder whose code you trust."
+        )
 
 
 def model_folder(model_path: str) -> Path:
@@ -89,7 +125,7 @@ def resolve_model_path(model_path: str) -> Path:
     return Path(model_path).expanduser()
 
 
-def check_weight_shapes(model_dir: Path, config: PretrainedConfig) -> None:
+def check_weight_shapes(model_dir: Path, config: PretrainedConfig, trust_remote_code: bool = False) -> None:
     """ModelLoadError naming the first tensor of the folder's safetensors files whose shape differs from
     the model `config` builds (built on the meta device: no memory, no weights read).
 
@@ -97,7 +133,7 @@ def check_weight_shapes(model_dir: Path, config: PretrainedConfig) -> None:
     legacy names on load) is left for the load to judge; .bin weights have no header to read.
     """
     with torch.device("meta"), _without_progress_bars():
-        model = AutoModelForCausalLM.from_config(config)
+        model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
     expected = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
     for weights in sorted(model_dir.glob("*.safetensors")):
         try:
@@ -147,24 +183,25 @@ def _checked_model_dir(model_path: str) -> Path:
     return model_dir
 
 
-def _check_causal_lm_config(model_dir: Path) -> PretrainedConfig:
+def _check_causal_lm_config(model_dir: Path, trust_remote_code: bool) -> PretrainedConfig:
     try:
-        config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+        config = AutoConfig.from_pretrained(model_dir, local_files_only=True, trust_remote_code=trust_remote_code)
     except (OSError, ValueError, KeyError) as error:
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise ModelLoadError(f"Model at {model_dir} has a config transformers cannot read ({reason}).") from None
-    if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
+    remote_causal_lm = trust_remote_code and "AutoModelForCausalLM" in (getattr(config, "auto_map", None) or {})
+    if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING and not remote_causal_lm:
         raise ModelLoadError(
             f"Model at {model_dir} has architecture {config.model_type!r}, which is not a causal language model."
         )
     return config
 
 
-def _load_tokenizer(model_dir: Path) -> PreTrainedTokenizerBase:
+def _load_tokenizer(model_dir: Path, trust_remote_code: bool) -> PreTrainedTokenizerBase:
     if not any((model_dir / file_name).is_file() for file_name in TOKENIZER_FILES):
         raise ModelLoadError(f"Model folder {model_dir} has no tokenizer; save one there (e.g. tokenizer.json).")
     try:
-        tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as error:
         reason = str(error).splitlines()[0]
         raise ModelLoadError(f"The tokenizer in {model_dir} cannot be loaded ({reason}).") from None
@@ -175,10 +212,12 @@ def _load_tokenizer(model_dir: Path) -> PreTrainedTokenizerBase:
     return tokenizer
 
 
-def _load_model(model_dir: Path, dtype: torch.dtype) -> PreTrainedModel:
+def _load_model(model_dir: Path, dtype: torch.dtype, trust_remote_code: bool) -> PreTrainedModel:
     try:
         with _without_progress_bars():  # tlt shows its own progress; transformers' "Loading weights" is noise
-            model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, local_files_only=True)
+            model = AutoModelForCausalLM.from_pretrained(
+                model_dir, dtype=dtype, local_files_only=True, trust_remote_code=trust_remote_code
+            )
     except (OSError, SafetensorError, RuntimeError) as error:
         # RuntimeError: weights that do not fit the config where no safetensors header showed it (.bin files)
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__

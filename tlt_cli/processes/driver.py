@@ -55,6 +55,8 @@ from tlt_cli.trace import STEP_RECORD, TraceWriter, read_trace, truncate_trace
 from tlt_cli.versions import installed_versions
 
 EVENT_POLL_SECONDS = 1.0
+# what one pass of the event loop may take besides its wait (a step record, the display) before it counts as a pause
+PROCESSING_SLACK_SECONDS = 1.0
 
 
 class TrainingFailed(RuntimeError):
@@ -289,8 +291,10 @@ def _drain_events(workers: WorkerGroup, trace: RunTrace, display: TrainingDispla
     finished: set[int] = set()
     while len(finished) < workers.size:
         event = workers.next_event(EVENT_POLL_SECONDS)
+        # the pause of a stopped driver is no rank's; reports that arrived meanwhile are read before any verdict
+        deadline.watch(EVENT_POLL_SECONDS + PROCESSING_SLACK_SECONDS)
         failure = workers.failure(finished) if event is None else None
-        stuck = deadline.overrun()
+        stuck = deadline.overrun() if event is None else None
         if failure is not None or stuck is not None:
             raise TrainingFailed(failure or stuck)
         if event is None:

@@ -189,7 +189,13 @@ def _make_folders(path: Path) -> list[Path]:
 
 def _lock(path: Path) -> TextIO:
     """The run directory's lock file, locked by this process; RunDirectoryError naming the holder if another has it."""
-    lock = (path / LOCK_FILE).open("a+", encoding="utf-8")
+    try:
+        lock = (path / LOCK_FILE).open("a+", encoding="utf-8")
+    except OSError as error:  # a read-only file system, a folder without write permission
+        raise RunDirectoryError(
+            f"run directory {path} cannot be written ({error.strerror or error}), and a run writes its checkpoints "
+            "and trace there; copy it to a writable place and --resume the copy."
+        ) from None
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

@@ -8,7 +8,10 @@ it waits. The clock of a rank starts with its first progress of a step and stops
 report of that step, so start-up (model loading, SGLang servers) never counts. Of the ranks past
 the deadline, those that are working are named, not those waiting for them: the one line says
 which rank is stuck, its process (and the state Linux reports for it, on this machine) and what
-it was doing. Ranks that send no progress (TRL runs) are not watched.
+it was doing. Ranks that send no progress (TRL runs) are not watched. Only time the driver was
+watching counts: it calls `watch()` once per wait for an event (at most EVENT_POLL_SECONDS), and a
+longer gap (the driver itself paused: Ctrl-Z then fg, a scheduler's suspend, a debugger) moves
+every clock on by the gap, so a pause of the driver never blames the workers that ran on.
 """
 
 from __future__ import annotations
@@ -37,6 +40,16 @@ class StepDeadline:
         """timeout_seconds: workers.step_timeout_s (0: no deadline, `overrun` is always None)."""
         self.timeout_seconds = timeout_seconds
         self.current: dict[int, tuple[WorkerProgress, float]] = {}
+        self.last_watch = time.monotonic()
+
+    def watch(self, longest_wait_seconds: float) -> None:
+        """The driver is about to look at its events again; the time since its last look beyond
+        `longest_wait_seconds` (its own pause) does not count against any rank."""
+        now = time.monotonic()
+        paused = now - self.last_watch - longest_wait_seconds
+        self.last_watch = now
+        if paused > 0:
+            self.current = {worker: (event, started + paused) for worker, (event, started) in self.current.items()}
 
     def progress(self, event: WorkerProgress) -> None:
         """A rank entered a part of a step: its clock starts if the step is new to it."""

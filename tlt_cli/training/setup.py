@@ -46,7 +46,7 @@ def policy_and_tokenizer(recipe: Recipe) -> tuple[PreTrainedModel, PreTrainedTok
     """The recipe's model, freshly loaded, and its tokenizer."""
     from tlt_cli.models.loading import load_policy
 
-    return load_policy(recipe.model.path)
+    return load_policy(recipe.model.path, trust_remote_code=recipe.model.trust_remote_code)
 
 
 def reference_policy(recipe: Recipe) -> PreTrainedModel | None:

@@ -1,0 +1,178 @@
+"""The chaos suite, round 2 (issue 31): a paused driver, remote code in a model folder, a full disk at the
+first checkpoint, resuming the wrong run, hostile run names, records of SGLang servers.
+
+As in tests/test_faults.py, every fault is injected for real into the real CLI (`python -m tlt_cli`
+in a subprocess): SIGSTOP of the driver, a model folder whose code would write a marker file, a
+small tmpfs, a read-only mount, a live process whose pid a record names. Each case checks what a
+user would: the documented exit code (2 for what the user must fix, 1 for a failed run), one
+`error:` line on the terminal and no traceback, nothing the user had lost, no process left behind.
+The tiny models are copies of the shipped one made in the test's own folder.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import test_faults as faults
+from recipe_overrides import RECIPE, TLT, small_run
+
+from tlt_cli.models.tiny import SHIPPED_TINY_MODEL
+
+# a step of the small run takes a few seconds; a pause of the driver well past this deadline must not end it
+PAUSED_STEP_TIMEOUT_S = 20
+DRIVER_PAUSE_S = PAUSED_STEP_TIMEOUT_S + 10
+
+
+def tlt(*arguments: str, stdin: str = "") -> subprocess.CompletedProcess:
+    """`tlt <arguments>` in a subprocess (the test plugins importable), bounded by the suite's hang guard."""
+    return subprocess.run(
+        [*TLT, *arguments],
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=faults.HANG_GUARD_SECONDS,
+        env=faults.environment_with_test_plugins(),
+    )
+
+
+def model_copy(folder: Path) -> Path:
+    """A copy of the shipped tiny model in `folder` (for a test to damage)."""
+    return Path(shutil.copytree(SHIPPED_TINY_MODEL, folder))
+
+
+# ---------------------------------------------------------------- a paused driver
+
+
+def test_a_driver_paused_past_the_step_deadline_blames_no_worker_and_the_run_finishes(small_model, tmp_path):
+    markers = tmp_path / "markers"
+    command = small_run(
+        small_model,
+        tmp_path,
+        "paused",
+        3,
+        "checkpoint.every=1",
+        f"workers.step_timeout_s={PAUSED_STEP_TIMEOUT_S}",
+        *faults.mark_rollouts(markers),
+    )
+    driver = faults.start(command, tmp_path)
+    faults.wait_until(lambda: (markers / "rollout-1-1").exists(), faults.HANG_GUARD_SECONDS, process=driver)
+    time.sleep(2)  # the driver has read the progress of step 1: its clocks run
+    driver.send_signal(signal.SIGSTOP)  # Ctrl-Z; the workers run on
+    time.sleep(DRIVER_PAUSE_S)
+    driver.send_signal(signal.SIGCONT)  # fg
+    code, stdout, stderr = faults.finish(driver, tmp_path)
+    assert code == 0, stderr[-3000:]
+    assert "Traceback" not in stdout + stderr
+    faults.assert_intact(tmp_path / "paused", steps=3)
+
+
+# ---------------------------------------------------------------- remote code in a model folder
+
+
+def remote_code_model(folder: Path, marker: Path) -> Path:
+    """A tiny model folder whose config.json maps an unknown model_type to code in the folder; importing that code
+    writes `marker`."""
+    model = model_copy(folder)
+    config = json.loads((model / "config.json").read_text())
+    config["model_type"] = "tlt_probe"
+    config["auto_map"] = {"AutoConfig": "probe.ProbeConfig", "AutoModelForCausalLM": "probe.ProbeModel"}
+    (model / "config.json").write_text(json.dumps(config))
+    (model / "probe.py").write_text(
+        "from pathlib import Path\n"
+        "from transformers import Qwen2Config, Qwen2ForCausalLM\n"
+        f"Path({str(marker)!r}).write_text('the folder code ran')\n"
+        "class ProbeConfig(Qwen2Config):\n"
+        "    model_type = 'tlt_probe'\n"
+        "class ProbeModel(Qwen2ForCausalLM):\n"
+        "    config_class = ProbeConfig\n"
+    )
+    return model
+
+
+def test_a_model_folder_with_code_is_refused_naming_the_key_even_when_stdin_says_yes(tmp_path):
+    marker = tmp_path / "ran"
+    model = remote_code_model(tmp_path / "remote", marker)
+    result = tlt("recipes", "validate", str(RECIPE), f"model.path={model}", stdin="y\ny\ny\n")
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "Traceback" not in result.stdout + result.stderr
+    assert "[y/N]" not in result.stdout + result.stderr, "transformers must never ask"
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"invalid model.path: Model folder {model} asks"), result.stderr
+    assert "model.trust_remote_code: true" in lines[0]
+    assert not marker.exists(), "the folder's code ran"
+
+
+def test_trusting_a_model_folder_with_code_says_so_plainly(tmp_path):
+    marker = tmp_path / "ran"
+    model = remote_code_model(tmp_path / "remote", marker)
+    result = tlt("recipes", "validate", str(RECIPE), f"model.path={model}", "model.trust_remote_code=true")
+    assert "Traceback" not in result.stdout + result.stderr
+    assert result.stderr.startswith(
+        f"warning: model.trust_remote_code is true, so the Python code that the model folder {model} ships may run."
+    ), result.stderr
+    assert result.returncode == 0, result.stderr
+    assert marker.exists(), "the recipe asked for the folder's code"
+
+
+# ---------------------------------------------------------------- what validate must refuse before a run starts
+
+
+def test_a_run_name_too_long_for_a_folder_is_one_sentence(tmp_path):
+    result = tlt("recipes", "validate", str(RECIPE), f"run.output_dir={tmp_path}", f"run.name={'n' * 300}")
+    assert refused(result) == (
+        "invalid run.name is 300 bytes long, more than a folder name may be (255); choose a shorter run.name."
+    )
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_run_name_with_shell_characters_is_refused_under_a_hostfile(tmp_path):
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("localhost slots=2\n")
+    name = "x;touch $HOME`id`"
+    result = tlt("recipes", "validate", str(RECIPE), f"workers.hostfile={hostfile}", f"run.name={name}")
+    assert refused(result) == (
+        "invalid run.name holds ' ' '$' ';' '`', which a hostfile launch would pass through a shell; use "
+        "letters, digits and @ % + = : , . / _ - only."
+    )
+
+
+def test_an_unwritable_cache_folder_is_refused_by_validate(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    result = subprocess.run(
+        [*TLT, "recipes", "validate", str(RECIPE), f"run.output_dir={tmp_path}"],
+        capture_output=True,
+        text=True,
+        timeout=faults.HANG_GUARD_SECONDS,
+        env={**faults.environment_with_test_plugins(), "TLT_CACHE_DIR": str(blocker / "tlt")},
+    )
+    assert refused(result) == (
+        f"invalid the cache folder ($TLT_CACHE_DIR, else ~/.cache/tlt): {blocker / 'tlt'} cannot hold tlt's cache "
+        f"(built models, drafter warm-ups, compiled ops): {blocker} is not a folder; point it at a writable folder."
+    )
+
+
+def test_a_chat_template_that_raises_is_refused_by_validate(tmp_path):
+    model = model_copy(tmp_path / "model")
+    settings = json.loads((model / "tokenizer_config.json").read_text())
+    settings["chat_template"] = "{{ raise_exception('this template takes no user turns') }}"
+    (model / "tokenizer_config.json").write_text(json.dumps(settings))
+    result = tlt("recipes", "validate", str(RECIPE), f"model.path={model}", f"run.output_dir={tmp_path}")
+    assert refused(result) == (
+        f"invalid model.path: the chat template of the tokenizer in {model} fails on the task's first prompt (this "
+        "template takes no user turns); fix chat_template in its tokenizer_config.json."
+    )
+
+
+def refused(result: subprocess.CompletedProcess) -> str:
+    """The one line of a command that refused with exit code 2 and no traceback."""
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "Traceback" not in result.stdout + result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    return lines[0]
