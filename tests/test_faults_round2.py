@@ -18,9 +18,13 @@ import subprocess
 import time
 from pathlib import Path
 
+import pytest
 import test_faults as faults
-from recipe_overrides import RECIPE, TLT, small_run
+from recipe_overrides import PLAIN_DECODING, RECIPE, TLT, small_run
+from transformers import AutoConfig, AutoModelForCausalLM
 
+from tlt_cli.checkpoint import prepare_staging, publish
+from tlt_cli.config import load_recipe, recipe_to_yaml
 from tlt_cli.models.tiny import SHIPPED_TINY_MODEL
 
 # a step of the small run takes a few seconds; a pause of the driver well past this deadline must not end it
@@ -176,3 +180,60 @@ def refused(result: subprocess.CompletedProcess) -> str:
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1, result.stderr
     return lines[0]
+
+
+# ---------------------------------------------------------------- resuming the wrong run, or an unwritable one
+
+
+def run_with_a_checkpoint(run_directory: Path, *overrides: str, world_size: int = 2) -> Path:
+    """A run directory as `tlt train` leaves it after its first checkpoint (of `world_size` workers): its recipe
+    (the default one, plain decoding, `overrides`), a trace of step 0 and checkpoint step_000001."""
+    run_directory.mkdir(parents=True)
+    recipe = load_recipe(RECIPE, [*PLAIN_DECODING, f"run.output_dir={run_directory.parent}", *overrides])
+    (run_directory / "recipe.yaml").write_text(recipe_to_yaml(recipe))
+    (run_directory / "trace.jsonl").write_text('{"type": "run"}\n{"type": "step", "step": 0}\n')
+    checkpoints = run_directory / "checkpoints"
+    (prepare_staging(checkpoints, 1) / "weights.pt").write_bytes(b"weights")
+    publish(checkpoints, 1, {"world_size": world_size}, keep=2)
+    return run_directory
+
+
+def test_a_resume_with_another_workers_count_is_refused_before_any_worker_starts(tmp_path):
+    run_directory = run_with_a_checkpoint(tmp_path / "runs" / "two")
+    result = tlt("train", "--resume", str(run_directory), "workers.count=1", "train.prompts_per_step=2")
+    assert refused(result) == (
+        f"error: workers.count: checkpoint {run_directory / 'checkpoints' / 'step_000001'} was written by 2 "
+        "workers, the recipe has 1; resume with workers.count=2."
+    )
+    assert (run_directory / "checkpoints" / "step_000001" / "weights.pt").read_bytes() == b"weights"
+
+
+def test_a_resume_with_another_model_is_refused_before_any_worker_starts(tmp_path):
+    run_directory = run_with_a_checkpoint(tmp_path / "runs" / "tiny", f"model.path={model_copy(tmp_path / 'first')}")
+    other = tmp_path / "wider"
+    config = AutoConfig.from_pretrained(SHIPPED_TINY_MODEL, intermediate_size=1024)
+    AutoModelForCausalLM.from_config(config).save_pretrained(other)
+    for tokenizer_file in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(SHIPPED_TINY_MODEL / tokenizer_file, other / tokenizer_file)
+    result = tlt("train", "--resume", str(run_directory), f"model.path={other}")
+    line = refused(result)
+    assert line.startswith(f"error: model.path: {other} is another model than the run was trained from"), line
+    assert line.endswith(f"intermediate_size 512 vs 1024); resume with model.path={tmp_path / 'first'}."), line
+
+
+def test_a_resume_of_a_run_on_a_read_only_file_system_is_one_sentence(tmp_path):
+    mount = tmp_path / "read-only"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)]).returncode != 0:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        run_directory = run_with_a_checkpoint(mount / "copied-run", f"run.output_dir={tmp_path / 'first-place'}")
+        subprocess.run(["mount", "-o", "remount,ro", str(mount)], check=True)
+        result = tlt("train", "--resume", str(run_directory))
+        assert refused(result) == (
+            f"error: run directory {run_directory} cannot be written (Read-only file system), and a run writes its "
+            "checkpoints and trace there; copy it to a writable place and --resume the copy."
+        )
+        assert sorted(path.name for path in run_directory.iterdir()) == ["checkpoints", "recipe.yaml", "trace.jsonl"]
+    finally:
+        subprocess.run(["umount", str(mount)], check=False)

@@ -37,9 +37,11 @@ from typing import Any, Protocol
 
 from rich.console import Console
 
-from tlt_cli.config import CPU_DEVICES, Recipe, recipe_to_dict
+from tlt_cli.checkpoint import CheckpointError
+from tlt_cli.config import CPU_DEVICES, Recipe, load_recipe, recipe_to_dict
 from tlt_cli.display import PhaseProgress, TrainingDisplay, render_summary
 from tlt_cli.errors import UserError
+from tlt_cli.models.loading import load_config_and_tokenizer
 from tlt_cli.models.tiny import cache_directory
 from tlt_cli.plugins import DriverPlugins, RunInfo, plugin_columns, plugin_idle_uses
 from tlt_cli.processes.hostfile import runs_on_this_machine
@@ -47,7 +49,14 @@ from tlt_cli.processes.launched_workers import LaunchedWorkers
 from tlt_cli.processes.local_workers import LocalWorkers
 from tlt_cli.processes.machine_checks import check_machine
 from tlt_cli.processes.messages import WorkerBody, WorkerFailed, WorkerFinished, WorkerProgress, WorkerStepReport
-from tlt_cli.processes.run_directory import CHECKPOINTS, RUN_LOG, TRACE_FILE, RunDirectory, resume_checkpoint
+from tlt_cli.processes.run_directory import (
+    CHECKPOINTS,
+    RECIPE_FILE,
+    RUN_LOG,
+    TRACE_FILE,
+    RunDirectory,
+    resume_checkpoint,
+)
 from tlt_cli.processes.step_deadline import StepDeadline
 from tlt_cli.processes.step_records import step_records
 from tlt_cli.sglang.registry import stop_recorded_servers
@@ -55,6 +64,17 @@ from tlt_cli.trace import STEP_RECORD, TraceWriter, read_trace, truncate_trace
 from tlt_cli.versions import installed_versions
 
 EVENT_POLL_SECONDS = 1.0
+# config.json keys that shape a model's weights: a resume onto a model that differs in one cannot load the checkpoint
+MODEL_SHAPE_KEYS = (
+    "model_type",
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "tie_word_embeddings",
+)
 # what one pass of the event loop may take besides its wait (a step record, the display) before it counts as a pause
 PROCESSING_SLACK_SECONDS = 1.0
 
@@ -149,7 +169,7 @@ def train(
     The run directory is locked from when it is taken (a resumed one: once its checkpoint is
     found; a new one: once the drafter is ready) until this returns or raises.
     """
-    resume_from, start_step = _resume_point(resume_directory, console) if resume_directory else (None, 0)
+    resume_from, start_step = _resume_point(resume_directory, recipe, console) if resume_directory else (None, 0)
     held = RunDirectory.resume(resume_directory) if resume_directory else None
     try:
         check_machine(recipe)
@@ -258,12 +278,44 @@ def _prepare_drafter(trainer: TrainerEntry, recipe: Recipe, cache: Path, console
     return folder
 
 
-def _resume_point(run_directory: Path, console: Console) -> tuple[Path, int]:
-    """The checkpoint to resume from (run_directory.py: checked, and covered by the trace); each warning one line."""
+def _resume_point(run_directory: Path, recipe: Recipe, console: Console) -> tuple[Path, int]:
+    """The checkpoint to resume from (run_directory.py: checked, covered by the trace, written by as many workers
+    as the recipe has); each warning one line."""
     checkpoint, warnings = resume_checkpoint(run_directory)
+    written_by = checkpoint.state.get("world_size")
+    if isinstance(written_by, int) and written_by != recipe.workers.count:
+        # each rank's optimizer shard and sampling stream belong to its rank: another count cannot load them
+        raise CheckpointError(
+            f"workers.count: checkpoint {checkpoint.directory} was written by {written_by} workers, the recipe has "
+            f"{recipe.workers.count}; resume with workers.count={written_by}."
+        )
+    _check_same_model(run_directory, recipe)
     for warning in warnings:
         console.print(f"warning: {warning}", markup=False, highlight=False, soft_wrap=True)
     return checkpoint.directory, checkpoint.next_step
+
+
+def _check_same_model(run_directory: Path, recipe: Recipe) -> None:
+    """CheckpointError when model.path now names a model of another shape than the one the run was trained from
+    (its recipe.yaml's); a model that cannot be read any more is left for the load to judge."""
+    try:
+        trained_from = load_recipe(run_directory / RECIPE_FILE).model
+    except UserError:
+        return
+    if trained_from.path == recipe.model.path:
+        return
+    try:
+        before = load_config_and_tokenizer(trained_from.path, trained_from.trust_remote_code)[0].to_dict()
+        now = load_config_and_tokenizer(recipe.model.path, recipe.model.trust_remote_code)[0].to_dict()
+    except UserError:
+        return
+    differ = [key for key in MODEL_SHAPE_KEYS if before.get(key) != now.get(key)]
+    if differ:
+        raise CheckpointError(
+            f"model.path: {recipe.model.path} is another model than the run was trained from ({trained_from.path}: "
+            f"{', '.join(f'{key} {before.get(key)} vs {now.get(key)}' for key in differ)}); resume with "
+            f"model.path={trained_from.path}."
+        )
 
 
 def _run_workers(spec_base: dict[str, Any], body: WorkerBody, trace: RunTrace, display: TrainingDisplay) -> None:
