@@ -26,6 +26,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from tlt_cli.checkpoint import prepare_staging, publish
 from tlt_cli.config import load_recipe, recipe_to_yaml
 from tlt_cli.models.tiny import SHIPPED_TINY_MODEL
+from tlt_cli.sglang.registry import REGISTRY_DIRECTORY, record_server_groups, stop_recorded_servers
 
 # a step of the small run takes a few seconds; a pause of the driver well past this deadline must not end it
 PAUSED_STEP_TIMEOUT_S = 20
@@ -237,3 +238,26 @@ def test_a_resume_of_a_run_on_a_read_only_file_system_is_one_sentence(tmp_path):
         assert sorted(path.name for path in run_directory.iterdir()) == ["checkpoints", "recipe.yaml", "trace.jsonl"]
     finally:
         subprocess.run(["umount", str(mount)], check=False)
+
+
+# ---------------------------------------------------------------- records of SGLang servers in the run directory
+
+
+def test_only_the_servers_a_worker_recorded_are_stopped_and_a_malformed_record_is_dropped(tmp_path):
+    unrelated = subprocess.Popen(["sleep", "600"], start_new_session=True)  # leads a group of its own, as a server
+    server = subprocess.Popen(["sleep", "600"], start_new_session=True)
+    try:
+        records = tmp_path / REGISTRY_DIRECTORY
+        records.mkdir()
+        # a record written by hand, or by an older tlt, names the unrelated group with no start of its leader
+        (records / "worker-0.json").write_text(json.dumps({"worker": 0, "process_groups": [unrelated.pid]}))
+        (records / "worker-2.json").write_text('{"worker": 2, "process_gr')  # cut short
+        record_server_groups(tmp_path, 1, [server.pid])
+        assert stop_recorded_servers(tmp_path, timeout_s=10) == [server.pid]
+        assert server.wait(timeout=faults.HANG_GUARD_SECONDS) == -signal.SIGTERM
+        assert unrelated.poll() is None, "a process tlt did not start was signalled"
+        assert list(records.iterdir()) == []
+    finally:
+        for process in (unrelated, server):
+            process.kill()
+            process.wait()

@@ -116,6 +116,19 @@ def _raise_system_exit(signum: int, frame: object) -> None:
     raise SystemExit(128 + signum)
 
 
+def process_start_ticks(pid: int) -> int | None:
+    """When process `pid` started, in clock ticks since boot (/proc/<pid>/stat field 22), or None if it is gone.
+
+    A pid with the same start is the same process: a pid Linux has given to another process since differs.
+    """
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    # fields after the parenthesised command: state (3), ppid, pgrp, ... starttime (22)
+    return int(stat.rsplit(")", 1)[1].split()[19])
+
+
 def live_group_members(process_group: int) -> list[int]:
     """Pids in `process_group` that are still running (zombies excluded), read from /proc."""
     members = []
