@@ -77,15 +77,15 @@ def test_finished_rows_leave_the_batch():
     free_run = EmbeddedEngine(model, NEVER_EMITTED, 0).generate(requests, greedy(12), torch.Generator())
     eos_token_id = free_run[0].response_ids[2]
     rows_per_call: list[int] = []
+    engine = EmbeddedEngine(model, eos_token_id, 0)
+    forward_block = engine.decode_model.forward_block
 
-    def count_rows(module, args, kwargs, output):
-        rows_per_call.append(kwargs["input_ids"].shape[0])
+    def counting_forward_block(cache, input_ids, *args):
+        rows_per_call.append(input_ids.shape[0])
+        return forward_block(cache, input_ids, *args)
 
-    hook = model.get_decoder().register_forward_hook(count_rows, with_kwargs=True)
-    try:
-        completions = EmbeddedEngine(model, eos_token_id, 0).generate(requests, greedy(12), torch.Generator())
-    finally:
-        hook.remove()
+    engine.decode_model.forward_block = counting_forward_block
+    completions = engine.generate(requests, greedy(12), torch.Generator())
     decode_calls = rows_per_call[1:]
     assert rows_per_call[0] == len(requests)
     assert decode_calls == sorted(decode_calls, reverse=True)

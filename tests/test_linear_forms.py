@@ -144,8 +144,9 @@ def test_an_optimizer_step_never_leaves_a_stale_copy():
     after = engine.generate(requests, SamplingParams(12, temperature=0.0), torch.Generator())
     assert [completion.response_ids for completion in after] == greedy_tokens(model, requests)
     assert [completion.response_ids for completion in after] != before
-    for formed in forms.layers:
-        assert torch.equal(formed.transposed.buffer, formed.layer.weight.detach().t())
+    # the target decodes through its owned forward, whose transposed copies follow the weights too
+    for layer, weights in zip(model.model.layers, engine.decode_model.layers, strict=True):
+        assert torch.equal(weights.o.transposed, layer.self_attn.o_proj.weight.detach().t())
 
 
 def write_plan(cache_dir, modules, plan: LinearFormPlan) -> None:
@@ -163,7 +164,9 @@ def test_after_update_refreshes_copies_written_behind_autograds_back(tmp_path):
     rollout = EmbeddedRollout(model, NEVER_EMITTED, 0, drafter=drafter, linear_forms="auto", cache_dir=tmp_path)
     layers = linear_layers([model, drafter])
     assert rollout.linear_forms.extra_bytes == sum(layer.weight.numel() * 4 for layer in layers)
-    assert f"({rollout.linear_forms.extra_bytes} bytes)" in rollout.start()[0]
+    decode_path_line, forms_line = rollout.start()
+    assert decode_path_line.startswith("decode path: owned llama-family")
+    assert f"({rollout.linear_forms.extra_bytes} bytes)" in forms_line
     requests = ragged_requests(3)
     before, _ = rollout.generate(requests, SamplingParams(10, temperature=0.0), seed=0)
     with torch.no_grad():
@@ -178,7 +181,8 @@ def test_after_update_refreshes_copies_written_behind_autograds_back(tmp_path):
 def test_forms_apply_only_during_generate_and_off_leaves_the_model_untouched(tmp_path):
     model = MODELS["qwen2-tied"]()
     off = EmbeddedRollout(model, NEVER_EMITTED, 0, linear_forms="off", cache_dir=tmp_path)
-    assert off.linear_forms is None and off.engine.linear_forms is None and off.start() == []
+    assert off.linear_forms is None and off.engine.linear_forms is None
+    assert off.start() == [off.engine.decode_model.describe()]
     assert not (tmp_path / "linear_forms").exists()
     write_plan(tmp_path, [model], forced_plan([model], WEIGHT_MAJOR))
     rollout = EmbeddedRollout(model, NEVER_EMITTED, 0, linear_forms="auto", cache_dir=tmp_path)

@@ -36,7 +36,7 @@ class PrefixedCache:
     def __init__(self, cache, prefix: DynamicCache):
         self.cache, self.prefix = cache, prefix
 
-    def update(self, key_states, value_states, layer_idx, cache_kwargs=None):
+    def update(self, key_states, value_states, layer_idx, cache_kwargs=None, **call_kwargs):
         keys, values = self.cache.update(key_states, value_states, layer_idx)
         layer = self.prefix.layers[layer_idx]
         batch_size = keys.shape[0]

@@ -1,8 +1,19 @@
-"""The tiny random causal LMs the unit tests build: Qwen2 and Llama of one shape (2 layers, hidden 32,
-grouped-query attention 4q/2kv unless a test overrides it)."""
+"""The tiny random causal LMs the unit tests build: Qwen2, Llama, Qwen3 and Mistral of one shape (2 layers,
+hidden 32, grouped-query attention 4q/2kv unless a test overrides it), and a GPT-2 of the same size."""
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import (
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
 
 def tiny_shape(vocab_size: int, max_position_embeddings: int) -> dict:
@@ -30,3 +41,32 @@ def tiny_llama(vocab_size: int, seed: int = 0, max_position_embeddings: int = 64
     torch.manual_seed(seed)
     shape = tiny_shape(vocab_size, max_position_embeddings)
     return LlamaForCausalLM(LlamaConfig(**{**shape, **config})).eval()
+
+
+def tiny_qwen3(vocab_size: int, seed: int = 0, max_position_embeddings: int = 64, **config) -> Qwen3ForCausalLM:
+    """A seeded tiny Qwen3 (per-head q/k RMSNorm, head_dim from the config) in eval mode."""
+    torch.manual_seed(seed)
+    shape = {**tiny_shape(vocab_size, max_position_embeddings), "head_dim": 16}
+    return Qwen3ForCausalLM(Qwen3Config(**{**shape, **config})).eval()
+
+
+def tiny_mistral(vocab_size: int, seed: int = 0, max_position_embeddings: int = 64, **config) -> MistralForCausalLM:
+    """A seeded tiny Mistral without a sliding window (unless `config` sets one) in eval mode."""
+    torch.manual_seed(seed)
+    shape = {**tiny_shape(vocab_size, max_position_embeddings), "sliding_window": None}
+    return MistralForCausalLM(MistralConfig(**{**shape, **config})).eval()
+
+
+def tiny_gpt2(vocab_size: int, seed: int = 0, max_position_embeddings: int = 64) -> GPT2LMHeadModel:
+    """A seeded tiny GPT-2 (learned positions, LayerNorm, GELU: not a Llama-family model) in eval mode."""
+    torch.manual_seed(seed)
+    config = GPT2Config(
+        vocab_size=vocab_size,
+        n_embd=32,
+        n_layer=2,
+        n_head=4,
+        n_positions=max_position_embeddings,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    return GPT2LMHeadModel(config).eval()

@@ -68,8 +68,9 @@ class EmbeddedRollout:
         )
 
     def start(self) -> list[str]:
-        """Nothing to start: the engine runs in this process; the linear forms it uses, for the log."""
-        return [self.linear_forms.describe()] if self.linear_forms is not None else []
+        """Nothing to start: the engine runs in this process; the decode path and linear forms it uses, for the log."""
+        forms = [self.linear_forms.describe()] if self.linear_forms is not None else []
+        return [self.engine.decode_model.describe(), *forms]
 
     def generate(
         self,
@@ -87,13 +88,15 @@ class EmbeddedRollout:
     def after_update(
         self, weight_version: str, drafter_version: float | None, probe_prompts: Sequence[Sequence[int]]
     ) -> dict[str, float]:
-        """Nothing to push: the engine generates with the updated module itself; only the linear
-        forms' transposed copies are refreshed."""
+        """Nothing to push: the engine generates from the updated module's weights; only its decode model's
+        copies and the linear forms' transposed copies are refreshed."""
         self.refresh_copies()
         return {}
 
     def refresh_copies(self) -> None:
-        """Copy the policy's and drafter's current weights into the linear forms' transposed copies."""
+        """Copy the policy's current weights into the decode model's own tensors, and the policy's and drafter's
+        into the linear forms' transposed copies."""
+        self.engine.decode_model.refresh()
         if self.linear_forms is not None:
             self.linear_forms.refresh()
 

@@ -3,9 +3,11 @@
 The trainer calls `EmbeddedEngine(model, eos_token_id, pad_token_id).generate(requests, sampling,
 generator)`. All requests enter one running batch; each step feeds every running row one token
 (or, with a `speculative` decoder, a verified draft block) through the model with a per-row
-`SlotCache`, explicit position ids and a 4D mask, so rows of different lengths share a forward
-without padding. A request leaves the batch as soon as it ends (EOS or max_new_tokens): its row is
-dropped from the cache and every per-row tensor, so no compute is spent on it afterwards.
+slot cache, explicit position ids and a 4D mask, so rows of different lengths share a forward
+without padding. The model is seen only through its `DecodeModel` (tlt_cli/engine/interface.py): the
+owned Llama-family forward, or transformers' public API for other families (`decode_model_for`).
+A request leaves the batch as soon as it ends (EOS or max_new_tokens): its row is dropped from the
+cache and every per-row tensor, so no compute is spent on it afterwards.
 Generation runs under torch.no_grad with the model in eval mode and restores every module's mode
 afterwards. Same requests, parameters and generator state give the same output.
 
@@ -25,13 +27,9 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from tlt_cli.rollout.kv_cache import (
-    SlotCache,
-    additive_mask,
-    block_attention_mask,
-    decode_attention_mask,
-    keep_rows_of,
-)
+from tlt_cli.engine import decode_model_for
+from tlt_cli.engine.interface import DecodeCache, DecodeModel
+from tlt_cli.rollout.kv_cache import block_attention_mask, decode_attention_mask, keep_rows_of
 from tlt_cli.rollout.sampling import next_tokens
 from tlt_cli.rollout.types import (
     Completion,
@@ -66,7 +64,7 @@ class RunningBatch:
     generated: torch.Tensor  # [B] response tokens emitted so far
     finished_by_eos: torch.Tensor  # [B] bool
     tokens: torch.Tensor  # [B, capacity] prompt and response ids by position
-    cache: SlotCache
+    cache: DecodeCache
     # keep the target's last hidden state of every position in cache.extra (for return_hidden
     # and for the drafter, which catches up from it after steps without SD)
     store_hidden: bool
@@ -97,8 +95,11 @@ class _GenerateCall:
 class EmbeddedEngine:
     """Batched generation with a KV cache, ragged prompts, early exit of finished requests and,
     when given a speculative decoder (`tlt_cli.rollout.speculative.SpeculativeDecoder`), lossless
-    speculative decoding. With `linear_forms` (tlt_cli/rollout/linear_forms.py), the linear layers of the
-    target and drafter compute in the form fastest for each pass's rows, for the length of each generate call."""
+    speculative decoding. With `linear_forms` (tlt_cli/rollout/linear_forms.py), the target's decode model
+    lays out its products by the measured plan, and the drafter's linear layers compute in the form fastest for
+    each pass's rows, for the length of each generate call. `decode_model`: the model as the engine decodes
+    it (default: `decode_model_for(model)` with the plan of `linear_forms`); call its `refresh()` after the
+    model's weights change."""
 
     def __init__(
         self,
@@ -107,15 +108,15 @@ class EmbeddedEngine:
         pad_token_id: int,
         speculative: SpeculativeDecoder | None = None,
         linear_forms: LinearForms | None = None,
+        decode_model: DecodeModel | None = None,
     ) -> None:
         self.model = model
-        self.decoder = model.get_decoder()
-        self.lm_head = model.get_output_embeddings()
+        plan = linear_forms.plan if linear_forms is not None else None
+        self.decode_model = decode_model if decode_model is not None else decode_model_for(model, linear_plan=plan)
         self.eos_token_id = eos_token_id
         self.pad_token_id = pad_token_id
         self.speculative = speculative
         self.linear_forms = linear_forms
-        self.mask_dtype = next(model.parameters()).dtype
         self.device = next(model.parameters()).device
 
     def generate(
@@ -155,6 +156,7 @@ class EmbeddedEngine:
         )
         drafter = self.speculative.drafter if self.speculative is not None else None
         forms = self.linear_forms.applied() if self.linear_forms is not None else contextlib.nullcontext()
+        self.decode_model.refresh_if_changed()
         with torch.no_grad(), _eval_mode(self.model), _eval_mode(drafter), forms:
             self._run(call)
         return [call.completions[index] for index in range(len(requests))]
@@ -204,7 +206,7 @@ class EmbeddedEngine:
             generated=torch.zeros_like(prompt_lengths),
             finished_by_eos=torch.zeros_like(prompt_lengths, dtype=torch.bool),
             tokens=tokens,
-            cache=SlotCache(len(requests), capacity),
+            cache=self.decode_model.new_cache(len(requests), capacity),
             store_hidden=call.return_hidden or self.speculative is not None,
         )
         causal = torch.ones(longest, longest, dtype=torch.bool, device=self.device).tril()
@@ -227,21 +229,18 @@ class EmbeddedEngine:
         block_size = input_ids.shape[1]
         kv_length = int(batch.lengths.max()) + block_size
         write_slots = batch.lengths[:, None] + torch.arange(block_size, device=self.device)
-        batch.cache.prepare(write_slots, kv_length)
         if block_size == 1:
             visible = decode_attention_mask(batch.lengths, kv_length)
         else:
             visible = block_attention_mask(batch.lengths, block_mask, kv_length)
-        hidden = self.decoder(
-            input_ids=input_ids,
-            position_ids=position_ids,
-            attention_mask=additive_mask(visible, self.mask_dtype),
-            past_key_values=batch.cache,
-            use_cache=False,
-        ).last_hidden_state
+        hidden = self.decode_model.forward_block(batch.cache, input_ids, position_ids, write_slots, kv_length, visible)
         if batch.store_hidden:
             batch.cache.store_extra(hidden)
         return hidden
+
+    def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits [..., V] (float32) of hidden states [..., H]."""
+        return self.decode_model.logits(hidden)
 
     def decode_step(self, batch: RunningBatch, sampling, generator) -> tuple[torch.Tensor, torch.Tensor]:
         """Plain decoding: feed each row's pending token, draw the next one."""

@@ -1,0 +1,28 @@
+"""The decode-time model code of the rollout engine: one interface (`DecodeModel`, interface.py), the owned
+forward of the Llama family (llama_family.py) and every other causal LM through transformers' public API
+(transformers_path.py). `decode_model_for(policy)` picks the owned forward when it reproduces the model
+exactly, else the transformers path; `describe()` says which, for the run log.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tlt_cli.engine.interface import DecodeModel, LinearPlan
+from tlt_cli.engine.llama_family import LlamaFamilyModel, refusal
+from tlt_cli.engine.transformers_path import TransformersModel
+
+
+def decode_model_for(
+    policy: nn.Module, dtype: torch.dtype = torch.float32, linear_plan: LinearPlan | None = None
+) -> DecodeModel:
+    """The owned Llama-family forward of `policy` when it reproduces it, else the transformers path.
+
+    dtype: of the owned path's weight copies and cache (float32 is exact against `generate`); linear_plan:
+    the measured product forms per weight shape and row count (None: F.linear everywhere). The transformers
+    path keeps the policy's own dtype and modules."""
+    reason = refusal(policy)
+    if reason is None:
+        return LlamaFamilyModel(policy, dtype, linear_plan)
+    return TransformersModel(policy, reason)
