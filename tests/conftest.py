@@ -12,6 +12,11 @@ that needs a cold cache sets TLT_CACHE_DIR itself (monkeypatch.setenv), which wi
 Files of the repository are found from this file's folder (`REPOSITORY`), never from the
 working folder.
 
+The session leaves no DeepSpeed all-reduce buffer in /dev/shm: ranks that DeepSpeed's launcher
+starts on one node map one each (69 MB) and a rank killed from outside cannot unlink its own, so
+`no_shared_memory_left` removes, when the session ends, every such buffer that appeared during it
+and that no live process still maps (another session's running ranks keep theirs).
+
 Also gives the test process a terminal's Ctrl-C: a shell starts background jobs (`pytest &`,
 some CI runners) with SIGINT ignored, children inherit that, and the tests that press Ctrl-C on a
 `tlt train` subprocess would then see it run on untouched.
@@ -28,6 +33,35 @@ REPOSITORY = Path(__file__).resolve().parent.parent
 torch.set_num_threads(1)
 if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_shared_memory_left():
+    """Remove the DeepSpeed /dev/shm buffers the session's ranks left, then check that none of them is left."""
+    before = set(deepspeed_shared_buffers())
+    yield
+    left = [path for path in deepspeed_shared_buffers() if path not in before and path not in mapped_files()]
+    for path in left:
+        path.unlink(missing_ok=True)
+    assert not [path for path in left if path.exists()], "DeepSpeed buffers in /dev/shm could not be removed"
+
+
+def deepspeed_shared_buffers() -> list[Path]:
+    from tlt_cli.processes.launched_rank import DEEPSPEED_BUFFER_PREFIX, SHARED_MEMORY_DIRECTORY
+
+    return sorted(SHARED_MEMORY_DIRECTORY.glob(f"{DEEPSPEED_BUFFER_PREFIX}_*"))
+
+
+def mapped_files() -> set[Path]:
+    """Every file some live process of this machine maps (from /proc/<pid>/maps)."""
+    mapped = set()
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        try:
+            lines = maps.read_text().splitlines()
+        except OSError:  # the process ended, or is not ours to read
+            continue
+        mapped.update(Path(line.split(maxsplit=5)[5]) for line in lines if line.count(" ") >= 5 and "/" in line)
+    return mapped
 
 
 @pytest.fixture(scope="session")

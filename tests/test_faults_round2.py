@@ -12,9 +12,11 @@ The tiny models are copies of the shipped one made in the test's own folder.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -261,3 +263,39 @@ def test_only_the_servers_a_worker_recorded_are_stopped_and_a_malformed_record_i
         for process in (unrelated, server):
             process.kill()
             process.wait()
+
+
+# ---------------------------------------------------------------- the test suite itself
+
+
+def test_a_test_session_leaves_no_deepspeed_buffer_in_shared_memory(tmp_path):
+    """A session whose test leaves a buffer as a killed rank does (named as DeepSpeed names it, mapped by no one)
+    ends with it removed by tests/conftest.py's session fixture."""
+    left = Path("/dev/shm") / f"deepspeed_allreduce_buffer_{os.getuid()}_127.0.0.1_{os.getpid()}_0"
+    (tmp_path / "test_killed_rank.py").write_text(
+        "from pathlib import Path\n\n"
+        f"def test_a_rank_killed_from_outside():\n    Path({str(left)!r}).write_bytes(b'0' * 4096)\n"
+    )
+    session = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "conftest",
+            "-c",
+            os.devnull,
+            str(tmp_path / "test_killed_rank.py"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=faults.HANG_GUARD_SECONDS,
+        env=faults.environment_with_test_plugins(),
+        cwd=tmp_path,
+    )
+    try:
+        assert session.returncode == 0, session.stdout[-3000:]
+        assert not left.exists(), "the session left its DeepSpeed buffer in /dev/shm"
+    finally:
+        left.unlink(missing_ok=True)
