@@ -4,12 +4,13 @@ import copy
 
 import pytest
 import torch
+from test_logprobs import full_vocabulary_logprobs
 from tiny_models import tiny_qwen2
 
 from tlt_cli.config import ActorConfig
 from tlt_cli.rollout.types import Completion
+from tlt_cli.training import actor as actor_module
 from tlt_cli.training.actor import Actor
-from tlt_cli.training.grpo import token_logprobs
 from tlt_cli.training.policy_batch import build_policy_batch
 
 
@@ -50,7 +51,7 @@ def test_logprobs_match_a_plain_forward_and_update_changes_every_parameter(singl
     actor = Actor(policy, ActorConfig(lr=1e-2, micro_batch_size=4, zero_stage=2), sequences_per_update=6)
     batch = actor.logprobs(rollout_batch())
     with torch.no_grad():
-        expected = token_logprobs(
+        expected = full_vocabulary_logprobs(
             policy(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits, batch.input_ids
         )
     mask = batch.response_mask.bool()
@@ -90,3 +91,24 @@ def test_single_pass_update_equals_recomputing_old_logprobs_first(single_process
         assert torch.allclose(value, other, atol=1e-6), name
     # the sidecar hook sees every micro-batch's hidden states once: [b, t, hidden]
     assert [size for size, _ in seen] == [4, 2] and all(shape[-1] == 32 for _, shape in seen)
+
+
+def test_an_update_through_chunked_logprobs_moves_the_weights_as_full_vocabulary_logprobs_did(
+    single_process_group, monkeypatch
+):
+    config = ActorConfig(lr=1e-2, micro_batch_size=4, kl_coef=0.1)
+    chunked = Actor(tiny_policy(), config, sequences_per_update=6, reference=tiny_policy(seed=1))
+    chunked_metrics = chunked.update(rollout_batch())
+
+    def full_vocabulary(model, hidden, batch):
+        logprobs = full_vocabulary_logprobs(model.get_output_embeddings()(hidden), batch.input_ids)
+        return logprobs * batch.response_mask
+
+    monkeypatch.setattr(actor_module, "_response_logprobs", full_vocabulary)
+    full = Actor(tiny_policy(), config, sequences_per_update=6, reference=tiny_policy(seed=1))
+    full_metrics = full.update(rollout_batch())
+    assert chunked_metrics.loss == pytest.approx(full_metrics.loss, rel=1e-5)
+    assert chunked_metrics.kl == pytest.approx(full_metrics.kl, rel=1e-5) and chunked_metrics.kl > 0
+    # the gradient's norm over every parameter (AdamW's first step, about lr * sign(g), would magnify
+    # float32 rounding in near-zero gradients; test_logprobs.py compares each parameter's gradient)
+    assert chunked_metrics.grad_norm == pytest.approx(full_metrics.grad_norm, rel=1e-5)

@@ -1,9 +1,9 @@
-"""GRPO maths on CPU: advantages, log-probs and the clipped loss with its gradient."""
+"""GRPO maths on CPU: advantages and the clipped loss with its gradient (log-probs: test_logprobs.py)."""
 
 import pytest
 import torch
 
-from tlt_cli.training.grpo import group_advantages, policy_loss, token_logprobs
+from tlt_cli.training.grpo import group_advantages, policy_loss
 
 
 def test_group_advantages_normalize_within_each_group():
@@ -21,17 +21,6 @@ def test_group_advantages_normalize_within_each_group():
 def test_group_advantages_reject_ragged_groups():
     with pytest.raises(ValueError, match="groups of 4"):
         group_advantages(torch.zeros(6), group_size=4)
-
-
-def test_token_logprobs_match_manual_log_softmax():
-    torch.manual_seed(0)
-    logits = torch.randn(2, 5, 7)
-    input_ids = torch.randint(0, 7, (2, 5))
-    result = token_logprobs(logits, input_ids)
-    assert result.shape == (2, 5)
-    assert torch.equal(result[:, 0], torch.zeros(2))
-    expected = torch.log_softmax(logits[1, 2], dim=-1)[input_ids[1, 3]]
-    assert result[1, 3].item() == pytest.approx(expected.item(), rel=1e-6)
 
 
 def test_on_policy_loss_gradient_is_advantage_weighted_logprob_gradient():

@@ -56,6 +56,7 @@ from tlt_cli.rollout.adaptive import OFF, adaptive_schedule
 from tlt_cli.rollout.embedded import EmbeddedRollout
 from tlt_cli.rollout.linear_forms_measure import LINEAR_FORM_MODES
 from tlt_cli.rollout.types import Completion, RolloutRequest
+from tlt_cli.training.logprobs import head_logprobs
 from tlt_cli.training.setup import rollout_needs_drafter
 
 if TYPE_CHECKING:
@@ -63,8 +64,6 @@ if TYPE_CHECKING:
 
     from tlt_cli.drafter.model import EagleDrafter
 
-# response positions per lm_head product when computing log-probs ([rows, V] floats at a time)
-LOGPROB_CHUNK = 1024
 STATE_DIRECTORY = "tlt_rollout"
 
 
@@ -388,17 +387,14 @@ def _cut_at_eos(completion: Completion, eos_ids: list[int]) -> Completion:
 
 
 @torch.no_grad()
-def sampled_logprobs(lm_head: nn.Module, completions: list[Completion], temperature: float) -> list[list[float]]:
+def sampled_logprobs(lm_head: nn.Linear, completions: list[Completion], temperature: float) -> list[list[float]]:
     """log_softmax(lm_head(hidden) / temperature)[sampled token] per response token, as TRL computes them."""
     hidden = torch.cat([completion.target_hidden for completion in completions])
     tokens = torch.tensor(
         [token for completion in completions for token in completion.response_ids], device=hidden.device
     )
-    values = torch.empty(tokens.shape[0], dtype=torch.float32, device=hidden.device)
-    for first in range(0, tokens.shape[0], LOGPROB_CHUNK):
-        rows = slice(first, first + LOGPROB_CHUNK)
-        logits = lm_head(hidden[rows]).float() / temperature
-        values[rows] = logits.log_softmax(dim=-1).gather(1, tokens[rows, None]).squeeze(1)
+    # chunked over tokens (tlt_cli/training/logprobs.py): [CHUNK_TOKENS, V] floats at a time
+    values = head_logprobs(hidden, lm_head, tokens, temperature)
     lengths = [len(completion.response_ids) for completion in completions]
     return [chunk.tolist() for chunk in values.split(lengths)]
 

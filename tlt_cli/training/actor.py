@@ -23,7 +23,8 @@ from transformers import PreTrainedModel
 from tlt_cli.checkpoint import load_checkpoint_file
 from tlt_cli.config import ActorConfig
 from tlt_cli.processes.distributed import import_deepspeed
-from tlt_cli.training.grpo import PolicyLoss, policy_loss, token_logprobs
+from tlt_cli.training.grpo import PolicyLoss, policy_loss
+from tlt_cli.training.logprobs import token_logprobs
 from tlt_cli.training.policy_batch import PolicyBatch, micro_batches
 
 ADAMW_BETAS = (0.9, 0.999)
@@ -90,11 +91,11 @@ class Actor:
                 hidden = self._last_hidden_state(self.policy, micro_batch)
                 if on_hidden_states is not None:
                     on_hidden_states(micro_batch, hidden)
-                old_parts.append(_pad_to(token_logprobs(self.policy.lm_head(hidden), micro_batch.input_ids), batch))
+                old_parts.append(_pad_to(_response_logprobs(self.policy, hidden, micro_batch), batch))
             if self.reference is not None:
                 reference_hidden = self._last_hidden_state(self.reference, micro_batch)
                 reference_parts.append(
-                    _pad_to(token_logprobs(self.reference.lm_head(reference_hidden), micro_batch.input_ids), batch)
+                    _pad_to(_response_logprobs(self.reference, reference_hidden, micro_batch), batch)
                 )
         old = torch.cat(old_parts) if old_parts else None
         reference = torch.cat(reference_parts) if reference_parts else None
@@ -140,7 +141,7 @@ class Actor:
         self, micro_batch: PolicyBatch, total_tokens: int, on_hidden_states: HiddenStatesCallback | None
     ) -> PolicyLoss:
         hidden = self._last_hidden_state(self.policy, micro_batch)
-        logprobs = token_logprobs(self.policy.lm_head(hidden), micro_batch.input_ids)
+        logprobs = _response_logprobs(self.policy, hidden, micro_batch)
         old_logprobs = micro_batch.old_logprobs
         if old_logprobs is None:  # single pass: the policy has not moved yet
             old_logprobs = logprobs.detach()
@@ -221,6 +222,12 @@ def _to_device(batch: PolicyBatch, device: torch.device) -> PolicyBatch:
     """The batch with every tensor on `device` (the same tensors when they are there already)."""
     moved = {item.name: getattr(batch, item.name) for item in fields(batch)}
     return replace(batch, **{name: tensor.to(device) for name, tensor in moved.items() if tensor is not None})
+
+
+def _response_logprobs(model: PreTrainedModel, hidden: torch.Tensor, batch: PolicyBatch) -> torch.Tensor:
+    """[b,t] log-probs of the response tokens from the decoder's hidden [b,t,H], 0 elsewhere, chunked over
+    tokens through the model's head (logprobs.py): the loss only reads response tokens."""
+    return token_logprobs(hidden, model.get_output_embeddings(), batch.input_ids, needed=batch.response_mask)
 
 
 def _pad_to(values: torch.Tensor, batch: PolicyBatch) -> torch.Tensor:

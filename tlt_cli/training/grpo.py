@@ -1,7 +1,8 @@
 """GRPO maths: group-normalized advantages and the clipped policy loss with optional KL.
 
-Pure tensor functions, no I/O: the actor calls `policy_loss` on each micro-batch; the
-worker calls `group_advantages` on a rollout's rewards. Shapes are written on arguments.
+Pure tensor functions, no I/O: the actor calls `policy_loss` on each micro-batch (its log-probs
+come from logprobs.py, chunked over tokens); the worker calls `group_advantages` on a rollout's
+rewards. Shapes are written on arguments.
 """
 
 from __future__ import annotations
@@ -25,17 +26,6 @@ def group_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     mean = grouped.mean(dim=1, keepdim=True)
     std = grouped.std(dim=1, unbiased=False, keepdim=True)
     return ((grouped - mean) / (std + ADVANTAGE_EPSILON)).view(-1)
-
-
-def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-    """Log-prob of each next token: logits [B,T,V], input_ids [B,T] -> [B,T].
-
-    Entry t is log p(input_ids[t] | input_ids[:t]); entry 0 has no context and is 0.
-    """
-    logprobs = torch.log_softmax(logits[:, :-1].float(), dim=-1)
-    next_token = input_ids[:, 1:].unsqueeze(-1)
-    gathered = logprobs.gather(-1, next_token).squeeze(-1)
-    return torch.nn.functional.pad(gathered, (1, 0), value=0.0)
 
 
 @dataclass
