@@ -16,6 +16,9 @@ qwen2_eagle.py: `LlamaForCausalLMEagle` / `Qwen2ForCausalLMEagle.load_weights`):
 
 from __future__ import annotations
 
+import base64
+import pickle
+
 import pytest
 import torch
 from tiny_models import tiny_llama, tiny_qwen2
@@ -26,6 +29,7 @@ from tlt_cli.sglang.weight_sync import (
     WeightSyncError,
     drafter_tensors,
     serialize_for_ranks,
+    shareable,
     target_tensors,
     tensor_update_body,
     write_checkpoint,
@@ -151,11 +155,18 @@ def test_unknown_drafter_tensor_is_refused():
         drafter_tensors({"fc.weight": torch.zeros(4, 8), "extra_norm.weight": torch.zeros(4)})
 
 
-def test_tensor_update_needs_cuda_tensors():
-    with pytest.raises(
-        WeightSyncError, match="must be on a GPU of the server's node; set rollout.sglang.colocated: false"
-    ):
-        serialize_for_ranks([("model.norm.weight", torch.zeros(4))], tp_size=1)
+def test_cpu_tensors_are_sent_as_shared_memory_files_sglang_unpickles():
+    """SGLang's CPU platform opens CPU tensors by shared-memory file name (its unpickler allows
+    rebuild_storage_filename, never a file descriptor, which cannot travel in JSON)."""
+    policy_weight = torch.arange(4.0)
+    sent = shareable([("model.norm.weight", policy_weight)])
+    before = torch.multiprocessing.get_sharing_strategy()
+    payload = base64.b64decode(serialize_for_ranks(sent, tp_size=1)[0])
+    assert b"rebuild_storage_filename" in payload and b"rebuild_storage_fd" not in payload
+    assert torch.multiprocessing.get_sharing_strategy() == before
+    # the live parameter is copied, never moved into shared memory
+    assert not policy_weight.is_shared() and sent[0][1].is_shared()
+    assert torch.equal(pickle.loads(payload)[0][1], policy_weight)
 
 
 def test_tensor_update_body_per_version():

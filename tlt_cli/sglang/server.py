@@ -41,6 +41,7 @@ from tlt_cli.sglang.server_args import (
     server_command,
     server_environment,
     server_placements,
+    serves_on_cpu,
     speculative_flags,
 )
 from tlt_cli.sglang.transport import ServerEndpoint, get_status
@@ -314,7 +315,7 @@ def launch_sglang_servers(
             ServerLaunch(
                 endpoint=ServerEndpoint(index=placement.index, url=placement.url, api_key=api_key),
                 command=tuple(server_command(config, placement, model_path, api_key_file, flags, seed)),
-                environment=server_environment(placement, os.environ),
+                environment=server_environment(placement, os.environ, serves_on_cpu(config.extra_args)),
                 log_path=log_dir / f"server-{placement.index}.log",
                 ports=(placement.port, placement.nccl_port),
             )

@@ -27,6 +27,20 @@ SERVER_HOST = "127.0.0.1"
 SPECULATIVE_ALGORITHM = "EAGLE"
 # SGLang's model-free drafting: an n-gram trie over the server's requests
 NGRAM_ALGORITHM = "NGRAM"
+# SGLang 0.5.23's CPU serving path (rollout.sglang.extra_args; with rollout.sglang.dtype: float32): plain PyTorch
+# attention and sampling, no overlap scheduler. `server_environment` adds the environment it needs.
+CPU_SERVER_ARGS = (
+    "--device",
+    "cpu",
+    "--attention-backend",
+    "torch_native",
+    "--sampling-backend",
+    "pytorch",
+    "--disable-overlap-schedule",
+)
+# what a server on --device cpu needs in its environment: SGLang's CPU platform, and the Python radix tree
+# (the wheel's Rust one is linked against torch 2.14.1, which a CPU environment does not have)
+CPU_SERVER_ENVIRONMENT = {"SGLANG_USE_CPU_ENGINE": "1", "SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND": "python"}
 
 
 class LaunchConfigError(ValueError):
@@ -163,8 +177,22 @@ def api_key_config(api_key: str) -> str:
     return f'api-key: "{api_key}"\n'
 
 
-def server_environment(placement: ServerPlacement, base_environment: Mapping[str, str]) -> dict[str, str]:
-    """The server's environment: the caller's, with only this server's GPUs visible."""
+def serves_on_cpu(extra_args: tuple[str, ...] | list[str]) -> bool:
+    """Whether rollout.sglang.extra_args put the server on SGLang's CPU platform (`--device cpu`)."""
+    arguments = list(extra_args)
+    return "--device=cpu" in arguments or any(
+        flag == "--device" and value == "cpu" for flag, value in zip(arguments, arguments[1:])
+    )
+
+
+def server_environment(
+    placement: ServerPlacement, base_environment: Mapping[str, str], on_cpu: bool = False
+) -> dict[str, str]:
+    """The server's environment: the caller's, with only this server's GPUs visible; on the CPU platform
+    (`serves_on_cpu`), SGLang's CPU settings unless the caller set them."""
     environment = dict(base_environment)
     environment["CUDA_VISIBLE_DEVICES"] = ",".join(str(gpu) for gpu in placement.gpus)
+    if on_cpu:
+        for name, value in CPU_SERVER_ENVIRONMENT.items():
+            environment.setdefault(name, value)
     return environment

@@ -1,7 +1,8 @@
 """Push the actor's and the drafter's new weights into running SGLang servers, and check they landed.
 
 Target (the policy): colocated servers take the actor's CUDA tensors over CUDA IPC
-(`push_tensors(..., role="target")`, SGLang's /update_weights_from_tensor); otherwise the
+(`push_tensors(..., role="target")`, SGLang's /update_weights_from_tensor; CPU tensors go through
+shared memory, SGLang's CPU platform); otherwise the
 trainer writes a checkpoint (`write_checkpoint`) and `push_target_from_disk` has the server reload
 it (/update_weights_from_disk). Drafter: `push_tensors(..., role="draft")` with SGLang's draft
 selector, which only 0.5.21 and later have (`SGLangFeatures.drafter_sync`); older servers keep the
@@ -25,6 +26,7 @@ from __future__ import annotations
 import base64
 import io
 from collections.abc import Iterable, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
@@ -110,17 +112,20 @@ def drafter_tensors(drafter_state: Mapping[str, torch.Tensor]) -> list[tuple[str
     return tensors
 
 
-class _CudaIpcPickler(ForkingPickler):
-    """Pickles CUDA tensors as CUDA IPC handles whose device is named by UUID, as SGLang's loader accepts."""
+class _SharedTensorPickler(ForkingPickler):
+    """Pickles tensors as handles another process on this node opens without a copy through HTTP.
+
+    CUDA tensors become CUDA IPC handles whose device is named by UUID, as SGLang's loader accepts.
+    CPU tensors (SGLang's CPU platform) become shared-memory files named in the pickle (torch's
+    "file_system" sharing: SGLang's unpickler rebuilds them with `rebuild_storage_filename`; the
+    default "file_descriptor" sharing passes descriptors, which cannot travel in a JSON body).
+    """
 
     def reducer_override(self, obj: object):
         if not isinstance(obj, torch.Tensor):
             return NotImplemented
         if not obj.is_cuda:
-            raise WeightSyncError(
-                "update from tensor sends CUDA IPC handles, so the weights must be on a GPU of the server's node; "
-                "set rollout.sglang.colocated: false to sync through a checkpoint on disk."
-            )
+            return reductions.reduce_tensor(obj)
         rebuild, arguments = reductions.reduce_tensor(obj)
         # a UUID names the same GPU in processes with different CUDA_VISIBLE_DEVICES; an index does not
         device_uuid = str(torch.cuda.get_device_properties(arguments[REDUCE_TENSOR_DEVICE_INDEX]).uuid)
@@ -128,13 +133,34 @@ class _CudaIpcPickler(ForkingPickler):
         return rebuild, (*arguments[:index], device_uuid, *arguments[index + 1 :])
 
 
+@contextmanager
+def _file_system_sharing():
+    """torch's "file_system" sharing strategy for the duration of one serialization (restored after)."""
+    previous = torch.multiprocessing.get_sharing_strategy()
+    torch.multiprocessing.set_sharing_strategy("file_system")
+    try:
+        yield
+    finally:
+        torch.multiprocessing.set_sharing_strategy(previous)
+
+
+def shareable(named_tensors: Sequence[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+    """The tensors as they are sent: CUDA tensors as they are, CPU tensors copied (sharing moves a CPU
+    tensor's storage into shared memory, which must not happen to the live policy's parameters)."""
+    return [(name, tensor if tensor.is_cuda else tensor.detach().clone()) for name, tensor in named_tensors]
+
+
 def serialize_for_ranks(named_tensors: Sequence[tuple[str, torch.Tensor]], tp_size: int) -> list[str]:
-    """One base64 pickle of the (name, tensor) list per tensor-parallel rank; each rank opens only its own."""
+    """One base64 pickle of the (name, tensor) list per tensor-parallel rank; each rank opens only its own.
+
+    Keep `named_tensors` referenced until the server has answered: the handles point into their memory.
+    """
     serialized = []
-    for _rank in range(tp_size):
-        buffer = io.BytesIO()
-        _CudaIpcPickler(buffer).dump(list(named_tensors))
-        serialized.append(base64.b64encode(buffer.getvalue()).decode())
+    with _file_system_sharing():
+        for _rank in range(tp_size):
+            buffer = io.BytesIO()
+            _SharedTensorPickler(buffer).dump(list(named_tensors))
+            serialized.append(base64.b64encode(buffer.getvalue()).decode())
     return serialized
 
 
@@ -171,8 +197,10 @@ def push_tensors(
     weight_version: str,
     timeout_s: float = 600.0,
 ) -> None:
-    """Update `role`'s weights in one server from CUDA tensors; keeps them referenced until it answers."""
-    send_tensor_update(endpoint, features, serialize_for_ranks(named_tensors, tp_size), role, weight_version, timeout_s)
+    """Update `role`'s weights in one server from tensors on its node (CUDA IPC, or shared memory for CPU
+    tensors); keeps them referenced until it answers."""
+    sent = shareable(named_tensors)
+    send_tensor_update(endpoint, features, serialize_for_ranks(sent, tp_size), role, weight_version, timeout_s)
 
 
 def send_tensor_update(
