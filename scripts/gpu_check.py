@@ -20,6 +20,9 @@ the tiny tokenizer; its responses rarely end, so they run to --max-new-tokens). 
      every response is token-identical to the engine's with SD off, "tie" when each that differs
      first differs where the target's top two logits tie within float32 rounding (as
      scripts/bench_rollout.py judges), else "NO".
+The engine decodes the Qwen2 targets on its owned forward (tlt_cli/engine/llama_family.py): each target's
+`decode_path` says so, and the untimed first pass of the plain engine runs with a pre-hook on every module of
+the target that counts calls (`transformers_calls_in_owned_decode`, 0 when no transformers module ran).
 Each method runs its first batch once untimed first (kernel selection, caches). Prints a table and
 writes everything as JSON to --out (device, versions, shapes, the drafter's warm-up report, every
 measurement, wall seconds). The device is cuda when available, else cpu (--device to choose).
@@ -28,9 +31,11 @@ measurement, wall seconds). The device is cuda when available, else cpu (--devic
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import time
+from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
 
@@ -205,6 +210,22 @@ def identity(target, prompts, reference, responses) -> str:
     return same_verdict(first_divergences(lambda ids: target(ids.to(target.device)), prompts, reference, responses))
 
 
+@contextlib.contextmanager
+def counted_module_calls(model: torch.nn.Module) -> Iterator[list[int]]:
+    """Within the block, [n]: how many times any module of `model` ran its forward."""
+    calls = [0]
+
+    def count(module, args) -> None:
+        calls[0] += 1
+
+    hooks = [module.register_forward_pre_hook(count) for module in model.modules()]
+    try:
+        yield calls
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
 def check_batch_size(target, tokenizer, drafter, prompts, batch_size: int, args) -> dict:
     """Every method over the pool in batches of `batch_size`: tokens/s, ratios, accept length, identity."""
     methods = {"generate": lambda chunk, size: generate_pass(target, tokenizer, chunk, size, args)}
@@ -214,8 +235,14 @@ def check_batch_size(target, tokenizer, drafter, prompts, batch_size: int, args)
         engine = EmbeddedEngine(target, tokenizer.eos_token_id, tokenizer.pad_token_id, speculative=speculative)
         methods[label] = lambda chunk, size, engine=engine: engine_pass(engine, chunk, size, args)
     measured = {}
+    module_calls = 0
     for name, run in methods.items():
-        run(prompts[:batch_size], batch_size)  # untimed: kernel selection, caches
+        if name == "off":
+            with counted_module_calls(target) as calls:
+                run(prompts[:batch_size], batch_size)  # untimed: kernel selection, caches
+            module_calls = calls[0]
+        else:
+            run(prompts[:batch_size], batch_size)  # untimed: kernel selection, caches
         measured[name] = run(prompts, batch_size)
     plain = measured["off"]
     rows = {}
@@ -235,6 +262,7 @@ def check_batch_size(target, tokenizer, drafter, prompts, batch_size: int, args)
         "batch_size": batch_size,
         "prompts": len(prompts),
         "engine_vs_generate": engine_vs_generate,
+        "transformers_calls_in_owned_decode": module_calls,
         "methods": rows,
     }
 
@@ -255,8 +283,11 @@ def check_target(name: str, target, tokenizer, args, console: Console) -> dict:
         prompts = encode_prompts(tokenizer, task, range(FIRST_CHECK_PROBLEM, FIRST_CHECK_PROBLEM + pool))
         batches.append(check_batch_size(target, tokenizer, drafter, prompts, batch_size, args))
     parameters = sum(parameter.numel() for parameter in target.parameters())
+    decode_path = EmbeddedEngine(target, tokenizer.eos_token_id, tokenizer.pad_token_id).decode_model.describe()
+    console.print(f"{name}: {decode_path}", highlight=False)
     return {
         "config": target.config.to_diff_dict(),
+        "decode_path": decode_path,
         "parameters": parameters,
         "drafter_warmup": warmup,
         "batches": batches,

@@ -27,7 +27,9 @@ def test_gpu_check_on_cpu_at_a_small_shape_writes_speeds_and_identity(tmp_path):
     assert random_target["config"]["hidden_size"] == 64 and random_target["config"]["tie_word_embeddings"]
     for target in results["targets"].values():
         assert target["drafter_warmup"]["steps"] >= 1 and 0.0 <= target["drafter_warmup"]["held_out_accuracy"] <= 1.0
+        assert target["decode_path"].startswith("decode path: owned llama-family")
         assert [batch["batch_size"] for batch in target["batches"]] == [1, 2]
+        assert all(batch["transformers_calls_in_owned_decode"] == 0 for batch in target["batches"])
         for batch in target["batches"]:
             assert set(batch["methods"]) == {"generate", "off", "s2-k1-t3", "s3-k2-t6"}
             assert batch["engine_vs_generate"] > 0

@@ -6,7 +6,9 @@ import torch
 from test_engine import NEVER_EMITTED, greedy, ragged_requests, reference_greedy
 from tiny_models import tiny_gpt2, tiny_llama, tiny_mistral, tiny_qwen2, tiny_qwen3
 
+from tlt_cli.drafter.model import EagleDrafter, causal_attention_mask
 from tlt_cli.engine import decode_model_for
+from tlt_cli.engine.layers import DecoderLayer, rotary_tables
 from tlt_cli.engine.llama_family import PATH_NAME as OWNED
 from tlt_cli.engine.llama_family import LlamaFamilyModel, refusal
 from tlt_cli.engine.transformers_path import PATH_NAME as TRANSFORMERS
@@ -128,3 +130,32 @@ def test_describe_names_the_path():
     assert decode_model_for(tiny_qwen2(VOCAB)).describe().startswith(f"decode path: {OWNED} (float32")
     transformers_line = decode_model_for(tiny_gpt2(VOCAB)).describe()
     assert transformers_line.startswith(f"decode path: {TRANSFORMERS} (model type 'gpt2'")
+
+
+@pytest.mark.parametrize(
+    "build", [OWNED_FAMILIES["qwen2 (q/k/v bias)"], OWNED_FAMILIES["qwen3 (q/k norm, head_dim 16)"]]
+)
+def test_drafter_layer_is_the_owned_layer_code_and_equals_transformers_layer(build):
+    """The drafter's layer (tlt's DecoderLayer, trained with autograd) computes what the target's transformers
+    layer computes with the same weights, and its gradient reaches every parameter."""
+    target = build()
+    drafter = EagleDrafter(target, seed=0)
+    assert isinstance(drafter.decoder_layer, DecoderLayer)
+    reference = type(target.get_decoder().layers[0])(drafter.config, layer_idx=0)
+    reference.input_layernorm = torch.nn.Identity()
+    reference.load_state_dict(drafter.decoder_layer.state_dict(), strict=True)
+    features = torch.randn(2, 5, target.config.hidden_size)
+    positions = torch.arange(3, 8).expand(2, 5)
+    mask = causal_attention_mask(2, 5, 0, features.device)
+    rotary = drafter.rotary_emb
+    expected = reference(
+        features, attention_mask=mask, position_ids=positions, position_embeddings=rotary(features, positions)
+    )
+    tables = rotary_tables(rotary.inv_freq, rotary.attention_scaling, positions, features.dtype)
+    observed = drafter.decoder_layer(features, tables, mask)
+    torch.testing.assert_close(observed, expected)
+    observed.square().sum().backward()
+    assert all(
+        parameter.grad is not None and parameter.grad.abs().sum() > 0
+        for parameter in drafter.decoder_layer.parameters()
+    )

@@ -15,6 +15,11 @@ calls it at the start of every generate call).
 The rollout engine calls `EagleDrafter.forward` while drafting (with a KV cache), the drafter
 trainer calls it on whole sequences, and `save_drafter` / `load_drafter` move it to and from disk.
 
+The decoder layer: for a target the engine's owned forward reproduces (the Llama family,
+tlt_cli/engine/llama_family.py), tlt's own `DecoderLayer` (tlt_cli/engine/layers.py: the same layer
+code the engine decodes with, trained with autograd, under transformers' parameter names, so saved
+drafters and exports are unchanged); for any other target, the target's own transformers layer class.
+
 Shared weights: the target's input embedding, final norm and `lm_head` are held in a plain
 `SharedTargetModules` attribute, which `nn.Module` does not register, so they are referenced (never
 copied), absent from `parameters()` and `state_dict()`, and never moved by `drafter.to(...)`; they
@@ -38,6 +43,8 @@ from torch.func import functional_call
 from transformers import DynamicCache, PretrainedConfig, PreTrainedModel
 
 from tlt_cli.drafter.vocabulary import DraftVocabulary
+from tlt_cli.engine.layers import DecoderLayer, LayerLayout, rms_norm, rotary_tables
+from tlt_cli.engine.llama_family import refusal
 from tlt_cli.errors import UserError
 
 DRAFTER_FORMAT_VERSION = 1
@@ -148,11 +155,17 @@ class EagleDrafter(nn.Module):
             lm_head=target.get_output_embeddings(),
         )
         hidden_size = self.config.hidden_size
-        layer_class = type(base_model.layers[0])
+        target_layer = base_model.layers[0]
+        # the target's layer class names the architecture in saved drafters and exports, whichever code runs it
+        self._architecture = type(target_layer).__name__
+        self.owned_layer = refusal(target) is None
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             self.fc = nn.Linear(2 * hidden_size, hidden_size, bias=False)
-            self.decoder_layer = layer_class(self.config, layer_idx=0)
+            if self.owned_layer:
+                self.decoder_layer = DecoderLayer(self.config, LayerLayout.of(target_layer))
+            else:
+                self.decoder_layer = type(target_layer)(self.config, layer_idx=0)
         # EAGLE: the fc output enters attention un-normalised
         self.decoder_layer.input_layernorm = nn.Identity()
         reference = target.get_input_embeddings().weight
@@ -172,7 +185,8 @@ class EagleDrafter(nn.Module):
 
     @property
     def architecture(self) -> str:
-        return type(self.decoder_layer).__name__
+        """The target's decoder-layer class name (e.g. Qwen2DecoderLayer), as saved drafters record it."""
+        return self._architecture
 
     @property
     def target_vocab_size(self) -> int:
@@ -222,6 +236,14 @@ class EagleDrafter(nn.Module):
         if attention_mask is None:
             past_length = past_key_values.get_seq_length() if past_key_values is not None else 0
             attention_mask = causal_attention_mask(batch_size, query_length, past_length, input_ids.device)
+        if self.owned_layer:
+            # the rotary module's buffers only: no transformers module runs on this path
+            rotary = rotary_tables(
+                self.rotary_emb.inv_freq, self.rotary_emb.attention_scaling, position_ids, features.dtype
+            )
+            layer_output = self.decoder_layer(features, rotary, attention_mask, past_key_values)
+            hidden = rms_norm(layer_output, self.shared.final_norm.weight.detach(), self.config.rms_norm_eps)
+            return DrafterOutput(hidden=hidden, logits=self.draft_logits(hidden))
         position_embeddings = self.rotary_emb(features, position_ids)
         layer_output = self.decoder_layer(
             features,

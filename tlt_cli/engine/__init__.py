@@ -15,11 +15,12 @@ from tlt_cli.engine.transformers_path import TransformersModel
 
 
 def decode_model_for(
-    policy: nn.Module, dtype: torch.dtype = torch.float32, linear_plan: LinearPlan | None = None
+    policy: nn.Module, dtype: torch.dtype | None = None, linear_plan: LinearPlan | None = None
 ) -> DecodeModel:
     """The owned Llama-family forward of `policy` when it reproduces it, else the transformers path.
 
-    dtype: of the owned path's weight copies and cache (float32 is exact against `generate`); linear_plan:
+    dtype: of the owned path's weight copies and cache (None: the policy's; float32 is exact against `generate`);
+    linear_plan:
     the measured product forms per weight shape and row count (None: F.linear everywhere). The transformers
     path keeps the policy's own dtype and modules."""
     reason = refusal(policy)

@@ -124,12 +124,14 @@ class LlamaFamilyModel:
 
     path = PATH_NAME
 
-    def __init__(self, policy: nn.Module, dtype: torch.dtype = torch.float32, linear_plan: LinearPlan | None = None):
+    def __init__(self, policy: nn.Module, dtype: torch.dtype | None = None, linear_plan: LinearPlan | None = None):
         reason = refusal(policy)
         if reason is not None:
             raise ValueError(f"the owned forward does not reproduce this model: {reason}.")
         self.policy = policy
-        self.dtype = dtype
+        # the weights' own dtype unless another is asked for (bfloat16 copies of a float32 policy)
+        self.dtype = dtype if dtype is not None else policy.get_input_embeddings().weight.dtype
+        dtype = self.dtype
         config = policy.config
         self.shape = AttentionShape.of(config)
         self.widths = (
