@@ -1,14 +1,13 @@
 """Per-row slot KV cache and the 4D attention masks that go with it.
 
-`SlotCache` is what the embedded engine hands to a Hugging Face model (and to the drafter) as
-`past_key_values`: row b keeps the key and value of its position t at slot t, so rows of one batch
-hold sequences of different lengths without padding holes. Before each forward the engine says
-where the T new entries of every row go (`prepare`); the model's attention layers call `update`,
-which scatters them there and returns slots [0, kv_length) for attention. What a query may see
-(the row's committed prefix plus the part of the new block its mask allows) is a 4D mask built by
-`block_attention_mask`, which transformers passes through untouched. Rejected speculative entries
-need no rollback: they lie past the row's committed length, are masked out, and are overwritten by
-the next forward. Accepted entries of a draft tree are moved into place with `move_slots`.
+`SlotCache` is the cache of the engine's owned forward (tlt_cli/engine/llama_family.py) and of the
+drafter: row b keeps the key and value of its position t at slot t, so rows of one batch hold
+sequences of different lengths without padding holes. Before each forward the caller says where the
+T new entries of every row go (`prepare`); each attention layer calls `update`, which scatters them
+there and returns slots [0, kv_length) for attention. What a query may see (the row's committed
+prefix plus the part of the new block its mask allows) is a 4D mask built by `block_attention_mask`.
+Rejected speculative entries need no rollback: they lie past the row's committed length, are masked
+out, and are overwritten by the next forward. Accepted entries of a draft tree are moved into place with `move_slots`.
 `keep_rows_of` drops finished rows from a dataclass of per-row state (the engine's running batch,
 the speculative decoder's draft state) and from its caches, field by field, so no list of
 per-row names needs keeping in step with the fields.
