@@ -56,3 +56,13 @@ def test_a_plugin_column_shows_only_when_its_plugin_declares_it():
     record = {**BASE, "drafter_steps": 7.0}
     (line,) = printed_lines([record])
     assert "drafter" not in line
+
+
+def test_a_workers_peak_memory_shows_in_the_live_rows_and_its_highest_in_the_summary(tmp_path):
+    records = [{**BASE, "step": step, "memory_peak_gb": peak} for step, peak in enumerate([1.5, 2.25, 1.75])]
+    lines = printed_lines(records)
+    assert [line.split("peak GB/worker ")[1].split()[0] for line in lines] == ["1.50", "2.25", "1.75"]
+    assert "peak GB/worker" not in printed_lines([BASE])[0]
+    output = io.StringIO()
+    render_summary(Console(file=output, width=200), records, tmp_path)
+    assert "peak resident memory of a worker" in output.getvalue() and "2.25 GB" in output.getvalue()

@@ -83,6 +83,7 @@ def hand_made_trace():
             "rollout_end": 10.0,
             "rollout_seconds": 10.0,
             "step_seconds": 20.0,
+            "memory_peak_gb": 1.75,
         },
     ]
 
@@ -99,7 +100,7 @@ def test_hand_made_trace_gives_the_numbers_computed_by_hand(tmp_path):
     assert profile.workers == 2 and profile.kind == "trace"
     assert step.idle_worker_seconds == pytest.approx(5.0) and profile.idle_fraction == pytest.approx(0.25)
     assert step.under_half_busy_share == 0.0 and step.some_idle_share == pytest.approx(0.5)
-    assert step.tail_seconds == pytest.approx(8.0)
+    assert step.tail_seconds == pytest.approx(8.0) and step.memory_peak_gb == 1.75
     assert profile.lengths.max == 100 and profile.lengths.count == 7
     assert profile.accept_length == pytest.approx(3.0)
     assert [depth.rate for depth in profile.accept_by_depth] == pytest.approx([0.9, 0.7, 0.4])
@@ -283,8 +284,11 @@ def test_cli_prints_tables_and_the_projection_model(tmp_path):
         "reclaimable 2.67 s",
         "model: tail decode",
         "warning: acceptance fell",
+        "peak",
     ):
         assert text in result.output, text
+    # the step's row ends with the highest worker's resident peak
+    assert next(line for line in result.output.splitlines() if "20.00" in line).rstrip(" │|").endswith("1.75")
     assert not (tmp_path / TIMELINE_FILE).exists()
 
 
@@ -297,6 +301,7 @@ def test_cli_json_parses_and_errors_exit_2_with_one_line(tmp_path):
         "tail decode"
     )
     assert [path.rsplit("/", 1)[-1] for path in parsed["pictures"]] == [TIMELINE_FILE, LENGTHS_FILE]
+    assert parsed["steps"][0]["memory_peak_gb"] == 1.75
     (tmp_path / "trace.jsonl").write_text('{"type": "run"}\n{"type": "st')
     failed = runner.invoke(app, ["profile", str(tmp_path)])
     assert failed.exit_code == 2 and "line 2 (the last) is cut short" in failed.output
@@ -325,6 +330,9 @@ def test_a_recipe_records_a_fresh_rollout_of_simulated_workers(tmp_path):
     assert parsed["lengths"]["count"] == 4 * 2 and 1 <= parsed["lengths"]["max"] <= 5
     recorded = tmp_path / "probe-profile"
     assert (recorded / "rollout_trace.jsonl").is_file() and (recorded / TIMELINE_FILE).is_file()
-    assert load_records(recorded / "rollout_trace.jsonl").world_size == 2
+    recorded_records = load_records(recorded / "rollout_trace.jsonl")
+    assert recorded_records.world_size == 2
+    # the recording process's resident peak per step: at least the tiny model and torch
+    assert all(step.memory_peak_gb > 0.05 for step in recorded_records.steps)
     bad = runner.invoke(app, ["profile", str(recipe), "train.nope=1"])
     assert bad.exit_code == 2 and "train.nope" in bad.output

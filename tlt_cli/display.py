@@ -33,8 +33,9 @@ COLUMNS = (
     ("idle worker-s", "idle_worker_seconds", "{:.2f}"),
     ("step s", "step_seconds", "{:.2f}"),
 )
-# shown once a run's records carry them (speculative decoding on), then the plugins' columns
-OPTIONAL_COLUMNS = (("accept len", "accept_length", "{:.2f}"),)
+# shown once a run's records carry them (speculative decoding on; a worker's resident peak, GB), then the
+# plugins' columns
+OPTIONAL_COLUMNS = (("accept len", "accept_length", "{:.2f}"), ("peak GB/worker", "memory_peak_gb", "{:.2f}"))
 
 
 class PhaseProgress:
@@ -167,6 +168,9 @@ def render_summary(
             f"accept length, first {window} -> last {window} SD steps",
             f"{mean_of(accept_lengths[:window]):.2f} -> {mean_of(accept_lengths[-window:]):.2f}",
         )
+    memory_peaks = [r["memory_peak_gb"] for r in records if r.get("memory_peak_gb") is not None]
+    if memory_peaks:
+        table.add_row("peak resident memory of a worker", f"{max(memory_peaks):.2f} GB")
     table.add_row("run directory", Text(str(run_directory)))
     console.print(table)
 

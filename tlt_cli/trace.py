@@ -6,13 +6,16 @@ step_records.py; fields in the README's trace section):
   request    one per generated response: step, worker, request_id, start, end, prompt_tokens,
              tokens, reward, finished_by_eos, and speculative-decoding counters
   worker     one per worker per step: busy_start, busy_end, idle_start, idle_end, idle_seconds,
-             and the numbers plugins added, each under its plugin's prefix (drafter_*, ...)
+             memory_rollout_peak_gb and memory_update_peak_gb (its resident peaks, GB, in the rollout
+             and in the reward, update and weight sync), memory_peak_gb (the highest of any worker
+             in the step), and the numbers plugins added, each under its plugin's prefix (drafter_*, ...)
   sd_config  one per worker per step per SD configuration it decoded in ("off" = plain):
              config, and the decode steps, tokens and seconds spent in it, and per draft
              source (drafter, ngram) its verify passes and accepted tokens
   warning    one per warning shown under the live table (SD collapse, a plugin disabled, an
              SGLang sync): step, worker, message, and details (a failing plugin's traceback)
-  step       one per step: timings (rollout, reward, update, step) and metrics
+  step       one per step: timings (rollout, reward, update, step) and metrics, with
+             memory_peak_gb: the highest worker's resident peak in the step
 `tlt profile` of a recipe writes run, request, worker and step records the same way. Only one
 process writes a trace. A write the disk refuses (full, read-only) is a `TraceWriteError`, one
 sentence naming the trace. `read_trace` is the strict reader used by tools: a line that is not a

@@ -24,7 +24,7 @@ from itertools import groupby
 import numpy
 
 from tlt_cli.profile.records import ProfileRecords, RequestRecord, SdConfigRecord, StepRecord, WorkerRecord
-from tlt_cli.rollout.types import accept_length, source_accept_lengths
+from tlt_cli.speculative.types import accept_length, source_accept_lengths
 
 DEFAULT_TAIL_BATCH = 4
 # per-token speedup of SD in the tail assumed when the input measured none (the order reported for
@@ -71,6 +71,8 @@ class StepProfile:
     # the slowest worker's time with 1..tail_batch requests in flight
     tail_seconds: float
     projected_rollout_seconds: float
+    # the highest worker's resident peak in the step, GB (None where the input does not say)
+    memory_peak_gb: float | None = None
 
 
 @dataclass(frozen=True)
@@ -265,6 +267,7 @@ def _step_profile(
         idle_fraction=idle_worker_seconds / capacity if capacity else 0.0,
         tail_seconds=slowest_tail,
         projected_rollout_seconds=rollout_seconds - (slowest_end - projected_end),
+        memory_peak_gb=step_record.memory_peak_gb,
     )
 
 

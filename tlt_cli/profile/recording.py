@@ -11,7 +11,9 @@ process. The `workers.count` shards of a step are generated one after the other,
 `workers.threads_per_worker` threads, and each shard's times are shifted so that all shards start
 together at the step's start, as parallel workers would. Contention between real worker processes
 is not reproduced, and with no training the policy stays the initial one, so later steps only
-differ by their prompts and samples. Step records carry no step_seconds (rollout only).
+differ by their prompts and samples. Step records carry no step_seconds (rollout only); their
+memory_peak_gb is this process's resident peak in the step (the rollout's, with every shard's
+sequences in one process one after the other).
 """
 
 from __future__ import annotations
@@ -25,14 +27,15 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from tlt_cli.config import Recipe
+from tlt_cli.engine.linear_forms_measure import prepare_linear_forms
+from tlt_cli.engine.sampling import SamplingParams
 from tlt_cli.profile.records import ProfileRecords, read_trace_records
 from tlt_cli.rollout.engine import EmbeddedEngine
-from tlt_cli.rollout.linear_forms_measure import prepare_linear_forms
-from tlt_cli.rollout.types import Completion, RolloutRequest, SamplingParams
+from tlt_cli.rollout.types import Completion, RolloutRequest
 from tlt_cli.tasks.base import Task
 from tlt_cli.tasks.prompts import encode_prompt
 from tlt_cli.trace import TraceWriter
-from tlt_cli.training import setup
+from tlt_cli.training import memory, setup
 from tlt_cli.versions import installed_versions
 
 SIMPLIFICATION = "one process; worker shards generated one after another and re-timed to start together"
@@ -72,7 +75,10 @@ def record_rollout(
         )
         step_start = time.time()
         for step in range(steps):
+            memory.reset_peak_resident()
             records = _record_step(recipe, task, tokenizer, engine, sampling, step, step_start)
+            # this one process generated every shard: its peak stands for a worker's rollout peak
+            records[-1]["memory_peak_gb"] = memory.peak_resident_bytes() / memory.GB
             for record in records:
                 writer.write(record)
             step_start = records[-1]["rollout_end"]

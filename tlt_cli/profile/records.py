@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from tlt_cli.errors import UserError
-from tlt_cli.rollout.types import DRAFT_SOURCES
+from tlt_cli.speculative.types import DRAFT_SOURCES
 from tlt_cli.trace import numbered_records, utf8_text
 
 TRACE_FILE = "trace.jsonl"
@@ -73,6 +73,8 @@ class StepRecord:
     rollout_start: float
     rollout_end: float
     step_seconds: float | None = None
+    # the highest worker's resident peak in the step, GB (traces before issue 29: None)
+    memory_peak_gb: float | None = None
 
 
 @dataclass(frozen=True)
@@ -271,6 +273,7 @@ def _step(record: dict[str, Any], where: str) -> StepRecord:
         rollout_start=_number(record, "rollout_start", float, where),
         rollout_end=_number(record, "rollout_end", float, where),
         step_seconds=_number(record, "step_seconds", float, where, default=None),
+        memory_peak_gb=_number(record, "memory_peak_gb", float, where, default=None),
     )
 
 

@@ -92,6 +92,7 @@ def _steps_table(profile: Profile) -> Table:
         "some idle %",
         "slowest's tail s",
         "projected rollout s",
+        "peak GB/worker",
     )
     for column in columns:
         table.add_column(column, justify="right")
@@ -111,6 +112,9 @@ def _steps_table(profile: Profile) -> Table:
         f"{100 * profile.some_idle_share:.0f}",
         f"{sum(step.tail_seconds for step in profile.steps):.2f}",
         f"{sum(step.projected_rollout_seconds for step in profile.steps):.2f}",
+        _gigabytes(
+            max((step.memory_peak_gb for step in profile.steps if step.memory_peak_gb is not None), default=None)
+        ),
         style="bold",
     )
     return table
@@ -128,7 +132,12 @@ def _step_cells(step: StepProfile) -> list[str]:
         f"{100 * step.some_idle_share:.0f}",
         f"{step.tail_seconds:.2f}",
         f"{step.projected_rollout_seconds:.2f}",
+        _gigabytes(step.memory_peak_gb),
     ]
+
+
+def _gigabytes(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
 
 
 def _idle_summary(profile: Profile) -> str:

@@ -6,6 +6,7 @@ starting drafter's preparation (setup.py), so the process plumbing imports no tr
   native  tlt's own GRPO worker loop (worker_loop.py)
   trl     Hugging Face TRL's GRPOTrainer with tlt's rollout (tlt_cli/integrations/trl_run.py),
           imported only when a TRL run starts (the native path never loads TRL)
+Before either starts, `check_memory` (memory.py) refuses a run whose workers would not fit in memory.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from tlt_cli.config import Recipe, Trainer
 from tlt_cli.processes.driver import RunSummary, TrainerEntry
 from tlt_cli.processes.driver import train as run_driver
 from tlt_cli.processes.messages import WorkerSpec
+from tlt_cli.training.memory import check_memory
 from tlt_cli.training.setup import prepare_drafter
 from tlt_cli.training.worker_loop import worker_main
 
@@ -37,5 +39,9 @@ TRAINERS: dict[Trainer, TrainerEntry] = {
 
 
 def train(recipe: Recipe, console: Console, resume_directory: Path | None = None, keep_log: bool = False) -> RunSummary:
-    """Run the recipe's trainer (a new run, or `resume_directory` resumed); see tlt_cli/processes/driver.py."""
+    """Run the recipe's trainer (a new run, or `resume_directory` resumed); see tlt_cli/processes/driver.py.
+
+    First, a RecipeError when this machine's memory cannot hold the workers' estimated peak (memory.py).
+    """
+    check_memory(recipe)
     return run_driver(recipe, TRAINERS[recipe.train.trainer], console, resume_directory, keep_log)

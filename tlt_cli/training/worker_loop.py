@@ -6,8 +6,9 @@ DeepSpeed launcher started. Its parts (policy, task, drafter, rollout backend, s
 the recipe through setup.py. Each step reads as the dataflow: rollout the shard -> wait for the
 others (idle) -> reward -> advantages -> log-probs -> actor update -> rollout backend brought up
 to date -> report to the driver -> checkpoint when due. Every rank sends its `WorkerStepReport`
-(tlt_cli/processes/messages.py) to the driver with `events.put` (a multiprocessing queue, or the
-TCP channel of tlt_cli/processes/event_channel.py); the driver writes the trace. The rollout goes
+(tlt_cli/processes/messages.py), with its resident peaks in the step's rollout and update
+(training/memory.py), to the driver with `events.put` (a multiprocessing queue, or the TCP channel
+of tlt_cli/processes/event_channel.py); the driver writes the trace. The rollout goes
 through the RolloutBackend (tlt_cli/rollout/backend.py) `rollout.backend` names: the embedded
 engine sharing the actor's weights, or the SGLang servers this rank owns, which it starts before
 its first step and stops however it ends.
@@ -34,7 +35,7 @@ from tlt_cli.rollout.types import Completion, RolloutRequest
 from tlt_cli.tasks.base import Problem
 from tlt_cli.tasks.prompts import encode_prompt
 from tlt_cli.trace import request_record
-from tlt_cli.training import setup
+from tlt_cli.training import memory, setup
 from tlt_cli.training.actor import Actor
 from tlt_cli.training.grpo import group_advantages
 from tlt_cli.training.policy_batch import build_policy_batch
@@ -49,6 +50,18 @@ class StepShard:
 
     problems: list[Problem]
     requests: list[RolloutRequest] = field(default_factory=list)
+
+
+def step_memory_metrics(rollout_peak: int, update_peak: int) -> dict[str, float]:
+    """This rank's resident peaks (GB) in the step's rollout and update (reward, update, weight sync), and the
+    highest of any rank (one all_gather_object), so the step record's mean over ranks is that highest."""
+    peaks: list[int | None] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(peaks, max(rollout_peak, update_peak))
+    return {
+        "memory_rollout_peak_gb": rollout_peak / memory.GB,
+        "memory_update_peak_gb": update_peak / memory.GB,
+        "memory_peak_gb": max(peak or 0 for peak in peaks) / memory.GB,
+    }
 
 
 def worker_main(spec: WorkerSpec, events: Any) -> None:
@@ -139,6 +152,7 @@ class WorkerLoop:
         self.progress(step, "waiting for every worker to start the step", waiting=True)
         torch.distributed.barrier()
         rollout_start = time.time()
+        memory.reset_peak_resident()
         self.progress(step, "in the rollout")
         self.plugins.call("on_rollout_start", context)
         shard = self.shard(step)
@@ -147,6 +161,8 @@ class WorkerLoop:
         self.progress(step, "waiting at the rollout barrier", waiting=True)
         self.barrier.wait(step, while_idle=self._hook("on_worker_idle", context))
         idle_end = time.time()
+        rollout_peak = memory.peak_resident_bytes()
+        memory.reset_peak_resident()
         self.progress(step, "in the reward and update")
         self.plugins.call("on_rollout_end", context)
         rewards = self.score(shard, completions)
@@ -156,6 +172,7 @@ class WorkerLoop:
             self.rollout_backend.after_update(f"step-{step + 1}", context.drafter_version, self.probe_prompts(shard))
         )
         self.plugins.call("on_weights_updated", context)
+        context.metrics.update(step_memory_metrics(rollout_peak, memory.peak_resident_bytes()))
         return WorkerStepReport(
             step=step,
             worker=self.rank,

@@ -1,0 +1,66 @@
+"""A worker's memory (tlt_cli/training/memory.py): the /proc readings, and `tlt train` refusing a run
+whose estimated peak this machine cannot hold."""
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from tlt_cli.cli import app
+from tlt_cli.config import RecipeError, load_recipe
+from tlt_cli.recipes import resolve_recipe_path
+from tlt_cli.training import memory
+
+runner = CliRunner()
+MEGABYTE = 1e6
+
+
+def test_the_peak_rises_with_an_allocation_and_a_reset_starts_it_again():
+    if not memory.reset_peak_resident():
+        pytest.skip("this kernel does not let a process reset its resident high-water mark")
+    before = memory.resident_bytes()
+    block = torch.ones(50_000_000, dtype=torch.float32)  # 200 MB, touched
+    del block
+    assert memory.peak_resident_bytes() >= before + 180 * MEGABYTE
+    assert memory.reset_peak_resident()
+    assert memory.peak_resident_bytes() < before + 100 * MEGABYTE
+    assert memory.available_bytes() > 0
+
+
+def test_the_estimate_grows_with_prompts_and_tokens_and_splits_adam_over_zero_workers():
+    recipe = load_recipe(resolve_recipe_path("tiny-cpu"))
+    shape = memory.model_shape(recipe)
+    assert shape.parameters > 1_000_000 and shape.layers > 0
+
+    def estimate(*overrides):
+        return memory.worker_peak_estimate(load_recipe(resolve_recipe_path("tiny-cpu"), list(overrides)), shape, 50)
+
+    base = estimate()
+    longer, more = estimate("rollout.max_new_tokens=1280"), estimate("train.prompts_per_step=64")
+    assert longer.update > base.update and longer.rollout > base.rollout and more.rollout > base.rollout
+    # ZeRO 2 over 2 workers: each holds half the AdamW moments, master copy and gradients
+    unsplit = estimate("actor.zero_stage=0")
+    assert unsplit.training_state == shape.parameters * 4 * 3
+    assert base.training_state == shape.parameters * 4 * 4 // 2
+
+
+def test_a_run_fits_exactly_when_its_workers_estimate_is_at_most_what_is_available(monkeypatch):
+    recipe = load_recipe(resolve_recipe_path("tiny-cpu"))
+    needed = memory.worker_peak_estimate(
+        recipe, memory.model_shape(recipe), memory.longest_prompt_tokens(recipe)
+    ).total_bytes
+    monkeypatch.setattr(memory, "available_bytes", lambda: needed * recipe.workers.count)
+    memory.check_memory(recipe)
+    monkeypatch.setattr(memory, "available_bytes", lambda: needed * recipe.workers.count - 1)
+    with pytest.raises(RecipeError, match="workers.count, train.prompts_per_step or rollout.max_new_tokens"):
+        memory.check_memory(recipe)
+
+
+def test_tlt_train_refuses_a_recipe_that_cannot_fit_in_one_sentence_with_exit_2(tmp_path):
+    result = runner.invoke(
+        app, ["train", "tiny-cpu", "train.prompts_per_step=2000000", f"run.output_dir={tmp_path}", "run.name=huge"]
+    )
+    assert result.exit_code == 2, result.output
+    (line,) = [line for line in result.output.strip().splitlines() if line]
+    assert "2 workers would need about" in line and "GB available" in line
+    assert "lower workers.count, train.prompts_per_step or rollout.max_new_tokens" in line
+    assert not (tmp_path / "huge").exists()

@@ -1,0 +1,211 @@
+"""A worker's memory: its resident set read from /proc, and its peak estimated before a run starts.
+
+Measured (Linux /proc, no psutil): `resident_bytes` (VmRSS), `peak_resident_bytes` (VmHWM, the
+high-water mark since the process started or since `reset_peak_resident`, which writes 5 to
+/proc/self/clear_refs), `available_bytes` (MemAvailable). The worker loop resets the mark at each
+step's start and reports the step's peak (`memory_peak_gb` in the trace's worker records).
+
+Estimated: `worker_peak_estimate(recipe, parameter_count)` adds up what one native worker holds at
+its peak: the runtime (Python, torch, transformers, DeepSpeed), the policy's weights (and a
+reference copy with a KL term), gradients and AdamW state as the ZeRO stage splits them over the
+workers, the rollout's KV cache, and the update's saved activations and the log-prob chunk. The
+constants are per-token costs measured on SmolLM2-135M (BENCHMARKS.md "Memory per worker") and
+scale with the model's shape. `check_memory(recipe)` (tlt_cli/training/trainers.py, before anything
+starts) refuses a run whose workers on this machine would not fit in MemAvailable.
+"""
+
+from __future__ import annotations
+
+import resource
+from dataclasses import dataclass
+from pathlib import Path
+
+from tlt_cli.config import CPU_DEVICES, Recipe, RecipeError, Trainer
+from tlt_cli.training.logprobs import CHUNK_TOKENS
+
+GB = 1e9
+FLOAT32_BYTES = 4
+# Python, torch, transformers, DeepSpeed and gloo imported and initialised, before the model (measured)
+RUNTIME_BYTES = 0.55e9
+# AdamW keeps two float32 moments per parameter; ZeRO 1-2 also keep a float32 master copy of their part
+ADAM_MOMENTS = 2
+# float32 values the decoder saves for backward per token and layer, in units of (hidden, intermediate)
+# sizes: norms, q/k/v/o, attention output, residuals; gate, up, activation and product (measured)
+SAVED_PER_HIDDEN = 12
+SAVED_PER_INTERMEDIATE = 5
+# [chunk, V] float32 buffers alive at once in the chunked log-prob backward (logits, their gradient)
+LOGPROB_BUFFERS = 2
+PROC_STATUS = Path("/proc/self/status")
+PROC_MEMINFO = Path("/proc/meminfo")
+PROC_CLEAR_REFS = Path("/proc/self/clear_refs")
+
+
+def resident_bytes() -> int:
+    """This process's resident set now (VmRSS)."""
+    return _status_bytes("VmRSS") or 0
+
+
+def peak_resident_bytes() -> int:
+    """This process's resident high-water mark (VmHWM; getrusage's ru_maxrss where /proc is missing)."""
+    peak = _status_bytes("VmHWM")
+    if peak is None:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return peak
+
+
+def reset_peak_resident() -> bool:
+    """Start a new high-water mark at the current resident set; False where the kernel does not allow it."""
+    try:
+        PROC_CLEAR_REFS.write_text("5")
+    except OSError:
+        return False
+    return True
+
+
+def available_bytes() -> int | None:
+    """What the kernel can give without swapping (MemAvailable), or None where /proc/meminfo is missing."""
+    try:
+        lines = PROC_MEMINFO.read_text().splitlines()
+    except OSError:
+        return None
+    return _field_bytes(lines, "MemAvailable")
+
+
+def _status_bytes(name: str) -> int | None:
+    try:
+        return _field_bytes(PROC_STATUS.read_text().splitlines(), name)
+    except OSError:
+        return None
+
+
+def _field_bytes(lines: list[str], name: str) -> int | None:
+    """A '<name>:   1234 kB' line's value in bytes."""
+    for line in lines:
+        key, _, value = line.partition(":")
+        if key == name:
+            return int(value.split()[0]) * 1024
+    return None
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the estimate needs of a model: its parameter count and the shapes its activations take."""
+
+    parameters: int
+    layers: int
+    hidden: int
+    intermediate: int
+    key_value_width: int
+    vocab_size: int
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """One worker's resident peak, by part, in bytes; the rollout and the update do not overlap."""
+
+    runtime: int
+    weights: int
+    training_state: int
+    rollout: int
+    update: int
+
+    @property
+    def total_bytes(self) -> int:
+        return self.runtime + self.weights + self.training_state + max(self.rollout, self.update)
+
+    def describe(self) -> str:
+        parts = (
+            f"runtime {self.runtime / GB:.1f}, weights {self.weights / GB:.1f}, gradients and optimizer "
+            f"{self.training_state / GB:.1f}, rollout KV cache {self.rollout / GB:.1f}, update activations "
+            f"{self.update / GB:.1f}"
+        )
+        return f"{self.total_bytes / GB:.1f} GB ({parts})"
+
+
+def model_shape(recipe: Recipe) -> ModelShape:
+    """The recipe's model shape from its config, the parameters counted on the meta device (no weights read)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tlt_cli.models.loading import load_config_and_tokenizer
+
+    config, _ = load_config_and_tokenizer(recipe.model.path, trust_remote_code=recipe.model.trust_remote_code)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, trust_remote_code=recipe.model.trust_remote_code)
+    parameters = sum(parameter.numel() for parameter in model.parameters())
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return ModelShape(
+        parameters=parameters,
+        layers=config.num_hidden_layers,
+        hidden=config.hidden_size,
+        intermediate=config.intermediate_size,
+        key_value_width=getattr(config, "num_key_value_heads", heads) * head_dim,
+        vocab_size=config.vocab_size,
+    )
+
+
+def worker_peak_estimate(recipe: Recipe, shape: ModelShape, prompt_tokens: int) -> MemoryEstimate:
+    """One native worker's peak resident bytes for `recipe` on a model of `shape` (module docstring)."""
+    workers = recipe.workers.count
+    value_bytes = 2 if recipe.actor.precision == "bf16" else FLOAT32_BYTES
+    copies = 2 if recipe.actor.kl_coef > 0 else 1
+    parameters = shape.parameters
+    # ZeRO 1 splits the AdamW state (and its float32 master copy) over the workers, ZeRO 2 the gradients too
+    zero = recipe.actor.zero_stage
+    optimizer = parameters * FLOAT32_BYTES * (ADAM_MOMENTS + (1 if zero >= 1 else 0)) // (workers if zero >= 1 else 1)
+    gradients = parameters * FLOAT32_BYTES // (workers if zero >= 2 else 1)
+    sequence_tokens = prompt_tokens + recipe.rollout.max_new_tokens
+    samples = recipe.train.prompts_per_step // workers * recipe.train.group_size
+    # keys and values of every layer for every sample, prompt and response
+    rollout = samples * sequence_tokens * shape.layers * 2 * shape.key_value_width * value_bytes
+    micro_batch_tokens = min(recipe.actor.micro_batch_size, samples) * sequence_tokens
+    saved_per_token = shape.layers * (SAVED_PER_HIDDEN * shape.hidden + SAVED_PER_INTERMEDIATE * shape.intermediate)
+    logprob_chunk = LOGPROB_BUFFERS * CHUNK_TOKENS * shape.vocab_size * FLOAT32_BYTES
+    update = micro_batch_tokens * saved_per_token * value_bytes + logprob_chunk
+    return MemoryEstimate(
+        runtime=int(RUNTIME_BYTES),
+        weights=parameters * value_bytes * copies,
+        training_state=optimizer + gradients,
+        rollout=rollout,
+        update=update,
+    )
+
+
+def check_memory(recipe: Recipe) -> None:
+    """RecipeError, one sentence naming what to change, when this machine's workers would not fit in MemAvailable.
+
+    Only for CPU actors of the native trainer spawned on this machine (a hostfile's ranks run on
+    other nodes; GPU workers hold the model in GPU memory; TRL computes its own loss).
+    """
+    if (
+        recipe.actor.devices != CPU_DEVICES
+        or recipe.workers.hostfile is not None
+        or recipe.train.trainer != Trainer.native
+    ):
+        return
+    available = available_bytes()
+    if available is None:
+        return
+    estimate = worker_peak_estimate(recipe, model_shape(recipe), longest_prompt_tokens(recipe))
+    needed = estimate.total_bytes * recipe.workers.count
+    if needed <= available:
+        return
+    raise RecipeError(
+        f"{recipe.workers.count} workers would need about {needed / GB:.1f} GB at their peak but this machine has "
+        f"{available / GB:.1f} GB available (each worker: {estimate.describe()}); lower workers.count, "
+        f"train.prompts_per_step or rollout.max_new_tokens, or free memory."
+    )
+
+
+def longest_prompt_tokens(recipe: Recipe) -> int:
+    """The longest prompt, in tokens, of the run's first step (the task's prompts through its template)."""
+    from tlt_cli.models.loading import load_config_and_tokenizer
+    from tlt_cli.tasks.prompts import encode_prompt
+    from tlt_cli.tasks.registry import build_task
+
+    _, tokenizer = load_config_and_tokenizer(recipe.model.path, trust_remote_code=recipe.model.trust_remote_code)
+    task = build_task(recipe.task.name, recipe.run.seed, dict(recipe.task.options))
+    return max(
+        len(encode_prompt(tokenizer, task.problem(index).prompt)) for index in range(recipe.train.prompts_per_step)
+    )
