@@ -19,11 +19,12 @@ import argparse
 import torch
 
 from tlt_cli.config import ActorConfig
+from tlt_cli.engine.sampling import SamplingParams
 from tlt_cli.models.loading import load_policy
 from tlt_cli.models.tiny import default_cache_dir
 from tlt_cli.processes.distributed import WorkerAddress, free_port, init_worker_process
 from tlt_cli.rollout.engine import EmbeddedEngine
-from tlt_cli.rollout.types import RolloutRequest, SamplingParams
+from tlt_cli.rollout.types import RolloutRequest
 from tlt_cli.tasks.arithmetic import ArithmeticTask
 from tlt_cli.tasks.prompts import encode_prompt
 from tlt_cli.training.actor import Actor

@@ -34,10 +34,11 @@ from tlt_cli.calibration.calibrate import load_model_pair
 from tlt_cli.calibration.measure import bucket_totals, time_shard
 from tlt_cli.calibration.settings import DEFAULT_CONFIGS
 from tlt_cli.config import load_recipe
+from tlt_cli.engine.sampling import SamplingParams
 from tlt_cli.recipes import resolve_recipe_path
-from tlt_cli.rollout.adaptive import OFF, build_rules, parse_label, speculative_decoder
-from tlt_cli.rollout.speculative import SpeculativeDecoder
-from tlt_cli.rollout.types import RolloutRequest, SamplingParams
+from tlt_cli.rollout.types import RolloutRequest
+from tlt_cli.speculative.adaptive import OFF, build_rules, parse_label, speculative_decoder
+from tlt_cli.speculative.decoder import SpeculativeDecoder
 from tlt_cli.tasks.prompts import encode_prompt
 from tlt_cli.tasks.registry import build_task
 

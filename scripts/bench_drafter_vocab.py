@@ -35,15 +35,12 @@ from tlt_cli.drafter.warmup import (
     encode_prompts,
     train_warmup_drafter,
 )
+from tlt_cli.engine.sampling import SamplingParams
 from tlt_cli.models.loading import load_policy
 from tlt_cli.rollout.engine import EmbeddedEngine
-from tlt_cli.rollout.speculative import SpeculativeDecoder
-from tlt_cli.rollout.types import (
-    Completion,
-    RolloutRequest,
-    SamplingParams,
-    SpeculativeConfig,
-)
+from tlt_cli.rollout.types import Completion, RolloutRequest
+from tlt_cli.speculative.decoder import SpeculativeDecoder
+from tlt_cli.speculative.types import SpeculativeConfig
 from tlt_cli.tasks.registry import build_task
 
 

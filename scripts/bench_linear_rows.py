@@ -4,7 +4,7 @@
 
 A plain decode step at batch 1 multiplies one row through every weight matrix; a verify pass of k draft
 tokens multiplies k+1 rows. What that costs depends on the form of the product
-(tlt_cli/rollout/linear_forms.py: `F.linear`, `x @ W_t` with a contiguous transposed copy, weight-major
+(tlt_cli/engine/linear_forms.py: `F.linear`, `x @ W_t` with a contiguous transposed copy, weight-major
 `(W @ x.T).T`) and on where the weight comes from: in a model larger than the cache each weight streams
 from memory at every step, so this times, for the shapes of SmolLM2-135M (random weights), enough
 distinct copies of each shape to exceed the cache (--stream-mb per shape), all shapes interleaved as in
@@ -26,8 +26,8 @@ from rich.console import Console
 from rich.table import Table
 from torch import nn
 
-from tlt_cli.rollout.linear_forms import FORM_NAMES, shape_key
-from tlt_cli.rollout.linear_forms_measure import MARGIN, measure_plan, processor_name
+from tlt_cli.engine.linear_forms import FORM_NAMES, shape_key
+from tlt_cli.engine.linear_forms_measure import MARGIN, measure_plan, processor_name
 
 # (name, out_features, in_features) of SmolLM2-135M's linear layers
 SHAPES = (

@@ -27,9 +27,9 @@ the same sampled target responses and for the same number of steps as the drafte
 time goes (target forwards, drafter or assistant forwards, the rest; CPU seconds) is measured with forward
 hooks.
 With --linear-forms on,off every engine method also runs as "<method>+forms": its linear layers in the forms
-measured fastest on this machine for each pass's rows (tlt_cli/rollout/linear_forms.py; plan cached under
+measured fastest on this machine for each pass's rows (tlt_cli/engine/linear_forms.py; plan cached under
 --cache-dir), checked token-identical to SD off like the rest.
---configs also takes any SD configuration label (tlt_cli/rollout/adaptive.py parse_label): model-free
+--configs also takes any SD configuration label (tlt_cli/speculative/adaptive.py parse_label): model-free
 `ngram4` (n-gram proposals from the prompt and the sibling responses, no drafter pass), hybrid
 `s2-k1-t3+ngram4` and one source per row `'s2-k1-t3|ngram4'` (quote the |). With --group-size G each
 prompt is generated G times in one batch, as GRPO's group (use a batch size that is a multiple of G and
@@ -56,13 +56,15 @@ from rich.table import Table
 
 from tlt_cli.drafter.model import load_drafter, save_drafter
 from tlt_cli.drafter.warmup import encode_prompts, generate_responses, warm_up_drafter
+from tlt_cli.engine.linear_forms_measure import prepare_linear_forms
+from tlt_cli.engine.sampling import SamplingParams
 from tlt_cli.models.loading import load_policy, model_fingerprint
 from tlt_cli.models.tiny import BUILTIN_TINY_MODEL, IGNORED_LABEL, pad_supervised_batch
-from tlt_cli.rollout.adaptive import RuleTableError, parse_label
 from tlt_cli.rollout.engine import EmbeddedEngine
-from tlt_cli.rollout.linear_forms_measure import prepare_linear_forms
-from tlt_cli.rollout.speculative import SpeculativeDecoder
-from tlt_cli.rollout.types import RolloutRequest, SamplingParams, SpeculativeConfig
+from tlt_cli.rollout.types import RolloutRequest
+from tlt_cli.speculative.adaptive import RuleTableError, parse_label
+from tlt_cli.speculative.decoder import SpeculativeDecoder
+from tlt_cli.speculative.types import SpeculativeConfig
 from tlt_cli.tasks.arithmetic import ArithmeticTask
 from tlt_cli.tasks.prompts import encode_prompt
 from tlt_cli.tasks.registry import TASKS, TaskOptionError, build_task, check_options

@@ -55,12 +55,13 @@ from tlt_cli.drafter.warmup import (
     length_buckets,
     train_warmup_drafter,
 )
+from tlt_cli.engine.sampling import SamplingParams
 from tlt_cli.models.loading import load_policy
 from tlt_cli.models.tiny import BUILTIN_TINY_MODEL, tiny_tokenizer
-from tlt_cli.rollout.adaptive import parse_label
 from tlt_cli.rollout.engine import EmbeddedEngine
-from tlt_cli.rollout.speculative import SpeculativeDecoder
-from tlt_cli.rollout.types import RolloutRequest, SamplingParams
+from tlt_cli.rollout.types import RolloutRequest
+from tlt_cli.speculative.adaptive import parse_label
+from tlt_cli.speculative.decoder import SpeculativeDecoder
 from tlt_cli.tasks.arithmetic import ArithmeticTask
 
 # Qwen2 shapes of the random target: Qwen2.5-0.5B's, and a small one for a CPU check

@@ -32,9 +32,10 @@ from torch.profiler import ProfilerActivity, profile
 
 from tlt_cli.config import load_recipe
 from tlt_cli.drafter.warmup import encode_prompts
+from tlt_cli.engine.linear_forms_measure import prepare_linear_forms
+from tlt_cli.engine.sampling import SamplingParams
 from tlt_cli.rollout.engine import EmbeddedEngine
-from tlt_cli.rollout.linear_forms_measure import prepare_linear_forms
-from tlt_cli.rollout.types import RolloutRequest, SamplingParams
+from tlt_cli.rollout.types import RolloutRequest
 from tlt_cli.training import setup
 
 NEVER_EMITTED = -1  # an end-of-sequence id no token has: every response runs to max_new_tokens

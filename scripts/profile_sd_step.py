@@ -25,12 +25,13 @@ import torch
 
 from tlt_cli.drafter.model import load_drafter
 from tlt_cli.drafter.warmup import encode_prompts
+from tlt_cli.engine.linear_forms_measure import prepare_linear_forms
+from tlt_cli.engine.sampling import SamplingParams
 from tlt_cli.models.loading import load_policy
-from tlt_cli.rollout.adaptive import parse_label
 from tlt_cli.rollout.engine import EmbeddedEngine
-from tlt_cli.rollout.linear_forms_measure import prepare_linear_forms
-from tlt_cli.rollout.speculative import SpeculativeDecoder
-from tlt_cli.rollout.types import RolloutRequest, SamplingParams
+from tlt_cli.rollout.types import RolloutRequest
+from tlt_cli.speculative.adaptive import parse_label
+from tlt_cli.speculative.decoder import SpeculativeDecoder
 from tlt_cli.tasks.registry import build_task
 
 CACHE = Path.home() / ".cache" / "tlt"

@@ -6,7 +6,9 @@ from test_speculative import TargetAsDrafter, requests_for, tiny_target
 
 from tlt_cli.config import RecipeError
 from tlt_cli.drafter.model import EagleDrafter
-from tlt_cli.rollout.adaptive import (
+from tlt_cli.engine.sampling import SamplingParams
+from tlt_cli.rollout.engine import EmbeddedEngine
+from tlt_cli.speculative.adaptive import (
     COLLAPSE_MIN_STEPS,
     AdaptiveSchedule,
     AdaptiveSpeculativeDecoder,
@@ -14,8 +16,7 @@ from tlt_cli.rollout.adaptive import (
     build_rules,
     parse_label,
 )
-from tlt_cli.rollout.engine import EmbeddedEngine
-from tlt_cli.rollout.types import SamplingParams, SpeculativeConfig
+from tlt_cli.speculative.types import SpeculativeConfig
 
 TABLE = [
     {"batch": [9, None], "use": "off"},

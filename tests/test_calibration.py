@@ -30,6 +30,8 @@ from tlt_cli.calibration.rules import (
 from tlt_cli.cli import app
 from tlt_cli.config import load_recipe, recipe_from_config
 from tlt_cli.drafter.model import EagleDrafter, save_drafter
+from tlt_cli.engine.linear_forms import linear_layers, shape_key
+from tlt_cli.engine.sampling import SamplingParams
 from tlt_cli.models.tiny import (
     build_tiny_model,
     save_model_folder,
@@ -38,11 +40,11 @@ from tlt_cli.models.tiny import (
 )
 from tlt_cli.recipe_checks import load_checked_recipe
 from tlt_cli.recipes import RECIPES_DIRECTORY
-from tlt_cli.rollout.adaptive import build_rules
 from tlt_cli.rollout.engine import EmbeddedEngine
-from tlt_cli.rollout.linear_forms import linear_layers, shape_key
-from tlt_cli.rollout.speculative import SpeculativeDecoder
-from tlt_cli.rollout.types import DecodeStep, RolloutRequest, SamplingParams, SpeculativeConfig
+from tlt_cli.rollout.types import RolloutRequest
+from tlt_cli.speculative.adaptive import build_rules
+from tlt_cli.speculative.decoder import SpeculativeDecoder
+from tlt_cli.speculative.types import DecodeStep, SpeculativeConfig
 
 torch.set_num_threads(1)
 runner = CliRunner()

@@ -39,8 +39,8 @@ from tlt_cli.drafter.warmup import (
     sample_completions,
     warm_up_drafter,
 )
+from tlt_cli.engine.sampling import SamplingParams
 from tlt_cli.models.tiny import build_tiny_model, tiny_model_config, tiny_tokenizer
-from tlt_cli.rollout.types import SamplingParams
 from tlt_cli.sglang.drafter_format import save_token_map
 from tlt_cli.tasks.arithmetic import ArithmeticTask
 

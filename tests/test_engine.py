@@ -5,9 +5,10 @@ import torch
 from tiny_models import tiny_llama, tiny_qwen2
 from transformers import LlamaForCausalLM, Qwen2ForCausalLM
 
+from tlt_cli.engine.kv_cache import SlotCache
+from tlt_cli.engine.sampling import SamplingParams
 from tlt_cli.rollout.engine import EmbeddedEngine
-from tlt_cli.rollout.kv_cache import SlotCache
-from tlt_cli.rollout.types import RolloutRequest, SamplingParams
+from tlt_cli.rollout.types import RolloutRequest
 
 torch.set_num_threads(1)
 

@@ -22,9 +22,9 @@ from tlt_cli.processes.hostfile import deepspeed_launch_command
 from tlt_cli.processes.machine_checks import check_machine
 from tlt_cli.recipe_checks import load_checked_recipe
 from tlt_cli.recipes import RECIPES_DIRECTORY
-from tlt_cli.rollout.types import SpeculativeConfig
 from tlt_cli.sglang.adaptive import BatchRule, batch_rules
 from tlt_cli.sglang.rollout import servers_of_worker
+from tlt_cli.speculative.types import SpeculativeConfig
 from tlt_cli.training.actor import deepspeed_config
 
 runner = CliRunner()

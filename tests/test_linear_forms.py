@@ -15,13 +15,8 @@ from torch import nn
 
 from tlt_cli.config import RecipeError
 from tlt_cli.drafter.model import EagleDrafter
-from tlt_cli.errors import UserError
-from tlt_cli.recipe_checks import load_checked_recipe
-from tlt_cli.recipes import RECIPES_DIRECTORY
-from tlt_cli.rollout import linear_forms_measure
-from tlt_cli.rollout.embedded import EmbeddedRollout
-from tlt_cli.rollout.engine import EmbeddedEngine
-from tlt_cli.rollout.linear_forms import (
+from tlt_cli.engine import linear_forms_measure
+from tlt_cli.engine.linear_forms import (
     LINEAR,
     TRANSPOSED,
     WEIGHT_MAJOR,
@@ -30,9 +25,16 @@ from tlt_cli.rollout.linear_forms import (
     linear_layers,
     shape_key,
 )
-from tlt_cli.rollout.linear_forms_measure import cached_plan, measure_plan, plan_key, plan_path
-from tlt_cli.rollout.speculative import SpeculativeDecoder
-from tlt_cli.rollout.types import RolloutRequest, SamplingParams, SpeculativeConfig
+from tlt_cli.engine.linear_forms_measure import cached_plan, measure_plan, plan_key, plan_path
+from tlt_cli.engine.sampling import SamplingParams
+from tlt_cli.errors import UserError
+from tlt_cli.recipe_checks import load_checked_recipe
+from tlt_cli.recipes import RECIPES_DIRECTORY
+from tlt_cli.rollout.embedded import EmbeddedRollout
+from tlt_cli.rollout.engine import EmbeddedEngine
+from tlt_cli.rollout.types import RolloutRequest
+from tlt_cli.speculative.decoder import SpeculativeDecoder
+from tlt_cli.speculative.types import SpeculativeConfig
 
 torch.set_num_threads(1)
 

@@ -18,24 +18,26 @@ from typer.testing import CliRunner
 from tlt_cli.cli import app
 from tlt_cli.config import RecipeError, SpeculativeSection
 from tlt_cli.drafter.model import EagleDrafter
+from tlt_cli.engine.sampling import SamplingParams
 from tlt_cli.profile.analysis import analyse
 from tlt_cli.profile.records import load_records
-from tlt_cli.rollout.acceptance import accept_tree
-from tlt_cli.rollout.adaptive import (
+from tlt_cli.rollout.engine import EmbeddedEngine
+from tlt_cli.rollout.types import RolloutRequest
+from tlt_cli.sglang.adaptive import batch_rules, plan_for_sglang
+from tlt_cli.sglang.server_args import speculative_flags
+from tlt_cli.sglang.version import sglang_features
+from tlt_cli.speculative.acceptance import accept_tree
+from tlt_cli.speculative.adaptive import (
     AdaptiveSchedule,
     AdaptiveSpeculativeDecoder,
     RuleTableError,
     build_rules,
     parse_label,
 )
-from tlt_cli.rollout.engine import EmbeddedEngine
-from tlt_cli.rollout.ngram import NgramIndex
-from tlt_cli.rollout.speculative import SpeculativeDecoder, check_speculative_config
-from tlt_cli.rollout.tree import DraftTree, ancestor_mask, with_chosen_chains, with_ngram_branch
-from tlt_cli.rollout.types import RolloutRequest, SamplingParams, SpeculativeConfig
-from tlt_cli.sglang.adaptive import batch_rules, plan_for_sglang
-from tlt_cli.sglang.server_args import speculative_flags
-from tlt_cli.sglang.version import sglang_features
+from tlt_cli.speculative.decoder import SpeculativeDecoder, check_speculative_config
+from tlt_cli.speculative.ngram import NgramIndex
+from tlt_cli.speculative.tree import DraftTree, ancestor_mask, with_chosen_chains, with_ngram_branch
+from tlt_cli.speculative.types import SpeculativeConfig
 
 torch.set_num_threads(1)
 

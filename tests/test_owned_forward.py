@@ -9,11 +9,11 @@ from tiny_models import tiny_gpt2, tiny_llama, tiny_mistral, tiny_qwen2, tiny_qw
 from tlt_cli.drafter.model import EagleDrafter, causal_attention_mask
 from tlt_cli.engine import decode_model_for
 from tlt_cli.engine.layers import DecoderLayer, rotary_tables
+from tlt_cli.engine.linear_forms import LINEAR, TRANSPOSED, WEIGHT_MAJOR, LinearFormPlan, linear_layers, shape_key
 from tlt_cli.engine.llama_family import PATH_NAME as OWNED
 from tlt_cli.engine.llama_family import LlamaFamilyModel, refusal
 from tlt_cli.engine.transformers_path import PATH_NAME as TRANSFORMERS
 from tlt_cli.rollout.engine import EmbeddedEngine
-from tlt_cli.rollout.linear_forms import LINEAR, TRANSPOSED, WEIGHT_MAJOR, LinearFormPlan, linear_layers, shape_key
 
 torch.set_num_threads(1)
 

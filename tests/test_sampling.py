@@ -3,8 +3,7 @@
 import pytest
 import torch
 
-from tlt_cli.rollout.sampling import apply_sampling, next_tokens, sample
-from tlt_cli.rollout.types import SamplingParams
+from tlt_cli.engine.sampling import SamplingParams, apply_sampling, next_tokens, sample
 
 torch.set_num_threads(1)
 

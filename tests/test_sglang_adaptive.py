@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from tlt_cli.rollout.types import SpeculativeConfig
 from tlt_cli.sglang.adaptive import BatchRule, captured_decode_batch_sizes, plan_for_sglang, write_adaptive_config
 from tlt_cli.sglang.version import SGLangVersionError, parse_version, sglang_features
+from tlt_cli.speculative.types import SpeculativeConfig
 
 NEW = sglang_features("0.5.23")
 # the reference TLT table (DESIGN.md): off above 32, tree SD below with 8 steps, top-k 4

@@ -11,11 +11,13 @@ import pytest
 import torch
 from sglang_fakes import free_port_range, pid_running, write_stand_in_sglang
 
-from tlt_cli.rollout.types import RolloutRequest, SamplingParams, SpeculativeConfig
+from tlt_cli.engine.sampling import SamplingParams
+from tlt_cli.rollout.types import RolloutRequest
 from tlt_cli.sglang.adaptive import BatchRule
 from tlt_cli.sglang.backend import SGLangBackend
 from tlt_cli.sglang.config import SGLangConfig
 from tlt_cli.sglang.weight_sync import WeightSyncError
+from tlt_cli.speculative.types import SpeculativeConfig
 
 RULES = [BatchRule(1, 4, SpeculativeConfig(3)), BatchRule(5, None, None)]
 

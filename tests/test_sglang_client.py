@@ -7,7 +7,8 @@ import threading
 import pytest
 from sglang_fakes import fake_launch
 
-from tlt_cli.rollout.types import RolloutRequest, SamplingParams
+from tlt_cli.engine.sampling import SamplingParams
+from tlt_cli.rollout.types import RolloutRequest
 from tlt_cli.sglang.client import SGLangClient, completion_from_response, speculative_stats
 from tlt_cli.sglang.server import ServerGroup
 from tlt_cli.sglang.transport import ServerEndpoint, SGLangRequestError

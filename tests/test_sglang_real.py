@@ -21,8 +21,9 @@ from sglang_real import copy_tiny_model, requires_real_sglang, start_cpu_server
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tlt_cli.config import ActorConfig
+from tlt_cli.engine.sampling import SamplingParams
 from tlt_cli.rollout.engine import EmbeddedEngine
-from tlt_cli.rollout.types import Completion, RolloutRequest, SamplingParams
+from tlt_cli.rollout.types import Completion, RolloutRequest
 from tlt_cli.sglang.client import SGLangClient
 from tlt_cli.sglang.server import live_group_members
 from tlt_cli.sglang.transport import ServerEndpoint, SGLangRequestError, post_json

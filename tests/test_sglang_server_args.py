@@ -18,7 +18,6 @@ import pytest
 import yaml
 
 from tlt_cli.config import RecipeError
-from tlt_cli.rollout.types import SpeculativeConfig
 from tlt_cli.sglang.adaptive import BatchRule, plan_for_sglang, write_adaptive_config
 from tlt_cli.sglang.config import SGLangConfig, validate_sglang_config
 from tlt_cli.sglang.server_args import (
@@ -30,6 +29,7 @@ from tlt_cli.sglang.server_args import (
     speculative_flags,
 )
 from tlt_cli.sglang.version import sglang_features
+from tlt_cli.speculative.types import SpeculativeConfig
 
 SGLANG_PYTHON = os.environ.get("TLT_SGLANG_PYTHON", "/work/sglang-venv/bin/python")
 FEATURES = sglang_features("0.5.23")

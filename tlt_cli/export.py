@@ -38,11 +38,11 @@ from tlt_cli.checkpoint import (
 from tlt_cli.config import Recipe, RecipeError
 from tlt_cli.drafter.model import CONFIG_FILE, DrafterLoadError, load_drafter
 from tlt_cli.drafter.warmup import encode_prompts
+from tlt_cli.engine.sampling import SamplingParams
 from tlt_cli.errors import writing
 from tlt_cli.recipe_checks import load_checked_recipe
 from tlt_cli.rollout.engine import EmbeddedEngine
-from tlt_cli.rollout.speculative import SpeculativeDecoder
-from tlt_cli.rollout.types import RolloutRequest, SamplingParams, SpeculativeConfig, accept_length
+from tlt_cli.rollout.types import RolloutRequest
 from tlt_cli.sglang.drafter_format import CONFIG_FILE as EXPORT_CONFIG_FILE
 from tlt_cli.sglang.drafter_format import (
     SGLANG_VERSIONS_CHECKED,
@@ -53,6 +53,8 @@ from tlt_cli.sglang.drafter_format import (
     sglang_config,
     sglang_tensors,
 )
+from tlt_cli.speculative.decoder import SpeculativeDecoder
+from tlt_cli.speculative.types import SpeculativeConfig, accept_length
 from tlt_cli.training import setup
 from tlt_cli.training.actor import ACTOR_WEIGHTS_FILE, CHECKPOINT_TAG
 

@@ -33,9 +33,10 @@ from tlt_cli.calibration.settings import (
 from tlt_cli.config import CPU_DEVICES, Recipe, SpeculativeMode
 from tlt_cli.recipe_checks import load_checked_recipe
 from tlt_cli.recipes import resolve_recipe_path
-from tlt_cli.rollout.adaptive import OFF, RuleTableError, parse_label
-from tlt_cli.rollout.speculative import check_speculative_config, check_topk_fits
-from tlt_cli.rollout.types import RolloutRequest, SpeculativeConfig
+from tlt_cli.rollout.types import RolloutRequest
+from tlt_cli.speculative.adaptive import OFF, RuleTableError, parse_label
+from tlt_cli.speculative.decoder import check_speculative_config, check_topk_fits
+from tlt_cli.speculative.types import SpeculativeConfig
 from tlt_cli.tasks.base import Task
 from tlt_cli.tasks.prompts import encode_prompt
 from tlt_cli.training import setup
@@ -180,7 +181,7 @@ def _check_topk(config: SpeculativeConfig, draft_vocab_size: int) -> None:
 def load_model_pair(recipe: Recipe) -> tuple[ModelPair, PreTrainedTokenizerBase, str]:
     """(the target and its initial drafter as a training run starts them, the tokenizer, where the drafter came
     from)."""
-    from tlt_cli.rollout.linear_forms_measure import prepare_linear_forms
+    from tlt_cli.engine.linear_forms_measure import prepare_linear_forms
 
     cache = setup.model_cache(recipe)
     dtype = torch.bfloat16 if recipe.actor.precision == "bf16" else torch.float32

@@ -21,10 +21,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from tlt_cli.engine.linear_forms import LinearForms
+from tlt_cli.engine.sampling import SamplingParams
 from tlt_cli.rollout.engine import EmbeddedEngine
-from tlt_cli.rollout.linear_forms import LinearForms
-from tlt_cli.rollout.speculative import SpeculativeDecoder
-from tlt_cli.rollout.types import DecodeStep, RolloutRequest, SamplingParams, SpeculativeConfig
+from tlt_cli.rollout.types import RolloutRequest
+from tlt_cli.speculative.decoder import SpeculativeDecoder
+from tlt_cli.speculative.types import DecodeStep, SpeculativeConfig
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from rich.table import Table
 from tlt_cli.calibration.calibrate import CalibrationResult
 from tlt_cli.calibration.measure import Cell
 from tlt_cli.calibration.rules import fragment_text
-from tlt_cli.rollout.adaptive import OFF
+from tlt_cli.speculative.adaptive import OFF
 
 
 def cell_for(result: CalibrationResult, batch_size: int, label: str) -> Cell:

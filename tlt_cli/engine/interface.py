@@ -90,7 +90,7 @@ class DecodeModel(Protocol):
 
 
 class LinearPlan(Protocol):
-    """A measured plan of product forms (tlt_cli/rollout/linear_forms.py's LinearFormPlan): a form name
+    """A measured plan of product forms (tlt_cli/engine/linear_forms.py's LinearFormPlan): a form name
     ("linear", "transposed", "weight_major") per weight shape key ('<out>x<in> <dtype>') and row count."""
 
     forms: dict[str, tuple[str, ...]]

@@ -10,7 +10,7 @@ matrices with `F.linear` and 27 ms with a contiguous transposed copy; 49152x576 
   - `transposed`: `x @ W_t` with W_t = W.t() kept as a contiguous copy (`TransposedCopy`);
   - `weight_major`: `(W @ x.T).T`, made contiguous so it has the layout F.linear returns.
 
-A `LinearFormPlan` (measured by tlt_cli/rollout/linear_forms_measure.py) names a form per weight shape
+A `LinearFormPlan` (measured by tlt_cli/engine/linear_forms_measure.py) names a form per weight shape
 and per row count. `LinearForms` applies it to every `nn.Linear` of the given modules (the target's
 decoder layers and lm_head, tied or untied, and the drafter's) for the length of a `with
 forms.applied():` block: it sets each layer's `forward` as an instance attribute and deletes it on

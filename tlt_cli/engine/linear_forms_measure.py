@@ -1,4 +1,4 @@
-"""Measure which linear form (tlt_cli/rollout/linear_forms.py) is fastest per weight shape and row count, and cache it.
+"""Measure which linear form (tlt_cli/engine/linear_forms.py) is fastest per weight shape and row count, and cache it.
 
 `prepare_linear_forms(mode, [policy, drafter], cache_dir)` is what the embedded rollout backend calls:
 `off` gives None (plain nn.Linear), `auto` loads the plan cached for this machine and these shapes, or
@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tlt_cli.rollout.linear_forms import (
+from tlt_cli.engine.linear_forms import (
     FORM_NAMES,
     LINEAR,
     FormedLinear,

@@ -3,7 +3,7 @@ Mistral, with grouped-query attention and a tied or untied head.
 
 `LlamaFamilyModel(policy)` reads the policy module's parameters into the engine's own tensors once (and
 again on `refresh()`, after each actor update): q/k/v fused into one product and gate/up into another,
-each product kept in the layout its measured plan (`linear_plan`, tlt_cli/rollout/linear_forms_measure.py)
+each product kept in the layout its measured plan (`linear_plan`, tlt_cli/engine/linear_forms_measure.py)
 picks per row count. The forward is plain torch (one loop over the layers, the layer's maths in
 tlt_cli/engine/layers.py), fills a `SlotCache` by its own calls and never calls a transformers module,
 so a transformers release cannot break it. Greedy output equals transformers' `generate` in float32.
@@ -27,8 +27,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from tlt_cli.engine.interface import LinearPlan
+from tlt_cli.engine.kv_cache import SlotCache
 from tlt_cli.engine.layers import AttentionShape, attend, gated, rms_norm, rotary_tables
-from tlt_cli.rollout.kv_cache import SlotCache
 
 MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 ROPE_TYPES = ("default", "linear", "llama3")

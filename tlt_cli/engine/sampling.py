@@ -1,4 +1,4 @@
-"""Turn logits into the distribution tokens are drawn from, and draw them.
+"""How the next token is drawn (`SamplingParams`): turn logits into that distribution, and draw from it.
 
 `apply_sampling` is the one place temperature, top-k and top-p are applied. The embedded engine
 applies it to the target's logits and speculative decoding applies the very same function to the
@@ -8,9 +8,25 @@ acceptance stays exact. Temperature 0 means greedy: the distribution is a point 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from tlt_cli.rollout.types import SamplingParams
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How the next token is drawn. temperature 0 means greedy (argmax)."""
+
+    max_new_tokens: int
+    temperature: float = 1.0
+    # keep the smallest set of tokens whose probability reaches top_p (1.0 keeps all)
+    top_p: float = 1.0
+    # keep the top_k most likely tokens (0 keeps all)
+    top_k: int = 0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
 
 
 def apply_sampling(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
-from tlt_cli.rollout.kv_cache import additive_mask
+from tlt_cli.engine.kv_cache import additive_mask
 
 PATH_NAME = "transformers"
 

@@ -19,14 +19,14 @@ The engine (tlt_cli/rollout/engine.py) is built on the first call on the very mo
 rollout sees the weights of the latest optimizer step. It speculates with a drafter
 (tlt_cli/integrations/trl_drafter.py: warmed up on the trainer's own prompts and cached, random,
 a saved folder or an EagleDrafter), steered by the adaptive rule table, bandit and collapse
-auto-off of the `speculative` settings (tlt_cli/rollout/adaptive.py). With several data-parallel
+auto-off of the `speculative` settings (tlt_cli/speculative/adaptive.py). With several data-parallel
 processes the plugin that trains the drafter (found by its entry point like any plugin; the
 recipe's default plugins.enabled has one) does so while this process waits for the others,
 through its class's `trl_process_sidecar`. `take_records()` returns what each rollout did (timings,
 per-request lengths, SD usage and acceptance, sidecar metrics) for a trace;
 `save_state`/`load_state` carry the schedule and drafter through checkpoints. With
 `linear_forms="auto"` the engine computes each linear layer in the form measured fastest for the
-pass's rows (tlt_cli/rollout/linear_forms.py); its transposed copies are refreshed before every
+pass's rows (tlt_cli/engine/linear_forms.py); its transposed copies are refreshed before every
 rollout, since TRL's optimizer steps in between.
 """
 
@@ -42,6 +42,7 @@ import torch
 
 from tlt_cli.checkpoint import DRAFTER_DIRECTORY, load_checkpoint_file
 from tlt_cli.config import DrafterConfig, PluginsConfig, SpeculativeMode, SpeculativeSection
+from tlt_cli.engine.linear_forms_measure import LINEAR_FORM_MODES
 from tlt_cli.errors import UserError
 from tlt_cli.integrations.trl_support import (
     check_trainer_supported,
@@ -52,10 +53,9 @@ from tlt_cli.integrations.trl_support import (
     trl_sampling,
 )
 from tlt_cli.plugins import drafter_training_plugin
-from tlt_cli.rollout.adaptive import OFF, adaptive_schedule
 from tlt_cli.rollout.embedded import EmbeddedRollout
-from tlt_cli.rollout.linear_forms_measure import LINEAR_FORM_MODES
 from tlt_cli.rollout.types import Completion, RolloutRequest
+from tlt_cli.speculative.adaptive import OFF, adaptive_schedule
 from tlt_cli.training.logprobs import head_logprobs
 from tlt_cli.training.setup import rollout_needs_drafter
 

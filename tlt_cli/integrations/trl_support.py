@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING, Any
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
+from tlt_cli.engine.sampling import SamplingParams
 from tlt_cli.errors import UserError
-from tlt_cli.rollout.types import SamplingParams
 from tlt_cli.versions import supported_ranges
 
 if TYPE_CHECKING:

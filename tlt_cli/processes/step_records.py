@@ -12,7 +12,7 @@ from typing import Any
 import numpy
 
 from tlt_cli.processes.messages import WorkerStepReport
-from tlt_cli.rollout.types import accept_length
+from tlt_cli.speculative.types import accept_length
 
 
 def step_records(reports: list[WorkerStepReport]) -> list[dict[str, Any]]:

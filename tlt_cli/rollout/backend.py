@@ -26,8 +26,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from tlt_cli.rollout.adaptive import ConfigUsage
-    from tlt_cli.rollout.types import Completion, RolloutRequest, SamplingParams
+    from tlt_cli.engine.sampling import SamplingParams
+    from tlt_cli.rollout.types import Completion, RolloutRequest
+    from tlt_cli.speculative.adaptive import ConfigUsage
 
 
 class RolloutBackend(Protocol):

@@ -13,7 +13,7 @@ drafter over that policy, which is all a trainer of another library has in its o
 
 `linear_forms="auto"` (the recipe's `rollout.linear_forms`) computes each linear layer of the policy
 and drafter, during generation only, in the form measured fastest for the pass's rows
-(tlt_cli/rollout/linear_forms.py); its transposed copies are refreshed by `after_update`.
+(tlt_cli/engine/linear_forms.py); its transposed copies are refreshed by `after_update`.
 """
 
 from __future__ import annotations
@@ -27,11 +27,12 @@ from torch import nn
 
 from tlt_cli.checkpoint import load_checkpoint_file
 from tlt_cli.config import SpeculativeSection
+from tlt_cli.engine.linear_forms_measure import prepare_linear_forms
+from tlt_cli.engine.sampling import SamplingParams
 from tlt_cli.models.tiny import default_cache_dir
-from tlt_cli.rollout.adaptive import AdaptiveSpeculativeDecoder, ConfigUsage, speculative_decoder
 from tlt_cli.rollout.engine import EmbeddedEngine
-from tlt_cli.rollout.linear_forms_measure import prepare_linear_forms
-from tlt_cli.rollout.types import Completion, RolloutRequest, SamplingParams
+from tlt_cli.rollout.types import Completion, RolloutRequest
+from tlt_cli.speculative.adaptive import AdaptiveSpeculativeDecoder, ConfigUsage, speculative_decoder
 
 
 class EmbeddedRollout:

@@ -28,54 +28,18 @@ import torch
 from torch import nn
 
 from tlt_cli.engine import decode_model_for
-from tlt_cli.engine.interface import DecodeCache, DecodeModel
-from tlt_cli.rollout.kv_cache import block_attention_mask, decode_attention_mask, keep_rows_of
-from tlt_cli.rollout.sampling import next_tokens
-from tlt_cli.rollout.types import (
-    Completion,
-    DecodeStep,
-    RolloutRequest,
-    SamplingParams,
-    SpeculativeStats,
-)
+from tlt_cli.engine.interface import DecodeModel
+from tlt_cli.engine.running_batch import DecodeTarget, RunningBatch
+from tlt_cli.engine.sampling import SamplingParams, next_tokens
+from tlt_cli.rollout.types import Completion, RolloutRequest
+from tlt_cli.speculative.types import DecodeStep, SpeculativeStats
 
 if TYPE_CHECKING:
-    from tlt_cli.rollout.linear_forms import LinearForms
-    from tlt_cli.rollout.speculative import SpeculativeDecoder
+    from tlt_cli.engine.linear_forms import LinearForms
+    from tlt_cli.speculative.decoder import SpeculativeDecoder
 
 # slots reserved past the longest prompt when the cache is first allocated (it grows by doubling)
 INITIAL_SLACK = 64
-
-
-@dataclass
-class RunningBatch:
-    """Per-row state of the requests still generating (B rows; every tensor field is per-row, in
-    one row order, and `keep_rows` selects them all).
-
-    Invariant: row b's target cache holds positions [0, lengths[b]); `pending[b]`, its last
-    emitted token, sits at position lengths[b] and is fed by the next step.
-    """
-
-    # index of each row's request in the list given to generate: [B]
-    request_index: torch.Tensor
-    prompt_lengths: torch.Tensor  # [B]
-    lengths: torch.Tensor  # [B] committed target-cache length
-    pending: torch.Tensor  # [B] token at position lengths[b], not yet in the cache
-    generated: torch.Tensor  # [B] response tokens emitted so far
-    finished_by_eos: torch.Tensor  # [B] bool
-    tokens: torch.Tensor  # [B, capacity] prompt and response ids by position
-    cache: DecodeCache
-    # keep the target's last hidden state of every position in cache.extra (for return_hidden
-    # and for the drafter, which catches up from it after steps without SD)
-    store_hidden: bool
-
-    @property
-    def size(self) -> int:
-        return self.request_index.shape[0]
-
-    def keep_rows(self, rows: torch.Tensor) -> None:
-        """Keep rows `rows` of every per-row tensor and of the cache, drop the rest."""
-        keep_rows_of(self, rows)
 
 
 @dataclass
@@ -94,8 +58,8 @@ class _GenerateCall:
 
 class EmbeddedEngine:
     """Batched generation with a KV cache, ragged prompts, early exit of finished requests and,
-    when given a speculative decoder (`tlt_cli.rollout.speculative.SpeculativeDecoder`), lossless
-    speculative decoding. With `linear_forms` (tlt_cli/rollout/linear_forms.py), the target's decode model
+    when given a speculative decoder (`tlt_cli.speculative.decoder.SpeculativeDecoder`), lossless
+    speculative decoding. With `linear_forms` (tlt_cli/engine/linear_forms.py), the target's decode model
     lays out its products by the measured plan, and the drafter's linear layers compute in the form fastest for
     each pass's rows, for the length of each generate call. `decode_model`: the model as the engine decodes
     it (default: `decode_model_for(model)` with the plan of `linear_forms`); call its `refresh()` after the
@@ -113,6 +77,7 @@ class EmbeddedEngine:
         self.model = model
         plan = linear_forms.plan if linear_forms is not None else None
         self.decode_model = decode_model if decode_model is not None else decode_model_for(model, linear_plan=plan)
+        self.target = DecodeTarget(self.decode_model, next(model.parameters()).device)
         self.eos_token_id = eos_token_id
         self.pad_token_id = pad_token_id
         self.speculative = speculative
@@ -176,9 +141,9 @@ class EmbeddedEngine:
     def _advance(self, batch: RunningBatch, call: _GenerateCall) -> torch.Tensor:
         """One decode step (plain or speculative) with its tokens emitted; which rows finished [B] bool."""
         if self.speculative is not None:
-            new_tokens, counts = self.speculative.step(self, batch, call.sampling, call.generator)
+            new_tokens, counts = self.speculative.step(self.target, batch, call.sampling, call.generator)
         else:
-            new_tokens, counts = self.decode_step(batch, call.sampling, call.generator)
+            new_tokens, counts = self.target.decode_step(batch, call.sampling, call.generator)
         return self._emit(batch, new_tokens, counts, call.sampling)
 
     def _timed_step(self, batch: RunningBatch, call: _GenerateCall) -> DecodeStep:
@@ -211,44 +176,11 @@ class EmbeddedEngine:
         )
         causal = torch.ones(longest, longest, dtype=torch.bool, device=self.device).tril()
         positions = torch.arange(longest, device=self.device).expand(len(requests), longest)
-        hidden = self.forward_block(batch, tokens[:, :longest], positions, causal)
+        hidden = self.target.forward_block(batch, tokens[:, :longest], positions, causal)
         last_hidden = hidden[torch.arange(len(requests), device=self.device), prompt_lengths - 1]
         batch.lengths = prompt_lengths.clone()
-        batch.pending = next_tokens(self.lm_head(last_hidden), call.sampling, call.generator)
+        batch.pending = next_tokens(self.target.logits(last_hidden), call.sampling, call.generator)
         return batch
-
-    def forward_block(
-        self, batch: RunningBatch, input_ids: torch.Tensor, position_ids: torch.Tensor, block_mask: torch.Tensor
-    ) -> torch.Tensor:
-        """Run the target on T new entries per row, written at slots lengths[b] + [0, T).
-
-        input_ids, position_ids: [B, T]; block_mask: [B, T, T] or [T, T], which new entries each
-        new entry may see (it always sees the row's committed prefix). Returns the last hidden
-        state [B, T, H]; the cache's committed lengths are left to the caller.
-        """
-        block_size = input_ids.shape[1]
-        kv_length = int(batch.lengths.max()) + block_size
-        write_slots = batch.lengths[:, None] + torch.arange(block_size, device=self.device)
-        if block_size == 1:
-            visible = decode_attention_mask(batch.lengths, kv_length)
-        else:
-            visible = block_attention_mask(batch.lengths, block_mask, kv_length)
-        hidden = self.decode_model.forward_block(batch.cache, input_ids, position_ids, write_slots, kv_length, visible)
-        if batch.store_hidden:
-            batch.cache.store_extra(hidden)
-        return hidden
-
-    def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits [..., V] (float32) of hidden states [..., H]."""
-        return self.decode_model.logits(hidden)
-
-    def decode_step(self, batch: RunningBatch, sampling, generator) -> tuple[torch.Tensor, torch.Tensor]:
-        """Plain decoding: feed each row's pending token, draw the next one."""
-        no_block_mask = torch.ones(1, 1, dtype=torch.bool, device=self.device)
-        hidden = self.forward_block(batch, batch.pending[:, None], batch.lengths[:, None], no_block_mask)
-        batch.lengths = batch.lengths + 1
-        batch.pending = next_tokens(self.lm_head(hidden[:, -1]), sampling, generator)
-        return batch.pending[:, None], torch.ones_like(batch.pending)
 
     def _emit(self, batch: RunningBatch, new_tokens: torch.Tensor, counts: torch.Tensor, sampling) -> torch.Tensor:
         """Append the first counts[b] of new_tokens [B, E] to each response, cut at EOS and at

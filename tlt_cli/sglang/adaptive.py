@@ -9,7 +9,7 @@ picks the slot from the running batch size at every decode step (EAGLE chains on
 SGLang picks a shape from the running batch size alone, so `batch_rules(section)` first reduces
 the section to one `BatchRule` per batch-size range, in order from 1: `off` is SD off everywhere,
 `fixed` one shape everywhere, and `adaptive` takes, for every range on which the rule table
-(tlt_cli/rollout/adaptive.py, which checks it) is constant, the configuration tlt's own schedule
+(tlt_cli/speculative/adaptive.py, which checks it) is constant, the configuration tlt's own schedule
 starts with (the rule matching an accept length not yet measured; its `use:`, not its bandit
 candidates). `plan_for_sglang(rules, features, auto_off_on_collapse)` then returns one of four plans:
 
@@ -38,9 +38,9 @@ from enum import Enum
 from pathlib import Path
 
 from tlt_cli.config import RecipeError, SpeculativeMode, SpeculativeSection
-from tlt_cli.rollout.adaptive import UNBOUNDED, Rule, bucket_edges, build_rules
-from tlt_cli.rollout.types import SpeculativeConfig
 from tlt_cli.sglang.version import SGLangFeatures
+from tlt_cli.speculative.adaptive import UNBOUNDED, Rule, bucket_edges, build_rules
+from tlt_cli.speculative.types import SpeculativeConfig
 
 # batch sizes above SGLang's largest captured CUDA graph are not padded; range ends are checked up to this
 CAPTURE_CHECK_LIMIT = 4096

@@ -25,7 +25,8 @@ from pathlib import Path
 
 import torch
 
-from tlt_cli.rollout.types import Completion, RolloutRequest, SamplingParams
+from tlt_cli.engine.sampling import SamplingParams
+from tlt_cli.rollout.types import Completion, RolloutRequest
 from tlt_cli.sglang.adaptive import BatchRule, PlanMode, SGLangSpeculativePlan, plan_for_sglang
 from tlt_cli.sglang.client import SGLangClient
 from tlt_cli.sglang.config import SGLangConfig

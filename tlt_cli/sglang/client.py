@@ -20,8 +20,10 @@ import uuid
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from tlt_cli.rollout.types import Completion, RolloutRequest, SamplingParams, SpeculativeStats
+from tlt_cli.engine.sampling import SamplingParams
+from tlt_cli.rollout.types import Completion, RolloutRequest
 from tlt_cli.sglang.transport import ServerEndpoint, SGLangRequestError, post_json
+from tlt_cli.speculative.types import SpeculativeStats
 
 # SGLang's sampling_params spells "keep every token" as top_k -1; tlt spells it 0
 SGLANG_TOP_K_ALL = -1

@@ -30,14 +30,15 @@ from pathlib import Path
 from torch import nn
 
 from tlt_cli.config import SGLangConfig
-from tlt_cli.rollout.adaptive import ConfigUsage
-from tlt_cli.rollout.types import Completion, RolloutRequest, SamplingParams
+from tlt_cli.engine.sampling import SamplingParams
+from tlt_cli.rollout.types import Completion, RolloutRequest
 from tlt_cli.sglang.adaptive import BatchRule
 from tlt_cli.sglang.backend import SGLangBackend
 from tlt_cli.sglang.config import PORTS_PER_SERVER
 from tlt_cli.sglang.drafter_format import write_drafter_folder
 from tlt_cli.sglang.registry import record_server_groups
 from tlt_cli.sglang.weight_sync import target_tensors, write_checkpoint
+from tlt_cli.speculative.adaptive import ConfigUsage
 
 
 def servers_of_worker(config: SGLangConfig, worker: int, worker_count: int) -> SGLangConfig:

@@ -17,10 +17,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from tlt_cli.rollout.ngram import DEFAULT_MAX_MATCH
-from tlt_cli.rollout.types import SpeculativeConfig
 from tlt_cli.sglang.adaptive import PlanMode, SGLangSpeculativePlan
 from tlt_cli.sglang.config import PORTS_PER_SERVER, SGLangConfig
+from tlt_cli.speculative.ngram import DEFAULT_MAX_MATCH
+from tlt_cli.speculative.types import SpeculativeConfig
 
 SERVER_HOST = "127.0.0.1"
 # SGLang's name for the EAGLE drafter: fc(concat(embed, hidden)) -> decoder layer(s) -> lm_head

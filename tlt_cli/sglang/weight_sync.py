@@ -35,9 +35,9 @@ import torch
 from safetensors.torch import save_file
 from torch.multiprocessing import reductions
 
-from tlt_cli.rollout.types import accept_length
 from tlt_cli.sglang.transport import ServerEndpoint, SGLangRequestError, get_json, post_json
 from tlt_cli.sglang.version import SGLangFeatures
+from tlt_cli.speculative.types import accept_length
 
 TARGET_PREFIXES = ("model.", "lm_head.")
 ROLES = ("target", "draft")

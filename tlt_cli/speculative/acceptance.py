@@ -23,7 +23,7 @@ Why this is lossless (the output has exactly the target's distribution under Sam
   with uniforms (child c kept iff u_c < p(c) / (1 - p(earlier siblings)) and no earlier sibling
   was), and draws only the bonus token from a whole distribution: the deepest kept node's p with
   its children removed, renormalised (a draw per row, as plain decoding makes, not per node).
-- n-gram proposals (tlt_cli/rollout/ngram.py) are deterministic too: a point mass q = delta_x, so x
+- n-gram proposals (tlt_cli/speculative/ngram.py) are deterministic too: a point mass q = delta_x, so x
   is kept with probability p(x) and a rejection draws from norm(max(p - delta_x, 0)), p with x
   removed. A model-free chain and a hybrid tree (the drafter's top-k tree with the n-gram branch
   merged in where tokens coincide, so siblings stay distinct) are trees of point masses, verified
@@ -45,9 +45,8 @@ from dataclasses import dataclass
 
 import torch
 
-from tlt_cli.rollout.sampling import apply_sampling, sample
-from tlt_cli.rollout.tree import DraftTree
-from tlt_cli.rollout.types import SamplingParams
+from tlt_cli.engine.sampling import SamplingParams, apply_sampling, sample
+from tlt_cli.speculative.tree import DraftTree
 
 
 @dataclass

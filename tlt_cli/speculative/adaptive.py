@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from tlt_cli.config import RecipeError, SpeculativeMode
-from tlt_cli.rollout.speculative import SpeculativeDecoder, StepCounts
-from tlt_cli.rollout.types import DecodeStep, SpeculativeConfig
+from tlt_cli.speculative.decoder import SpeculativeDecoder, StepCounts
+from tlt_cli.speculative.types import DecodeStep, SpeculativeConfig
 
 if TYPE_CHECKING:
     from torch import nn

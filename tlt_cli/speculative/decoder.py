@@ -8,19 +8,19 @@ decoding. An SD step, for every running row at once:
      of plain steps) from the target hidden states the engine keeps in its cache;
   1. draft: the drafter (anything with `EagleDrafter`'s forward, `vocabulary` and
      `refresh_draft_head`) runs `steps` times from the row's root state, building a chain or a
-     tree (tlt_cli/rollout/tree.py) in its own `SlotCache`; its logits cover its draft vocabulary
+     tree (tlt_cli/speculative/tree.py) in its own `SlotCache`; its logits cover its draft vocabulary
      (N tokens, possibly fewer than the target's) and drafted ids are mapped to target ids;
   2. verify: the target runs once over the root and all drafted nodes, with the tree mask, over
      its whole vocabulary (a draft distribution that is zero outside the draft vocabulary keeps
-     acceptance exact: see tlt_cli/rollout/acceptance.py);
-  3. accept: tlt_cli/rollout/acceptance.py keeps a prefix per row (ragged: each row keeps its own
+     acceptance exact: see tlt_cli/speculative/acceptance.py);
+  3. accept: tlt_cli/speculative/acceptance.py keeps a prefix per row (ragged: each row keeps its own
      number of tokens) and draws the bonus token;
   4. commit: kept entries move into place in the target cache, the drafter catches up on the
      target's true hidden states for the kept tokens, and the next root state is read off it.
 Rejected entries in either cache sit past the row's committed length and are simply overwritten
 later. EOS and max_new_tokens inside an accepted run are cut by the engine, which ends the row.
 
-Drafts without a model: a shape with `ngram_tokens` also asks the n-gram index (tlt_cli/rollout/ngram.py)
+Drafts without a model: a shape with `ngram_tokens` also asks the n-gram index (tlt_cli/speculative/ngram.py)
 over the prompt and the sibling responses of each row's group (RolloutRequest.group) for up to that
 many tokens. Model-free (`ngram4`: steps 0) skips steps 0, 1 and the drafter's part of 4: the
 proposals alone form a chain, and no drafter is needed. Hybrid (`s2-k1-t3+ngram4`) drafts the
@@ -44,15 +44,17 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from torch import nn
 
-from tlt_cli.rollout.acceptance import Verdict, accept_chain, accept_tree
-from tlt_cli.rollout.kv_cache import SlotCache, block_attention_mask, keep_rows_of
-from tlt_cli.rollout.ngram import NgramIndex
-from tlt_cli.rollout.tree import (
+from tlt_cli.engine.kv_cache import SlotCache, block_attention_mask, keep_rows_of
+from tlt_cli.engine.running_batch import DecodeTarget, RunningBatch
+from tlt_cli.engine.sampling import SamplingParams
+from tlt_cli.speculative.acceptance import Verdict, accept_chain, accept_tree
+from tlt_cli.speculative.ngram import NgramIndex
+from tlt_cli.speculative.tree import (
     ChainBuilder,
     DraftTree,
     TreeBuilder,
@@ -62,19 +64,18 @@ from tlt_cli.rollout.tree import (
     with_chosen_chains,
     with_ngram_branch,
 )
-from tlt_cli.rollout.types import (
-    DRAFT_SOURCES,
-    DecodeStep,
-    RolloutRequest,
-    SamplingParams,
-    SpeculativeConfig,
-    SpeculativeStats,
-)
+from tlt_cli.speculative.types import DRAFT_SOURCES, DecodeStep, SpeculativeConfig, SpeculativeStats
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
-    from tlt_cli.rollout.engine import EmbeddedEngine, RunningBatch
+
+class GroupedPrompt(Protocol):
+    """What speculative decoding reads of a request (a RolloutRequest has both): the prompt the n-gram
+    index starts from, and the group whose responses draft from each other (None: a group of its own)."""
+
+    prompt_ids: tuple[int, ...]
+    group: int | None
 
 
 def check_speculative_config(config: SpeculativeConfig) -> None:
@@ -224,7 +225,7 @@ class SpeculativeDecoder:
         # finished siblings of a row -> [verify passes, accepted draft tokens] of its n-gram steps this call
         self.by_finished_siblings: dict[int, list[int]] = {}
 
-    def begin(self, batch: RunningBatch, requests: Sequence[RolloutRequest] = ()) -> None:
+    def begin(self, batch: RunningBatch, requests: Sequence[GroupedPrompt] = ()) -> None:
         """Start a generate call: the drafter's head re-read from the target (whose weights may have
         changed since the last call), empty drafter cache and counters (the drafter reads the prompt
         at the first SD step, from the target hidden states the engine keeps), and a fresh n-gram
@@ -252,14 +253,14 @@ class SpeculativeDecoder:
                 self.index.add_sequence(group, request.prompt_ids)
 
     def step(
-        self, engine: EmbeddedEngine, batch: RunningBatch, sampling: SamplingParams, generator: torch.Generator
+        self, target: DecodeTarget, batch: RunningBatch, sampling: SamplingParams, generator: torch.Generator
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One decoding step; returns the emitted tokens [B, E] and counts [B]. With a shape: one
         draft-verify-accept-commit round; with None from the schedule: plain decoding."""
         config = self._config_for(batch.size)
         self.last_step = None
         if config is None:
-            return engine.decode_step(batch, sampling, generator)
+            return target.decode_step(batch, sampling, generator)
         proposals = self._propose(batch, config.ngram_tokens) if config.uses_ngram else None
         # a picks_source shape: which rows verify their n-gram chain this step (the others the drafter's)
         ngram_rows = self._pick_ngram_rows(proposals) if config.picks_source else None
@@ -273,8 +274,8 @@ class SpeculativeDecoder:
             tree = with_chosen_chains(tree, proposals, ngram_rows)
         elif proposals is not None:
             tree = with_ngram_branch(tree, proposals)
-        hidden = engine.forward_block(batch, tree.tokens, batch.lengths[:, None] + tree.depths, tree.ancestors)
-        target_logits = engine.lm_head(hidden)
+        hidden = target.forward_block(batch, tree.tokens, batch.lengths[:, None] + tree.depths, tree.ancestors)
+        target_logits = target.logits(hidden)
         accept = accept_chain if config.is_chain and not config.uses_ngram else accept_tree
         verdict = accept(tree, target_logits, sampling, generator)
         self._count(batch, config, tree, verdict, ngram_rows)

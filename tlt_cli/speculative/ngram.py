@@ -1,7 +1,7 @@
 """Model-free drafts: an n-gram index over the prompt and the sibling responses of a request's group.
 
 In GRPO the G responses to one prompt share much of their text, and in the tail most of them
-have finished. The speculative decoder (tlt_cli/rollout/speculative.py) keeps one `NgramIndex` per
+have finished. The speculative decoder (tlt_cli/speculative/decoder.py) keeps one `NgramIndex` per
 generate call: every request is a sequence (its prompt, then its response as tokens are emitted),
 sequences of one group (RolloutRequest.group) share one table, and a finished sibling stays in it
 after its row has left the running batch. `propose(sequence, k)` matches the sequence's last
@@ -11,7 +11,7 @@ matching places continue with (ties: the most recent place), then only the place
 
 A lookup is a few dictionary reads and a walk over at most `max_places` places, far less than a
 drafter pass. The proposals are deterministic (point masses): verification keeps the output exact
-whatever they are (tlt_cli/rollout/acceptance.py).
+whatever they are (tlt_cli/speculative/acceptance.py).
 
 Example:
     index = NgramIndex()

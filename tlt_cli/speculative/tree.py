@@ -16,7 +16,7 @@ Both builders read the drafter's logits over its draft vocabulary (N tokens, pos
 the target's V: tlt_cli/drafter/vocabulary.py) and hand back target token ids; a chain's draft
 distribution is handed back over all V target tokens, zero outside the draft vocabulary.
 
-`with_ngram_branch` adds the n-gram index's proposals (tlt_cli/rollout/ngram.py) to a tree as one
+`with_ngram_branch` adds the n-gram index's proposals (tlt_cli/speculative/ngram.py) to a tree as one
 more branch, merged into the tree where its tokens coincide with drafted ones (siblings always
 carry distinct tokens), or makes a chain of them alone from a root-only tree (`root_only`). Rows
 propose different numbers of tokens: the shorter ones are padded with invalid nodes that the
@@ -30,8 +30,8 @@ from typing import Protocol
 
 import torch
 
-from tlt_cli.rollout.sampling import apply_sampling, sample
-from tlt_cli.rollout.types import DRAFT_SOURCES, SamplingParams, SpeculativeConfig
+from tlt_cli.engine.sampling import SamplingParams, apply_sampling, sample
+from tlt_cli.speculative.types import DRAFT_SOURCES, SpeculativeConfig
 
 
 class DraftVocabulary(Protocol):

@@ -23,9 +23,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tlt_cli.config import Recipe, SpeculativeMode
+from tlt_cli.engine.sampling import SamplingParams
 from tlt_cli.models.tiny import cache_directory
 from tlt_cli.plugins import plugins_train_drafter
-from tlt_cli.rollout.types import SamplingParams
 
 if TYPE_CHECKING:
     from torch import nn
