@@ -8,11 +8,13 @@ length on held-out prompts of the run's task with tlt's embedded engine, and wri
                        embed_tokens.weight / lm_head.weight too
   README.md            the model card: target, RL step, accept length, serving command, known differences
   tlt_export.json      what was measured, for `load_exported_drafter` and scripts
+  token_map.pt         only for a reduced draft vocabulary: its target ids, for `--speculative-token-map`
 into a temporary sibling folder, reloads that folder into the embedded engine (`load_exported_drafter`),
 checks it reproduces the same accepted tokens, and only then renames it into place, so a full disk
 or a failed check leaves nothing half-written. A non-empty output folder is replaced only with
 force, and only when it is a previous export (its files are the four above); the source, or any
-folder holding it, is never the output.
+folder holding it, is never the output. An output that is a symbolic link is written through (the
+link stays); one whose target is missing is refused.
 """
 
 from __future__ import annotations
@@ -46,9 +48,11 @@ from tlt_cli.rollout.types import RolloutRequest
 from tlt_cli.sglang.drafter_format import CONFIG_FILE as EXPORT_CONFIG_FILE
 from tlt_cli.sglang.drafter_format import (
     SGLANG_VERSIONS_CHECKED,
+    TOKEN_MAP_FILE,
     WEIGHTS_FILE,
     DrafterFormatError,
     load_exported_drafter,
+    save_token_map,
     sglang_architecture,
     sglang_config,
     sglang_tensors,
@@ -61,7 +65,7 @@ from tlt_cli.training.actor import ACTOR_WEIGHTS_FILE, CHECKPOINT_TAG
 SUMMARY_FILE = "tlt_export.json"
 CARD_FILE = "README.md"
 # every file an export holds: a folder of these (with SUMMARY_FILE) is one --force may replace
-EXPORT_FILES = frozenset({EXPORT_CONFIG_FILE, WEIGHTS_FILE, CARD_FILE, SUMMARY_FILE})
+EXPORT_FILES = frozenset({EXPORT_CONFIG_FILE, WEIGHTS_FILE, CARD_FILE, SUMMARY_FILE, TOKEN_MAP_FILE})
 WRITE_ADVICE = "nothing was exported: free some space or choose another output folder."
 
 
@@ -136,7 +140,7 @@ def export_drafter(
 ) -> ExportSummary:
     """Export, validate by reloading, then rename into place (see the module docstring)."""
     output_dir = Path(output_dir)
-    _check_output(output_dir, force, Path(source))
+    folder = _check_output(output_dir, force, Path(source))
     drafter_source = resolve_source(Path(source), recipe_path)
     target, tokenizer = load_target(drafter_source)
     try:
@@ -146,14 +150,19 @@ def export_drafter(
     probe = held_out_probe(drafter_source.recipe, tokenizer, prompts, max_new_tokens, draft_steps)
     measurement = measure_accept_length(target, drafter, probe)
     # created like any folder (the umask decides its mode), under a name no other export uses
-    staging = output_dir.with_name(f".{output_dir.name}.tmp-{os.getpid()}")
+    staging = folder.with_name(f".{folder.name}.tmp-{os.getpid()}")
     shutil.rmtree(staging, ignore_errors=True)
     with writing(output_dir, WRITE_ADVICE, ExportError):
-        output_dir.parent.mkdir(parents=True, exist_ok=True)
+        folder.parent.mkdir(parents=True, exist_ok=True)
         staging.mkdir()
     try:
         _write_file(staging / WEIGHTS_FILE, save(sglang_tensors(drafter, target, include_shared)))
         _write_file(staging / EXPORT_CONFIG_FILE, json.dumps(sglang_config(drafter, target), indent=2) + "\n")
+        files = [EXPORT_CONFIG_FILE, WEIGHTS_FILE, CARD_FILE, SUMMARY_FILE]
+        if drafter.vocabulary.is_reduced:
+            with writing(output_dir, WRITE_ADVICE, ExportError):
+                save_token_map(drafter.vocabulary, staging / TOKEN_MAP_FILE)
+            files.append(TOKEN_MAP_FILE)
         reloaded = measure_accept_length(target, load_exported_drafter(staging, target), probe)
         _check_reproduced(measurement, reloaded, output_dir)
         summary = ExportSummary(
@@ -164,13 +173,13 @@ def export_drafter(
             include_shared=include_shared,
             measurement=measurement,
             reloaded_accept_length=reloaded.accept_length,
-            files=[EXPORT_CONFIG_FILE, WEIGHTS_FILE, CARD_FILE, SUMMARY_FILE],
+            files=files,
             warnings=[drafter_source.warning] if drafter_source.warning else [],
         )
         _write_file(staging / SUMMARY_FILE, json.dumps(asdict(summary), indent=2) + "\n")
         _write_file(staging / CARD_FILE, model_card(summary, drafter_source, drafter.config))
         with writing(output_dir, WRITE_ADVICE, ExportError):
-            _replace_directory(staging, output_dir)
+            _replace_directory(staging, folder)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return summary
@@ -318,14 +327,26 @@ def measure_accept_length(target: PreTrainedModel, drafter: torch.nn.Module, pro
     )
 
 
-def _check_output(output_dir: Path, force: bool, source: Path) -> None:
-    """Refuse an output that is the source or holds it, and (with force) anything but a previous export.
+def _check_output(output_dir: Path, force: bool, source: Path) -> Path:
+    """The folder to write the export as: `output_dir`, or the folder it links to. Refuses an output that is the
+    source or holds it, a link (output or a folder above it) whose target is missing, and (with force) anything but
+    a previous export.
 
     Trade-off: --force replaces only a folder recognised as an export (tlt_export.json and nothing but
     export files), so re-exporting into a folder the user added files to needs them moved first; in
     exchange a mistyped OUTPUT (a run directory, its parent, a home folder) is never deleted.
+    An output that is a symbolic link (`drafters/latest -> v3`) is written through, as cp and rsync
+    write through a linked destination: the link stays and keeps naming the export, and whatever
+    else names v3 sees the new one; replacing the link by a folder would quietly split the two.
     """
+    for path in (output_dir, *output_dir.parents):
+        if path.is_symlink() and not path.exists():
+            raise ExportError(
+                f"{path} is a symbolic link to {path.parent / os.readlink(path)}, which does not exist; create that "
+                "folder, or choose another output folder."
+            )
     resolved, source_resolved = output_dir.resolve(), source.resolve()
+    folder = resolved if output_dir.is_symlink() else output_dir
     if resolved == source_resolved or resolved in source_resolved.parents:
         raise ExportError(
             f"{output_dir} is the drafter source {source} or a folder holding it; choose an output folder outside it."
@@ -333,7 +354,7 @@ def _check_output(output_dir: Path, force: bool, source: Path) -> None:
     if output_dir.exists() and not output_dir.is_dir():
         raise ExportError(f"{output_dir} exists and is not a directory; choose another output folder.")
     if not output_dir.is_dir() or not any(output_dir.iterdir()):
-        return
+        return folder
     if not force:
         raise ExportError(f"{output_dir} is not empty; pass --force to replace it, or choose another output folder.")
     if not is_previous_export(output_dir):
@@ -341,6 +362,7 @@ def _check_output(output_dir: Path, force: bool, source: Path) -> None:
             f"{output_dir} is not a previous export (it holds files other than {', '.join(sorted(EXPORT_FILES))}), "
             "so --force does not replace it; choose another output folder."
         )
+    return folder
 
 
 def is_previous_export(folder: Path) -> bool:
@@ -405,6 +427,14 @@ def model_card(summary: ExportSummary, source: DrafterSource, drafter_config: Pr
         f"greedy, chain of {steps} draft tokens, batch size 1, at most {measurement.max_new_tokens} new tokens, "
         "in tlt's embedded engine"
     )
+    token_map = (
+        f" \\\n    --speculative-token-map {Path(summary.output_dir) / TOKEN_MAP_FILE}"
+        if TOKEN_MAP_FILE in summary.files
+        else ""
+    )
+    token_map_file = (
+        f", `{TOKEN_MAP_FILE}` (the draft vocabulary's target ids, for `--speculative-token-map`)" if token_map else ""
+    )
     layout_sources = "`models/llama_eagle.py`, `models/qwen2_eagle.py`, `speculative/eagle_worker_v2.py`"
     return f"""# EAGLE drafter for {summary.target}
 
@@ -427,7 +457,7 @@ tlt during GRPO, on the target's own hidden states.
 ```bash
 python -m sglang.launch_server --model-path {served_target} \\
     --speculative-algorithm EAGLE --speculative-draft-model-path {summary.output_dir} \\
-    --speculative-num-steps {steps} --speculative-eagle-topk 1 --speculative-num-draft-tokens {steps + 1}
+    --speculative-num-steps {steps} --speculative-eagle-topk 1 --speculative-num-draft-tokens {steps + 1}{token_map}
 ```
 
 The drafter belongs to the target named above: with another target (or the same model at
@@ -452,5 +482,5 @@ another RL step) SD stays lossless but acceptance falls.
 
 `config.json` (the target's config with one layer and `architectures: [{summary.architecture}]`),
 `model.safetensors` (`fc.weight`, `fc.bias`, `layers.0.*`{", shared weights" if summary.include_shared else ""}),
-`tlt_export.json` (the measurement above, machine-readable).
+`tlt_export.json` (the measurement above, machine-readable){token_map_file}.
 """

@@ -10,7 +10,8 @@ SGLang serves an EAGLE draft model from a Hugging Face-style folder:
 which is how an export checks itself before it is renamed into place. Layout checked against
 SGLang 0.5.23's source (models/llama_eagle.py, models/qwen2_eagle.py, speculative/eagle_worker_v2.py).
 A drafter over a reduced draft vocabulary also needs the token map SGLang's
-`--speculative-token-map` reads (`save_token_map`).
+`--speculative-token-map` reads (`save_token_map`, TOKEN_MAP_FILE in the folder; `load_token_map` reads
+it back; checked against SGLang 0.5.23's own `spec_utils.load_token_map` by tests/test_sglang_real_export.py).
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ from tlt_cli.sglang.weight_sync import drafter_tensors
 
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
+# a reduced draft vocabulary's target ids, as --speculative-token-map reads them (`save_token_map`)
+TOKEN_MAP_FILE = "token_map.pt"
 SGLANG_ARCHITECTURES = {"qwen2": "Qwen2ForCausalLMEagle", "llama": "LlamaForCausalLMEagle"}
 SGLANG_VERSIONS_CHECKED = "0.5.23"
 SHARED_NAMES = ("embed_tokens.weight", "lm_head.weight")
@@ -88,7 +91,7 @@ def load_exported_drafter(export_dir: Path, target: PreTrainedModel) -> EagleDra
             f"{export_dir} is a {config.get('architectures')} drafter of hidden size {config.get('hidden_size')}, "
             f"not a {expected} drafter for this target."
         )
-    drafter = EagleDrafter(target)
+    drafter = EagleDrafter(target, vocabulary=load_token_map(export_dir, target))
     state = {}
     for name, tensor in load_file(str(export_dir / WEIGHTS_FILE)).items():
         if name == "fc.bias":
@@ -113,6 +116,17 @@ def load_exported_drafter(export_dir: Path, target: PreTrainedModel) -> EagleDra
             f"{export_dir}: the weights do not fit this target's drafter ({str(error).splitlines()[0]})."
         ) from None
     return drafter
+
+
+def load_token_map(export_dir: Path, target: PreTrainedModel) -> DraftVocabulary:
+    """The draft vocabulary of an export: its TOKEN_MAP_FILE if it has one, else the target's whole vocabulary."""
+    path = export_dir / TOKEN_MAP_FILE
+    if not path.is_file():
+        return DraftVocabulary.full(target.config.vocab_size)
+    try:
+        return DraftVocabulary(torch.load(path, weights_only=True), target.config.vocab_size)
+    except (ValueError, RuntimeError) as error:
+        raise DrafterFormatError(f"{path} is not a token map of this target's vocabulary: {error}") from None
 
 
 def save_token_map(vocabulary: DraftVocabulary, path: Path) -> None:
