@@ -10,10 +10,10 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
-from tiny_models import tiny_llama, tiny_qwen2
+from tiny_models import tiny_gpt2, tiny_llama, tiny_qwen2
 from torch import nn
 
-from tlt_cli.config import RecipeError
+from tlt_cli.config import RecipeError, SpeculativeSection
 from tlt_cli.drafter.model import EagleDrafter
 from tlt_cli.engine import linear_forms_measure
 from tlt_cli.engine.linear_forms import (
@@ -163,9 +163,14 @@ def test_after_update_refreshes_copies_written_behind_autograds_back(tmp_path):
     model = MODELS["llama-tied"]()
     drafter = EagleDrafter(model, seed=2)
     write_plan(tmp_path, [model, drafter], forced_plan([model, drafter], TRANSPOSED))
-    rollout = EmbeddedRollout(model, NEVER_EMITTED, 0, drafter=drafter, linear_forms="auto", cache_dir=tmp_path)
-    layers = linear_layers([model, drafter])
-    assert rollout.linear_forms.extra_bytes == sum(layer.weight.numel() * 4 for layer in layers)
+    speculative = SpeculativeSection(rules=[{"batch": [1, None], "use": "s2-k1-t3"}])
+    rollout = EmbeddedRollout(
+        model, NEVER_EMITTED, 0, speculative, drafter=drafter, linear_forms="auto", cache_dir=tmp_path
+    )
+    # the owned forward multiplies the policy by copies of its own: only the drafter's layers keep formed copies
+    drafter_only = set(map(id, linear_layers([drafter]))) - set(map(id, linear_layers([model])))
+    layers = [layer for layer in linear_layers([drafter]) if id(layer) in drafter_only]
+    assert layers and rollout.linear_forms.extra_bytes == sum(layer.weight.numel() * 4 for layer in layers)
     decode_path_line, forms_line = rollout.start()
     assert decode_path_line.startswith("decode path: owned llama-family")
     assert f"({rollout.linear_forms.extra_bytes} bytes)" in forms_line
@@ -181,7 +186,7 @@ def test_after_update_refreshes_copies_written_behind_autograds_back(tmp_path):
 
 
 def test_forms_apply_only_during_generate_and_off_leaves_the_model_untouched(tmp_path):
-    model = MODELS["qwen2-tied"]()
+    model = tiny_gpt2(VOCAB, 10, 256)  # the transformers path: decoding runs the policy's own nn.Linear layers
     off = EmbeddedRollout(model, NEVER_EMITTED, 0, linear_forms="off", cache_dir=tmp_path)
     assert off.linear_forms is None and off.engine.linear_forms is None
     assert off.start() == [off.engine.decode_model.describe()]

@@ -197,6 +197,13 @@ class LinearForms:
                 self.layers.append(FormedLinear(layer, forms_by_rows))
         self.refresh()
 
+    def keep_only(self, modules: Iterable[nn.Module | None]) -> None:
+        """Form only the layers of `modules` from now on; the others' transposed copies are freed (the engine
+        calls it when its decode model computes the policy with weights of its own, never through the
+        policy's nn.Linear layers; a layer the drafter shares with the policy, its head, stays formed)."""
+        kept = {id(layer) for layer in linear_layers(modules)}
+        self.layers = [formed for formed in self.layers if id(formed.layer) in kept]
+
     @property
     def copies(self) -> list[TransposedCopy]:
         return [formed.transposed for formed in self.layers if formed.transposed is not None]

@@ -123,6 +123,7 @@ class LlamaFamilyModel:
     """
 
     path = PATH_NAME
+    calls_policy_modules = False
 
     def __init__(self, policy: nn.Module, dtype: torch.dtype | None = None, linear_plan: LinearPlan | None = None):
         reason = refusal(policy)

@@ -104,6 +104,7 @@ class TransformersModel:
     """The DecodeModel of any causal LM through transformers' public API; see the module docstring."""
 
     path = PATH_NAME
+    calls_policy_modules = True
     extra_bytes = 0
 
     def __init__(self, policy: nn.Module, reason: str = "") -> None:

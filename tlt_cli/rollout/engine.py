@@ -81,6 +81,10 @@ class EmbeddedEngine:
         self.eos_token_id = eos_token_id
         self.pad_token_id = pad_token_id
         self.speculative = speculative
+        if linear_forms is not None and not self.decode_model.calls_policy_modules:
+            # the owned forward multiplies by its own copies: forming the policy's nn.Linear layers too would
+            # only hold a second copy of its weights (hundreds of MiB on a real model)
+            linear_forms.keep_only([speculative.drafter if speculative is not None else None])
         self.linear_forms = linear_forms
         self.device = next(model.parameters()).device
 
