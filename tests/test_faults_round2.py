@@ -11,6 +11,7 @@ The tiny models are copies of the shipped one made in the test's own folder.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -18,17 +19,25 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import test_faults as faults
+import torch
 from recipe_overrides import PLAIN_DECODING, RECIPE, TLT, small_run
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from tlt_cli.checkpoint import prepare_staging, publish
+from tlt_cli.checkpoint import DiskFullError, prepare_staging, publish, remove_staging, save_collectively
 from tlt_cli.config import load_recipe, recipe_to_yaml
+from tlt_cli.drafter.model import EagleDrafter, save_drafter
+from tlt_cli.export import is_previous_export
+from tlt_cli.models.loading import load_policy
 from tlt_cli.models.tiny import SHIPPED_TINY_MODEL
+from tlt_cli.processes.driver import TrainingFailed, _after_failure
+from tlt_cli.processes.run_directory import RunDirectory
 from tlt_cli.sglang.registry import REGISTRY_DIRECTORY, record_server_groups, stop_recorded_servers
+from tlt_cli.trace import read_trace
 
 # a step of the small run takes a few seconds; a pause of the driver well past this deadline must not end it
 PAUSED_STEP_TIMEOUT_S = 20
@@ -224,12 +233,21 @@ def test_a_resume_with_another_model_is_refused_before_any_worker_starts(tmp_pat
     assert line.endswith(f"intermediate_size 512 vs 1024); resume with model.path={tmp_path / 'first'}."), line
 
 
-def test_a_resume_of_a_run_on_a_read_only_file_system_is_one_sentence(tmp_path):
-    mount = tmp_path / "read-only"
-    mount.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)]).returncode != 0:
+@contextlib.contextmanager
+def small_tmpfs(folder: Path, size: str) -> Iterator[Path]:
+    """`folder`, made and a tmpfs of `size` (mount's syntax: 1m, 24k) mounted on it for the block; skips the test
+    where mounting is not allowed. The unmount is lazy, so a file a failed test left open cannot keep it mounted."""
+    folder.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)]).returncode != 0:
         pytest.skip("cannot mount a tmpfs here")
     try:
+        yield folder
+    finally:
+        subprocess.run(["umount", "--lazy", str(folder)], check=False)
+
+
+def test_a_resume_of_a_run_on_a_read_only_file_system_is_one_sentence(tmp_path):
+    with small_tmpfs(tmp_path / "read-only", "1m") as mount:
         run_directory = run_with_a_checkpoint(mount / "copied-run", f"run.output_dir={tmp_path / 'first-place'}")
         subprocess.run(["mount", "-o", "remount,ro", str(mount)], check=True)
         result = tlt("train", "--resume", str(run_directory))
@@ -238,8 +256,154 @@ def test_a_resume_of_a_run_on_a_read_only_file_system_is_one_sentence(tmp_path):
             "checkpoints and trace there; copy it to a writable place and --resume the copy."
         )
         assert sorted(path.name for path in run_directory.iterdir()) == ["checkpoints", "recipe.yaml", "trace.jsonl"]
+
+
+# ---------------------------------------------------------------- a full disk at the first checkpoint
+
+
+def test_a_full_disk_at_the_first_checkpoint_is_one_sentence_and_frees_the_disk(small_model, tmp_path):
+    # 2 MiB: the recipe, the lock, the workers' logs and the trace of step 0 fit, the first checkpoint (tens of MB,
+    # after step 1) does not
+    with small_tmpfs(tmp_path / "small-disk", "2m") as disk:
+        run_directory = disk / "full"
+        result = tlt(*small_run(small_model, disk, "full", 3)[len(TLT) :])
+        line = refused(result)
+        assert line.startswith(f"error: the file system of run directory {run_directory} is full ("), line
+        assert line.endswith(
+            " bytes free), so checkpoint step_000002 could not be written and its partial files are removed; free "
+            "some space; no checkpoint was completed, so start the run again with another run.name or after "
+            f"removing {run_directory}."
+        ), line
+        assert list((run_directory / "checkpoints").iterdir()) == [], "the partial checkpoint keeps the disk full"
+        log = (run_directory / "run.log").read_text()
+        assert "Traceback" in log and "DiskFullError" in log, log
+        assert [record["step"] for record in read_trace(run_directory / "trace.jsonl") if record["type"] == "step"] == [
+            0
+        ]
+
+
+def save_onto_a_full_disk(checkpoints: Path, next_step: int) -> tuple[str, type[BaseException]]:
+    """The message of the DiskFullError of a one-rank save of 4 MiB of weights into `checkpoints`, and its cause's
+    type.
+
+    Only text and a type leave this call: the error's traceback holds torch's file open (the disk stays full)
+    until it goes, as it goes with a worker that reported it."""
+    try:
+        save_collectively(
+            checkpoints,
+            next_step,
+            0,
+            lambda: None,
+            lambda staging: torch.save(torch.zeros(1 << 20), staging / "weights.pt"),
+            {},
+            keep=2,
+        )
+    except DiskFullError as error:  # not pytest.raises: its record of the error is a cycle only gc would free
+        return str(error), type(error.__cause__)
+    raise AssertionError("4 MiB fitted on a 1 MiB disk")
+
+
+def test_torch_save_onto_a_full_disk_names_the_disk_and_advises_resume_only_with_a_complete_checkpoint(tmp_path):
+    with small_tmpfs(tmp_path / "small-disk", "1m") as disk:
+        run_directory = disk / "run"
+        checkpoints = run_directory / "checkpoints"
+        message, cause = save_onto_a_full_disk(checkpoints, 1)
+        assert message.startswith(f"the file system of run directory {run_directory} is full ("), message
+        assert message.endswith(
+            "so checkpoint step_000001 could not be written and its partial files are removed; free some space; no "
+            f"checkpoint was completed, so start the run again with another run.name or after removing {run_directory}."
+        ), message
+        assert cause is RuntimeError, "torch reports a full disk with no errno; its error is kept for the run's log"
+        remove_staging(checkpoints)
+        (prepare_staging(checkpoints, 1) / "weights.pt").write_bytes(b"weights")
+        publish(checkpoints, 1, {}, keep=2)
+        message, _ = save_onto_a_full_disk(checkpoints, 2)
+        assert message.endswith(
+            f"free some space; complete checkpoints are kept, continue with --resume {run_directory}."
+        ), message
+        remove_staging(checkpoints)
+        assert sorted(path.name for path in checkpoints.iterdir()) == ["latest", "step_000001"]
+
+
+def test_a_runtime_error_of_a_save_on_a_disk_with_room_stays_itself(tmp_path):
+    def fail(staging: Path) -> None:
+        raise RuntimeError("a bug in a plugin's save")
+
+    with pytest.raises(RuntimeError, match="a bug in a plugin's save") as raised:
+        save_collectively(tmp_path / "checkpoints", 1, 0, lambda: None, fail, {}, keep=2)
+    assert not isinstance(raised.value, DiskFullError)
+
+
+def test_a_failed_run_points_at_its_log_only_once_written_and_at_resume_only_with_a_checkpoint(tmp_path):
+    run_directory = tmp_path / "run"
+    run_directory.mkdir()
+    held = RunDirectory.resume(run_directory)
+    bug = TrainingFailed("worker 0 failed: RuntimeError: a bug")
+    try:
+        assert str(_after_failure(bug, "Traceback: ...", held, discard=False, keep_log=False)) == (
+            f"worker 0 failed: RuntimeError: a bug (traceback in {run_directory / 'run.log'}; no checkpoint was "
+            f"completed, so start the run again with another run.name or after removing {run_directory})."
+        )
+        checkpoints = run_directory / "checkpoints"
+        (prepare_staging(checkpoints, 1) / "weights.pt").write_bytes(b"weights")
+        publish(checkpoints, 1, {}, keep=2)
+        prepare_staging(checkpoints, 2)  # the save the failure cut short
+        (run_directory / "run.log").unlink()
+        (run_directory / "run.log").mkdir()  # a log that cannot be written
+        assert str(_after_failure(bug, "Traceback: ...", held, discard=False, keep_log=False)) == (
+            f"worker 0 failed: RuntimeError: a bug (complete checkpoints are kept, continue with --resume "
+            f"{run_directory})."
+        )
+        assert sorted(path.name for path in checkpoints.iterdir()) == ["latest", "step_000001"]
     finally:
-        subprocess.run(["umount", str(mount)], check=False)
+        held.release()
+
+
+# ---------------------------------------------------------------- export-drafter onto symbolic links
+
+
+def drafter_to_export(folder: Path) -> tuple[Path, Path]:
+    """(a drafter folder of the shipped tiny model, a recipe naming that model), made in `folder`."""
+    save_drafter(EagleDrafter(load_policy(str(SHIPPED_TINY_MODEL))[0], seed=0), folder / "drafter")
+    recipe = folder / "recipe.yaml"
+    recipe.write_text(
+        f"run: {{name: exported, output_dir: {folder / 'runs'}}}\nmodel: {{path: {SHIPPED_TINY_MODEL}}}\n"
+        "train: {steps: 2, prompts_per_step: 2, group_size: 2}\nrollout: {max_new_tokens: 24}\n"
+    )
+    return folder / "drafter", recipe
+
+
+def export(drafter: Path, output: Path, recipe: Path) -> subprocess.CompletedProcess:
+    return tlt("export-drafter", str(drafter), str(output), "--recipe", str(recipe), "--prompts", "1", "--force")
+
+
+def test_export_force_onto_a_symlinked_output_writes_through_the_link_and_leaves_nothing_beside_it(tmp_path):
+    drafter, recipe = drafter_to_export(tmp_path)
+    exports = tmp_path / "exports"
+    (exports / "v1").mkdir(parents=True)
+    (exports / "v1" / "tlt_export.json").write_text("{}")  # a previous export, as far as --force can tell
+    (exports / "latest").symlink_to("v1")
+    result = export(drafter, exports / "latest", recipe)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "Traceback" not in result.stdout + result.stderr
+    assert sorted(os.listdir(exports)) == ["latest", "v1"], "a stray .previous or staging folder"
+    assert os.readlink(exports / "latest") == "v1"
+    assert "measurement" in json.loads((exports / "v1" / "tlt_export.json").read_text())
+    assert is_previous_export(exports / "v1")
+
+
+@pytest.mark.parametrize("below_the_link", ["", "exported"])
+def test_an_export_through_a_dangling_symlink_is_one_sentence_naming_the_link_and_its_target(tmp_path, below_the_link):
+    drafter, recipe = drafter_to_export(tmp_path)
+    link = tmp_path / "out"
+    link.symlink_to("gone")
+    before = sorted(os.listdir(tmp_path))
+    result = export(drafter, link / below_the_link if below_the_link else link, recipe)
+    assert refused(result) == (
+        f"error: {link} is a symbolic link to {tmp_path / 'gone'}, which does not exist; create that folder, or "
+        "choose another output folder."
+    )
+    assert sorted(os.listdir(tmp_path)) == before and link.is_symlink()
 
 
 # ---------------------------------------------------------------- records of SGLang servers in the run directory

@@ -8,7 +8,10 @@ Workers write into the staging folder collectively, then rank 0 adds state.json,
 and folder, and renames it into place, so a kill or a power cut at any moment leaves either the old
 or the new checkpoint, never half of one. `latest_checkpoint` checks the checkpoint `latest` names
 (state.json readable, every file its recorded size); when it is damaged it falls back to the newest
-complete checkpoint before it, with a warning naming what was wrong.
+complete checkpoint before it, with a warning naming what was wrong. A write the run directory's file
+system refuses as full (torch.save says so only as a RuntimeError) is a `DiskFullError`, one sentence
+naming the file system and its free bytes; the driver then removes the staging folder
+(`remove_staging`), and `next_run_advice` says whether there is a checkpoint to `--resume`.
 
 `load_checkpoint_file` is how every `.pt` file of a run directory is read: `torch.load` restricted to
 tensors and plain data (`weights_only=True`) plus the few classes a caller names, so a copied or
@@ -17,18 +20,20 @@ shared run directory cannot run code on `--resume`.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
 import pickle
 import re
 import shutil
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tlt_cli.errors import UserError, writing
+from tlt_cli.errors import UserError
 
 STATE_FILE = "state.json"
 LATEST_FILE = "latest"
@@ -40,11 +45,18 @@ FILE_SIZES_KEY = "file_sizes"
 CHECKPOINT_NAME = re.compile(r"step_\d{6}")
 # the lines of torch.load's weights-only refusal that are advice, not the reason
 TORCH_LOAD_ADVICE = ("Weights only load failed", "Check the documentation")
-WRITE_ADVICE = "free some space; the previous complete checkpoint is kept, continue with --resume once there is room."
+# errno values of a write refused for want of room: the file system is full, or the user's quota is
+FULL_DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+# a failed checkpoint write is blamed on a full disk when a probe write of this size next to it is refused as full
+DISK_PROBE_BYTES = 1 << 20
 
 
 class CheckpointError(UserError):
     """A run directory that cannot be resumed; the message says what is missing."""
+
+
+class DiskFullError(CheckpointError):
+    """A checkpoint the run directory's file system had no room for; the message names it and its free bytes."""
 
 
 @dataclass(frozen=True)
@@ -89,6 +101,13 @@ def write_atomically(path: Path, text: str) -> None:
     finally:
         staging.unlink(missing_ok=True)
     fsync_path(path.parent)
+
+
+def remove_staging(checkpoints: Path) -> None:
+    """Remove the staging folders a failed save left (the driver, once every worker has stopped): they are never
+    read, and after a full disk they keep it full."""
+    for staging in checkpoints.glob(".staging-step_*"):
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 def prepare_staging(checkpoints: Path, next_step: int) -> Path:
@@ -235,19 +254,92 @@ def save_collectively(
 ) -> Path:
     """Run on every worker: stage, let each rank write its parts, then rank 0 publishes.
 
-    A write the disk refuses with an OSError (full, read-only) is a CheckpointError naming the folder.
+    A write the file system refuses for want of room is a DiskFullError (torch.save's RuntimeError
+    included); any other OSError (read-only, no permission) a CheckpointError naming the folder.
     """
     staging = staging_directory(checkpoints, next_step)
     final = checkpoints / checkpoint_name(next_step)
     if rank == 0:
-        with writing(staging, WRITE_ADVICE, CheckpointError):
+        with _checkpoint_write(staging, final.name):
             prepare_staging(checkpoints, next_step)
     barrier()
-    with writing(staging, WRITE_ADVICE, CheckpointError):
+    with _checkpoint_write(staging, final.name):
         save_parts(staging)
     barrier()
     if rank == 0:
-        with writing(final, WRITE_ADVICE, CheckpointError):
+        with _checkpoint_write(final, final.name):
             publish(checkpoints, next_step, extra_state, keep)
     barrier()
     return final
+
+
+@contextlib.contextmanager
+def _checkpoint_write(path: Path, name: str) -> Iterator[None]:
+    """Around a write of checkpoint `name` to `path`: a full disk is a DiskFullError, another OSError a
+    CheckpointError, each ending with what to do next."""
+    checkpoints = path.parent
+    run_directory = checkpoints.parent
+    try:
+        yield
+    except (OSError, RuntimeError) as error:
+        if disk_is_full(error, checkpoints):
+            raise DiskFullError(
+                f"the file system of run directory {run_directory} is full ({_free_bytes(run_directory)}), so "
+                f"checkpoint {name} could not be written and its partial files are removed; free some space; "
+                f"{next_run_advice(run_directory)}."
+            ) from error  # the run's log keeps the write's own traceback
+        if not isinstance(error, OSError):
+            raise
+        raise CheckpointError(
+            f"cannot write {path} ({error.strerror or type(error).__name__}); make it writable; "
+            f"{next_run_advice(run_directory)}."
+        ) from None
+
+
+def disk_is_full(error: BaseException, folder: Path) -> bool:
+    """Whether `error`, raised by a write under `folder`, means its file system is full.
+
+    An OSError says so by its errno (its own or a cause's); torch.save's RuntimeError ("unexpected
+    pos ...") carries none, so a probe write of DISK_PROBE_BYTES in `folder` decides: refused for
+    want of room, the disk is full (the failed write's partial files still hold it), else the error
+    is another one and stays as it is.
+    """
+    seen: set[int] = set()
+    cause: BaseException | None = error
+    while cause is not None and id(cause) not in seen:
+        if isinstance(cause, OSError) and cause.errno in FULL_DISK_ERRNOS:
+            return True
+        seen.add(id(cause))
+        cause = cause.__cause__ or cause.__context__
+    probe = folder / f".disk-probe-{os.getpid()}"
+    try:
+        with probe.open("wb") as handle:
+            handle.write(bytes(DISK_PROBE_BYTES))
+            handle.flush()
+            os.fsync(handle.fileno())
+    except OSError as refusal:
+        return refusal.errno in FULL_DISK_ERRNOS
+    finally:
+        with contextlib.suppress(OSError):
+            probe.unlink(missing_ok=True)
+    return False
+
+
+def _free_bytes(folder: Path) -> str:
+    try:
+        return f"{shutil.disk_usage(folder).free:,} bytes free"
+    except OSError:
+        return "free space unknown"
+
+
+def next_run_advice(run_directory: Path) -> str:
+    """What to do once a failed run's cause is fixed: `--resume` when it kept a complete checkpoint, else start
+    again (a folder that holds a run's trace or checkpoints folder cannot be a new run's)."""
+    try:
+        latest_checkpoint(run_directory)
+    except (CheckpointError, OSError):
+        return (
+            f"no checkpoint was completed, so start the run again with another run.name or after removing "
+            f"{run_directory}"
+        )
+    return f"complete checkpoints are kept, continue with --resume {run_directory}"

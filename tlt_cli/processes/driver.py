@@ -37,7 +37,7 @@ from typing import Any, Protocol
 
 from rich.console import Console
 
-from tlt_cli.checkpoint import CheckpointError
+from tlt_cli.checkpoint import CheckpointError, next_run_advice, remove_staging
 from tlt_cli.config import CPU_DEVICES, Recipe, load_recipe, recipe_to_dict
 from tlt_cli.display import PhaseProgress, TrainingDisplay, render_summary
 from tlt_cli.errors import UserError
@@ -242,17 +242,21 @@ def _train_in(
 
 
 def _after_failure(error: Exception, details: str, held: RunDirectory, discard: bool, keep_log: bool) -> Exception:
-    """Log the traceback in the run's log; with discard (a new run that failed before its first step), remove
-    what it made.
+    """Remove the staging folder of a checkpoint being written (the workers have stopped), log the traceback in
+    the run's log; with discard (a new run that failed before its first step), remove what it made.
 
-    Returns the error to raise: a bug's message then says where its traceback is (or how to keep it).
+    Returns the error to raise: a bug's message then says where its traceback is (only if the log took it) and
+    whether there is a checkpoint to --resume.
     """
     run_directory = held.path
+    # a partial checkpoint is never read, and after a full disk it keeps the disk full (and the log unwritten)
+    remove_staging(run_directory / CHECKPOINTS)
     log = run_directory / RUN_LOG
-    # a disk that refused the trace may refuse the log too: the error itself then says so
+    logged = False
     with contextlib.suppress(OSError):
         with log.open("a", encoding="utf-8") as handle:
             handle.write(f"{error}\n{details.rstrip()}\n")
+        logged = True
     if discard:
         held.discard(keep_log)
     if isinstance(error, UserError):
@@ -261,7 +265,7 @@ def _after_failure(error: Exception, details: str, held: RunDirectory, discard: 
     if discard and not keep_log:
         note = "it failed before its first step, so its run directory is removed; --keep-log keeps its log"
     else:
-        note = f"traceback in {log}; complete checkpoints are kept, continue with --resume {run_directory}"
+        note = f"{f'traceback in {log}; ' if logged else ''}{next_run_advice(run_directory)}"
     return TrainingFailed(f"{first_line.rstrip('.')} ({note}).{newline}{more}")
 
 
