@@ -37,10 +37,11 @@ def test_the_estimate_grows_with_prompts_and_tokens_and_splits_adam_over_zero_wo
     base = estimate()
     longer, more = estimate("rollout.max_new_tokens=1280"), estimate("train.prompts_per_step=64")
     assert longer.update > base.update and longer.rollout > base.rollout and more.rollout > base.rollout
-    # ZeRO 2 over 2 workers: each holds half the AdamW moments, master copy and gradients
+    # ZeRO 2 over 2 workers: each holds half the AdamW moments and master copy, and half the gradients in
+    # its own buffer besides the whole gradient of backward; ZeRO 0: the moments and the gradient, whole
     unsplit = estimate("actor.zero_stage=0")
     assert unsplit.training_state == shape.parameters * 4 * 3
-    assert base.training_state == shape.parameters * 4 * 4 // 2
+    assert base.training_state == shape.parameters * 4 * 3 // 2 + shape.parameters * 4 + shape.parameters * 4 // 2
 
 
 def test_a_run_fits_exactly_when_its_workers_estimate_is_at_most_what_is_available(monkeypatch):

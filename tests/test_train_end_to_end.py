@@ -33,6 +33,12 @@ def test_two_steps_write_trace_checkpoint_and_summary(small_model, tmp_path):
     assert len(requests) == 2 * 4 * 2 and {request["worker"] for request in requests} == {0, 1}
     workers = read_records(run_directory, "worker")
     assert len(workers) == 4 and all(worker["idle_seconds"] >= 0 for worker in workers)
+    # each worker's resident peaks (GB) in the rollout and the update; the step carries the highest
+    for step in steps:
+        own = [worker for worker in workers if worker["step"] == step["step"]]
+        peaks = [max(worker["memory_rollout_peak_gb"], worker["memory_update_peak_gb"]) for worker in own]
+        assert min(peaks) > 0.1 and step["memory_peak_gb"] == max(peaks)
+    assert "peak resident memory of a worker" in result.stdout
     # the slower worker of each step has no idle time; the other waits for it
     for step in (0, 1):
         idle = sorted(worker["idle_seconds"] for worker in workers if worker["step"] == step)

@@ -151,10 +151,11 @@ def worker_peak_estimate(recipe: Recipe, shape: ModelShape, prompt_tokens: int) 
     value_bytes = 2 if recipe.actor.precision == "bf16" else FLOAT32_BYTES
     copies = 2 if recipe.actor.kl_coef > 0 else 1
     parameters = shape.parameters
-    # ZeRO 1 splits the AdamW state (and its float32 master copy) over the workers, ZeRO 2 the gradients too
+    # ZeRO 1-2 split the AdamW state and its float32 master copy over the workers; ZeRO 2 keeps its part of
+    # the gradients in a buffer of its own, besides the whole gradient that backward makes
     zero = recipe.actor.zero_stage
     optimizer = parameters * FLOAT32_BYTES * (ADAM_MOMENTS + (1 if zero >= 1 else 0)) // (workers if zero >= 1 else 1)
-    gradients = parameters * FLOAT32_BYTES // (workers if zero >= 2 else 1)
+    gradients = parameters * FLOAT32_BYTES + (parameters * FLOAT32_BYTES // workers if zero >= 2 else 0)
     sequence_tokens = prompt_tokens + recipe.rollout.max_new_tokens
     samples = recipe.train.prompts_per_step // workers * recipe.train.group_size
     # keys and values of every layer for every sample, prompt and response
