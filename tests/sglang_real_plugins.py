@@ -1,12 +1,17 @@
-"""A plugin for tests/test_sglang_real_train.py: a worker that fails after its first rollout on real SGLang
-servers (so the servers are up and have answered when the worker raises)."""
+"""A plugin for tests/test_sglang_real_train.py: a worker that dies after its first rollout on real SGLang
+servers (so the servers are up and have answered when it goes). A hook that raises only disables its plugin,
+so the worker is killed outright (SIGKILL, as the kernel's OOM killer does): the driver must then stop the
+servers the worker recorded."""
+
+import os
+import signal
 
 
-class FailAfterFirstRollout:
-    """Raises at the end of step 1's rollout, in the worker."""
+class KillWorkerAfterFirstRollout:
+    """SIGKILLs its own worker process at the end of step 1's rollout."""
 
     def __init__(self, recipe):
         pass
 
     def on_rollout_end(self, context):
-        raise RuntimeError("the test told this worker to fail after its first rollout")
+        os.kill(os.getpid(), signal.SIGKILL)
