@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 from bench_rollout import FIRST_BENCH_PROBLEM
-from profile_plain_step import streaming_bandwidth
+from profile_plain_step import interleaved_cpu_seconds, streaming_bandwidth
 from rich.console import Console
 from rich.table import Table
 
@@ -80,16 +80,7 @@ def greedy_methods(target, engines: dict[str, EmbeddedEngine], prompts, max_new_
         )
 
     methods = {"generate (float32)": run_generate, **{name: engine_method(e) for name, e in engines.items()}}
-    seconds: dict[str, float] = defaultdict(float)
-    outputs: dict[str, list] = defaultdict(list)
-    for round_index in range(rounds):
-        for prompt in prompts:
-            for name, method in methods.items():
-                started = time.process_time()
-                tokens = method(prompt)
-                if round_index > 0:
-                    seconds[name] += time.process_time() - started
-                    outputs[name].append(tokens)
+    seconds, outputs = interleaved_cpu_seconds(methods, prompts, rounds)
     tokens = (rounds - 1) * len(prompts) * max_new_tokens
     reference = outputs["generate (float32)"]
     return {

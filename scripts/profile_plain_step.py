@@ -104,6 +104,22 @@ def _weight_of(first: list[int], second: list[int], rows: int) -> tuple[str | No
     return f"{out_features}x{in_features}", out_features * in_features
 
 
+def interleaved_cpu_seconds(methods: dict, prompts, rounds: int) -> tuple[dict[str, float], dict[str, list]]:
+    """Each method on each prompt, interleaved, `rounds` times; CPU seconds and outputs per method, the first
+    round left out (first-call costs)."""
+    seconds: dict[str, float] = defaultdict(float)
+    outputs: dict[str, list] = defaultdict(list)
+    for round_index in range(rounds):
+        for prompt in prompts:
+            for name, method in methods.items():
+                started = time.process_time()
+                tokens = method(prompt)
+                if round_index > 0:
+                    seconds[name] += time.process_time() - started
+                    outputs[name].append(tokens)
+    return seconds, outputs
+
+
 def timed_methods(target, tokenizer, forms, prompts, max_new_tokens: int, rounds: int) -> dict:
     """Tokens per CPU second of four greedy decoders over the same prompts, interleaved; tokens compared."""
     sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
@@ -129,16 +145,7 @@ def timed_methods(target, tokenizer, forms, prompts, max_new_tokens: int, rounds
         "generate": lambda prompt: run_generate(False, prompt),
         "generate+forms": lambda prompt: run_generate(True, prompt),
     }
-    seconds: dict[str, float] = defaultdict(float)
-    outputs: dict[str, list] = defaultdict(list)
-    for round_index in range(rounds):
-        for prompt in prompts:
-            for name, method in methods.items():
-                started = time.process_time()
-                tokens = method(prompt)
-                if round_index > 0:
-                    seconds[name] += time.process_time() - started
-                    outputs[name].append(tokens)
+    seconds, outputs = interleaved_cpu_seconds(methods, prompts, rounds)
     tokens = (rounds - 1) * len(prompts) * max_new_tokens
     return {
         name: {
