@@ -25,14 +25,17 @@ from tlt_cli.training.logprobs import CHUNK_TOKENS
 
 GB = 1e9
 FLOAT32_BYTES = 4
-# Python, torch, transformers, DeepSpeed and gloo imported and initialised, before the model (measured)
-RUNTIME_BYTES = 0.55e9
+# Python, torch, transformers, DeepSpeed and gloo imported and initialised, with what the allocator and
+# DeepSpeed hold beyond the parts below at the update's peak (fitted to SmolLM2-135M updates, BENCHMARKS.md)
+RUNTIME_BYTES = 1.2e9
 # AdamW keeps two float32 moments per parameter; ZeRO 1-2 also keep a float32 master copy of their part
 ADAM_MOMENTS = 2
 # float32 values the decoder saves for backward per token and layer, in units of (hidden, intermediate)
 # sizes: norms, q/k/v/o, attention output, residuals; gate, up, activation and product (measured)
-SAVED_PER_HIDDEN = 12
+SAVED_PER_HIDDEN = 7
 SAVED_PER_INTERMEDIATE = 5
+# bytes the attention saves per layer per (query, key) pair of a sequence (fitted: updates at 646-2182 tokens)
+ATTENTION_PAIR_BYTES = 9
 # [chunk, V] float32 buffers alive at once in the chunked log-prob backward (logits, their gradient)
 LOGPROB_BUFFERS = 2
 PROC_STATUS = Path("/proc/self/status")
@@ -160,10 +163,11 @@ def worker_peak_estimate(recipe: Recipe, shape: ModelShape, prompt_tokens: int) 
     samples = recipe.train.prompts_per_step // workers * recipe.train.group_size
     # keys and values of every layer for every sample, prompt and response
     rollout = samples * sequence_tokens * shape.layers * 2 * shape.key_value_width * value_bytes
-    micro_batch_tokens = min(recipe.actor.micro_batch_size, samples) * sequence_tokens
+    micro_batch = min(recipe.actor.micro_batch_size, samples)
     saved_per_token = shape.layers * (SAVED_PER_HIDDEN * shape.hidden + SAVED_PER_INTERMEDIATE * shape.intermediate)
     logprob_chunk = LOGPROB_BUFFERS * CHUNK_TOKENS * shape.vocab_size * FLOAT32_BYTES
-    update = micro_batch_tokens * saved_per_token * value_bytes + logprob_chunk
+    attention = micro_batch * sequence_tokens**2 * shape.layers * ATTENTION_PAIR_BYTES
+    update = micro_batch * sequence_tokens * saved_per_token * value_bytes + attention + logprob_chunk
     return MemoryEstimate(
         runtime=int(RUNTIME_BYTES),
         weights=parameters * value_bytes * copies,
