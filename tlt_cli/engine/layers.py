@@ -34,10 +34,9 @@ class AttentionShape:
 
 def rms_norm(hidden: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """weight * x / sqrt(mean(x^2) + eps), computed in float32 and cast back before the weight (as transformers)."""
-    input_dtype = hidden.dtype
-    hidden = hidden.to(torch.float32)
-    variance = hidden.pow(2).mean(-1, keepdim=True)
-    return weight * (hidden * torch.rsqrt(variance + eps)).to(input_dtype)
+    # F.rms_norm is x * rsqrt(mean(x^2) + eps), bit for bit transformers' three ops, in one call
+    normalized = F.rms_norm(hidden.to(torch.float32), (hidden.shape[-1],), eps=eps)
+    return weight * normalized.to(hidden.dtype)
 
 
 def rotary_tables(
@@ -57,8 +56,7 @@ def rotate_half(states: torch.Tensor) -> torch.Tensor:
 
 
 def attend(
-    query: torch.Tensor,
-    key: torch.Tensor,
+    query_key: torch.Tensor,
     value: torch.Tensor,
     rotary: tuple[torch.Tensor, torch.Tensor],
     visible: torch.Tensor,
@@ -67,34 +65,37 @@ def attend(
     layer_index: int = 0,
     qk_norm: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """Attention of T new entries per row: query [B, T, heads*head_dim], key, value [B, T, kv_heads*head_dim]
-    (projected, bias added); returns [B, T, heads*head_dim] before the output projection.
+    """Attention of T new entries per row: query_key [B, T, (heads+kv_heads)*head_dim] (the query's heads then
+    the key's, projected, bias added: the first columns of a fused q/k/v product), value [B, T,
+    kv_heads*head_dim]; returns [B, T, heads*head_dim] before the output projection.
 
     rotary: cos, sin from `rotary_tables`; visible: [B, 1, T, S] bool over the S keys attention reads;
     cache: None (the T new entries are all the keys) or any object whose `update(k, v, layer_index)`
     stores them and returns the layer's keys and values [B, kv_heads, S, head_dim] (a SlotCache after
     `prepare`, a DynamicCache); qk_norm: Qwen3's per-head RMSNorm weights of queries and keys.
     """
-    batch_size, length = query.shape[:2]
-    head_dim = shape.head_dim
-    query = query.view(batch_size, length, shape.heads, head_dim)
-    key = key.view(batch_size, length, shape.kv_heads, head_dim)
+    batch_size, length = query_key.shape[:2]
+    heads, kv_heads, head_dim = shape.heads, shape.kv_heads, shape.head_dim
+    query_key = query_key.view(batch_size, length, heads + kv_heads, head_dim)
     if qk_norm is not None:
-        query, key = rms_norm(query, qk_norm[0], shape.eps), rms_norm(key, qk_norm[1], shape.eps)
-    query, key = query.transpose(1, 2), key.transpose(1, 2)
-    value = value.view(batch_size, length, shape.kv_heads, head_dim).transpose(1, 2)
+        # one norm over all heads: each query head by q_norm's weight, each key head by k_norm's
+        weight = torch.cat((qk_norm[0].expand(heads, -1), qk_norm[1].expand(kv_heads, -1)))
+        query_key = rms_norm(query_key, weight, shape.eps)
+    query_key = query_key.transpose(1, 2)
     cos, sin = rotary
-    query = query * cos + rotate_half(query) * sin
-    key = key * cos + rotate_half(key) * sin
+    # rotary on queries and keys at once (the same elementwise maths as applying it to each)
+    query_key = query_key * cos + rotate_half(query_key) * sin
+    query, key = query_key.split((heads, kv_heads), dim=1)
+    value = value.view(batch_size, length, kv_heads, head_dim).transpose(1, 2)
     if cache is not None:
         key, value = cache.update(key, value, layer_index)
     # grouped-query attention without copying keys: query head h reads kv head h // group, so the group's
     # queries are folded into the query length ([B, kv_heads, group*T, head_dim]) and the mask repeated
-    group = shape.heads // shape.kv_heads
-    folded_query = query.reshape(batch_size, shape.kv_heads, group * length, head_dim)
+    group = heads // kv_heads
+    folded_query = query.reshape(batch_size, kv_heads, group * length, head_dim)
     mask = visible if group == 1 else visible[:, :, None].expand(-1, -1, group, -1, -1).flatten(2, 3)
     output = F.scaled_dot_product_attention(folded_query, key, value, attn_mask=mask, scale=head_dim**-0.5)
-    return output.view(batch_size, shape.heads, length, head_dim).transpose(1, 2).reshape(batch_size, length, -1)
+    return output.view(batch_size, heads, length, head_dim).transpose(1, 2).reshape(batch_size, length, -1)
 
 
 def gated(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -171,8 +172,7 @@ class DecoderLayer(nn.Module):
         normed = self.input_layernorm(hidden)
         qk_norm = (attention.q_norm.weight, attention.k_norm.weight) if hasattr(attention, "q_norm") else None
         attended = attend(
-            attention.q_proj(normed),
-            attention.k_proj(normed),
+            torch.cat((attention.q_proj(normed), attention.k_proj(normed)), dim=-1),
             attention.v_proj(normed),
             rotary,
             visible,

@@ -219,10 +219,11 @@ class LlamaFamilyModel:
         rotary = rotary_tables(self.inv_freq, self.attention_scaling, position_ids, hidden.dtype)
         qkv_form, o_form, gate_up_form, down_form = (_form_at(self.forms[name], rows) for name in PROJECTIONS[:4])
         eps, inner = self.shape.eps, self.intermediate_size
+        split = (self.widths[0] + self.widths[1], self.widths[2])  # queries and keys | values
         for index, layer in enumerate(self.layers):
             normed = rms_norm(hidden, layer.input_norm, eps).view(rows, -1)
-            query, key, value = product(qkv_form, normed, layer.qkv).view(batch_size, length, -1).split(self.widths, -1)
-            attended = attend(query, key, value, rotary, visible, self.shape, cache, index, layer.qk_norm)
+            query_key, value = product(qkv_form, normed, layer.qkv).view(batch_size, length, -1).split(split, -1)
+            attended = attend(query_key, value, rotary, visible, self.shape, cache, index, layer.qk_norm)
             hidden = hidden + product(o_form, attended.view(rows, -1), layer.o).view(batch_size, length, -1)
             normed = rms_norm(hidden, layer.post_norm, eps).view(rows, -1)
             gate, up = product(gate_up_form, normed, layer.gate_up).split(inner, -1)
