@@ -365,7 +365,11 @@ def test_a_trace_write_onto_a_full_disk_ends_the_run_in_one_sentence(tmp_path):
         if preexec is not None:
             pytest.skip("cannot mount a small tmpfs here; a file-size limit would also stop the workers' own writes")
         command = small_run(Path(BUILTIN_TINY_MODEL), disk, "full", 8, "checkpoint.every=100")
-        fails_with(tlt(command, TRAINING_TIMEOUT_S), str(disk / "full" / "trace.jsonl"), "No space left on device")
+        message = fails_with(
+            tlt(command, TRAINING_TIMEOUT_S), str(disk / "full" / "trace.jsonl"), "No space left on device"
+        )
+        # no step reached a checkpoint: no --resume is offered
+        assert "no checkpoint was completed" in message and "--resume" not in message
         records = (disk / "full" / "trace.jsonl").read_text().splitlines()
         assert json.loads(records[0])["type"] == "run"  # what fitted is kept
 

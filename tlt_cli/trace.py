@@ -37,7 +37,8 @@ from tlt_cli.errors import UserError, writing
 
 # the record that ends a step: the trace is fsynced after it
 STEP_RECORD = "step"
-WRITE_ADVICE = "free some space; complete checkpoints are kept, continue with --resume once there is room."
+# what to do about it; the driver adds whether a checkpoint can be resumed (it knows the run directory)
+WRITE_ADVICE = "free some space."
 
 
 class TraceError(ValueError):

@@ -260,7 +260,8 @@ def _after_failure(error: Exception, details: str, held: RunDirectory, discard: 
     if discard:
         held.discard(keep_log)
     if isinstance(error, UserError):
-        return error
+        # the user's to fix (a full disk under the trace): once fixed, resume or start again, as the run left it
+        return error if discard else UserError(f"{str(error).rstrip('.')}; then {next_run_advice(run_directory)}.")
     first_line, newline, more = str(error).partition("\n")
     if discard and not keep_log:
         note = "it failed before its first step, so its run directory is removed; --keep-log keeps its log"
