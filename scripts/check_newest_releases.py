@@ -2,10 +2,11 @@
 
     python scripts/check_newest_releases.py [--json newest.json] [--keep]
 
-Builds a throwaway virtual environment without the lock: torch 2.13.0 (held: the registry's newer
-torch builds are CUDA builds of several GB, and the CPU wheel is what tlt runs here), tlt itself
-without dependencies, then the newest release the registry has of every library tlt and its dev,
-trl, tensorboard and wandb extras name, pyproject.toml's upper bounds ignored (that is the point).
+Exports the committed tree (HEAD) and builds a throwaway virtual environment for it without the lock:
+torch 2.13.0 (held: the registry's newer torch builds are CUDA builds of several GB, and the CPU wheel
+is what tlt runs here), tlt itself without dependencies, then the newest release the registry has of
+every library tlt and its dev, trl, tensorboard and wandb extras name, pyproject.toml's upper bounds
+ignored (that is the point).
 It runs a named fast subset in it (CHECKS: the engine against transformers on tiny models of each
 family, SD identity, a DeepSpeed update, the TRL adapter, `tlt recipes validate`, a 2-step `tlt train`)
 and prints one table: package, tested version (tlt_cli/constraints.txt), newest version, and
@@ -72,9 +73,9 @@ class CheckResult:
     tail: str  # the command's last output lines
 
 
-def locked_dependency_names() -> list[str]:
+def locked_dependency_names(sources: Path) -> list[str]:
     """The libraries tlt and its locked extras name directly (canonical names, no bounds)."""
-    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    project = tomllib.loads((sources / "pyproject.toml").read_text())["project"]
     texts = [
         *project["dependencies"],
         *(text for extra in LOCKED_EXTRAS for text in project["optional-dependencies"][extra]),
@@ -89,8 +90,18 @@ def run_logged(command: list[str], log: Path, **kwargs) -> subprocess.CompletedP
         return subprocess.run(command, stdout=handle, stderr=subprocess.STDOUT, text=True, **kwargs)
 
 
-def build_environment(work: Path, log: Path) -> Path:
-    """The canary venv: held torch, tlt without dependencies, then the newest of everything else."""
+def committed_sources(work: Path) -> Path:
+    """The repository as committed (HEAD), exported under `work`: the canary tests what would land, not
+    whatever the working tree holds at the moment."""
+    sources = work / "tlt"
+    sources.mkdir()
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", "HEAD"], check=True, capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(sources)], input=archive, check=True)
+    return sources
+
+
+def build_environment(work: Path, sources: Path, log: Path) -> Path:
+    """The canary venv: held torch, tlt (from `sources`) without dependencies, then the newest of everything else."""
     environment = work / "venv"
     subprocess.run([sys.executable, "-m", "venv", environment], check=True)
     python = environment / "bin" / "python"
@@ -99,8 +110,8 @@ def build_environment(work: Path, log: Path) -> Path:
     held.write_text("".join(f"{name}=={version}\n" for name, version in HELD.items()))
     steps = [
         [*pip, "install", *(f"{name}=={version}" for name, version in HELD.items())],
-        [*pip, "install", "--no-deps", "-e", str(ROOT)],
-        [*pip, "install", "--upgrade", "--upgrade-strategy", "eager", "-c", held, *locked_dependency_names()],
+        [*pip, "install", "--no-deps", "-e", str(sources)],
+        [*pip, "install", "--upgrade", "--upgrade-strategy", "eager", "-c", held, *locked_dependency_names(sources)],
     ]
     for command in steps:
         if run_logged(command, log).returncode != 0:
@@ -127,19 +138,19 @@ def expanded(template: list[str], fields: dict[str, str | list[str]]) -> list[st
     return command
 
 
-def run_checks(python: Path, work: Path, log: Path) -> list[CheckResult]:
+def run_checks(python: Path, work: Path, sources: Path, log: Path) -> list[CheckResult]:
     fields = {
         "python": str(python),
         "tlt": str(python.parent / "tlt"),
         "work": str(work),
         # the owned decode forward's tests, once they exist (issue 28)
-        "engine_tests": [str(path.relative_to(ROOT)) for path in sorted((ROOT / "tests").glob("test_owned*.py"))],
+        "engine_tests": [str(path.relative_to(sources)) for path in sorted((sources / "tests").glob("test_owned*.py"))],
     }
     environment = {**os.environ, "TLT_CACHE_DIR": str(work / "cache"), "PATH": f"{python.parent}:{os.environ['PATH']}"}
     results = []
     for name, template in CHECKS.items():
         started = time.perf_counter()
-        completed = run_logged(expanded(template, fields), log, cwd=ROOT, env=environment, timeout=1800)
+        completed = run_logged(expanded(template, fields), log, cwd=sources, env=environment, timeout=1800)
         tail = " | ".join(log.read_text().splitlines()[-3:])
         results.append(CheckResult(name, completed.returncode == 0, time.perf_counter() - started, tail))
         print(f"  {'pass' if results[-1].passed else 'FAIL'}  {name} ({results[-1].seconds:.0f} s)", flush=True)
@@ -193,10 +204,11 @@ def main() -> int:
     log = work / "canary.log"
     started = time.perf_counter()
     print(f"building the canary environment in {work} (log: {log})", flush=True)
-    python = build_environment(work, log)
+    sources = committed_sources(work)
+    python = build_environment(work, sources, log)
     newest = installed_in(python)
     print(f"built in {time.perf_counter() - started:.0f} s; running the subset", flush=True)
-    results = run_checks(python, work, log)
+    results = run_checks(python, work, sources, log)
     all_passed = all(result.passed for result in results)
     rows = package_rows(newest, all_passed)
     print()
