@@ -44,6 +44,9 @@ def test_the_estimate_grows_with_prompts_and_tokens_and_splits_adam_over_zero_wo
     assert longer.update > base.update and longer.rollout > base.rollout and more.rollout > base.rollout
     # ZeRO 2 over 2 workers: each holds half the AdamW moments and master copy, and half the gradients in
     # its own buffer besides the whole gradient of backward; ZeRO 0: the moments and the gradient, whole
+    # recomputation keeps each layer's input and one layer's activations instead of every layer's
+    recomputed = estimate("actor.gradient_checkpointing=true")
+    assert recomputed.update < base.update and recomputed.training_state == base.training_state
     unsplit = estimate("actor.zero_stage=0")
     assert unsplit.training_state == shape.parameters * 4 * 3
     assert base.training_state == shape.parameters * 4 * 3 // 2 + shape.parameters * 4 + shape.parameters * 4 // 2

@@ -241,6 +241,11 @@ class ActorConfig:
     weight_decay: float = setting(0.0, "AdamW weight decay")
     zero_stage: int = setting(2, "DeepSpeed ZeRO stage: 0, 1 or 2 (the rollout needs the full policy on every rank)")
     micro_batch_size: int = setting(4, "sequences per forward/backward")
+    gradient_checkpointing: bool = setting(
+        False,
+        "recompute each decoder layer's activations in backward instead of keeping them (less memory in the "
+        "update, about one more forward's time)",
+    )
     clip_ratio: float = setting(0.2, "PPO clip range of the ratio pi/pi_old")
     kl_coef: float = setting(0.0, "weight of the KL penalty to the initial policy (0 disables the reference model)")
     ppo_epochs: int = setting(1, "optimizer passes over each rollout")

@@ -59,6 +59,8 @@ class Actor:
     ):
         self.config = config
         self.accumulation_steps = math.ceil(sequences_per_update / config.micro_batch_size)
+        if config.gradient_checkpointing:
+            enable_recomputation(policy)
         optimizer = torch.optim.AdamW(
             policy.parameters(), lr=config.lr, betas=ADAMW_BETAS, weight_decay=config.weight_decay
         )
@@ -199,6 +201,16 @@ def deepspeed_checkpoint_classes() -> tuple[type, ...]:
     from deepspeed.utils.tensor_fragment import fragment_address
 
     return (fragment_address, ZeroStageEnum, LossScaler, DynamicLossScaler)
+
+
+def enable_recomputation(policy: PreTrainedModel) -> None:
+    """Each decoder layer keeps only its input for backward and recomputes the rest there (non-reentrant
+    checkpoints: no input needs requires_grad, and the last hidden state comes out as usual)."""
+    settings = {"use_reentrant": False}
+    if hasattr(policy, "activation_checkpointing_enable"):  # transformers 5.24's name; the old one warns there
+        policy.activation_checkpointing_enable(activation_checkpointing_kwargs=settings)
+    else:
+        policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs=settings)
 
 
 def deepspeed_config(config: ActorConfig, accumulation_steps: int) -> dict:

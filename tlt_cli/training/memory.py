@@ -8,7 +8,8 @@ step's start and reports the step's peak (`memory_peak_gb` in the trace's worker
 Estimated: `worker_peak_estimate(recipe, parameter_count)` adds up what one native worker holds at
 its peak: the runtime (Python, torch, transformers, DeepSpeed), the policy's weights (and a
 reference copy with a KL term), gradients and AdamW state as the ZeRO stage splits them over the
-workers, the rollout's KV cache, and the update's saved activations and the log-prob chunk. The
+workers, the rollout's KV cache, and the update's saved activations (with `actor.gradient_checkpointing`,
+each layer's input and one layer's activations) and the log-prob chunk. The
 constants are per-token costs measured on SmolLM2-135M (BENCHMARKS.md "Memory per worker") and
 scale with the model's shape. `check_memory(recipe)` (tlt_cli/training/trainers.py, before anything
 starts) refuses a run whose workers on this machine would not fit in MemAvailable.
@@ -164,9 +165,13 @@ def worker_peak_estimate(recipe: Recipe, shape: ModelShape, prompt_tokens: int) 
     # keys and values of every layer for every sample, prompt and response
     rollout = samples * sequence_tokens * shape.layers * 2 * shape.key_value_width * value_bytes
     micro_batch = min(recipe.actor.micro_batch_size, samples)
-    saved_per_token = shape.layers * (SAVED_PER_HIDDEN * shape.hidden + SAVED_PER_INTERMEDIATE * shape.intermediate)
+    saved_per_layer = SAVED_PER_HIDDEN * shape.hidden + SAVED_PER_INTERMEDIATE * shape.intermediate
+    # recomputation keeps each layer's input and, in backward, one layer's activations at a time
+    kept_layers = 1 if recipe.actor.gradient_checkpointing else shape.layers
+    inputs = shape.layers * shape.hidden if recipe.actor.gradient_checkpointing else 0
+    saved_per_token = inputs + kept_layers * saved_per_layer
     logprob_chunk = LOGPROB_BUFFERS * CHUNK_TOKENS * shape.vocab_size * FLOAT32_BYTES
-    attention = micro_batch * sequence_tokens**2 * shape.layers * ATTENTION_PAIR_BYTES
+    attention = micro_batch * sequence_tokens**2 * kept_layers * ATTENTION_PAIR_BYTES
     update = micro_batch * sequence_tokens * saved_per_token * value_bytes + attention + logprob_chunk
     return MemoryEstimate(
         runtime=int(RUNTIME_BYTES),
