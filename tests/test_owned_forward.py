@@ -13,6 +13,7 @@ from tlt_cli.engine.linear_forms import LINEAR, TRANSPOSED, WEIGHT_MAJOR, Linear
 from tlt_cli.engine.llama_family import PATH_NAME as OWNED
 from tlt_cli.engine.llama_family import LlamaFamilyModel, refusal
 from tlt_cli.engine.transformers_path import PATH_NAME as TRANSFORMERS
+from tlt_cli.rollout.embedded import EmbeddedRollout
 from tlt_cli.rollout.engine import EmbeddedEngine
 
 torch.set_num_threads(1)
@@ -112,6 +113,29 @@ def test_refresh_reads_weights_changed_in_place():
     assert [completion.response_ids for completion in after] != [completion.response_ids for completion in before]
     for request, completion in zip(requests, after):
         assert completion.response_ids == reference_greedy(updated, request, 10, NEVER_EMITTED)
+
+
+def test_released_copies_are_rebuilt_exactly_after_an_update():
+    """The embedded rollout frees the decode model's copies after generating (the update's room) and rebuilds
+    them at after_update; a generate without an after_update rebuilds them itself."""
+    model = tiny_llama(VOCAB, 13, 256, tie_word_embeddings=False)
+    rollout = EmbeddedRollout(model, NEVER_EMITTED, 0)
+    decode_model, requests = rollout.engine.decode_model, ragged_requests(4, seed=3)
+    copies = decode_model.extra_bytes
+    assert copies > 0  # fused q/k/v and gate/up
+    rollout.generate(requests, greedy(10), seed=0)
+    assert decode_model.extra_bytes == 0
+    updated = tiny_llama(VOCAB, 14, 256, tie_word_embeddings=False)
+    for parameter, new in zip(model.parameters(), updated.parameters(), strict=True):
+        parameter.data.copy_(new.data)  # as DeepSpeed writes: no version counter moves
+    rollout.after_update("step-1", drafter_version=None, probe_prompts=())
+    assert decode_model.extra_bytes == copies
+    for completions in (
+        rollout.generate(requests, greedy(10), seed=0)[0],
+        rollout.generate(requests, greedy(10), 0)[0],
+    ):
+        for request, completion in zip(requests, completions):
+            assert completion.response_ids == reference_greedy(updated, request, 10, NEVER_EMITTED)
 
 
 @pytest.mark.parametrize("batch_size", [1, 4])

@@ -12,6 +12,7 @@ Example:
     cache = model.new_cache(batch_size=2, capacity=64)
     hidden = model.forward_block(cache, input_ids, position_ids, write_slots, kv_length, visible)
     next_token = model.logits(hidden[:, -1]).argmax(-1)
+    model.release()       # the copies' memory is the actor update's
     ...actor update...
     model.refresh()
 """
@@ -86,7 +87,11 @@ class DecodeModel(Protocol):
 
     def refresh_if_changed(self) -> None:
         """`refresh()` if a weight's storage or autograd version changed since the last read (an in-place
-        optimizer step bumps it; a write through .data does not: call `refresh()` after those)."""
+        optimizer step bumps it; a write through .data does not: call `refresh()` after those), or if
+        `release()` freed the copies since."""
+
+    def release(self) -> None:
+        """Free the model's own weight copies until the next `refresh()` (the actor update needs the room)."""
 
     def describe(self) -> str:
         """One line for the run log: the path taken, and the memory of the model's own copies."""

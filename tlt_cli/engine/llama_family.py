@@ -2,11 +2,12 @@
 Mistral, with grouped-query attention and a tied or untied head.
 
 `LlamaFamilyModel(policy)` reads the policy module's parameters into the engine's own tensors once (and
-again on `refresh()`, after each actor update): q/k/v fused into one product and gate/up into another,
-each product kept in the layout its measured plan (`linear_plan`, tlt_cli/engine/linear_forms_measure.py)
-picks per row count. The forward is plain torch (one loop over the layers, the layer's maths in
-tlt_cli/engine/layers.py), fills a `SlotCache` by its own calls and never calls a transformers module,
-so a transformers release cannot break it. Greedy output equals transformers' `generate` in float32.
+again on `refresh()`, after each actor update; `release()` frees them for the update in between): q/k/v
+fused into one product and gate/up into another, each product kept in the layout its measured plan
+(`linear_plan`, tlt_cli/engine/linear_forms_measure.py) picks per row count. The forward is plain torch
+(one loop over the layers, the layer's maths in tlt_cli/engine/layers.py), fills a `SlotCache` by its
+own calls and never calls a transformers module, so a transformers release cannot break it. Greedy output
+equals transformers' `generate` in float32.
 
 `refusal(policy)` says why a model is not one this forward reproduces exactly (the factory then takes
 the transformers path): another architecture, a sliding window in use, a rope type other than
@@ -177,9 +178,15 @@ class LlamaFamilyModel:
         self._seen = self._versions()
 
     def refresh_if_changed(self) -> None:
-        """`refresh()` if any weight's storage or autograd version changed since the last read."""
-        if self._versions() != self._seen:
+        """`refresh()` if any weight's storage or autograd version changed since the last read, or after `release()`."""
+        if self._seen is None or self._versions() != self._seen:
             self.refresh()
+
+    def release(self) -> None:
+        """Drop the fused, transposed and cast copies (views of the policy's parameters cost nothing); the next
+        `refresh()` reads them again, into new buffers."""
+        self.layers, self._owned, self._seen = [], [], None
+        self.embed = self.final_norm = self.head = None
 
     def _versions(self) -> list[tuple[int, int]]:
         return [(parameter.data_ptr(), parameter._version) for parameter in self.policy.parameters()]

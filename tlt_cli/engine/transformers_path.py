@@ -131,6 +131,9 @@ class TransformersModel:
     def refresh_if_changed(self) -> None:
         """Nothing to re-read."""
 
+    def release(self) -> None:
+        """Nothing to free: no copies."""
+
     def forward_block(
         self,
         cache: ColumnCache,

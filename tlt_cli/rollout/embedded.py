@@ -14,6 +14,11 @@ drafter over that policy, which is all a trainer of another library has in its o
 `linear_forms="auto"` (the recipe's `rollout.linear_forms`) computes each linear layer of the policy
 and drafter, during generation only, in the form measured fastest for the pass's rows
 (tlt_cli/engine/linear_forms.py); its transposed copies are refreshed by `after_update`.
+
+The owned decode forward's own weight copies (fused q/k/v and gate/up, transposed or cast: about 0.5 GB for
+SmolLM2-135M) live only from `after_update` to the end of the next `generate`: `generate` frees them on its
+way out so that the trainer's update, which comes next, has their memory, and `after_update` rebuilds them
+(a `generate` without an `after_update` before it rebuilds them itself).
 """
 
 from __future__ import annotations
@@ -84,13 +89,15 @@ class EmbeddedRollout:
         generator = torch.Generator(self.engine.device).manual_seed(seed)
         completions = self.engine.generate(requests, sampling, generator, on_request_finished=on_request_finished)
         busy_end = time.time()
+        # the trainer's update comes next: it has the copies' memory until after_update rebuilds them
+        self.engine.decode_model.release()
         return sorted(completions, key=lambda completion: completion.request_id), busy_end
 
     def after_update(
         self, weight_version: str, drafter_version: float | None, probe_prompts: Sequence[Sequence[int]]
     ) -> dict[str, float]:
         """Nothing to push: the engine generates from the updated module's weights; only its decode model's
-        copies and the linear forms' transposed copies are refreshed."""
+        copies (freed by `generate` for the update) are rebuilt and the linear forms' transposed copies refreshed."""
         self.refresh_copies()
         return {}
 
