@@ -9,7 +9,7 @@ Estimated: `worker_peak_estimate(recipe, parameter_count)` adds up what one nati
 its peak: the runtime (Python, torch, transformers, DeepSpeed), the policy's weights (and a
 reference copy with a KL term), gradients and AdamW state as the ZeRO stage splits them over the
 workers, the rollout's KV cache, and the update's saved activations (with `actor.gradient_checkpointing`,
-each layer's input and one layer's activations) and the log-prob chunk. The
+each layer's input and a few layers' activations) and the log-prob chunk. The
 constants are per-token costs measured on SmolLM2-135M (BENCHMARKS.md "Memory per worker") and
 scale with the model's shape. `check_memory(recipe)` (tlt_cli/training/trainers.py, before anything
 starts) refuses a run whose workers on this machine would not fit in MemAvailable.
@@ -35,6 +35,10 @@ ADAM_MOMENTS = 2
 # sizes: norms, q/k/v/o, attention output, residuals; gate, up, activation and product (measured)
 SAVED_PER_HIDDEN = 7
 SAVED_PER_INTERMEDIATE = 5
+# with recomputation, backward holds about this many layers' worth of the values above at once: the recomputed
+# layer's and their gradients, with what the allocator keeps (fitted to SmolLM2-135M at 652 and 2608 tokens a
+# micro-batch, never under; the one layer that theory says is 2-3x under what was measured)
+RECOMPUTED_LAYERS = 7
 # bytes the attention saves per layer per (query, key) pair of a sequence (fitted: updates at 646-2182 tokens)
 ATTENTION_PAIR_BYTES = 9
 # [chunk, V] float32 buffers alive at once in the chunked log-prob backward (logits, their gradient)
@@ -166,8 +170,8 @@ def worker_peak_estimate(recipe: Recipe, shape: ModelShape, prompt_tokens: int) 
     rollout = samples * sequence_tokens * shape.layers * 2 * shape.key_value_width * value_bytes
     micro_batch = min(recipe.actor.micro_batch_size, samples)
     saved_per_layer = SAVED_PER_HIDDEN * shape.hidden + SAVED_PER_INTERMEDIATE * shape.intermediate
-    # recomputation keeps each layer's input and, in backward, one layer's activations at a time
-    kept_layers = 1 if recipe.actor.gradient_checkpointing else shape.layers
+    # recomputation keeps each layer's input, and in backward a few layers' activations at a time
+    kept_layers = RECOMPUTED_LAYERS if recipe.actor.gradient_checkpointing else shape.layers
     inputs = shape.layers * shape.hidden if recipe.actor.gradient_checkpointing else 0
     saved_per_token = inputs + kept_layers * saved_per_layer
     logprob_chunk = LOGPROB_BUFFERS * CHUNK_TOKENS * shape.vocab_size * FLOAT32_BYTES
