@@ -175,7 +175,7 @@ def package_rows(newest: dict[str, str], all_passed: bool) -> list[dict]:
         if name not in newest and name not in tested:
             continue
         same = newest.get(name) == tested.get(name)
-        held = " (held; the registry's newer torch is a CUDA build)" if name in HELD else ""
+        held = f" (held; the registry has {registry_newest(name)}, a CUDA build)" if name in HELD else ""
         verdict = "tested" if same else ("pass" if all_passed else "fail")
         rows.append(
             {
