@@ -10,13 +10,15 @@ actor (one rank, so ZeRO keeps the whole optimizer state) and runs one GRPO upda
 a worker's rollout can hand it: prompts_per_step / workers.count prompts (the task's own, through
 the chat template) x group_size responses, every one max_new_tokens long. It reports the resident
 set before the update, the update's peak (VmHWM, reset just before) and its growth, the update's
-seconds and loss, and tlt's estimate of a worker's peak (tlt_cli/training/memory.py) for comparison.
+seconds (wall-clock, and CPU time of all the process's threads: steadier on a shared machine) and
+loss, and tlt's estimate of a worker's peak (tlt_cli/training/memory.py) for comparison.
 Growth linear in tokens, with no tokens x vocabulary term, is what the chunked log-probs promise.
 
 `run`: runs `tlt train` with the overrides in a fresh run directory and samples, every 0.2 s, the
 resident set of every process of the run (/proc); reports each process's peak (VmHWM, last read
 before it exited), the peak of their sum, and, from the trace, each step's update seconds, loss
-and the workers' own per-step peaks. Prints a table, writes JSON. Memory figures in GB (1e9 bytes).
+and the workers' own per-step peaks (in all, in the rollout and in the update). Prints a table,
+writes JSON. Memory figures in GB (1e9 bytes).
 """
 
 from __future__ import annotations
@@ -111,9 +113,9 @@ def one_update(recipe_name: str, overrides: list[str]) -> dict:
     batch = build_policy_batch(completions, advantages, tokenizer.pad_token_id)
     before = memory.resident_bytes()
     memory.reset_peak_resident()
-    start = time.perf_counter()
+    start, start_cpu = time.perf_counter(), time.process_time()
     metrics = actor.update(batch)
-    seconds = time.perf_counter() - start
+    seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - start_cpu
     peak = memory.peak_resident_bytes()
     # the estimate for what this process is: one rank holding the whole optimizer state, with one worker's prompts
     one_rank = load_recipe(
@@ -131,6 +133,8 @@ def one_update(recipe_name: str, overrides: list[str]) -> dict:
         "estimate_update_gb": estimate.update / GB,
         "estimate_training_state_gb": estimate.training_state / GB,
         "update_seconds": seconds,
+        # CPU time of every thread of the process: steadier than wall-clock on a shared machine
+        "update_cpu_seconds": cpu_seconds,
         "loss": metrics.loss,
         "grad_norm": metrics.grad_norm,
     }
@@ -138,7 +142,8 @@ def one_update(recipe_name: str, overrides: list[str]) -> dict:
 
 def render_update(rows: list[dict]) -> None:
     table = Table(title="one worker's GRPO update, every response max_new_tokens long (GB = 1e9 bytes)")
-    for name in ("max_new_tokens", "tokens/seq", "before GB", "peak GB", "growth GB", "estimate GB", "update s"):
+    columns = ("max_new_tokens", "tokens/seq", "before GB", "peak GB", "growth GB", "estimate GB", "update s", "CPU s")
+    for name in columns:
         table.add_column(name, justify="right")
     table.add_column("loss", justify="right")
     for row in rows:
@@ -150,6 +155,7 @@ def render_update(rows: list[dict]) -> None:
             f"{row['update_growth_gb']:.2f}",
             f"{row['estimate_gb']:.2f}",
             f"{row['update_seconds']:.1f}",
+            f"{row['update_cpu_seconds']:.1f}",
             f"{row['loss']:.6f}",
         )
     Console(width=140).print(table)
@@ -193,6 +199,13 @@ def measure_run(recipe: str, overrides: list[str]) -> dict:
                 "response_tokens": step.get("response_tokens"),
                 "worker_peaks_gb": [
                     worker.get("memory_peak_gb") for worker in workers if worker["step"] == step["step"]
+                ],
+                # each worker's own peaks in the step's rollout and in its update (reward, update, weight refresh)
+                "worker_rollout_peaks_gb": [
+                    worker.get("memory_rollout_peak_gb") for worker in workers if worker["step"] == step["step"]
+                ],
+                "worker_update_peaks_gb": [
+                    worker.get("memory_update_peak_gb") for worker in workers if worker["step"] == step["step"]
                 ],
             }
             for step in steps
