@@ -66,7 +66,7 @@ def test_a_run_fits_exactly_when_its_workers_estimate_is_at_most_what_is_availab
 
 def test_tlt_train_refuses_a_recipe_that_cannot_fit_in_one_sentence_with_exit_2(tmp_path):
     result = runner.invoke(
-        app, ["train", "tiny-cpu", "train.prompts_per_step=2000000", f"run.output_dir={tmp_path}", "run.name=huge"]
+        app, ["train", "tiny-cpu", "rollout.max_new_tokens=2000000", f"run.output_dir={tmp_path}", "run.name=huge"]
     )
     assert result.exit_code == 2, result.output
     (line,) = [line for line in result.output.strip().splitlines() if line]

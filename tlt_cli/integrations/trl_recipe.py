@@ -4,7 +4,7 @@
 recipe's own keys, one recipe key per TRL field (the table `DERIVED`), so a tlt step is one
 generation batch of train.prompts_per_step x train.group_size completions and ppo_epochs optimizer
 steps on it:
-    per_device_train_batch_size = actor.micro_batch_size
+    per_device_train_batch_size = actor.micro_batch_size, gradient_checkpointing = actor.gradient_checkpointing
     gradient_accumulation_steps = steps_per_generation = completions per process / micro_batch_size
     num_generations = train.group_size, num_iterations = actor.ppo_epochs,
     max_steps = train.steps x actor.ppo_epochs, learning_rate = actor.lr, beta = actor.kl_coef,
@@ -47,6 +47,7 @@ DERIVED = {
     "epsilon": "actor.clip_ratio",
     "num_iterations": "actor.ppo_epochs",
     "per_device_train_batch_size": "actor.micro_batch_size",
+    "gradient_checkpointing": "actor.gradient_checkpointing",
     "gradient_accumulation_steps": "train.prompts_per_step and actor.micro_batch_size",
     "steps_per_generation": "train.prompts_per_step and actor.micro_batch_size",
     "generation_batch_size": "train.prompts_per_step and train.group_size",
@@ -97,6 +98,8 @@ def grpo_config_arguments(recipe: Recipe, processes: int, run_directory: Path) -
         "epsilon": actor.clip_ratio,
         "num_iterations": actor.ppo_epochs,
         "per_device_train_batch_size": actor.micro_batch_size,
+        # TRL's own default is on; the recipe's key decides, as for the native actor
+        "gradient_checkpointing": actor.gradient_checkpointing,
         "gradient_accumulation_steps": accumulation,
         "steps_per_generation": accumulation,
         "num_generations": recipe.train.group_size,
