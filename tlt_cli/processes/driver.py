@@ -60,7 +60,7 @@ from tlt_cli.processes.run_directory import (
 from tlt_cli.processes.step_deadline import StepDeadline
 from tlt_cli.processes.step_records import step_records
 from tlt_cli.sglang.registry import stop_recorded_servers
-from tlt_cli.trace import STEP_RECORD, TraceWriter, read_trace, truncate_trace
+from tlt_cli.trace import STEP_RECORD, TraceWriteError, TraceWriter, read_trace, truncate_trace
 from tlt_cli.versions import installed_versions
 
 EVENT_POLL_SECONDS = 1.0
@@ -259,9 +259,11 @@ def _after_failure(error: Exception, details: str, held: RunDirectory, discard: 
         logged = True
     if discard:
         held.discard(keep_log)
+    if isinstance(error, TraceWriteError) and not discard:
+        # the trace knows no checkpoints: once there is room, resume or start again, as the run left it
+        return TraceWriteError(f"{str(error).rstrip('.')}; then {next_run_advice(run_directory)}.")
     if isinstance(error, UserError):
-        # the user's to fix (a full disk under the trace): once fixed, resume or start again, as the run left it
-        return error if discard else UserError(f"{str(error).rstrip('.')}; then {next_run_advice(run_directory)}.")
+        return error
     first_line, newline, more = str(error).partition("\n")
     if discard and not keep_log:
         note = "it failed before its first step, so its run directory is removed; --keep-log keeps its log"
