@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from recipe_overrides import PLAIN_DECODING, RECIPE, TLT
+from recipe_overrides import small_run
 from sglang_fakes import free_port_range
 from sglang_real import SIDE_PYTHON, real_sglang_overrides, requires_real_sglang
 
@@ -27,24 +27,10 @@ SIGTERM_EXIT = 143
 
 
 def train_command(model: Path, output: Path, name: str, steps: int, *extra: str) -> tuple[list[str], int]:
-    port_base = free_port_range(2)
-    command = [
-        *TLT,
-        "train",
-        str(RECIPE),
-        f"model.path={model}",
-        *PLAIN_DECODING,
-        f"run.output_dir={output}",
-        f"run.name={name}",
-        f"train.steps={steps}",
-        "workers.count=1",
-        "train.prompts_per_step=2",
-        "train.group_size=2",
-        "rollout.max_new_tokens=16",
-        "checkpoint.every=3",
-        *extra,
-    ]
-    return command, port_base
+    """recipe_overrides.small_run made smaller (one worker, 2 prompts x 2 samples of 16 tokens, a checkpoint every
+    3 steps), `extra` last; and the first of two free ports for its server."""
+    smaller = ("workers.count=1", "train.prompts_per_step=2", "rollout.max_new_tokens=16", "checkpoint.every=3")
+    return small_run(model, output, name, steps, *smaller, *extra), free_port_range(2)
 
 
 def environment() -> dict[str, str]:
