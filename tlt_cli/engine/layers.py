@@ -55,11 +55,18 @@ def rotate_half(states: torch.Tensor) -> torch.Tensor:
     return torch.cat((-states[..., half:], states[..., :half]), dim=-1)
 
 
+def grouped_mask(visible: torch.Tensor, shape: AttentionShape) -> torch.Tensor:
+    """visible [B, 1, T, S] (True = may attend) repeated for the query heads that share a key head:
+    [B, 1, group*T, S], the layout `attend` folds queries into. Made once per forward; every layer reads it."""
+    group = shape.heads // shape.kv_heads
+    return visible if group == 1 else visible[:, :, None].expand(-1, -1, group, -1, -1).flatten(2, 3)
+
+
 def attend(
     query_key: torch.Tensor,
     value: torch.Tensor,
     rotary: tuple[torch.Tensor, torch.Tensor],
-    visible: torch.Tensor,
+    mask: torch.Tensor,
     shape: AttentionShape,
     cache=None,
     layer_index: int = 0,
@@ -69,7 +76,8 @@ def attend(
     the key's, projected, bias added: the first columns of a fused q/k/v product), value [B, T,
     kv_heads*head_dim]; returns [B, T, heads*head_dim] before the output projection.
 
-    rotary: cos, sin from `rotary_tables`; visible: [B, 1, T, S] bool over the S keys attention reads;
+    rotary: cos, sin from `rotary_tables`; mask: `grouped_mask` of the [B, 1, T, S] bool mask over the S keys
+    attention reads;
     cache: None (the T new entries are all the keys) or any object whose `update(k, v, layer_index)`
     stores them and returns the layer's keys and values [B, kv_heads, S, head_dim] (a SlotCache after
     `prepare`, a DynamicCache); qk_norm: Qwen3's per-head RMSNorm weights of queries and keys.
@@ -90,10 +98,8 @@ def attend(
     if cache is not None:
         key, value = cache.update(key, value, layer_index)
     # grouped-query attention without copying keys: query head h reads kv head h // group, so the group's
-    # queries are folded into the query length ([B, kv_heads, group*T, head_dim]) and the mask repeated
-    group = heads // kv_heads
-    folded_query = query.reshape(batch_size, kv_heads, group * length, head_dim)
-    mask = visible if group == 1 else visible[:, :, None].expand(-1, -1, group, -1, -1).flatten(2, 3)
+    # queries are folded into the query length ([B, kv_heads, group*T, head_dim]), as the mask was
+    folded_query = query.reshape(batch_size, kv_heads, heads // kv_heads * length, head_dim)
     output = F.scaled_dot_product_attention(folded_query, key, value, attn_mask=mask, scale=head_dim**-0.5)
     return output.view(batch_size, heads, length, head_dim).transpose(1, 2).reshape(batch_size, length, -1)
 
@@ -167,7 +173,7 @@ class DecoderLayer(nn.Module):
         cache=None,
         layer_index: int = 0,
     ) -> torch.Tensor:
-        """hidden [B, T, H] -> [B, T, H]; rotary, visible, cache as `attend` takes them."""
+        """hidden [B, T, H] -> [B, T, H]; visible: [B, 1, T, S] bool; rotary and cache as `attend` takes them."""
         attention, mlp = self.self_attn, self.mlp
         normed = self.input_layernorm(hidden)
         qk_norm = (attention.q_norm.weight, attention.k_norm.weight) if hasattr(attention, "q_norm") else None
@@ -175,7 +181,7 @@ class DecoderLayer(nn.Module):
             torch.cat((attention.q_proj(normed), attention.k_proj(normed)), dim=-1),
             attention.v_proj(normed),
             rotary,
-            visible,
+            grouped_mask(visible, attention.shape),
             attention.shape,
             cache,
             layer_index,

@@ -29,7 +29,7 @@ from torch import nn
 
 from tlt_cli.engine.interface import LinearPlan
 from tlt_cli.engine.kv_cache import SlotCache
-from tlt_cli.engine.layers import AttentionShape, attend, gated, rms_norm, rotary_tables
+from tlt_cli.engine.layers import AttentionShape, attend, gated, grouped_mask, rms_norm, rotary_tables
 
 MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 ROPE_TYPES = ("default", "linear", "llama3")
@@ -227,10 +227,11 @@ class LlamaFamilyModel:
         qkv_form, o_form, gate_up_form, down_form = (_form_at(self.forms[name], rows) for name in PROJECTIONS[:4])
         eps, inner = self.shape.eps, self.intermediate_size
         split = (self.widths[0] + self.widths[1], self.widths[2])  # queries and keys | values
+        mask = grouped_mask(visible, self.shape)
         for index, layer in enumerate(self.layers):
             normed = rms_norm(hidden, layer.input_norm, eps).view(rows, -1)
             query_key, value = product(qkv_form, normed, layer.qkv).view(batch_size, length, -1).split(split, -1)
-            attended = attend(query_key, value, rotary, visible, self.shape, cache, index, layer.qk_norm)
+            attended = attend(query_key, value, rotary, mask, self.shape, cache, index, layer.qk_norm)
             hidden = hidden + product(o_form, attended.view(rows, -1), layer.o).view(batch_size, length, -1)
             normed = rms_norm(hidden, layer.post_norm, eps).view(rows, -1)
             gate, up = product(gate_up_form, normed, layer.gate_up).split(inner, -1)

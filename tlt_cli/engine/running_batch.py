@@ -65,13 +65,17 @@ class DecodeTarget:
         self.device = device
 
     def forward_block(
-        self, batch: RunningBatch, input_ids: torch.Tensor, position_ids: torch.Tensor, block_mask: torch.Tensor
+        self,
+        batch: RunningBatch,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        block_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Run the target on T new entries per row, written at slots lengths[b] + [0, T).
 
-        input_ids, position_ids: [B, T]; block_mask: [B, T, T] or [T, T], which new entries each
-        new entry may see (it always sees the row's committed prefix). Returns the last hidden
-        state [B, T, H]; the cache's committed lengths are left to the caller.
+        input_ids, position_ids: [B, T]; block_mask: [B, T, T] or [T, T], which new entries each new entry
+        may see (it always sees the row's committed prefix; None for a single entry). Returns the last
+        hidden state [B, T, H]; the cache's committed lengths are left to the caller.
         """
         block_size = input_ids.shape[1]
         kv_length = int(batch.lengths.max()) + block_size
@@ -93,8 +97,7 @@ class DecodeTarget:
         self, batch: RunningBatch, sampling: SamplingParams, generator: torch.Generator
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Plain decoding: feed each row's pending token, draw the next one."""
-        no_block_mask = torch.ones(1, 1, dtype=torch.bool, device=self.device)
-        hidden = self.forward_block(batch, batch.pending[:, None], batch.lengths[:, None], no_block_mask)
+        hidden = self.forward_block(batch, batch.pending[:, None], batch.lengths[:, None])
         batch.lengths = batch.lengths + 1
         batch.pending = next_tokens(self.logits(hidden[:, -1]), sampling, generator)
         return batch.pending[:, None], torch.ones_like(batch.pending)
