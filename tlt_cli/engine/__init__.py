@@ -9,13 +9,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tlt_cli.engine.interface import DecodeModel, LinearPlan
+from tlt_cli.engine.interface import DecodeModel
+from tlt_cli.engine.linear_forms import LinearFormPlan
 from tlt_cli.engine.llama_family import LlamaFamilyModel, refusal
 from tlt_cli.engine.transformers_path import TransformersModel
 
 
 def decode_model_for(
-    policy: nn.Module, dtype: torch.dtype | None = None, linear_plan: LinearPlan | None = None
+    policy: nn.Module, dtype: torch.dtype | None = None, linear_plan: LinearFormPlan | None = None
 ) -> DecodeModel:
     """The owned Llama-family forward of `policy` when it reproduces it, else the transformers path.
 

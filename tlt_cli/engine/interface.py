@@ -95,13 +95,3 @@ class DecodeModel(Protocol):
 
     def describe(self) -> str:
         """One line for the run log: the path taken, and the memory of the model's own copies."""
-
-
-class LinearPlan(Protocol):
-    """A measured plan of product forms (tlt_cli/engine/linear_forms.py's LinearFormPlan): a form name
-    ("linear", "transposed", "weight_major") per weight shape key ('<out>x<in> <dtype>') and row count."""
-
-    forms: dict[str, tuple[str, ...]]
-
-    def forms_by_rows(self, key: str) -> tuple[str, ...]:
-        """Form name for 0..max rows measured; above that, "linear"."""

@@ -234,7 +234,7 @@ class LinearForms:
     def describe(self) -> str:
         """One line: the forms picked per shape, and the copies' memory."""
         shapes = [
-            f"{key}: {_ranges(self.plan.row_buckets, names)}"
+            f"{key}: {form_ranges(self.plan.row_buckets, names)}"
             for key, names in sorted(self.plan.forms.items())
             if any(name != LINEAR for name in names)
         ]
@@ -245,7 +245,7 @@ class LinearForms:
         )
 
 
-def _ranges(row_buckets: tuple[int, ...], names: tuple[str, ...]) -> str:
+def form_ranges(row_buckets: tuple[int, ...], names: tuple[str, ...]) -> str:
     """'1 transposed, 2-8 weight_major, 9-64 linear': consecutive buckets with one form merged."""
     parts, start = [], 1
     for index, name in enumerate(names):

@@ -27,13 +27,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tlt_cli.engine.interface import LinearPlan
 from tlt_cli.engine.kv_cache import SlotCache
 from tlt_cli.engine.layers import AttentionShape, attend, gated, grouped_mask, rms_norm, rotary_tables
+from tlt_cli.engine.linear_forms import FORMS, LINEAR, TRANSPOSED, LinearFormPlan, form_ranges
 
 MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 ROPE_TYPES = ("default", "linear", "llama3")
-LINEAR, TRANSPOSED, WEIGHT_MAJOR = "linear", "transposed", "weight_major"
 PROJECTIONS = ("qkv", "o", "gate_up", "down", "head")
 PATH_NAME = "owned llama-family"
 
@@ -104,14 +103,10 @@ class LayerWeights:
 
 
 def product(form: str, inputs: torch.Tensor, projection: Projection) -> torch.Tensor:
-    """[rows, in] -> [rows, out] in the given form (see the module docstring)."""
-    weight, transposed, bias = projection.weight, projection.transposed, projection.bias
-    if form == TRANSPOSED or weight is None:
-        return torch.mm(inputs, transposed) if bias is None else torch.addmm(bias, inputs, transposed)
-    if form == WEIGHT_MAJOR:
-        outputs = torch.mm(weight, inputs.t()) if bias is None else torch.addmm(bias[:, None], weight, inputs.t())
-        return outputs.t().contiguous()
-    return F.linear(inputs, weight, bias)
+    """[rows, in] -> [rows, out] by the linear forms' product of that name (a fused product that keeps only W_t
+    multiplies by it whatever the form)."""
+    form = TRANSPOSED if projection.weight is None else form
+    return FORMS[form](inputs, projection.weight, projection.transposed, projection.bias)
 
 
 class LlamaFamilyModel:
@@ -126,7 +121,7 @@ class LlamaFamilyModel:
     path = PATH_NAME
     calls_policy_modules = False
 
-    def __init__(self, policy: nn.Module, dtype: torch.dtype | None = None, linear_plan: LinearPlan | None = None):
+    def __init__(self, policy: nn.Module, dtype: torch.dtype | None = None, linear_plan: LinearFormPlan | None = None):
         reason = refusal(policy)
         if reason is not None:
             raise ValueError(f"the owned forward does not reproduce this model: {reason}.")
@@ -318,10 +313,5 @@ def _form_at(forms: tuple[str, ...], rows: int) -> str:
 
 def _form_summary(forms: tuple[str, ...]) -> str:
     """'1 transposed, 2-4 weight_major, 5+ linear' (forms: index = rows)."""
-    parts, start = [], 1
-    for rows in range(1, len(forms)):
-        if rows + 1 == len(forms) or forms[rows + 1] != forms[rows]:
-            parts.append(f"{start}{'' if start == rows else f'-{rows}'} {forms[rows]}")
-            start = rows + 1
-    parts.append(f"{start}+ {LINEAR}")
-    return ", ".join(parts)
+    measured = form_ranges(tuple(range(1, len(forms))), forms[1:])
+    return ", ".join([*([measured] if measured else []), f"{len(forms)}+ {LINEAR}"])
