@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import os
 import socket
+import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 from tlt_cli.sglang.server import ServerLaunch, write_private
@@ -96,3 +98,16 @@ def pid_running(pid: int) -> bool:
     except OSError:
         return False
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def wait_for_first_generation(run: subprocess.Popen, server_log: Path, seconds: float) -> None:
+    """Wait until the server behind `run` logged its first `POST /generate` (a rollout has begun) and `run` is
+    still alive, for at most `seconds`."""
+    deadline = time.time() + seconds
+    while (
+        time.time() < deadline
+        and run.poll() is None
+        and "POST /generate" not in (server_log.read_text() if server_log.exists() else "")
+    ):
+        time.sleep(0.2)
+    assert run.poll() is None, run.communicate()[1][-3000:]

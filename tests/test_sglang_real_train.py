@@ -12,12 +12,11 @@ import json
 import os
 import signal
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
 from recipe_overrides import small_run
-from sglang_fakes import free_port_range
+from sglang_fakes import free_port_range, wait_for_first_generation
 from sglang_real import SIDE_PYTHON, real_sglang_overrides, requires_real_sglang
 
 pytestmark = [pytest.mark.real_sglang, pytest.mark.slow, requires_real_sglang]
@@ -87,18 +86,6 @@ def test_three_steps_on_a_real_server_trace_like_the_embedded_backend(small_mode
     assert {tuple(sorted(request)) for request in requests} == embedded_keys
 
 
-def wait_for_generation(run: subprocess.Popen, run_directory: Path) -> None:
-    log = server_log(run_directory)
-    deadline = time.time() + 600
-    while (
-        time.time() < deadline
-        and run.poll() is None
-        and "POST /generate" not in (log.read_text() if log.exists() else "")
-    ):
-        time.sleep(0.2)
-    assert run.poll() is None, run.communicate()[1][-3000:]
-
-
 @pytest.mark.parametrize("how", ["ctrl-c", "sigterm"])
 def test_interrupting_tlt_train_stops_the_real_server(small_model, tmp_path, how):
     command, port = train_command(small_model, tmp_path, how, 50)
@@ -110,7 +97,7 @@ def test_interrupting_tlt_train_stops_the_real_server(small_model, tmp_path, how
         text=True,
         start_new_session=True,
     )
-    wait_for_generation(run, tmp_path / how)
+    wait_for_first_generation(run, server_log(tmp_path / how), 600)
     if how == "ctrl-c":
         os.killpg(run.pid, signal.SIGINT)  # what a terminal does: the whole foreground group
     else:

@@ -13,12 +13,11 @@ import os
 import re
 import signal
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
 from recipe_overrides import PLAIN_DECODING, RECIPE, TLT
-from sglang_fakes import FAKE_ARGUMENTS_VARIABLE, free_port_range, write_stand_in_sglang
+from sglang_fakes import FAKE_ARGUMENTS_VARIABLE, free_port_range, wait_for_first_generation, write_stand_in_sglang
 
 from tlt_cli.sglang.server import live_group_members
 
@@ -134,14 +133,7 @@ def test_ctrl_c_stops_the_run_and_its_servers(small_model, tmp_path, sglang_envi
         start_new_session=True,
     )
     log = tmp_path / "interrupted" / "workers" / "worker-0" / "sglang" / "server-0.log"
-    deadline = time.time() + 300
-    while (
-        time.time() < deadline
-        and run.poll() is None
-        and "POST /generate" not in (log.read_text() if log.exists() else "")
-    ):
-        time.sleep(0.2)
-    assert run.poll() is None, run.communicate()[1][-3000:]
+    wait_for_first_generation(run, log, 300)
     # what a terminal does on Ctrl-C: SIGINT to the whole foreground process group
     os.killpg(run.pid, signal.SIGINT)
     _, stderr = run.communicate(timeout=120)
