@@ -11,6 +11,7 @@ Only metadata is read: nothing here imports torch or transformers.
 
 from __future__ import annotations
 
+import platform
 from dataclasses import dataclass
 from importlib import metadata, resources
 
@@ -51,8 +52,6 @@ def installed_version(name: str) -> str | None:
 
 def installed_versions() -> dict[str, str | None]:
     """tlt, Python, and each tracked library's installed version (None: not installed); the trace records it."""
-    import platform
-
     versions: dict[str, str | None] = {"tlt": installed_version("tlt"), "python": platform.python_version()}
     versions.update({name: installed_version(name) for name in TRACKED})
     return versions
@@ -88,7 +87,7 @@ def library_versions() -> list[LibraryVersion]:
 def version_table() -> list[str]:
     """The lines `tlt --version` prints: tlt, Python, then each tracked library with a mark where it is
     not the tested version."""
-    lines = [f"tlt {installed_version('tlt')}", f"python {installed_versions()['python']}"]
+    lines = [f"tlt {installed_version('tlt')}", f"python {platform.python_version()}"]
     for library in library_versions():
         if library.installed is None:
             if library.name != "sglang":
