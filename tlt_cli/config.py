@@ -252,6 +252,13 @@ class ActorConfig:
     grad_clip: float = setting(1.0, "gradient norm clip")
     devices: Any = setting("cpu", "cpu, or the GPU indices of this node, one per worker rank (e.g. [0, 1])")
     precision: str = setting("fp32", "fp32, or bf16 (GPUs only)")
+    rollout_correction: str = setting(
+        "token",
+        "truncated importance sampling for the rollout/learner mismatch: token (each token's loss weighted by "
+        "min(pi_old/pi_rollout, cap)), sequence (one weight per response, the product of its tokens' ratios, "
+        "truncated), or off (the mismatch is still measured)",
+    )
+    rollout_correction_cap: float = setting(2.0, "upper bound (> 1) of the importance weights of rollout_correction")
 
 
 @dataclass(frozen=True)

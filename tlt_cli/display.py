@@ -33,9 +33,15 @@ COLUMNS = (
     ("idle worker-s", "idle_worker_seconds", "{:.2f}"),
     ("step s", "step_seconds", "{:.2f}"),
 )
-# shown once a run's records carry them (speculative decoding on; a worker's resident peak, GB), then the
+# shown once a run's records carry them (speculative decoding on; a worker's resident peak, GB; the rollout/
+# learner mismatch: K3 KL and the highest importance weight pi_old/pi_rollout, before truncation), then the
 # plugins' columns
-OPTIONAL_COLUMNS = (("accept len", "accept_length", "{:.2f}"), ("peak GB/worker", "memory_peak_gb", "{:.2f}"))
+OPTIONAL_COLUMNS = (
+    ("accept len", "accept_length", "{:.2f}"),
+    ("peak GB/worker", "memory_peak_gb", "{:.2f}"),
+    ("rollout KL", "actor_rollout_kl_k3", "{:.1e}"),
+    ("IS w max", "actor_rollout_weight_max", "{:.3f}"),
+)
 
 
 class PhaseProgress:

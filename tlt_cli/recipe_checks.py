@@ -34,6 +34,7 @@ from tlt_cli.sglang.config import validate_sglang_config
 from tlt_cli.speculative.adaptive import RuleTableError, build_rules
 from tlt_cli.speculative.decoder import check_speculative_config, check_topk_fits
 from tlt_cli.speculative.types import SpeculativeConfig
+from tlt_cli.training.rollout_correction import CORRECTION_MODES
 
 ROLLOUT_BACKENDS = ("embedded", "sglang", "trl")
 # a TRL run generates with tlt's embedded engine, or with TRL's own generation (rollout.backend trl, the baseline)
@@ -176,6 +177,15 @@ def _check_actor(recipe: Recipe) -> None:
     _require(actor.kl_coef >= 0.0, f"actor.kl_coef must be >= 0, got {actor.kl_coef}.")
     _require(actor.ppo_epochs >= 1, f"actor.ppo_epochs must be at least 1, got {actor.ppo_epochs}.")
     _require(actor.grad_clip > 0.0, f"actor.grad_clip must be positive, got {actor.grad_clip}.")
+    _require(
+        actor.rollout_correction in CORRECTION_MODES,
+        f"actor.rollout_correction must be one of {', '.join(CORRECTION_MODES)}, got '{actor.rollout_correction}'.",
+    )
+    _require(
+        actor.rollout_correction_cap > 1.0,
+        f"actor.rollout_correction_cap must be greater than 1 (importance weights are truncated at it), "
+        f"got {actor.rollout_correction_cap}.",
+    )
 
 
 def _check_trainer(recipe: Recipe) -> None:

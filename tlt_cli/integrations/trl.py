@@ -12,7 +12,10 @@ repeated num_generations times) and gets back, in the same order, `prompt_ids` (
 tokenizes them: tlt_cli/integrations/trl_support.py), `completion_ids` (cut at the first of
 TRL's EOS ids) and `logprobs`: the sampled tokens' log-probabilities under the policy that
 generated them, log_softmax(logits / temperature) over the full vocabulary as TRL computes its
-own, from the target hidden states the engine produced anyway (one lm_head product, no forward).
+own, computed by the engine under its decode model (in the rollout's dtype) from the target hidden
+states it produced anyway (one head product, no forward). TRL 1.16 compares them with its own
+log-probs and corrects the loss by importance sampling only when it generates with vLLM
+(`use_vllm`, which tlt's rollout replaces): under `rollout_func` it takes them and applies nothing.
 
 The engine (tlt_cli/rollout/engine.py) is built on the first call on the very module TRL trains
 (unwrapped and, under ZeRO-3, gathered as TRL gathers it for its own generation), so every
@@ -56,7 +59,6 @@ from tlt_cli.plugins import drafter_training_plugin
 from tlt_cli.rollout.embedded import EmbeddedRollout
 from tlt_cli.rollout.types import Completion, RolloutRequest
 from tlt_cli.speculative.adaptive import OFF, adaptive_schedule
-from tlt_cli.training.logprobs import head_logprobs
 from tlt_cli.training.setup import rollout_needs_drafter
 
 if TYPE_CHECKING:
@@ -86,7 +88,7 @@ class RolloutRecord:
     training: TRL generated for training (False: for evaluation, with num_generations_eval);
     start / end: the call's entry and return; busy_end: this process's last completion finished;
     idle_end: every process had finished (busy_end with one process or without the sidecar);
-    logprob_seconds: the log-prob products; sd_usage: label -> {decode_steps, tokens, seconds};
+    sd_usage: label -> {decode_steps, tokens, seconds};
     sd_seconds: decode seconds under an SD configuration; accept_length: tokens per verify pass
     over the rollout (0.0 without SD); sidecar: the drafter-training plugin's metrics (empty when
     none ran; under its metric prefix), with idle_seconds, the wait it trained in;
@@ -102,7 +104,6 @@ class RolloutRecord:
     busy_end: float
     idle_end: float
     end: float
-    logprob_seconds: float
     requests: list[RequestRecord]
     sd_usage: dict[str, dict[str, float]]
     sd_seconds: float
@@ -218,24 +219,19 @@ class TltRollout:
             self._build(policy, trainer)
             requests = grouped_requests(prompt_ids)
             completions, busy_end = self.backend.generate_with_hidden(
-                requests, trl_sampling(trainer), self._sampling_seed(process)
+                requests, trl_sampling(trainer), self._sampling_seed(process), trainer.temperature
             )
             completions = [_cut_at_eos(completion, eos_ids) for completion in completions]
-            logprob_start = time.perf_counter()
-            logprobs = sampled_logprobs(policy.get_output_embeddings(), completions, trainer.temperature)
-            logprob_seconds = time.perf_counter() - logprob_start
             sidecar_metrics = self.sidecar.after_rollout(self.rollouts, completions) if self.sidecar else {}
         idle_end = self.sidecar.wait_end if self.sidecar is not None else busy_end
         self.records.append(
-            self._record(
-                trainer, process, processes, start, busy_end, idle_end, logprob_seconds, completions, sidecar_metrics
-            )
+            self._record(trainer, process, processes, start, busy_end, idle_end, completions, sidecar_metrics)
         )
         self.rollouts += 1
         return {
             "prompt_ids": [list(completion.prompt_ids) for completion in completions],
             "completion_ids": [completion.response_ids for completion in completions],
-            "logprobs": logprobs,
+            "logprobs": [completion.rollout_logprobs.tolist() for completion in completions],
         }
 
     def _build(self, policy: nn.Module, trainer: Any) -> None:
@@ -292,7 +288,6 @@ class TltRollout:
         start: float,
         busy_end: float,
         idle_end: float,
-        logprob_seconds: float,
         completions: list[Completion],
         sidecar: dict[str, float],
     ) -> RolloutRecord:
@@ -309,7 +304,6 @@ class TltRollout:
             busy_end=busy_end,
             idle_end=idle_end,
             end=time.time(),
-            logprob_seconds=logprob_seconds,
             requests=[_request_record(completion) for completion in completions],
             sd_usage=usage,
             sd_seconds=sum(value["seconds"] for label, value in usage.items() if label != OFF),
@@ -352,15 +346,18 @@ class TltRollout:
 
 
 class HiddenStateRollout(EmbeddedRollout):
-    """The embedded rollout, also returning each completion's target hidden states (log-probs, sidecar)."""
+    """The embedded rollout, also returning each completion's target hidden states (for the sidecar)."""
 
     def generate_with_hidden(
-        self, requests: list[RolloutRequest], sampling: Any, seed: int
+        self, requests: list[RolloutRequest], sampling: Any, seed: int, logprob_temperature: float
     ) -> tuple[list[Completion], float]:
-        """Completions in request order with `target_hidden`, and when the last one finished."""
+        """Completions in request order with `target_hidden` and `rollout_logprobs` at logprob_temperature (TRL's
+        definition: its sampling temperature), and when the last one finished."""
         self.refresh_copies()  # TRL's optimizer stepped since the last rollout
         generator = torch.Generator(self.engine.device).manual_seed(seed)
-        completions = self.engine.generate(requests, sampling, generator, return_hidden=True)
+        completions = self.engine.generate(
+            requests, sampling, generator, return_hidden=True, logprob_temperature=logprob_temperature
+        )
         return completions, max(completion.end for completion in completions)
 
 
@@ -382,21 +379,9 @@ def _cut_at_eos(completion: Completion, eos_ids: list[int]) -> Completion:
     length = ends[0] + 1
     completion.response_ids = completion.response_ids[:length]
     completion.target_hidden = completion.target_hidden[:length]
+    completion.rollout_logprobs = completion.rollout_logprobs[:length]
     completion.finished_by_eos = True
     return completion
-
-
-@torch.no_grad()
-def sampled_logprobs(lm_head: nn.Linear, completions: list[Completion], temperature: float) -> list[list[float]]:
-    """log_softmax(lm_head(hidden) / temperature)[sampled token] per response token, as TRL computes them."""
-    hidden = torch.cat([completion.target_hidden for completion in completions])
-    tokens = torch.tensor(
-        [token for completion in completions for token in completion.response_ids], device=hidden.device
-    )
-    # chunked over tokens (tlt_cli/training/logprobs.py): [CHUNK_TOKENS, V] floats at a time
-    values = head_logprobs(hidden, lm_head, tokens, temperature)
-    lengths = [len(completion.response_ids) for completion in completions]
-    return [chunk.tolist() for chunk in values.split(lengths)]
 
 
 def _request_record(completion: Completion) -> RequestRecord:

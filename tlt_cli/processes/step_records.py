@@ -61,7 +61,7 @@ def _step_record(
     step_end = max(report.idle_end + report.reward_seconds + report.update_seconds for report in reports)
     verify_passes = sum(record["verify_passes"] for record in requests)
     accepted = sum(record["accepted_tokens"] for record in requests)
-    update = {name: float(numpy.mean([report.update[name] for report in reports])) for name in reports[0].update}
+    update = _update_over_workers(reports)
     return {
         "type": "step",
         "step": reports[0].step,
@@ -90,6 +90,17 @@ def _step_record(
         ),
         **_plugin_totals(reports),
     }
+
+
+def _update_over_workers(reports: list[WorkerStepReport]) -> dict[str, float]:
+    """The actor's update metrics over workers: names ending in _min the lowest, _max the highest, others the mean."""
+    names = sorted({name for report in reports for name in report.update})
+    combine = {"_min": min, "_max": max}
+    merged = {}
+    for name in names:
+        values = [report.update[name] for report in reports if name in report.update]
+        merged[name] = float(combine.get(name[-4:], numpy.mean)(values))
+    return merged
 
 
 def _plugin_totals(reports: list[WorkerStepReport]) -> dict[str, float]:

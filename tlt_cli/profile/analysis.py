@@ -23,7 +23,14 @@ from itertools import groupby
 
 import numpy
 
-from tlt_cli.profile.records import ProfileRecords, RequestRecord, SdConfigRecord, StepRecord, WorkerRecord
+from tlt_cli.profile.records import (
+    ProfileRecords,
+    RequestRecord,
+    RolloutMismatch,
+    SdConfigRecord,
+    StepRecord,
+    WorkerRecord,
+)
 from tlt_cli.speculative.types import accept_length, source_accept_lengths
 
 DEFAULT_TAIL_BATCH = 4
@@ -73,6 +80,8 @@ class StepProfile:
     projected_rollout_seconds: float
     # the highest worker's resident peak in the step, GB (None where the input does not say)
     memory_peak_gb: float | None = None
+    # the rollout/learner mismatch the trainer measured (None where the input does not say)
+    mismatch: RolloutMismatch | None = None
 
 
 @dataclass(frozen=True)
@@ -268,6 +277,7 @@ def _step_profile(
         tail_seconds=slowest_tail,
         projected_rollout_seconds=rollout_seconds - (slowest_end - projected_end),
         memory_peak_gb=step_record.memory_peak_gb,
+        mismatch=step_record.mismatch,
     )
 
 

@@ -66,6 +66,23 @@ class WorkerRecord:
 
 
 @dataclass(frozen=True)
+class RolloutMismatch:
+    """A step's rollout/learner mismatch (tlt_cli/training/rollout_correction.py): K3 KL(pi_rollout || pi_old)
+    over response tokens, and the importance weights pi_old / pi_rollout before truncation: mean, min, max and
+    the share above the cap."""
+
+    kl_k3: float
+    weight_mean: float
+    weight_min: float
+    weight_max: float
+    weight_truncated: float
+
+
+# RolloutMismatch field -> the step record's key (the actor's update metrics carry the actor_ prefix)
+MISMATCH_KEYS = {item: f"actor_rollout_{item}" for item in RolloutMismatch.__dataclass_fields__}
+
+
+@dataclass(frozen=True)
 class StepRecord:
     """One step's rollout window; step_seconds is None when the input has no step timings."""
 
@@ -75,6 +92,8 @@ class StepRecord:
     step_seconds: float | None = None
     # the highest worker's resident peak in the step, GB (traces before issue 29: None)
     memory_peak_gb: float | None = None
+    # None: the trainer measured none (a recorded rollout, a backend without log-probs, traces before issue 34)
+    mismatch: RolloutMismatch | None = None
 
 
 @dataclass(frozen=True)
@@ -274,7 +293,15 @@ def _step(record: dict[str, Any], where: str) -> StepRecord:
         rollout_end=_number(record, "rollout_end", float, where),
         step_seconds=_number(record, "step_seconds", float, where, default=None),
         memory_peak_gb=_number(record, "memory_peak_gb", float, where, default=None),
+        mismatch=_mismatch(record, where),
     )
+
+
+def _mismatch(record: dict[str, Any], where: str) -> RolloutMismatch | None:
+    """The step's RolloutMismatch, or None when the record has no actor_rollout_kl_k3."""
+    if record.get(MISMATCH_KEYS["kl_k3"]) is None:
+        return None
+    return RolloutMismatch(**{item: _number(record, key, float, where) for item, key in MISMATCH_KEYS.items()})
 
 
 def _sd_config(record: dict[str, Any], where: str) -> SdConfigRecord:

@@ -44,6 +44,7 @@ def render_profile(
     console.print(_idle_summary(profile), highlight=False)
     _render_speculative(console, profile)
     console.print(_drafter_summary(profile), highlight=False)
+    _render_mismatch(console, profile)
     _render_projection(console, profile)
     console.print(
         Text(
@@ -199,6 +200,28 @@ def _render_speculative(console: Console, profile: Profile) -> None:
 def _by_source(lengths: dict[str, float]) -> str:
     """'drafter 1.62, ngram 1.45' ('' when no source drafted)."""
     return ", ".join(f"{source} {length:.2f}" for source, length in lengths.items())
+
+
+def _render_mismatch(console: Console, profile: Profile) -> None:
+    """Per step: K3 KL between the rollout's and the learner's log-probs, and the importance weights' spread."""
+    measured = [step for step in profile.steps if step.mismatch is not None]
+    if not measured:
+        console.print("rollout/learner mismatch: not measured in the input")
+        return
+    table = Table(title="rollout/learner mismatch (weights pi_old/pi_rollout before truncation)", title_justify="left")
+    for column in ("step", "K3 KL", "weight mean", "weight min", "weight max", "truncated %"):
+        table.add_column(column, justify="right")
+    for step in measured[-VISIBLE_STEPS:]:
+        mismatch = step.mismatch
+        table.add_row(
+            str(step.step),
+            f"{mismatch.kl_k3:.2e}",
+            f"{mismatch.weight_mean:.4f}",
+            f"{mismatch.weight_min:.4f}",
+            f"{mismatch.weight_max:.4f}",
+            f"{100 * mismatch.weight_truncated:.2f}",
+        )
+    console.print(table)
 
 
 def _drafter_summary(profile: Profile) -> str:

@@ -48,6 +48,8 @@ class RolloutBackend(Protocol):
 
         seed: all sampling randomness (the same seed, requests and weights give the same samples).
         on_request_finished: called once per completion, in the order they finished.
+        Each completion carries its `rollout_logprobs` (log_softmax(logits)[token] at temperature 1, as tlt's
+        learner defines them) where the backend can give them, else None.
         """
 
     def after_update(

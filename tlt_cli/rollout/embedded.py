@@ -85,9 +85,12 @@ class EmbeddedRollout:
         seed: int,
         on_request_finished: Callable[[Completion], None] | None = None,
     ) -> tuple[list[Completion], float]:
-        """The engine's completions sorted by request id; every random draw comes from `seed` (policy's device)."""
+        """The engine's completions sorted by request id, with their rollout log-probs (temperature 1, the
+        learner's definition); every random draw comes from `seed` (policy's device)."""
         generator = torch.Generator(self.engine.device).manual_seed(seed)
-        completions = self.engine.generate(requests, sampling, generator, on_request_finished=on_request_finished)
+        completions = self.engine.generate(
+            requests, sampling, generator, on_request_finished=on_request_finished, logprob_temperature=1.0
+        )
         busy_end = time.time()
         # the trainer's update comes next: it has the copies' memory until after_update rebuilds them
         self.engine.decode_model.release()

@@ -29,6 +29,7 @@ from torch import nn
 
 from tlt_cli.engine import decode_model_for
 from tlt_cli.engine.interface import DecodeModel
+from tlt_cli.engine.logprobs import decoded_logprobs
 from tlt_cli.engine.running_batch import DecodeTarget, RunningBatch
 from tlt_cli.engine.sampling import SamplingParams, next_tokens
 from tlt_cli.rollout.types import Completion, RolloutRequest
@@ -51,6 +52,8 @@ class _GenerateCall:
     generator: torch.Generator
     on_request_finished: Callable[[Completion], None] | None
     return_hidden: bool
+    # None: no log-probs; else each completion's rollout_logprobs at this temperature
+    logprob_temperature: float | None
     start: float
     on_decode_step: Callable[[DecodeStep], None] | None
     completions: dict[int, Completion] = field(default_factory=dict)
@@ -96,6 +99,7 @@ class EmbeddedEngine:
         on_request_finished: Callable[[Completion], None] | None = None,
         return_hidden: bool = False,
         on_decode_step: Callable[[DecodeStep], None] | None = None,
+        logprob_temperature: float | None = None,
     ) -> list[Completion]:
         """Complete every request; Completions come back in request order.
 
@@ -108,6 +112,11 @@ class EmbeddedEngine:
 
         on_decode_step: called after every decode step (not the prefill) with its DecodeStep (so is
         the speculative decoder's `observe_step`, if it has one: the adaptive schedule learns from it).
+
+        logprob_temperature: also return each completion's `rollout_logprobs` [R], log_softmax(logits /
+        logprob_temperature)[token] under the decode model (the learner's definition: 1.0 for tlt's own
+        GRPO loss, the sampling temperature for TRL's), computed once per finished request from the hidden
+        states that produced its tokens, whichever path (plain or speculative) produced them.
         """
         _check_inputs(requests, sampling)
         if not requests:
@@ -120,6 +129,7 @@ class EmbeddedEngine:
             generator,
             on_request_finished,
             return_hidden,
+            logprob_temperature,
             time.time(),
             _step_observer(observe_step, on_decode_step),
         )
@@ -176,7 +186,7 @@ class EmbeddedEngine:
             finished_by_eos=torch.zeros_like(prompt_lengths, dtype=torch.bool),
             tokens=tokens,
             cache=self.decode_model.new_cache(len(requests), capacity),
-            store_hidden=call.return_hidden or self.speculative is not None,
+            store_hidden=call.return_hidden or call.logprob_temperature is not None or self.speculative is not None,
         )
         causal = torch.ones(longest, longest, dtype=torch.bool, device=self.device).tril()
         positions = torch.arange(longest, device=self.device).expand(len(requests), longest)
@@ -209,8 +219,10 @@ class EmbeddedEngine:
         if not bool(finished.any()):
             return
         end = time.time()
-        for row in finished.nonzero().flatten().tolist():
-            completion = self._completion(batch, row, call, end)
+        rows = finished.nonzero().flatten().tolist()
+        logprobs = self._rollout_logprobs(batch, rows, call.logprob_temperature)
+        for row, rollout_logprobs in zip(rows, logprobs):
+            completion = self._completion(batch, row, call, end, rollout_logprobs)
             call.completions[int(batch.request_index[row])] = completion
             if call.on_request_finished is not None:
                 call.on_request_finished(completion)
@@ -220,24 +232,47 @@ class EmbeddedEngine:
             self.speculative.keep_rows(batch, keep)
         batch.keep_rows(keep)
 
-    def _completion(self, batch: RunningBatch, row: int, call: _GenerateCall, end: float) -> Completion:
+    def _rollout_logprobs(
+        self, batch: RunningBatch, rows: list[int], temperature: float | None
+    ) -> list[torch.Tensor | None]:
+        """Each row's [R] log-probs of its response tokens under the decode model, in one chunked head pass over
+        the rows' hidden states (None per row when not asked for)."""
+        if temperature is None:
+            return [None] * len(rows)
+        hidden = torch.cat([_response_hidden(batch, row) for row in rows])
+        tokens = torch.cat([_response_tokens(batch, row) for row in rows])
+        values = decoded_logprobs(self.decode_model, hidden, tokens, temperature)
+        return list(values.split([int(batch.generated[row]) for row in rows]))
+
+    def _completion(
+        self, batch: RunningBatch, row: int, call: _GenerateCall, end: float, rollout_logprobs: torch.Tensor | None
+    ) -> Completion:
         request = call.requests[int(batch.request_index[row])]
-        prompt_length, generated = int(batch.prompt_lengths[row]), int(batch.generated[row])
-        target_hidden = None
-        if call.return_hidden:
-            # the hidden state at position P-1+i produced response token i
-            target_hidden = batch.cache.extra[row, 0, prompt_length - 1 : prompt_length - 1 + generated].clone()
+        target_hidden = _response_hidden(batch, row).clone() if call.return_hidden else None
         stats = self.speculative.stats(row) if self.speculative is not None else SpeculativeStats()
         return Completion(
             request_id=request.request_id,
             prompt_ids=request.prompt_ids,
-            response_ids=batch.tokens[row, prompt_length : prompt_length + generated].tolist(),
+            response_ids=_response_tokens(batch, row).tolist(),
             finished_by_eos=bool(batch.finished_by_eos[row]),
             start=call.start,
             end=end,
             speculative=stats,
             target_hidden=target_hidden,
+            rollout_logprobs=rollout_logprobs,
         )
+
+
+def _response_hidden(batch: RunningBatch, row: int) -> torch.Tensor:
+    """[R, H] the target hidden states that produced row's response tokens: position P-1+i produced token i."""
+    prompt_length, generated = int(batch.prompt_lengths[row]), int(batch.generated[row])
+    return batch.cache.extra[row, 0, prompt_length - 1 : prompt_length - 1 + generated]
+
+
+def _response_tokens(batch: RunningBatch, row: int) -> torch.Tensor:
+    """[R] row's response token ids."""
+    prompt_length, generated = int(batch.prompt_lengths[row]), int(batch.generated[row])
+    return batch.tokens[row, prompt_length : prompt_length + generated]
 
 
 def _check_inputs(requests: Sequence[RolloutRequest], sampling: SamplingParams) -> None:

@@ -46,3 +46,6 @@ class Completion:
     speculative: SpeculativeStats = field(default_factory=SpeculativeStats)
     # [R, H] target last hidden state that produced each response token; only when asked for
     target_hidden: torch.Tensor | None = None
+    # [R] float32 log-prob of each response token under the rollout model (its dtype), by the learner's
+    # definition log_softmax(logits / temperature)[token] (tlt_cli/engine/logprobs.py); None: not asked for
+    rollout_logprobs: torch.Tensor | None = None

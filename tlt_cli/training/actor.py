@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +26,7 @@ from tlt_cli.processes.distributed import import_deepspeed
 from tlt_cli.training.grpo import PolicyLoss, policy_loss
 from tlt_cli.training.logprobs import token_logprobs
 from tlt_cli.training.policy_batch import PolicyBatch, micro_batches
+from tlt_cli.training.rollout_correction import MismatchTotals, importance_weights
 
 ADAMW_BETAS = (0.9, 0.999)
 CHECKPOINT_TAG = "actor"
@@ -38,13 +39,20 @@ HiddenStatesCallback = Callable[[PolicyBatch, torch.Tensor], None]
 
 @dataclass(frozen=True)
 class UpdateMetrics:
-    """What one GRPO update did, averaged over its micro-batches and epochs."""
+    """What one GRPO update did, averaged over its micro-batches and epochs; mismatch: the rollout/learner
+    mismatch of its batch (rollout_correction.py's metrics, empty when the rollout gave no log-probs)."""
 
     loss: float
     clip_fraction: float
     kl: float
     ratio_mean: float
     grad_norm: float
+    mismatch: dict[str, float] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, float]:
+        """Every number under one flat name (the step record's actor_* fields)."""
+        numbers = {item.name: getattr(self, item.name) for item in fields(self) if item.name != "mismatch"}
+        return {**numbers, **self.mismatch}
 
 
 class Actor:
@@ -124,9 +132,15 @@ class Actor:
         totals = {"loss": 0.0, "clip_fraction": 0.0, "kl": 0.0, "ratio_mean": 0.0, "grad_norm": 0.0}
         parts = micro_batches(batch, self.config.micro_batch_size)
         total_tokens = max(batch.response_token_count, 1)
-        for _ in range(self.config.ppo_epochs):
+        mismatch = MismatchTotals(self.config.rollout_correction, self.config.rollout_correction_cap)
+        for epoch in range(self.config.ppo_epochs):
             for micro_batch in parts:
-                result = self._micro_batch_loss(micro_batch, total_tokens, on_hidden_states if single_pass else None)
+                result = self._micro_batch_loss(
+                    micro_batch,
+                    total_tokens,
+                    on_hidden_states if single_pass else None,
+                    mismatch if epoch == 0 else None,
+                )
                 # the loss is already normalised over the whole batch: no extra 1/accumulation scaling
                 self.engine.backward(result.loss, scale_wrt_gas=False)
                 self.engine.step()
@@ -137,11 +151,17 @@ class Actor:
             totals["grad_norm"] += float(self.engine.get_global_grad_norm() or 0.0)
         self.engine.eval()
         epochs = self.config.ppo_epochs
-        return UpdateMetrics(**{name: value / epochs for name, value in totals.items()})
+        return UpdateMetrics(**{name: value / epochs for name, value in totals.items()}, mismatch=mismatch.metrics())
 
     def _micro_batch_loss(
-        self, micro_batch: PolicyBatch, total_tokens: int, on_hidden_states: HiddenStatesCallback | None
+        self,
+        micro_batch: PolicyBatch,
+        total_tokens: int,
+        on_hidden_states: HiddenStatesCallback | None,
+        mismatch: MismatchTotals | None,
     ) -> PolicyLoss:
+        """The micro-batch's loss; with the rollout's log-probs, weighted for the mismatch (counted into
+        `mismatch` when given: the first epoch, before any step, when old log-probs are the rollout's pi_old)."""
         hidden = self._last_hidden_state(self.policy, micro_batch)
         logprobs = _response_logprobs(self.policy, hidden, micro_batch)
         old_logprobs = micro_batch.old_logprobs
@@ -149,6 +169,17 @@ class Actor:
             old_logprobs = logprobs.detach()
             if on_hidden_states is not None:
                 on_hidden_states(micro_batch, hidden.detach())
+        weights = None
+        if micro_batch.rollout_logprobs is not None:
+            if mismatch is not None:
+                mismatch.add(old_logprobs, micro_batch.rollout_logprobs, micro_batch.response_mask)
+            weights = importance_weights(
+                old_logprobs,
+                micro_batch.rollout_logprobs,
+                micro_batch.response_mask,
+                self.config.rollout_correction,
+                self.config.rollout_correction_cap,
+            )
         return policy_loss(
             logprobs=logprobs,
             old_logprobs=old_logprobs,
@@ -158,6 +189,7 @@ class Actor:
             total_response_tokens=total_tokens,
             ref_logprobs=micro_batch.ref_logprobs,
             kl_coef=self.config.kl_coef,
+            importance_weights=weights,
         )
 
     def save(self, directory: Path) -> None:

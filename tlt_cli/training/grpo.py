@@ -47,10 +47,12 @@ def policy_loss(
     total_response_tokens: int,
     ref_logprobs: torch.Tensor | None = None,
     kl_coef: float = 0.0,
+    importance_weights: torch.Tensor | None = None,
 ) -> PolicyLoss:
     """Clipped-ratio GRPO loss, summed over this micro-batch's response tokens / total_response_tokens.
 
-    logprobs, old_logprobs, ref_logprobs, response_mask: [B,T]; advantages: [B].
+    logprobs, old_logprobs, ref_logprobs, response_mask: [B,T]; advantages: [B]. importance_weights: [B,T]
+    detached weights of each token's surrogate for the rollout/learner mismatch (rollout_correction.py).
     Dividing by the token count of the whole rollout batch (not this micro-batch) makes the
     sum over micro-batches a token mean, whatever the micro-batch split.
     """
@@ -62,6 +64,9 @@ def policy_loss(
     clipped = torch.clamp(ratio, 1.0 - clip_ratio, 1.0 + clip_ratio) * advantage
     # PPO surrogate: maximize min(r A, clip(r) A) -> minimize its negative
     per_token = -torch.minimum(unclipped, clipped)
+    if importance_weights is not None:
+        # truncated importance sampling: the tokens were sampled from pi_rollout, the surrogate assumes pi_old
+        per_token = per_token * importance_weights
     kl_value = torch.zeros((), dtype=per_token.dtype)
     if ref_logprobs is not None and kl_coef > 0.0:
         log_ratio_ref = ref_logprobs - logprobs

@@ -7,7 +7,8 @@ through `ChunkedHeadLogprobs`, an autograd Function that takes CHUNK_TOKENS rows
 head's product, log_softmax and the gather happen inside the chunk, only each row's logsumexp is
 kept, and backward recomputes each chunk's logits. So memory is [CHUNK_TOKENS, V] floats (plus
 [tokens, H] hidden states) instead of [B, T, V] logits, their log_softmax and its gradient, while
-values and gradients equal log_softmax(lm_head(hidden).float())[token] within float32 rounding.
+values and gradients equal log_softmax(lm_head(hidden).float())[token] within float32 rounding. The
+formula itself is tlt_cli/engine/logprobs.py's `chosen_logprobs`, which the rollout engine's log-probs use too.
 """
 
 from __future__ import annotations
@@ -15,8 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-# rows per head product: 256 x 49152 float32 logits is 50 MB, and 256 rows keep the product efficient
-CHUNK_TOKENS = 256
+from tlt_cli.engine.logprobs import CHUNK_TOKENS, chosen_logprobs, scaled_logits
 
 
 def token_logprobs(
@@ -62,10 +62,8 @@ class ChunkedHeadLogprobs(torch.autograd.Function):
         values = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
         logsumexp = torch.empty_like(values)
         for rows in _chunks(hidden.shape[0], chunk_tokens):
-            logits = _logits(hidden[rows], weight, bias, temperature)
-            logsumexp[rows] = logits.logsumexp(dim=-1)
-            # log_softmax(z)[token] = z[token] - logsumexp(z)
-            values[rows] = logits.gather(1, tokens[rows, None]).squeeze(1) - logsumexp[rows]
+            logits = nn.functional.linear(hidden[rows], weight, bias)
+            values[rows], logsumexp[rows] = chosen_logprobs(logits, tokens[rows], temperature)
         ctx.save_for_backward(hidden, weight, bias, tokens, logsumexp)
         ctx.temperature, ctx.chunk_tokens = temperature, chunk_tokens
         return values
@@ -97,8 +95,7 @@ class ChunkedHeadLogprobs(torch.autograd.Function):
 
 def _logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, temperature: float) -> torch.Tensor:
     """[n,V] float32 logits / temperature, the product in the head's dtype as lm_head(hidden) computes it."""
-    logits = nn.functional.linear(hidden, weight, bias).float()
-    return logits if temperature == 1.0 else logits.div_(temperature)
+    return scaled_logits(nn.functional.linear(hidden, weight, bias), temperature)
 
 
 def _chunks(count: int, chunk_tokens: int) -> list[slice]:

@@ -19,7 +19,8 @@ class PolicyBatch:
 
     input_ids: [N,T]; attention_mask: [N,T] (1 on real tokens); response_mask: [N,T] (1 where
     the token at t is a response token, i.e. scored by the policy loss); advantages: [N];
-    old_logprobs / ref_logprobs: [N,T] log-prob of the token at t, filled by the actor.
+    old_logprobs / ref_logprobs: [N,T] log-prob of the token at t, filled by the actor; rollout_logprobs:
+    [N,T] its log-prob under the rollout model (0 off the response), when the rollout backend gave them.
     """
 
     input_ids: torch.Tensor
@@ -28,6 +29,7 @@ class PolicyBatch:
     advantages: torch.Tensor
     old_logprobs: torch.Tensor | None = None
     ref_logprobs: torch.Tensor | None = None
+    rollout_logprobs: torch.Tensor | None = None
 
     @property
     def size(self) -> int:
@@ -54,6 +56,7 @@ class PolicyBatch:
             advantages=self.advantages[start:stop],
             old_logprobs=cut(self.old_logprobs),
             ref_logprobs=cut(self.ref_logprobs),
+            rollout_logprobs=cut(self.rollout_logprobs),
         )
 
 
@@ -62,7 +65,7 @@ def build_policy_batch(completions: list[Completion], advantages: torch.Tensor, 
 
     advantages[i] belongs to completions[i]. Sorting (stable, shortest first) makes each
     micro-batch hold sequences of similar length, so a long-tailed rollout does not pad every
-    micro-batch to its longest response.
+    micro-batch to its longest response. rollout_logprobs come along when every completion has them.
     """
     order = sorted(
         range(len(completions)),
@@ -76,11 +79,15 @@ def build_policy_batch(completions: list[Completion], advantages: torch.Tensor, 
     input_ids = torch.full((count, length), pad_token_id, dtype=torch.long)
     attention_mask = torch.zeros((count, length), dtype=torch.long)
     response_mask = torch.zeros((count, length), dtype=torch.long)
+    given = all(completion.rollout_logprobs is not None for completion in completions)
+    rollout_logprobs = torch.zeros((count, length), dtype=torch.float32) if given else None
     for row, (completion, sequence) in enumerate(zip(completions, sequences)):
         input_ids[row, : len(sequence)] = torch.tensor(sequence, dtype=torch.long)
         attention_mask[row, : len(sequence)] = 1
         response_mask[row, len(completion.prompt_ids) : len(sequence)] = 1
-    return PolicyBatch(input_ids, attention_mask, response_mask, advantages.float())
+        if given:
+            rollout_logprobs[row, len(completion.prompt_ids) : len(sequence)] = completion.rollout_logprobs.cpu()
+    return PolicyBatch(input_ids, attention_mask, response_mask, advantages.float(), rollout_logprobs=rollout_logprobs)
 
 
 def micro_batches(batch: PolicyBatch, micro_batch_size: int) -> list[PolicyBatch]:

@@ -245,7 +245,7 @@ class WorkerLoop:
         """GRPO update on this rank's completions (sorted by request id, so groups are consecutive)."""
         advantages = group_advantages(rewards, self.recipe.train.group_size)
         batch = build_policy_batch(completions, advantages, self.tokenizer.pad_token_id)
-        return vars(self.actor.update(batch, on_hidden_states))
+        return self.actor.update(batch, on_hidden_states).as_dict()
 
     def request_record(self, step: int, completion: Completion, reward: float) -> dict[str, Any]:
         stats = completion.speculative
