@@ -66,3 +66,10 @@ def test_a_workers_peak_memory_shows_in_the_live_rows_and_its_highest_in_the_sum
     output = io.StringIO()
     render_summary(Console(file=output, width=200), records, tmp_path)
     assert "peak resident memory of a worker" in output.getvalue() and "2.25 GB" in output.getvalue()
+
+
+def test_the_rollout_learner_mismatch_shows_in_the_live_rows_once_measured():
+    measured = {**BASE, "step": 1, "actor_rollout_kl_k3": 1.5e-4, "actor_rollout_weight_max": 1.0625}
+    unmeasured, line = printed_lines([BASE, measured])
+    assert "rollout KL" not in unmeasured
+    assert "rollout KL 1.5e-04" in line and "IS w max 1.062" in line

@@ -10,6 +10,8 @@ from typer.testing import CliRunner
 
 from tlt_cli.cli import app
 from tlt_cli.models.tiny import build_tiny_model, save_model_folder, tiny_model_config, tiny_tokenizer
+from tlt_cli.processes.messages import WorkerStepReport
+from tlt_cli.processes.step_records import step_records
 from tlt_cli.profile.analysis import analyse, worker_segments
 from tlt_cli.profile.plots import LENGTHS_FILE, STATE_COLOURS, TIMELINE_FILE
 from tlt_cli.profile.profiler import profile_source
@@ -336,3 +338,46 @@ def test_a_recipe_records_a_fresh_rollout_of_simulated_workers(tmp_path):
     assert all(step.memory_peak_gb > 0.05 for step in recorded_records.steps)
     bad = runner.invoke(app, ["profile", str(recipe), "train.nope=1"])
     assert bad.exit_code == 2 and "train.nope" in bad.output
+
+
+def mismatch_update(kl: float, low: float, high: float, truncated: float) -> dict[str, float]:
+    """One worker's actor update metrics with a measured rollout/learner mismatch (Actor.update's as_dict)."""
+    return {
+        "loss": 0.1,
+        "clip_fraction": 0.0,
+        "kl": 0.0,
+        "ratio_mean": 1.0,
+        "grad_norm": 1.0,
+        "rollout_kl_k3": kl,
+        "rollout_weight_mean": 1.0,
+        "rollout_weight_min": low,
+        "rollout_weight_max": high,
+        "rollout_weight_truncated": truncated,
+    }
+
+
+def test_the_step_record_carries_the_mismatch_over_workers_and_the_profile_shows_it(tmp_path):
+    reports = [
+        WorkerStepReport(0, worker, 0.0, 10.0, 10.0, 0.5, 2.0, [request(0, worker, 0.0, 10.0, 40, reward=1.0)], update)
+        for worker, update in enumerate([mismatch_update(2e-4, 0.9, 1.2, 0.0), mismatch_update(4e-4, 0.8, 2.5, 0.01)])
+    ]
+    for record in reports:
+        record.requests[0].update(verify_passes=0, accepted_tokens=0)
+    records = step_records(reports)
+    step = records[-1]
+    # the KL and shares are means over workers, the extremes the extremes of any worker
+    assert step["actor_rollout_kl_k3"] == pytest.approx(3e-4) and step["actor_rollout_weight_truncated"] == 0.005
+    assert step["actor_rollout_weight_min"] == 0.8 and step["actor_rollout_weight_max"] == 2.5
+    trace = [{"type": "run", "name": "m", "world_size": 2, "steps": 1, "resumed_from_step": None}, *records]
+    write_jsonl(tmp_path / "trace.jsonl", trace)
+    mismatch = analyse(load_records(tmp_path)).steps[0].mismatch
+    assert (mismatch.kl_k3, mismatch.weight_min, mismatch.weight_max) == (pytest.approx(3e-4), 0.8, 2.5)
+    result = runner.invoke(app, ["profile", str(tmp_path), "--no-plots"])
+    assert result.exit_code == 0, result.output
+    row = next(line for line in result.output.splitlines() if "3.00e-04" in line)
+    assert all(cell in row for cell in ("1.0000", "0.8000", "2.5000", "0.50"))
+    parsed = json.loads(runner.invoke(app, ["profile", str(tmp_path), "--json"]).stdout)
+    assert parsed["steps"][0]["mismatch"]["weight_max"] == 2.5
+    write_jsonl(tmp_path / "trace.jsonl", hand_made_trace())
+    unmeasured = runner.invoke(app, ["profile", str(tmp_path), "--no-plots"])
+    assert "rollout/learner mismatch: not measured in the input" in unmeasured.output

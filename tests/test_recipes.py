@@ -95,6 +95,16 @@ MALFORMED = {
         ["train.trainer=tlr"],
         "train.trainer must be one of native, trl, got 'tlr'.",
     ),
+    "bad rollout correction": (
+        "actor:\n  rollout_correction: tokens\n",
+        [],
+        "actor.rollout_correction must be one of token, sequence, off, got 'tokens'.",
+    ),
+    "rollout correction cap at most 1": (
+        "run: {name: t}\n",
+        ["actor.rollout_correction_cap=1.0"],
+        "actor.rollout_correction_cap must be greater than 1 (importance weights are truncated at it), got 1.0.",
+    ),
     "mode a mapping": (
         "speculative:\n  mode: {a: 1}\n",
         [],
@@ -115,7 +125,10 @@ def test_malformed_recipe_is_one_clear_line(tmp_path, name):
     assert "\n" not in message
 
 
-@pytest.mark.parametrize("name", ["unknown key", "out of range", "override wrong type", "invalid yaml"])
+@pytest.mark.parametrize(
+    "name",
+    ["unknown key", "out of range", "override wrong type", "invalid yaml", "rollout correction cap at most 1"],
+)
 def test_cli_exits_2_with_one_line_and_no_traceback(tmp_path, name):
     text, overrides, expected = MALFORMED[name]
     path = tmp_path / "recipe.yaml"
