@@ -1,6 +1,8 @@
 """The DeepSpeed actor on CPU (one rank): log-probs, a GRPO update, and an exact save/load."""
 
 import copy
+import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -179,3 +181,37 @@ def test_gradient_checkpointing_lowers_the_updates_measured_peak(single_process_
         growth[recompute] = memory.peak_resident_bytes() - before
     # measured here: 0.10 GB against 0.24 GB
     assert growth[False] - growth[True] > 80 * MEGABYTE, growth
+
+
+def with_rollout_logprobs(batch, shift: float):
+    """The batch as if the rollout's log-probs were the learner's minus `shift` on every response token."""
+    rollout = (batch.old_logprobs - shift) * batch.response_mask
+    return replace(batch, rollout_logprobs=rollout, old_logprobs=None)
+
+
+@pytest.mark.parametrize(
+    ("mode", "shift", "weight", "truncated"),
+    [
+        ("token", 0.0, 1.0, 0.0),
+        ("token", 0.5, math.exp(0.5), 0.0),
+        ("token", 1.0, 2.0, 1.0),
+        ("sequence", 0.5, 2.0, 1.0),
+    ],
+)
+def test_the_update_weights_its_loss_by_the_truncated_importance_weights_and_reports_the_mismatch(
+    single_process_group, mode, shift, weight, truncated
+):
+    def loss_and_mismatch(correction):
+        config = ActorConfig(lr=1e-2, micro_batch_size=4, rollout_correction=correction)
+        actor = Actor(tiny_policy(), config, sequences_per_update=6)
+        metrics = actor.update(with_rollout_logprobs(actor.logprobs(rollout_batch()), shift))
+        return metrics.loss, metrics.as_dict()
+
+    uncorrected, measured = loss_and_mismatch("off")
+    corrected, _ = loss_and_mismatch(mode)
+    # at ratio pi/pi_old = 1 every token's surrogate is -A; a uniform weight scales the whole loss
+    assert corrected == pytest.approx(weight * uncorrected, rel=1e-4) and uncorrected != 0.0
+    # measured whatever the mode: K3 of log-ratio `shift` on every token, weights e^shift before truncation
+    assert measured["rollout_kl_k3"] == pytest.approx(math.exp(shift) - shift - 1, abs=1e-6)
+    assert measured["rollout_weight_max"] == pytest.approx(math.exp(shift), rel=1e-4)
+    assert measured["rollout_weight_truncated"] == (truncated if mode == "token" else 0.0)
