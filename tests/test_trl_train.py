@@ -91,6 +91,13 @@ def test_grpo_config_takes_the_recipes_keys_and_its_trl_section(tmp_path):
     assert arguments["max_steps"] == recipe.train.steps * 2 and arguments["num_iterations"] == 2
     assert arguments["num_generations"] == recipe.train.group_size
     assert arguments["loss_type"] == recipe.trl["loss_type"] == "grpo"
+    # the rollout correction's TRL form (which TRL 1.16 applies only when it generates with vLLM)
+    assert arguments["vllm_importance_sampling_mode"] == "token_truncate"
+    assert arguments["vllm_importance_sampling_clip_max"] == 2.0 and arguments["vllm_importance_sampling_correction"]
+    sequence = load_recipe(RECIPE, ["actor.rollout_correction=sequence", "actor.rollout_correction_cap=3"])
+    assert grpo_config_arguments(sequence, 2, tmp_path)["vllm_importance_sampling_mode"] == "sequence_truncate"
+    off = load_recipe(RECIPE, ["actor.rollout_correction=off"])
+    assert grpo_config_arguments(off, 2, tmp_path)["vllm_importance_sampling_correction"] is False
 
 
 def assert_refused(tmp_path: Path, overrides: list[str], named: str) -> str:

@@ -8,7 +8,9 @@ steps on it:
     gradient_accumulation_steps = steps_per_generation = completions per process / micro_batch_size
     num_generations = train.group_size, num_iterations = actor.ppo_epochs,
     max_steps = train.steps x actor.ppo_epochs, learning_rate = actor.lr, beta = actor.kl_coef,
-    epsilon = actor.clip_ratio, temperature/top_p/top_k/max_completion_length from rollout
+    epsilon = actor.clip_ratio, temperature/top_p/top_k/max_completion_length from rollout,
+    vllm_importance_sampling_correction/_mode/_clip_max = actor.rollout_correction (token -> token_truncate,
+    sequence -> sequence_truncate, off -> no correction) and actor.rollout_correction_cap
 then adds the recipe's `trl:` section, passed through unchanged. A key of that section that
 GRPOConfig does not have, or that the recipe sets through its own key, or that tlt's run needs
 as it sets it (logging, saving, the output folder), is a `RecipeError` naming `trl.<key>`;
@@ -67,7 +69,14 @@ DERIVED = {
     "save_strategy": "checkpoint.every",
     "save_steps": "checkpoint.every",
     "save_total_limit": "checkpoint.keep",
+    "vllm_importance_sampling_correction": "actor.rollout_correction",
+    "vllm_importance_sampling_mode": "actor.rollout_correction",
+    "vllm_importance_sampling_clip_max": "actor.rollout_correction_cap",
 }
+# actor.rollout_correction -> TRL's vllm_importance_sampling_mode. TRL 1.16 applies it only when it generates
+# with vLLM itself (use_vllm, which tlt's rollout_func replaces): under tlt's rollout it takes the rollout's
+# log-probs and applies no correction, so the mapping only keeps TRL's settings the recipe's
+TRL_CORRECTION_MODES = {"token": "token_truncate", "sequence": "sequence_truncate", "off": "token_truncate"}
 # GRPOConfig fields tlt's run sets as it needs them (its trace, display and checkpoints)
 RUN_OWNED = (
     "logging_steps",
@@ -118,6 +127,9 @@ def grpo_config_arguments(recipe: Recipe, processes: int, run_directory: Path) -
         "report_to": trl_reporting(recipe.plugins.enabled, dict(recipe.plugins.options), run_directory)[0] or "none",
         "disable_tqdm": True,
         "lr_scheduler_type": LR_SCHEDULE,
+        "vllm_importance_sampling_correction": actor.rollout_correction != "off",
+        "vllm_importance_sampling_mode": TRL_CORRECTION_MODES[actor.rollout_correction],
+        "vllm_importance_sampling_clip_max": actor.rollout_correction_cap,
         "shuffle_dataset": False,
     }
     return {**derived, **dict(recipe.trl)}
