@@ -1,7 +1,8 @@
 """A real HTTP server process standing in for `sglang.launch_server` in the CPU tests.
 
 It speaks the part of SGLang 0.5.23's HTTP API tlt uses: /health (503 while "starting", 200
-after), /generate (canned token ids and SGLang-shaped meta_info), /server_info, and the weight
+after), /generate (canned token ids and SGLang-shaped meta_info, with output_token_logprobs when asked
+for: token 10 + i has log-prob -(i + 1) / 10), /server_info, and the weight
 update endpoints (a tensor update is refused outside a begin/end session, as in 0.5.21+). Every
 path but /health needs `Authorization: Bearer <api key>`. Modes: ok, slow (healthy after
 --startup-delay), hang (never listens), crash (prints an error and exits 1). --spawn-child
@@ -46,6 +47,11 @@ def canned_output(prompt_ids: list[int], max_new_tokens: int, stop_token_ids: li
     if prompt_ids[0] % 2 == 0 and stop_token_ids and max_new_tokens >= 4:
         return [10, 11, 12, stop_token_ids[0]], {"type": "stop", "matched": stop_token_ids[0]}
     return [10 + index for index in range(max_new_tokens)], {"type": "length", "length": max_new_tokens}
+
+
+def canned_logprob(index: int) -> float:
+    """The log-prob the fake server reports for output token `index`."""
+    return -(index + 1) / 10
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -114,6 +120,11 @@ class Handler(BaseHTTPRequestHandler):
             "spec_num_correct_drafts": accepted_each * verify_passes,
             "spec_correct_drafts_histogram": histogram,
         }
+        if body.get("return_logprob"):
+            # [logprob, token id, text] per output token, as SGLang reports them (text only when asked for)
+            meta_info["output_token_logprobs"] = [
+                [canned_logprob(index), token, None] for index, token in enumerate(output_ids)
+            ]
         self._send(200, {"output_ids": output_ids, "meta_info": meta_info})
 
     def _begin(self, body: dict) -> None:

@@ -62,6 +62,9 @@ def test_generate_shards_requests_and_returns_completions_in_order(servers):
             assert not completion.finished_by_eos and completion.response_ids == [10, 11, 12, 13, 14, 15]
         assert completion.start <= completion.end
         assert completion.speculative.accept_length == 3.0
+        # SGLang's output_token_logprobs, one per response token
+        expected = [-(index + 1) / 10 for index in range(len(completion.response_ids))]
+        assert completion.rollout_logprobs.tolist() == pytest.approx(expected)
     # even-first prompts went to server 0 (positions 0, 2, 4), odd-first to the slow server 1
     assert [index for index, _ in idle_events] == [0, 1]
     assert idle_events[0][1] <= idle_events[1][1]
@@ -106,6 +109,20 @@ def test_sglang_meta_info_maps_onto_speculative_stats():
     assert stats.proposed_by_depth == [5, 5, 5]
     assert stats.accept_length == (8 + 5) / 5
     assert speculative_stats({}).verify_passes == 0
+
+
+def test_logprobs_that_do_not_cover_the_output_are_not_used():
+    def completion(meta_info: dict):
+        response = {"output_ids": [10, 11], "meta_info": {"finish_reason": {"type": "length"}, **meta_info}}
+        return completion_from_response(RolloutRequest(7, (1,)), response, 0.0, 1.0)
+
+    assert completion({"output_token_logprobs": [[-0.5, 10, None], [-0.25, 11, None]]}).rollout_logprobs.tolist() == [
+        -0.5,
+        -0.25,
+    ]
+    assert completion({}).rollout_logprobs is None
+    assert completion({"output_token_logprobs": [[-0.5, 10, None]]}).rollout_logprobs is None
+    assert completion({"output_token_logprobs": [[-0.5, 10, None], [None, 11, None]]}).rollout_logprobs is None
 
 
 def test_aborted_request_is_an_error():

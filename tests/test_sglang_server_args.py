@@ -150,7 +150,12 @@ def every_plan() -> list:
 def test_placements_split_gpus_into_tensor_parallel_groups_with_own_ports():
     placements = server_placements(CONFIG)
     assert [(p.gpus, p.port, p.nccl_port) for p in placements] == [((0, 1), 31000, 31001), ((2, 3), 31002, 31003)]
-    assert server_environment(placements[1], {"PATH": "/bin"}) == {"PATH": "/bin", "CUDA_VISIBLE_DEVICES": "2,3"}
+    assert server_environment(placements[1], {"PATH": "/bin"}) == {
+        "PATH": "/bin",
+        "CUDA_VISIBLE_DEVICES": "2,3",
+        # return_logprob reports log-probs before temperature, as tlt's learner computes them
+        "SGLANG_RETURN_ORIGINAL_LOGPROB": "true",
+    }
 
 
 def test_command_carries_the_chosen_configuration(tmp_path):

@@ -5,7 +5,9 @@ requests over the servers (request k of the list goes to server k mod n, like th
 engine's worker shards), sends each as its own `/generate` call of token ids so SGLang batches
 them continuously, and returns the shared `Completion`s in input order. `start` / `end` are the
 wall-clock times the request was sent and its answer arrived (so they include time queued in the
-server). Speculative statistics come from SGLang's per-request `meta_info`.
+server). Speculative statistics come from SGLang's per-request `meta_info`, and so do the sampled tokens'
+log-probs (`return_logprob`; the servers run with SGLANG_RETURN_ORIGINAL_LOGPROB, tlt_cli/sglang/server_args.py,
+so they are log_softmax(logits)[token] before temperature, as tlt's learner defines them).
 
 Idle detection uses only our own bookkeeping: a server is idle when none of the requests tlt sent
 it is outstanding. `on_server_idle(server_index, time)` fires once per server per rollout when its
@@ -19,6 +21,8 @@ import time
 import uuid
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
 
 from tlt_cli.engine.sampling import SamplingParams
 from tlt_cli.rollout.types import Completion, RolloutRequest
@@ -66,6 +70,15 @@ def speculative_stats(meta_info: dict) -> SpeculativeStats:
     )
 
 
+def output_logprobs(meta_info: dict, output_ids: list[int]) -> torch.Tensor | None:
+    """[R] float32 log-probs of the output tokens from meta_info's output_token_logprobs ([logprob, token id,
+    text] per token), or None when the server gave none or they do not cover exactly the output ids."""
+    entries = meta_info.get("output_token_logprobs") or []
+    if [int(entry[1]) for entry in entries] != output_ids or any(entry[0] is None for entry in entries):
+        return None
+    return torch.tensor([float(entry[0]) for entry in entries], dtype=torch.float32) if entries else None
+
+
 def completion_from_response(request: RolloutRequest, response: dict, start: float, end: float) -> Completion:
     """A Completion from one /generate answer; SGLangRequestError if the server aborted the request."""
     meta_info = response.get("meta_info", {})
@@ -74,15 +87,17 @@ def completion_from_response(request: RolloutRequest, response: dict, start: flo
         raise SGLangRequestError(
             f"SGLang aborted request {request.request_id}: {finish_reason.get('message', 'no reason given')}."
         )
+    output_ids = [int(token) for token in response["output_ids"]]
     return Completion(
         request_id=request.request_id,
         prompt_ids=request.prompt_ids,
-        response_ids=[int(token) for token in response["output_ids"]],
+        response_ids=output_ids,
         # "stop" = a stop token matched (SGLang keeps it as the last output id); "length" = max_new_tokens
         finished_by_eos=finish_reason.get("type") == "stop",
         start=start,
         end=end,
         speculative=speculative_stats(meta_info),
+        rollout_logprobs=output_logprobs(meta_info, output_ids),
     )
 
 
@@ -183,6 +198,9 @@ class SGLangClient:
             "sampling_params": sampling_body(params, self.eos_token_id, seed),
             "rid": sglang_request_id,
             "stream": False,
+            # the sampled tokens' log-probs only (logprob_start_len -1: none of the prompt's)
+            "return_logprob": True,
+            "logprob_start_len": -1,
         }
         start = time.time()
         try:

@@ -41,6 +41,8 @@ CPU_SERVER_ARGS = (
 # what a server on --device cpu needs in its environment: SGLang's CPU platform, and the Python radix tree
 # (the wheel's Rust one is linked against torch 2.14.1, which a CPU environment does not have)
 CPU_SERVER_ENVIRONMENT = {"SGLANG_USE_CPU_ENGINE": "1", "SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND": "python"}
+# SGLang's switch for return_logprob: log-probs of the raw logits (temperature 1) instead of the tempered ones
+RETURN_ORIGINAL_LOGPROB = "SGLANG_RETURN_ORIGINAL_LOGPROB"
 
 
 class LaunchConfigError(ValueError):
@@ -188,10 +190,13 @@ def serves_on_cpu(extra_args: tuple[str, ...] | list[str]) -> bool:
 def server_environment(
     placement: ServerPlacement, base_environment: Mapping[str, str], on_cpu: bool = False
 ) -> dict[str, str]:
-    """The server's environment: the caller's, with only this server's GPUs visible; on the CPU platform
+    """The server's environment: the caller's, with only this server's GPUs visible and the sampled tokens'
+    log-probs before temperature (unless the caller set SGLANG_RETURN_ORIGINAL_LOGPROB); on the CPU platform
     (`serves_on_cpu`), SGLang's CPU settings unless the caller set them."""
     environment = dict(base_environment)
     environment["CUDA_VISIBLE_DEVICES"] = ",".join(str(gpu) for gpu in placement.gpus)
+    # return_logprob gives log_softmax(logits)[token] before temperature: the learner's log-probs (rollout_correction)
+    environment.setdefault(RETURN_ORIGINAL_LOGPROB, "true")
     if on_cpu:
         for name, value in CPU_SERVER_ENVIRONMENT.items():
             environment.setdefault(name, value)
