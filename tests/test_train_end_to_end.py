@@ -39,6 +39,11 @@ def test_two_steps_write_trace_checkpoint_and_summary(small_model, tmp_path):
         peaks = [max(worker["memory_rollout_peak_gb"], worker["memory_update_peak_gb"]) for worker in own]
         assert min(peaks) > 0.1 and step["memory_peak_gb"] == max(peaks)
     assert "peak resident memory of a worker" in result.stdout
+    # a float32 rollout samples from the learner's own policy: no mismatch, weights 1, nothing truncated
+    for step in steps:
+        assert 0.0 <= step["actor_rollout_kl_k3"] < 1e-9 and step["actor_rollout_weight_truncated"] == 0.0
+        assert 1 - 1e-4 < step["actor_rollout_weight_min"] <= step["actor_rollout_weight_max"] < 1 + 1e-4
+    assert "rollout KL" in result.stdout
     # the slower worker of each step has no idle time; the other waits for it
     for step in (0, 1):
         idle = sorted(worker["idle_seconds"] for worker in workers if worker["step"] == step)
