@@ -36,6 +36,7 @@ from tlt_cli.tasks.base import Task
 from tlt_cli.tasks.prompts import encode_prompt
 from tlt_cli.trace import TraceWriter
 from tlt_cli.training import memory, setup
+from tlt_cli.tuning.precision import rollout_precision
 from tlt_cli.versions import installed_versions
 
 SIMPLIFICATION = "one process; worker shards generated one after another and re-timed to start together"
@@ -51,9 +52,6 @@ def record_rollout(
     task = setup.task(recipe)
     # the linear forms a worker's engine computes the policy with (EmbeddedRollout, no drafter: SD off here)
     linear_forms = prepare_linear_forms(recipe.rollout.linear_forms, [policy, None], setup.model_cache(recipe))
-    engine = EmbeddedEngine(
-        policy, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, linear_forms=linear_forms
-    )
     sampling = setup.sampling(recipe)
     trace_path.parent.mkdir(parents=True, exist_ok=True)
     trace_path.unlink(missing_ok=True)
@@ -61,6 +59,17 @@ def record_rollout(
     threads = torch.get_num_threads()
     torch.set_num_threads(recipe.workers.threads_per_worker)
     try:
+        # measured (rollout.dtype auto) with the thread count a worker decodes with, as a worker does
+        precision = rollout_precision(
+            recipe.rollout.dtype, policy, linear_forms.plan if linear_forms else None, setup.model_cache(recipe)
+        )
+        engine = EmbeddedEngine(
+            policy,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+            linear_forms=linear_forms,
+            dtype=precision.torch_dtype,
+        )
         writer.write(
             {
                 "type": "run",
@@ -71,6 +80,7 @@ def record_rollout(
                 "recorded_by": "tlt profile",
                 "simplification": SIMPLIFICATION,
                 "versions": installed_versions(),
+                "rollout_precision": {"0": precision.to_record()},
             }
         )
         step_start = time.time()
