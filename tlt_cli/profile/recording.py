@@ -6,7 +6,7 @@ s's prompts, `group_size` samples each, sampling seeded by (seed, step, worker))
 engine, its linear layers in the recipe's `rollout.linear_forms` as a worker's, and writes a tlt
 trace (request, worker and step records) that `load_records` reads back.
 
-Simplification, stated in the trace's run record and the README: everything runs in this one
+Simplification, stated in the trace's run record and docs/running.md: everything runs in this one
 process. The `workers.count` shards of a step are generated one after the other, each on
 `workers.threads_per_worker` threads, and each shard's times are shifted so that all shards start
 together at the step's start, as parallel workers would. Contention between real worker processes

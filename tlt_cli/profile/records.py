@@ -2,7 +2,7 @@
 
 `load_records(path)` accepts
   - a run directory (its `trace.jsonl`) or a tlt trace file: request, worker, step, sd_config and
-    warning records (README, "The run directory"); unknown record types are skipped;
+    warning records (docs/running.md, "The run directory"); unknown record types are skipped;
   - a CSV file or a JSONL file of plain objects, one per generated response, with the columns
     `step, worker, start, end, tokens` (times in seconds, any origin) and optionally
     `verify_passes, accepted_tokens`: the worker and step timelines are then derived from the
