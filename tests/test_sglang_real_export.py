@@ -5,7 +5,7 @@ SGLang's `Qwen2ForCausalLMEagle` / `LlamaForCausalLMEagle` are built in the SGLa
 be written (filled with NaN before), every exported tensor must land where it belongs (fused q/k/v and
 gate/up compared slice by slice), the token map of a reduced draft vocabulary must read back through SGLang's
 `load_token_map`, and the draft layer's output on the same embeddings and target hidden states must equal tlt's
-drafter's (before the final norm tlt applies and SGLang does not, README "Known differences").
+drafter's (before the final norm tlt applies and SGLang does not, docs/gpu.md "Known difference of the drafter").
 
 Run: `pytest -m real_sglang tests/test_sglang_real_export.py` after scripts/build_sglang_cpu_env.py.
 """

@@ -39,11 +39,6 @@ def test_two_steps_write_trace_checkpoint_and_summary(small_model, tmp_path):
         peaks = [max(worker["memory_rollout_peak_gb"], worker["memory_update_peak_gb"]) for worker in own]
         assert min(peaks) > 0.1 and step["memory_peak_gb"] == max(peaks)
     assert "peak resident memory of a worker" in result.stdout
-    # a float32 rollout samples from the learner's own policy: no mismatch, weights 1, nothing truncated
-    for step in steps:
-        assert 0.0 <= step["actor_rollout_kl_k3"] < 1e-9 and step["actor_rollout_weight_truncated"] == 0.0
-        assert 1 - 1e-4 < step["actor_rollout_weight_min"] <= step["actor_rollout_weight_max"] < 1 + 1e-4
-    assert "rollout KL" in result.stdout
     # the slower worker of each step has no idle time; the other waits for it
     for step in (0, 1):
         idle = sorted(worker["idle_seconds"] for worker in workers if worker["step"] == step)
@@ -52,6 +47,26 @@ def test_two_steps_write_trace_checkpoint_and_summary(small_model, tmp_path):
     assert (run_directory / "recipe.yaml").is_file()
     (run,) = read_records(run_directory, "run")
     assert run["versions"] == installed_versions() and run["versions"]["transformers"]
+    # each worker's rollout precision (rollout.dtype auto) and the figures that chose it, shown live as well
+    precision = run["rollout_precision"]
+    assert set(precision) == {"0", "1"} and precision["0"]["reason"] == "measured"
+    assert precision["0"]["dtype"] in ("float32", "bfloat16") and set(precision["0"]["step_ms"]) == {
+        "float32",
+        "bfloat16",
+    }
+    assert f"rollout dtype: {precision['0']['dtype']} (measured: float32 step" in result.stdout
+    # the rollout/learner mismatch of every step: none in float32 (the learner's own policy, weights 1), small
+    # in bfloat16
+    float32 = all(chosen["dtype"] == "float32" for chosen in precision.values())
+    for step in steps:
+        if float32:
+            assert 0.0 <= step["actor_rollout_kl_k3"] < 1e-9 and step["actor_rollout_weight_truncated"] == 0.0
+            assert 1 - 1e-4 < step["actor_rollout_weight_min"] <= step["actor_rollout_weight_max"] < 1 + 1e-4
+        else:
+            assert 0.0 < step["actor_rollout_kl_k3"] < 1e-2 and step["actor_rollout_weight_truncated"] < 0.05
+    assert "rollout KL" in result.stdout
+    profiled = subprocess.run([*TLT, "profile", str(run_directory), "--no-plots"], capture_output=True, text=True)
+    assert profiled.returncode == 0 and f"rollout dtype: {precision['0']['dtype']} (measured" in profiled.stdout
 
 
 def test_a_second_run_with_the_same_name_is_refused(small_model, tmp_path):

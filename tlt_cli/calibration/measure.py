@@ -27,6 +27,7 @@ from tlt_cli.rollout.engine import EmbeddedEngine
 from tlt_cli.rollout.types import RolloutRequest
 from tlt_cli.speculative.decoder import SpeculativeDecoder
 from tlt_cli.speculative.types import DecodeStep, SpeculativeConfig
+from tlt_cli.tuning.precision import PrecisionChoice
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,8 @@ class ModelPair:
     eos_token_id: int
     device: torch.device
     linear_forms: LinearForms | None = None
+    # the dtype the target is decoded in (None: its own); tlt_cli/tuning/precision.py chose it
+    precision: PrecisionChoice | None = None
 
 
 @dataclass(frozen=True)
@@ -117,6 +120,7 @@ def shard_engine(pair: ModelPair, decoder: SpeculativeDecoder) -> EmbeddedEngine
         pad_token_id=pair.pad_token_id,
         speculative=decoder,
         linear_forms=pair.linear_forms,
+        dtype=pair.precision.torch_dtype if pair.precision is not None else None,
     )
 
 

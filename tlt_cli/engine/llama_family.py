@@ -13,7 +13,7 @@ equals transformers' `generate` in float32.
 the transformers path): another architecture, a sliding window in use, a rope type other than
 default/linear/llama3, an activation other than SiLU, or a layer that does not look like the family's.
 
-Product forms (measured on this CPU, see DESIGN.md "What a verify pass costs"): `linear` is F.linear on
+Product forms (measured on this CPU, see docs/design.md, "What a verify pass costs"): `linear` is F.linear on
 W [out, in]; `transposed` is x @ W_t with a contiguous copy W_t [in, out] (1.6x faster at 1 row);
 `weight_major` is (W @ x.T).T (fastest for a big head at 2-4 rows). A fused product keeps only W_t when
 its plan ever uses `transposed` (then every row count multiplies by W_t), else only W.

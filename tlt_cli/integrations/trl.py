@@ -60,6 +60,7 @@ from tlt_cli.rollout.embedded import EmbeddedRollout
 from tlt_cli.rollout.types import Completion, RolloutRequest
 from tlt_cli.speculative.adaptive import OFF, adaptive_schedule
 from tlt_cli.training.setup import rollout_needs_drafter
+from tlt_cli.tuning.precision import ROLLOUT_DTYPE_SETTINGS
 
 if TYPE_CHECKING:
     from torch import nn
@@ -129,6 +130,7 @@ def tlt_rollout(
     seed: int = 0,
     linear_forms: str = "auto",
     cache_dir: str | Path | None = None,
+    dtype: str = "auto",
 ) -> TltRollout:
     """A `rollout_func` for `GRPOTrainer` (checked now: TRL's version, the settings).
 
@@ -140,11 +142,15 @@ def tlt_rollout(
     plugins.enabled; False: no training).
     drafter_config: the recipe's `drafter` section (warm-up and sidecar settings). seed: sampling
     and the bandit's draws. linear_forms: "auto" or "off" (the recipe's `rollout.linear_forms`);
-    cache_dir: where its measured plan is cached (None: $TLT_CACHE_DIR or ~/.cache/tlt).
+    cache_dir: where its measured plan is cached (None: $TLT_CACHE_DIR or ~/.cache/tlt). dtype: the precision
+    tlt decodes in, "auto" (measured per machine and model), "float32" or "bfloat16" (the recipe's
+    `rollout.dtype`; TRL's loss computes in the trainer's own precision).
     """
     check_trl_version()
     if linear_forms not in LINEAR_FORM_MODES:
         raise UserError(f"linear_forms is {linear_forms!r}; use one of {', '.join(LINEAR_FORM_MODES)}.")
+    if dtype not in ROLLOUT_DTYPE_SETTINGS:
+        raise UserError(f"dtype is {dtype!r}; use one of {', '.join(ROLLOUT_DTYPE_SETTINGS)}.")
     section = _section(SpeculativeSection, speculative, "speculative")
     return TltRollout(
         replace(section, mode=SpeculativeMode.of(section.mode, "speculative mode")),
@@ -154,6 +160,7 @@ def tlt_rollout(
         seed,
         linear_forms,
         None if cache_dir is None else Path(cache_dir),
+        dtype,
     )
 
 
@@ -190,6 +197,7 @@ class TltRollout:
         seed: int,
         linear_forms: str = "off",
         cache_dir: Path | None = None,
+        dtype: str = "float32",
     ) -> None:
         if speculative.mode == SpeculativeMode.adaptive:
             adaptive_schedule(speculative)  # the rule table is checked now, not at the first rollout
@@ -200,7 +208,7 @@ class TltRollout:
         self.use_sidecar = sidecar is not None
         self.drafter_config = drafter_config
         self.seed = seed
-        self.linear_forms, self.cache_dir = linear_forms, cache_dir
+        self.linear_forms, self.cache_dir, self.dtype = linear_forms, cache_dir, dtype
         self.rollouts = 0
         self.backend: EmbeddedRollout | None = None
         self.policy: nn.Module | None = None
@@ -234,6 +242,10 @@ class TltRollout:
             "logprobs": [completion.rollout_logprobs.tolist() for completion in completions],
         }
 
+    def precision(self) -> dict | None:
+        """The dtype tlt decodes in and how it was chosen (None before the first rollout built the engine)."""
+        return self.backend.precision() if self.backend is not None else None
+
     def _build(self, policy: nn.Module, trainer: Any) -> None:
         """The engine, drafter and sidecar on `policy`, once (again only if TRL hands over another module)."""
         if policy is self.policy:
@@ -258,6 +270,7 @@ class TltRollout:
             seed=self.seed,
             linear_forms=self.linear_forms,
             cache_dir=self.cache_dir,
+            dtype=self.dtype,
         )
         if self.pending_state is not None:
             self._load_schedule(self.pending_state, trainer.accelerator.process_index)

@@ -11,6 +11,10 @@ drafter over that policy, which is all a trainer of another library has in its o
     completions, busy_end = rollout.generate(requests, SamplingParams(max_new_tokens=128), seed=step)
     usage = rollout.take_usage()  # adaptive SD: decode steps, tokens and seconds per configuration
 
+`dtype` (the recipe's `rollout.dtype`: auto, float32 or bfloat16) is the precision the policy is decoded in;
+`auto` measures once per machine and model which pays (tlt_cli/tuning/precision.py); `precision()` says which
+ran and the figures that chose it, `start()` puts it in the run log.
+
 `linear_forms="auto"` (the recipe's `rollout.linear_forms`) computes each linear layer of the policy
 and drafter, during generation only, in the form measured fastest for the pass's rows
 (tlt_cli/engine/linear_forms.py); its transposed copies are refreshed by `after_update`.
@@ -38,6 +42,7 @@ from tlt_cli.models.tiny import default_cache_dir
 from tlt_cli.rollout.engine import EmbeddedEngine
 from tlt_cli.rollout.types import Completion, RolloutRequest
 from tlt_cli.speculative.adaptive import AdaptiveSpeculativeDecoder, ConfigUsage, speculative_decoder
+from tlt_cli.tuning.precision import rollout_precision
 
 
 class EmbeddedRollout:
@@ -45,8 +50,8 @@ class EmbeddedRollout:
 
     speculative: the recipe's `speculative` settings (None: SD off); drafter: the drafter over
     `policy` to speculate with (None: SD off). seed: the adaptive schedule's bandit draws.
-    linear_forms: "auto" or "off" (see the module docstring); cache_dir: where the measured plan is
-    cached (None: $TLT_CACHE_DIR or ~/.cache/tlt).
+    linear_forms: "auto" or "off", dtype: "auto", "float32" or "bfloat16" (see the module docstring); cache_dir:
+    where the measured plan and precision are cached (None: $TLT_CACHE_DIR or ~/.cache/tlt).
     """
 
     def __init__(
@@ -59,24 +64,31 @@ class EmbeddedRollout:
         seed: int = 0,
         linear_forms: str = "off",
         cache_dir: Path | None = None,
+        dtype: str = "float32",
     ) -> None:
         decoder = speculative_decoder(speculative, drafter, seed) if speculative is not None else None
         self.schedule = decoder.adaptive_schedule if isinstance(decoder, AdaptiveSpeculativeDecoder) else None
-        self.linear_forms = prepare_linear_forms(
-            linear_forms, [policy, drafter], cache_dir if cache_dir is not None else default_cache_dir()
-        )
+        cache_dir = cache_dir if cache_dir is not None else default_cache_dir()
+        self.linear_forms = prepare_linear_forms(linear_forms, [policy, drafter], cache_dir)
+        plan = self.linear_forms.plan if self.linear_forms is not None else None
+        self.precision_choice = rollout_precision(dtype, policy, plan, cache_dir)
         self.engine = EmbeddedEngine(
             policy,
             eos_token_id=eos_token_id,
             pad_token_id=pad_token_id,
             speculative=decoder,
             linear_forms=self.linear_forms,
+            dtype=self.precision_choice.torch_dtype,
         )
 
     def start(self) -> list[str]:
-        """Nothing to start: the engine runs in this process; the decode path and linear forms it uses, for the log."""
+        """Nothing to start: the engine runs in this process; its precision, decode path and forms, for the log."""
         forms = [self.linear_forms.describe()] if self.linear_forms is not None else []
-        return [self.engine.decode_model.describe(), *forms]
+        return [self.precision_choice.describe(), self.engine.decode_model.describe(), *forms]
+
+    def precision(self) -> dict:
+        """The dtype the engine decodes in and how it was chosen (see tlt_cli/tuning/precision.py)."""
+        return self.precision_choice.to_record()
 
     def generate(
         self,

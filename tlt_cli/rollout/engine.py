@@ -64,9 +64,11 @@ class EmbeddedEngine:
     when given a speculative decoder (`tlt_cli.speculative.decoder.SpeculativeDecoder`), lossless
     speculative decoding. With `linear_forms` (tlt_cli/engine/linear_forms.py), the target's decode model
     lays out its products by the measured plan, and the drafter's linear layers compute in the form fastest for
-    each pass's rows, for the length of each generate call. `decode_model`: the model as the engine decodes
-    it (default: `decode_model_for(model)` with the plan of `linear_forms`); call its `refresh()` after the
-    model's weights change."""
+    each pass's rows, for the length of each generate call. `dtype`: the precision the target is decoded in (None:
+    the model's own; tlt_cli/tuning/precision.py chooses it), its cache included; speculative decoding is exact
+    against the model in that precision. `decode_model`: the model as the engine decodes it (default:
+    `decode_model_for(model, dtype)` with the plan of `linear_forms`); call its `refresh()` after the model's
+    weights change."""
 
     def __init__(
         self,
@@ -76,10 +78,13 @@ class EmbeddedEngine:
         speculative: SpeculativeDecoder | None = None,
         linear_forms: LinearForms | None = None,
         decode_model: DecodeModel | None = None,
+        dtype: torch.dtype | None = None,
     ) -> None:
         self.model = model
         plan = linear_forms.plan if linear_forms is not None else None
-        self.decode_model = decode_model if decode_model is not None else decode_model_for(model, linear_plan=plan)
+        if decode_model is None:
+            decode_model = decode_model_for(model, dtype=dtype, linear_plan=plan)
+        self.decode_model = decode_model
         self.target = DecodeTarget(self.decode_model, next(model.parameters()).device)
         self.eos_token_id = eos_token_id
         self.pad_token_id = pad_token_id
