@@ -7,7 +7,9 @@ slot cache, explicit position ids and a 4D mask, so rows of different lengths sh
 without padding. The model is seen only through its `DecodeModel` (tlt_cli/engine/interface.py): the
 owned Llama-family forward, or transformers' public API for other families (`decode_model_for`).
 A request leaves the batch as soon as it ends (EOS or max_new_tokens): its row is dropped from the
-cache and every per-row tensor, so no compute is spent on it afterwards.
+cache and every per-row tensor, so no compute is spent on it afterwards. Asked for (`logprob_temperature`),
+its tokens' log-probs under the decode model are computed then, once, from the target hidden states the
+cache kept for every position (tlt_cli/engine/logprobs.py), whichever path produced the tokens.
 Generation runs under torch.no_grad with the model in eval mode and restores every module's mode
 afterwards. Same requests, parameters and generator state give the same output.
 
