@@ -8,8 +8,9 @@ step's start and reports the step's peak (`memory_peak_gb` in the trace's worker
 Estimated: `worker_peak_estimate(recipe, parameter_count)` adds up what one native worker holds at
 its peak: the runtime (Python, torch, transformers, DeepSpeed), the policy's weights (and a
 reference copy with a KL term), gradients and AdamW state as the ZeRO stage splits them over the
-workers, the rollout's KV cache, and the update's saved activations (with `actor.gradient_checkpointing`,
-each layer's input and a few layers' activations) and the log-prob chunk. The
+workers, the rollout's KV cache and hidden states (with the rollout log-probs' chunk), and the
+update's saved activations (with `actor.gradient_checkpointing`, each layer's input and a few
+layers' activations) and the log-prob chunk. The
 constants are per-token costs measured on SmolLM2-135M (BENCHMARKS.md "Memory per worker") and
 scale with the model's shape. `check_memory(recipe)` (tlt_cli/training/trainers.py, before anything
 starts) refuses a run whose workers on this machine would not fit in MemAvailable.
@@ -124,7 +125,7 @@ class MemoryEstimate:
     def describe(self) -> str:
         parts = (
             f"runtime {self.runtime / GB:.1f}, weights {self.weights / GB:.1f}, gradients and optimizer "
-            f"{self.training_state / GB:.1f}, rollout KV cache {self.rollout / GB:.1f}, update activations "
+            f"{self.training_state / GB:.1f}, rollout cache {self.rollout / GB:.1f}, update activations "
             f"{self.update / GB:.1f}"
         )
         return f"{self.total_bytes / GB:.1f} GB ({parts})"
@@ -166,15 +167,17 @@ def worker_peak_estimate(recipe: Recipe, shape: ModelShape, prompt_tokens: int) 
     gradients = parameters * FLOAT32_BYTES + (parameters * FLOAT32_BYTES // workers if zero >= 2 else 0)
     sequence_tokens = prompt_tokens + recipe.rollout.max_new_tokens
     samples = recipe.train.prompts_per_step // workers * recipe.train.group_size
-    # keys and values of every layer for every sample, prompt and response
-    rollout = samples * sequence_tokens * shape.layers * 2 * shape.key_value_width * value_bytes
+    logprob_chunk = LOGPROB_BUFFERS * CHUNK_TOKENS * shape.vocab_size * FLOAT32_BYTES
+    # keys and values of every layer and the last hidden state (which the rollout log-probs and the drafter read)
+    # for every sample, prompt and response, and the head's chunk of the rollout log-probs
+    per_token = shape.layers * 2 * shape.key_value_width + shape.hidden
+    rollout = samples * sequence_tokens * per_token * value_bytes + logprob_chunk
     micro_batch = min(recipe.actor.micro_batch_size, samples)
     saved_per_layer = SAVED_PER_HIDDEN * shape.hidden + SAVED_PER_INTERMEDIATE * shape.intermediate
     # recomputation keeps each layer's input, and in backward a few layers' activations at a time
     kept_layers = RECOMPUTED_LAYERS if recipe.actor.gradient_checkpointing else shape.layers
     inputs = shape.layers * shape.hidden if recipe.actor.gradient_checkpointing else 0
     saved_per_token = inputs + kept_layers * saved_per_layer
-    logprob_chunk = LOGPROB_BUFFERS * CHUNK_TOKENS * shape.vocab_size * FLOAT32_BYTES
     attention = micro_batch * sequence_tokens**2 * kept_layers * ATTENTION_PAIR_BYTES
     update = micro_batch * sequence_tokens * saved_per_token * value_bytes + attention + logprob_chunk
     return MemoryEstimate(
