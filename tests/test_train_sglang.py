@@ -25,7 +25,8 @@ from tlt_cli.sglang.server import live_group_members
 @pytest.fixture()
 def sglang_environment(tmp_path) -> dict[str, str]:
     site = write_stand_in_sglang(tmp_path / "site")
-    return {**os.environ, "PYTHONPATH": str(site)}
+    # the stand-in first; the caller's own path after it (a worktree's tlt_cli over the installed one)
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))}
 
 
 def sglang_run(model: Path, output: Path, name: str, workers: int, servers: int, *extra: str) -> list[str]:
@@ -88,6 +89,10 @@ def test_two_steps_on_sglang_servers_trace_requests_sync_weights_and_stop_server
         worker["weight_sync_seconds"] > 0 and worker["probe_accept_length"] == 3.0 for worker in workers
     )
     assert read_records(run_directory, "step")[-1]["accept_length"] == 3.0
+    # the servers' log-probs (canned, -0.1 per position) are not the learner's: the mismatch is measured, the
+    # weights pi_old / pi_rollout of the fake tokens under the real policy are mostly truncated
+    for step in read_records(run_directory, "step"):
+        assert step["actor_rollout_kl_k3"] > 0.1 and step["actor_rollout_weight_min"] < 1.0
     # worker r owns servers 2r and 2r+1 of the four, each updated from disk after both steps
     for worker in (0, 1):
         for server in (0, 1):
