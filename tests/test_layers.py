@@ -40,6 +40,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("models", ("tlt_cli.models",)),
     ("engine", ("tlt_cli.engine",)),
     ("speculative", ("tlt_cli.speculative",)),
+    ("tuning", ("tlt_cli.tuning",)),
     ("rollout", ("tlt_cli.rollout",)),
     ("drafter", ("tlt_cli.drafter",)),
     ("sglang", ("tlt_cli.sglang",)),
