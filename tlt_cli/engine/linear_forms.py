@@ -231,7 +231,8 @@ class FormedCopy:
         """`module` itself when nothing under it is formed, else its stand-in or a shallow copy over copied children
         (`done`: the copy of each module met so far, so a module met twice has one copy)."""
         if id(module) not in done:
-            done[id(module)] = self._formed(module) or self._with_children_copied(module, done)
+            formed = self._formed(module)
+            done[id(module)] = formed if formed is not None else self._with_children_copied(module, done)
         return done[id(module)]
 
     def _formed(self, module: nn.Module) -> FormedLinear | None:
