@@ -27,7 +27,6 @@ from tlt_cli.config import (
     Trainer,
     load_recipe,
 )
-from tlt_cli.engine.linear_forms_measure import LINEAR_FORM_MODES
 from tlt_cli.processes.hostfile import HostfileError, check_hostfile, ranks_per_node
 from tlt_cli.sglang.adaptive import batch_rules
 from tlt_cli.sglang.config import validate_sglang_config
@@ -35,6 +34,7 @@ from tlt_cli.speculative.adaptive import RuleTableError, build_rules
 from tlt_cli.speculative.decoder import check_speculative_config, check_topk_fits
 from tlt_cli.speculative.types import SpeculativeConfig
 from tlt_cli.training.rollout_correction import CORRECTION_MODES
+from tlt_cli.tuning.linear_forms import LINEAR_FORM_MODES
 from tlt_cli.tuning.precision import ROLLOUT_DTYPE_SETTINGS
 
 ROLLOUT_BACKENDS = ("embedded", "sglang", "trl")
