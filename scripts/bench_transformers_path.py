@@ -12,8 +12,10 @@ one thread, forced to --max-new-tokens tokens from random prompts, by:
     worker runs it; measured into --cache-dir once per machine and model).
 The methods alternate prompt by prompt over --rounds rounds after an untimed one; CPU seconds
 (time.process_time: the figure least moved by other processes). Tokens are compared with `generate` at one
-row and with the engine decoding --batch-size prompts in one batch. Prints a table and writes JSON with the
-ratios, the CPU, its flags and the load.
+row and with the engine decoding --batch-size prompts in one batch. With --profile, one decode of each method
+is split by torch.profiler into CPU milliseconds per token of matrix products, attention and everything else
+(where the time goes; CPU time, so other processes' load does not count). Prints a table and writes JSON with
+the ratios, the CPU, its flags and the load.
 """
 
 from __future__ import annotations
@@ -26,9 +28,10 @@ import tempfile
 from pathlib import Path
 
 import torch
-from profile_plain_step import interleaved_cpu_seconds
+from profile_plain_step import MATRIX_PRODUCTS, interleaved_cpu_seconds
 from rich.console import Console
 from rich.table import Table
+from torch.profiler import ProfilerActivity, profile
 from transformers import AutoModelForCausalLM, GPT2Config, MistralConfig, PhiConfig
 
 from tlt_cli.engine.linear_forms import describe_plan
@@ -121,7 +124,15 @@ def compare_family(family: str, args: argparse.Namespace, console: Console) -> d
         name: [list(completion.response_ids) for completion in engine.generate(batch, sampling, torch.Generator())]
         for name, engine in engines.items()
     }
+    breakdown = None
+    if args.profile:
+        breakdown = {name: cpu_split(method, prompts[0], args.max_new_tokens) for name, method in methods.items()}
+        for name, split in breakdown.items():
+            console.print(
+                f"{family} {name}: CPU ms per token " + ", ".join(f"{key} {value:.1f}" for key, value in split.items())
+            )
     return {
+        "decode_breakdown": breakdown,
         "parameters": sum(parameter.numel() for parameter in model.parameters()),
         "decode_path": engines["engine+forms"].decode_model.describe(),
         "linear_forms": describe_plan(plan),
@@ -131,6 +142,20 @@ def compare_family(family: str, args: argparse.Namespace, console: Console) -> d
         "batch_size": args.batch_size,
         "same_tokens_as_generate_batched": {name: batched[name] == references for name in engines},
     }
+
+
+def cpu_split(method, prompt: list[int], tokens: int) -> dict[str, float]:
+    """CPU milliseconds per token of one `method(prompt)` (prefill included), by torch.profiler's self times: matrix
+    products (mm, addmm), attention (scaled dot-product) and everything else."""
+    with profile(activities=[ProfilerActivity.CPU]) as profiler:
+        method(prompt)
+    split = {"matrix products": 0.0, "attention": 0.0, "rest": 0.0}
+    for event in profiler.key_averages():
+        part = (
+            "matrix products" if event.key in MATRIX_PRODUCTS else "attention" if "attention" in event.key else "rest"
+        )
+        split[part] += event.self_cpu_time_total / 1e3 / tokens
+    return split
 
 
 def cpu_flags() -> list[str]:
@@ -181,6 +206,7 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=4, help="rows of the batched token comparison")
     parser.add_argument("--rounds", type=int, default=4, help="rounds of the timed comparison, the first untimed")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--profile", action="store_true", help="also split one decode of each method by op")
     parser.add_argument("--cache-dir", type=Path, default=default_cache_dir(), help="where the plan is cached")
     parser.add_argument("--out", type=Path, default=Path("bench_transformers_path.json"))
     args = parser.parse_args()
