@@ -39,13 +39,11 @@ from tlt_cli.engine.sampling import SamplingParams
 from tlt_cli.models.tiny import default_cache_dir
 from tlt_cli.rollout.engine import EmbeddedEngine
 from tlt_cli.rollout.types import RolloutRequest
-from tlt_cli.tuning.cache import processor_name
+from tlt_cli.tuning.cache import matrix_flags, processor_name
 from tlt_cli.tuning.linear_forms import measured_linear_plan
 
 NEVER_EMITTED = -1  # an end-of-sequence id no token has: every response runs to max_new_tokens
 METHODS = ("generate", "engine", "engine+forms")
-# /proc/cpuinfo flags that decide which products are fast (matrix units, bfloat16 instructions)
-NAMED_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
 
 
 def family_config(family: str, hidden: int, layers: int, heads: int, vocab_size: int):
@@ -158,21 +156,10 @@ def cpu_split(method, prompt: list[int], tokens: int) -> dict[str, float]:
     return split
 
 
-def cpu_flags() -> list[str]:
-    """The NAMED_FLAGS this CPU's /proc/cpuinfo lists."""
-    cpuinfo = Path("/proc/cpuinfo")
-    flags = set()
-    if cpuinfo.is_file():
-        for line in cpuinfo.read_text().splitlines():
-            if line.startswith("flags"):
-                flags.update(line.partition(":")[2].split())
-    return [flag for flag in NAMED_FLAGS if flag in flags]
-
-
 def render(report: dict, console: Console) -> None:
     table = Table(
         title=f"greedy decoding at one row, {report['threads']} thread(s), {report['processor']} "
-        f"({', '.join(report['cpu_flags']) or 'no named flags'}), load {report['load_before'][0]:.1f}: "
+        f"({', '.join(report['cpu_flags']) or 'no matrix flags'}), load {report['load_before'][0]:.1f}: "
         "tokens per CPU second (ratio vs generate)"
     )
     table.add_column("family")
@@ -215,7 +202,7 @@ def main() -> None:
     report = {
         "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
         "processor": processor_name(torch.device("cpu")),
-        "cpu_flags": cpu_flags(),
+        "cpu_flags": list(matrix_flags()),
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "load_before": list(os.getloadavg()),
