@@ -12,8 +12,10 @@ one thread, forced to --max-new-tokens tokens from random prompts, by:
     worker runs it; measured into --cache-dir once per machine and model).
 The methods alternate prompt by prompt over --rounds rounds after an untimed one; CPU seconds
 (time.process_time: the figure least moved by other processes). Tokens are compared with `generate` at one
-row and with the engine decoding --batch-size prompts in one batch. Prints a table and writes JSON with the
-ratios, the CPU, its flags and the load.
+row and with the engine decoding --batch-size prompts in one batch. With --profile, one decode of each method
+is split by torch.profiler into CPU milliseconds per token of matrix products, attention and everything else
+(where the time goes; CPU time, so other processes' load does not count). Prints a table and writes JSON with
+the ratios, the CPU, its flags and the load.
 """
 
 from __future__ import annotations
@@ -26,9 +28,10 @@ import tempfile
 from pathlib import Path
 
 import torch
-from profile_plain_step import interleaved_cpu_seconds
+from profile_plain_step import MATRIX_PRODUCTS, interleaved_cpu_seconds
 from rich.console import Console
 from rich.table import Table
+from torch.profiler import ProfilerActivity, profile
 from transformers import AutoModelForCausalLM, GPT2Config, MistralConfig, PhiConfig
 
 from tlt_cli.engine.linear_forms import describe_plan
@@ -36,13 +39,11 @@ from tlt_cli.engine.sampling import SamplingParams
 from tlt_cli.models.tiny import default_cache_dir
 from tlt_cli.rollout.engine import EmbeddedEngine
 from tlt_cli.rollout.types import RolloutRequest
-from tlt_cli.tuning.cache import processor_name
+from tlt_cli.tuning.cache import matrix_flags, processor_name
 from tlt_cli.tuning.linear_forms import measured_linear_plan
 
 NEVER_EMITTED = -1  # an end-of-sequence id no token has: every response runs to max_new_tokens
 METHODS = ("generate", "engine", "engine+forms")
-# /proc/cpuinfo flags that decide which products are fast (matrix units, bfloat16 instructions)
-NAMED_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
 
 
 def family_config(family: str, hidden: int, layers: int, heads: int, vocab_size: int):
@@ -121,7 +122,15 @@ def compare_family(family: str, args: argparse.Namespace, console: Console) -> d
         name: [list(completion.response_ids) for completion in engine.generate(batch, sampling, torch.Generator())]
         for name, engine in engines.items()
     }
+    breakdown = None
+    if args.profile:
+        breakdown = {name: cpu_split(method, prompts[0], args.max_new_tokens) for name, method in methods.items()}
+        for name, split in breakdown.items():
+            console.print(
+                f"{family} {name}: CPU ms per token " + ", ".join(f"{key} {value:.1f}" for key, value in split.items())
+            )
     return {
+        "decode_breakdown": breakdown,
         "parameters": sum(parameter.numel() for parameter in model.parameters()),
         "decode_path": engines["engine+forms"].decode_model.describe(),
         "linear_forms": describe_plan(plan),
@@ -133,21 +142,24 @@ def compare_family(family: str, args: argparse.Namespace, console: Console) -> d
     }
 
 
-def cpu_flags() -> list[str]:
-    """The NAMED_FLAGS this CPU's /proc/cpuinfo lists."""
-    cpuinfo = Path("/proc/cpuinfo")
-    flags = set()
-    if cpuinfo.is_file():
-        for line in cpuinfo.read_text().splitlines():
-            if line.startswith("flags"):
-                flags.update(line.partition(":")[2].split())
-    return [flag for flag in NAMED_FLAGS if flag in flags]
+def cpu_split(method, prompt: list[int], tokens: int) -> dict[str, float]:
+    """CPU milliseconds per token of one `method(prompt)` (prefill included), by torch.profiler's self times: matrix
+    products (mm, addmm), attention (scaled dot-product) and everything else."""
+    with profile(activities=[ProfilerActivity.CPU]) as profiler:
+        method(prompt)
+    split = {"matrix products": 0.0, "attention": 0.0, "rest": 0.0}
+    for event in profiler.key_averages():
+        part = (
+            "matrix products" if event.key in MATRIX_PRODUCTS else "attention" if "attention" in event.key else "rest"
+        )
+        split[part] += event.self_cpu_time_total / 1e3 / tokens
+    return split
 
 
 def render(report: dict, console: Console) -> None:
     table = Table(
         title=f"greedy decoding at one row, {report['threads']} thread(s), {report['processor']} "
-        f"({', '.join(report['cpu_flags']) or 'no named flags'}), load {report['load_before'][0]:.1f}: "
+        f"({', '.join(report['cpu_flags']) or 'no matrix flags'}), load {report['load_before'][0]:.1f}: "
         "tokens per CPU second (ratio vs generate)"
     )
     table.add_column("family")
@@ -181,6 +193,7 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=4, help="rows of the batched token comparison")
     parser.add_argument("--rounds", type=int, default=4, help="rounds of the timed comparison, the first untimed")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--profile", action="store_true", help="also split one decode of each method by op")
     parser.add_argument("--cache-dir", type=Path, default=default_cache_dir(), help="where the plan is cached")
     parser.add_argument("--out", type=Path, default=Path("bench_transformers_path.json"))
     args = parser.parse_args()
@@ -189,7 +202,7 @@ def main() -> None:
     report = {
         "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
         "processor": processor_name(torch.device("cpu")),
-        "cpu_flags": cpu_flags(),
+        "cpu_flags": list(matrix_flags()),
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "load_before": list(os.getloadavg()),

@@ -140,7 +140,7 @@ def test_bench_transformers_path_compares_generate_and_the_engine_on_models_outs
     command = [sys.executable, str(REPOSITORY / "scripts" / "bench_transformers_path.py")]
     shape = ["--hidden-size", "32", "--layers", "2", "--heads", "4", "--vocab-size", "128"]
     arguments = ["--families", "gpt2,phi,mistral-sliding", "--max-new-tokens", "6", "--rounds", "2", "--prompts", "1"]
-    arguments += ["--cache-dir", str(tmp_path / "cache"), "--out", str(out)]
+    arguments += ["--profile", "--cache-dir", str(tmp_path / "cache"), "--out", str(out)]
     result = subprocess.run([*command, *shape, *arguments], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(out.read_text())
@@ -151,5 +151,7 @@ def test_bench_transformers_path_compares_generate_and_the_engine_on_models_outs
         assert all(value > 0 for value in family["tokens_per_cpu_second"].values())
         assert all(family["same_tokens_as_generate_batch_1"].values())
         assert all(family["same_tokens_as_generate_batched"].values()) and family["batch_size"] == 4
+        assert set(family["decode_breakdown"]) == {"generate", "engine", "engine+forms"}
+        assert all(split["matrix products"] > 0 for split in family["decode_breakdown"].values())
     assert list((tmp_path / "cache" / "linear_forms").glob("*.json"))
     assert "ratio vs generate" in result.stdout
