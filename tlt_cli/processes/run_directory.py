@@ -22,7 +22,7 @@ import shutil
 from pathlib import Path
 from typing import TextIO
 
-from tlt_cli.checkpoint import CHECKPOINT_NAME, Checkpoint, CheckpointError, checked_state, latest_checkpoint
+from tlt_cli.checkpoint import Checkpoint, CheckpointError, checked_state, latest_checkpoint, numbered_checkpoints
 from tlt_cli.config import Recipe, recipe_to_yaml
 from tlt_cli.errors import UserError
 
@@ -95,9 +95,7 @@ def recorded_steps(trace_path: Path) -> int:
 
 def _newest_checkpoint_until(checkpoints: Path, next_step: int) -> Checkpoint | None:
     """The newest complete checkpoint with next_step at most `next_step`, or None."""
-    for folder in sorted(checkpoints.glob("step_*"), reverse=True):
-        if not CHECKPOINT_NAME.fullmatch(folder.name):
-            continue
+    for folder in reversed(numbered_checkpoints(checkpoints)):
         try:
             state = checked_state(folder)
         except CheckpointError:
