@@ -157,6 +157,33 @@ def test_a_run_name_with_shell_characters_is_refused_under_a_hostfile(tmp_path):
     )
 
 
+@pytest.mark.parametrize("where", ["working folder", "run directory"])
+def test_shell_characters_in_the_resolved_paths_of_a_hostfile_launch_are_refused(tmp_path, where):
+    """From a folder named `exp $(touch x)` (or into one through a symlink) the run.name / run.output_dir text is
+    clean, but pdsh's remote shell line would carry the absolute path and run the substitution."""
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("localhost slots=2\n")
+    hostile = tmp_path / "exp $(touch x)"
+    hostile.mkdir()
+    (tmp_path / "clean").mkdir()
+    (tmp_path / "clean" / "runs").symlink_to(hostile)
+    folder, expected = (hostile, hostile) if where == "working folder" else (tmp_path / "clean", hostile / "tiny-cpu")
+    result = subprocess.run(
+        [*TLT, "recipes", "validate", str(RECIPE), f"workers.hostfile={hostfile}", "run.output_dir=runs"],
+        capture_output=True,
+        text=True,
+        cwd=folder,
+        timeout=faults.HANG_GUARD_SECONDS,
+    )
+    what = "the working folder" if where == "working folder" else "the run directory"
+    assert refused(result) == (
+        f"invalid workers.hostfile: {what} {expected} holds ' ' '$' '(' ')', which the launcher's remote shell "
+        "would read as more than a path; run from, and into, folders named with letters, digits and "
+        "@ % + = : , . / _ - only."
+    )
+    assert not list(tmp_path.rglob("x"))
+
+
 def test_an_unwritable_cache_folder_is_refused_by_validate(tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("not a folder")

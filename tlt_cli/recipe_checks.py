@@ -31,7 +31,7 @@ from tlt_cli.config import (
     load_recipe,
 )
 from tlt_cli.engine.linear_forms_measure import LINEAR_FORM_MODES
-from tlt_cli.processes.hostfile import HostfileError, check_hostfile, ranks_per_node
+from tlt_cli.processes.hostfile import HostfileError, check_hostfile, ranks_per_node, shell_paths
 from tlt_cli.rollout.backend import MAX_SEED
 from tlt_cli.sglang.adaptive import batch_rules
 from tlt_cli.sglang.config import validate_sglang_config
@@ -161,12 +161,25 @@ def _check_run(recipe: Recipe) -> None:
     if recipe.workers.hostfile is not None:
         # the launcher hands the run directory to pdsh, which passes it through a remote shell
         for key, value in (("run.name", name), ("run.output_dir", recipe.run.output_dir)):
-            unsafe = sorted(set(SHELL_UNSAFE.findall(value)))
+            unsafe = _shell_characters(value)
             _require(
                 not unsafe,
-                f"{key} holds {' '.join(repr(character) for character in unsafe)}, which a hostfile launch would "
-                f"pass through a shell; use letters, digits and {SHELL_SAFE_PUNCTUATION} only.",
+                f"{key} holds {unsafe}, which a hostfile launch would pass through a shell; use letters, digits "
+                f"and {SHELL_SAFE_PUNCTUATION} only.",
             )
+        for what, path in shell_paths(recipe):
+            unsafe = _shell_characters(path)
+            _require(
+                not unsafe,
+                f"workers.hostfile: {what} {path} holds {unsafe}, which the launcher's remote shell would read as "
+                f"more than a path; run from, and into, folders named with letters, digits and "
+                f"{SHELL_SAFE_PUNCTUATION} only.",
+            )
+
+
+def _shell_characters(text: str) -> str:
+    """The characters of `text` a shell reads as more than part of a word, quoted one by one ("" when none)."""
+    return " ".join(repr(character) for character in sorted(set(SHELL_UNSAFE.findall(text))))
 
 
 def _check_train_and_workers(recipe: Recipe) -> None:
