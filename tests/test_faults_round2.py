@@ -260,6 +260,37 @@ def test_a_resume_with_another_model_is_refused_before_any_worker_starts(tmp_pat
     assert line.endswith(f"intermediate_size 512 vs 1024); resume with model.path={tmp_path / 'first'}."), line
 
 
+@pytest.mark.parametrize(
+    ("change", "difference"),
+    [
+        ("weights", "same config and shapes, but other weight values"),
+        ("shape", "config.json differs: intermediate_size 512 vs 1024"),
+    ],
+)
+def test_a_resume_when_the_same_model_path_now_holds_another_model_is_one_sentence(tmp_path, change, difference):
+    """The run records its model (config, shapes, weights digest) when its directory is made; the folder is then
+    overwritten in place, so only the path still matches. The resume is refused before any worker starts (it was
+    99 "size mismatch" lines, rc 1, or, with equal shapes, training silently went on from other weights)."""
+    model = model_copy(tmp_path / "model")
+    recipe = load_recipe(
+        RECIPE, [*PLAIN_DECODING, f"run.output_dir={tmp_path / 'runs'}", "run.name=tiny", f"model.path={model}"]
+    )
+    RunDirectory.create(recipe).release()
+    run_directory = tmp_path / "runs" / "tiny"
+    (run_directory / "trace.jsonl").write_text('{"type": "run"}\n{"type": "step", "step": 0}\n')
+    (prepare_staging(run_directory / "checkpoints", 1) / "weights.pt").write_bytes(b"weights")
+    publish(run_directory / "checkpoints", 1, {"world_size": 2}, keep=2)
+    overrides = {"intermediate_size": 1024} if change == "shape" else {}
+    torch.manual_seed(1)
+    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model, **overrides)).save_pretrained(model)
+    line = refused(tlt("train", "--resume", str(run_directory)))
+    assert line == (
+        f"error: model.path: {model} now holds another model than run {run_directory} was trained from "
+        f"({difference}); resume with the model the run started from, or start a new run."
+    )
+    assert (run_directory / "checkpoints" / "step_000001" / "weights.pt").read_bytes() == b"weights"
+
+
 @contextlib.contextmanager
 def small_tmpfs(folder: Path, size: str) -> Iterator[Path]:
     """`folder`, made and a tmpfs of `size` (mount's syntax: 1m, 24k) mounted on it for the block; skips the test
