@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import pickle
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -75,7 +76,11 @@ def _tensor_rows(model_dir: Path) -> Iterator[tuple[str, list[int], bytes]]:
     if safetensors_files:
         return
     for path in sorted(model_dir.glob("*.bin")):
-        for name, tensor in torch.load(path, map_location="cpu", mmap=True, weights_only=True).items():
+        try:
+            weights = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+        except (RuntimeError, pickle.UnpicklingError, EOFError, OSError, ValueError):
+            continue  # a damaged file: the workers' load names it, with its traceback in their log
+        for name, tensor in weights.items():
             rows = tensor if tensor.dim() == 0 or len(tensor) <= 2 else torch.cat([tensor[:1], tensor[-1:]])
             yield name, list(tensor.shape), _raw_bytes(rows)
 
