@@ -149,6 +149,8 @@ OVERRIDE_SYNTAX = [
     ["train.steps=!!binary aGVsbG8="],
     ["run.name=!!python/object/apply:os.system [echo hi]"],
     ["run.name=" + "[" * 1000 + "]" * 1000],
+    ["run.name=a\nb"],
+    ["run.output_dir=runs\tx"],
 ]
 RECIPE_FILES = {
     "unknown section": "trian:\n  steps: 3\n",

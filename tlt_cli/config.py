@@ -19,6 +19,7 @@ import copy
 import dataclasses
 import re
 import typing
+import unicodedata
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -514,10 +515,17 @@ def _apply_override(merged: DictConfig, override: str) -> DictConfig:
     if not free_form and OmegaConf.select(merged, key, default=_MISSING_KEY) is _MISSING_KEY:
         raise RecipeError(f"override key '{key}' is not a recipe key; {_suggest(key)}")
     try:
+        content = read_yaml(value)
         parsed = OmegaConf.create()
-        OmegaConf.update(parsed, key, read_yaml(value))
+        OmegaConf.update(parsed, key, content)
     except (YAMLError, OmegaConfBaseException) as error:
         raise RecipeError(f"override '{shown}': the value is not valid YAML ({_first_line(error)}).") from None
+    if isinstance(content, str) and any(is_control_character(character) for character in value):
+        # YAML folds a line break of a plain word into a space: `run.name=$'a\nb'` would silently become "a b"
+        raise RecipeError(
+            f"override '{shown}': the value holds a control character (a line break, a tab), which YAML would turn "
+            "into a space; use printable characters only."
+        )
     try:
         return OmegaConf.merge(merged, parsed)
     except (OmegaConfBaseException, TypeError) as error:
@@ -525,8 +533,15 @@ def _apply_override(merged: DictConfig, override: str) -> DictConfig:
 
 
 def _shortened(text: str, limit: int = 80) -> str:
-    """`text` as an error message quotes it: whole up to `limit` characters, else its start and an ellipsis."""
+    """`text` as an error message quotes it, on one line: control characters escaped (a newline as \\n), whole up
+    to `limit` characters, else its start and an ellipsis."""
+    text = "".join(repr(character)[1:-1] if is_control_character(character) else character for character in text)
     return text if len(text) <= limit else f"{text[: limit - 3]}..."
+
+
+def is_control_character(character: str) -> bool:
+    """A control character (newline, tab, escape, DEL, ...): one a terminal does not show as itself."""
+    return unicodedata.category(character) == "Cc"
 
 
 _MISSING_KEY = object()

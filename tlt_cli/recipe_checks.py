@@ -15,7 +15,6 @@ import dataclasses
 import math
 import os
 import re
-import unicodedata
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +27,7 @@ from tlt_cli.config import (
     SpeculativeMode,
     SpeculativeSection,
     Trainer,
+    is_control_character,
     load_recipe,
 )
 from tlt_cli.engine.linear_forms_measure import LINEAR_FORM_MODES
@@ -113,7 +113,7 @@ def _check_numbers(section: Any, prefix: str = "") -> None:
 
 def control_characters(text: str) -> list[str]:
     """The control characters (newline, tab, escape, DEL, ...) in `text`, which a terminal or a log would not show."""
-    return sorted({character for character in text if unicodedata.category(character) == "Cc"})
+    return sorted({character for character in text if is_control_character(character)})
 
 
 def unknown_home(path: str) -> str | None:
