@@ -21,9 +21,9 @@ from rich.console import Console
 from rich.table import Table
 
 from tlt_cli.config import load_recipe
-from tlt_cli.engine.linear_forms_measure import prepare_linear_forms
 from tlt_cli.training import setup
 from tlt_cli.tuning.cache import machine_key
+from tlt_cli.tuning.linear_forms import measured_linear_plan
 from tlt_cli.tuning.precision import ROLLOUT_DTYPES, choose_dtype, measure_precision
 
 
@@ -40,8 +40,8 @@ def main() -> None:
     recipe = load_recipe(Path(args.recipe), [])
     torch.set_num_threads(recipe.workers.threads_per_worker)
     policy, _ = setup.policy_and_tokenizer(recipe)
-    forms = prepare_linear_forms(recipe.rollout.linear_forms, [policy, None], setup.model_cache(recipe))
-    step_ms, verify_ms = measure_precision(policy, forms.plan if forms is not None else None, args.rounds)
+    plan = measured_linear_plan(recipe.rollout.linear_forms, [policy, None], setup.model_cache(recipe))
+    step_ms, verify_ms = measure_precision(policy, plan, args.rounds)
     machine = machine_key(next(policy.parameters()).device)
     flags = ", ".join(machine["matrix_flags"]) or "no matrix flags"
     table = Table(title=f"{recipe.model.path} on {machine['processor']} ({flags}), {machine['threads']} thread(s)")

@@ -4,6 +4,7 @@
 import json
 import shutil
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -282,6 +283,7 @@ def test_shards_are_timed_with_the_linear_forms_a_worker_uses(tiny_pair_recipe, 
         (["{recipe}", "--configs", "off"], "no SD configuration"),
         (["{recipe}", "--configs", "s2-k1-t7"], "--configs s2-k1-t7"),
         (["{recipe}", "--configs", "off,ngram0"], "'ngram0' is not an SD configuration"),
+        (["{recipe}", "--configs", "s0-k0-t0"], "--configs s0-k0-t0: speculative steps is 0"),
         (["{recipe}", "--repeats", "0"], "--repeats is 0"),
         (["{recipe}", "drafter.init=random"], "drafter.init is random"),
         (["{recipe}", "train.nope=1"], "train.nope"),
@@ -293,6 +295,27 @@ def test_bad_input_is_one_line_and_exit_2(tiny_pair_recipe, arguments, message):
     assert (
         message in result.output and len(result.output.strip().splitlines()) == 1 and "Traceback" not in result.output
     )
+
+
+@pytest.mark.parametrize(
+    ("output", "message"),
+    [
+        ("a_file/out/calibration.json", "a_file is a file, not a folder); choose another --output."),
+        ("a_folder", "a_folder is a folder; give the path of a JSON file."),
+        ("fragment.json", "fragment.yaml is a folder; give the path of a JSON file."),
+    ],
+)
+def test_an_output_that_cannot_be_written_is_refused_before_measuring(tiny_pair_recipe, tmp_path, output, message):
+    """Refused before the model pair loads (`load_model_pair` would take minutes on a real model), one line, exit 2."""
+    (tmp_path / "a_file").write_text("not a folder\n")
+    (tmp_path / "a_folder").mkdir()
+    (tmp_path / "fragment.yaml").mkdir()
+    before = sorted(tmp_path.rglob("*"))
+    with mock.patch("tlt_cli.calibration.calibrate.load_model_pair", side_effect=AssertionError("measured")):
+        result = runner.invoke(app, ["calibrate", str(tiny_pair_recipe), "--output", str(tmp_path / output)])
+    assert result.exit_code == 2, result.output
+    assert result.output.strip().endswith(message) and len(result.output.strip().splitlines()) == 1, result.output
+    assert "Traceback" not in result.output and sorted(tmp_path.rglob("*")) == before
 
 
 @pytest.mark.parametrize("config", [None, SpeculativeConfig(2), SpeculativeConfig(3, topk=2, draft_tokens=6)])

@@ -305,7 +305,8 @@ def held_run(model: Path, runs: Path, name: str, release: Path, fail: bool = Fal
 
 
 def environment_with_test_plugins() -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": str(TESTS)}
+    """This environment with the tests' folder (their plugins) first on PYTHONPATH, the caller's entries after it."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")]))}
 
 
 def start(command: list[str], folder: Path, name: str = "driver") -> subprocess.Popen:

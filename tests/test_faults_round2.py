@@ -157,6 +157,33 @@ def test_a_run_name_with_shell_characters_is_refused_under_a_hostfile(tmp_path):
     )
 
 
+@pytest.mark.parametrize("where", ["working folder", "run directory"])
+def test_shell_characters_in_the_resolved_paths_of_a_hostfile_launch_are_refused(tmp_path, where):
+    """From a folder named `exp $(touch x)` (or into one through a symlink) the run.name / run.output_dir text is
+    clean, but pdsh's remote shell line would carry the absolute path and run the substitution."""
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("localhost slots=2\n")
+    hostile = tmp_path / "exp $(touch x)"
+    hostile.mkdir()
+    (tmp_path / "clean").mkdir()
+    (tmp_path / "clean" / "runs").symlink_to(hostile)
+    folder, expected = (hostile, hostile) if where == "working folder" else (tmp_path / "clean", hostile / "tiny-cpu")
+    result = subprocess.run(
+        [*TLT, "recipes", "validate", str(RECIPE), f"workers.hostfile={hostfile}", "run.output_dir=runs"],
+        capture_output=True,
+        text=True,
+        cwd=folder,
+        timeout=faults.HANG_GUARD_SECONDS,
+    )
+    what = "the working folder" if where == "working folder" else "the run directory"
+    assert refused(result) == (
+        f"invalid workers.hostfile: {what} {expected} holds ' ' '$' '(' ')', which the launcher's remote shell "
+        "would read as more than a path; run from, and into, folders named with letters, digits and "
+        "@ % + = : , . / _ - only."
+    )
+    assert not list(tmp_path.rglob("x"))
+
+
 def test_an_unwritable_cache_folder_is_refused_by_validate(tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("not a folder")
@@ -231,6 +258,37 @@ def test_a_resume_with_another_model_is_refused_before_any_worker_starts(tmp_pat
     line = refused(result)
     assert line.startswith(f"error: model.path: {other} is another model than the run was trained from"), line
     assert line.endswith(f"intermediate_size 512 vs 1024); resume with model.path={tmp_path / 'first'}."), line
+
+
+@pytest.mark.parametrize(
+    ("change", "difference"),
+    [
+        ("weights", "same config and shapes, but other weight values"),
+        ("shape", "config.json differs: intermediate_size 512 vs 1024"),
+    ],
+)
+def test_a_resume_when_the_same_model_path_now_holds_another_model_is_one_sentence(tmp_path, change, difference):
+    """The run records its model (config, shapes, weights digest) when its directory is made; the folder is then
+    overwritten in place, so only the path still matches. The resume is refused before any worker starts (it was
+    99 "size mismatch" lines, rc 1, or, with equal shapes, training silently went on from other weights)."""
+    model = model_copy(tmp_path / "model")
+    recipe = load_recipe(
+        RECIPE, [*PLAIN_DECODING, f"run.output_dir={tmp_path / 'runs'}", "run.name=tiny", f"model.path={model}"]
+    )
+    RunDirectory.create(recipe).release()
+    run_directory = tmp_path / "runs" / "tiny"
+    (run_directory / "trace.jsonl").write_text('{"type": "run"}\n{"type": "step", "step": 0}\n')
+    (prepare_staging(run_directory / "checkpoints", 1) / "weights.pt").write_bytes(b"weights")
+    publish(run_directory / "checkpoints", 1, {"world_size": 2}, keep=2)
+    overrides = {"intermediate_size": 1024} if change == "shape" else {}
+    torch.manual_seed(1)
+    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model, **overrides)).save_pretrained(model)
+    line = refused(tlt("train", "--resume", str(run_directory)))
+    assert line == (
+        f"error: model.path: {model} now holds another model than run {run_directory} was trained from "
+        f"({difference}); resume with the model the run started from, or start a new run."
+    )
+    assert (run_directory / "checkpoints" / "step_000001" / "weights.pt").read_bytes() == b"weights"
 
 
 @contextlib.contextmanager

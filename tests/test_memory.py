@@ -64,6 +64,15 @@ def test_a_run_fits_exactly_when_its_workers_estimate_is_at_most_what_is_availab
         memory.check_memory(recipe)
 
 
+def test_a_step_too_big_for_memory_is_refused_before_its_prompts_are_encoded(monkeypatch):
+    """10^8 prompts a step: without any prompt the workers already cannot fit, so none of them is encoded (which
+    took hours, in silence) and the refusal names the keys."""
+    recipe = load_recipe(resolve_recipe_path("tiny-cpu"), ["train.prompts_per_step=100000000"])
+    monkeypatch.setattr(memory, "longest_prompt_tokens", lambda recipe: pytest.fail("encoded the prompts"))
+    with pytest.raises(RecipeError, match="lower workers.count, train.prompts_per_step or rollout.max_new_tokens"):
+        memory.check_memory(recipe)
+
+
 def test_tlt_train_refuses_a_recipe_that_cannot_fit_in_one_sentence_with_exit_2(tmp_path):
     result = runner.invoke(
         app, ["train", "tiny-cpu", "rollout.max_new_tokens=2000000", f"run.output_dir={tmp_path}", "run.name=huge"]

@@ -7,10 +7,13 @@ import shutil
 import time
 
 import pytest
+import safetensors.torch
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast, ViTConfig
+from typer.testing import CliRunner
 
+from tlt_cli.cli import app
 from tlt_cli.config import load_recipe
 from tlt_cli.drafter.initial import warmup_key
 from tlt_cli.models.loading import ModelLoadError, load_policy, model_fingerprint, model_folder
@@ -236,3 +239,54 @@ def test_builtin_tiny_model_is_the_shipped_folder_small_and_half_solves_the_task
     responses = tokenizer.batch_decode(generated[:, batch["input_ids"].shape[1] :], skip_special_tokens=True)
     # greedy, the warmed-up model solves short problems (its slips are the less likely tokens)
     assert sum(task.reward(problem, response) == 1.0 for problem, response in zip(problems, responses)) >= 12
+
+
+def stripped_folder(folder, drop=(), add=(), weights_format="safetensors"):
+    """A tiny model folder whose weights lack the tensors named in `drop` and hold extra ones named in `add`."""
+    save_tiny_folder(folder, tiny_tokenizer())
+    weights = safetensors.torch.load_file(folder / "model.safetensors")
+    for name in drop:
+        del weights[name]
+    for name in add:
+        weights[name] = torch.zeros(2)
+    (folder / "model.safetensors").unlink()
+    if weights_format == "safetensors":
+        safetensors.torch.save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    else:
+        torch.save(weights, folder / "pytorch_model.bin")
+    return folder
+
+
+LAYER_TENSORS = ("model.layers.1.mlp.down_proj.weight", "model.layers.1.self_attn.q_proj.weight")
+
+
+@pytest.mark.parametrize("weights_format", ["safetensors", "bin"])
+def test_a_weight_file_missing_a_layer_or_holding_a_stray_tensor_is_refused_in_one_sentence(tmp_path, weights_format):
+    """transformers would start the missing layer random (its load report only warns); tlt refuses, by the
+    safetensors headers before anything loads (validate) and by the load's own report (.bin has no header)."""
+    missing = stripped_folder(tmp_path / "missing", drop=LAYER_TENSORS, weights_format=weights_format)
+    with pytest.raises(ModelLoadError, match=r"lack model\.layers\.1\.\S+ and 1 more, which the model"):
+        load_policy(str(missing))
+    stray = stripped_folder(tmp_path / "stray", add=("model.layers.9.extra.weight",), weights_format=weights_format)
+    with pytest.raises(ModelLoadError, match=r"hold model\.layers\.9\.extra\.weight, which the model .* no place"):
+        load_policy(str(stray))
+
+
+def test_validate_refuses_a_model_folder_missing_a_layer_in_one_line(tmp_path):
+    folder = stripped_folder(tmp_path / "model", drop=LAYER_TENSORS[:1])
+    result = CliRunner().invoke(
+        app, ["recipes", "validate", "tiny-cpu", f"model.path={folder}", "drafter.init=random", "plugins.enabled=[]"]
+    )
+    assert result.exit_code == 2, result.output
+    assert result.output.strip().splitlines() == [
+        f"invalid model.path: Model weights in {folder} lack {LAYER_TENSORS[0]}, which the model its config.json "
+        "builds has (training would start those layers random); the weight files are incomplete, save the model again."
+    ]
+
+
+def test_a_tied_lm_head_saved_once_is_not_missing(tmp_path):
+    """save_pretrained writes a tied embedding once (no lm_head.weight): that folder is whole."""
+    folder = save_tiny_folder(tmp_path / "tied", tiny_tokenizer())
+    assert "lm_head.weight" not in safetensors.torch.load_file(folder / "model.safetensors")
+    model, _ = load_policy(str(folder))
+    assert model.lm_head.weight.data_ptr() == model.get_input_embeddings().weight.data_ptr()

@@ -200,6 +200,30 @@ def test_bad_traces_are_one_clear_error_naming_the_line(tmp_path, content, messa
         load_records(path)
 
 
+REQUEST_LINE = '{{"type": "request", "step": {step}, "worker": 0, "start": 0, "end": 1, "tokens": 3}}\n'
+
+
+@pytest.mark.parametrize(
+    "line, message",
+    [
+        (REQUEST_LINE.format(step=10**30), "line 2 is not a record (the number 1000000000000000000... does not fit"),
+        (
+            REQUEST_LINE.format(step="9" * 5000),
+            "line 2 is not a record (the number 9999999999999999999... does not fit",
+        ),
+        (REQUEST_LINE.format(step="[" * 100_000 + "]" * 100_000), "line 2 is not a record (it nests deeper than"),
+        (REQUEST_LINE.format(step="1e999"), "line 2: 'step' is inf, expected an integer"),
+    ],
+    ids=["30 digits", "5000 digits", "nested 100,000 deep", "1e999"],
+)
+def test_tlt_profile_on_a_trace_line_with_a_huge_number_or_deep_nesting_is_one_line_exit_2(tmp_path, line, message):
+    path = tmp_path / "trace.jsonl"
+    path.write_text('{"type": "run", "world_size": 1}\n' + line)
+    result = runner.invoke(app, ["profile", str(path), "--no-plots"])
+    assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+    assert len(result.output.strip().splitlines()) == 1 and message in result.output, result.output
+
+
 @pytest.mark.parametrize(
     "content, message",
     [

@@ -92,6 +92,21 @@ OUT_OF_RANGE = [
     "task.options.tail_exponent=-1",
     "task.options.max_terms=abc",
     "task.options.max_terms=2.5",
+    # what a run can reach (issue 36): the generators' seeds, checkpoint names, memory, 64-bit integers
+    "run.seed=-1",
+    "run.seed=100000000000000000000000",
+    "run.seed=4294967296",
+    "train.steps=1000000000",
+    "train.steps=100000000000000000000000000000",
+    "train.prompts_per_step=100000000000",
+    "rollout.max_new_tokens=1000000000000",
+    "speculative.reprobe_steps=100000000000000000000000000000",
+    "drafter.vocab_size=-100000000000000000000000000000",
+    # text a terminal would not show, a home folder nobody has
+    'run.name="a\\nb"',
+    'run.name="tab\\there"',
+    'run.output_dir="runs\\e[2J"',
+    "run.output_dir=~nosuchuser/x",
 ]
 # several keys at once (the vocabulary of the built-in model is 66 tokens)
 COMBINED = [
@@ -133,6 +148,9 @@ OVERRIDE_SYNTAX = [
     ["train .steps=3"],
     ["train.steps=!!binary aGVsbG8="],
     ["run.name=!!python/object/apply:os.system [echo hi]"],
+    ["run.name=" + "[" * 1000 + "]" * 1000],
+    ["run.name=a\nb"],
+    ["run.output_dir=runs\tx"],
 ]
 RECIPE_FILES = {
     "unknown section": "trian:\n  steps: 3\n",
@@ -171,6 +189,8 @@ RECIPE_FILES = {
     "utf-16": "run:\n  name: x\n".encode("utf-16"),
     "nul byte": b"run:\n  name: a\x00b\n",
     "broken utf-8": b"run:\n  name: \xc3\x28\n",
+    "nested 100,000 deep": "run:\n  name: " + "[" * 100_000 + "]" * 100_000 + "\n",
+    "nested 40 deep": "trl:\n  a: " + "{b: " * 40 + "1" + "}" * 40 + "\n",
 }
 
 

@@ -74,7 +74,7 @@ MALFORMED = {
     "not a mapping": ("- a\n- b\n", [], "mapping of sections"),
     "section not a mapping": ("train: 5\n", [], "section 'train'"),
     "null value": ("train:\n  steps: null\n", [], "train.steps"),
-    "out of range": ("train:\n  steps: 0\n", [], "train.steps must be at least 1"),
+    "out of range": ("train:\n  steps: 0\n", [], "train.steps must be in 1..999999999"),
     "bad choice": ("rollout:\n  backend: vllm\n", [], "rollout.backend"),
     "uneven shards": ("train:\n  prompts_per_step: 5\n", [], "multiple of workers.count"),
     "group too small": ("train:\n  group_size: 1\n", [], "train.group_size"),

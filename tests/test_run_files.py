@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from tlt_cli.checkpoint import CheckpointError, latest_checkpoint, prepare_staging, publish
+from tlt_cli.checkpoint import MAX_STEPS, CheckpointError, latest_checkpoint, prepare_staging, publish
 from tlt_cli.profile.records import ProfileInputError, load_records
 from tlt_cli.trace import TraceError, TraceWriter, numbered_records, read_trace, request_record, truncate_trace
 
@@ -23,6 +23,19 @@ def test_publish_makes_latest_point_at_a_complete_checkpoint_and_prunes(tmp_path
     assert checkpoint.directory.name == "step_000015" and checkpoint.warning is None
     assert checkpoint.state["next_step"] == 15 and checkpoint.state["world_size"] == 2
     assert sorted(path.name for path in checkpoints.glob("step_*")) == ["step_000010", "step_000015"]
+
+
+def test_checkpoints_past_a_million_steps_order_by_number_and_resume_from_the_newest(tmp_path):
+    """step_1000000 is one digit wider than step_999995: pruning and resume go by the number, not the name's text."""
+    checkpoints = tmp_path / "checkpoints"
+    for step in (999_990, 999_995, 1_000_000):
+        _checkpoint(checkpoints, step)
+    assert sorted(path.name for path in checkpoints.glob("step_*")) == ["step_1000000", "step_999995"]
+    assert latest_checkpoint(tmp_path).next_step == 1_000_000
+    (checkpoints / "latest").write_text("step_1000005")  # names a checkpoint that is not there: the newest is used
+    assert latest_checkpoint(tmp_path).directory.name == "step_1000000"
+    _checkpoint(checkpoints, MAX_STEPS)
+    assert latest_checkpoint(tmp_path).next_step == MAX_STEPS
 
 
 def test_a_killed_save_leaves_the_previous_checkpoint_in_charge(tmp_path):

@@ -42,7 +42,11 @@ LATEST_FILE = "latest"
 DRAFTER_DIRECTORY = "drafter"
 # the sizes of the checkpoint's files, recorded in state.json at publish and checked before a resume
 FILE_SIZES_KEY = "file_sizes"
-CHECKPOINT_NAME = re.compile(r"step_\d{6}")
+# step_000010: the step number, at least six digits wide (ordered by number, so step_1000000 follows step_999999)
+CHECKPOINT_NAME = re.compile(r"step_(\d{6,})")
+# the most steps a run takes (train.steps' bound): its checkpoint names stay within 9 digits, and its sampling
+# seeds within the generators' 64 bits (tlt_cli/rollout/backend.py)
+MAX_STEPS = 10**9 - 1
 # the lines of torch.load's weights-only refusal that are advice, not the reason
 TORCH_LOAD_ADVICE = ("Weights only load failed", "Check the documentation")
 # errno values of a write refused for want of room: the file system is full, or the user's quota is
@@ -74,6 +78,18 @@ class Checkpoint:
 
 def checkpoint_name(next_step: int) -> str:
     return f"step_{next_step:06d}"
+
+
+def checkpoint_number(folder: Path) -> int | None:
+    """The step a checkpoint folder's name carries (step_000010 -> 10), or None for another name."""
+    match = CHECKPOINT_NAME.fullmatch(folder.name)
+    return int(match.group(1)) if match else None
+
+
+def numbered_checkpoints(checkpoints: Path) -> list[Path]:
+    """The folders named like checkpoints, oldest (lowest step) first."""
+    named = [path for path in checkpoints.glob("step_*") if checkpoint_number(path) is not None]
+    return sorted(named, key=checkpoint_number)
 
 
 def staging_directory(checkpoints: Path, next_step: int) -> Path:
@@ -152,7 +168,7 @@ def _folders(folder: Path) -> list[Path]:
 
 
 def _prune(checkpoints: Path, keep: int) -> None:
-    complete = sorted(path for path in checkpoints.glob("step_*") if (path / STATE_FILE).is_file())
+    complete = [path for path in numbered_checkpoints(checkpoints) if (path / STATE_FILE).is_file()]
     for old in complete[:-keep]:
         shutil.rmtree(old)
 
@@ -174,8 +190,9 @@ def latest_checkpoint(run_directory: Path) -> Checkpoint:
             raise CheckpointError(f"{latest} does not name a checkpoint (it holds {name[:40]!r}).")
         return Checkpoint(checkpoints / name, checked_state(checkpoints / name))
     except CheckpointError as damage:
-        for older in sorted(checkpoints.glob("step_*"), reverse=True):
-            if CHECKPOINT_NAME.fullmatch(older.name) and older.name < (name or "step_999999"):
+        newest = checkpoint_number(checkpoints / name)
+        for older in reversed(numbered_checkpoints(checkpoints)):
+            if newest is None or checkpoint_number(older) < newest:
                 try:
                     state = checked_state(older)
                 except CheckpointError:

@@ -335,7 +335,6 @@ def calibrate(
 ) -> None:
     """Measure SD off vs SD configurations by running batch size on this machine and write the adaptive rule table."""
     from tlt_cli.calibration.calibrate import calibrate as run_calibration
-    from tlt_cli.calibration.calibrate import default_output
     from tlt_cli.calibration.recipe_text import RecipeEditError, write_rules_into_recipe
     from tlt_cli.calibration.report import render_calibration, write_calibration
     from tlt_cli.models.loading import ModelLoadError
@@ -355,9 +354,9 @@ def calibrate(
         with console.status(
             "loading the model pair (the tiny model and the drafter warm-up run once, then are cached)"
         ) as status:
-            result = run_calibration(recipe, list(overrides or []), settings, on_shard=show)
+            result = run_calibration(recipe, list(overrides or []), settings, output, on_shard=show)
         render_calibration(console, result)
-        json_path, fragment_path = write_calibration(result, output or default_output(result.recipe))
+        json_path, fragment_path = write_calibration(result)
         console.print(f"wrote {json_path} and {fragment_path}", highlight=False)
         if write_recipe is not None:
             write_rules_into_recipe(write_recipe, result.rules, result.command)

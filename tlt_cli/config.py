@@ -19,6 +19,7 @@ import copy
 import dataclasses
 import re
 import typing
+import unicodedata
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -35,6 +36,9 @@ from tlt_cli.errors import UserError
 HELP = "help"
 # a recipe is a few KB of YAML; refusing bigger files keeps a mistaken path from hanging the parser
 MAX_RECIPE_BYTES = 1 << 20
+# a recipe's lists and mappings nest a few levels (speculative.rules: 4); deeper is a mistake, and far deeper
+# would exhaust the recursion of the YAML parser and of OmegaConf
+MAX_NESTING = 32
 
 
 class RecipeError(UserError):
@@ -96,9 +100,11 @@ def setting(default: Any, help_text: str) -> Any:
 
 @dataclass(frozen=True)
 class RunConfig:
-    name: str = setting("run", "name of the run: its directory is <output_dir>/<name>")
-    output_dir: str = setting("runs", "folder that holds the run directories")
-    seed: int = setting(0, "seeds data order, sampling and initialisation")
+    name: str = setting(
+        "run", "name of the run: its directory is <output_dir>/<name> (printable characters, at most 255 bytes)"
+    )
+    output_dir: str = setting("runs", "folder that holds the run directories (printable characters)")
+    seed: int = setting(0, "seeds data order, sampling and initialisation (0 to 2^32 - 1)")
 
 
 @dataclass(frozen=True)
@@ -135,9 +141,13 @@ class TaskConfig:
 
 @dataclass(frozen=True)
 class TrainConfig:
-    steps: int = setting(60, "RL steps")
-    prompts_per_step: int = setting(16, "prompts per step across all workers (a multiple of workers.count)")
-    group_size: int = setting(8, "responses sampled per prompt (the GRPO group)")
+    steps: int = setting(60, "RL steps (1 to 999,999,999: what checkpoint names hold)")
+    prompts_per_step: int = setting(
+        16,
+        "prompts per step across all workers (a multiple of workers.count; a step generates at most 2^40 tokens: "
+        "prompts_per_step x group_size x rollout.max_new_tokens)",
+    )
+    group_size: int = setting(8, "responses sampled per prompt (the GRPO group, at least 2)")
     trainer: Trainer = setting(
         Trainer.native,
         "native (tlt's GRPO loop on DeepSpeed workers) or trl (Hugging Face TRL's "
@@ -220,7 +230,9 @@ class RolloutConfig:
         "(SGLang servers each worker starts and owns), or trl (TRL's own generation, "
         "no speculative decoding; train.trainer trl only)",
     )
-    max_new_tokens: int = setting(320, "longest response in tokens")
+    max_new_tokens: int = setting(
+        320, "longest response in tokens (at least 1; see train.prompts_per_step for the bound)"
+    )
     temperature: float = setting(1.0, "sampling temperature (0 is greedy)")
     top_p: float = setting(
         1.0, "nucleus sampling: keep the most likely tokens up to this total probability (1.0 keeps all)"
@@ -407,8 +419,27 @@ _RecipeYamlLoader.add_implicit_resolver(
 
 
 def read_yaml(text: str) -> Any:
-    """A recipe file's or an override value's YAML, with YAML 1.2 booleans (see _RecipeYamlLoader)."""
-    return yaml.load(text, Loader=_RecipeYamlLoader)
+    """A recipe file's or an override value's YAML, with YAML 1.2 booleans (see _RecipeYamlLoader); a YAMLError
+    when its lists and mappings nest deeper than MAX_NESTING."""
+    too_deep = YAMLError(f"its lists and mappings nest more than {MAX_NESTING} deep; a recipe nests a few levels")
+    try:
+        content = yaml.load(text, Loader=_RecipeYamlLoader)
+    except RecursionError:
+        raise too_deep from None
+    if _nesting(content) > MAX_NESTING:
+        raise too_deep
+    return content
+
+
+def _nesting(value: Any) -> int:
+    """How deep lists and mappings nest in `value` (a scalar: 0), counted without recursion."""
+    deepest, pending = 0, [(value, 0)]
+    while pending:
+        item, depth = pending.pop()
+        deepest = max(deepest, depth)
+        if isinstance(item, dict | list):
+            pending += [(inner, depth + 1) for inner in (item.values() if isinstance(item, dict) else item)]
+    return deepest
 
 
 def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Recipe:
@@ -489,22 +520,42 @@ def recipe_from_config(
 
 
 def _apply_override(merged: DictConfig, override: str) -> DictConfig:
+    shown = _shortened(override)
     if "=" not in override:
-        raise RecipeError(f"override '{override}' must have the form key=value, e.g. train.steps=10.")
+        raise RecipeError(f"override '{shown}' must have the form key=value, e.g. train.steps=10.")
     key, _, value = override.partition("=")
     key = key.strip()
     free_form = key.startswith(FREE_FORM_SECTIONS)
     if not free_form and OmegaConf.select(merged, key, default=_MISSING_KEY) is _MISSING_KEY:
         raise RecipeError(f"override key '{key}' is not a recipe key; {_suggest(key)}")
     try:
+        content = read_yaml(value)
         parsed = OmegaConf.create()
-        OmegaConf.update(parsed, key, read_yaml(value))
+        OmegaConf.update(parsed, key, content)
     except (YAMLError, OmegaConfBaseException) as error:
-        raise RecipeError(f"override '{override}': the value is not valid YAML ({_first_line(error)}).") from None
+        raise RecipeError(f"override '{shown}': the value is not valid YAML ({_first_line(error)}).") from None
+    if isinstance(content, str) and any(is_control_character(character) for character in value):
+        # YAML folds a line break of a plain word into a space: `run.name=$'a\nb'` would silently become "a b"
+        raise RecipeError(
+            f"override '{shown}': the value holds a control character (a line break, a tab), which YAML would turn "
+            "into a space; use printable characters only."
+        )
     try:
         return OmegaConf.merge(merged, parsed)
     except (OmegaConfBaseException, TypeError) as error:
-        raise RecipeError(f"override '{override}': {_describe(error)}") from None
+        raise RecipeError(f"override '{shown}': {_describe(error)}") from None
+
+
+def _shortened(text: str, limit: int = 80) -> str:
+    """`text` as an error message quotes it, on one line: control characters escaped (a newline as \\n), whole up
+    to `limit` characters, else its start and an ellipsis."""
+    text = "".join(repr(character)[1:-1] if is_control_character(character) else character for character in text)
+    return text if len(text) <= limit else f"{text[: limit - 3]}..."
+
+
+def is_control_character(character: str) -> bool:
+    """A control character (newline, tab, escape, DEL, ...): one a terminal does not show as itself."""
+    return unicodedata.category(character) == "Cc"
 
 
 _MISSING_KEY = object()

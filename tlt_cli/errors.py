@@ -3,12 +3,14 @@
 Its message is one sentence naming the key or file to fix. The CLI prints it and exits with code 2
 wherever it is raised: in the command itself, in the checks before a run, or in a worker process
 (the worker marks its failure as the user's, the driver re-raises it; tlt_cli/processes/driver.py).
-`writing(path, advice)` turns a write the disk refuses (full, read-only, no permission) into one.
+`writing(path, advice)` turns a write the disk refuses (full, read-only, no permission) into one;
+`nearest_existing(path)` is where the checks before a write look (the part of a path that exists).
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -24,3 +26,11 @@ def writing(path: Path, advice: str, error_type: type[UserError] = UserError) ->
         yield
     except OSError as error:
         raise error_type(f"cannot write {path} ({error.strerror or type(error).__name__}); {advice}") from None
+
+
+def nearest_existing(path: Path) -> Path:
+    """`path` itself, or its closest ancestor that exists (a folder or a file): what decides whether it can be made."""
+    existing = path
+    while not os.path.lexists(existing) and existing != existing.parent:
+        existing = existing.parent
+    return existing

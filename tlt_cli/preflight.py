@@ -33,7 +33,7 @@ from typing import Any
 from tlt_cli.config import PluginsConfig, Recipe, RecipeError, RunConfig, Trainer
 from tlt_cli.drafter.model import CONFIG_FILE, read_drafter_metadata
 from tlt_cli.drafter.vocabulary import resolve_draft_vocab_size
-from tlt_cli.errors import UserError
+from tlt_cli.errors import UserError, nearest_existing
 from tlt_cli.models.loading import check_weight_shapes, load_config_and_tokenizer, model_folder
 from tlt_cli.models.tiny import cache_directory
 from tlt_cli.plugins import DRIVER_HOOKS, WORKER_HOOKS, plugin_factory
@@ -104,9 +104,7 @@ def check_cache_folder(recipe: Recipe) -> None:
     made."""
     cache = cache_directory(recipe.model.cache_dir)
     key = "model.cache_dir" if recipe.model.cache_dir else "the cache folder ($TLT_CACHE_DIR, else ~/.cache/tlt)"
-    existing = cache
-    while not os.path.lexists(existing) and existing != existing.parent:
-        existing = existing.parent
+    existing = nearest_existing(cache)
     if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
         what = "not a folder" if not existing.is_dir() else "not writable"
         raise RecipeError(
@@ -196,9 +194,7 @@ def check_output_folder(run: RunConfig, new_run: bool) -> None:
 
 
 def _check_run_directory(run_directory: Path, new_run: bool) -> None:
-    existing = run_directory
-    while not os.path.lexists(existing) and existing != existing.parent:
-        existing = existing.parent
+    existing = nearest_existing(run_directory)
     key = "run.name" if existing == run_directory else "run.output_dir"
     if not existing.is_dir():
         raise RecipeError(

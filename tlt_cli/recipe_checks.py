@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import re
 from pathlib import Path
 from typing import Any
 
+from tlt_cli.checkpoint import MAX_STEPS
 from tlt_cli.config import (
     CPU_DEVICES,
     DrafterConfig,
@@ -25,9 +27,11 @@ from tlt_cli.config import (
     SpeculativeMode,
     SpeculativeSection,
     Trainer,
+    is_control_character,
     load_recipe,
 )
-from tlt_cli.processes.hostfile import HostfileError, check_hostfile, ranks_per_node
+from tlt_cli.processes.hostfile import HostfileError, check_hostfile, ranks_per_node, shell_paths
+from tlt_cli.rollout.backend import MAX_SEED
 from tlt_cli.sglang.adaptive import batch_rules
 from tlt_cli.sglang.config import validate_sglang_config
 from tlt_cli.speculative.adaptive import RuleTableError, build_rules
@@ -52,6 +56,11 @@ FOLDER_NAME_BYTES = 255
 # paths under a hostfile launch
 SHELL_SAFE_PUNCTUATION = "@ % + = : , . / _ -"
 SHELL_UNSAFE = re.compile(r"[^\w@%+=:,./-]", re.ASCII)
+# what a recipe's integers must fit in: torch tensors and the trace's readers hold 64-bit integers
+INTEGER_BITS = 64
+# the most tokens one step may generate (train.prompts_per_step x train.group_size x rollout.max_new_tokens):
+# their token ids alone, 8 bytes each, would fill 8 TiB, beyond the memory of any machine a run starts on
+MAX_STEP_TOKENS = 2**40
 
 
 def _require(condition: bool, message: str) -> None:
@@ -68,7 +77,7 @@ def load_checked_recipe(path: str | Path, overrides: list[str] | tuple[str, ...]
 
 def check_values(recipe: Recipe) -> None:
     """Raise RecipeError naming the key of the first value the recipe cannot run with."""
-    _check_finite(recipe)
+    _check_numbers(recipe)
     _check_run(recipe)
     _check_train_and_workers(recipe)
     _check_rollout(recipe)
@@ -88,24 +97,62 @@ def check_values(recipe: Recipe) -> None:
         _check_sglang_backend(recipe)
 
 
-def _check_finite(section: Any, prefix: str = "") -> None:
-    """Every float key is a finite number (YAML reads .inf and .nan as floats)."""
+def _check_numbers(section: Any, prefix: str = "") -> None:
+    """Every float key is a finite number (YAML reads .inf and .nan as floats), every integer key fits in 64 bits
+    (YAML integers have no bound; torch, NumPy and the trace's readers stop at 64 bits)."""
     for key_field in dataclasses.fields(section):
         value, key = getattr(section, key_field.name), f"{prefix}{key_field.name}"
         if dataclasses.is_dataclass(value):
-            _check_finite(value, f"{key}.")
+            _check_numbers(value, f"{key}.")
         elif isinstance(value, float):
             _require(math.isfinite(value), f"{key} must be a finite number, got {value}.")
+        elif isinstance(value, int) and not isinstance(value, bool):
+            _require(
+                -(2 ** (INTEGER_BITS - 1)) <= value < 2 ** (INTEGER_BITS - 1),
+                f"{key} must fit in {INTEGER_BITS} bits (below 2^{INTEGER_BITS - 1} in size), got {value}.",
+            )
+
+
+def control_characters(text: str) -> list[str]:
+    """The control characters (newline, tab, escape, DEL, ...) in `text`, which a terminal or a log would not show."""
+    return sorted({character for character in text if is_control_character(character)})
+
+
+def unknown_home(path: str) -> str | None:
+    """The `~user` a path starts with when this machine cannot say where that user's home is, else None."""
+    if not path.startswith("~"):
+        return None
+    head = path.split("/", 1)[0]
+    return head if os.path.expanduser(head) == head else None
 
 
 def _check_run(recipe: Recipe) -> None:
     name = recipe.run.name
+    for key, value in (("run.name", name), ("run.output_dir", recipe.run.output_dir)):
+        hidden = control_characters(value)
+        _require(
+            not hidden,
+            f"{key} holds the control character{'s' if len(hidden) > 1 else ''} "
+            f"{', '.join(repr(character) for character in hidden)}, which a terminal would not show; use printable "
+            "characters only.",
+        )
+    home = unknown_home(recipe.run.output_dir)
     _require(
-        name.strip() != "" and "/" not in name and name not in (".", "..") and "\0" not in name,
+        home is None,
+        f"run.output_dir starts with {home}, but this machine knows no home folder for it; write the folder out in "
+        "full.",
+    )
+    _require(
+        0 <= recipe.run.seed <= MAX_SEED,
+        f"run.seed must be in 0..{MAX_SEED} (2^32 - 1, what the data and sampling generators take), got "
+        f"{recipe.run.seed}.",
+    )
+    _require(
+        name.strip() != "" and "/" not in name and name not in (".", ".."),
         f"run.name must be a folder name (not empty, '.' or '..', no '/'), got '{name}'.",
     )
     _require(
-        recipe.run.output_dir.strip() != "" and "\0" not in recipe.run.output_dir,
+        recipe.run.output_dir.strip() != "",
         f"run.output_dir must name a folder, got '{recipe.run.output_dir}'.",
     )
     _require(
@@ -116,21 +163,43 @@ def _check_run(recipe: Recipe) -> None:
     if recipe.workers.hostfile is not None:
         # the launcher hands the run directory to pdsh, which passes it through a remote shell
         for key, value in (("run.name", name), ("run.output_dir", recipe.run.output_dir)):
-            unsafe = sorted(set(SHELL_UNSAFE.findall(value)))
+            unsafe = _shell_characters(value)
             _require(
                 not unsafe,
-                f"{key} holds {' '.join(repr(character) for character in unsafe)}, which a hostfile launch would "
-                f"pass through a shell; use letters, digits and {SHELL_SAFE_PUNCTUATION} only.",
+                f"{key} holds {unsafe}, which a hostfile launch would pass through a shell; use letters, digits "
+                f"and {SHELL_SAFE_PUNCTUATION} only.",
             )
+        for what, path in shell_paths(recipe):
+            unsafe = _shell_characters(path)
+            _require(
+                not unsafe,
+                f"workers.hostfile: {what} {path} holds {unsafe}, which the launcher's remote shell would read as "
+                f"more than a path; run from, and into, folders named with letters, digits and "
+                f"{SHELL_SAFE_PUNCTUATION} only.",
+            )
+
+
+def _shell_characters(text: str) -> str:
+    """The characters of `text` a shell reads as more than part of a word, quoted one by one ("" when none)."""
+    return " ".join(repr(character) for character in sorted(set(SHELL_UNSAFE.findall(text))))
 
 
 def _check_train_and_workers(recipe: Recipe) -> None:
     train, workers = recipe.train, recipe.workers
-    _require(train.steps >= 1, f"train.steps must be at least 1, got {train.steps}.")
+    _require(
+        1 <= train.steps <= MAX_STEPS,
+        f"train.steps must be in 1..{MAX_STEPS} (what checkpoint names hold), got {train.steps}.",
+    )
     _require(train.prompts_per_step >= 1, f"train.prompts_per_step must be at least 1, got {train.prompts_per_step}.")
     _require(
         train.group_size >= 2,
         f"train.group_size must be at least 2 (GRPO compares responses within a group), got {train.group_size}.",
+    )
+    step_tokens = train.prompts_per_step * train.group_size * recipe.rollout.max_new_tokens
+    _require(
+        step_tokens <= MAX_STEP_TOKENS,
+        f"a step would generate up to {step_tokens:,} tokens (train.prompts_per_step x train.group_size x "
+        f"rollout.max_new_tokens), more than any machine holds (at most 2^40); lower one of them.",
     )
     _require(workers.count >= 1, f"workers.count must be at least 1, got {workers.count}.")
     _require(

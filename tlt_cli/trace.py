@@ -39,6 +39,8 @@ from tlt_cli.errors import UserError, writing
 STEP_RECORD = "step"
 # what to do about it; the driver adds whether a checkpoint can be resumed (it knows the run directory)
 WRITE_ADVICE = "free some space."
+# the most digits of a 64-bit integer (2^63 has 19)
+INTEGER_DIGITS = 19
 
 
 class TraceError(ValueError):
@@ -135,7 +137,7 @@ def numbered_records(path: Path, error: type[Exception] = TraceError) -> Iterato
         if not line.strip():
             continue
         try:
-            record = json.loads(line)
+            record = json.loads(line, parse_int=_record_integer)
         except json.JSONDecodeError as decode_error:
             if number == len(lines):
                 raise error(
@@ -145,9 +147,21 @@ def numbered_records(path: Path, error: type[Exception] = TraceError) -> Iterato
             raise error(
                 f"{path} line {number} is not valid JSON ({decode_error.msg}); fix or delete that line."
             ) from None
+        except (ValueError, RecursionError) as damage:  # _record_integer's refusal, or nesting past Python's stack
+            reason = str(damage) if isinstance(damage, ValueError) else "it nests deeper than Python reads"
+            raise error(f"{path} line {number} is not a record ({reason}); fix or delete that line.") from None
         if not isinstance(record, dict):
             raise error(f"{path} line {number} is not a JSON object; each line must be one record.")
         yield number, record
+
+
+def _record_integer(text: str) -> int:
+    """A JSON integer of a record: steps, counts, token ids and byte sizes, all within 64 bits; a longer one is
+    damage (and Python refuses to convert one of more than 4,300 digits at all)."""
+    digits = text.lstrip("-")
+    if len(digits) > INTEGER_DIGITS or not -(2**63) <= int(text) < 2**63:
+        raise ValueError(f"the number {text[:INTEGER_DIGITS]}... does not fit in 64 bits")
+    return int(text)
 
 
 def utf8_text(path: Path, error: type[Exception] = TraceError) -> str:

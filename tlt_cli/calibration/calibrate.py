@@ -1,7 +1,8 @@
 """What `tlt calibrate RECIPE` does, in one call: load the model pair as `tlt train` would, measure, choose the rules.
 
-`calibrate(recipe_path, overrides, settings)` loads the recipe (with `key=value` overrides), checks
-that calibrating it makes sense (embedded engine, a trained drafter), builds the target and its
+`calibrate(recipe_path, overrides, settings, output)` loads the recipe (with `key=value` overrides), checks
+that calibrating it makes sense (embedded engine, a trained drafter) and that its output files can be
+written (before minutes of measuring, not after), builds the target and its
 initial drafter exactly as a training run starts them (built-in tiny model and offline drafter
 warm-up cached under the model cache, on the first actor device, in the actor's precision, decoded in the
 rollout's precision as `rollout.dtype` chooses it),
@@ -16,6 +17,7 @@ parallel workers is not reproduced.
 from __future__ import annotations
 
 import math
+import os
 import shlex
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -32,6 +34,7 @@ from tlt_cli.calibration.settings import (
     check_settings,
 )
 from tlt_cli.config import CPU_DEVICES, Recipe, SpeculativeMode
+from tlt_cli.errors import nearest_existing
 from tlt_cli.recipe_checks import load_checked_recipe
 from tlt_cli.recipes import resolve_recipe_path
 from tlt_cli.rollout.types import RolloutRequest
@@ -62,21 +65,27 @@ class CalibrationResult:
     drafter: str
     # the dtype the shards were decoded in and the figures that chose it (tlt_cli/tuning/precision.py)
     rollout_precision: dict
+    # where the measurements' JSON goes (the YAML fragment goes next to it): checked writable before measuring
+    output: Path
 
 
 def calibrate(
     recipe_name: str,
     overrides: list[str],
     settings: CalibrationSettings,
+    output: Path | None = None,
     on_shard: Callable[[str, int], None] | None = None,
 ) -> CalibrationResult:
     """Measure the recipe's model pair on this machine and choose its rule table (see the module docstring).
 
-    recipe_name: a YAML path or a shipped recipe name, written into the command as given.
+    recipe_name: a YAML path or a shipped recipe name, written into the command as given. output: the JSON
+    file to write (None: `default_output`).
     """
     recipe = load_checked_recipe(resolve_recipe_path(recipe_name), overrides)
     check_settings(settings)
     check_recipe(recipe)
+    output = output or default_output(recipe)
+    check_output(output)
     largest = largest_running_batch(recipe)
     batch_sizes = batch_size_grid(settings.batch_sizes, largest)
     configs = parse_configs(settings.configs)
@@ -114,6 +123,7 @@ def calibrate(
         str(pair.device),
         drafter_source,
         pair.precision.to_record(),
+        output,
     )
 
 
@@ -163,18 +173,19 @@ def parse_configs(labels: tuple[str, ...]) -> dict[str, SpeculativeConfig | None
         if config is not None and config.label() in configs:
             raise CalibrationError(f"--configs lists {config.label()} twice.")
         if config is not None:
-            _check_shape(config)
+            _check_shape(label, config)
             configs[config.label()] = config
     if len(configs) == 1:
         raise CalibrationError("--configs has no SD configuration; add at least one, e.g. off,s4-k1-t5.")
     return configs
 
 
-def _check_shape(config: SpeculativeConfig) -> None:
+def _check_shape(label: str, config: SpeculativeConfig) -> None:
+    """The shape `label` (as the user typed it) names can run; the error quotes the label, not its parsed form."""
     try:
         check_speculative_config(config)
     except ValueError as error:
-        raise CalibrationError(f"--configs {config.label()}: {error}") from None
+        raise CalibrationError(f"--configs {label}: {error}") from None
 
 
 def _check_topk(config: SpeculativeConfig, draft_vocab_size: int) -> None:
@@ -259,4 +270,24 @@ def command_line(recipe_name: str, overrides: list[str], settings: CalibrationSe
 
 def default_output(recipe: Recipe) -> Path:
     """<run.output_dir>/<run.name>-calibration/calibration.json"""
-    return Path(recipe.run.output_dir) / f"{recipe.run.name}{CALIBRATION_DIRECTORY_SUFFIX}" / OUTPUT_FILE
+    return Path(recipe.run.output_dir).expanduser() / f"{recipe.run.name}{CALIBRATION_DIRECTORY_SUFFIX}" / OUTPUT_FILE
+
+
+def fragment_path(json_path: Path) -> Path:
+    """The YAML fragment's file, next to the measurements' JSON."""
+    return json_path.with_suffix(".yaml")
+
+
+def check_output(json_path: Path) -> None:
+    """CalibrationError naming --output when the JSON or the fragment next to it cannot be written there: one is a
+    folder, or the closest existing part of their folder is a file or not writable."""
+    for path in (json_path, fragment_path(json_path)):
+        if path.is_dir():
+            raise CalibrationError(f"--output {json_path}: {path} is a folder; give the path of a JSON file.")
+    existing = nearest_existing(json_path.parent)
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        what = "a file, not a folder" if not existing.is_dir() else "not writable"
+        raise CalibrationError(
+            f"--output {json_path}: its folder cannot be created or written ({existing} is {what}); "
+            "choose another --output."
+        )

@@ -2,8 +2,9 @@
 
 `render_calibration(console, result)` prints one row per batch size and one column per
 configuration (tokens/s, ratio vs off, accept length, spread of the shards), then the
-YAML fragment. `write_calibration(result, json_path)` writes every measurement to `json_path` and
-the fragment next to it (same name, `.yaml`), and returns both paths.
+YAML fragment. `write_calibration(result)` writes every measurement to `result.output` and the
+fragment next to it (same name, `.yaml`), each atomically (a failed write leaves the file as it was),
+and returns both paths.
 """
 
 from __future__ import annotations
@@ -16,9 +17,12 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from tlt_cli.calibration.calibrate import CalibrationResult
+from tlt_cli.calibration.calibrate import CalibrationResult, fragment_path
 from tlt_cli.calibration.measure import Cell
 from tlt_cli.calibration.rules import fragment_text
+from tlt_cli.calibration.settings import CalibrationError
+from tlt_cli.checkpoint import write_atomically
+from tlt_cli.errors import writing
 from tlt_cli.speculative.adaptive import OFF
 
 
@@ -60,13 +64,17 @@ def _choice_text(use: str, candidates: tuple[str, ...]) -> str:
     return use + (f"\n(+{', '.join(candidates)})" if candidates else "")
 
 
-def write_calibration(result: CalibrationResult, json_path: Path) -> tuple[Path, Path]:
-    """Write the measurements (JSON) and the recipe fragment (YAML, next to it); return both paths."""
-    json_path.parent.mkdir(parents=True, exist_ok=True)
-    fragment_path = json_path.with_suffix(".yaml")
-    json_path.write_text(json.dumps(calibration_json(result), indent=2) + "\n", encoding="utf-8")
-    fragment_path.write_text(fragment_text(result.rules, result.command), encoding="utf-8")
-    return json_path, fragment_path
+def write_calibration(result: CalibrationResult) -> tuple[Path, Path]:
+    """Write the measurements (JSON) and the recipe fragment (YAML, next to it), each atomically; return both
+    paths. A write the disk refuses is a CalibrationError naming the file."""
+    json_path, yaml_path = result.output, fragment_path(result.output)
+    with writing(json_path.parent, "choose another --output.", CalibrationError):
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+    with writing(json_path, "choose another --output.", CalibrationError):
+        write_atomically(json_path, json.dumps(calibration_json(result), indent=2) + "\n")
+    with writing(yaml_path, "choose another --output.", CalibrationError):
+        write_atomically(yaml_path, fragment_text(result.rules, result.command))
+    return json_path, yaml_path
 
 
 def calibration_json(result: CalibrationResult) -> dict:

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tlt_cli.errors import UserError
+
 # off, three chains and two trees: a small set that spans shallow to deep drafts
 DEFAULT_CONFIGS = ("off", "s2-k1-t3", "s3-k1-t4", "s4-k1-t5", "s8-k1-t9", "s4-k2-t8", "s6-k4-t16")
 
 
-class CalibrationError(ValueError):
+class CalibrationError(UserError):
     """A calibration that cannot run as asked; the message names the option or recipe key to fix."""
 
 

@@ -55,6 +55,7 @@ from tlt_cli.integrations.trl_support import (
     trl_sampling,
 )
 from tlt_cli.plugins import drafter_training_plugin
+from tlt_cli.rollout.backend import sampling_seed
 from tlt_cli.rollout.embedded import EmbeddedRollout
 from tlt_cli.rollout.types import Completion, RolloutRequest
 from tlt_cli.speculative.adaptive import OFF, adaptive_schedule
@@ -292,7 +293,7 @@ class TltRollout:
 
     def _sampling_seed(self, process: int) -> int:
         """Sampling randomness from (seed, rollout number, process): a resumed run draws the same samples."""
-        return (self.seed * 1_000_003 + self.rollouts) * 1009 + process
+        return sampling_seed(self.seed, self.rollouts, process)
 
     def _record(
         self,

@@ -6,9 +6,11 @@ that transformers can build from the folder and that exposes `get_decoder()` and
 head (`lm_head`) works: Qwen2, Llama and relatives, tied or untied embeddings. Nothing is
 downloaded (`local_files_only=True`). Problems a user can cause raise `ModelLoadError` with
 one sentence naming the folder and what to fix. `load_config_and_tokenizer` loads what the recipe
-checks need (the vocabulary) without the weights; `check_weight_shapes` compares the shapes in the
-safetensors headers with the model the config builds, so weights of another model are refused
-before anything loads them (by `tlt recipes validate` as by `tlt train`). A folder that ships its own
+checks need (the vocabulary) without the weights; `check_weight_shapes` compares the names and shapes in
+the safetensors headers with the model the config builds, so weights of another model, or a folder
+missing a layer's tensors (which transformers would fill with random values, with only a warning), are
+refused before anything loads them (by `tlt recipes validate` as by `tlt train`); the load itself
+refuses a missing or unexpected weight too (.bin files have no header to read first). A folder that ships its own
 Python code (`auto_map` in config.json or tokenizer_config.json) is refused unless the caller passes
 trust_remote_code=True (the recipe's `model.trust_remote_code`); every transformers load here says
 which, so transformers never asks on the terminal.
@@ -127,15 +129,16 @@ def resolve_model_path(model_path: str) -> Path:
 
 def check_weight_shapes(model_dir: Path, config: PretrainedConfig, trust_remote_code: bool = False) -> None:
     """ModelLoadError naming the first tensor of the folder's safetensors files whose shape differs from
-    the model `config` builds (built on the meta device: no memory, no weights read).
-
-    Only names the model has are compared: a checkpoint with renamed keys (transformers maps some
-    legacy names on load) is left for the load to judge; .bin weights have no header to read.
+    the model `config` builds (built on the meta device: no memory, no weights read), then the first
+    tensor the model has and the files lack (tied weights count once), then the first the files hold and
+    the model has no place for. .bin weights have no header to read: the load checks them.
     """
     with torch.device("meta"), _without_progress_bars():
         model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
     expected = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
-    for weights in sorted(model_dir.glob("*.safetensors")):
+    files = sorted(model_dir.glob("*.safetensors"))
+    present = set()
+    for weights in files:
         try:
             with safe_open(str(weights), framework="pt") as tensors:
                 for name in tensors.keys():
@@ -146,9 +149,39 @@ def check_weight_shapes(model_dir: Path, config: PretrainedConfig, trust_remote_
                             f"{list(shape)}, the config makes it {list(expected[name])}; the weights belong to "
                             "another model."
                         )
+                    present.add(name)
         except (SafetensorError, OSError) as error:
             reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
             raise ModelLoadError(f"Model weights in {weights} cannot be read ({reason}).") from None
+    if files:
+        _check_weight_names(model_dir, model, present)
+
+
+def _check_weight_names(model_dir: Path, model: PreTrainedModel, present: set[str]) -> None:
+    """ModelLoadError when the weight files lack a tensor of `model` (tied names: one of them is enough) or hold
+    one it has no place for."""
+    aliases: dict[int, list[str]] = {}
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        aliases.setdefault(id(tensor), []).append(name)
+    missing = [names[0] for names in aliases.values() if not present.intersection(names)]
+    unexpected = sorted(present - {name for names in aliases.values() for name in names})
+    if missing or unexpected:
+        raise ModelLoadError(weight_names_refusal(model_dir, missing, unexpected))
+
+
+def weight_names_refusal(model_dir: Path, missing: list[str], unexpected: list[str]) -> str:
+    """The one sentence refusing a folder whose weights lack tensors of the model or hold ones it has no place for."""
+    if missing:
+        more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+        return (
+            f"Model weights in {model_dir} lack {missing[0]}{more}, which the model its config.json builds has "
+            "(training would start those layers random); the weight files are incomplete, save the model again."
+        )
+    more = f" and {len(unexpected) - 1} more" if len(unexpected) > 1 else ""
+    return (
+        f"Model weights in {model_dir} hold {unexpected[0]}{more}, which the model its config.json builds has no "
+        "place for; the weights belong to another model or config.json was changed."
+    )
 
 
 def model_fingerprint(model_path: str) -> str:
@@ -215,13 +248,22 @@ def _load_tokenizer(model_dir: Path, trust_remote_code: bool) -> PreTrainedToken
 def _load_model(model_dir: Path, dtype: torch.dtype, trust_remote_code: bool) -> PreTrainedModel:
     try:
         with _without_progress_bars():  # tlt shows its own progress; transformers' "Loading weights" is noise
-            model = AutoModelForCausalLM.from_pretrained(
-                model_dir, dtype=dtype, local_files_only=True, trust_remote_code=trust_remote_code
+            model, loading_info = AutoModelForCausalLM.from_pretrained(
+                model_dir,
+                dtype=dtype,
+                local_files_only=True,
+                trust_remote_code=trust_remote_code,
+                output_loading_info=True,
             )
     except (OSError, SafetensorError, RuntimeError) as error:
         # RuntimeError: weights that do not fit the config where no safetensors header showed it (.bin files)
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise ModelLoadError(f"Model weights in {model_dir} cannot be loaded ({reason}).") from None
+    # transformers fills a missing weight with fresh random values and drops an unexpected one, saying so only in
+    # its load report: either means the folder is not the model its config describes
+    missing, unexpected = sorted(loading_info["missing_keys"]), sorted(loading_info["unexpected_keys"])
+    if missing or unexpected:
+        raise ModelLoadError(weight_names_refusal(model_dir, missing, unexpected))
     if not hasattr(model, "get_decoder") or model.get_output_embeddings() is None:
         raise ModelLoadError(
             f"Model at {model_dir} ({type(model).__name__}) lacks get_decoder() or an lm_head, which tlt needs."

@@ -41,6 +41,7 @@ from tlt_cli.checkpoint import CheckpointError, next_run_advice, remove_staging
 from tlt_cli.config import CPU_DEVICES, Recipe, load_recipe, recipe_to_dict
 from tlt_cli.display import PhaseProgress, TrainingDisplay, render_summary
 from tlt_cli.errors import UserError
+from tlt_cli.models.identity import identity_difference, model_identity
 from tlt_cli.models.loading import load_config_and_tokenizer
 from tlt_cli.models.tiny import cache_directory
 from tlt_cli.plugins import DriverPlugins, RunInfo, plugin_columns, plugin_idle_uses
@@ -56,6 +57,7 @@ from tlt_cli.processes.run_directory import (
     TRACE_FILE,
     RunDirectory,
     resume_checkpoint,
+    trained_from,
 )
 from tlt_cli.processes.step_deadline import StepDeadline
 from tlt_cli.processes.step_records import step_records
@@ -304,25 +306,36 @@ def _resume_point(run_directory: Path, recipe: Recipe, console: Console) -> tupl
 
 
 def _check_same_model(run_directory: Path, recipe: Recipe) -> None:
-    """CheckpointError when model.path now names a model of another shape than the one the run was trained from
-    (its recipe.yaml's); a model that cannot be read any more is left for the load to judge."""
+    """CheckpointError when model.path now holds another model than the one the run was trained from: by the
+    identity recorded at its start (config, shapes, weights digest), else (a run started by an older tlt) by the
+    shape keys of the config its recipe.yaml names; a model that cannot be read any more is left for the load to
+    judge."""
+    recorded = trained_from(run_directory)
+    if recorded is not None:
+        difference = identity_difference(recorded, model_identity(recipe.model.path, recipe.model.trust_remote_code))
+        if difference is not None:
+            raise CheckpointError(
+                f"model.path: {recipe.model.path} now holds another model than run {run_directory} was trained from "
+                f"({difference}); resume with the model the run started from, or start a new run."
+            )
+        return
     try:
-        trained_from = load_recipe(run_directory / RECIPE_FILE).model
+        started_with = load_recipe(run_directory / RECIPE_FILE).model
     except UserError:
         return
-    if trained_from.path == recipe.model.path:
+    if started_with.path == recipe.model.path:
         return
     try:
-        before = load_config_and_tokenizer(trained_from.path, trained_from.trust_remote_code)[0].to_dict()
+        before = load_config_and_tokenizer(started_with.path, started_with.trust_remote_code)[0].to_dict()
         now = load_config_and_tokenizer(recipe.model.path, recipe.model.trust_remote_code)[0].to_dict()
     except UserError:
         return
     differ = [key for key in MODEL_SHAPE_KEYS if before.get(key) != now.get(key)]
     if differ:
         raise CheckpointError(
-            f"model.path: {recipe.model.path} is another model than the run was trained from ({trained_from.path}: "
+            f"model.path: {recipe.model.path} is another model than the run was trained from ({started_with.path}: "
             f"{', '.join(f'{key} {before.get(key)} vs {now.get(key)}' for key in differ)}); resume with "
-            f"model.path={trained_from.path}."
+            f"model.path={started_with.path}."
         )
 
 

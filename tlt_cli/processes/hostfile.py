@@ -11,11 +11,15 @@ What DeepSpeed 0.19's launcher does with a hostfile (read in its runner): it che
 ssh to the first host and asks it for its address (`ssh host hostname -I`), unless told
 `--no_ssh_check` and `--master_addr`; then, if only one host is left, it starts the ranks on this
 machine (no ssh, no pdsh), otherwise through pdsh (`--launcher` picks another backend). So a
-one-host hostfile runs locally with the first two flags; several hosts need pdsh and ssh.
+one-host hostfile runs locally with the first two flags; several hosts need pdsh and ssh. pdsh's
+remote command is one shell line: `cd <working folder>; <python> -u -m deepspeed.launcher.launch ...
+<run directory>`, with the paths unquoted, so `shell_paths(recipe)` lists those paths (resolved as
+the command resolves them) for the recipe gate to refuse any a shell would read as more than itself.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -96,6 +100,21 @@ def ranks_per_node(recipe: Recipe) -> int:
 def runs_on_this_machine(recipe: Recipe) -> bool:
     """Whether the launcher starts every rank here (a one-host hostfile: DeepSpeed's local path)."""
     return len(read_hostfile(Path(recipe.workers.hostfile))) == 1
+
+
+def shell_paths(recipe: Recipe) -> list[tuple[str, str]]:
+    """(what, absolute path) of every path a hostfile launch's remote shell line carries: the working folder (the
+    launcher cds there on every node), this interpreter and the run directory, resolved as the command is."""
+    run_directory = Path(recipe.run.output_dir).expanduser() / recipe.run.name
+    try:
+        resolved = run_directory.resolve()
+    except (OSError, RuntimeError):  # a symlink loop or an unreadable part: the folder checks name it
+        resolved = run_directory.absolute()
+    return [
+        ("the working folder", os.getcwd()),
+        ("the Python interpreter", sys.executable),
+        ("the run directory", str(resolved)),
+    ]
 
 
 def deepspeed_launch_command(recipe: Recipe, run_directory: Path, master_port: int) -> list[str]:

@@ -9,8 +9,10 @@ parent folders it made only those still empty (rmdir), so a `runs/` that another
 own run into since is never touched. `resume_checkpoint` picks where a `--resume` starts: the
 newest complete checkpoint whose steps the trace all recorded (workers publish a checkpoint before
 they report its step, and outlive a killed driver by up to half a second, so the newest checkpoint
-can be a step ahead of the trace). Used by the driver (driver.py); `holds_run` is the test the
-whole-recipe check (tlt_cli/preflight.py) shares.
+can be a step ahead of the trace). A new run records what it is trained from in `model.json`
+(tlt_cli/models/identity.py: config, shapes, a weights digest), which `trained_from` reads back for
+`--resume`. Used by the driver (driver.py); `holds_run` is the test the whole-recipe check
+(tlt_cli/preflight.py) shares.
 """
 
 from __future__ import annotations
@@ -22,11 +24,14 @@ import shutil
 from pathlib import Path
 from typing import TextIO
 
-from tlt_cli.checkpoint import CHECKPOINT_NAME, Checkpoint, CheckpointError, checked_state, latest_checkpoint
+from tlt_cli.checkpoint import Checkpoint, CheckpointError, checked_state, latest_checkpoint, numbered_checkpoints
 from tlt_cli.config import Recipe, recipe_to_yaml
 from tlt_cli.errors import UserError
+from tlt_cli.models.identity import model_identity
 
 RECIPE_FILE = "recipe.yaml"
+# the identity of the model a run was trained from (tlt_cli/models/identity.py), written when the run starts
+MODEL_FILE = "model.json"
 TRACE_FILE = "trace.jsonl"
 CHECKPOINTS = "checkpoints"
 # the driver's log in the run directory: the traceback of whatever stopped the run
@@ -95,9 +100,7 @@ def recorded_steps(trace_path: Path) -> int:
 
 def _newest_checkpoint_until(checkpoints: Path, next_step: int) -> Checkpoint | None:
     """The newest complete checkpoint with next_step at most `next_step`, or None."""
-    for folder in sorted(checkpoints.glob("step_*"), reverse=True):
-        if not CHECKPOINT_NAME.fullmatch(folder.name):
-            continue
+    for folder in reversed(numbered_checkpoints(checkpoints)):
         try:
             state = checked_state(folder)
         except CheckpointError:
@@ -105,6 +108,16 @@ def _newest_checkpoint_until(checkpoints: Path, next_step: int) -> Checkpoint | 
         if int(state["next_step"]) <= next_step:
             return Checkpoint(folder, state)
     return None
+
+
+def trained_from(run_directory: Path) -> dict | None:
+    """The identity of the model the run was trained from, as recorded at its start; None for a run that recorded
+    none (started by an older tlt) or whose record is unreadable."""
+    try:
+        recorded = json.loads((run_directory / MODEL_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return recorded if isinstance(recorded, dict) else None
 
 
 class RunDirectory:
@@ -117,6 +130,7 @@ class RunDirectory:
     def create(cls, recipe: Recipe) -> RunDirectory:
         """runs/<name>/ for a new run, with its recipe.yaml; refuses one that holds a run or that another run uses."""
         path = Path(recipe.run.output_dir).expanduser() / recipe.run.name
+        identity = model_identity(recipe.model.path, recipe.model.trust_remote_code)
         created = _make_folders(path)
         directory = cls(path, created, _lock(path))
         if holds_run(path):
@@ -126,6 +140,7 @@ class RunDirectory:
                 f"or choose another name with run.name=<name>."
             )
         (path / RECIPE_FILE).write_text(recipe_to_yaml(recipe), encoding="utf-8")
+        (path / MODEL_FILE).write_text(json.dumps(identity, indent=1), encoding="utf-8")
         return directory
 
     @classmethod

@@ -29,6 +29,7 @@ from transformers import PreTrainedTokenizerBase
 from tlt_cli.config import Recipe
 from tlt_cli.engine.sampling import SamplingParams
 from tlt_cli.profile.records import ProfileRecords, read_trace_records
+from tlt_cli.rollout.backend import sampling_seed
 from tlt_cli.rollout.engine import EmbeddedEngine
 from tlt_cli.rollout.types import Completion, RolloutRequest
 from tlt_cli.tasks.base import Task
@@ -166,7 +167,7 @@ def _shard_requests(
 
 def _generator(seed: int, step: int, worker: int) -> torch.Generator:
     """The sampling seed `tlt train` uses for (seed, step, worker)."""
-    return torch.Generator().manual_seed((seed * 1_000_003 + step) * 1009 + worker)
+    return torch.Generator().manual_seed(sampling_seed(seed, step, worker))
 
 
 def _request_record(step: int, worker: int, completion: Completion, shift: float) -> dict[str, Any]:

@@ -204,7 +204,12 @@ def check_memory(recipe: Recipe) -> None:
     available = available_bytes()
     if available is None:
         return
-    estimate = worker_peak_estimate(recipe, model_shape(recipe), longest_prompt_tokens(recipe))
+    shape = model_shape(recipe)
+    # without the prompts first: a run too big for memory even so is refused before a step's prompts are encoded
+    # (one by one, train.prompts_per_step of them; once this fits, memory bounds their number)
+    estimate = worker_peak_estimate(recipe, shape, prompt_tokens=0)
+    if estimate.total_bytes * recipe.workers.count <= available:
+        estimate = worker_peak_estimate(recipe, shape, longest_prompt_tokens(recipe))
     needed = estimate.total_bytes * recipe.workers.count
     if needed <= available:
         return

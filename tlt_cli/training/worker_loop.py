@@ -31,6 +31,7 @@ from tlt_cli.plugins import PluginHost, StepContext, agree_across_workers, build
 from tlt_cli.processes.distributed import RolloutBarrier, barrier_timeout, init_worker_process
 from tlt_cli.processes.messages import WorkerFailed, WorkerFinished, WorkerProgress, WorkerSpec, WorkerStepReport
 from tlt_cli.processes.worker_process import exit_with_parent, redirect_output
+from tlt_cli.rollout.backend import sampling_seed
 from tlt_cli.rollout.types import Completion, RolloutRequest
 from tlt_cli.tasks.base import Problem
 from tlt_cli.tasks.prompts import encode_prompt
@@ -231,7 +232,7 @@ class WorkerLoop:
 
     def sampling_seed(self, step: int) -> int:
         """Sampling randomness derived from (seed, step, rank): a resumed step draws the same samples."""
-        return (self.recipe.run.seed * 1_000_003 + step) * 1009 + self.rank
+        return sampling_seed(self.recipe.run.seed, step, self.rank)
 
     def score(self, shard: StepShard, completions: list[Completion]) -> torch.Tensor:
         group_size = self.recipe.train.group_size
