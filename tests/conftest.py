@@ -38,30 +38,18 @@ if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
 @pytest.fixture(scope="session", autouse=True)
 def no_shared_memory_left():
     """Remove the DeepSpeed /dev/shm buffers the session's ranks left, then check that none of them is left."""
+    from tlt_cli.processes.shared_memory import remove_unmapped
+
     before = set(deepspeed_shared_buffers())
     yield
-    left = [path for path in deepspeed_shared_buffers() if path not in before and path not in mapped_files()]
-    for path in left:
-        path.unlink(missing_ok=True)
-    assert not [path for path in left if path.exists()], "DeepSpeed buffers in /dev/shm could not be removed"
+    removed = remove_unmapped([path for path in deepspeed_shared_buffers() if path not in before])
+    assert not [path for path in removed if path.exists()], "DeepSpeed buffers in /dev/shm could not be removed"
 
 
 def deepspeed_shared_buffers() -> list[Path]:
-    from tlt_cli.processes.launched_rank import DEEPSPEED_BUFFER_PREFIX, SHARED_MEMORY_DIRECTORY
+    from tlt_cli.processes.shared_memory import DEEPSPEED_BUFFER_PREFIX, SHARED_MEMORY_DIRECTORY
 
     return sorted(SHARED_MEMORY_DIRECTORY.glob(f"{DEEPSPEED_BUFFER_PREFIX}_*"))
-
-
-def mapped_files() -> set[Path]:
-    """Every file some live process of this machine maps (from /proc/<pid>/maps)."""
-    mapped = set()
-    for maps in Path("/proc").glob("[0-9]*/maps"):
-        try:
-            lines = maps.read_text().splitlines()
-        except OSError:  # the process ended, or is not ours to read
-            continue
-        mapped.update(Path(line.split(maxsplit=5)[5]) for line in lines if line.count(" ") >= 5 and "/" in line)
-    return mapped
 
 
 @pytest.fixture(scope="session")

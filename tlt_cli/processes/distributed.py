@@ -5,6 +5,8 @@ joins a gloo group; on GPUs it joins an NCCL group on `cuda:<local rank>`, the c
 DeepSpeed launcher. The driver starts its workers inside `visible_gpus(actor.devices)` (the
 DeepSpeed launcher does the same from its `--include`), so every rank sees exactly the actor's
 GPUs and local rank r of a node uses the r-th of them.
+A rank whose DeepSpeed made a shared-memory all-reduce buffer (one node, under the launcher) unlinks
+it once every rank has mapped it (shared_memory.py), so no way the run ends can leave it in /dev/shm.
 `RolloutBarrier` lets a worker that finished its rollout shard keep doing useful work (the idle
 hook) while it waits for the others: it marks finished workers in a key-value store instead of
 blocking in a collective, and gives up after a deadline, naming the workers it waited for.
@@ -35,6 +37,8 @@ from typing import Any
 
 import torch
 import torch.distributed
+
+from tlt_cli.processes.shared_memory import rank_buffer, release_own_buffer
 
 POLL_SECONDS = 0.005
 STORE_TIMEOUT = timedelta(minutes=30)
@@ -149,6 +153,10 @@ def init_worker_process(
         import_deepspeed().init_distributed(dist_backend=backend)
     else:
         import_deepspeed().init_distributed(dist_backend=backend, **one_node_rendezvous(address))
+    own_buffer = rank_buffer(os.environ)
+    if own_buffer is not None and own_buffer.exists():
+        torch.distributed.barrier()  # every rank has mapped every rank's segment once all are past their init
+        release_own_buffer(os.environ)
     return device
 
 

@@ -12,7 +12,8 @@ others are stopped and a `TrainingFailed` names the worker and its error (a `Wor
 exit 2, when the error is the user's: a data file, model weights); its traceback goes to the
 run's log (`run.log`), the run directory keeps every complete checkpoint for `--resume`.
 
-Before anything is created, `check_machine` makes sure this machine has what the recipe asks for
+Before anything is created, the DeepSpeed /dev/shm segments a killed run left are freed
+(shared_memory.py), `check_machine` makes sure this machine has what the recipe asks for
 (GPUs for `actor.devices`, SGLang for `rollout.backend: sglang`) and the drafter is prepared; only
 then is a new run directory made, locked for the run's life (run_directory.py: a second
 `tlt train` of it refuses). A new run that fails before its first step is removed again (only
@@ -57,6 +58,7 @@ from tlt_cli.processes.run_directory import (
     RunDirectory,
     resume_checkpoint,
 )
+from tlt_cli.processes.shared_memory import remove_abandoned_buffers
 from tlt_cli.processes.step_deadline import StepDeadline
 from tlt_cli.processes.step_records import step_records
 from tlt_cli.sglang.registry import stop_recorded_servers
@@ -173,6 +175,7 @@ def train(
     held = RunDirectory.resume(resume_directory) if resume_directory else None
     try:
         check_machine(recipe)
+        _remove_abandoned_shared_memory(console)
         cache = cache_directory(recipe.model.cache_dir)
         drafter_init = _prepare_drafter(trainer, recipe, cache, console)
         held = held or RunDirectory.create(recipe)
@@ -270,6 +273,15 @@ def _after_failure(error: Exception, details: str, held: RunDirectory, discard: 
     else:
         note = f"{f'traceback in {log}; ' if logged else ''}{next_run_advice(run_directory)}"
     return TrainingFailed(f"{first_line.rstrip('.')} ({note}).{newline}{more}")
+
+
+def _remove_abandoned_shared_memory(console: Console) -> None:
+    """Free the DeepSpeed /dev/shm segments a killed run left (shared_memory.py), saying so in one line."""
+    removed = remove_abandoned_buffers()
+    if removed:
+        console.print(
+            f"removed {len(removed)} DeepSpeed shared-memory segment(s) a killed run left in /dev/shm", markup=False
+        )
 
 
 def _prepare_drafter(trainer: TrainerEntry, recipe: Recipe, cache: Path, console: Console) -> Path | None:

@@ -13,7 +13,8 @@ The driver loop reads events with `next_event`, asks `failure` when none comes (
 exited before every rank finished?), and calls `stop` however the run ends: after a clean finish
 it lets the launcher exit on its own; otherwise it sends the launcher's session SIGTERM (DeepSpeed
 passes it on to its ranks, which stop their SGLang servers) and SIGKILL to what is left after a
-grace period, and closes the channel, which ends any rank still running anywhere.
+grace period, and closes the channel, which ends any rank still running anywhere. Last, it removes
+the DeepSpeed /dev/shm segments of a one-node launch that no rank could unlink (shared_memory.py).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from tlt_cli.processes.event_channel import EventListener
 from tlt_cli.processes.hostfile import LOCAL_ADDRESS, deepspeed_launch_command, read_hostfile, runs_on_this_machine
 from tlt_cli.processes.launch_files import LaunchPlan, body_name, write_launch_files
 from tlt_cli.processes.messages import WorkerBody, WorkerFinished
+from tlt_cli.processes.shared_memory import remove_unmapped, run_buffers
 
 LAUNCHER_LOG = "launcher.log"
 # seconds the launcher gets to exit after every rank finished, and after SIGTERM
@@ -75,7 +77,10 @@ class LaunchedWorkers:
             rendezvous_directory=_absolute(self.rendezvous),
         )
         write_launch_files(run_directory, recipe, plan)
-        command = deepspeed_launch_command(recipe, run_directory, free_port())
+        master_port = free_port()
+        # a one-node job's DeepSpeed segments in /dev/shm, removed in `stop` if the ranks could not (shared_memory.py)
+        self.shared_buffers = run_buffers(LOCAL_ADDRESS, master_port, self.size) if local else []
+        command = deepspeed_launch_command(recipe, run_directory, master_port)
         with self.log_path.open("a", encoding="utf-8") as log:
             self.launcher = subprocess.Popen(
                 command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
@@ -119,6 +124,7 @@ class LaunchedWorkers:
                 _signal_session(self.launcher, signal.SIGKILL)
             self.launcher.wait()
         self.channel.close()
+        remove_unmapped(self.shared_buffers)
         if self.rendezvous is not None:
             shutil.rmtree(self.rendezvous, ignore_errors=True)
 

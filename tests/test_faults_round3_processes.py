@@ -1,0 +1,85 @@
+"""The chaos suite, round 3 (issue 36), process faults: a killed hostfile run's shared memory, blame when several
+workers fail, Ctrl-C in the first drafter warm-up.
+
+As in tests/test_faults.py, each fault is injected for real into the real CLI (`python -m tlt_cli` in a
+subprocess): SIGKILL of a hostfile run's driver, SIGKILL of a worker mid-checkpoint, SIGINT during the
+warm-up. Each case checks what a user would see and what the machine keeps afterwards.
+"""
+
+from __future__ import annotations
+
+import mmap
+import subprocess
+import sys
+from pathlib import Path
+
+import test_faults as faults
+from recipe_overrides import small_run
+from test_hostfile_launch import processes_of
+
+from tlt_cli.processes.hostfile import LOCAL_ADDRESS
+from tlt_cli.processes.shared_memory import deepspeed_buffer, run_buffers
+
+# a port no launch of this test uses: the name of a segment "left by a killed run" the test plants
+PLANTED_PORT = 1
+
+
+# ---------------------------------------------------------------- shared memory of a killed hostfile run
+
+
+def launcher_master_port(run_directory: Path) -> int:
+    """The --master_port of the DeepSpeed launcher running `run_directory` (the port names the run's segments)."""
+    for process in processes_of(run_directory):
+        command = process.cmdline()
+        if "--master_port" in command:
+            return int(command[command.index("--master_port") + 1])
+    raise AssertionError(f"no DeepSpeed launcher runs {run_directory}")
+
+
+def test_sigkill_of_a_hostfile_runs_driver_leaves_no_deepspeed_segment_after_the_next_train(small_model, tmp_path):
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("localhost slots=2\n")
+    run_directory = tmp_path / "killed"
+    markers = tmp_path / "markers"
+    driver = faults.start(
+        small_run(small_model, tmp_path, "killed", 50, f"workers.hostfile={hostfile}", *faults.mark_rollouts(markers)),
+        tmp_path,
+    )
+    faults.wait_until(lambda: (markers / "rollout-1-1").exists(), faults.HANG_GUARD_SECONDS, process=driver)
+    killed_run_buffers = run_buffers(LOCAL_ADDRESS, launcher_master_port(run_directory), 2)
+    ranks = processes_of(run_directory)
+    driver.kill()
+    driver.wait(timeout=faults.HANG_GUARD_SECONDS)
+    faults.assert_gone(ranks)
+
+    # beside it: a segment of another killed run (mapped by no one) and one a live process maps (a running job's)
+    abandoned = deepspeed_buffer(LOCAL_ADDRESS, PLANTED_PORT, 0)
+    live = deepspeed_buffer(LOCAL_ADDRESS, PLANTED_PORT, 1)
+    abandoned.write_bytes(b"\0" * mmap.PAGESIZE)
+    live.write_bytes(b"\0" * mmap.PAGESIZE)
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            f"import mmap, sys; f = open({str(live)!r}, 'r+b'); m = mmap.mmap(f.fileno(), 0); print('mapped', "
+            "flush=True); sys.stdin.read()",
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "mapped"
+        next_run = subprocess.run(
+            small_run(small_model, tmp_path, "next", 1, "workers.count=1", "train.prompts_per_step=2"),
+            capture_output=True,
+            text=True,
+            timeout=faults.HANG_GUARD_SECONDS,
+        )
+        assert next_run.returncode == 0, next_run.stderr[-3000:]
+        assert not [buffer for buffer in [*killed_run_buffers, abandoned] if buffer.exists()]
+        assert live.exists(), "a segment a live process maps belongs to a running job"
+    finally:
+        holder.communicate("", timeout=faults.HANG_GUARD_SECONDS)
+        for buffer in (abandoned, live):
+            buffer.unlink(missing_ok=True)
