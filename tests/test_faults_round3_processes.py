@@ -83,3 +83,31 @@ def test_sigkill_of_a_hostfile_runs_driver_leaves_no_deepspeed_segment_after_the
         holder.communicate("", timeout=faults.HANG_GUARD_SECONDS)
         for buffer in (abandoned, live):
             buffer.unlink(missing_ok=True)
+
+
+# ---------------------------------------------------------------- blame
+
+
+def test_sigkill_of_worker_one_mid_checkpoint_names_it_not_its_peer(small_model, tmp_path):
+    """Worker 1 is killed writing the first checkpoint; worker 0 then fails in the checkpoint's barrier (gloo:
+    connection reset by peer). The cause is worker 1, named with its signal; worker 0's error only in the log."""
+    result = subprocess.run(
+        small_run(
+            small_model,
+            tmp_path,
+            "killed-in-checkpoint",
+            2,
+            "checkpoint.every=1",
+            "plugins.enabled=[fault_plugins:KillInCheckpoint]",
+        ),
+        capture_output=True,
+        text=True,
+        timeout=faults.HANG_GUARD_SECONDS,
+        env=faults.environment_with_test_plugins(),
+    )
+    assert result.returncode == 1, result.stderr[-3000:]
+    line = faults.one_line(result.stdout, result.stderr)
+    assert line.startswith("error: worker 1 was killed by SIGKILL (code -9) without reporting an error"), line
+    assert "worker 0" not in line, line
+    log = (tmp_path / "killed-in-checkpoint" / "run.log").read_text()
+    assert "then worker 0 failed:" in log, log[-3000:]

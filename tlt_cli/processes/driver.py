@@ -8,7 +8,8 @@ per worker (a DeepSpeed rank each, running the trainer's body), then turns their
 `workers.hostfile` it spawns the workers itself (local_workers.py); with one, it runs
 them on the hostfile's nodes with the DeepSpeed launcher and receives their reports over TCP
 (launched_workers.py); the loop here is the same for both. If any worker fails, the
-others are stopped and a `TrainingFailed` names the worker and its error (a `WorkerInputError`,
+others are stopped and a `TrainingFailed` names the first worker to fail and its error (one killed
+before its peers failed in their collectives is named with its signal, not they; a `WorkerInputError`,
 exit 2, when the error is the user's: a data file, model weights); its traceback goes to the
 run's log (`run.log`), the run directory keeps every complete checkpoint for `--resume`.
 
@@ -30,6 +31,7 @@ hostfile of several nodes each worker stops its own, and DeepSpeed ends the rank
 from __future__ import annotations
 
 import contextlib
+import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -77,6 +79,9 @@ MODEL_SHAPE_KEYS = (
     "num_key_value_heads",
     "tie_word_embeddings",
 )
+# seconds the driver waits, after a worker reported a failure, for a peer's report or death that came first
+FOLLOW_ON_SECONDS = 2.0
+SETTLE_POLL_SECONDS = 0.1
 # what one pass of the event loop may take besides its wait (a step record, the display) before it counts as a pause
 PROCESSING_SLACK_SECONDS = 1.0
 
@@ -374,9 +379,7 @@ def _drain_events(workers: WorkerGroup, trace: RunTrace, display: TrainingDispla
             deadline.progress(event)
             continue
         if isinstance(event, WorkerFailed):
-            if event.user_error:
-                raise WorkerInputError(event.message, event.details)
-            raise TrainingFailed(_failure_message(event), event.details)
+            raise _first_failure(workers, event, finished)
         if isinstance(event, WorkerFinished):
             finished.add(event.worker)
             continue
@@ -385,6 +388,42 @@ def _drain_events(workers: WorkerGroup, trace: RunTrace, display: TrainingDispla
         reports.append(event)
         if len(reports) == workers.size:
             _record_step(pending.pop(event.step), trace, display)
+
+
+def _first_failure(workers: WorkerGroup, first_report: WorkerFailed, finished: set[int]) -> Exception:
+    """The error naming the worker that failed first, once the others' follow-on failures had FOLLOW_ON_SECONDS
+    to arrive: a worker that died without a word (killed: its peers then fail in their collectives), else the
+    earliest raised of the reports. The other reports go to the run's log with the cause's traceback."""
+    reports = _reports_within(workers, [first_report], finished, FOLLOW_ON_SECONDS)
+    died = workers.failure(finished | {report.worker for report in reports})
+    follow_on = "\n".join(
+        f"then worker {report.worker} failed: {report.message}\n{report.details}" for report in reports
+    )
+    if died is not None:
+        return TrainingFailed(died, follow_on)
+    cause = min(reports, key=lambda report: report.failed_at)
+    others = [report for report in reports if report is not cause]
+    details = "\n".join([cause.details, *(f"then worker {other.worker} failed: {other.message}" for other in others)])
+    if cause.user_error:
+        return WorkerInputError(cause.message, details)
+    return TrainingFailed(_failure_message(cause), details)
+
+
+def _reports_within(
+    workers: WorkerGroup, reports: list[WorkerFailed], finished: set[int], seconds: float
+) -> list[WorkerFailed]:
+    """`reports` and the failures reported within `seconds`, or until every worker has finished, reported or died."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and not _all_accounted(workers, reports, finished):
+        event = workers.next_event(SETTLE_POLL_SECONDS)
+        if isinstance(event, WorkerFailed):
+            reports.append(event)
+    return reports
+
+
+def _all_accounted(workers: WorkerGroup, reports: list[WorkerFailed], finished: set[int]) -> bool:
+    accounted = finished | {report.worker for report in reports}
+    return len(accounted) == workers.size or workers.failure(accounted) is not None
 
 
 def _failure_message(event: WorkerFailed) -> str:

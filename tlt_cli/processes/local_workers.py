@@ -62,10 +62,7 @@ class LocalWorkers:
         """A worker that is gone without finishing, or None while all are alive or done."""
         for rank, process in enumerate(self.processes):
             if rank not in finished and not process.is_alive():
-                return (
-                    f"worker {rank} exited with code {process.exitcode} without reporting an error "
-                    "(killed, or out of memory?)."
-                )
+                return f"worker {rank} {_how_it_ended(process.exitcode)}"
         return None
 
     def stop(self) -> None:
@@ -80,6 +77,14 @@ class LocalWorkers:
                 process.kill()
                 process.join()
         shutil.rmtree(self.rendezvous, ignore_errors=True)
+
+
+def _how_it_ended(exit_code: int) -> str:
+    """How a worker that reported nothing ended, from its exit code (negative: the signal that killed it)."""
+    if exit_code < 0:
+        name = signal.Signals(-exit_code).name
+        return f"was killed by {name} (code {exit_code}) without reporting an error (out of memory, or killed?)."
+    return f"exited with code {exit_code} without reporting an error (killed, or out of memory?)."
 
 
 def _continue(pid: int) -> None:
