@@ -9,6 +9,7 @@ warm-up. Each case checks what a user would see and what the machine keeps after
 from __future__ import annotations
 
 import mmap
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -111,3 +112,30 @@ def test_sigkill_of_worker_one_mid_checkpoint_names_it_not_its_peer(small_model,
     assert "worker 0" not in line, line
     log = (tmp_path / "killed-in-checkpoint" / "run.log").read_text()
     assert "then worker 0 failed:" in log, log[-3000:]
+
+
+# ---------------------------------------------------------------- Ctrl-C in the first drafter warm-up
+
+
+def test_ctrl_c_in_the_first_drafter_warm_up_says_there_is_nothing_to_resume(small_model, tmp_path):
+    """A cold cache makes `tlt train` warm the drafter up before it makes the run directory: Ctrl-C there must not
+    advise a --resume of a folder that does not exist."""
+    run_directory = tmp_path / "warming"
+    command = small_run(small_model, tmp_path, "warming", 2, "speculative.mode=adaptive", "drafter.init=warmup")
+    environment = {**faults.environment_with_test_plugins(), "TLT_CACHE_DIR": str(tmp_path / "cold-cache")}
+    with open(tmp_path / "driver.out", "w") as stdout, open(tmp_path / "driver.err", "w") as stderr:
+        driver = subprocess.Popen(command, stdout=stdout, stderr=stderr, env=environment)
+    faults.wait_until(
+        lambda: "preparing the drafter" in (tmp_path / "driver.out").read_text(),
+        faults.HANG_GUARD_SECONDS,
+        process=driver,
+    )
+    driver.send_signal(signal.SIGINT)
+    code, stdout, stderr = faults.finish(driver, tmp_path)
+    assert code == 130, stderr[-3000:]
+    assert "drafter warmed up" not in stdout, "the warm-up ended before the interrupt: the test pressed Ctrl-C late"
+    assert faults.one_line(stdout, stderr) == (
+        f"error: interrupted; the run had not started ({run_directory} was not made), so there is nothing to "
+        "resume: run it again."
+    )
+    assert not run_directory.exists()
