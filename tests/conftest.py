@@ -17,11 +17,16 @@ starts on one node map one each (69 MB) and a rank killed from outside cannot un
 `no_shared_memory_left` removes, when the session ends, every such buffer that appeared during it
 and that no live process still maps (another session's running ranks keep theirs).
 
+Every test of the fault and hostfile files is checked for leaks (`no_leaks`, tests/leaks.py): a
+process, a /dev/shm segment, a listening socket or a file in the system temporary folder left
+behind fails it.
+
 Also gives the test process a terminal's Ctrl-C: a shell starts background jobs (`pytest &`,
 some CI runners) with SIGINT ignored, children inherit that, and the tests that press Ctrl-C on a
 `tlt train` subprocess would then see it run on untouched.
 """
 
+import fnmatch
 import signal
 from pathlib import Path
 
@@ -29,6 +34,8 @@ import pytest
 import torch
 
 REPOSITORY = Path(__file__).resolve().parent.parent
+# the test files whose every test is checked for what it leaves behind (no_leaks)
+LEAK_CHECKED_FILES = ("test_faults*.py", "test_hostfile_launch.py")
 
 torch.set_num_threads(1)
 if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
@@ -82,6 +89,24 @@ def hermetic(tmp_path_factory, session_caches, cache_directory, monkeypatch) -> 
     monkeypatch.setenv("XDG_CACHE_HOME", str(session_caches))
     monkeypatch.setenv("TRITON_CACHE_DIR", str(session_caches / "triton"))
     return working_folder
+
+
+@pytest.fixture(autouse=True)
+def no_leaks(request, tmp_path_factory, hermetic, monkeypatch):
+    """In the files LEAK_CHECKED_FILES names: fail a test that leaves a process, a /dev/shm segment, a listening
+    socket or a file in the system temporary folder (tests/leaks.py), after removing what it left."""
+    if not any(fnmatch.fnmatch(request.node.path.name, pattern) for pattern in LEAK_CHECKED_FILES):
+        yield
+        return
+    from leaks import LeakWatch
+
+    watch = LeakWatch()
+    watch.start(tmp_path_factory.mktemp("system-tmp"), monkeypatch)
+    yield
+    left = watch.leaks()
+    watch.clean_up()
+    if left:
+        pytest.fail("the test left behind:\n" + "\n".join(left), pytrace=False)
 
 
 @pytest.fixture(scope="session")

@@ -9,6 +9,7 @@ warm-up. Each case checks what a user would see and what the machine keeps after
 from __future__ import annotations
 
 import mmap
+import os
 import signal
 import subprocess
 import sys
@@ -139,3 +140,74 @@ def test_ctrl_c_in_the_first_drafter_warm_up_says_there_is_nothing_to_resume(sma
         "resume: run it again."
     )
     assert not run_directory.exists()
+
+
+# ---------------------------------------------------------------- the leak check of the fault tests itself
+
+LEAKING_TESTS = """
+import socket
+import subprocess
+import tempfile
+from pathlib import Path
+
+KEPT = []
+
+
+def test_leaves_a_process():
+    subprocess.Popen(["sleep", "300"])
+
+
+def test_leaves_shared_memory():
+    Path("/dev/shm/tlt-leak-probe-{mark}").write_bytes(b"0")
+
+
+def test_leaves_a_listening_socket():
+    KEPT.append(socket.create_server(("127.0.0.1", 0)))
+
+
+def test_leaves_a_temporary_file():
+    tempfile.NamedTemporaryFile(delete=False).close()
+
+
+def test_leaves_nothing():
+    with tempfile.NamedTemporaryFile():
+        subprocess.run(["true"], check=True)
+"""
+
+
+def test_the_leak_check_fails_each_kind_of_leak_and_passes_a_clean_test(tmp_path):
+    probe = tmp_path / "test_faults_leak_probe.py"
+    probe.write_text(LEAKING_TESTS.format(mark=os.getpid()))
+    session = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "conftest",
+            "-c",
+            os.devnull,
+            f"--basetemp={tmp_path / 'basetemp'}",
+            str(probe),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=faults.HANG_GUARD_SECONDS,
+        env=faults.environment_with_test_plugins(),
+        cwd=tmp_path,
+    )
+    output = session.stdout
+    assert session.returncode == 1, output[-3000:]
+    # a test whose teardown fails counts as passed and errored: only the clean one passes without an error
+    assert "5 passed, 4 errors" in output and "of test_leaves_nothing" not in output, output[-3000:]
+    for test, leak in [
+        ("test_leaves_a_process", "process "),
+        ("test_leaves_shared_memory", f"shared memory /dev/shm/tlt-leak-probe-{os.getpid()}"),
+        ("test_leaves_a_listening_socket", "listening socket ('AF_INET', "),
+        ("test_leaves_a_temporary_file", "file "),
+    ]:
+        assert f"ERROR at teardown of {test}" in output, output[-3000:]
+        report = output.split(f"ERROR at teardown of {test}", 1)[1]
+        assert f"the test left behind:\n{leak}" in report, report[:1000]
+    assert not Path(f"/dev/shm/tlt-leak-probe-{os.getpid()}").exists()

@@ -1,0 +1,117 @@
+"""What a test leaves behind: processes, /dev/shm segments, listening sockets, files in the system temporary folder.
+
+tests/conftest.py's `no_leaks` fixture uses this around every fault test (tests/test_faults*.py) and
+hostfile test: before the test, `LeakWatch.start` tags the environment with a mark of the test's own
+(every process the test starts inherits it, however deep and wherever it is reparented), points the
+system temporary folder (TMPDIR, `tempfile`) at an empty folder of the test's own, and notes what
+/dev/shm and the test process's listening sockets hold; after it, `LeakWatch.leaks` lists
+- every live process carrying the mark (after a grace for processes on their way out),
+- every /dev/shm entry made during the test that no live process maps or holds open,
+- every socket the test process listens on that it did not before,
+- every file left in the test's temporary folder,
+and `clean_up` removes them, so one leaking test does not spoil the next.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+
+from tlt_cli.processes.shared_memory import SHARED_MEMORY_DIRECTORY, mapped_files
+
+MARK_VARIABLE = "TLT_TEST_LEAK_MARK"
+# seconds a tagged process still alive after the test gets to exit before it counts as left behind
+EXIT_GRACE_SECONDS = 10.0
+
+
+@dataclass
+class LeakWatch:
+    """One test's watch: its mark, its temporary folder and what was there before it."""
+
+    mark: str = field(default_factory=lambda: uuid.uuid4().hex)
+    temporary_folder: Path | None = None
+    shared_memory_before: set[Path] = field(default_factory=set)
+    sockets_before: set[tuple] = field(default_factory=set)
+
+    def start(self, temporary_folder: Path, monkeypatch) -> None:
+        """Tag the environment, redirect the system temporary folder, note /dev/shm and the listening sockets."""
+        self.temporary_folder = temporary_folder
+        temporary_folder.mkdir(parents=True, exist_ok=True)
+        monkeypatch.setenv(MARK_VARIABLE, self.mark)
+        monkeypatch.setenv("TMPDIR", str(temporary_folder))
+        monkeypatch.setattr(tempfile, "tempdir", str(temporary_folder))
+        self.shared_memory_before = set(SHARED_MEMORY_DIRECTORY.iterdir())
+        self.sockets_before = listening_sockets()
+
+    def leaks(self) -> list[str]:
+        """One line per thing the test left behind."""
+        return [
+            *(f"process {process.pid} ({' '.join(process.cmdline())[:200]})" for process in self.left_processes()),
+            *(f"shared memory {path}" for path in self.left_shared_memory()),
+            *(f"listening socket {address}" for address in sorted(listening_sockets() - self.sockets_before)),
+            *(f"file {path}" for path in sorted(self.temporary_folder.iterdir())),
+        ]
+
+    def left_processes(self) -> list[psutil.Process]:
+        """Live processes carrying this test's mark, once those on their way out have had EXIT_GRACE_SECONDS."""
+        _, alive = psutil.wait_procs(self._tagged_processes(), timeout=EXIT_GRACE_SECONDS)
+        return alive
+
+    def _tagged_processes(self) -> list[psutil.Process]:
+        found = []
+        for process in psutil.process_iter():
+            if process.pid == os.getpid():
+                continue
+            try:
+                tagged = process.environ().get(MARK_VARIABLE) == self.mark
+                if tagged and process.status() != psutil.STATUS_ZOMBIE:
+                    found.append(process)
+            except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+                continue
+        return found
+
+    def left_shared_memory(self) -> list[Path]:
+        """Entries made in /dev/shm during the test that no live process maps or holds open."""
+        new = set(SHARED_MEMORY_DIRECTORY.iterdir()) - self.shared_memory_before
+        if not new:
+            return []
+        held = mapped_files() | open_files()
+        return sorted(path for path in new if path not in held)
+
+    def clean_up(self) -> None:
+        """Kill the tagged processes, remove the unheld /dev/shm entries and empty the temporary folder."""
+        for process in self._tagged_processes():
+            process.kill()
+        for path in self.left_shared_memory():
+            path.unlink(missing_ok=True)
+        for path in self.temporary_folder.iterdir():
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
+
+
+def listening_sockets() -> set[tuple]:
+    """(family, address) of every socket the test process listens on (TCP, and Unix sockets with a name)."""
+    listening = set()
+    for connection in psutil.Process().net_connections(kind="all"):
+        if connection.status == psutil.CONN_LISTEN or (connection.family.name == "AF_UNIX" and connection.laddr):
+            listening.add((connection.family.name, connection.laddr))
+    return listening
+
+
+def open_files() -> set[Path]:
+    """Every file some live process of this machine holds open (from /proc/<pid>/fd)."""
+    held = set()
+    for descriptor in Path("/proc").glob("[0-9]*/fd/*"):
+        try:
+            held.add(Path(os.readlink(descriptor)))
+        except OSError:  # the process or descriptor ended, or is not ours to read
+            continue
+    return held
