@@ -45,16 +45,16 @@ if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
 @pytest.fixture(scope="session", autouse=True)
 def no_shared_memory_left():
     """Remove the DeepSpeed /dev/shm buffers the session's ranks left, then check that none of them is left."""
-    from tlt_cli.processes.shared_memory import remove_unmapped
+    from tlt_cli.shared_memory import remove_unheld
 
     before = set(deepspeed_shared_buffers())
     yield
-    removed = remove_unmapped([path for path in deepspeed_shared_buffers() if path not in before])
+    removed = remove_unheld([path for path in deepspeed_shared_buffers() if path not in before])
     assert not [path for path in removed if path.exists()], "DeepSpeed buffers in /dev/shm could not be removed"
 
 
 def deepspeed_shared_buffers() -> list[Path]:
-    from tlt_cli.processes.shared_memory import DEEPSPEED_BUFFER_PREFIX, SHARED_MEMORY_DIRECTORY
+    from tlt_cli.shared_memory import DEEPSPEED_BUFFER_PREFIX, SHARED_MEMORY_DIRECTORY
 
     return sorted(SHARED_MEMORY_DIRECTORY.glob(f"{DEEPSPEED_BUFFER_PREFIX}_*"))
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import psutil
 
-from tlt_cli.processes.shared_memory import SHARED_MEMORY_DIRECTORY, mapped_files
+from tlt_cli.shared_memory import SHARED_MEMORY_DIRECTORY, held_files
 
 MARK_VARIABLE = "TLT_TEST_LEAK_MARK"
 # seconds a tagged process still alive after the test gets to exit before it counts as left behind
@@ -81,7 +81,7 @@ class LeakWatch:
         new = set(SHARED_MEMORY_DIRECTORY.iterdir()) - self.shared_memory_before
         if not new:
             return []
-        held = mapped_files() | open_files()
+        held = held_files()
         return sorted(path for path in new if path not in held)
 
     def clean_up(self) -> None:
@@ -104,14 +104,3 @@ def listening_sockets() -> set[tuple]:
         if connection.status == psutil.CONN_LISTEN or (connection.family.name == "AF_UNIX" and connection.laddr):
             listening.add((connection.family.name, connection.laddr))
     return listening
-
-
-def open_files() -> set[Path]:
-    """Every file some live process of this machine holds open (from /proc/<pid>/fd)."""
-    held = set()
-    for descriptor in Path("/proc").glob("[0-9]*/fd/*"):
-        try:
-            held.add(Path(os.readlink(descriptor)))
-        except OSError:  # the process or descriptor ended, or is not ours to read
-            continue
-    return held

@@ -20,7 +20,7 @@ from recipe_overrides import small_run
 from test_hostfile_launch import processes_of
 
 from tlt_cli.processes.hostfile import LOCAL_ADDRESS
-from tlt_cli.processes.shared_memory import deepspeed_buffer, run_buffers
+from tlt_cli.shared_memory import deepspeed_buffer, run_buffers
 
 # a port no launch of this test uses: the name of a segment "left by a killed run" the test plants
 PLANTED_PORT = 1

@@ -29,8 +29,8 @@ from tlt_cli.cli import app
 from tlt_cli.config import load_recipe
 from tlt_cli.processes.event_channel import EventListener, connect_to_driver
 from tlt_cli.processes.hostfile import deepspeed_launch_command
-from tlt_cli.processes.shared_memory import DEEPSPEED_BUFFER_PREFIX, SHARED_MEMORY_DIRECTORY, rank_buffer
 from tlt_cli.sglang.server import live_group_members
+from tlt_cli.shared_memory import DEEPSPEED_BUFFER_PREFIX, SHARED_MEMORY_DIRECTORY, rank_buffer
 
 TESTS = Path(__file__).resolve().parent
 # no test waits longer than this for tlt train to end

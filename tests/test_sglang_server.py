@@ -104,6 +104,24 @@ def test_the_api_key_is_on_no_command_line_and_logs_and_key_file_are_private(tmp
     assert launch.log_path.stat().st_mode & 0o777 == 0o600 and key_file.stat().st_mode & 0o777 == 0o600
 
 
+def test_a_stopped_server_leaves_no_file_in_shared_memory_or_the_temporary_folder(tmp_path):
+    """The fake leaves what SGLang 0.5.23 leaves after a clean stop (/dev/shm entries, socket and empty files in its
+    temporary folder); stop removes every one, and an entry a live process holds stays."""
+    held = Path(f"/dev/shm/sem.mp-held-by-the-test-{tmp_path.name}")
+    try:
+        with held.open("wb"):  # made while the group runs and open: another process's, not the server's
+            with ServerGroup([fake_launch(0, tmp_path, "--leave-files")], startup_timeout_s=20, stop_timeout_s=5):
+                log = (tmp_path / "server-0.log").read_text()
+                left = [Path(line.split(" left ", 1)[1]) for line in log.splitlines() if " left " in line]
+                assert len(left) == 7 and all(path.exists() for path in left), left
+                held.write_bytes(b"\0")
+            assert not [path for path in left if path.exists()]
+            assert not [path for path in left[2:] if path.parent.exists()], "the server's temporary folder stays"
+            assert held.exists()
+    finally:
+        held.unlink(missing_ok=True)
+
+
 DRIVER = textwrap.dedent(
     """
     import os, sys, time

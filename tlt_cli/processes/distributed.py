@@ -38,7 +38,7 @@ from typing import Any
 import torch
 import torch.distributed
 
-from tlt_cli.processes.shared_memory import rank_buffer, release_own_buffer
+from tlt_cli.shared_memory import rank_buffer, release_own_buffer
 
 POLL_SECONDS = 0.005
 STORE_TIMEOUT = timedelta(minutes=30)

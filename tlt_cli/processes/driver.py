@@ -60,10 +60,10 @@ from tlt_cli.processes.run_directory import (
     RunDirectory,
     resume_checkpoint,
 )
-from tlt_cli.processes.shared_memory import remove_abandoned_buffers
 from tlt_cli.processes.step_deadline import StepDeadline
 from tlt_cli.processes.step_records import step_records
 from tlt_cli.sglang.registry import stop_recorded_servers
+from tlt_cli.shared_memory import remove_abandoned_buffers
 from tlt_cli.trace import STEP_RECORD, TraceWriteError, TraceWriter, read_trace, truncate_trace
 from tlt_cli.versions import installed_versions
 

@@ -38,7 +38,7 @@ from tlt_cli.processes.event_channel import EventListener
 from tlt_cli.processes.hostfile import LOCAL_ADDRESS, deepspeed_launch_command, read_hostfile, runs_on_this_machine
 from tlt_cli.processes.launch_files import LaunchPlan, body_name, write_launch_files
 from tlt_cli.processes.messages import WorkerBody, WorkerFinished
-from tlt_cli.processes.shared_memory import remove_unmapped, run_buffers
+from tlt_cli.shared_memory import remove_unheld, run_buffers
 
 LAUNCHER_LOG = "launcher.log"
 # seconds the launcher gets to exit after every rank finished, and after SIGTERM
@@ -124,7 +124,7 @@ class LaunchedWorkers:
                 _signal_session(self.launcher, signal.SIGKILL)
             self.launcher.wait()
         self.channel.close()
-        remove_unmapped(self.shared_buffers)
+        remove_unheld(self.shared_buffers)
         if self.rendezvous is not None:
             shutil.rmtree(self.rendezvous, ignore_errors=True)
 

@@ -1,4 +1,4 @@
-"""DeepSpeed's shared-memory all-reduce buffers in /dev/shm: how they are named, and how none outlives its run.
+"""What tlt's processes leave in /dev/shm: DeepSpeed's all-reduce buffers named, and what no live process holds removed.
 
 When every rank of a job runs on one node (the DeepSpeed launcher sets LOCAL_SIZE == WORLD_SIZE),
 DeepSpeed's CPU all-reduce (its shm.cpp) makes one 69 MB segment per rank, named
@@ -12,7 +12,8 @@ unlinks any. Three things keep them from filling the machine's memory:
 3. every `tlt train` first removes this user's segments that no live process maps
    (`remove_abandoned_buffers`: left by a run killed before its ranks could unlink them).
 A segment is unmapped only between DeepSpeed's shm_open and its mmap a few lines later, so one
-that no live process maps belongs to a process that has exited.
+that no live process maps belongs to a process that has exited. SGLang's servers leave entries of
+their own; tlt_cli/sglang/server.py removes them with `remove_unheld` when it stops a server.
 """
 
 from __future__ import annotations
@@ -50,20 +51,20 @@ def release_own_buffer(environment: Mapping[str, str]) -> None:
         buffer.unlink(missing_ok=True)
 
 
-def remove_unmapped(buffers: list[Path]) -> list[Path]:
-    """Remove those of `buffers` that exist and no live process maps; the ones removed."""
-    mapped = mapped_files()
+def remove_unheld(paths: list[Path]) -> list[Path]:
+    """Remove those of `paths` that exist and no live process maps or holds open; the ones removed."""
+    held = held_files() if paths else set()
     removed = []
-    for buffer in buffers:
-        if buffer.exists() and buffer not in mapped:
-            buffer.unlink(missing_ok=True)
-            removed.append(buffer)
+    for path in paths:
+        if path.exists() and path not in held:
+            path.unlink(missing_ok=True)
+            removed.append(path)
     return removed
 
 
 def remove_abandoned_buffers() -> list[Path]:
     """Remove this user's DeepSpeed segments that no live process maps (a killed run's); the ones removed."""
-    return remove_unmapped(sorted(SHARED_MEMORY_DIRECTORY.glob(f"{DEEPSPEED_BUFFER_PREFIX}_{os.getuid()}_*")))
+    return remove_unheld(sorted(SHARED_MEMORY_DIRECTORY.glob(f"{DEEPSPEED_BUFFER_PREFIX}_{os.getuid()}_*")))
 
 
 def mapped_files() -> set[Path]:
@@ -76,3 +77,19 @@ def mapped_files() -> set[Path]:
             continue
         mapped.update(Path(line.split(maxsplit=5)[5]) for line in lines if line.count(" ") >= 5 and "/" in line)
     return mapped
+
+
+def open_files() -> set[Path]:
+    """Every file some live process of this machine holds open (from /proc/<pid>/fd)."""
+    held = set()
+    for descriptor in Path("/proc").glob("[0-9]*/fd/*"):
+        try:
+            held.add(Path(os.readlink(descriptor)))
+        except OSError:  # the process or descriptor ended, or is not ours to read
+            continue
+    return held
+
+
+def held_files() -> set[Path]:
+    """Every file some live process maps or holds open."""
+    return mapped_files() | open_files()
