@@ -64,17 +64,7 @@ class LeakWatch:
         return alive
 
     def _tagged_processes(self) -> list[psutil.Process]:
-        found = []
-        for process in psutil.process_iter():
-            if process.pid == os.getpid():
-                continue
-            try:
-                tagged = process.environ().get(MARK_VARIABLE) == self.mark
-                if tagged and process.status() != psutil.STATUS_ZOMBIE:
-                    found.append(process)
-            except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-                continue
-        return found
+        return tagged_processes(self.mark)
 
     def left_shared_memory(self) -> list[Path]:
         """Entries made in /dev/shm during the test that no live process maps or holds open."""
@@ -95,6 +85,21 @@ class LeakWatch:
                 shutil.rmtree(path, ignore_errors=True)
             else:
                 path.unlink(missing_ok=True)
+
+
+def tagged_processes(mark: str) -> list[psutil.Process]:
+    """Live processes (zombies excluded) but this one whose environment has MARK_VARIABLE=mark: everything started
+    under the mark, however deep (SGLang's scheduler and detokenizer too) and wherever it was reparented."""
+    found = []
+    for process in psutil.process_iter():
+        if process.pid == os.getpid():
+            continue
+        try:
+            if process.environ().get(MARK_VARIABLE) == mark and process.status() != psutil.STATUS_ZOMBIE:
+                found.append(process)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return found
 
 
 def listening_sockets() -> set[tuple]:

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from sglang_fakes import FAKE_SERVER, fake_launch, free_port, pid_running
+from sglang_fakes import FAKE_SERVER, fake_launch, free_port, pid_running, wait_for_first_generation
 
 from tlt_cli.sglang.server import ServerGroup, ServerStartError, live_group_members, log_tail
 from tlt_cli.sglang.transport import get_status
@@ -120,6 +120,18 @@ def test_a_stopped_server_leaves_no_file_in_shared_memory_or_the_temporary_folde
             assert held.exists()
     finally:
         held.unlink(missing_ok=True)
+
+
+def test_waiting_for_a_first_generation_that_never_comes_fails(tmp_path):
+    """The wait the real-SGLang interrupt tests use must not carry on as if a rollout had begun."""
+    run = subprocess.Popen(["sleep", "60"])
+    try:
+        (tmp_path / "server-0.log").write_text("GET /health 200\n")
+        with pytest.raises(AssertionError, match="no POST /generate in .* within 0.5 s"):
+            wait_for_first_generation(run, tmp_path / "server-0.log", 0.5)
+    finally:
+        run.kill()
+        run.wait()
 
 
 DRIVER = textwrap.dedent(
