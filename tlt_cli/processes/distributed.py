@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import shutil
 import socket
 import tempfile
 import time
@@ -43,6 +44,7 @@ from tlt_cli.shared_memory import rank_buffer, release_own_buffer
 POLL_SECONDS = 0.005
 STORE_TIMEOUT = timedelta(minutes=30)
 LOOPBACK_INTERFACE = "lo"
+RENDEZVOUS_PREFIX = "tlt-rendezvous-"
 PROCESS_GROUP_FILE = "process-group"
 BARRIER_FILE = "rollout-barrier"
 # the rollout barrier's deadline runs this much past workers.step_timeout_s: the driver, which sees
@@ -100,8 +102,31 @@ def private_rendezvous_directory() -> Path:
     In the system's temporary folder, not the run directory: a FileStore needs a local file
     system's locks (a run directory may be on a network mount), and a file left by a killed run
     would make the next rendezvous fail, so each start gets a folder of its own (mkdtemp: 0700).
+    Its name carries the driver's pid: `remove_abandoned_rendezvous` finds the folders of killed drivers.
     """
-    return Path(tempfile.mkdtemp(prefix="tlt-rendezvous-"))
+    return Path(tempfile.mkdtemp(prefix=f"{RENDEZVOUS_PREFIX}{os.getpid()}-"))
+
+
+def remove_abandoned_rendezvous() -> list[Path]:
+    """Remove the rendezvous folders in the system's temporary folder whose driver is no longer running (a killed
+    run's); the ones removed."""
+    removed = []
+    for folder in Path(tempfile.gettempdir()).glob(f"{RENDEZVOUS_PREFIX}*-*"):
+        driver = folder.name.removeprefix(RENDEZVOUS_PREFIX).split("-", 1)[0]
+        if driver.isdigit() and not _running(int(driver)):
+            shutil.rmtree(folder, ignore_errors=True)
+            removed.append(folder)
+    return removed
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def import_deepspeed() -> ModuleType:

@@ -13,9 +13,10 @@ before its peers failed in their collectives is named with its signal, not they;
 exit 2, when the error is the user's: a data file, model weights); its traceback goes to the
 run's log (`run.log`), the run directory keeps every complete checkpoint for `--resume`.
 
-Before anything is created, the DeepSpeed /dev/shm segments a killed run left are freed
-(shared_memory.py), `check_machine` makes sure this machine has what the recipe asks for
-(GPUs for `actor.devices`, SGLang for `rollout.backend: sglang`) and the drafter is prepared; only
+Before anything is created, the DeepSpeed /dev/shm segments and rendezvous folders a killed run
+left are removed (shared_memory.py, distributed.py), `check_machine` makes sure this machine has
+what the recipe asks for (GPUs for `actor.devices`, SGLang for `rollout.backend: sglang`) and the
+drafter is prepared; only
 then is a new run directory made, locked for the run's life (run_directory.py: a second
 `tlt train` of it refuses). A new run that fails before its first step is removed again (only
 what it made; with `keep_log`, all but its logs stay), and the trace is opened at the first step,
@@ -47,6 +48,7 @@ from tlt_cli.errors import UserError
 from tlt_cli.models.loading import load_config_and_tokenizer
 from tlt_cli.models.tiny import cache_directory
 from tlt_cli.plugins import DriverPlugins, RunInfo, plugin_columns, plugin_idle_uses
+from tlt_cli.processes.distributed import remove_abandoned_rendezvous
 from tlt_cli.processes.hostfile import runs_on_this_machine
 from tlt_cli.processes.launched_workers import LaunchedWorkers
 from tlt_cli.processes.local_workers import LocalWorkers
@@ -180,7 +182,7 @@ def train(
     held = RunDirectory.resume(resume_directory) if resume_directory else None
     try:
         check_machine(recipe)
-        _remove_abandoned_shared_memory(console)
+        _remove_what_killed_runs_left(console)
         cache = cache_directory(recipe.model.cache_dir)
         drafter_init = _prepare_drafter(trainer, recipe, cache, console)
         held = held or RunDirectory.create(recipe)
@@ -280,13 +282,15 @@ def _after_failure(error: Exception, details: str, held: RunDirectory, discard: 
     return TrainingFailed(f"{first_line.rstrip('.')} ({note}).{newline}{more}")
 
 
-def _remove_abandoned_shared_memory(console: Console) -> None:
-    """Free the DeepSpeed /dev/shm segments a killed run left (shared_memory.py), saying so in one line."""
+def _remove_what_killed_runs_left(console: Console) -> None:
+    """Free the DeepSpeed /dev/shm segments (shared_memory.py) and remove the rendezvous folders (distributed.py)
+    that killed runs left, saying so in one line."""
     removed = remove_abandoned_buffers()
     if removed:
         console.print(
             f"removed {len(removed)} DeepSpeed shared-memory segment(s) a killed run left in /dev/shm", markup=False
         )
+    remove_abandoned_rendezvous()
 
 
 def _prepare_drafter(trainer: TrainerEntry, recipe: Recipe, cache: Path, console: Console) -> Path | None:
