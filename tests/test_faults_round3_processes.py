@@ -115,6 +115,32 @@ def test_sigkill_of_worker_one_mid_checkpoint_names_it_not_its_peer(small_model,
     assert "then worker 0 failed:" in log, log[-3000:]
 
 
+def test_sigkill_of_rank_one_of_a_hostfile_run_mid_checkpoint_names_it_not_its_peer(small_model, tmp_path):
+    """As above, under the DeepSpeed launcher: the driver is not the ranks' parent, so it names rank 1 by the pid
+    its progress reports carried."""
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("localhost slots=2\n")
+    result = subprocess.run(
+        small_run(
+            small_model,
+            tmp_path,
+            "launched-killed-in-checkpoint",
+            2,
+            "checkpoint.every=1",
+            f"workers.hostfile={hostfile}",
+            "plugins.enabled=[fault_plugins:KillInCheckpoint]",
+        ),
+        capture_output=True,
+        text=True,
+        timeout=faults.HANG_GUARD_SECONDS,
+        env=faults.environment_with_test_plugins(),
+    )
+    assert result.returncode == 1, result.stderr[-3000:]
+    line = faults.one_line(result.stdout, result.stderr)
+    assert line.startswith("error: worker 1 (pid "), line
+    assert "ended without reporting an error" in line and "worker 0" not in line, line
+
+
 # ---------------------------------------------------------------- Ctrl-C in the first drafter warm-up
 
 

@@ -113,20 +113,19 @@ def remove_abandoned_rendezvous() -> list[Path]:
     removed = []
     for folder in Path(tempfile.gettempdir()).glob(f"{RENDEZVOUS_PREFIX}*-*"):
         driver = folder.name.removeprefix(RENDEZVOUS_PREFIX).split("-", 1)[0]
-        if driver.isdigit() and not _running(int(driver)):
+        if driver.isdigit() and not process_running(int(driver)):
             shutil.rmtree(folder, ignore_errors=True)
             removed.append(folder)
     return removed
 
 
-def _running(pid: int) -> bool:
+def process_running(pid: int) -> bool:
+    """Whether process `pid` of this machine exists and has not ended (a zombie, not yet reaped, has)."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
         return False
-    except PermissionError:  # another user's process
-        return True
-    return True
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"  # the state follows the parenthesised command
 
 
 def import_deepspeed() -> ModuleType:

@@ -113,6 +113,8 @@ class WorkerGroup(Protocol):
 
     def failure(self, finished: set[int]) -> str | None: ...
 
+    def ended_without_report(self, accounted: set[int]) -> str | None: ...
+
     def stop(self) -> None: ...
 
 
@@ -399,7 +401,7 @@ def _first_failure(workers: WorkerGroup, first_report: WorkerFailed, finished: s
     to arrive: a worker that died without a word (killed: its peers then fail in their collectives), else the
     earliest raised of the reports. The other reports go to the run's log with the cause's traceback."""
     reports = _reports_within(workers, [first_report], finished, FOLLOW_ON_SECONDS)
-    died = workers.failure(finished | {report.worker for report in reports})
+    died = workers.ended_without_report(finished | {report.worker for report in reports})
     follow_on = "\n".join(
         f"then worker {report.worker} failed: {report.message}\n{report.details}" for report in reports
     )

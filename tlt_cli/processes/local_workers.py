@@ -60,6 +60,12 @@ class LocalWorkers:
 
     def failure(self, finished: set[int]) -> str | None:
         """A worker that is gone without finishing, or None while all are alive or done."""
+        return self.ended_without_report(finished)
+
+    def ended_without_report(self, accounted: set[int]) -> str | None:
+        """The first worker not in `accounted` (finished, or failed and said so) whose process has ended, named with
+        how it ended (the signal that killed it); None if there is none."""
+        finished = accounted
         for rank, process in enumerate(self.processes):
             if rank not in finished and not process.is_alive():
                 return f"worker {rank} {_how_it_ended(process.exitcode)}"
