@@ -173,10 +173,15 @@ def test_ctrl_c_in_the_first_drafter_warm_up_says_there_is_nothing_to_resume(sma
 LEAKING_TESTS = """
 import socket
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
 KEPT = []
+HOLD_AND_DIE = (
+    "import mmap, os, time; f = open({{path!r}}, 'w+b'); f.write(bytes(4096)); f.flush(); "
+    "m = mmap.mmap(f.fileno(), 0); time.sleep(3); os._exit(9)"
+)
 
 
 def test_leaves_a_process():
@@ -184,7 +189,10 @@ def test_leaves_a_process():
 
 
 def test_leaves_shared_memory():
-    Path("/dev/shm/tlt-leak-probe-{mark}").write_bytes(b"0")
+    # a process maps a segment and dies without unlinking it, as a killed rank does
+    subprocess.run(
+        [sys.executable, "-c", HOLD_AND_DIE.format(path="/dev/shm/tlt-leak-probe-{mark}")], check=False, timeout=60
+    )
 
 
 def test_leaves_a_listening_socket():
