@@ -32,7 +32,7 @@ PLANTED_PORT = 1
 def launcher_master_port(run_directory: Path) -> int:
     """The --master_port of the DeepSpeed launcher running `run_directory` (the port names the run's segments)."""
     for process in processes_of(run_directory):
-        command = process.cmdline()
+        command = process.info["cmdline"]
         if "--master_port" in command:
             return int(command[command.index("--master_port") + 1])
     raise AssertionError(f"no DeepSpeed launcher runs {run_directory}")
