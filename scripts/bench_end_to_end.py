@@ -3,6 +3,8 @@
     python scripts/bench_end_to_end.py --steps 60 --seeds 0 1 2 --out benchmarks/bench_end_to_end.json
     python scripts/bench_end_to_end.py --recipe recipes/real-cpu.yaml --steps 6 --skip 1 --seeds 0
     python scripts/bench_end_to_end.py --recipe recipes/real-cpu.yaml --skip 1 --seeds 0 1 --from-runs  # re-summarize
+    python scripts/bench_end_to_end.py --steps 30 --off-overrides rollout.dtype=float32 \
+        --tlt-overrides rollout.dtype=bfloat16   # tlt decoding in bfloat16, SD off in float32
 
 For every seed it runs `tlt train <recipe>` (recipes/tiny-cpu.yaml by default) twice, one after
 the other (never at once, so neither slows the other):
@@ -53,12 +55,13 @@ def run_name(variant: str, seed: int) -> str:
 
 
 def run_seeds(
-    recipe: Path, seeds: list[int], steps: int, output: Path, extra: list[str]
+    recipe: Path, seeds: list[int], steps: int, output: Path, extra: list[str], own: dict[str, list[str]]
 ) -> dict[str, dict[int, list[dict]]]:
+    """Every variant of every seed; `own`: more overrides of one variant (e.g. tlt's rollout.dtype)."""
     results: dict[str, dict[int, list[dict]]] = {name: {} for name in VARIANTS}
     for seed in seeds:
         for name, variant in VARIANTS.items():
-            overrides = [*variant, f"run.seed={seed}", *extra]
+            overrides = [*variant, f"run.seed={seed}", *extra, *own.get(name, [])]
             results[name][seed] = step_rows(run_training(run_name(name, seed), overrides, steps, output, recipe=recipe))
     return results
 
@@ -187,6 +190,10 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--recipe", type=Path, default=RECIPE)
     parser.add_argument("--skip", type=int, default=0, help="first steps of each run left out of the time means")
+    for name in VARIANTS:
+        parser.add_argument(
+            f"--{name}-overrides", nargs="+", default=[], help=f"key=value overrides of the {name} runs only"
+        )
     parser.add_argument(
         "--from-runs",
         action="store_true",
@@ -197,7 +204,12 @@ def main() -> None:
         results = read_seeds(arguments.seeds, arguments.output_dir)
     else:
         results = run_seeds(
-            arguments.recipe, arguments.seeds, arguments.steps, arguments.output_dir, arguments.overrides
+            arguments.recipe,
+            arguments.seeds,
+            arguments.steps,
+            arguments.output_dir,
+            arguments.overrides,
+            {name: getattr(arguments, f"{name}_overrides") for name in VARIANTS},
         )
     summary = summarize(results, arguments.skip)
     render(summary, arguments.recipe)

@@ -27,8 +27,12 @@ the same sampled target responses and for the same number of steps as the drafte
 time goes (target forwards, drafter or assistant forwards, the rest; CPU seconds) is measured with forward
 hooks.
 With --linear-forms on,off every engine method also runs as "<method>+forms": its linear layers in the forms
-measured fastest on this machine for each pass's rows (tlt_cli/engine/linear_forms.py; plan cached under
+measured fastest on this machine for each pass's rows (tlt_cli/tuning/linear_forms.py; plan cached under
 --cache-dir), checked token-identical to SD off like the rest.
+With --dtypes float32,bfloat16 every engine method also runs decoding in bfloat16 (as "<method>@bfloat16": the
+owned forward's weight copies and cache in bfloat16, tlt_cli/tuning/precision.py), checked token-identical to
+"off@bfloat16" (SD is exact against the model in the precision that decodes; ties are judged on bfloat16
+logits), and the ratios are reported per dtype (best SD vs plain in the same dtype, plain bfloat16 vs plain).
 --configs also takes any SD configuration label (tlt_cli/speculative/adaptive.py parse_label): model-free
 `ngram4` (n-gram proposals from the prompt and the sibling responses, no drafter pass), hybrid
 `s2-k1-t3+ngram4` and one source per row `'s2-k1-t3|ngram4'` (quote the |). With --group-size G each
@@ -56,7 +60,8 @@ from rich.table import Table
 
 from tlt_cli.drafter.model import load_drafter, save_drafter
 from tlt_cli.drafter.warmup import encode_prompts, generate_responses, warm_up_drafter
-from tlt_cli.engine.linear_forms_measure import prepare_linear_forms
+from tlt_cli.engine import decode_model_for
+from tlt_cli.engine.linear_forms import describe_plan
 from tlt_cli.engine.sampling import SamplingParams
 from tlt_cli.models.loading import load_policy, model_fingerprint
 from tlt_cli.models.tiny import BUILTIN_TINY_MODEL, IGNORED_LABEL, pad_supervised_batch
@@ -68,6 +73,8 @@ from tlt_cli.speculative.types import SpeculativeConfig
 from tlt_cli.tasks.arithmetic import ArithmeticTask
 from tlt_cli.tasks.prompts import encode_prompt
 from tlt_cli.tasks.registry import TASKS, TaskOptionError, build_task, check_options
+from tlt_cli.tuning.linear_forms import measured_linear_plan
+from tlt_cli.tuning.precision import ROLLOUT_DTYPES
 
 BATCH_SIZES = (1, 2, 4, 8, 16, 32)
 # a Hugging Face folder (--model): batch sizes, SD shapes and prompt pool unless given
@@ -273,6 +280,11 @@ def parse_args() -> argparse.Namespace:
         "'<method>+forms'), without, or both (SD off without forms always runs: it is the reference)",
     )
     parser.add_argument(
+        "--dtypes",
+        default="float32",
+        help="float32, or float32,bfloat16: engine methods also decoding in bfloat16 (as '<method>@bfloat16')",
+    )
+    parser.add_argument(
         "--drafter",
         default=None,
         help="a drafter folder to use instead of training one (e.g. the one `tlt train` warmed up "
@@ -419,11 +431,17 @@ class Measured:
     by_finished_siblings: dict[int, list[int]] = field(default_factory=dict)
 
 
-def engine_runner(target, drafter, tokenizer, prompt_pool, batch_size, config, sampling, linear_forms=None):
-    """A callable that generates the whole pool in batches of batch_size with the embedded engine."""
+def engine_runner(target, drafter, tokenizer, prompt_pool, batch_size, config, sampling, linear_plan=None, dtype=None):
+    """A callable that generates the whole pool in batches of batch_size with the embedded engine (decoding in
+    `dtype`, None: the target's own)."""
     speculative = SpeculativeDecoder(drafter, config) if config is not None else None
     engine = EmbeddedEngine(
-        target, tokenizer.eos_token_id, tokenizer.pad_token_id, speculative=speculative, linear_forms=linear_forms
+        target,
+        tokenizer.eos_token_id,
+        tokenizer.pad_token_id,
+        speculative=speculative,
+        linear_plan=linear_plan,
+        dtype=dtype,
     )
 
     def run() -> Measured:
@@ -535,13 +553,17 @@ def measure_batch_size(
             measured = run()
             if method not in best or measured.cpu_seconds < best[method].cpu_seconds:
                 best[method] = measured
-    # sampled outputs differ from SD off sample for sample (RNG draws differ); only greedy is compared
-    reference = best["off"].responses if sampling_is_greedy else None
     results = []
     for method, measured in best.items():
         tokens = sum(len(response) for response in measured.responses)
         other = measured.cpu_seconds - measured.target_seconds - measured.drafter_seconds
-        divergences = [] if reference is None else first_divergences(target, prompt_pool, reference, measured.responses)
+        # sampled outputs differ from SD off sample for sample (RNG draws differ); only greedy is compared, each
+        # method against plain decoding in its own dtype
+        dtype = dtype_of(method)
+        reference = best[f"off{dtype_suffix(dtype)}"].responses if sampling_is_greedy else None
+        divergences = (
+            [] if reference is None else first_divergences(target, prompt_pool, reference, measured.responses, dtype)
+        )
         results.append(
             RunResult(
                 batch_size,
@@ -566,9 +588,33 @@ def measure_batch_size(
     return results
 
 
-def first_divergences(target, prompt_pool, reference, responses) -> list[dict]:
-    """Where each response first differs from SD off's, with the target's logits of both tokens there
-    (one full forward over the prompt and the common prefix)."""
+def dtype_suffix(dtype: str) -> str:
+    """'' for float32 (the methods' plain names), '@bfloat16' for bfloat16."""
+    return "" if dtype == "float32" else f"@{dtype}"
+
+
+def dtype_of(method: str) -> str:
+    return method.partition("@")[2] or "float32"
+
+
+def sequence_logits(target, ids: list[int], dtype: str) -> torch.Tensor:
+    """The last position's logits [V] of `ids` in `dtype`: transformers' forward in float32, the owned forward in
+    bfloat16 (the one the engine decodes with)."""
+    if dtype == "float32":
+        return target(torch.tensor([ids])).logits[0, -1]
+    decode_model = decode_model_for(target, dtype=ROLLOUT_DTYPES[dtype])
+    length = len(ids)
+    positions = torch.arange(length)[None]
+    causal = torch.ones(length, length, dtype=torch.bool).tril()[None, None]
+    hidden = decode_model.forward_block(
+        decode_model.new_cache(1, length), torch.tensor([ids]), positions, positions, length, causal
+    )
+    return decode_model.logits(hidden[0, -1])
+
+
+def first_divergences(target, prompt_pool, reference, responses, dtype: str = "float32") -> list[dict]:
+    """Where each response first differs from SD off's, with the target's logits (in `dtype`) of both tokens
+    there (one full forward over the prompt and the common prefix)."""
     found = []
     for index, (prompt, expected, got) in enumerate(zip(prompt_pool, reference, responses, strict=True)):
         if got == expected:
@@ -577,7 +623,7 @@ def first_divergences(target, prompt_pool, reference, responses) -> list[dict]:
         divergence = {"prompt": index, "position": position, "off_token": None, "token": None, "logit_gap": None}
         if position < min(len(expected), len(got)):  # not one response ending where the other goes on
             with torch.no_grad():
-                logits = target(torch.tensor([list(prompt) + expected[:position]])).logits[0, -1]
+                logits = sequence_logits(target, list(prompt) + expected[:position], dtype)
             top = float(logits.max())
             gap = max(top - float(logits[expected[position]]), top - float(logits[got[position]]))
             divergence.update(off_token=expected[position], token=got[position], logit_gap=gap)
@@ -650,13 +696,22 @@ def goal_ratios(rows: list[RunResult]) -> list[str]:
     lines = []
     if "hf-generate" in speed:
         lines.append(f"plain engine vs transformers generate: {speed['off'] / speed['hf-generate']:.2f}x")
-    shapes = [method for method in speed if method in SD_CONFIGS and method != "off"]
-    if shapes:
-        best = max(shapes, key=speed.get)
-        lines.append(f"best SD ({best}) vs plain engine: {speed[best] / speed['off']:.2f}x")
-        if "hf-assisted" in speed:
-            assisted = speed[best] / speed["hf-assisted"]
-            lines.append(f"best SD ({best}) vs transformers assisted generation: {assisted:.2f}x")
+    for dtype in sorted({dtype_of(method) for method in speed}):
+        suffix = dtype_suffix(dtype)
+        off = f"off{suffix}"
+        if off not in speed:
+            continue
+        if suffix:
+            lines.append(f"plain engine {dtype} vs float32: {speed[off] / speed['off']:.2f}x")
+        shapes = [f"{name}{suffix}" for name in SD_CONFIGS if name != "off" and f"{name}{suffix}" in speed]
+        if shapes:
+            best = max(shapes, key=speed.get)
+            lines.append(f"best SD ({best}) vs plain engine {dtype}: {speed[best] / speed[off]:.2f}x")
+            if suffix:
+                lines.append(f"best SD ({best}) vs plain engine float32: {speed[best] / speed['off']:.2f}x")
+            if "hf-assisted" in speed:
+                assisted = speed[best] / speed["hf-assisted"]
+                lines.append(f"best SD ({best}) vs transformers assisted generation: {assisted:.2f}x")
     return lines
 
 
@@ -698,9 +753,9 @@ def main() -> None:
     drafter, warmup_report = prepare_drafter(target, tokenizer, task, args) if drafting else (None, None)
     assistant = prepare_assistant(target, tokenizer, task, args) if drafting and args.assisted else None
     forms_modes = args.linear_forms.split(",")
-    forms = prepare_linear_forms("auto", [target, drafter], Path(args.cache_dir)) if "on" in forms_modes else None
+    forms = measured_linear_plan("auto", [target, drafter], Path(args.cache_dir)) if "on" in forms_modes else None
     if forms is not None:
-        console.print(forms.describe())
+        console.print(describe_plan(forms))
     results: list[RunResult] = []
     for cell, batch_size, pool, sampling in benchmark_cells(tokenizer, task, args):
         runners = {
@@ -712,6 +767,19 @@ def main() -> None:
             runners[f"{method}+forms"] = engine_runner(
                 target, drafter, tokenizer, pool, batch_size, SD_CONFIGS[method], sampling, forms
             )
+        for dtype in [name for name in args.dtypes.split(",") if name != "float32"]:
+            for method in ["off", *shapes]:
+                runners[f"{method}@{dtype}"] = engine_runner(
+                    target,
+                    drafter,
+                    tokenizer,
+                    pool,
+                    batch_size,
+                    SD_CONFIGS[method],
+                    sampling,
+                    forms,
+                    ROLLOUT_DTYPES[dtype],
+                )
         runners["hf-generate"] = transformers_runner(target, None, tokenizer, pool, batch_size, sampling)
         if batch_size == 1 and assistant is not None:
             runners["hf-assisted"] = transformers_runner(target, assistant, tokenizer, pool, 1, sampling)

@@ -11,7 +11,7 @@ from tlt_cli.sglang.version import SGLangVersionError, parse_version, sglang_fea
 from tlt_cli.speculative.types import SpeculativeConfig
 
 NEW = sglang_features("0.5.23")
-# the reference TLT table (DESIGN.md): off above 32, tree SD below with 8 steps, top-k 4
+# the reference TLT table (docs/design.md): off above 32, tree SD below with 8 steps, top-k 4
 REFERENCE_TREE_TABLE = [
     BatchRule(1, 1, SpeculativeConfig(8, 4, 48)),
     BatchRule(2, 4, SpeculativeConfig(8, 4, 32)),

@@ -6,8 +6,9 @@ be written (filled with NaN before), every exported tensor must land where it be
 q/k/v and gate/up compared slice by slice with q_proj, k_proj, v_proj, gate_proj, up_proj), the token map of a
 reduced draft vocabulary must read back through SGLang's `load_token_map`, and the draft layer's output on the
 same embeddings and target hidden states must equal tlt's drafter's (before the final norm tlt applies and
-SGLang does not, README "Known differences"). That output is one position's, where attention returns its value:
-it reads fc, v_proj, o_proj and the MLP; q_proj and k_proj are checked by their values above.
+SGLang does not, docs/gpu.md "Known difference of the drafter"). That output is one position's, where
+attention returns its value: it reads fc, v_proj, o_proj and the MLP; q_proj and k_proj are checked by their
+values above.
 
 Run: `pytest -m real_sglang tests/test_sglang_real_export.py` after scripts/build_sglang_cpu_env.py.
 """

@@ -47,6 +47,16 @@ def test_two_steps_write_trace_checkpoint_and_summary(small_model, tmp_path):
     assert (run_directory / "recipe.yaml").is_file()
     (run,) = read_records(run_directory, "run")
     assert run["versions"] == installed_versions() and run["versions"]["transformers"]
+    # each worker's rollout precision (rollout.dtype auto) and the figures that chose it, shown live as well
+    precision = run["rollout_precision"]
+    assert set(precision) == {"0", "1"} and precision["0"]["reason"] == "measured"
+    assert precision["0"]["dtype"] in ("float32", "bfloat16") and set(precision["0"]["step_ms"]) == {
+        "float32",
+        "bfloat16",
+    }
+    assert f"rollout dtype: {precision['0']['dtype']} (measured: float32 step" in result.stdout
+    profiled = subprocess.run([*TLT, "profile", str(run_directory), "--no-plots"], capture_output=True, text=True)
+    assert profiled.returncode == 0 and f"rollout dtype: {precision['0']['dtype']} (measured" in profiled.stdout
 
 
 def test_a_second_run_with_the_same_name_is_refused(small_model, tmp_path):

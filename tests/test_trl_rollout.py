@@ -76,7 +76,7 @@ def test_grpo_trainer_trains_every_parameter_on_the_completions_and_logprobs_tlt
     monkeypatch.setenv("TLT_CACHE_DIR", str(tmp_path / "cache"))
     model, tokenizer = tiny_policy()
     before = {name: parameter.detach().clone() for name, parameter in model.named_parameters()}
-    rollout = tlt_rollout(drafter="random", seed=0)
+    rollout = tlt_rollout(drafter="random", seed=0, dtype="float32")
     returned, scored, policy_logprobs = [], [], []
 
     def recorded_rollout(prompts, trainer):
@@ -129,7 +129,7 @@ def test_greedy_completions_are_token_identical_with_and_without_speculative_dec
     small_warmup = {"warmup_prompts": 4, "warmup_steps": 3, "warmup_batch_size": 4}
     outputs = {}
     for name, speculative in (("off", {"mode": "off"}), ("fixed", {"mode": "fixed", "steps": 3}), ("adaptive", None)):
-        rollout = tlt_rollout(speculative=speculative, drafter="warmup", drafter_config=small_warmup)
+        rollout = tlt_rollout(speculative=speculative, drafter="warmup", drafter_config=small_warmup, dtype="float32")
         trainer = grpo_trainer(
             model,
             tokenizer,
@@ -148,7 +148,7 @@ def test_greedy_completions_are_token_identical_with_and_without_speculative_dec
 
 def test_a_checkpoint_carries_the_drafter_schedule_and_rollout_count_into_a_new_rollout(tmp_path):
     model, tokenizer = tiny_policy()
-    rollout = tlt_rollout(drafter="random", seed=0)
+    rollout = tlt_rollout(drafter="random", seed=0, dtype="float32")
     trainer = grpo_trainer(
         model, tokenizer, rollout, lambda completions, **_: [0.0] * len(completions), ["a1="], tmp_path
     )
@@ -157,7 +157,9 @@ def test_a_checkpoint_carries_the_drafter_schedule_and_rollout_count_into_a_new_
     rollout.save_state(tmp_path / "checkpoint", process=0)
     assert (tmp_path / "checkpoint" / "drafter" / "drafter_config.json").is_file()  # what tlt export-drafter reads
 
-    resumed = tlt_rollout(drafter="random", seed=7)  # another start, replaced by the checkpoint's drafter
+    resumed = tlt_rollout(
+        drafter="random", seed=7, dtype="float32"
+    )  # another start, replaced by the checkpoint's drafter
     resumed.load_state(tmp_path / "checkpoint", process=0)
     resumed(["a1b2=", "a1b2="], trainer)
     assert resumed.rollouts == 3
@@ -181,7 +183,7 @@ def test_an_unsupported_trl_version_is_refused_in_one_sentence_naming_the_range(
 
 def test_settings_the_engine_cannot_honour_are_refused_in_one_sentence(tmp_path):
     model, tokenizer = tiny_policy()
-    rollout = tlt_rollout(drafter="random")
+    rollout = tlt_rollout(drafter="random", dtype="float32")
     trainer = grpo_trainer(
         model,
         tokenizer,

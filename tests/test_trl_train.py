@@ -65,6 +65,8 @@ def test_a_trl_run_writes_the_trace_checkpoints_profile_and_export_and_resumes(t
     assert len(requests) == 2 * 4 * 4 and {request["worker"] for request in requests} == {0, 1}
     assert all(0.0 <= request["reward"] <= 1.0 for request in requests)
     assert sum(step.get("drafter_steps", 0) for step in steps) > 0  # the sidecar trained in the processes' wait
+    (run_record,) = [record for record in records if record["type"] == "run"]
+    assert {choice["dtype"] for choice in run_record["rollout_precision"].values()} <= {"float32", "bfloat16"}
 
     profiled = tlt("profile", str(run), "--json", "--no-plots", cwd=tmp_path)
     assert profiled.returncode == 0, profiled.stderr

@@ -232,6 +232,12 @@ class RolloutConfig:
         "for the rows of each pass, e.g. x @ W.T with a transposed copy of the weights; measured once, "
         "cached) or off (plain nn.Linear)",
     )
+    dtype: str = setting(
+        "auto",
+        "precision the embedded engine decodes in: auto (measured once per machine and model: bfloat16 where it "
+        "makes a 16-token verify cheap or a decode step faster, as on GPUs and CPUs with AMX, else float32), "
+        "float32 or bfloat16 (speculative decoding stays exact against the model in that precision)",
+    )
     sglang: SGLangConfig = setting(SGLangConfig(), "SGLang servers, used when backend is sglang")
 
 

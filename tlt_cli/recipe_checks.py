@@ -27,13 +27,14 @@ from tlt_cli.config import (
     Trainer,
     load_recipe,
 )
-from tlt_cli.engine.linear_forms_measure import LINEAR_FORM_MODES
 from tlt_cli.processes.hostfile import HostfileError, check_hostfile, ranks_per_node
 from tlt_cli.sglang.adaptive import batch_rules
 from tlt_cli.sglang.config import validate_sglang_config
 from tlt_cli.speculative.adaptive import RuleTableError, build_rules
 from tlt_cli.speculative.decoder import check_speculative_config, check_topk_fits
 from tlt_cli.speculative.types import SpeculativeConfig
+from tlt_cli.tuning.linear_forms import LINEAR_FORM_MODES
+from tlt_cli.tuning.precision import ROLLOUT_DTYPE_SETTINGS
 
 ROLLOUT_BACKENDS = ("embedded", "sglang", "trl")
 # a TRL run generates with tlt's embedded engine, or with TRL's own generation (rollout.backend trl, the baseline)
@@ -159,6 +160,10 @@ def _check_rollout(recipe: Recipe) -> None:
     _require(
         rollout.linear_forms in LINEAR_FORM_MODES,
         f"rollout.linear_forms must be one of {', '.join(LINEAR_FORM_MODES)}, got '{rollout.linear_forms}'.",
+    )
+    _require(
+        rollout.dtype in ROLLOUT_DTYPE_SETTINGS,
+        f"rollout.dtype must be one of {', '.join(ROLLOUT_DTYPE_SETTINGS)}, got '{rollout.dtype}'.",
     )
 
 

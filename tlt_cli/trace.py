@@ -1,7 +1,7 @@
 """The run's JSONL event log: one JSON object per line, each with a "type".
 
 Record types written by the driver of `tlt train` (tlt_cli/processes/driver.py and
-step_records.py; fields in the README's trace section):
+step_records.py; fields in docs/running.md, "The run directory"):
   run        once per start or resume: recipe name, world size, steps, resumed_from_step
   request    one per generated response: step, worker, request_id, start, end, prompt_tokens,
              tokens, reward, finished_by_eos, and speculative-decoding counters

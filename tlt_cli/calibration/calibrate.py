@@ -3,7 +3,8 @@
 `calibrate(recipe_path, overrides, settings)` loads the recipe (with `key=value` overrides), checks
 that calibrating it makes sense (embedded engine, a trained drafter), builds the target and its
 initial drafter exactly as a training run starts them (built-in tiny model and offline drafter
-warm-up cached under the model cache, on the first actor device, in the actor's precision),
+warm-up cached under the model cache, on the first actor device, in the actor's precision, decoded in the
+rollout's precision as `rollout.dtype` chooses it),
 and on `workers.threads_per_worker` threads generates `repeats` worker shards of the task
 (prompts_per_step / workers.count prompts x group_size samples, the recipe's sampling and
 max_new_tokens) with every configuration (tlt_cli/calibration/measure.py); it returns the
@@ -40,6 +41,7 @@ from tlt_cli.speculative.types import SpeculativeConfig
 from tlt_cli.tasks.base import Task
 from tlt_cli.tasks.prompts import encode_prompt
 from tlt_cli.training import setup
+from tlt_cli.tuning.precision import rollout_precision
 
 CALIBRATION_DIRECTORY_SUFFIX = "-calibration"
 OUTPUT_FILE = "calibration.json"
@@ -58,6 +60,8 @@ class CalibrationResult:
     threads: int
     device: str
     drafter: str
+    # the dtype the shards were decoded in and the figures that chose it (tlt_cli/tuning/precision.py)
+    rollout_precision: dict
 
 
 def calibrate(
@@ -77,14 +81,15 @@ def calibrate(
     batch_sizes = batch_size_grid(settings.batch_sizes, largest)
     configs = parse_configs(settings.configs)
     task = setup.task(recipe)
-    pair, tokenizer, drafter_source = load_model_pair(recipe)
-    for config in configs.values():
-        if config is not None:
-            _check_topk(config, pair.drafter.vocabulary.size)
     sampling = setup.sampling(recipe)
     threads = torch.get_num_threads()
+    # a worker's thread count from the start: the linear-form plan and the rollout precision are measured with it
     torch.set_num_threads(recipe.workers.threads_per_worker)
     try:
+        pair, tokenizer, drafter_source = load_model_pair(recipe)
+        for config in configs.values():
+            if config is not None:
+                _check_topk(config, pair.drafter.vocabulary.size)
         requests_for = _shard_maker(task, tokenizer, recipe)
         cells = measure_shards(
             pair, batch_sizes, configs, requests_for, sampling, recipe.run.seed, settings.repeats, on_shard
@@ -108,6 +113,7 @@ def calibrate(
         recipe.workers.threads_per_worker,
         str(pair.device),
         drafter_source,
+        pair.precision.to_record(),
     )
 
 
@@ -181,7 +187,7 @@ def _check_topk(config: SpeculativeConfig, draft_vocab_size: int) -> None:
 def load_model_pair(recipe: Recipe) -> tuple[ModelPair, PreTrainedTokenizerBase, str]:
     """(the target and its initial drafter as a training run starts them, the tokenizer, where the drafter came
     from)."""
-    from tlt_cli.engine.linear_forms_measure import prepare_linear_forms
+    from tlt_cli.tuning.linear_forms import measured_linear_plan
 
     cache = setup.model_cache(recipe)
     dtype = torch.bfloat16 if recipe.actor.precision == "bf16" else torch.float32
@@ -195,8 +201,10 @@ def load_model_pair(recipe: Recipe) -> tuple[ModelPair, PreTrainedTokenizerBase,
     drafter = setup.starting_drafter(recipe, folder, target).to(device, dtype).eval()
     # the forms a worker's engine computes the pair's linear layers with (EmbeddedRollout), so calibrated costs are
     # the costs a run pays
-    linear_forms = prepare_linear_forms(recipe.rollout.linear_forms, [target, drafter], cache)
-    pair = ModelPair(target, drafter, tokenizer.pad_token_id, tokenizer.eos_token_id, device, linear_forms)
+    linear_plan = measured_linear_plan(recipe.rollout.linear_forms, [target, drafter], cache)
+    # and the precision it decodes in: the SD economics (what a verify costs against a step) change with it
+    precision = rollout_precision(recipe.rollout.dtype, target, linear_plan, cache)
+    pair = ModelPair(target, drafter, tokenizer.pad_token_id, tokenizer.eos_token_id, device, linear_plan, precision)
     return pair, tokenizer, str(folder)
 
 

@@ -30,7 +30,8 @@ def render_calibration(console: Console, result: CalibrationResult) -> None:
     settings = result.settings
     table = Table(
         title=f"decode throughput by running batch size over {settings.repeats} whole worker shards per "
-        f"configuration, {result.threads} thread(s) on {result.device}"
+        f"configuration, {result.threads} thread(s) on {result.device}, "
+        f"{result.rollout_precision['dtype']} ({result.rollout_precision['reason']})"
     )
     table.add_column("batch", justify="right")
     for label in result.labels:
@@ -79,6 +80,7 @@ def calibration_json(result: CalibrationResult) -> dict:
             "device": result.device,
             "threads": result.threads,
         },
+        "rollout_precision": result.rollout_precision,
         "model": recipe.model.path,
         "drafter": result.drafter,
         "task": recipe.task.name,

@@ -4,7 +4,7 @@ Mistral, with grouped-query attention and a tied or untied head.
 `LlamaFamilyModel(policy)` reads the policy module's parameters into the engine's own tensors once (and
 again on `refresh()`, after each actor update; `release()` frees them for the update in between): q/k/v
 fused into one product and gate/up into another, each product kept in the layout its measured plan
-(`linear_plan`, tlt_cli/engine/linear_forms_measure.py) picks per row count. The forward is plain torch
+(`linear_plan`, tlt_cli/engine/linear_forms.py) picks per row count. The forward is plain torch
 (one loop over the layers, the layer's maths in tlt_cli/engine/layers.py), fills a `SlotCache` by its
 own calls and never calls a transformers module, so a transformers release cannot break it. Greedy output
 equals transformers' `generate` in float32.
@@ -13,7 +13,7 @@ equals transformers' `generate` in float32.
 the transformers path): another architecture, a sliding window in use, a rope type other than
 default/linear/llama3, an activation other than SiLU, or a layer that does not look like the family's.
 
-Product forms (measured on this CPU, see DESIGN.md "What a verify pass costs"): `linear` is F.linear on
+Product forms (measured on this CPU, see docs/design.md, "What a verify pass costs"): `linear` is F.linear on
 W [out, in]; `transposed` is x @ W_t with a contiguous copy W_t [in, out] (1.6x faster at 1 row);
 `weight_major` is (W @ x.T).T (fastest for a big head at 2-4 rows). A fused product keeps only W_t when
 its plan ever uses `transposed` (then every row count multiplies by W_t), else only W.
@@ -119,7 +119,6 @@ class LlamaFamilyModel:
     """
 
     path = PATH_NAME
-    calls_policy_modules = False
 
     def __init__(self, policy: nn.Module, dtype: torch.dtype | None = None, linear_plan: LinearFormPlan | None = None):
         reason = refusal(policy)

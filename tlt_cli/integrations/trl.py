@@ -26,8 +26,8 @@ through its class's `trl_process_sidecar`. `take_records()` returns what each ro
 per-request lengths, SD usage and acceptance, sidecar metrics) for a trace;
 `save_state`/`load_state` carry the schedule and drafter through checkpoints. With
 `linear_forms="auto"` the engine computes each linear layer in the form measured fastest for the
-pass's rows (tlt_cli/engine/linear_forms.py); its transposed copies are refreshed before every
-rollout, since TRL's optimizer steps in between.
+pass's rows (tlt_cli/engine/linear_forms.py, measured by tlt_cli/tuning/linear_forms.py); its weight
+copies are refreshed before every rollout, since TRL's optimizer steps in between.
 """
 
 from __future__ import annotations
@@ -42,7 +42,6 @@ import torch
 
 from tlt_cli.checkpoint import DRAFTER_DIRECTORY, load_checkpoint_file
 from tlt_cli.config import DrafterConfig, PluginsConfig, SpeculativeMode, SpeculativeSection
-from tlt_cli.engine.linear_forms_measure import LINEAR_FORM_MODES
 from tlt_cli.errors import UserError
 from tlt_cli.integrations.trl_support import (
     check_trainer_supported,
@@ -58,6 +57,8 @@ from tlt_cli.rollout.types import Completion, RolloutRequest
 from tlt_cli.speculative.adaptive import OFF, adaptive_schedule
 from tlt_cli.training.logprobs import head_logprobs
 from tlt_cli.training.setup import rollout_needs_drafter
+from tlt_cli.tuning.linear_forms import LINEAR_FORM_MODES
+from tlt_cli.tuning.precision import ROLLOUT_DTYPE_SETTINGS
 
 if TYPE_CHECKING:
     from torch import nn
@@ -90,7 +91,8 @@ class RolloutRecord:
     sd_seconds: decode seconds under an SD configuration; accept_length: tokens per verify pass
     over the rollout (0.0 without SD); sidecar: the drafter-training plugin's metrics (empty when
     none ran; under its metric prefix), with idle_seconds, the wait it trained in;
-    linear_form_bytes: the memory of the linear forms' transposed weight copies (0: none).
+    copy_bytes: the memory of the engine's own weight copies (the decode model's fused, transposed or cast
+    copies, and the drafter's formed copy's transposed weights).
     """
 
     rollout: int
@@ -109,7 +111,7 @@ class RolloutRecord:
     accept_length: float
     warnings: list[str]
     sidecar: dict[str, float] = field(default_factory=dict)
-    linear_form_bytes: int = 0
+    copy_bytes: int = 0
 
     @property
     def seconds(self) -> float:
@@ -128,6 +130,7 @@ def tlt_rollout(
     seed: int = 0,
     linear_forms: str = "auto",
     cache_dir: str | Path | None = None,
+    dtype: str = "auto",
 ) -> TltRollout:
     """A `rollout_func` for `GRPOTrainer` (checked now: TRL's version, the settings).
 
@@ -139,11 +142,15 @@ def tlt_rollout(
     plugins.enabled; False: no training).
     drafter_config: the recipe's `drafter` section (warm-up and sidecar settings). seed: sampling
     and the bandit's draws. linear_forms: "auto" or "off" (the recipe's `rollout.linear_forms`);
-    cache_dir: where its measured plan is cached (None: $TLT_CACHE_DIR or ~/.cache/tlt).
+    cache_dir: where its measured plan is cached (None: $TLT_CACHE_DIR or ~/.cache/tlt). dtype: the precision
+    tlt decodes in, "auto" (measured per machine and model), "float32" or "bfloat16" (the recipe's
+    `rollout.dtype`; TRL's loss computes in the trainer's own precision).
     """
     check_trl_version()
     if linear_forms not in LINEAR_FORM_MODES:
         raise UserError(f"linear_forms is {linear_forms!r}; use one of {', '.join(LINEAR_FORM_MODES)}.")
+    if dtype not in ROLLOUT_DTYPE_SETTINGS:
+        raise UserError(f"dtype is {dtype!r}; use one of {', '.join(ROLLOUT_DTYPE_SETTINGS)}.")
     section = _section(SpeculativeSection, speculative, "speculative")
     return TltRollout(
         replace(section, mode=SpeculativeMode.of(section.mode, "speculative mode")),
@@ -153,6 +160,7 @@ def tlt_rollout(
         seed,
         linear_forms,
         None if cache_dir is None else Path(cache_dir),
+        dtype,
     )
 
 
@@ -189,6 +197,7 @@ class TltRollout:
         seed: int,
         linear_forms: str = "off",
         cache_dir: Path | None = None,
+        dtype: str = "float32",
     ) -> None:
         if speculative.mode == SpeculativeMode.adaptive:
             adaptive_schedule(speculative)  # the rule table is checked now, not at the first rollout
@@ -199,7 +208,7 @@ class TltRollout:
         self.use_sidecar = sidecar is not None
         self.drafter_config = drafter_config
         self.seed = seed
-        self.linear_forms, self.cache_dir = linear_forms, cache_dir
+        self.linear_forms, self.cache_dir, self.dtype = linear_forms, cache_dir, dtype
         self.rollouts = 0
         self.backend: EmbeddedRollout | None = None
         self.policy: nn.Module | None = None
@@ -238,6 +247,10 @@ class TltRollout:
             "logprobs": logprobs,
         }
 
+    def precision(self) -> dict | None:
+        """The dtype tlt decodes in and how it was chosen (None before the first rollout built the engine)."""
+        return self.backend.precision() if self.backend is not None else None
+
     def _build(self, policy: nn.Module, trainer: Any) -> None:
         """The engine, drafter and sidecar on `policy`, once (again only if TRL hands over another module)."""
         if policy is self.policy:
@@ -262,6 +275,7 @@ class TltRollout:
             seed=self.seed,
             linear_forms=self.linear_forms,
             cache_dir=self.cache_dir,
+            dtype=self.dtype,
         )
         if self.pending_state is not None:
             self._load_schedule(self.pending_state, trainer.accelerator.process_index)
@@ -316,7 +330,7 @@ class TltRollout:
             accept_length=(accepted + passes) / passes if passes else 0.0,
             warnings=self.backend.take_warnings(),
             sidecar=sidecar,
-            linear_form_bytes=self.backend.linear_forms.extra_bytes if self.backend.linear_forms else 0,
+            copy_bytes=self.backend.copy_bytes,
         )
 
     def take_records(self) -> list[RolloutRecord]:
@@ -389,7 +403,8 @@ def _cut_at_eos(completion: Completion, eos_ids: list[int]) -> Completion:
 @torch.no_grad()
 def sampled_logprobs(lm_head: nn.Linear, completions: list[Completion], temperature: float) -> list[list[float]]:
     """log_softmax(lm_head(hidden) / temperature)[sampled token] per response token, as TRL computes them."""
-    hidden = torch.cat([completion.target_hidden for completion in completions])
+    # the rollout's hidden states in its own precision (rollout.dtype), through the head as the learner computes
+    hidden = torch.cat([completion.target_hidden for completion in completions]).to(lm_head.weight.dtype)
     tokens = torch.tensor(
         [token for completion in completions for token in completion.response_ids], device=hidden.device
     )

@@ -67,6 +67,7 @@ from tlt_cli.processes.step_records import step_records
 from tlt_cli.sglang.registry import stop_recorded_servers
 from tlt_cli.shared_memory import remove_abandoned_buffers
 from tlt_cli.trace import STEP_RECORD, TraceWriteError, TraceWriter, read_trace, truncate_trace
+from tlt_cli.tuning.precision import PrecisionChoice
 from tlt_cli.versions import installed_versions
 
 EVENT_POLL_SECONDS = 1.0
@@ -439,6 +440,12 @@ def _failure_message(event: WorkerFailed) -> str:
 
 
 def _record_step(reports: list[WorkerStepReport], trace: RunTrace, display: TrainingDisplay) -> None:
+    precisions = {str(report.worker): report.rollout_precision for report in reports if report.rollout_precision}
+    if precisions and not trace.started:
+        # the run record goes out with the first step: it says what each rank's rollout decoded in, and why
+        trace.run_record["rollout_precision"] = precisions
+        for line in sorted({PrecisionChoice(**record).describe() for record in precisions.values()}):
+            display.note(line)
     records = step_records(reports)
     for record in records:
         trace.write(record)

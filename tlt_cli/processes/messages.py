@@ -60,6 +60,8 @@ class WorkerStepReport:
     sd_usage: dict[str, dict[str, float]] = field(default_factory=dict)
     sd_warnings: list[str] = field(default_factory=list)
     checkpoint: str | None = None
+    # the rollout's dtype and how it was chosen (RolloutBackend.precision), sent with a rank's first step only
+    rollout_precision: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)

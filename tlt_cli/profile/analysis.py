@@ -140,6 +140,8 @@ class Profile:
     drafter_idle_share: float
     projection: Projection
     warnings: list[str]
+    # one line per distinct rollout precision of the workers: the dtype and the figures that chose it
+    rollout_precision: list[str] = field(default_factory=list)
 
 
 def analyse(records: ProfileRecords, tail_batch: int = DEFAULT_TAIL_BATCH, sd_speedup: float | None = None) -> Profile:
@@ -180,6 +182,7 @@ def analyse(records: ProfileRecords, tail_batch: int = DEFAULT_TAIL_BATCH, sd_sp
         drafter_idle_share=drafter_seconds / idle_worker_seconds if idle_worker_seconds else 0.0,
         projection=_projection(steps, tail_batch, speedup, speedup_source, already_sd=accept_length is not None),
         warnings=list(records.warnings),
+        rollout_precision=sorted({choice.describe() for choice in records.rollout_precision.values()}),
     )
 
 

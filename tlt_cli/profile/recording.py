@@ -6,7 +6,7 @@ s's prompts, `group_size` samples each, sampling seeded by (seed, step, worker))
 engine, its linear layers in the recipe's `rollout.linear_forms` as a worker's, and writes a tlt
 trace (request, worker and step records) that `load_records` reads back.
 
-Simplification, stated in the trace's run record and the README: everything runs in this one
+Simplification, stated in the trace's run record and docs/running.md: everything runs in this one
 process. The `workers.count` shards of a step are generated one after the other, each on
 `workers.threads_per_worker` threads, and each shard's times are shifted so that all shards start
 together at the step's start, as parallel workers would. Contention between real worker processes
@@ -27,7 +27,6 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from tlt_cli.config import Recipe
-from tlt_cli.engine.linear_forms_measure import prepare_linear_forms
 from tlt_cli.engine.sampling import SamplingParams
 from tlt_cli.profile.records import ProfileRecords, read_trace_records
 from tlt_cli.rollout.engine import EmbeddedEngine
@@ -36,6 +35,8 @@ from tlt_cli.tasks.base import Task
 from tlt_cli.tasks.prompts import encode_prompt
 from tlt_cli.trace import TraceWriter
 from tlt_cli.training import memory, setup
+from tlt_cli.tuning.linear_forms import measured_linear_plan
+from tlt_cli.tuning.precision import rollout_precision
 from tlt_cli.versions import installed_versions
 
 SIMPLIFICATION = "one process; worker shards generated one after another and re-timed to start together"
@@ -50,10 +51,7 @@ def record_rollout(
     policy, tokenizer = setup.policy_and_tokenizer(recipe)
     task = setup.task(recipe)
     # the linear forms a worker's engine computes the policy with (EmbeddedRollout, no drafter: SD off here)
-    linear_forms = prepare_linear_forms(recipe.rollout.linear_forms, [policy, None], setup.model_cache(recipe))
-    engine = EmbeddedEngine(
-        policy, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, linear_forms=linear_forms
-    )
+    linear_plan = measured_linear_plan(recipe.rollout.linear_forms, [policy, None], setup.model_cache(recipe))
     sampling = setup.sampling(recipe)
     trace_path.parent.mkdir(parents=True, exist_ok=True)
     trace_path.unlink(missing_ok=True)
@@ -61,6 +59,15 @@ def record_rollout(
     threads = torch.get_num_threads()
     torch.set_num_threads(recipe.workers.threads_per_worker)
     try:
+        # measured (rollout.dtype auto) with the thread count a worker decodes with, as a worker does
+        precision = rollout_precision(recipe.rollout.dtype, policy, linear_plan, setup.model_cache(recipe))
+        engine = EmbeddedEngine(
+            policy,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+            linear_plan=linear_plan,
+            dtype=precision.torch_dtype,
+        )
         writer.write(
             {
                 "type": "run",
@@ -71,6 +78,7 @@ def record_rollout(
                 "recorded_by": "tlt profile",
                 "simplification": SIMPLIFICATION,
                 "versions": installed_versions(),
+                "rollout_precision": {"0": precision.to_record()},
             }
         )
         step_start = time.time()

@@ -2,7 +2,7 @@
 
 `load_records(path)` accepts
   - a run directory (its `trace.jsonl`) or a tlt trace file: request, worker, step, sd_config and
-    warning records (README, "The run directory"); unknown record types are skipped;
+    warning records (docs/running.md, "The run directory"); unknown record types are skipped;
   - a CSV file or a JSONL file of plain objects, one per generated response, with the columns
     `step, worker, start, end, tokens` (times in seconds, any origin) and optionally
     `verify_passes, accepted_tokens`: the worker and step timelines are then derived from the
@@ -26,6 +26,7 @@ from typing import Any
 from tlt_cli.errors import UserError
 from tlt_cli.speculative.types import DRAFT_SOURCES
 from tlt_cli.trace import numbered_records, utf8_text
+from tlt_cli.tuning.precision import PrecisionChoice
 
 TRACE_FILE = "trace.jsonl"
 REQUIRED_REQUEST_FIELDS = ("step", "worker", "start", "end", "tokens")
@@ -103,6 +104,8 @@ class ProfileRecords:
     steps: list[StepRecord]
     sd_configs: list[SdConfigRecord] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
+    # worker -> the dtype its rollout decoded in and the figures that chose it (the run record; older traces: {})
+    rollout_precision: dict[str, PrecisionChoice] = field(default_factory=dict)
 
 
 def load_records(path: Path) -> ProfileRecords:
@@ -138,12 +141,13 @@ def read_trace_records(path: Path) -> ProfileRecords:
 
 def _trace_records(path: Path, lines: list[tuple[int, dict[str, Any]]]) -> ProfileRecords:
     requests, workers, steps, sd_configs, warnings = [], [], [], [], []
-    world_size = 0
+    world_size, precision = 0, {}
     for number, record in lines:
         where = f"{path} line {number}"
         kind = record.get("type")
         if kind == "run":
             world_size = max(world_size, _number(record, "world_size", int, where, default=0))
+            precision = _rollout_precision(record, where)
         elif kind == "request":
             requests.append(_request(record, where))
         elif kind == "worker":
@@ -170,6 +174,7 @@ def _trace_records(path: Path, lines: list[tuple[int, dict[str, Any]]]) -> Profi
         steps=steps,
         sd_configs=[record for record in sd_configs if record.step in complete],
         warnings=warnings,
+        rollout_precision=precision,
     )
     if not records.steps:
         raise ProfileInputError(
@@ -294,6 +299,27 @@ def _sd_config(record: dict[str, Any], where: str) -> SdConfigRecord:
             for count in ("verify_passes", "accepted_tokens")
         },
     )
+
+
+def _rollout_precision(record: dict[str, Any], where: str) -> dict[str, PrecisionChoice]:
+    """The run record's `rollout_precision` (worker -> PrecisionChoice record), each field checked."""
+    by_worker = record.get("rollout_precision", {})
+    if not isinstance(by_worker, dict):
+        raise ProfileInputError(f"{where}: 'rollout_precision' is not an object of workers.")
+    choices = {}
+    for worker, choice in by_worker.items():
+        inside = f"{where}, rollout_precision of worker {worker}"
+        if not isinstance(choice, dict) or not all(isinstance(choice.get(key), str) for key in ("dtype", "reason")):
+            raise ProfileInputError(f"{inside}: expected 'dtype' and 'reason' texts.")
+        figures = {name: choice.get(name) or {} for name in ("step_ms", "verify_ms")}
+        if not all(isinstance(values, dict) for values in figures.values()):
+            raise ProfileInputError(f"{inside}: 'step_ms' and 'verify_ms' must be objects of milliseconds by dtype.")
+        figures = {
+            name: {dtype: _number(values, dtype, float, f"{inside}, {name}") for dtype in values}
+            for name, values in figures.items()
+        }
+        choices[str(worker)] = PrecisionChoice(choice["dtype"], choice["reason"], **figures)
+    return choices
 
 
 _MISSING = object()

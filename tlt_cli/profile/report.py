@@ -39,6 +39,8 @@ def render_profile(
         f"({profile.kind}, {profile.workers} workers, {len(profile.steps)} {steps_word})",
         highlight=False,
     )
+    for line in profile.rollout_precision:
+        console.print(escape(line), highlight=False)
     console.print(_lengths_table(profile))
     console.print(_steps_table(profile))
     console.print(_idle_summary(profile), highlight=False)

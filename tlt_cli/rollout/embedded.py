@@ -11,9 +11,14 @@ drafter over that policy, which is all a trainer of another library has in its o
     completions, busy_end = rollout.generate(requests, SamplingParams(max_new_tokens=128), seed=step)
     usage = rollout.take_usage()  # adaptive SD: decode steps, tokens and seconds per configuration
 
-`linear_forms="auto"` (the recipe's `rollout.linear_forms`) computes each linear layer of the policy
-and drafter, during generation only, in the form measured fastest for the pass's rows
-(tlt_cli/engine/linear_forms.py); its transposed copies are refreshed by `after_update`.
+`dtype` (the recipe's `rollout.dtype`: auto, float32 or bfloat16) is the precision the policy is decoded in;
+`auto` measures once per machine and model which pays (tlt_cli/tuning/precision.py); `precision()` says which
+ran and the figures that chose it, `start()` puts it in the run log.
+
+`linear_forms="auto"` (the recipe's `rollout.linear_forms`) has the engine compute each linear layer of the
+policy and drafter, while decoding, in the form measured fastest on this machine for the pass's rows
+(the plan measured and cached by tlt_cli/tuning/linear_forms.py, carried out by tlt_cli/engine/linear_forms.py);
+its transposed copies are the decode model's, refreshed by `after_update`.
 
 The owned decode forward's own weight copies (fused q/k/v and gate/up, transposed or cast: about 0.5 GB for
 SmolLM2-135M) live only from `after_update` to the end of the next `generate`: `generate` frees them on its
@@ -32,12 +37,14 @@ from torch import nn
 
 from tlt_cli.checkpoint import load_checkpoint_file
 from tlt_cli.config import SpeculativeSection
-from tlt_cli.engine.linear_forms_measure import prepare_linear_forms
+from tlt_cli.engine.linear_forms import describe_plan
 from tlt_cli.engine.sampling import SamplingParams
 from tlt_cli.models.tiny import default_cache_dir
 from tlt_cli.rollout.engine import EmbeddedEngine
 from tlt_cli.rollout.types import Completion, RolloutRequest
 from tlt_cli.speculative.adaptive import AdaptiveSpeculativeDecoder, ConfigUsage, speculative_decoder
+from tlt_cli.tuning.linear_forms import measured_linear_plan
+from tlt_cli.tuning.precision import rollout_precision
 
 
 class EmbeddedRollout:
@@ -45,8 +52,8 @@ class EmbeddedRollout:
 
     speculative: the recipe's `speculative` settings (None: SD off); drafter: the drafter over
     `policy` to speculate with (None: SD off). seed: the adaptive schedule's bandit draws.
-    linear_forms: "auto" or "off" (see the module docstring); cache_dir: where the measured plan is
-    cached (None: $TLT_CACHE_DIR or ~/.cache/tlt).
+    linear_forms: "auto" or "off", dtype: "auto", "float32" or "bfloat16" (see the module docstring); cache_dir:
+    where the measured plan and precision are cached (None: $TLT_CACHE_DIR or ~/.cache/tlt).
     """
 
     def __init__(
@@ -59,24 +66,30 @@ class EmbeddedRollout:
         seed: int = 0,
         linear_forms: str = "off",
         cache_dir: Path | None = None,
+        dtype: str = "float32",
     ) -> None:
         decoder = speculative_decoder(speculative, drafter, seed) if speculative is not None else None
         self.schedule = decoder.adaptive_schedule if isinstance(decoder, AdaptiveSpeculativeDecoder) else None
-        self.linear_forms = prepare_linear_forms(
-            linear_forms, [policy, drafter], cache_dir if cache_dir is not None else default_cache_dir()
-        )
+        cache_dir = cache_dir if cache_dir is not None else default_cache_dir()
+        self.linear_plan = measured_linear_plan(linear_forms, [policy, drafter], cache_dir)
+        self.precision_choice = rollout_precision(dtype, policy, self.linear_plan, cache_dir)
         self.engine = EmbeddedEngine(
             policy,
             eos_token_id=eos_token_id,
             pad_token_id=pad_token_id,
             speculative=decoder,
-            linear_forms=self.linear_forms,
+            linear_plan=self.linear_plan,
+            dtype=self.precision_choice.torch_dtype,
         )
 
     def start(self) -> list[str]:
-        """Nothing to start: the engine runs in this process; the decode path and linear forms it uses, for the log."""
-        forms = [self.linear_forms.describe()] if self.linear_forms is not None else []
-        return [self.engine.decode_model.describe(), *forms]
+        """Nothing to start: the engine runs in this process; its precision, decode path and forms, for the log."""
+        forms = [describe_plan(self.linear_plan)] if self.linear_plan is not None else []
+        return [self.precision_choice.describe(), self.engine.decode_model.describe(), *forms]
+
+    def precision(self) -> dict:
+        """The dtype the engine decodes in and how it was chosen (see tlt_cli/tuning/precision.py)."""
+        return self.precision_choice.to_record()
 
     def generate(
         self,
@@ -97,16 +110,21 @@ class EmbeddedRollout:
         self, weight_version: str, drafter_version: float | None, probe_prompts: Sequence[Sequence[int]]
     ) -> dict[str, float]:
         """Nothing to push: the engine generates from the updated module's weights; only its decode model's
-        copies (freed by `generate` for the update) are rebuilt and the linear forms' transposed copies refreshed."""
+        copies (freed by `generate` for the update) are rebuilt."""
         self.refresh_copies()
         return {}
 
     def refresh_copies(self) -> None:
-        """Copy the policy's current weights into the decode model's own tensors, and the policy's and drafter's
-        into the linear forms' transposed copies."""
+        """Copy the policy's current weights into the decode model's own tensors (the drafter's formed copy
+        re-reads its own at the start of every generate call)."""
         self.engine.decode_model.refresh()
-        if self.linear_forms is not None:
-            self.linear_forms.refresh()
+
+    @property
+    def copy_bytes(self) -> int:
+        """Bytes of the engine's own weight copies now: the decode model's, and the drafter's formed copy's."""
+        decoder = self.engine.speculative
+        drafter_forms = decoder.drafter_forms if decoder is not None else None
+        return self.engine.decode_model.extra_bytes + (drafter_forms.extra_bytes if drafter_forms is not None else 0)
 
     def take_usage(self) -> dict[str, ConfigUsage]:
         return self.schedule.take_usage() if self.schedule is not None else {}

@@ -67,6 +67,7 @@ class SGLangRollout:
         """servers: the part of rollout.sglang this worker owns (`servers_of_worker`); model_path: the target's
         Hugging Face folder; rules: the batch-size rules the servers follow (tlt_cli/sglang/adaptive.py)."""
         self.policy, self.drafter = policy, drafter
+        self.served_dtype = servers.dtype
         self.directory = run_directory / "workers" / f"worker-{worker}"
         self.tie_word_embeddings = bool(policy.config.tie_word_embeddings)
         self.backend = SGLangBackend(
@@ -91,6 +92,10 @@ class SGLangRollout:
             folder = self.directory / "sglang" / "drafter-initial"
             draft_model_path = str(write_drafter_folder(self.drafter, self.policy, folder))
         return self.backend.start(draft_model_path)
+
+    def precision(self) -> dict:
+        """The servers' dtype (rollout.sglang.dtype), as the recipe gives it."""
+        return {"dtype": self.served_dtype, "reason": "given: rollout.sglang.dtype", "step_ms": {}, "verify_ms": {}}
 
     def stop(self) -> None:
         self.backend.stop()

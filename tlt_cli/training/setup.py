@@ -153,6 +153,7 @@ def _embedded(
         seed=recipe.run.seed,
         linear_forms=recipe.rollout.linear_forms,
         cache_dir=place.cache_dir,
+        dtype=recipe.rollout.dtype,
     )
 
 

@@ -190,6 +190,7 @@ class WorkerLoop:
             plugin_failures=[vars(failure) for failure in self.plugins.take_failures()],
             sd_usage={label: vars(usage) for label, usage in self.rollout_backend.take_usage().items()},
             sd_warnings=self.rollout_backend.take_warnings(),
+            rollout_precision=self.rollout_backend.precision() if step == self.spec.start_step else None,
         )
 
     def progress(self, step: int, activity: str, waiting: bool = False) -> None:

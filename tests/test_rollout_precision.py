@@ -1,0 +1,194 @@
+"""The rollout's precision: bfloat16 decoding is lossless against the bfloat16 model, and `rollout.dtype: auto`
+chooses by measurement, cached per machine and model.
+
+Lossless here means against the model in the precision that rolls out: greedy speculative decoding gives the
+tokens plain bfloat16 decoding gives (chains, trees, n-gram and hybrid drafts), and sampled speculative decoding
+has the bfloat16 target's law (chi-square against that law computed exactly by enumeration through the same
+bfloat16 forward). A divergence in the greedy tests is reported with the gap between the two best logits at the
+first differing token, so a bfloat16 tie reads as one.
+"""
+
+import json
+
+import pytest
+import torch
+from scipy.stats import chisquare
+from test_ngram import grouped_requests
+from test_speculative import BOS, CHAINS, TREES, TargetAsDrafter, frequent_token, requests_for, tiny_target
+from tiny_models import tiny_gpt2, tiny_llama
+
+from tlt_cli.drafter.model import EagleDrafter
+from tlt_cli.engine import decode_model_for
+from tlt_cli.engine.sampling import SamplingParams, apply_sampling
+from tlt_cli.rollout.embedded import EmbeddedRollout
+from tlt_cli.rollout.engine import EmbeddedEngine
+from tlt_cli.rollout.types import RolloutRequest
+from tlt_cli.speculative.adaptive import parse_label
+from tlt_cli.speculative.decoder import SpeculativeDecoder
+from tlt_cli.tuning import precision
+from tlt_cli.tuning.precision import CACHE_FOLDER, PrecisionChoice, choose_dtype, rollout_precision
+
+torch.set_num_threads(1)
+
+BFLOAT16 = torch.bfloat16
+DRAFT_SHAPES = [CHAINS[1], CHAINS[3], TREES[0], TREES[2], parse_label("ngram4"), parse_label("s2-k1-t3+ngram4")]
+
+
+def generate_bf16(model, requests, params, eos_token_id, speculative=None, seed=0):
+    engine = EmbeddedEngine(model, eos_token_id=eos_token_id, pad_token_id=0, speculative=speculative, dtype=BFLOAT16)
+    return engine.generate(requests, params, torch.Generator().manual_seed(seed))
+
+
+def first_divergence(model, speculative, plain) -> str:
+    """Where the first differing row first differs, and the gap between its two best bfloat16 logits there."""
+    for sd_completion, plain_completion in zip(speculative, plain, strict=True):
+        if sd_completion.response_ids == plain_completion.response_ids:
+            continue
+        pairs = zip(sd_completion.response_ids, plain_completion.response_ids)
+        index = next((i for i, (a, b) in enumerate(pairs) if a != b), len(plain_completion.response_ids))
+        context = torch.tensor([[*plain_completion.prompt_ids, *plain_completion.response_ids[:index]]])
+        logits = bfloat16_logits(model, context)[0, -1]
+        best, second = logits.topk(2).values.tolist()
+        return f"request {plain_completion.request_id} differs at token {index}; top-2 logit gap {best - second:.3g}"
+    return "no difference"
+
+
+def bfloat16_logits(model, sequences: torch.Tensor) -> torch.Tensor:
+    """Logits [N, T, V] (float32) of whole sequences [N, T] through the owned forward in bfloat16."""
+    decode_model = decode_model_for(model, dtype=BFLOAT16)
+    rows, length = sequences.shape
+    cache = decode_model.new_cache(rows, length)
+    positions = torch.arange(length).expand(rows, length)
+    causal = torch.ones(length, length, dtype=torch.bool).tril().expand(rows, 1, length, length)
+    with torch.no_grad():
+        return decode_model.logits(decode_model.forward_block(cache, sequences, positions, positions, length, causal))
+
+
+@pytest.mark.parametrize("config", DRAFT_SHAPES, ids=lambda config: config.label().replace("+", "_"))
+@pytest.mark.parametrize("family", ["qwen2", "untied-llama"])
+def test_greedy_sd_is_token_identical_to_plain_bfloat16_decoding(config, family):
+    target = (
+        tiny_target() if family == "qwen2" else tiny_llama(64, max_position_embeddings=256, tie_word_embeddings=False)
+    )
+    greedy = SamplingParams(max_new_tokens=23, temperature=0.0)
+    requests = grouped_requests(4, 4, seed=21)
+    eos_token_id = frequent_token(generate_bf16(target, requests, greedy, eos_token_id=64))
+    plain = generate_bf16(target, requests, greedy, eos_token_id)
+    drafter = TargetAsDrafter(target, logit_noise=0.5) if config.uses_drafter else None
+    speculative = generate_bf16(target, requests, greedy, eos_token_id, SpeculativeDecoder(drafter, config))
+    assert [c.response_ids for c in speculative] == [c.response_ids for c in plain], first_divergence(
+        target, speculative, plain
+    )
+    assert [c.finished_by_eos for c in speculative] == [c.finished_by_eos for c in plain]
+    assert sum(c.speculative.accepted_draft_tokens for c in speculative) > 0
+
+
+def test_bfloat16_decoding_runs_in_bfloat16_and_differs_from_float32():
+    """The bfloat16 tests above would prove nothing if the engine quietly decoded in float32."""
+    target = tiny_target(initializer_range=0.4)
+    engine = EmbeddedEngine(target, eos_token_id=64, pad_token_id=0, dtype=BFLOAT16)
+    assert engine.decode_model.dtype == BFLOAT16
+    cache = engine.decode_model.new_cache(1, 8)
+    ids = torch.tensor([[BOS, 5, 9]])
+    positions = torch.arange(3)[None]
+    causal = torch.ones(3, 3, dtype=torch.bool).tril()[None, None]
+    with torch.no_grad():
+        hidden = engine.decode_model.forward_block(cache, ids, positions, positions, 3, causal)
+    assert hidden.dtype == BFLOAT16 and cache.keys[0].dtype == BFLOAT16
+    float32_logits = target(ids).logits[0].detach()
+    assert not torch.equal(engine.decode_model.logits(hidden)[0], float32_logits)
+
+
+def exact_three_token_law_in_bfloat16(target, prompt: tuple[int, ...], params: SamplingParams) -> torch.Tensor:
+    """P(t1, t2, t3) under the bfloat16 target's processed distribution, by enumeration: [V, V, V]."""
+    vocab_size = target.config.vocab_size
+    first, second = torch.meshgrid(torch.arange(vocab_size), torch.arange(vocab_size), indexing="ij")
+    sequences = torch.cat(
+        [torch.tensor(prompt).expand(vocab_size**2, -1), first.reshape(-1, 1), second.reshape(-1, 1)], dim=1
+    )
+    logits = bfloat16_logits(target, sequences)[:, len(prompt) - 1 :]
+    probs = apply_sampling(logits.reshape(-1, vocab_size), params).view(vocab_size, vocab_size, 3, vocab_size)
+    return probs[0, 0, 0][:, None, None] * probs[:, 0, 1][:, :, None] * probs[:, :, 2]
+
+
+SAMPLED_PROMPT = (BOS, 3, 5, 2, 7, 4, 6, 0, 3, 1, 5, 6, 2)
+SAMPLED_SHAPES = ["s3-k1-t4", "s2-k2-t5", "ngram2", "s2-k1-t3+ngram2"]
+
+
+@pytest.mark.parametrize("label", SAMPLED_SHAPES, ids=lambda label: label.replace("+", "_"))
+def test_sampled_sd_has_the_bfloat16_targets_law(label):
+    target = tiny_target(vocab_size=8, initializer_range=0.4)
+    config = parse_label(label)
+    params = SamplingParams(3, temperature=0.8, top_k=6)
+    samples = 6000
+    requests = [RolloutRequest(index, SAMPLED_PROMPT, group=index // 8) for index in range(samples)]
+    drafter = EagleDrafter(target, seed=5) if config.uses_drafter else None
+    completions = generate_bf16(target, requests, params, 8, SpeculativeDecoder(drafter, config), seed=1)
+    assert sum(c.speculative.accepted_draft_tokens for c in completions) > 0
+    triples = torch.tensor([c.response_ids for c in completions])
+    observed = torch.bincount(triples[:, 0] * 64 + triples[:, 1] * 8 + triples[:, 2], minlength=512).double()
+    expected = exact_three_token_law_in_bfloat16(target, SAMPLED_PROMPT, params).reshape(-1).double() * samples
+    assert observed[expected == 0].sum() == 0
+    rare, common = (expected > 0) & (expected < 5), expected >= 5
+    observed = torch.cat([observed[common], observed[rare].sum()[None]])
+    expected = torch.cat([expected[common], expected[rare].sum()[None]])
+    assert chisquare(observed.numpy(), expected.numpy() * observed.sum().item() / expected.sum().item()).pvalue > 0.01
+
+
+@pytest.mark.parametrize(
+    ("step_ms", "verify_ms", "chosen"),
+    [
+        # an Intel Xeon with AMX, SmolLM2-135M (DESIGN.md): verify 2.46x a step in float32, 1.21x in bfloat16
+        ({"float32": 64.0, "bfloat16": 66.0}, {"float32": 158.0, "bfloat16": 80.0}, "bfloat16"),
+        # a Xeon without AMX: bfloat16 no faster at one row, its verify still about 2x a step
+        ({"float32": 64.0, "bfloat16": 64.0}, {"float32": 158.0, "bfloat16": 123.0}, "float32"),
+        # bfloat16 makes the plain step faster: chosen whatever the verify costs
+        ({"float32": 64.0, "bfloat16": 50.0}, {"float32": 158.0, "bfloat16": 150.0}, "bfloat16"),
+        # a cheap verify, but the plain step 20% slower: not chosen (nothing may get slower)
+        ({"float32": 64.0, "bfloat16": 77.0}, {"float32": 158.0, "bfloat16": 80.0}, "float32"),
+    ],
+)
+def test_auto_chooses_bfloat16_where_it_makes_verification_cheap_or_the_step_faster(step_ms, verify_ms, chosen):
+    assert choose_dtype(step_ms, verify_ms) == chosen
+
+
+def test_auto_measures_once_per_machine_and_model_then_reads_the_cache(tmp_path, monkeypatch):
+    target = tiny_target()
+    choice = rollout_precision("auto", target, None, tmp_path)
+    assert choice.reason == "measured" and choice.dtype in ("float32", "bfloat16")
+    assert set(choice.step_ms) == set(choice.verify_ms) == {"float32", "bfloat16"}
+    assert all(value > 0 for value in [*choice.step_ms.values(), *choice.verify_ms.values()])
+    assert choice.dtype == choose_dtype(choice.step_ms, choice.verify_ms)
+    (cached,) = (tmp_path / CACHE_FOLDER).glob("*.json")
+    stored = json.loads(cached.read_text())
+    assert {field: stored[field] for field in choice.to_record()} == choice.to_record()
+
+    def no_measuring(*arguments):
+        raise AssertionError("measured again although the cache holds this machine and model")
+
+    monkeypatch.setattr(precision, "_measured_record", no_measuring)
+    assert rollout_precision("auto", target, None, tmp_path) == choice
+    # another model (another vocabulary) is measured anew
+    with pytest.raises(AssertionError, match="measured again"):
+        rollout_precision("auto", tiny_target(vocab_size=96), None, tmp_path)
+
+
+def test_given_dtypes_are_taken_and_the_transformers_path_keeps_its_own(tmp_path):
+    assert rollout_precision("bfloat16", tiny_target(), None, tmp_path) == PrecisionChoice("bfloat16", "given", {}, {})
+    assert rollout_precision("float32", tiny_target(), None, tmp_path).torch_dtype == torch.float32
+    gpt2 = rollout_precision("auto", tiny_gpt2(64), None, tmp_path)
+    assert (gpt2.dtype, gpt2.reason) == ("float32", "model dtype: transformers path")
+    assert not (tmp_path / CACHE_FOLDER).exists()
+    with pytest.raises(ValueError, match="rollout.dtype is 'float16'; use one of auto, float32, bfloat16"):
+        rollout_precision("float16", tiny_target(), None, tmp_path)
+
+
+def test_the_embedded_rollout_decodes_in_the_chosen_dtype_and_says_why(tmp_path):
+    rollout = EmbeddedRollout(tiny_target(), eos_token_id=64, pad_token_id=0, cache_dir=tmp_path, dtype="auto")
+    record = rollout.precision()
+    assert rollout.engine.decode_model.dtype == PrecisionChoice(**record).torch_dtype
+    lines = rollout.start()
+    assert lines[0].startswith(f"rollout dtype: {record['dtype']} (measured: float32 step ")
+    assert "16-token verify" in lines[0]
+    completions, _ = rollout.generate(requests_for(3, seed=2), SamplingParams(5, temperature=0.0), seed=0)
+    assert [len(completion.response_ids) for completion in completions] == [5, 5, 5]
