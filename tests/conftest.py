@@ -4,7 +4,8 @@ thread per test process, a process group for DeepSpeed tests, and the tiny model
 Hermetic: each test runs in an empty working folder of its own, so whatever is in the checkout
 (`runs/tiny-cpu` after README command 1) cannot change a test's outcome, and a test's relative
 paths (`runs/`) never land in the checkout. The tlt cache ($TLT_CACHE_DIR) and the caches that
-live under the home folder ($XDG_CACHE_HOME: Hugging Face, pip; $TRITON_CACHE_DIR) point at one
+live under the home folder or the temporary folder ($XDG_CACHE_HOME: Hugging Face, pip; $TRITON_CACHE_DIR,
+$TORCHINDUCTOR_CACHE_DIR) point at one
 temporary folder of the test session: never the user's ~/.cache, but shared by the session's
 tests because what it holds is dear to rebuild (DeepSpeed compiles its CPU communication op into
 it, about a minute on 2 cores; tiny models and drafter warm-ups are built there once). A test
@@ -88,6 +89,8 @@ def hermetic(tmp_path_factory, session_caches, cache_directory, monkeypatch) -> 
     monkeypatch.setenv("TLT_CACHE_DIR", str(cache_directory))
     monkeypatch.setenv("XDG_CACHE_HOME", str(session_caches))
     monkeypatch.setenv("TRITON_CACHE_DIR", str(session_caches / "triton"))
+    # torch's compile cache, else made under the system temporary folder the leak check watches
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(session_caches / "torchinductor"))
     return working_folder
 
 
