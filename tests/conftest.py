@@ -4,7 +4,8 @@ thread per test process, a process group for DeepSpeed tests, and the tiny model
 Hermetic: each test runs in an empty working folder of its own, so whatever is in the checkout
 (`runs/tiny-cpu` after README command 1) cannot change a test's outcome, and a test's relative
 paths (`runs/`) never land in the checkout. The tlt cache ($TLT_CACHE_DIR) and the caches that
-live under the home folder ($XDG_CACHE_HOME: Hugging Face, pip; $TRITON_CACHE_DIR) point at one
+live under the home folder or the temporary folder ($XDG_CACHE_HOME: Hugging Face, pip; $TRITON_CACHE_DIR,
+$TORCHINDUCTOR_CACHE_DIR) point at one
 temporary folder of the test session: never the user's ~/.cache, but shared by the session's
 tests because what it holds is dear to rebuild (DeepSpeed compiles its CPU communication op into
 it, about a minute on 2 cores; tiny models and drafter warm-ups are built there once). A test
@@ -17,11 +18,16 @@ starts on one node map one each (69 MB) and a rank killed from outside cannot un
 `no_shared_memory_left` removes, when the session ends, every such buffer that appeared during it
 and that no live process still maps (another session's running ranks keep theirs).
 
+Every test of the fault and hostfile files is checked for leaks (`no_leaks`, tests/leaks.py): a
+process, a /dev/shm segment, a listening socket or a file in the system temporary folder left
+behind fails it.
+
 Also gives the test process a terminal's Ctrl-C: a shell starts background jobs (`pytest &`,
 some CI runners) with SIGINT ignored, children inherit that, and the tests that press Ctrl-C on a
 `tlt train` subprocess would then see it run on untouched.
 """
 
+import fnmatch
 import signal
 from pathlib import Path
 
@@ -29,6 +35,8 @@ import pytest
 import torch
 
 REPOSITORY = Path(__file__).resolve().parent.parent
+# the test files whose every test is checked for what it leaves behind (no_leaks)
+LEAK_CHECKED_FILES = ("test_faults*.py", "test_hostfile_launch.py")
 
 torch.set_num_threads(1)
 if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
@@ -38,30 +46,18 @@ if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
 @pytest.fixture(scope="session", autouse=True)
 def no_shared_memory_left():
     """Remove the DeepSpeed /dev/shm buffers the session's ranks left, then check that none of them is left."""
+    from tlt_cli.shared_memory import remove_unheld
+
     before = set(deepspeed_shared_buffers())
     yield
-    left = [path for path in deepspeed_shared_buffers() if path not in before and path not in mapped_files()]
-    for path in left:
-        path.unlink(missing_ok=True)
-    assert not [path for path in left if path.exists()], "DeepSpeed buffers in /dev/shm could not be removed"
+    removed = remove_unheld([path for path in deepspeed_shared_buffers() if path not in before])
+    assert not [path for path in removed if path.exists()], "DeepSpeed buffers in /dev/shm could not be removed"
 
 
 def deepspeed_shared_buffers() -> list[Path]:
-    from tlt_cli.processes.launched_rank import DEEPSPEED_BUFFER_PREFIX, SHARED_MEMORY_DIRECTORY
+    from tlt_cli.shared_memory import DEEPSPEED_BUFFER_PREFIX, SHARED_MEMORY_DIRECTORY
 
     return sorted(SHARED_MEMORY_DIRECTORY.glob(f"{DEEPSPEED_BUFFER_PREFIX}_*"))
-
-
-def mapped_files() -> set[Path]:
-    """Every file some live process of this machine maps (from /proc/<pid>/maps)."""
-    mapped = set()
-    for maps in Path("/proc").glob("[0-9]*/maps"):
-        try:
-            lines = maps.read_text().splitlines()
-        except OSError:  # the process ended, or is not ours to read
-            continue
-        mapped.update(Path(line.split(maxsplit=5)[5]) for line in lines if line.count(" ") >= 5 and "/" in line)
-    return mapped
 
 
 @pytest.fixture(scope="session")
@@ -93,7 +89,27 @@ def hermetic(tmp_path_factory, session_caches, cache_directory, monkeypatch) -> 
     monkeypatch.setenv("TLT_CACHE_DIR", str(cache_directory))
     monkeypatch.setenv("XDG_CACHE_HOME", str(session_caches))
     monkeypatch.setenv("TRITON_CACHE_DIR", str(session_caches / "triton"))
+    # torch's compile cache, else made under the system temporary folder the leak check watches
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(session_caches / "torchinductor"))
     return working_folder
+
+
+@pytest.fixture(autouse=True)
+def no_leaks(request, tmp_path_factory, hermetic, monkeypatch):
+    """In the files LEAK_CHECKED_FILES names: fail a test that leaves a process, a /dev/shm segment, a listening
+    socket or a file in the system temporary folder (tests/leaks.py), after removing what it left."""
+    if not any(fnmatch.fnmatch(request.node.path.name, pattern) for pattern in LEAK_CHECKED_FILES):
+        yield
+        return
+    from leaks import LeakWatch
+
+    watch = LeakWatch()
+    watch.start(tmp_path_factory.mktemp("system-tmp"), monkeypatch)
+    yield
+    left = watch.leaks()
+    watch.clean_up()
+    if left:
+        pytest.fail("the test left behind:\n" + "\n".join(left), pytrace=False)
 
 
 @pytest.fixture(scope="session")

@@ -3,9 +3,11 @@
 HoldUntilReleased holds a worker before its first step until the test releases it, then lets it go on
 or fail (this run has made and holds its run directory; now another run starts; now this one fails).
 MarkRollouts marks each rank's rollout start with its pid (the test stops or kills that rank mid-rollout).
+KillInCheckpoint kills one rank outright in the middle of a checkpoint.
 """
 
 import os
+import signal
 import time
 from pathlib import Path
 
@@ -44,3 +46,14 @@ class MarkRollouts:
         partial = marker.with_name(f"{marker.name}.partial")
         partial.write_text(str(os.getpid()))
         partial.rename(marker)  # whole or absent: the test reads the pid as soon as the name appears
+
+
+class KillInCheckpoint:
+    """Rank `rank` SIGKILLs itself while it writes its part of the first checkpoint (its peers wait in a barrier)."""
+
+    def __init__(self, recipe, rank=1):
+        self.rank = rank
+
+    def on_checkpoint_save(self, directory):
+        if torch.distributed.get_rank() == self.rank:
+            os.kill(os.getpid(), signal.SIGKILL)

@@ -7,7 +7,7 @@ update endpoints (a tensor update is refused outside a begin/end session, as in 
 path but /health needs `Authorization: Bearer <api key>`. Modes: ok, slow (healthy after
 --startup-delay), hang (never listens), crash (prints an error and exits 1). --spawn-child
 forks a sleeping child in the same process group and logs its pid, to test that stopping the
-group leaves no orphans.
+group leaves no orphans. --leave-files makes and never removes what a real server leaves behind.
 
 Run: python tests/sglang_fake_server.py --port 30100 --api-key KEY (or --config KEY.yaml) [--mode ok]
 """
@@ -17,8 +17,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -163,6 +165,24 @@ class Handler(BaseHTTPRequestHandler):
         self._send(200, {"success": True, "message": f"loaded {body['model_path']}", "num_paused_requests": 0})
 
 
+def leave_files() -> None:
+    """Make what SGLang 0.5.23 leaves after a clean stop, and log each path: a /dev/shm/sglang_loads_*.shm, a
+    /dev/shm/sem.mp-* (a forked child's, as SGLang's scheduler makes one), three Unix socket files and two empty
+    files in the temporary folder."""
+    left = [Path(f"/dev/shm/sglang_loads_{os.getpid()}.shm"), Path(f"/dev/shm/sem.mp-fake{os.getpid()}")]
+    for path in left:
+        path.write_bytes(b"\0" * 64)
+    for number in range(3):
+        listener = socket.socket(socket.AF_UNIX)
+        listener.bind(tempfile.mktemp(prefix=f"fake-sglang-ipc-{number}-"))
+        left.append(Path(listener.getsockname()))
+    for _ in range(2):
+        with tempfile.NamedTemporaryFile(delete=False) as empty:
+            left.append(Path(empty.name))
+    for path in left:
+        print(f"fake-sglang: left {path}", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--port", type=int, required=True)
@@ -176,6 +196,7 @@ def main() -> None:
     parser.add_argument("--version", default="0.5.23")
     parser.add_argument("--spawn-child", action="store_true")
     parser.add_argument("--break-draft-on-update", action="store_true")
+    parser.add_argument("--leave-files", action="store_true")
     arguments = parser.parse_args()
     if arguments.config:
         arguments.api_key = str(yaml.safe_load(Path(arguments.config).read_text())["api-key"])
@@ -186,6 +207,8 @@ def main() -> None:
     if arguments.spawn_child:
         child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
         print(f"fake-sglang: child pid {child.pid}", flush=True)
+    if arguments.leave_files:
+        leave_files()
     if arguments.mode == "crash":
         time.sleep(0.2)
         print("RuntimeError: CUDA out of memory (fake crash for the tests)", file=sys.stderr, flush=True)

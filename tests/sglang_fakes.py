@@ -102,12 +102,13 @@ def pid_running(pid: int) -> bool:
 
 def wait_for_first_generation(run: subprocess.Popen, server_log: Path, seconds: float) -> None:
     """Wait until the server behind `run` logged its first `POST /generate` (a rollout has begun) and `run` is
-    still alive, for at most `seconds`."""
+    still alive, for at most `seconds`; fail if it did not come by then, or `run` ended first."""
     deadline = time.time() + seconds
-    while (
-        time.time() < deadline
-        and run.poll() is None
-        and "POST /generate" not in (server_log.read_text() if server_log.exists() else "")
-    ):
+
+    def generated() -> bool:
+        return "POST /generate" in (server_log.read_text() if server_log.exists() else "")
+
+    while time.time() < deadline and run.poll() is None and not generated():
         time.sleep(0.2)
     assert run.poll() is None, run.communicate()[1][-3000:]
+    assert generated(), f"no POST /generate in {server_log} within {seconds:g} s"

@@ -4,12 +4,13 @@ own `load_weights`, and writes what it got to a JSON file.
 
     <side python> tests/sglang_real_draft_probe.py EXPORT_DIR INPUTS.safetensors OUT.json [TOKEN_MAP]
 
-Written: every parameter and buffer of the draft model (name, shape, whether load_weights wrote it: parameters
-are filled with NaN first), the tensors of the file SGLang's loader left unconsumed, the token map as SGLang's
-`load_token_map` reads it, and the draft layer's output for INPUTS (token embeddings and target hidden states at
-one position each), computed with the loaded model's own modules: fc, qkv_proj (attention over one position is
-its value), o_proj, post_attention_layernorm, mlp. The attention kernel itself (RadixAttention) needs a
-ForwardBatch and a KV pool, so it is the one step not run here.
+Written: every parameter of the draft model (name, shape, whether load_weights wrote it: parameters are
+filled with NaN first) to OUT.json, with the token map as SGLang's `load_token_map` reads it; every
+parameter's values to OUT-parameters.safetensors; and the draft layer's output for INPUTS (token embeddings
+and target hidden states at one position each) to OUT.safetensors, computed with the loaded model's own
+modules: fc, qkv_proj (attention over one position is its value), o_proj, post_attention_layernorm, mlp.
+The attention kernel itself (RadixAttention) needs a ForwardBatch and a KV pool, so it is the one step not
+run here.
 """
 
 import json
@@ -69,6 +70,8 @@ def main(export_dir: Path, inputs_path: Path, out_path: Path, token_map: str | N
         hidden = hidden + attention
         hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
     save_file({"layer_output": hidden.contiguous()}, str(out_path.with_suffix(".safetensors")))
+    values = {name: parameter.detach().contiguous() for name, parameter in model.named_parameters()}
+    save_file(values, str(out_path.with_name(f"{out_path.stem}-parameters.safetensors")))
     out_path.write_text(json.dumps(report))
 
 

@@ -140,7 +140,7 @@ def test_a_stopped_worker_is_named_by_the_step_deadline_and_the_run_ends(small_m
 @pytest.mark.slow
 def test_sigkill_of_one_worker_ends_the_run_naming_it(small_model, tmp_path):
     _, line = end_by_signalling_rank_one(small_model, tmp_path, "killed-worker", signal.SIGKILL)
-    assert line.startswith("error: worker 1 exited with code -9 without reporting an error"), line
+    assert line.startswith("error: worker 1 was killed by SIGKILL (code -9) without reporting an error"), line
 
 
 @pytest.mark.slow

@@ -508,6 +508,7 @@ def test_a_test_session_leaves_no_deepspeed_buffer_in_shared_memory(tmp_path):
             "conftest",
             "-c",
             os.devnull,
+            f"--basetemp={tmp_path / 'basetemp'}",
             str(tmp_path / "test_killed_rank.py"),
         ],
         capture_output=True,

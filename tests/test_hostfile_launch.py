@@ -29,8 +29,8 @@ from tlt_cli.cli import app
 from tlt_cli.config import load_recipe
 from tlt_cli.processes.event_channel import EventListener, connect_to_driver
 from tlt_cli.processes.hostfile import deepspeed_launch_command
-from tlt_cli.processes.launched_rank import DEEPSPEED_BUFFER_PREFIX, SHARED_MEMORY_DIRECTORY, deepspeed_shared_buffer
 from tlt_cli.sglang.server import live_group_members
+from tlt_cli.shared_memory import DEEPSPEED_BUFFER_PREFIX, SHARED_MEMORY_DIRECTORY, rank_buffer
 
 TESTS = Path(__file__).resolve().parent
 # no test waits longer than this for tlt train to end
@@ -154,9 +154,9 @@ def test_a_launched_rank_names_the_buffer_deepspeed_maps_only_when_all_ranks_sha
         "RANK": "1",
     }
     expected = f"deepspeed_allreduce_buffer_{os.getuid()}_127.0.0.1_29500_1"
-    assert deepspeed_shared_buffer(environment) == SHARED_MEMORY_DIRECTORY / expected
-    assert deepspeed_shared_buffer({**environment, "LOCAL_SIZE": "1"}) is None
-    assert deepspeed_shared_buffer({key: value for key, value in environment.items() if key != "LOCAL_SIZE"}) is None
+    assert rank_buffer(environment) == SHARED_MEMORY_DIRECTORY / expected
+    assert rank_buffer({**environment, "LOCAL_SIZE": "1"}) is None
+    assert rank_buffer({key: value for key, value in environment.items() if key != "LOCAL_SIZE"}) is None
 
 
 @pytest.mark.slow

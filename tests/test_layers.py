@@ -34,6 +34,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "tlt_cli.plugins",
             "tlt_cli.display",
             "tlt_cli.versions",
+            "tlt_cli.shared_memory",
         ),
     ),
     ("tasks", ("tlt_cli.tasks",)),

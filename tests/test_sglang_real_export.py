@@ -2,10 +2,13 @@
 
 SGLang's `Qwen2ForCausalLMEagle` / `LlamaForCausalLMEagle` are built in the SGLang side environment
 (tests/sglang_real_draft_probe.py) and fed the export through their own `load_weights`: every parameter must
-be written (filled with NaN before), every exported tensor must land where it belongs (fused q/k/v and
-gate/up compared slice by slice), the token map of a reduced draft vocabulary must read back through SGLang's
-`load_token_map`, and the draft layer's output on the same embeddings and target hidden states must equal tlt's
-drafter's (before the final norm tlt applies and SGLang does not, docs/gpu.md "Known difference of the drafter").
+be written (filled with NaN before), every exported tensor must land where it belongs, value for value (fused
+q/k/v and gate/up compared slice by slice with q_proj, k_proj, v_proj, gate_proj, up_proj), the token map of a
+reduced draft vocabulary must read back through SGLang's `load_token_map`, and the draft layer's output on the
+same embeddings and target hidden states must equal tlt's drafter's (before the final norm tlt applies and
+SGLang does not, docs/gpu.md "Known difference of the drafter"). That output is one position's, where
+attention returns its value: it reads fc, v_proj, o_proj and the MLP; q_proj and k_proj are checked by their
+values above.
 
 Run: `pytest -m real_sglang tests/test_sglang_real_export.py` after scripts/build_sglang_cpu_env.py.
 """
@@ -37,7 +40,7 @@ VOCAB_PADDING = 64
 
 
 def run_probe(export_dir: Path, inputs: dict[str, torch.Tensor], work: Path, token_map: Path | None = None):
-    """(SGLang's report, its layer output) for `export_dir` on `inputs`."""
+    """(SGLang's report, its layer output, its parameters' values) for `export_dir` on `inputs`."""
     save_file(inputs, str(work / "inputs.safetensors"))
     command = [str(SIDE_PYTHON), str(PROBE), str(export_dir), str(work / "inputs.safetensors"), str(work / "sg.json")]
     if token_map is not None:
@@ -46,16 +49,18 @@ def run_probe(export_dir: Path, inputs: dict[str, torch.Tensor], work: Path, tok
     result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=environment)
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads((work / "sg.json").read_text())
-    return report, load_file(str(work / "sg.safetensors"))["layer_output"]
+    values = load_file(str(work / "sg-parameters.safetensors"))
+    return report, load_file(str(work / "sg.safetensors"))["layer_output"], values
 
 
-def expected_parameter(name: str, exported: dict[str, torch.Tensor]) -> torch.Tensor:
-    """What SGLang's parameter `name` must hold, built from the exported tensors (fused where SGLang fuses)."""
+def expected_slices(name: str, exported: dict[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
+    """The exported tensors SGLang's parameter `name` must hold, in the order of its rows: one, or the parts of a
+    fused q/k/v or gate/up parameter."""
     name = name.removeprefix("model.")
     for fused, parts in (("qkv_proj", ("q_proj", "k_proj", "v_proj")), ("gate_up_proj", ("gate_proj", "up_proj"))):
         if fused in name:
-            return torch.cat([exported[name.replace(fused, part)] for part in parts])
-    return exported[name]
+            return [(name.replace(fused, part), exported[name.replace(fused, part)]) for part in parts]
+    return [(name, exported[name])]
 
 
 @pytest.mark.parametrize("architecture", ["qwen2", "llama"])
@@ -74,7 +79,7 @@ def test_sglang_eagle_class_consumes_every_exported_tensor_and_drafts_like_tlt(t
     token_ids = torch.randint(0, target.config.vocab_size, (4,), generator=generator)
     target_hidden = torch.randn(4, target.config.hidden_size, generator=generator)
     embeds = target.get_input_embeddings().weight[token_ids].detach()
-    report, sglang_output = run_probe(out, {"embeds": embeds, "target_hidden": target_hidden}, tmp_path)
+    report, sglang_output, values = run_probe(out, {"embeds": embeds, "target_hidden": target_hidden}, tmp_path)
 
     assert report["class"] == {"qwen2": "Qwen2ForCausalLMEagle", "llama": "LlamaForCausalLMEagle"}[architecture]
     parameters = report["parameters"]
@@ -85,12 +90,19 @@ def test_sglang_eagle_class_consumes_every_exported_tensor_and_drafts_like_tlt(t
     # every name with "lm_head" in it
     assert unwritten == ({"lm_head.weight"} & set(parameters) if include_shared else shared & set(parameters))
     for name, seen in parameters.items():
-        if name not in unwritten:
-            expected = list(expected_parameter(name, exported).shape)
-            if name in shared:
-                # SGLang pads the vocabulary rows of its (vocab-parallel) embedding and head to a multiple of 64
-                expected[0] = -(-expected[0] // VOCAB_PADDING) * VOCAB_PADDING
-            assert seen["shape"] == expected, name
+        if name in unwritten:
+            continue
+        slices = expected_slices(name, exported)
+        expected = [sum(len(tensor) for _, tensor in slices), *slices[0][1].shape[1:]]
+        if name in shared:
+            # SGLang pads the vocabulary rows of its (vocab-parallel) embedding and head to a multiple of 64
+            expected[0] = -(-expected[0] // VOCAB_PADDING) * VOCAB_PADDING
+        assert seen["shape"] == expected, name
+        first_row = 0
+        for part, tensor in slices:
+            held = values[name][first_row : first_row + len(tensor)]
+            assert torch.equal(held, tensor.to(held.dtype)), f"SGLang's {name} rows from {first_row} are not {part}"
+            first_row += len(tensor)
     # each exported tensor has a parameter of SGLang's that holds it (directly or as a slice of a fused one)
     sglang_names = {name.removeprefix("model.") for name in parameters}
     fused = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gate_proj": "gate_up_proj"}
@@ -120,5 +132,5 @@ def test_the_token_map_of_a_reduced_vocabulary_reads_back_through_sglang(tmp_pat
     token_map = out / "token_map.pt"
     assert token_map.is_file() and f"--speculative-token-map {token_map}" in (out / "README.md").read_text()
     inputs = {"embeds": torch.zeros(1, 32), "target_hidden": torch.zeros(1, 32)}
-    report, _ = run_probe(out, inputs, tmp_path, token_map)
+    report, _, _ = run_probe(out, inputs, tmp_path, token_map)
     assert report["token_map"] == kept.tolist()

@@ -1,6 +1,8 @@
 """`tlt train` with `rollout.backend: sglang` on a real SGLang 0.5.23 server on CPU, started, owned and
 stopped by tlt: three steps with weights pushed from disk after each update, the trace's request records
-against the embedded backend's, and the servers gone after Ctrl-C, SIGTERM and a worker killed mid-run.
+against the embedded backend's (the same requests and prompts, fields of the same types, bounded values), and
+every process of the servers gone after Ctrl-C, SIGTERM and a worker killed mid-run (found by a mark in the
+run's environment, which SGLang's scheduler and detokenizer inherit but do not show on their command line).
 
 Run: `pytest -m real_sglang tests/test_sglang_real_train.py` after scripts/build_sglang_cpu_env.py (skipped,
 with the reason, without its environment). The actor stays on CPU (`colocated: false`).
@@ -12,9 +14,12 @@ import json
 import os
 import signal
 import subprocess
+import uuid
 from pathlib import Path
 
+import psutil
 import pytest
+from leaks import MARK_VARIABLE, tagged_processes
 from recipe_overrides import small_run
 from sglang_fakes import free_port_range, wait_for_first_generation
 from sglang_real import SIDE_PYTHON, real_sglang_overrides, requires_real_sglang
@@ -23,6 +28,8 @@ pytestmark = [pytest.mark.real_sglang, pytest.mark.slow, requires_real_sglang]
 
 TESTS = Path(__file__).resolve().parent
 SIGTERM_EXIT = 143
+# seconds a process of a run that ended gets to exit before it counts as a survivor
+SURVIVOR_GRACE_SECONDS = 10.0
 
 
 def train_command(model: Path, output: Path, name: str, steps: int, *extra: str) -> tuple[list[str], int]:
@@ -32,8 +39,14 @@ def train_command(model: Path, output: Path, name: str, steps: int, *extra: str)
     return small_run(model, output, name, steps, *smaller, *extra), free_port_range(2)
 
 
-def environment() -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": f"{TESTS}{os.pathsep}{TESTS.parent}", "OMP_NUM_THREADS": "1"}
+def environment(mark: str) -> dict[str, str]:
+    """The run's environment, tagged with `mark`: every process it starts (SGLang's children too) carries it."""
+    return {
+        **os.environ,
+        "PYTHONPATH": f"{TESTS}{os.pathsep}{TESTS.parent}",
+        "OMP_NUM_THREADS": "1",
+        MARK_VARIABLE: mark,
+    }
 
 
 def records(run_directory: Path, kind: str) -> list[dict]:
@@ -41,20 +54,15 @@ def records(run_directory: Path, kind: str) -> list[dict]:
     return [record for record in map(json.loads, lines) if record["type"] == kind]
 
 
-def sglang_processes(port: int) -> list[int]:
-    """Pids of live processes started from the side environment's Python for the server on `port`."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            argv = (entry / "cmdline").read_bytes().split(b"\0")
-            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if state != "Z" and str(port).encode() in argv and any(b"sglang" in part for part in argv):
-            found.append(int(entry.name))
-    return found
+def survivors(mark: str) -> list[int]:
+    """Pids of live processes the run tagged with `mark` started: the SGLang server, its scheduler and
+    detokenizer (which do not carry the port on their command line), and anything else it left."""
+    _, alive = psutil.wait_procs(tagged_processes(mark), timeout=SURVIVOR_GRACE_SECONDS)
+    return [process.pid for process in alive]
+
+
+def request_key(request: dict) -> tuple[int, int, int]:
+    return request["step"], request["worker"], request["request_id"]
 
 
 def server_log(run_directory: Path) -> Path:
@@ -64,7 +72,8 @@ def server_log(run_directory: Path) -> Path:
 def test_three_steps_on_a_real_server_trace_like_the_embedded_backend(small_model, tmp_path):
     command, port = train_command(small_model, tmp_path, "real", 3)
     command += [*real_sglang_overrides(port), "rollout.sglang.skip_tokenizer_init=false"]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=900, env=environment())
+    mark = uuid.uuid4().hex
+    result = subprocess.run(command, capture_output=True, text=True, timeout=900, env=environment(mark))
     assert result.returncode == 0, result.stderr[-3000:]
     run_directory = tmp_path / "real"
     requests = records(run_directory, "request")
@@ -76,22 +85,37 @@ def test_three_steps_on_a_real_server_trace_like_the_embedded_backend(small_mode
     log = server_log(run_directory).read_text()
     assert f"{SIDE_PYTHON} -m sglang.launch_server" in log and "--device cpu" in log
     assert log.count("POST /update_weights_from_disk") == 3 and "fired up" in log
-    assert not sglang_processes(port), "an SGLang process outlived tlt train"
+    assert not survivors(mark), "a process of the run (SGLang's server, scheduler or detokenizer) outlived tlt train"
     assert not list((run_directory / "sglang-servers").glob("*.json"))
 
     embedded_command, _ = train_command(small_model, tmp_path, "embedded", 1)
-    embedded = subprocess.run(embedded_command, capture_output=True, text=True, timeout=600, env=environment())
+    embedded = subprocess.run(
+        embedded_command, capture_output=True, text=True, timeout=600, env=environment(uuid.uuid4().hex)
+    )
     assert embedded.returncode == 0, embedded.stderr[-3000:]
-    embedded_keys = {tuple(sorted(request)) for request in records(tmp_path / "embedded", "request")}
-    assert {tuple(sorted(request)) for request in requests} == embedded_keys
+    # step 0 of both: the same requests of the same prompts, each field of the same type, no speculation counted;
+    # the sampled tokens differ (another engine's random stream), so their count and reward are only bounded
+    embedded_requests = {request_key(request): request for request in records(tmp_path / "embedded", "request")}
+    served_requests = {request_key(request): request for request in requests if request["step"] == 0}
+    assert served_requests.keys() == embedded_requests.keys()
+    for key, served in served_requests.items():
+        expected = embedded_requests[key]
+        assert {name: type(value) for name, value in served.items()} == {
+            name: type(value) for name, value in expected.items()
+        }, key
+        for same in ("prompt_tokens", "verify_passes", "accepted_tokens", "accepted_by_depth", "proposed_by_depth"):
+            assert served[same] == expected[same], (key, same)
+        assert 1 <= served["tokens"] <= 16 and 0.0 <= served["reward"] <= 1.0, served
+        assert served["finished_by_eos"] or served["tokens"] == 16, served
 
 
 @pytest.mark.parametrize("how", ["ctrl-c", "sigterm"])
 def test_interrupting_tlt_train_stops_the_real_server(small_model, tmp_path, how):
     command, port = train_command(small_model, tmp_path, how, 50)
+    mark = uuid.uuid4().hex
     run = subprocess.Popen(
         [*command, *real_sglang_overrides(port)],
-        env=environment(),
+        env=environment(mark),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -105,22 +129,23 @@ def test_interrupting_tlt_train_stops_the_real_server(small_model, tmp_path, how
     _, stderr = run.communicate(timeout=180)
     assert run.returncode == (130 if how == "ctrl-c" else SIGTERM_EXIT), stderr[-3000:]
     assert "Traceback" not in stderr
-    assert not sglang_processes(port), "an SGLang process outlived tlt train"
+    assert not survivors(mark), "a process of the run (SGLang's server, scheduler or detokenizer) outlived tlt train"
 
 
 def test_a_worker_killed_mid_run_leaves_no_real_server(small_model, tmp_path):
     command, port = train_command(
         small_model, tmp_path, "failing", 3, "plugins.enabled=[sglang_real_plugins:KillWorkerAfterFirstRollout]"
     )
+    mark = uuid.uuid4().hex
     # --keep-log: the run fails before its first checkpoint, and its server log is read below
     result = subprocess.run(
         [*command, *real_sglang_overrides(port), "--keep-log"],
         capture_output=True,
         text=True,
         timeout=900,
-        env=environment(),
+        env=environment(mark),
     )
     assert result.returncode == 1, result.stderr[-3000:]
-    assert "worker 0 exited with code -9 without reporting an error" in result.stderr
+    assert "worker 0 was killed by SIGKILL (code -9) without reporting an error" in result.stderr
     assert "POST /generate" in server_log(tmp_path / "failing").read_text()
-    assert not sglang_processes(port), "an SGLang process outlived tlt train"
+    assert not survivors(mark), "a process of the run (SGLang's server, scheduler or detokenizer) outlived tlt train"

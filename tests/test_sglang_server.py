@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from sglang_fakes import FAKE_SERVER, fake_launch, free_port, pid_running
+from sglang_fakes import FAKE_SERVER, fake_launch, free_port, pid_running, wait_for_first_generation
 
 from tlt_cli.sglang.server import ServerGroup, ServerStartError, live_group_members, log_tail
 from tlt_cli.sglang.transport import get_status
@@ -102,6 +102,36 @@ def test_the_api_key_is_on_no_command_line_and_logs_and_key_file_are_private(tmp
     key_file = Path(command_line.split("\0")[command_line.split("\0").index("--config") + 1])
     assert (tmp_path / "sglang").stat().st_mode & 0o777 == 0o700
     assert launch.log_path.stat().st_mode & 0o777 == 0o600 and key_file.stat().st_mode & 0o777 == 0o600
+
+
+def test_a_stopped_server_leaves_no_file_in_shared_memory_or_the_temporary_folder(tmp_path):
+    """The fake leaves what SGLang 0.5.23 leaves after a clean stop (/dev/shm entries, socket and empty files in its
+    temporary folder); stop removes every one, and an entry a live process holds stays."""
+    held = Path(f"/dev/shm/sem.mp-held-by-the-test-{tmp_path.name}")
+    try:
+        with held.open("wb"):  # made while the group runs and open: another process's, not the server's
+            with ServerGroup([fake_launch(0, tmp_path, "--leave-files")], startup_timeout_s=20, stop_timeout_s=5):
+                log = (tmp_path / "server-0.log").read_text()
+                left = [Path(line.split(" left ", 1)[1]) for line in log.splitlines() if " left " in line]
+                assert len(left) == 7 and all(path.exists() for path in left), left
+                held.write_bytes(b"\0")
+            assert not [path for path in left if path.exists()]
+            assert not [path for path in left[2:] if path.parent.exists()], "the server's temporary folder stays"
+            assert held.exists()
+    finally:
+        held.unlink(missing_ok=True)
+
+
+def test_waiting_for_a_first_generation_that_never_comes_fails(tmp_path):
+    """The wait the real-SGLang interrupt tests use must not carry on as if a rollout had begun."""
+    run = subprocess.Popen(["sleep", "60"])
+    try:
+        (tmp_path / "server-0.log").write_text("GET /health 200\n")
+        with pytest.raises(AssertionError, match="no POST /generate in .* within 0.5 s"):
+            wait_for_first_generation(run, tmp_path / "server-0.log", 0.5)
+    finally:
+        run.kill()
+        run.wait()
 
 
 DRIVER = textwrap.dedent(

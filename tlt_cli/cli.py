@@ -29,7 +29,7 @@ from tlt_cli.calibration.settings import (
     CalibrationSettings,
     parse_batch_sizes,
 )
-from tlt_cli.checkpoint import CheckpointError
+from tlt_cli.checkpoint import CheckpointError, next_run_advice
 from tlt_cli.config import Recipe, RecipeError, load_recipe
 from tlt_cli.errors import UserError
 from tlt_cli.recipes import resolve_recipe_path, shipped_recipes
@@ -118,10 +118,17 @@ def train(
         how, code = ("terminated", SIGTERM_EXIT) if isinstance(interrupt, Terminated) else ("interrupted", 130)
         if run_directory is None:  # stopped while the recipe was read: no run to continue
             raise fail(f"{how} before the run started.", code) from None
-        raise fail(f"{how}; complete checkpoints are kept, continue with --resume {run_directory}.", code) from None
+        raise fail(f"{how}; {_after_interrupt(run_directory)}.", code) from None
     finally:
         signal.signal(signal.SIGTERM, previous_sigterm)
     console.print(f"done: {len(summary.steps)} steps, run directory {summary.run_directory}", markup=False)
+
+
+def _after_interrupt(run_directory: Path) -> str:
+    """What to do after an interrupted `tlt train`, true of the run directory as the interrupt left it."""
+    if not run_directory.exists():  # stopped in the drafter warm-up or a check: no run was made
+        return f"the run had not started ({run_directory} was not made), so there is nothing to resume: run it again"
+    return next_run_advice(run_directory)
 
 
 class Terminated(KeyboardInterrupt):

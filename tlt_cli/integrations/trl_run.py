@@ -53,7 +53,7 @@ TRAINER_STATE_FILE = "trainer_state.json"
 
 def trl_worker_main(spec: WorkerSpec, events: Any) -> None:
     """Process entry point (the driver spawns one per process): train, report failure instead of dying silently."""
-    exit_with_parent()
+    exit_with_parent(spec.address.rendezvous_directory)
     redirect_output(spec.run_directory / "workers" / f"worker-{spec.address.rank}.log")
     try:
         TrlRun(spec, events).train()

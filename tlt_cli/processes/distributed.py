@@ -5,6 +5,8 @@ joins a gloo group; on GPUs it joins an NCCL group on `cuda:<local rank>`, the c
 DeepSpeed launcher. The driver starts its workers inside `visible_gpus(actor.devices)` (the
 DeepSpeed launcher does the same from its `--include`), so every rank sees exactly the actor's
 GPUs and local rank r of a node uses the r-th of them.
+A rank whose DeepSpeed made a shared-memory all-reduce buffer (one node, under the launcher) unlinks
+it once every rank has mapped it (shared_memory.py), so no way the run ends can leave it in /dev/shm.
 `RolloutBarrier` lets a worker that finished its rollout shard keep doing useful work (the idle
 hook) while it waits for the others: it marks finished workers in a key-value store instead of
 blocking in a collective, and gives up after a deadline, naming the workers it waited for.
@@ -23,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import shutil
 import socket
 import tempfile
 import time
@@ -36,9 +39,12 @@ from typing import Any
 import torch
 import torch.distributed
 
+from tlt_cli.shared_memory import rank_buffer, release_own_buffer
+
 POLL_SECONDS = 0.005
 STORE_TIMEOUT = timedelta(minutes=30)
 LOOPBACK_INTERFACE = "lo"
+RENDEZVOUS_PREFIX = "tlt-rendezvous-"
 PROCESS_GROUP_FILE = "process-group"
 BARRIER_FILE = "rollout-barrier"
 # the rollout barrier's deadline runs this much past workers.step_timeout_s: the driver, which sees
@@ -96,8 +102,30 @@ def private_rendezvous_directory() -> Path:
     In the system's temporary folder, not the run directory: a FileStore needs a local file
     system's locks (a run directory may be on a network mount), and a file left by a killed run
     would make the next rendezvous fail, so each start gets a folder of its own (mkdtemp: 0700).
+    Its name carries the driver's pid: `remove_abandoned_rendezvous` finds the folders of killed drivers.
     """
-    return Path(tempfile.mkdtemp(prefix="tlt-rendezvous-"))
+    return Path(tempfile.mkdtemp(prefix=f"{RENDEZVOUS_PREFIX}{os.getpid()}-"))
+
+
+def remove_abandoned_rendezvous() -> list[Path]:
+    """Remove the rendezvous folders in the system's temporary folder whose driver is no longer running (a killed
+    run's); the ones removed."""
+    removed = []
+    for folder in Path(tempfile.gettempdir()).glob(f"{RENDEZVOUS_PREFIX}*-*"):
+        driver = folder.name.removeprefix(RENDEZVOUS_PREFIX).split("-", 1)[0]
+        if driver.isdigit() and not process_running(int(driver)):
+            shutil.rmtree(folder, ignore_errors=True)
+            removed.append(folder)
+    return removed
+
+
+def process_running(pid: int) -> bool:
+    """Whether process `pid` of this machine exists and has not ended (a zombie, not yet reaped, has)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"  # the state follows the parenthesised command
 
 
 def import_deepspeed() -> ModuleType:
@@ -149,6 +177,10 @@ def init_worker_process(
         import_deepspeed().init_distributed(dist_backend=backend)
     else:
         import_deepspeed().init_distributed(dist_backend=backend, **one_node_rendezvous(address))
+    own_buffer = rank_buffer(os.environ)
+    if own_buffer is not None and own_buffer.exists():
+        torch.distributed.barrier()  # every rank has mapped every rank's segment once all are past their init
+        release_own_buffer(os.environ)
     return device
 
 

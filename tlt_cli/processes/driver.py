@@ -8,12 +8,15 @@ per worker (a DeepSpeed rank each, running the trainer's body), then turns their
 `workers.hostfile` it spawns the workers itself (local_workers.py); with one, it runs
 them on the hostfile's nodes with the DeepSpeed launcher and receives their reports over TCP
 (launched_workers.py); the loop here is the same for both. If any worker fails, the
-others are stopped and a `TrainingFailed` names the worker and its error (a `WorkerInputError`,
+others are stopped and a `TrainingFailed` names the first worker to fail and its error (one killed
+before its peers failed in their collectives is named with its signal, not they; a `WorkerInputError`,
 exit 2, when the error is the user's: a data file, model weights); its traceback goes to the
 run's log (`run.log`), the run directory keeps every complete checkpoint for `--resume`.
 
-Before anything is created, `check_machine` makes sure this machine has what the recipe asks for
-(GPUs for `actor.devices`, SGLang for `rollout.backend: sglang`) and the drafter is prepared; only
+Before anything is created, the DeepSpeed /dev/shm segments and rendezvous folders a killed run
+left are removed (shared_memory.py, distributed.py), `check_machine` makes sure this machine has
+what the recipe asks for (GPUs for `actor.devices`, SGLang for `rollout.backend: sglang`) and the
+drafter is prepared; only
 then is a new run directory made, locked for the run's life (run_directory.py: a second
 `tlt train` of it refuses). A new run that fails before its first step is removed again (only
 what it made; with `keep_log`, all but its logs stay), and the trace is opened at the first step,
@@ -29,6 +32,7 @@ hostfile of several nodes each worker stops its own, and DeepSpeed ends the rank
 from __future__ import annotations
 
 import contextlib
+import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -45,6 +49,7 @@ from tlt_cli.models.identity import identity_difference, model_identity
 from tlt_cli.models.loading import load_config_and_tokenizer
 from tlt_cli.models.tiny import cache_directory
 from tlt_cli.plugins import DriverPlugins, RunInfo, plugin_columns, plugin_idle_uses
+from tlt_cli.processes.distributed import remove_abandoned_rendezvous
 from tlt_cli.processes.hostfile import runs_on_this_machine
 from tlt_cli.processes.launched_workers import LaunchedWorkers
 from tlt_cli.processes.local_workers import LocalWorkers
@@ -62,6 +67,7 @@ from tlt_cli.processes.run_directory import (
 from tlt_cli.processes.step_deadline import StepDeadline
 from tlt_cli.processes.step_records import step_records
 from tlt_cli.sglang.registry import stop_recorded_servers
+from tlt_cli.shared_memory import remove_abandoned_buffers
 from tlt_cli.trace import STEP_RECORD, TraceWriteError, TraceWriter, read_trace, truncate_trace
 from tlt_cli.tuning.precision import PrecisionChoice
 from tlt_cli.versions import installed_versions
@@ -78,6 +84,9 @@ MODEL_SHAPE_KEYS = (
     "num_key_value_heads",
     "tie_word_embeddings",
 )
+# seconds the driver waits, after a worker reported a failure, for a peer's report or death that came first
+FOLLOW_ON_SECONDS = 2.0
+SETTLE_POLL_SECONDS = 0.1
 # what one pass of the event loop may take besides its wait (a step record, the display) before it counts as a pause
 PROCESSING_SLACK_SECONDS = 1.0
 
@@ -106,6 +115,8 @@ class WorkerGroup(Protocol):
     def next_event(self, timeout: float) -> Any: ...
 
     def failure(self, finished: set[int]) -> str | None: ...
+
+    def ended_without_report(self, accounted: set[int]) -> str | None: ...
 
     def stop(self) -> None: ...
 
@@ -176,6 +187,7 @@ def train(
     held = RunDirectory.resume(resume_directory) if resume_directory else None
     try:
         check_machine(recipe)
+        _remove_what_killed_runs_left(console)
         cache = cache_directory(recipe.model.cache_dir)
         drafter_init = _prepare_drafter(trainer, recipe, cache, console)
         held = held or RunDirectory.create(recipe)
@@ -273,6 +285,17 @@ def _after_failure(error: Exception, details: str, held: RunDirectory, discard: 
     else:
         note = f"{f'traceback in {log}; ' if logged else ''}{next_run_advice(run_directory)}"
     return TrainingFailed(f"{first_line.rstrip('.')} ({note}).{newline}{more}")
+
+
+def _remove_what_killed_runs_left(console: Console) -> None:
+    """Free the DeepSpeed /dev/shm segments (shared_memory.py) and remove the rendezvous folders (distributed.py)
+    that killed runs left, saying so in one line."""
+    removed = remove_abandoned_buffers()
+    if removed:
+        console.print(
+            f"removed {len(removed)} DeepSpeed shared-memory segment(s) a killed run left in /dev/shm", markup=False
+        )
+    remove_abandoned_rendezvous()
 
 
 def _prepare_drafter(trainer: TrainerEntry, recipe: Recipe, cache: Path, console: Console) -> Path | None:
@@ -376,9 +399,7 @@ def _drain_events(workers: WorkerGroup, trace: RunTrace, display: TrainingDispla
             deadline.progress(event)
             continue
         if isinstance(event, WorkerFailed):
-            if event.user_error:
-                raise WorkerInputError(event.message, event.details)
-            raise TrainingFailed(_failure_message(event), event.details)
+            raise _first_failure(workers, event, finished)
         if isinstance(event, WorkerFinished):
             finished.add(event.worker)
             continue
@@ -387,6 +408,42 @@ def _drain_events(workers: WorkerGroup, trace: RunTrace, display: TrainingDispla
         reports.append(event)
         if len(reports) == workers.size:
             _record_step(pending.pop(event.step), trace, display)
+
+
+def _first_failure(workers: WorkerGroup, first_report: WorkerFailed, finished: set[int]) -> Exception:
+    """The error naming the worker that failed first, once the others' follow-on failures had FOLLOW_ON_SECONDS
+    to arrive: a worker that died without a word (killed: its peers then fail in their collectives), else the
+    earliest raised of the reports. The other reports go to the run's log with the cause's traceback."""
+    reports = _reports_within(workers, [first_report], finished, FOLLOW_ON_SECONDS)
+    died = workers.ended_without_report(finished | {report.worker for report in reports})
+    follow_on = "\n".join(
+        f"then worker {report.worker} failed: {report.message}\n{report.details}" for report in reports
+    )
+    if died is not None:
+        return TrainingFailed(died, follow_on)
+    cause = min(reports, key=lambda report: report.failed_at)
+    others = [report for report in reports if report is not cause]
+    details = "\n".join([cause.details, *(f"then worker {other.worker} failed: {other.message}" for other in others)])
+    if cause.user_error:
+        return WorkerInputError(cause.message, details)
+    return TrainingFailed(_failure_message(cause), details)
+
+
+def _reports_within(
+    workers: WorkerGroup, reports: list[WorkerFailed], finished: set[int], seconds: float
+) -> list[WorkerFailed]:
+    """`reports` and the failures reported within `seconds`, or until every worker has finished, reported or died."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and not _all_accounted(workers, reports, finished):
+        event = workers.next_event(SETTLE_POLL_SECONDS)
+        if isinstance(event, WorkerFailed):
+            reports.append(event)
+    return reports
+
+
+def _all_accounted(workers: WorkerGroup, reports: list[WorkerFailed], finished: set[int]) -> bool:
+    accounted = finished | {report.worker for report in reports}
+    return len(accounted) == workers.size or workers.failure(accounted) is not None
 
 
 def _failure_message(event: WorkerFailed) -> str:

@@ -9,8 +9,7 @@ trainer), joining the process group with env:// from those variables: NCCL on `c
 gloo with `actor.devices: cpu`.
 
 When every rank is on one node (the launcher sets LOCAL_SIZE == WORLD_SIZE), DeepSpeed's CPU all-reduce
-maps one /dev/shm segment per rank (69 MB) and never unlinks it; a rank removes its own as it exits,
-or each run would leave them in memory until the machine restarts (a rank killed outright still does).
+maps one /dev/shm segment per rank (69 MB) and never unlinks it: shared_memory.py says who does.
 """
 
 from __future__ import annotations
@@ -18,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
-from collections.abc import Mapping
 from pathlib import Path
 
 from tlt_cli.processes.distributed import WorkerAddress
@@ -37,29 +35,6 @@ def launched_address() -> WorkerAddress:
         master_address=environment["MASTER_ADDR"],
         local_rank=int(environment["LOCAL_RANK"]),
     )
-
-
-# where DeepSpeed's shared-memory all-reduce keeps each rank's buffer, and its name: <prefix>_uid_addr_port_rank
-# (SHM_BUFFER_NAME in its shm.cpp)
-SHARED_MEMORY_DIRECTORY = Path("/dev/shm")
-DEEPSPEED_BUFFER_PREFIX = "deepspeed_allreduce_buffer"
-
-
-def deepspeed_shared_buffer(environment: Mapping[str, str]) -> Path | None:
-    """This rank's DeepSpeed all-reduce buffer, named from the launcher's variables; None when the ranks span
-    nodes (DeepSpeed then makes none)."""
-    if environment.get("LOCAL_SIZE") != environment["WORLD_SIZE"]:
-        return None
-    name = "_".join(
-        (
-            DEEPSPEED_BUFFER_PREFIX,
-            str(os.getuid()),
-            environment["MASTER_ADDR"],
-            environment["MASTER_PORT"],
-            environment["RANK"],
-        )
-    )
-    return SHARED_MEMORY_DIRECTORY / name
 
 
 def main(arguments: list[str]) -> None:
@@ -83,9 +58,6 @@ def main(arguments: list[str]) -> None:
         body_function(plan.worker_body)(spec, events)
     finally:
         events.close()
-        shared_buffer = deepspeed_shared_buffer(os.environ)
-        if shared_buffer is not None:  # every rank has mapped it long before: unlinking leaves their maps intact
-            shared_buffer.unlink(missing_ok=True)
 
 
 if __name__ == "__main__":

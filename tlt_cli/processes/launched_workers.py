@@ -13,7 +13,8 @@ The driver loop reads events with `next_event`, asks `failure` when none comes (
 exited before every rank finished?), and calls `stop` however the run ends: after a clean finish
 it lets the launcher exit on its own; otherwise it sends the launcher's session SIGTERM (DeepSpeed
 passes it on to its ranks, which stop their SGLang servers) and SIGKILL to what is left after a
-grace period, and closes the channel, which ends any rank still running anywhere.
+grace period, and closes the channel, which ends any rank still running anywhere. Last, it removes
+the DeepSpeed /dev/shm segments of a one-node launch that no rank could unlink (shared_memory.py).
 """
 
 from __future__ import annotations
@@ -32,11 +33,12 @@ from typing import Any
 
 from tlt_cli.config import Recipe
 from tlt_cli.errors import UserError
-from tlt_cli.processes.distributed import free_port, private_rendezvous_directory
+from tlt_cli.processes.distributed import free_port, private_rendezvous_directory, process_running
 from tlt_cli.processes.event_channel import EventListener
 from tlt_cli.processes.hostfile import LOCAL_ADDRESS, deepspeed_launch_command, read_hostfile, runs_on_this_machine
 from tlt_cli.processes.launch_files import LaunchPlan, body_name, write_launch_files
-from tlt_cli.processes.messages import WorkerBody, WorkerFinished
+from tlt_cli.processes.messages import WorkerBody, WorkerFinished, WorkerProgress
+from tlt_cli.shared_memory import remove_unheld, run_buffers
 
 LAUNCHER_LOG = "launcher.log"
 # seconds the launcher gets to exit after every rank finished, and after SIGTERM
@@ -56,6 +58,8 @@ class LaunchedWorkers:
         recipe, run_directory = spec_base["recipe"], spec_base["run_directory"]
         self.size = recipe.workers.count
         self.finished: set[int] = set()
+        # rank -> pid of the ranks on this machine, from their progress events
+        self.local_pids: dict[int, int] = {}
         local = runs_on_this_machine(recipe)
         authkey = secrets.token_bytes(32)
         self.log_path = run_directory / "workers" / LAUNCHER_LOG
@@ -75,7 +79,10 @@ class LaunchedWorkers:
             rendezvous_directory=_absolute(self.rendezvous),
         )
         write_launch_files(run_directory, recipe, plan)
-        command = deepspeed_launch_command(recipe, run_directory, free_port())
+        master_port = free_port()
+        # a one-node job's DeepSpeed segments in /dev/shm, removed in `stop` if the ranks could not (shared_memory.py)
+        self.shared_buffers = run_buffers(LOCAL_ADDRESS, master_port, self.size) if local else []
+        command = deepspeed_launch_command(recipe, run_directory, master_port)
         with self.log_path.open("a", encoding="utf-8") as log:
             self.launcher = subprocess.Popen(
                 command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
@@ -93,7 +100,20 @@ class LaunchedWorkers:
             return None
         if isinstance(event, WorkerFinished):
             self.finished.add(event.worker)
+        if isinstance(event, WorkerProgress) and event.host == socket.gethostname():
+            self.local_pids[event.worker] = event.pid
         return event
+
+    def ended_without_report(self, accounted: set[int]) -> str | None:
+        """The first rank of this machine not in `accounted` (finished, or failed and said so) whose process has
+        ended (its parent, the per-node launcher, learns the exit code and logs it); None if there is none."""
+        for rank, pid in sorted(self.local_pids.items()):
+            if rank not in accounted and not process_running(pid):
+                return (
+                    f"worker {rank} (pid {pid}) ended without reporting an error (killed, or out of memory?); the "
+                    f"DeepSpeed launcher logs its exit code in {self.log_path}."
+                )
+        return None
 
     def failure(self, finished: set[int]) -> str | None:
         """Why the run cannot go on (the launcher exited with ranks unfinished), or None while it can."""
@@ -119,6 +139,7 @@ class LaunchedWorkers:
                 _signal_session(self.launcher, signal.SIGKILL)
             self.launcher.wait()
         self.channel.close()
+        remove_unheld(self.shared_buffers)
         if self.rendezvous is not None:
             shutil.rmtree(self.rendezvous, ignore_errors=True)
 

@@ -60,12 +60,15 @@ class LocalWorkers:
 
     def failure(self, finished: set[int]) -> str | None:
         """A worker that is gone without finishing, or None while all are alive or done."""
+        return self.ended_without_report(finished)
+
+    def ended_without_report(self, accounted: set[int]) -> str | None:
+        """The first worker not in `accounted` (finished, or failed and said so) whose process has ended, named with
+        how it ended (the signal that killed it); None if there is none."""
+        finished = accounted
         for rank, process in enumerate(self.processes):
             if rank not in finished and not process.is_alive():
-                return (
-                    f"worker {rank} exited with code {process.exitcode} without reporting an error "
-                    "(killed, or out of memory?)."
-                )
+                return f"worker {rank} {_how_it_ended(process.exitcode)}"
         return None
 
     def stop(self) -> None:
@@ -80,6 +83,14 @@ class LocalWorkers:
                 process.kill()
                 process.join()
         shutil.rmtree(self.rendezvous, ignore_errors=True)
+
+
+def _how_it_ended(exit_code: int) -> str:
+    """How a worker that reported nothing ended, from its exit code (negative: the signal that killed it)."""
+    if exit_code < 0:
+        name = signal.Signals(-exit_code).name
+        return f"was killed by {name} (code {exit_code}) without reporting an error (out of memory, or killed?)."
+    return f"exited with code {exit_code} without reporting an error (killed, or out of memory?)."
 
 
 def _continue(pid: int) -> None:

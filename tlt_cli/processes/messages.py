@@ -10,6 +10,7 @@ trace records (step_records.py) and names a stuck rank from the progress (step_d
 
 from __future__ import annotations
 
+import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -69,19 +70,21 @@ class WorkerFailed:
 
     user_error: the error is the user's to fix (a tlt UserError: a data file, model weights); the
     message is then the sentence to show, without the worker's name or the error's type.
+    failed_at: when it raised (time.time(): the driver names the first of several failures).
     """
 
     worker: int
     message: str
     details: str
     user_error: bool = False
+    failed_at: float = 0.0
 
     @classmethod
     def of_exception(cls, worker: int, error: BaseException) -> WorkerFailed:
         """The report of `error`, raised in `worker` and being handled now (its traceback is the current one)."""
         if isinstance(error, UserError):
-            return cls(worker, str(error), traceback.format_exc(), user_error=True)
-        return cls(worker, f"{type(error).__name__}: {error}", traceback.format_exc())
+            return cls(worker, str(error), traceback.format_exc(), user_error=True, failed_at=time.time())
+        return cls(worker, f"{type(error).__name__}: {error}", traceback.format_exc(), failed_at=time.time())
 
 
 @dataclass(frozen=True)

@@ -7,18 +7,22 @@ Shared by the native GRPO worker (tlt_cli/training/worker_loop.py) and the TRL p
 from __future__ import annotations
 
 import os
+import shutil
 import threading
 import time
 from pathlib import Path
 
 
-def exit_with_parent() -> None:
-    """A worker must not outlive `tlt train` (e.g. after SIGKILL of the driver)."""
+def exit_with_parent(rendezvous_directory: Path | None) -> None:
+    """A worker must not outlive `tlt train` (e.g. after SIGKILL of the driver); the first to notice removes the
+    folder where the ranks met (the driver that would have is gone)."""
     parent = os.getppid()
 
     def watch() -> None:
         while os.getppid() == parent:
             time.sleep(0.5)
+        if rendezvous_directory is not None:
+            shutil.rmtree(rendezvous_directory, ignore_errors=True)
         os._exit(1)
 
     threading.Thread(target=watch, daemon=True).start()

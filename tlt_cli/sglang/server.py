@@ -15,6 +15,11 @@ scheduler and detokenizer processes SGLang forks: SIGTERM to the group, then SIG
 (atexit), on SIGTERM (turned into SystemExit while a group runs), and, on Linux, the server
 leader gets SIGTERM if the thread that started it dies (PR_SET_PDEATHSIG): start servers from
 the thread that lives for the whole run.
+
+SGLang leaves files even after a clean stop (0.5.23: three socket files and two empty temporary
+files, one `/dev/shm/sglang_loads_*.shm`, one `/dev/shm/sem.mp-*`). Each server therefore gets a
+temporary folder of its own (TMPDIR, removed at stop), and stop removes the /dev/shm entries named
+as SGLang's that appeared while the group ran and that no live process holds (tlt_cli/shared_memory.py).
 """
 
 from __future__ import annotations
@@ -24,13 +29,16 @@ import ctypes
 import functools
 import os
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from fnmatch import fnmatch
 from pathlib import Path
 
 from tlt_cli.sglang.adaptive import PlanMode, SGLangSpeculativePlan, write_adaptive_config
@@ -45,6 +53,7 @@ from tlt_cli.sglang.server_args import (
     speculative_flags,
 )
 from tlt_cli.sglang.transport import ServerEndpoint, get_status
+from tlt_cli.shared_memory import SHARED_MEMORY_DIRECTORY, remove_unheld
 
 HEALTH_PATH = "/health"
 HEALTH_POLL_S = 0.25
@@ -54,6 +63,8 @@ PR_SET_PDEATHSIG = 1
 API_KEY_FILE = "api_key.yaml"
 PRIVATE_FOLDER_MODE = 0o700
 PRIVATE_FILE_MODE = 0o600
+# what SGLang's processes (and the multiprocessing semaphores they make) leave in /dev/shm
+SGLANG_SHARED_MEMORY_NAMES = ("sglang_*", "sem.mp-*")
 
 
 class ServerStartError(RuntimeError):
@@ -172,6 +183,9 @@ class ServerGroup:
         # told the servers' process groups once all are spawned, before the (long) wait for health
         self.on_spawned = on_spawned
         self.processes: list[subprocess.Popen] = []
+        # each server's TMPDIR, and /dev/shm as it was before the first server started
+        self.temporary_folders: list[Path] = []
+        self.shared_memory_before: set[Path] = set()
         self._previous_sigterm = None
         self._stopped = threading.Event()
 
@@ -194,6 +208,7 @@ class ServerGroup:
         self._check_ports_free()
         atexit.register(self.stop)
         self._install_sigterm_handler()
+        self.shared_memory_before = set(SHARED_MEMORY_DIRECTORY.iterdir())
         try:
             for launch in self.launches:
                 self.processes.append(self._spawn(launch))
@@ -220,6 +235,8 @@ class ServerGroup:
 
     def _spawn(self, launch: ServerLaunch) -> subprocess.Popen:
         private_folder(launch.log_path.parent)
+        # short, under the system's temporary folder: SGLang puts its Unix sockets there (at most 107 bytes a path)
+        self.temporary_folders.append(Path(tempfile.mkdtemp(prefix=f"tlt-sglang-{launch.endpoint.index}-")))
         shown = " ".join(launch.command)
         with os.fdopen(
             os.open(launch.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, PRIVATE_FILE_MODE), "ab"
@@ -228,7 +245,7 @@ class ServerGroup:
             log.flush()
             return subprocess.Popen(
                 launch.command,
-                env=launch.environment,
+                env={**launch.environment, "TMPDIR": str(self.temporary_folders[-1])},
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -276,9 +293,23 @@ class ServerGroup:
             self._signal_group(group, signal.SIGKILL)
         for process in self.processes:
             process.wait()
+        self._remove_left_files()
         atexit.unregister(self.stop)
         if self._previous_sigterm is not None and threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, self._previous_sigterm)
+
+    def _remove_left_files(self) -> None:
+        """The servers' temporary folders, and the /dev/shm entries named as SGLang's that appeared since the
+        group started and that no live process holds (another run's servers keep theirs)."""
+        for folder in self.temporary_folders:
+            shutil.rmtree(folder, ignore_errors=True)
+        appeared = [
+            path
+            for path in SHARED_MEMORY_DIRECTORY.iterdir()
+            if path not in self.shared_memory_before
+            and any(fnmatch(path.name, pattern) for pattern in SGLANG_SHARED_MEMORY_NAMES)
+        ]
+        remove_unheld(appeared)
 
     @staticmethod
     def _signal_group(group: int, signum: int) -> None:

@@ -67,7 +67,7 @@ def step_memory_metrics(rollout_peak: int, update_peak: int) -> dict[str, float]
 
 def worker_main(spec: WorkerSpec, events: Any) -> None:
     """Process entry point: run the loop, report failure instead of dying silently."""
-    exit_with_parent()
+    exit_with_parent(spec.address.rendezvous_directory)
     redirect_output(spec.run_directory / "workers" / f"worker-{spec.address.rank}.log")
     try:
         loop = WorkerLoop(spec, events)

@@ -1,0 +1,247 @@
+"""The chaos suite, round 3 (issue 36), process faults: a killed hostfile run's shared memory, blame when several
+workers fail, Ctrl-C in the first drafter warm-up.
+
+As in tests/test_faults.py, each fault is injected for real into the real CLI (`python -m tlt_cli` in a
+subprocess): SIGKILL of a hostfile run's driver, SIGKILL of a worker mid-checkpoint, SIGINT during the
+warm-up. Each case checks what a user would see and what the machine keeps afterwards.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import test_faults as faults
+from recipe_overrides import small_run
+from test_hostfile_launch import processes_of
+
+from tlt_cli.processes.hostfile import LOCAL_ADDRESS
+from tlt_cli.shared_memory import deepspeed_buffer, run_buffers
+
+# a port no launch of this test uses: the name of a segment "left by a killed run" the test plants
+PLANTED_PORT = 1
+
+
+# ---------------------------------------------------------------- shared memory of a killed hostfile run
+
+
+def launcher_master_port(run_directory: Path) -> int:
+    """The --master_port of the DeepSpeed launcher running `run_directory` (the port names the run's segments)."""
+    for process in processes_of(run_directory):
+        command = process.info["cmdline"]
+        if "--master_port" in command:
+            return int(command[command.index("--master_port") + 1])
+    raise AssertionError(f"no DeepSpeed launcher runs {run_directory}")
+
+
+def test_sigkill_of_a_hostfile_runs_driver_leaves_no_deepspeed_segment_after_the_next_train(small_model, tmp_path):
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("localhost slots=2\n")
+    run_directory = tmp_path / "killed"
+    markers = tmp_path / "markers"
+    driver = faults.start(
+        small_run(small_model, tmp_path, "killed", 50, f"workers.hostfile={hostfile}", *faults.mark_rollouts(markers)),
+        tmp_path,
+    )
+    faults.wait_until(lambda: (markers / "rollout-1-1").exists(), faults.HANG_GUARD_SECONDS, process=driver)
+    killed_run_buffers = run_buffers(LOCAL_ADDRESS, launcher_master_port(run_directory), 2)
+    ranks = processes_of(run_directory)
+    driver.kill()
+    driver.wait(timeout=faults.HANG_GUARD_SECONDS)
+    faults.assert_gone(ranks)
+
+    # beside it: a segment of another killed run (mapped by no one) and one a live process maps (a running job's)
+    abandoned = deepspeed_buffer(LOCAL_ADDRESS, PLANTED_PORT, 0)
+    live = deepspeed_buffer(LOCAL_ADDRESS, PLANTED_PORT, 1)
+    abandoned.write_bytes(b"\0" * mmap.PAGESIZE)
+    live.write_bytes(b"\0" * mmap.PAGESIZE)
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            f"import mmap, sys; f = open({str(live)!r}, 'r+b'); m = mmap.mmap(f.fileno(), 0); print('mapped', "
+            "flush=True); sys.stdin.read()",
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "mapped"
+        next_run = subprocess.run(
+            small_run(small_model, tmp_path, "next", 1, "workers.count=1", "train.prompts_per_step=2"),
+            capture_output=True,
+            text=True,
+            timeout=faults.HANG_GUARD_SECONDS,
+        )
+        assert next_run.returncode == 0, next_run.stderr[-3000:]
+        assert not [buffer for buffer in [*killed_run_buffers, abandoned] if buffer.exists()]
+        assert live.exists(), "a segment a live process maps belongs to a running job"
+    finally:
+        holder.communicate("", timeout=faults.HANG_GUARD_SECONDS)
+        for buffer in (abandoned, live):
+            buffer.unlink(missing_ok=True)
+
+
+# ---------------------------------------------------------------- blame
+
+
+def test_sigkill_of_worker_one_mid_checkpoint_names_it_not_its_peer(small_model, tmp_path):
+    """Worker 1 is killed writing the first checkpoint; worker 0 then fails in the checkpoint's barrier (gloo:
+    connection reset by peer). The cause is worker 1, named with its signal; worker 0's error only in the log."""
+    result = subprocess.run(
+        small_run(
+            small_model,
+            tmp_path,
+            "killed-in-checkpoint",
+            2,
+            "checkpoint.every=1",
+            "plugins.enabled=[fault_plugins:KillInCheckpoint]",
+        ),
+        capture_output=True,
+        text=True,
+        timeout=faults.HANG_GUARD_SECONDS,
+        env=faults.environment_with_test_plugins(),
+    )
+    assert result.returncode == 1, result.stderr[-3000:]
+    line = faults.one_line(result.stdout, result.stderr)
+    assert line.startswith("error: worker 1 was killed by SIGKILL (code -9) without reporting an error"), line
+    assert "worker 0" not in line, line
+    log = (tmp_path / "killed-in-checkpoint" / "run.log").read_text()
+    assert "then worker 0 failed:" in log, log[-3000:]
+
+
+def test_sigkill_of_rank_one_of_a_hostfile_run_mid_checkpoint_names_it_not_its_peer(small_model, tmp_path):
+    """As above, under the DeepSpeed launcher: the driver is not the ranks' parent, so it names rank 1 by the pid
+    its progress reports carried."""
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("localhost slots=2\n")
+    result = subprocess.run(
+        small_run(
+            small_model,
+            tmp_path,
+            "launched-killed-in-checkpoint",
+            2,
+            "checkpoint.every=1",
+            f"workers.hostfile={hostfile}",
+            "plugins.enabled=[fault_plugins:KillInCheckpoint]",
+        ),
+        capture_output=True,
+        text=True,
+        timeout=faults.HANG_GUARD_SECONDS,
+        env=faults.environment_with_test_plugins(),
+    )
+    assert result.returncode == 1, result.stderr[-3000:]
+    line = faults.one_line(result.stdout, result.stderr)
+    assert line.startswith("error: worker 1 (pid "), line
+    assert "ended without reporting an error" in line and "worker 0" not in line, line
+
+
+# ---------------------------------------------------------------- Ctrl-C in the first drafter warm-up
+
+
+def test_ctrl_c_in_the_first_drafter_warm_up_says_there_is_nothing_to_resume(small_model, tmp_path):
+    """A cold cache makes `tlt train` warm the drafter up before it makes the run directory: Ctrl-C there must not
+    advise a --resume of a folder that does not exist."""
+    run_directory = tmp_path / "warming"
+    command = small_run(small_model, tmp_path, "warming", 2, "speculative.mode=adaptive", "drafter.init=warmup")
+    environment = {**faults.environment_with_test_plugins(), "TLT_CACHE_DIR": str(tmp_path / "cold-cache")}
+    with open(tmp_path / "driver.out", "w") as stdout, open(tmp_path / "driver.err", "w") as stderr:
+        driver = subprocess.Popen(command, stdout=stdout, stderr=stderr, env=environment)
+    faults.wait_until(
+        lambda: "preparing the drafter" in (tmp_path / "driver.out").read_text(),
+        faults.HANG_GUARD_SECONDS,
+        process=driver,
+    )
+    driver.send_signal(signal.SIGINT)
+    code, stdout, stderr = faults.finish(driver, tmp_path)
+    assert code == 130, stderr[-3000:]
+    assert "drafter warmed up" not in stdout, "the warm-up ended before the interrupt: the test pressed Ctrl-C late"
+    assert faults.one_line(stdout, stderr) == (
+        f"error: interrupted; the run had not started ({run_directory} was not made), so there is nothing to "
+        "resume: run it again."
+    )
+    assert not run_directory.exists()
+
+
+# ---------------------------------------------------------------- the leak check of the fault tests itself
+
+LEAKING_TESTS = """
+import socket
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+KEPT = []
+HOLD_AND_DIE = (
+    "import mmap, os, time; f = open({{path!r}}, 'w+b'); f.write(bytes(4096)); f.flush(); "
+    "m = mmap.mmap(f.fileno(), 0); time.sleep(3); os._exit(9)"
+)
+
+
+def test_leaves_a_process():
+    subprocess.Popen(["sleep", "300"])
+
+
+def test_leaves_shared_memory():
+    # a process maps a segment and dies without unlinking it, as a killed rank does
+    subprocess.run(
+        [sys.executable, "-c", HOLD_AND_DIE.format(path="/dev/shm/tlt-leak-probe-{mark}")], check=False, timeout=60
+    )
+
+
+def test_leaves_a_listening_socket():
+    KEPT.append(socket.create_server(("127.0.0.1", 0)))
+
+
+def test_leaves_a_temporary_file():
+    tempfile.NamedTemporaryFile(delete=False).close()
+
+
+def test_leaves_nothing():
+    with tempfile.NamedTemporaryFile():
+        subprocess.run(["true"], check=True)
+"""
+
+
+def test_the_leak_check_fails_each_kind_of_leak_and_passes_a_clean_test(tmp_path):
+    probe = tmp_path / "test_faults_leak_probe.py"
+    probe.write_text(LEAKING_TESTS.format(mark=os.getpid()))
+    session = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "conftest",
+            "-c",
+            os.devnull,
+            f"--basetemp={tmp_path / 'basetemp'}",
+            str(probe),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=faults.HANG_GUARD_SECONDS,
+        env=faults.environment_with_test_plugins(),
+        cwd=tmp_path,
+    )
+    output = session.stdout
+    assert session.returncode == 1, output[-3000:]
+    # a test whose teardown fails counts as passed and errored: only the clean one passes without an error
+    assert "5 passed, 4 errors" in output and "of test_leaves_nothing" not in output, output[-3000:]
+    for test, leak in [
+        ("test_leaves_a_process", "process "),
+        ("test_leaves_shared_memory", f"shared memory /dev/shm/tlt-leak-probe-{os.getpid()}"),
+        ("test_leaves_a_listening_socket", "listening socket ('AF_INET', "),
+        ("test_leaves_a_temporary_file", "file "),
+    ]:
+        assert f"ERROR at teardown of {test}" in output, output[-3000:]
+        report = output.split(f"ERROR at teardown of {test}", 1)[1]
+        assert f"the test left behind:\n{leak}" in report, report[:1000]
+    assert not Path(f"/dev/shm/tlt-leak-probe-{os.getpid()}").exists()

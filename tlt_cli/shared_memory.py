@@ -1,0 +1,95 @@
+"""What tlt's processes leave in /dev/shm: DeepSpeed's all-reduce buffers named, and what no live process holds removed.
+
+When every rank of a job runs on one node (the DeepSpeed launcher sets LOCAL_SIZE == WORLD_SIZE),
+DeepSpeed's CPU all-reduce (its shm.cpp) makes one 69 MB segment per rank, named
+`deepspeed_allreduce_buffer_<uid>_<MASTER_ADDR>_<MASTER_PORT>_<rank>`, maps every rank's, and never
+unlinks any. Three things keep them from filling the machine's memory:
+1. each rank unlinks its own segment as soon as every rank has mapped every segment
+   (`release_own_buffer`, after the process group's first barrier: init_worker_process in
+   distributed.py); the maps stay valid, and the memory goes when the last rank exits, however it exits;
+2. the driver of a hostfile run removes its run's segments once the ranks are gone
+   (`run_buffers`: the names follow from the launch's port and size; launched_workers.py);
+3. every `tlt train` first removes this user's segments that no live process maps
+   (`remove_abandoned_buffers`: left by a run killed before its ranks could unlink them).
+A segment is unmapped only between DeepSpeed's shm_open and its mmap a few lines later, so one
+that no live process maps belongs to a process that has exited. SGLang's servers leave entries of
+their own; tlt_cli/sglang/server.py removes them with `remove_unheld` when it stops a server.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+
+SHARED_MEMORY_DIRECTORY = Path("/dev/shm")
+DEEPSPEED_BUFFER_PREFIX = "deepspeed_allreduce_buffer"
+
+
+def deepspeed_buffer(master_address: str, master_port: int | str, rank: int | str) -> Path:
+    """The segment DeepSpeed makes for `rank` of a one-node job meeting at master_address:master_port."""
+    return SHARED_MEMORY_DIRECTORY / f"{DEEPSPEED_BUFFER_PREFIX}_{os.getuid()}_{master_address}_{master_port}_{rank}"
+
+
+def rank_buffer(environment: Mapping[str, str]) -> Path | None:
+    """This rank's segment, named from the launcher's variables; None when DeepSpeed makes none (the ranks span
+    nodes, or no launcher set LOCAL_SIZE)."""
+    if environment.get("LOCAL_SIZE") != environment.get("WORLD_SIZE"):
+        return None
+    return deepspeed_buffer(environment["MASTER_ADDR"], environment["MASTER_PORT"], environment["RANK"])
+
+
+def run_buffers(master_address: str, master_port: int, world_size: int) -> list[Path]:
+    """Every rank's segment of a one-node job."""
+    return [deepspeed_buffer(master_address, master_port, rank) for rank in range(world_size)]
+
+
+def release_own_buffer(environment: Mapping[str, str]) -> None:
+    """Unlink this rank's segment; call only once every rank has mapped every segment (after a barrier)."""
+    buffer = rank_buffer(environment)
+    if buffer is not None:
+        buffer.unlink(missing_ok=True)
+
+
+def remove_unheld(paths: list[Path]) -> list[Path]:
+    """Remove those of `paths` that exist and no live process maps or holds open; the ones removed."""
+    held = held_files() if paths else set()
+    removed = []
+    for path in paths:
+        if path.exists() and path not in held:
+            path.unlink(missing_ok=True)
+            removed.append(path)
+    return removed
+
+
+def remove_abandoned_buffers() -> list[Path]:
+    """Remove this user's DeepSpeed segments that no live process maps (a killed run's); the ones removed."""
+    return remove_unheld(sorted(SHARED_MEMORY_DIRECTORY.glob(f"{DEEPSPEED_BUFFER_PREFIX}_{os.getuid()}_*")))
+
+
+def mapped_files() -> set[Path]:
+    """Every file some live process of this machine maps (from /proc/<pid>/maps)."""
+    mapped = set()
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        try:
+            lines = maps.read_text().splitlines()
+        except OSError:  # the process ended, or is not ours to read
+            continue
+        mapped.update(Path(line.split(maxsplit=5)[5]) for line in lines if line.count(" ") >= 5 and "/" in line)
+    return mapped
+
+
+def open_files() -> set[Path]:
+    """Every file some live process of this machine holds open (from /proc/<pid>/fd)."""
+    held = set()
+    for descriptor in Path("/proc").glob("[0-9]*/fd/*"):
+        try:
+            held.add(Path(os.readlink(descriptor)))
+        except OSError:  # the process or descriptor ended, or is not ours to read
+            continue
+    return held
+
+
+def held_files() -> set[Path]:
+    """Every file some live process maps or holds open."""
+    return mapped_files() | open_files()
