@@ -51,7 +51,7 @@ def check_recipe(recipe: Recipe, new_run: bool = False) -> None:
     _check_task(recipe)
     target_vocab_size = _check_model(recipe)
     draft_vocab_size = _check_drafter_start(recipe, target_vocab_size)
-    check_shapes_fit_draft_vocabulary(recipe.speculative, draft_vocab_size)
+    check_shapes_fit_draft_vocabulary(setup.speculative_plan(recipe.speculative), draft_vocab_size)
     _check_plugins(recipe.plugins)
     if recipe.train.trainer == Trainer.trl:
         _check_trl_plugins(recipe)

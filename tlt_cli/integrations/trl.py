@@ -55,9 +55,9 @@ from tlt_cli.integrations.trl_support import (
 from tlt_cli.plugins import drafter_training_plugin
 from tlt_cli.rollout.embedded import EmbeddedRollout
 from tlt_cli.rollout.types import Completion, RolloutRequest
-from tlt_cli.speculative.adaptive import OFF, adaptive_schedule
+from tlt_cli.speculative.adaptive import OFF, SpeculativePlan
 from tlt_cli.training.logprobs import head_logprobs
-from tlt_cli.training.setup import rollout_needs_drafter
+from tlt_cli.training.setup import rollout_needs_drafter, speculative_plan
 from tlt_cli.tuning.precision import ROLLOUT_DTYPE_SETTINGS
 
 if TYPE_CHECKING:
@@ -152,7 +152,8 @@ def tlt_rollout(
         raise UserError(f"dtype is {dtype!r}; use one of {', '.join(ROLLOUT_DTYPE_SETTINGS)}.")
     section = _section(SpeculativeSection, speculative, "speculative")
     return TltRollout(
-        replace(section, mode=SpeculativeMode.of(section.mode, "speculative mode")),
+        # the rule table is checked now, not at the first rollout
+        speculative_plan(replace(section, mode=SpeculativeMode.of(section.mode, "speculative mode"))),
         drafter,
         process_sidecar_factory(sidecar),
         _section(DrafterConfig, drafter_config, "drafter_config"),
@@ -189,7 +190,7 @@ class TltRollout:
 
     def __init__(
         self,
-        speculative: SpeculativeSection,
+        speculative: SpeculativePlan,
         drafter: str | Path | EagleDrafter,
         sidecar: Callable[..., Any] | None,
         drafter_config: DrafterConfig,
@@ -198,8 +199,6 @@ class TltRollout:
         cache_dir: Path | None = None,
         dtype: str = "float32",
     ) -> None:
-        if speculative.mode == SpeculativeMode.adaptive:
-            adaptive_schedule(speculative)  # the rule table is checked now, not at the first rollout
         self.speculative = speculative
         self.drafter_source = drafter
         # builds the process sidecar (a plugin's trl_process_sidecar), None: no drafter training

@@ -6,6 +6,8 @@ worker (tlt_cli/integrations/trl_run.py), the driver's drafter preparation (trai
 (tlt_cli/calibration/calibrate.py) and `tlt export-drafter` (tlt_cli/export.py). The parts:
   policy_and_tokenizer / reference_policy   the recipe's model (the reference only with a KL term)
   task, sampling                            the task and the rollout's sampling settings
+  speculative_plan                          the `speculative` section as a SpeculativePlan, its rule table
+                                            parsed and checked here, the one place it is read
   drafter_needed, prepare_drafter,          whether a run needs a drafter (it speculates, or a plugin
   starting_drafter                          trains one), its starting folder (a cached warm-up, whose
                                             draft vocabulary the warm-up chooses, or a saved folder)
@@ -22,10 +24,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from tlt_cli.config import Recipe, SpeculativeMode
+from tlt_cli.config import Recipe, RecipeError, SpeculativeSection
 from tlt_cli.engine.sampling import SamplingParams
 from tlt_cli.models.tiny import cache_directory
 from tlt_cli.plugins import plugins_train_drafter
+from tlt_cli.speculative.adaptive import Rule, RuleTableError, SpeculationMode, SpeculativePlan, build_rules
+from tlt_cli.speculative.types import SpeculativeConfig
 
 if TYPE_CHECKING:
     from torch import nn
@@ -69,14 +73,39 @@ def sampling(recipe: Recipe) -> SamplingParams:
     )
 
 
-def rollout_needs_drafter(mode: SpeculativeMode, drafter_trained: bool) -> bool:
+def speculation_mode(section: SpeculativeSection) -> SpeculationMode:
+    """The section's `mode` as a plan carries it."""
+    return SpeculationMode(section.mode.value)
+
+
+def speculative_plan(section: SpeculativeSection) -> SpeculativePlan:
+    """The recipe's `speculative` section as plain values. The rule table is parsed and checked here, in mode
+    adaptive only (the other modes never read it): a RecipeError naming speculative.rules and the rule."""
+    mode = speculation_mode(section)
+    rules: tuple[Rule, ...] = ()
+    if mode == SpeculationMode.adaptive:
+        try:
+            rules = tuple(build_rules([dict(rule) for rule in section.rules]))
+        except RuleTableError as error:
+            raise RecipeError(f"speculative.rules: {error}") from None
+    return SpeculativePlan(
+        mode,
+        SpeculativeConfig(section.steps, section.topk, section.draft_tokens),
+        rules,
+        section.collapse_accept_length,
+        section.reprobe_steps,
+        section.bandit_epsilon,
+    )
+
+
+def rollout_needs_drafter(mode: SpeculationMode, drafter_trained: bool) -> bool:
     """The one rule: a rollout needs a drafter when it speculates, or when something trains one."""
-    return mode != SpeculativeMode.off or drafter_trained
+    return mode != SpeculationMode.off or drafter_trained
 
 
 def drafter_needed(recipe: Recipe) -> bool:
     """Whether the recipe's run needs a drafter: it speculates, or a plugin it enables trains one."""
-    return rollout_needs_drafter(recipe.speculative.mode, plugins_train_drafter(recipe.plugins.enabled))
+    return rollout_needs_drafter(speculation_mode(recipe.speculative), plugins_train_drafter(recipe.plugins.enabled))
 
 
 def prepare_drafter(
@@ -148,7 +177,7 @@ def _embedded(
         policy,
         tokenizer.eos_token_id,
         tokenizer.pad_token_id,
-        recipe.speculative,
+        speculative_plan(recipe.speculative),
         drafter,
         seed=recipe.run.seed,
         linear_forms=recipe.rollout.linear_forms,
@@ -171,7 +200,7 @@ def _sglang(
         # rollout.sglang.gpus are the GPUs of each node, shared among the ranks of that node
         servers_of_worker(recipe.rollout.sglang, place.rank_on_node, ranks_per_node(recipe)),
         str(model_folder(recipe.model.path)),
-        batch_rules(recipe.speculative),
+        batch_rules(speculative_plan(recipe.speculative)),
         eos_token_id=tokenizer.eos_token_id,
         seed=recipe.run.seed,
         run_directory=place.run_directory,
