@@ -5,8 +5,8 @@ TYPE_CHECKING included: a type-only import is still a dependency a reader follow
 against LAYERS, lowest first. A module belongs to the layer of the longest prefix that names it;
 it may import modules of its own layer and of the layers below. The composition root
 (tlt_cli/training/) builds parts from everything below it; integrations/ (TRL) builds on it; the
-trainer table (training/trainers.py) names both trainers' bodies, so it sits above integrations;
-the commands' implementations and the CLI come last. ALLOWED_UPWARD lists the exceptions, each
+commands' implementations (among them the trainer table, tlt_cli/trainers.py, which names both
+trainers' bodies) and the CLI come last. ALLOWED_UPWARD lists the exceptions, each
 with its reason. Below the composition root, the decode packages (RECIPE_FREE) take plain values and
 never import the recipe schema (tlt_cli/config.py). No two modules import each other, however
 indirectly, in tlt_cli/ or in the shipped plugins (plugins/, installed as tlt_plugins).
@@ -49,10 +49,16 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("processes", ("tlt_cli.processes",)),
     ("training", ("tlt_cli.training",)),
     ("integrations", ("tlt_cli.integrations",)),
-    ("trainers", ("tlt_cli.training.trainers",)),
     (
         "commands",
-        ("tlt_cli.recipe_checks", "tlt_cli.preflight", "tlt_cli.profile", "tlt_cli.calibration", "tlt_cli.export"),
+        (
+            "tlt_cli.recipe_checks",
+            "tlt_cli.preflight",
+            "tlt_cli.trainers",
+            "tlt_cli.profile",
+            "tlt_cli.calibration",
+            "tlt_cli.export",
+        ),
     ),
     ("cli", ("tlt_cli.cli", "tlt_cli.__main__")),
 ]

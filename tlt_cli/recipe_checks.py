@@ -22,6 +22,7 @@ from tlt_cli.config import (
     DrafterConfig,
     Recipe,
     RecipeError,
+    RolloutBackendName,
     SpeculativeMode,
     SpeculativeSection,
     Trainer,
@@ -37,9 +38,8 @@ from tlt_cli.speculative.types import SpeculativeConfig
 from tlt_cli.training.setup import speculative_plan
 from tlt_cli.tuning.precision import ROLLOUT_DTYPE_SETTINGS
 
-ROLLOUT_BACKENDS = ("embedded", "sglang", "trl")
 # a TRL run generates with tlt's embedded engine, or with TRL's own generation (rollout.backend trl, the baseline)
-TRL_BACKENDS = ("embedded", "trl")
+TRL_BACKENDS = (RolloutBackendName.embedded, RolloutBackendName.trl)
 PRECISIONS = ("fp32", "bf16")
 DRAFTER_STARTS = ("warmup", "random")
 # ZeRO-3 shards the parameters; the rollout (embedded engine or weight push) needs the whole policy
@@ -84,7 +84,7 @@ def check_values(recipe: Recipe) -> None:
     _check_plugins(recipe)
     _check_actor_placement(recipe)
     _check_trainer(recipe)
-    if recipe.rollout.backend == "sglang":
+    if recipe.rollout.backend == RolloutBackendName.sglang:
         _check_sglang_backend(recipe)
 
 
@@ -150,10 +150,6 @@ def _check_train_and_workers(recipe: Recipe) -> None:
 
 def _check_rollout(recipe: Recipe) -> None:
     rollout = recipe.rollout
-    _require(
-        rollout.backend in ROLLOUT_BACKENDS,
-        f"rollout.backend must be one of {', '.join(ROLLOUT_BACKENDS)}, got '{rollout.backend}'.",
-    )
     _require(rollout.max_new_tokens >= 1, f"rollout.max_new_tokens must be at least 1, got {rollout.max_new_tokens}.")
     _require(rollout.temperature >= 0.0, f"rollout.temperature must be >= 0 (0 is greedy), got {rollout.temperature}.")
     _require(0.0 < rollout.top_p <= 1.0, f"rollout.top_p must be in (0, 1], got {rollout.top_p}.")
@@ -193,7 +189,9 @@ def _check_trainer(recipe: Recipe) -> None:
             f"trl.{next(iter(recipe.trl), '')} is set but train.trainer is {trainer}; set "
             "train.trainer: trl or remove the trl section.",
         )
-        _require(backend != "trl", "rollout.backend trl (TRL's own generation) needs train.trainer: trl.")
+        _require(
+            backend != RolloutBackendName.trl, "rollout.backend trl (TRL's own generation) needs train.trainer: trl."
+        )
         return
     _require(
         backend in TRL_BACKENDS,
@@ -214,7 +212,7 @@ def _check_trainer(recipe: Recipe) -> None:
         f"actor.micro_batch_size ({recipe.actor.micro_batch_size}) must divide the {completions} completions each "
         "TRL process trains on per step (train.prompts_per_step x train.group_size / workers.count).",
     )
-    if backend == "trl":
+    if backend == RolloutBackendName.trl:
         # a plugin that trains the drafter is refused with it too, where plugins resolve (tlt_cli/preflight.py)
         _require(
             recipe.speculative.mode == SpeculativeMode.off,

@@ -1,7 +1,7 @@
 """The composition root's one setup: the only code that turns a Recipe into parts.
 
 Every consumer of a recipe builds its parts here: the native worker (worker_loop.py), the TRL
-worker (tlt_cli/integrations/trl_run.py), the driver's drafter preparation (trainers.py),
+worker (tlt_cli/integrations/trl_run.py), the driver's drafter preparation (tlt_cli/trainers.py),
 `tlt profile <recipe>` (tlt_cli/profile/recording.py), `tlt calibrate`
 (tlt_cli/calibration/calibrate.py) and `tlt export-drafter` (tlt_cli/export.py). The parts:
   policy_and_tokenizer / reference_policy   the recipe's model (the reference only with a KL term)
@@ -12,7 +12,7 @@ worker (tlt_cli/integrations/trl_run.py), the driver's drafter preparation (trai
   starting_drafter                          trains one), its starting folder (a cached warm-up, whose
                                             draft vocabulary the warm-up chooses, or a saved folder)
                                             and the drafter itself over a policy
-  rollout_backend                           the RolloutBackend `rollout.backend` names (ROLLOUT_BACKENDS)
+  rollout_backend                           the RolloutBackend `rollout.backend` names (BACKEND_FACTORIES)
 Below this module nothing reads a recipe to build a part: the engines, backends and drafters
 take explicit arguments.
 """
@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from tlt_cli.config import Recipe, RecipeError, SpeculativeSection
+from tlt_cli.config import Recipe, RecipeError, RolloutBackendName, SpeculativeSection
 from tlt_cli.engine.sampling import SamplingParams
 from tlt_cli.models.tiny import cache_directory
 from tlt_cli.plugins import plugins_train_drafter
@@ -208,8 +208,12 @@ def _sglang(
     )
 
 
-# rollout.backend -> the factory of that backend (the SGLang one imports SGLang's client only when chosen)
-ROLLOUT_BACKENDS: dict[str, Callable[..., RolloutBackend]] = {"embedded": _embedded, "sglang": _sglang}
+# rollout.backend -> the factory of that backend (the SGLang one imports SGLang's client only when chosen); TRL's
+# own generation (rollout.backend trl) is no tlt backend: tlt_cli/integrations/trl_run.py leaves TRL to generate
+BACKEND_FACTORIES: dict[RolloutBackendName, Callable[..., RolloutBackend]] = {
+    RolloutBackendName.embedded: _embedded,
+    RolloutBackendName.sglang: _sglang,
+}
 
 
 def rollout_backend(
@@ -218,6 +222,6 @@ def rollout_backend(
     """The backend the recipe's `rollout.backend` names, not started yet: it generates with (or pushes the
     weights of) `policy`, speculates with `drafter` (None: none), stops at the tokenizer's EOS."""
     name = recipe.rollout.backend
-    if name not in ROLLOUT_BACKENDS:
-        raise ValueError(f"rollout.backend is '{name}'; use one of {', '.join(ROLLOUT_BACKENDS)}.")
-    return ROLLOUT_BACKENDS[name](recipe, policy, tokenizer, drafter, place)
+    if name not in BACKEND_FACTORIES:
+        raise ValueError(f"rollout.backend is '{name}'; use one of {', '.join(BACKEND_FACTORIES)}.")
+    return BACKEND_FACTORIES[name](recipe, policy, tokenizer, drafter, place)
