@@ -8,7 +8,7 @@ tokens multiplies k+1 rows. What that costs depends on the form of the product
 `(W @ x.T).T`) and on where the weight comes from: in a model larger than the cache each weight streams
 from memory at every step, so this times, for the shapes of SmolLM2-135M (random weights), enough
 distinct copies of each shape to exceed the cache (--stream-mb per shape), all shapes interleaved as in
-a forward pass, with the engine's own measurement (linear_forms_measure.measure_plan) at 1..16 rows.
+a forward pass, with the engine's own measurement (tlt_cli/tuning/linear_forms.py, measure_plan) at 1..16 rows.
 Prints microseconds per matrix (the form the engine would pick marked *) and writes them with the plan
 to JSON. About a minute with the defaults on one thread of a 2-core CPU.
 """
@@ -27,7 +27,8 @@ from rich.table import Table
 from torch import nn
 
 from tlt_cli.engine.linear_forms import FORM_NAMES, shape_key
-from tlt_cli.engine.linear_forms_measure import MARGIN, measure_plan, processor_name
+from tlt_cli.tuning.cache import processor_name
+from tlt_cli.tuning.linear_forms import MARGIN, measure_plan
 
 # (name, out_features, in_features) of SmolLM2-135M's linear layers
 SHAPES = (

@@ -33,12 +33,12 @@ from rich.table import Table
 from tlt_cli.config import load_recipe
 from tlt_cli.drafter.warmup import encode_prompts
 from tlt_cli.engine import decode_model_for
-from tlt_cli.engine.linear_forms_measure import prepare_linear_forms
 from tlt_cli.engine.running_batch import RunningBatch
 from tlt_cli.engine.sampling import SamplingParams
 from tlt_cli.rollout.engine import EmbeddedEngine
 from tlt_cli.rollout.types import RolloutRequest
 from tlt_cli.training import setup
+from tlt_cli.tuning.linear_forms import measured_linear_plan
 
 NEVER_EMITTED = -1  # an end-of-sequence id no token has: every response runs to max_new_tokens
 VERIFY_ROWS, VERIFY_TOKENS = 4, 4
@@ -217,7 +217,7 @@ def main() -> None:
     torch.set_num_threads(1)
     recipe = load_recipe(args.recipe)
     target, tokenizer = setup.policy_and_tokenizer(recipe)
-    plan = prepare_linear_forms("auto", [target], setup.model_cache(recipe)).plan
+    plan = measured_linear_plan("auto", [target], setup.model_cache(recipe))
     held_out = range(FIRST_BENCH_PROBLEM, FIRST_BENCH_PROBLEM + max(args.prompts, VERIFY_ROWS))
     prompts = encode_prompts(tokenizer, setup.task(recipe), held_out)
     dtypes = {"owned float32": torch.float32, **({"owned bfloat16": torch.bfloat16} if args.bfloat16 else {})}

@@ -23,7 +23,7 @@ from rich.table import Table
 from tlt_cli.config import load_recipe
 from tlt_cli.engine.linear_forms_measure import prepare_linear_forms
 from tlt_cli.training import setup
-from tlt_cli.tuning.machine import machine_key
+from tlt_cli.tuning.cache import machine_key
 from tlt_cli.tuning.precision import ROLLOUT_DTYPES, choose_dtype, measure_precision
 
 

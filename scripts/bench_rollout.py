@@ -27,7 +27,7 @@ the same sampled target responses and for the same number of steps as the drafte
 time goes (target forwards, drafter or assistant forwards, the rest; CPU seconds) is measured with forward
 hooks.
 With --linear-forms on,off every engine method also runs as "<method>+forms": its linear layers in the forms
-measured fastest on this machine for each pass's rows (tlt_cli/engine/linear_forms.py; plan cached under
+measured fastest on this machine for each pass's rows (tlt_cli/tuning/linear_forms.py; plan cached under
 --cache-dir), checked token-identical to SD off like the rest.
 With --dtypes float32,bfloat16 every engine method also runs decoding in bfloat16 (as "<method>@bfloat16": the
 owned forward's weight copies and cache in bfloat16, tlt_cli/tuning/precision.py), checked token-identical to
@@ -61,7 +61,7 @@ from rich.table import Table
 from tlt_cli.drafter.model import load_drafter, save_drafter
 from tlt_cli.drafter.warmup import encode_prompts, generate_responses, warm_up_drafter
 from tlt_cli.engine import decode_model_for
-from tlt_cli.engine.linear_forms_measure import prepare_linear_forms
+from tlt_cli.engine.linear_forms import describe_plan
 from tlt_cli.engine.sampling import SamplingParams
 from tlt_cli.models.loading import load_policy, model_fingerprint
 from tlt_cli.models.tiny import BUILTIN_TINY_MODEL, IGNORED_LABEL, pad_supervised_batch
@@ -73,6 +73,7 @@ from tlt_cli.speculative.types import SpeculativeConfig
 from tlt_cli.tasks.arithmetic import ArithmeticTask
 from tlt_cli.tasks.prompts import encode_prompt
 from tlt_cli.tasks.registry import TASKS, TaskOptionError, build_task, check_options
+from tlt_cli.tuning.linear_forms import measured_linear_plan
 from tlt_cli.tuning.precision import ROLLOUT_DTYPES
 
 BATCH_SIZES = (1, 2, 4, 8, 16, 32)
@@ -430,7 +431,7 @@ class Measured:
     by_finished_siblings: dict[int, list[int]] = field(default_factory=dict)
 
 
-def engine_runner(target, drafter, tokenizer, prompt_pool, batch_size, config, sampling, linear_forms=None, dtype=None):
+def engine_runner(target, drafter, tokenizer, prompt_pool, batch_size, config, sampling, linear_plan=None, dtype=None):
     """A callable that generates the whole pool in batches of batch_size with the embedded engine (decoding in
     `dtype`, None: the target's own)."""
     speculative = SpeculativeDecoder(drafter, config) if config is not None else None
@@ -439,7 +440,7 @@ def engine_runner(target, drafter, tokenizer, prompt_pool, batch_size, config, s
         tokenizer.eos_token_id,
         tokenizer.pad_token_id,
         speculative=speculative,
-        linear_forms=linear_forms,
+        linear_plan=linear_plan,
         dtype=dtype,
     )
 
@@ -752,9 +753,9 @@ def main() -> None:
     drafter, warmup_report = prepare_drafter(target, tokenizer, task, args) if drafting else (None, None)
     assistant = prepare_assistant(target, tokenizer, task, args) if drafting and args.assisted else None
     forms_modes = args.linear_forms.split(",")
-    forms = prepare_linear_forms("auto", [target, drafter], Path(args.cache_dir)) if "on" in forms_modes else None
+    forms = measured_linear_plan("auto", [target, drafter], Path(args.cache_dir)) if "on" in forms_modes else None
     if forms is not None:
-        console.print(forms.describe())
+        console.print(describe_plan(forms))
     results: list[RunResult] = []
     for cell, batch_size, pool, sampling in benchmark_cells(tokenizer, task, args):
         runners = {

@@ -17,7 +17,6 @@ number), and checks the tokens are the same.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import statistics
 import time
@@ -32,11 +31,12 @@ from torch.profiler import ProfilerActivity, profile
 
 from tlt_cli.config import load_recipe
 from tlt_cli.drafter.warmup import encode_prompts
-from tlt_cli.engine.linear_forms_measure import prepare_linear_forms
+from tlt_cli.engine.linear_forms import FormedCopy
 from tlt_cli.engine.sampling import SamplingParams
 from tlt_cli.rollout.engine import EmbeddedEngine
 from tlt_cli.rollout.types import RolloutRequest
 from tlt_cli.training import setup
+from tlt_cli.tuning.linear_forms import measured_linear_plan
 
 NEVER_EMITTED = -1  # an end-of-sequence id no token has: every response runs to max_new_tokens
 MATRIX_PRODUCTS = ("aten::mm", "aten::addmm")
@@ -120,11 +120,11 @@ def interleaved_cpu_seconds(methods: dict, prompts, rounds: int) -> tuple[dict[s
     return seconds, outputs
 
 
-def timed_methods(target, tokenizer, forms, prompts, max_new_tokens: int, rounds: int) -> dict:
+def timed_methods(target, tokenizer, plan, prompts, max_new_tokens: int, rounds: int) -> dict:
     """Tokens per CPU second of four greedy decoders over the same prompts, interleaved; tokens compared."""
     sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
     engines = {
-        "engine+forms": EmbeddedEngine(target, NEVER_EMITTED, tokenizer.pad_token_id, linear_forms=forms),
+        "engine+forms": EmbeddedEngine(target, NEVER_EMITTED, tokenizer.pad_token_id, linear_plan=plan),
         "engine": EmbeddedEngine(target, NEVER_EMITTED, tokenizer.pad_token_id),
     }
 
@@ -132,11 +132,15 @@ def timed_methods(target, tokenizer, forms, prompts, max_new_tokens: int, rounds
         request = [RolloutRequest(0, tuple(prompt), group=0)]
         return list(engines[name].generate(request, sampling, torch.Generator())[0].response_ids)
 
+    # transformers' generate on a decode-time copy of the target whose linear layers compute in the plan's forms
+    formed_target = FormedCopy(target, plan).module
+
     def run_generate(with_forms: bool, prompt: list[int]) -> list[int]:
         ids = torch.tensor([prompt])
         arguments = {"max_new_tokens": max_new_tokens, "min_new_tokens": max_new_tokens, "do_sample": False}
-        with forms.applied() if with_forms else contextlib.nullcontext(), torch.no_grad():
-            output = target.generate(ids, attention_mask=torch.ones_like(ids), eos_token_id=None, **arguments)
+        model = formed_target if with_forms else target
+        with torch.no_grad():
+            output = model.generate(ids, attention_mask=torch.ones_like(ids), eos_token_id=None, **arguments)
         return output[0, ids.shape[1] :].tolist()
 
     methods = {
@@ -199,10 +203,10 @@ def main() -> None:
     torch.set_num_threads(1)
     recipe = load_recipe(args.recipe)
     target, tokenizer = setup.policy_and_tokenizer(recipe)
-    forms = prepare_linear_forms("auto", [target], setup.model_cache(recipe))
+    plan = measured_linear_plan("auto", [target], setup.model_cache(recipe))
     held_out = range(FIRST_BENCH_PROBLEM, FIRST_BENCH_PROBLEM + max(args.prompts, args.batch_size))
     prompts = encode_prompts(tokenizer, setup.task(recipe), held_out)
-    engine = EmbeddedEngine(target, NEVER_EMITTED, tokenizer.pad_token_id, linear_forms=forms)
+    engine = EmbeddedEngine(target, NEVER_EMITTED, tokenizer.pad_token_id, linear_plan=plan)
     requests = [RolloutRequest(row, tuple(prompts[row]), group=row) for row in range(args.batch_size)]
     sampling = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=0.0)
     engine.generate(requests, sampling, torch.Generator())  # untimed: first-call costs
@@ -215,7 +219,7 @@ def main() -> None:
         "streaming_gb_per_s": streaming_bandwidth(),
         "step_ms": 1e3 * statistics.median(step.seconds for step in unprofiled),
         "breakdown": decode_breakdown(engine, requests, sampling),
-        "methods": timed_methods(target, tokenizer, forms, prompts[: args.prompts], args.max_new_tokens, args.rounds),
+        "methods": timed_methods(target, tokenizer, plan, prompts[: args.prompts], args.max_new_tokens, args.rounds),
     }
     render(report)
     Console().print(f"decode step without the profiler: {report['step_ms']:.1f} ms (median)")

@@ -25,7 +25,6 @@ import torch
 
 from tlt_cli.drafter.model import load_drafter
 from tlt_cli.drafter.warmup import encode_prompts
-from tlt_cli.engine.linear_forms_measure import prepare_linear_forms
 from tlt_cli.engine.sampling import SamplingParams
 from tlt_cli.models.loading import load_policy
 from tlt_cli.rollout.engine import EmbeddedEngine
@@ -33,6 +32,7 @@ from tlt_cli.rollout.types import RolloutRequest
 from tlt_cli.speculative.adaptive import parse_label
 from tlt_cli.speculative.decoder import SpeculativeDecoder
 from tlt_cli.tasks.registry import build_task
+from tlt_cli.tuning.linear_forms import measured_linear_plan
 
 CACHE = Path.home() / ".cache" / "tlt"
 REAL_CPU_TASK = {"max_steps": 16, "max_number": 3, "tail_exponent": 2.5}
@@ -69,7 +69,7 @@ def main() -> None:
     torch.set_num_threads(1)
     target, tokenizer = load_policy(args.model)
     drafter = load_drafter(args.drafter, target).eval()
-    forms = prepare_linear_forms("auto", [target, drafter], CACHE)
+    plan = measured_linear_plan("auto", [target, drafter], CACHE)
     task = build_task("word_arithmetic", 0, REAL_CPU_TASK)
     prompts = encode_prompts(tokenizer, task, range(FIRST_PROBLEM, FIRST_PROBLEM + args.batch_size))
     greedy = args.temperature == 0
@@ -86,7 +86,7 @@ def main() -> None:
             config = parse_label(label)
             speculative = SpeculativeDecoder(drafter, config) if config is not None else None
             engine = EmbeddedEngine(
-                target, tokenizer.eos_token_id, tokenizer.pad_token_id, speculative=speculative, linear_forms=forms
+                target, tokenizer.eos_token_id, tokenizer.pad_token_id, speculative=speculative, linear_plan=plan
             )
             steps = []
             target_timer.seconds = drafter_timer.seconds = 0.0

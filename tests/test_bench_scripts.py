@@ -133,3 +133,23 @@ def test_profile_plain_step_splits_a_decode_step_and_compares_decoders_on_the_ti
     )
     assert set(report["methods"]) == {"engine+forms", "engine", "generate", "generate+forms"}
     assert all(method["same_tokens_as_generate"] for method in report["methods"].values())
+
+
+def test_bench_transformers_path_compares_generate_and_the_engine_on_models_outside_the_owned_family(tmp_path):
+    out = tmp_path / "bench.json"
+    command = [sys.executable, str(REPOSITORY / "scripts" / "bench_transformers_path.py")]
+    shape = ["--hidden-size", "32", "--layers", "2", "--heads", "4", "--vocab-size", "128"]
+    arguments = ["--families", "gpt2,phi,mistral-sliding", "--max-new-tokens", "6", "--rounds", "2", "--prompts", "1"]
+    arguments += ["--cache-dir", str(tmp_path / "cache"), "--out", str(out)]
+    result = subprocess.run([*command, *shape, *arguments], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert set(report["families"]) == {"gpt2", "phi", "mistral-sliding"} and report["processor"]
+    for family in report["families"].values():
+        assert family["decode_path"].startswith("decode path: transformers")
+        assert set(family["ratio_vs_generate"]) == {"generate", "engine", "engine+forms"}
+        assert all(value > 0 for value in family["tokens_per_cpu_second"].values())
+        assert all(family["same_tokens_as_generate_batch_1"].values())
+        assert all(family["same_tokens_as_generate_batched"].values()) and family["batch_size"] == 4
+    assert list((tmp_path / "cache" / "linear_forms").glob("*.json"))
+    assert "ratio vs generate" in result.stdout

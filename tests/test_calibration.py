@@ -258,17 +258,17 @@ def test_cli_measures_a_tiny_pair_and_writes_json_fragment_and_recipe(tiny_pair_
 
 def test_shards_are_timed_with_the_linear_forms_a_worker_uses(tiny_pair_recipe, tmp_path):
     """rollout.linear_forms=auto: the pair's plan covers the target's and the drafter's shapes, measured into
-    model.cache_dir, and every shard's engine computes with it; off: plain nn.Linear."""
+    model.cache_dir, and every shard's engine drafts with it; off: plain F.linear."""
     cache = tmp_path / "cache"
     recipe = load_checked_recipe(tiny_pair_recipe, ["rollout.linear_forms=auto", f"model.cache_dir={cache}"])
     pair, _, _ = load_model_pair(recipe)
-    assert pair.linear_forms is not None
+    assert pair.linear_plan is not None
     shapes = {shape_key(layer.weight) for layer in linear_layers([pair.target, pair.drafter])}
-    assert shapes <= set(pair.linear_forms.plan.forms) and list(cache.rglob("*.json"))
-    assert shard_engine(pair, fixed_decoder(pair, None)).linear_forms is pair.linear_forms
+    assert shapes <= set(pair.linear_plan.forms) and list(cache.rglob("*.json"))
+    assert shard_engine(pair, fixed_decoder(pair, None)).speculative.drafter_forms.plan is pair.linear_plan
     recipe = load_checked_recipe(tiny_pair_recipe, ["rollout.linear_forms=off", f"model.cache_dir={cache}"])
     pair, _, _ = load_model_pair(recipe)
-    assert pair.linear_forms is None and shard_engine(pair, fixed_decoder(pair, None)).linear_forms is None
+    assert pair.linear_plan is None and shard_engine(pair, fixed_decoder(pair, None)).speculative.drafter_forms is None
 
 
 @pytest.mark.parametrize(

@@ -282,3 +282,19 @@ def test_no_module_import_circle():
 def test_an_import_circle_is_found():
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert import_circles(graph) == [["a", "b", "c", "a"]]
+
+
+# modules that touch files, processes or the machine: the engine (tensors in, tensors out) imports none of them
+INPUT_OUTPUT_MODULES = {"fcntl", "os", "json", "pathlib", "tempfile", "shutil", "hashlib", "platform", "subprocess"}
+
+
+def test_the_engine_is_pure_tensors():
+    """Measurements and their caches live in tlt_cli/tuning/; engine/ only computes."""
+    engine_files = sorted((PACKAGE_ROOT / "engine").rglob("*.py"))
+    found = {
+        f"{module_name(path)} imports {name}"
+        for path in engine_files
+        for name in imported_modules(path)
+        if name.split(".")[0] in INPUT_OUTPUT_MODULES
+    }
+    assert engine_files and found == set()

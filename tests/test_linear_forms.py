@@ -1,4 +1,5 @@
-"""Linear forms (tlt_cli/rollout/linear_forms*.py): same products, same tokens, fresh copies, cached plans.
+"""Linear forms (tlt_cli/engine/linear_forms.py, measured by tlt_cli/tuning/linear_forms.py): same products, same
+tokens, fresh copies, cached plans, and the policy's own modules never changed.
 
 Plans are forced (every form at every row count, or a mix by rows) so each form really runs: on these
 tiny cached models a measured plan would mostly keep F.linear.
@@ -15,17 +16,16 @@ from torch import nn
 
 from tlt_cli.config import RecipeError, SpeculativeSection
 from tlt_cli.drafter.model import EagleDrafter
-from tlt_cli.engine import linear_forms_measure
 from tlt_cli.engine.linear_forms import (
     LINEAR,
     TRANSPOSED,
     WEIGHT_MAJOR,
+    FormedCopy,
+    FormedLinear,
     LinearFormPlan,
-    LinearForms,
     linear_layers,
     shape_key,
 )
-from tlt_cli.engine.linear_forms_measure import cached_plan, measure_plan, plan_key, plan_path
 from tlt_cli.engine.sampling import SamplingParams
 from tlt_cli.errors import UserError
 from tlt_cli.recipe_checks import load_checked_recipe
@@ -36,6 +36,9 @@ from tlt_cli.rollout.types import RolloutRequest
 from tlt_cli.speculative.decoder import SpeculativeDecoder
 from tlt_cli.speculative.types import SpeculativeConfig
 from tlt_cli.training.setup import speculative_plan
+from tlt_cli.tuning import cache
+from tlt_cli.tuning.cache import record_path
+from tlt_cli.tuning.linear_forms import CACHE_FOLDER, cached_plan, measure_plan, plan_key
 
 torch.set_num_threads(1)
 
@@ -71,8 +74,8 @@ def ragged_requests(count: int, seed: int = 0) -> list[RolloutRequest]:
     ]
 
 
-def greedy_tokens(model, requests, max_new_tokens=12, linear_forms=None, speculative=None, eos=NEVER_EMITTED):
-    engine = EmbeddedEngine(model, eos, 0, speculative=speculative, linear_forms=linear_forms)
+def greedy_tokens(model, requests, max_new_tokens=12, linear_plan=None, speculative=None, eos=NEVER_EMITTED):
+    engine = EmbeddedEngine(model, eos, 0, speculative=speculative, linear_plan=linear_plan)
     completions = engine.generate(requests, SamplingParams(max_new_tokens, temperature=0.0), torch.Generator())
     return [completion.response_ids for completion in completions]
 
@@ -90,16 +93,18 @@ def reference_greedy(model, request: RolloutRequest, max_new_tokens: int) -> lis
 def test_every_form_computes_the_same_product(form, dtype):
     torch.manual_seed(0)
     layers = nn.Sequential(nn.Linear(24, 40), nn.Linear(40, 24, bias=False)).to(dtype)
-    forms = LinearForms([layers], forced_plan([layers], form))
+    formed = FormedCopy(layers, forced_plan([layers], form))
+    assert all(type(layer) is FormedLinear for layer in formed.module) and all(
+        type(layer) is nn.Linear for layer in layers
+    )
     tolerance = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
     for leading in [(1,), (3,), (1, 1), (2, 3), (1, 9), (4, 16), (2, 40)]:
         inputs = torch.randn(*leading, 24, dtype=dtype)
         with torch.no_grad():
             expected = [F.linear(inputs, layers[0].weight, layers[0].bias)]
             expected.append(F.linear(expected[0], layers[1].weight))
-            with forms.applied():
-                first = layers[0](inputs)
-                second = layers[1](first)
+            first = formed.module[0](inputs)
+            second = formed.module[1](first)
         assert first.shape == expected[0].shape and first.is_contiguous()
         torch.testing.assert_close(first, expected[0], **tolerance)
         torch.testing.assert_close(second, expected[1], **tolerance)
@@ -110,12 +115,12 @@ def test_every_form_computes_the_same_product(form, dtype):
 def test_greedy_tokens_with_forms_equal_forms_off_and_transformers_generate(name, form):
     model = MODELS[name]()
     requests = ragged_requests(5)
-    forms = LinearForms([model], forced_plan([model], form))
-    assert forms.layers, "the plan forms no layer: the test would compare F.linear with itself"
-    with_forms = greedy_tokens(model, requests, linear_forms=forms)
+    plan = forced_plan([model], form)
+    assert set(plan.forms) and any(name != LINEAR for names in plan.forms.values() for name in names)
+    with_forms = greedy_tokens(model, requests, linear_plan=plan)
     assert with_forms == greedy_tokens(model, requests)
     assert with_forms == [reference_greedy(model, request, 12) for request in requests]
-    single = greedy_tokens(model, requests[:1], linear_forms=forms)
+    single = greedy_tokens(model, requests[:1], linear_plan=plan)
     assert single == [reference_greedy(model, requests[0], 12)]
 
 
@@ -123,23 +128,25 @@ def test_greedy_tokens_with_forms_equal_forms_off_and_transformers_generate(name
 def test_speculative_decoding_with_forms_is_token_identical_to_plain(config):
     target = tiny_qwen2(VOCAB, max_position_embeddings=256)
     drafter = EagleDrafter(target, seed=3)
-    forms = LinearForms([target, drafter], forced_plan([target, drafter], "mixed"))
-    assert any(formed.layer is drafter.fc for formed in forms.layers)
+    plan = forced_plan([target, drafter], "mixed")
     for batch_size in (1, 3, 8):
         requests = ragged_requests(batch_size, seed=batch_size)
         plain = greedy_tokens(target, requests, max_new_tokens=16)
         eos = max(set(plain[0][1:-1]), key=plain[0].count)  # a token some responses emit mid-way
         plain = greedy_tokens(target, requests, max_new_tokens=16, eos=eos)
         speculative = SpeculativeDecoder(drafter, config)
-        assert greedy_tokens(target, requests, 16, forms, speculative, eos) == plain
+        assert greedy_tokens(target, requests, 16, plan, speculative, eos) == plain
+        # the drafter drafted through its formed copy (fc included); the drafter itself kept its nn.Linear layers
+        assert any(formed.layer is drafter.fc for formed in speculative.drafter_forms.layers)
+        assert speculative.drafting is not drafter and type(drafter.fc) is nn.Linear
 
 
 def test_an_optimizer_step_never_leaves_a_stale_copy():
     model = MODELS["qwen2-untied"]()
     requests = ragged_requests(4)
-    forms = LinearForms([model], forced_plan([model], TRANSPOSED))
-    engine = EmbeddedEngine(model, NEVER_EMITTED, 0, linear_forms=forms)
-    before = greedy_tokens(model, requests, linear_forms=forms)
+    plan = forced_plan([model], TRANSPOSED)
+    engine = EmbeddedEngine(model, NEVER_EMITTED, 0, linear_plan=plan)
+    before = greedy_tokens(model, requests, linear_plan=plan)
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
     inputs = torch.tensor([request.prompt_ids[:1] * 6 for request in requests])
     model(inputs, labels=inputs).loss.backward()
@@ -155,7 +162,7 @@ def test_an_optimizer_step_never_leaves_a_stale_copy():
 def write_plan(cache_dir, modules, plan: LinearFormPlan) -> None:
     """Put `plan` in the cache as this machine's plan for `modules`."""
     key = plan_key(modules)
-    path = plan_path(cache_dir, key)
+    path = record_path(cache_dir, CACHE_FOLDER, key)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"key": key, "plan": plan.to_dict()}))
 
@@ -168,13 +175,15 @@ def test_after_update_refreshes_copies_written_behind_autograds_back(tmp_path):
     rollout = EmbeddedRollout(
         model, NEVER_EMITTED, 0, speculative, drafter=drafter, linear_forms="auto", cache_dir=tmp_path
     )
-    # the owned forward multiplies the policy by copies of its own: only the drafter's layers keep formed copies
-    drafter_only = set(map(id, linear_layers([drafter]))) - set(map(id, linear_layers([model])))
-    layers = [layer for layer in linear_layers([drafter]) if id(layer) in drafter_only]
-    assert layers and rollout.linear_forms.extra_bytes == sum(layer.weight.numel() * 4 for layer in layers)
-    decode_path_line, forms_line = rollout.start()
+    # the owned forward multiplies the policy by copies of its own; the drafter drafts through its formed copy
+    drafter_forms = rollout.engine.speculative.drafter_forms
+    assert {id(formed.layer) for formed in drafter_forms.layers} == set(map(id, linear_layers([drafter])))
+    assert drafter_forms.extra_bytes == sum(layer.weight.numel() * 4 for layer in linear_layers([drafter]))
+    assert rollout.copy_bytes == rollout.engine.decode_model.extra_bytes + drafter_forms.extra_bytes
+    precision_line, decode_path_line, forms_line = rollout.start()
+    assert precision_line == "rollout dtype: float32 (given)"
     assert decode_path_line.startswith("decode path: owned llama-family")
-    assert f"({rollout.linear_forms.extra_bytes} bytes)" in forms_line
+    assert forms_line.startswith("linear forms: ") and "1-64 transposed" in forms_line
     requests = ragged_requests(3)
     before, _ = rollout.generate(requests, SamplingParams(10, temperature=0.0), seed=0)
     with torch.no_grad():
@@ -186,24 +195,51 @@ def test_after_update_refreshes_copies_written_behind_autograds_back(tmp_path):
     assert [completion.response_ids for completion in after] != [completion.response_ids for completion in before]
 
 
-def test_forms_apply_only_during_generate_and_off_leaves_the_model_untouched(tmp_path):
-    model = tiny_gpt2(VOCAB, 10, 256)  # the transformers path: decoding runs the policy's own nn.Linear layers
+def test_the_drafters_formed_copy_follows_a_drafter_written_behind_autograds_back():
+    """Drafter averaging writes through .data: the formed copy's transposed weights are re-read every generate call."""
+    target = tiny_qwen2(VOCAB, max_position_embeddings=256)
+    drafter = EagleDrafter(target, seed=3)
+    plan = forced_plan([target, drafter], TRANSPOSED)
+    requests = ragged_requests(3, seed=1)
+    formed = EmbeddedEngine(target, NEVER_EMITTED, 0, SpeculativeDecoder(drafter, SpeculativeConfig(4)), plan)
+    plain = EmbeddedEngine(target, NEVER_EMITTED, 0, SpeculativeDecoder(drafter, SpeculativeConfig(4)))
+    greedy, generator = SamplingParams(12, temperature=0.0), torch.Generator()
+    formed.generate(requests, greedy, generator)
+    with torch.no_grad():
+        for parameter in drafter.parameters():
+            parameter.data.copy_(torch.randn_like(parameter) * 0.3)
+    stats = [
+        [completion.speculative for completion in engine.generate(requests, greedy, generator)]
+        for engine in (formed, plain)
+    ]
+    assert stats[0] == stats[1]  # the same drafts accepted: the formed copy drafted with the new weights
+    for layer in formed.speculative.drafter_forms.layers:
+        assert torch.equal(layer.transposed.buffer, layer.layer.weight.detach().t())
+
+
+def test_the_policys_modules_are_never_changed_and_off_forms_nothing(tmp_path):
+    model = tiny_gpt2(VOCAB, 10, 256)  # the transformers path: it decodes through a formed copy of the policy
+    modules_before = list(model.named_modules())
     off = EmbeddedRollout(model, NEVER_EMITTED, 0, linear_forms="off", cache_dir=tmp_path)
-    assert off.linear_forms is None and off.engine.linear_forms is None
-    assert off.start() == [off.engine.decode_model.describe()]
+    assert off.linear_plan is None and off.engine.decode_model.formed is None
+    assert off.start() == ["rollout dtype: float32 (given)", off.engine.decode_model.describe()]
     assert not (tmp_path / "linear_forms").exists()
     write_plan(tmp_path, [model], forced_plan([model], WEIGHT_MAJOR))
     rollout = EmbeddedRollout(model, NEVER_EMITTED, 0, linear_forms="auto", cache_dir=tmp_path)
-    layers = [module for module in model.modules() if isinstance(module, nn.Linear)]
-    formed_during = []
+    formed = rollout.engine.decode_model.formed
+    assert [type(formed.module.get_output_embeddings())] == [FormedLinear]
+    untouched_during = []
 
     def look(completion) -> None:
-        formed_during.append(all("forward" in vars(layer) for layer in layers))
+        untouched_during.append(
+            list(model.named_modules()) == modules_before
+            and all("forward" not in vars(module) for _, module in modules_before)
+        )
 
     rollout.generate(ragged_requests(2), SamplingParams(4, temperature=0.0), seed=0, on_request_finished=look)
-    assert formed_during == [True, True]
-    assert all("forward" not in vars(layer) for layer in layers)
-    assert rollout.linear_forms.extra_bytes == 0  # weight-major needs no copy
+    assert untouched_during == [True, True]
+    assert list(model.named_modules()) == modules_before
+    assert rollout.engine.decode_model.extra_bytes == 0  # weight-major needs no copy
     with pytest.raises(ValueError, match="linear_forms"):
         EmbeddedRollout(model, NEVER_EMITTED, 0, linear_forms="fast", cache_dir=tmp_path)
 
@@ -221,17 +257,24 @@ def loss_and_gradients(model, inputs):
 
 
 def test_the_actors_backward_is_unaffected():
-    model = MODELS["qwen2-untied"]()
+    model = tiny_gpt2(VOCAB, 10, 256)
+    model.train()  # the actor trains; decoding must not put a module of it in eval mode or keep one formed
     untouched = copy.deepcopy(model)
     inputs = torch.randint(1, VOCAB, (2, 7))
-    forms = LinearForms([model], forced_plan([model], "mixed"))
-    expected_loss, expected_gradients = loss_and_gradients(untouched, inputs)
-    with forms.applied():  # even inside the block, gradients go through F.linear
-        loss, gradients = loss_and_gradients(model, inputs)
+    plan = forced_plan([model], "mixed")
+    expected_loss, expected_gradients = loss_and_gradients(untouched.eval(), inputs)
+    formed = FormedCopy(model, plan)
+    model.eval()
+    loss, gradients = loss_and_gradients(model, inputs)
     assert torch.equal(loss, expected_loss)
     assert all(torch.equal(got, want) for got, want in zip(gradients, expected_gradients, strict=True))
-    greedy_tokens(model, ragged_requests(2), 4, forms)
-    loss, gradients = loss_and_gradients(model, inputs)
+    # with gradients enabled even the formed copy computes F.linear, so its backward is the policy's
+    formed_loss, _ = loss_and_gradients(formed.module, inputs)
+    assert torch.equal(formed_loss, expected_loss)
+    model.train()
+    greedy_tokens(model, ragged_requests(2), 4, plan)
+    assert all(module.training for module in model.modules())
+    loss, gradients = loss_and_gradients(model.eval(), inputs)
     assert torch.equal(loss, expected_loss)
     assert all(torch.equal(got, want) for got, want in zip(gradients, expected_gradients, strict=True))
 
@@ -260,7 +303,7 @@ def test_the_cached_plan_is_reused_and_measured_again_when_the_key_changes(tmp_p
     path.write_text(json.dumps({"key": plan_key([model], (1, 3)), "plan": sentinel.to_dict()}))
     assert cached_plan([model], tmp_path, **quick) == (sentinel, path)  # read back, not measured again
     with monkeypatch.context() as patch:  # this model on another machine: another key, another file
-        patch.setattr(linear_forms_measure, "processor_name", lambda device: "Another CPU")
+        patch.setattr(cache, "processor_name", lambda device: "Another CPU")
         other_path = cached_plan([model], tmp_path, **quick)[1]
     assert other_path != path and json.loads(other_path.read_text())["key"]["processor"] == "Another CPU"
     wider = tiny_qwen2(VOCAB, hidden_size=48)
@@ -295,6 +338,6 @@ def test_the_trl_rollout_refreshes_the_copies_before_every_rollout(tmp_path):
 def test_bfloat16_weights_generate_the_same_greedy_tokens_with_forms(form):
     model = MODELS["qwen2-untied"]().to(torch.bfloat16)
     requests = ragged_requests(5)
-    forms = LinearForms([model], forced_plan([model], form))
-    assert all(formed.layer.weight.dtype == torch.bfloat16 for formed in forms.layers)
-    assert greedy_tokens(model, requests, linear_forms=forms) == greedy_tokens(model, requests)
+    plan = forced_plan([model], form)
+    assert plan.forms and all(key.endswith("bfloat16") for key in plan.forms)
+    assert greedy_tokens(model, requests, linear_plan=plan) == greedy_tokens(model, requests)

@@ -4,12 +4,20 @@ models of every family: the owned Llama-family forward, and the transformers pat
 import pytest
 import torch
 from test_engine import NEVER_EMITTED, greedy, ragged_requests, reference_greedy
-from tiny_models import tiny_gpt2, tiny_llama, tiny_mistral, tiny_qwen2, tiny_qwen3
+from tiny_models import tiny_gpt2, tiny_llama, tiny_mistral, tiny_phi, tiny_qwen2, tiny_qwen3
 
 from tlt_cli.drafter.model import EagleDrafter, causal_attention_mask
 from tlt_cli.engine import decode_model_for
 from tlt_cli.engine.layers import DecoderLayer, rotary_tables
-from tlt_cli.engine.linear_forms import LINEAR, TRANSPOSED, WEIGHT_MAJOR, LinearFormPlan, linear_layers, shape_key
+from tlt_cli.engine.linear_forms import (
+    LINEAR,
+    TRANSPOSED,
+    WEIGHT_MAJOR,
+    FormedLinear,
+    LinearFormPlan,
+    linear_layers,
+    shape_key,
+)
 from tlt_cli.engine.llama_family import PATH_NAME as OWNED
 from tlt_cli.engine.llama_family import LlamaFamilyModel, refusal
 from tlt_cli.engine.transformers_path import PATH_NAME as TRANSFORMERS
@@ -44,6 +52,7 @@ OWNED_FAMILIES = {
 
 REFUSED = {
     "gpt-2": lambda: tiny_gpt2(VOCAB, 10, 256),
+    "phi": lambda: tiny_phi(VOCAB, 14, 256),
     "llama, dynamic rope": lambda: tiny_llama(
         VOCAB, 11, 256, rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}
     ),
@@ -148,6 +157,29 @@ def test_every_product_form_of_a_plan_matches_generate(batch_size):
     assert decode_model.extra_bytes > 0
     assert "1 transposed, 2 weight_major, 3-4 transposed" in decode_model.describe()
     assert_engine_matches_generate(model, batch_size, OWNED, decode_model=decode_model)
+
+
+@pytest.mark.parametrize("batch_size", [1, 4])
+@pytest.mark.parametrize("family", list(REFUSED))
+def test_the_transformers_path_with_every_product_form_matches_generate(family, batch_size):
+    """The transformers path decodes through a formed copy of the policy: every nn.Linear (the head included)
+    replaced in that copy only, by forms mixed across row counts; tokens stay those of `generate`."""
+    model = REFUSED[family]()
+    keys = {shape_key(layer.weight) for layer in linear_layers([model])}
+    plan = LinearFormPlan((1, 2, 4, 8), {key: (TRANSPOSED, WEIGHT_MAJOR, TRANSPOSED, LINEAR) for key in keys})
+    decode_model = decode_model_for(model, linear_plan=plan)
+    assert decode_model.path == TRANSFORMERS and len(decode_model.formed.layers) == len(linear_layers([model]))
+    assert decode_model.extra_bytes > 0 and f"({decode_model.extra_bytes} bytes)" in decode_model.describe()
+    rows_seen = set()
+
+    def count_rows(module, inputs, output) -> None:
+        rows_seen.add(inputs[0].numel() // inputs[0].shape[-1])
+
+    for formed in decode_model.formed.layers:
+        formed.register_forward_hook(count_rows)
+    assert_engine_matches_generate(model, batch_size, TRANSFORMERS, decode_model=decode_model)
+    assert batch_size in rows_seen  # the decode steps ran through the formed layers (1 row: transposed, 4: too)
+    assert not any(isinstance(module, FormedLinear) for module in model.modules())
 
 
 def test_describe_names_the_path():

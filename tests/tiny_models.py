@@ -1,5 +1,5 @@
 """The tiny random causal LMs the unit tests build: Qwen2, Llama, Qwen3 and Mistral of one shape (2 layers,
-hidden 32, grouped-query attention 4q/2kv unless a test overrides it), and a GPT-2 of the same size."""
+hidden 32, grouped-query attention 4q/2kv unless a test overrides it), and a GPT-2 and a Phi of the same size."""
 
 import torch
 from transformers import (
@@ -9,6 +9,8 @@ from transformers import (
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
+    PhiConfig,
+    PhiForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
     Qwen3Config,
@@ -70,3 +72,11 @@ def tiny_gpt2(vocab_size: int, seed: int = 0, max_position_embeddings: int = 64)
         eos_token_id=0,
     )
     return GPT2LMHeadModel(config).eval()
+
+
+def tiny_phi(vocab_size: int, seed: int = 0, max_position_embeddings: int = 64) -> PhiForCausalLM:
+    """A seeded tiny Phi (LayerNorm, GELU, parallel attention and MLP, rotary on half of each head, biased
+    nn.Linear layers and head: not a Llama-family model) in eval mode."""
+    torch.manual_seed(seed)
+    shape = tiny_shape(vocab_size, max_position_embeddings)
+    return PhiForCausalLM(PhiConfig(**shape, partial_rotary_factor=0.5)).eval()

@@ -28,7 +28,6 @@ from tlt_cli.config import (
     Trainer,
     load_recipe,
 )
-from tlt_cli.engine.linear_forms_measure import LINEAR_FORM_MODES
 from tlt_cli.processes.hostfile import HostfileError, check_hostfile, ranks_per_node
 from tlt_cli.sglang.adaptive import batch_rules
 from tlt_cli.sglang.config import validate_sglang_config
@@ -36,6 +35,7 @@ from tlt_cli.speculative.adaptive import SpeculativePlan
 from tlt_cli.speculative.decoder import check_speculative_config, check_topk_fits
 from tlt_cli.speculative.types import SpeculativeConfig
 from tlt_cli.training.setup import speculative_plan
+from tlt_cli.tuning.linear_forms import LINEAR_FORM_MODES
 from tlt_cli.tuning.precision import ROLLOUT_DTYPE_SETTINGS
 
 # a TRL run generates with tlt's embedded engine, or with TRL's own generation (rollout.backend trl, the baseline)

@@ -187,7 +187,7 @@ def _check_topk(config: SpeculativeConfig, draft_vocab_size: int) -> None:
 def load_model_pair(recipe: Recipe) -> tuple[ModelPair, PreTrainedTokenizerBase, str]:
     """(the target and its initial drafter as a training run starts them, the tokenizer, where the drafter came
     from)."""
-    from tlt_cli.engine.linear_forms_measure import prepare_linear_forms
+    from tlt_cli.tuning.linear_forms import measured_linear_plan
 
     cache = setup.model_cache(recipe)
     dtype = torch.bfloat16 if recipe.actor.precision == "bf16" else torch.float32
@@ -201,10 +201,10 @@ def load_model_pair(recipe: Recipe) -> tuple[ModelPair, PreTrainedTokenizerBase,
     drafter = setup.starting_drafter(recipe, folder, target).to(device, dtype).eval()
     # the forms a worker's engine computes the pair's linear layers with (EmbeddedRollout), so calibrated costs are
     # the costs a run pays
-    linear_forms = prepare_linear_forms(recipe.rollout.linear_forms, [target, drafter], cache)
+    linear_plan = measured_linear_plan(recipe.rollout.linear_forms, [target, drafter], cache)
     # and the precision it decodes in: the SD economics (what a verify costs against a step) change with it
-    precision = rollout_precision(recipe.rollout.dtype, target, linear_forms.plan if linear_forms else None, cache)
-    pair = ModelPair(target, drafter, tokenizer.pad_token_id, tokenizer.eos_token_id, device, linear_forms, precision)
+    precision = rollout_precision(recipe.rollout.dtype, target, linear_plan, cache)
+    pair = ModelPair(target, drafter, tokenizer.pad_token_id, tokenizer.eos_token_id, device, linear_plan, precision)
     return pair, tokenizer, str(folder)
 
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from tlt_cli.engine.linear_forms import LinearForms
+from tlt_cli.engine.linear_forms import LinearFormPlan
 from tlt_cli.engine.sampling import SamplingParams
 from tlt_cli.rollout.engine import EmbeddedEngine
 from tlt_cli.rollout.types import RolloutRequest
@@ -32,15 +32,15 @@ from tlt_cli.tuning.precision import PrecisionChoice
 
 @dataclass(frozen=True)
 class ModelPair:
-    """The target and its drafter on one device, with the ids the engine needs and the linear forms a worker's
-    engine computes them with (None: plain nn.Linear, the recipe's rollout.linear_forms is off)."""
+    """The target and its drafter on one device, with the ids the engine needs and the linear-form plan a worker's
+    engine computes them with (None: plain F.linear, the recipe's rollout.linear_forms is off)."""
 
     target: nn.Module
     drafter: nn.Module
     pad_token_id: int
     eos_token_id: int
     device: torch.device
-    linear_forms: LinearForms | None = None
+    linear_plan: LinearFormPlan | None = None
     # the dtype the target is decoded in (None: its own); tlt_cli/tuning/precision.py chose it
     precision: PrecisionChoice | None = None
 
@@ -113,13 +113,13 @@ def fixed_decoder(pair: ModelPair, config: SpeculativeConfig | None) -> Speculat
 
 
 def shard_engine(pair: ModelPair, decoder: SpeculativeDecoder) -> EmbeddedEngine:
-    """The engine a shard is timed on: the pair's target with `decoder` and the pair's linear forms."""
+    """The engine a shard is timed on: the pair's target with `decoder` and the pair's linear-form plan."""
     return EmbeddedEngine(
         pair.target,
         eos_token_id=pair.eos_token_id,
         pad_token_id=pair.pad_token_id,
         speculative=decoder,
-        linear_forms=pair.linear_forms,
+        linear_plan=pair.linear_plan,
         dtype=pair.precision.torch_dtype if pair.precision is not None else None,
     )
 

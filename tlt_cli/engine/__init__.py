@@ -21,10 +21,10 @@ def decode_model_for(
     """The owned Llama-family forward of `policy` when it reproduces it, else the transformers path.
 
     dtype: of the owned path's weight copies and cache (None: the policy's; float32 is exact against `generate`);
-    linear_plan:
-    the measured product forms per weight shape and row count (None: F.linear everywhere). The transformers
-    path keeps the policy's own dtype and modules."""
+    linear_plan: the measured product forms per weight shape and row count (None: F.linear everywhere), laid out
+    in the owned path's weight copies or, on the transformers path, computed by a decode-time copy of the
+    policy's modules (the policy's own dtype)."""
     reason = refusal(policy)
     if reason is None:
         return LlamaFamilyModel(policy, dtype, linear_plan)
-    return TransformersModel(policy, reason)
+    return TransformersModel(policy, reason, linear_plan)

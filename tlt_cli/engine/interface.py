@@ -58,9 +58,6 @@ class DecodeModel(Protocol):
     extra_bytes: int
     # dtype of the hidden states and of the cache
     dtype: torch.dtype
-    # whether decoding calls the policy module's own layers (the transformers path) or only copies of its
-    # weights (the owned forward): linear forms applied to the policy's nn.Linear layers only help the former
-    calls_policy_modules: bool
 
     def new_cache(self, batch_size: int, capacity: int) -> DecodeCache:
         """An empty cache of `batch_size` rows and `capacity` slots (it grows when asked to reserve more)."""

@@ -10,28 +10,27 @@ matrices with `F.linear` and 27 ms with a contiguous transposed copy; 49152x576 
   - `transposed`: `x @ W_t` with W_t = W.t() kept as a contiguous copy (`TransposedCopy`);
   - `weight_major`: `(W @ x.T).T`, made contiguous so it has the layout F.linear returns.
 
-A `LinearFormPlan` (measured by tlt_cli/engine/linear_forms_measure.py) names a form per weight shape
-and per row count. `LinearForms` applies it to every `nn.Linear` of the given modules (the target's
-decoder layers and lm_head, tied or untied, and the drafter's) for the length of a `with
-forms.applied():` block: it sets each layer's `forward` as an instance attribute and deletes it on
-exit, so nothing outside the block (the actor's training, another module, another call) sees a
-change, and nothing is patched globally. The engine (tlt_cli/rollout/engine.py) opens that block
-around each generate call. Even inside it, a call with gradients enabled takes `F.linear`, so a
-backward never goes through another form.
+A `LinearFormPlan` (measured and cached per machine by tlt_cli/tuning/linear_forms.py) names a form per
+weight shape and per row count. Whoever decodes receives the plan; no module's forward is ever patched:
 
-Copies: a shape gets transposed copies only if its plan uses `transposed` at some row count; at most
-one copy per weight (`extra_bytes`). A copy is refreshed (W.t() copied into the same buffer: one read
-and one write of the weight; 0.4 s for all 513 MiB of SmolLM2-135M's on a loaded 2-core CPU) by
-`refresh()`, which the rollout backends call after every actor update, and automatically before use
-whenever the weight's storage or autograd version counter changed (an in-place optimizer step bumps
-it). Writes through `.data` (DeepSpeed's ZeRO partitions) bump neither, which is why `refresh()` after
-each update is still needed.
+  - the owned Llama-family forward (llama_family.py) lays its own fused weight copies out by the plan;
+  - every other module (the transformers path's policy, the drafter) decodes through a `FormedCopy`: a
+    decode-time copy of its module tree that shares every parameter and submodule with the original
+    except the planned nn.Linear layers, which it replaces by `FormedLinear` modules computing the same
+    product from the original layer's own parameters in the planned form. The original tree (the one the
+    actor trains) is never touched; a call with gradients enabled takes `F.linear` all the same.
+
+Copies: a layer gets a transposed copy only if its plan uses `transposed` at some row count. A copy is
+re-read (W.t() copied into the same buffer) by `FormedCopy.refresh()`, which the rollout backends call
+after every actor update, and automatically before use whenever the weight's storage or autograd
+version counter changed (an in-place optimizer step bumps it). Writes through `.data` (DeepSpeed's ZeRO
+partitions) bump neither, which is why `refresh()` after each update is still needed.
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterable, Iterator
+import copy
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -70,15 +69,24 @@ def shape_key(weight: torch.Tensor) -> str:
     return f"{weight.shape[0]}x{weight.shape[1]} {str(weight.dtype).removeprefix('torch.')}"
 
 
+def is_plain_linear(module: nn.Module) -> bool:
+    """Whether `module` is an nn.Linear computing as nn.Linear does: not a subclass, no forward of its own set
+    by someone else (accelerate hooks, adapters), no forward hooks (they would not run on a stand-in)."""
+    return (
+        type(module) is nn.Linear
+        and "forward" not in vars(module)
+        and not (module._forward_hooks or module._forward_pre_hooks)
+    )
+
+
 def linear_layers(modules: Iterable[nn.Module | None]) -> list[nn.Linear]:
-    """Every plain nn.Linear of `modules` (None skipped), each once, in module order; layers whose
-    `forward` someone else already replaced (accelerate hooks, adapters) are left alone."""
+    """Every plain nn.Linear of `modules` (None skipped), each once, in module order."""
     found: dict[int, nn.Linear] = {}
     for module in modules:
         if module is None:
             continue
         for layer in module.modules():
-            if type(layer) is nn.Linear and "forward" not in vars(layer):
+            if is_plain_linear(layer):
                 found.setdefault(id(layer), layer)
     return list(found.values())
 
@@ -130,7 +138,7 @@ class TransposedCopy:
         self.seen: tuple[int, int, int] | None = None
 
     def fresh(self) -> torch.Tensor:
-        """The copy, refreshed first if the weight's storage or version changed since the last copy."""
+        """The copy, re-read first if the weight's storage or version changed since the last read (or after release)."""
         weight = self.layer.weight
         if self.seen != (id(weight), weight.data_ptr(), weight._version):
             self.refresh()
@@ -151,19 +159,37 @@ class TransposedCopy:
             buffer.copy_(transposed)
         self.seen = (id(weight), weight.data_ptr(), weight._version)
 
+    def release(self) -> None:
+        """Free the buffer; the next `fresh()` reads the weight again."""
+        self.buffer, self.seen = None, None
+
     @property
     def nbytes(self) -> int:
-        weight = self.layer.weight
-        return weight.numel() * weight.element_size()
+        """Bytes the copy holds now (0 once released)."""
+        return 0 if self.buffer is None else self.buffer.numel() * self.buffer.element_size()
 
 
-class FormedLinear:
-    """One nn.Linear's forward in the form its plan picks for the rows of each call."""
+class FormedLinear(nn.Module):
+    """A decode-time stand-in for one nn.Linear: the layer's own weight and bias (read at every call, never
+    copied but for its transposed copy) multiplied in the form its plan picks for the rows of each call."""
 
     def __init__(self, layer: nn.Linear, forms_by_rows: tuple[str, ...]) -> None:
-        self.layer = layer
+        super().__init__()
+        # the original layer, deliberately not registered as a submodule: its owner trains it, this only reads it
+        object.__setattr__(self, "layer", layer)
+        self.forms_by_rows = forms_by_rows
         self.products = tuple(FORMS[name] for name in forms_by_rows)
         self.transposed = TransposedCopy(layer) if TRANSPOSED in forms_by_rows else None
+        self.training = False
+
+    @property
+    def weight(self) -> nn.Parameter:
+        """The original layer's weight (code that reads `.weight` of a layer, for its dtype say, sees the same)."""
+        return self.layer.weight
+
+    @property
+    def bias(self) -> nn.Parameter | None:
+        return self.layer.bias
 
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
         layer = self.layer
@@ -176,73 +202,86 @@ class FormedLinear:
         outputs = product(inputs.reshape(rows, inputs.shape[-1]), layer.weight, transposed, layer.bias)
         return outputs.view(*inputs.shape[:-1], outputs.shape[-1])
 
+    def extra_repr(self) -> str:
+        """'576x576 float32, 1 transposed, 2-8 weight_major' (what print(model) shows of a decode copy)."""
+        measured_rows = tuple(range(1, len(self.forms_by_rows)))
+        return f"{shape_key(self.layer.weight)}, {form_ranges(measured_rows, self.forms_by_rows[1:])}"
 
-class LinearForms:
-    """A plan applied to the nn.Linear layers of `modules` (see the module docstring).
+
+class FormedCopy:
+    """A decode-time copy of `root` whose planned nn.Linear layers compute in their forms (see the module
+    docstring). `module` is the copy: every submodule on the way to a formed layer is a shallow copy (its own
+    children, in eval mode; the same parameters, buffers and hooks), every other submodule is the original.
 
     Example:
-        forms = LinearForms([model, drafter], plan)
-        with torch.no_grad(), forms.applied():
-            logits = model(input_ids).logits
-        ...optimizer step...
-        forms.refresh()
+        formed = FormedCopy(policy, plan)
+        with torch.no_grad():
+            logits = formed.module(input_ids).logits
+        ...actor update through .data...
+        formed.refresh()
     """
 
-    def __init__(self, modules: Iterable[nn.Module | None], plan: LinearFormPlan) -> None:
+    def __init__(self, root: nn.Module, plan: LinearFormPlan) -> None:
         self.plan = plan
         self.layers: list[FormedLinear] = []
-        for layer in linear_layers(modules):
-            forms_by_rows = plan.forms_by_rows(shape_key(layer.weight))
-            if any(name != LINEAR for name in forms_by_rows):
-                self.layers.append(FormedLinear(layer, forms_by_rows))
+        self.module = self._copied(root, {})
         self.refresh()
 
-    def keep_only(self, modules: Iterable[nn.Module | None]) -> None:
-        """Form only the layers of `modules` from now on; the others' transposed copies are freed (the engine
-        calls it when its decode model computes the policy with weights of its own, never through the
-        policy's nn.Linear layers; a layer the drafter shares with the policy, its head, stays formed)."""
-        kept = {id(layer) for layer in linear_layers(modules)}
-        self.layers = [formed for formed in self.layers if id(formed.layer) in kept]
+    def _copied(self, module: nn.Module, done: dict[int, nn.Module]) -> nn.Module:
+        """`module` itself when nothing under it is formed, else its stand-in or a shallow copy over copied children
+        (`done`: the copy of each module met so far, so a module met twice has one copy)."""
+        if id(module) not in done:
+            formed = self._formed(module)
+            done[id(module)] = formed if formed is not None else self._with_children_copied(module, done)
+        return done[id(module)]
 
-    @property
-    def copies(self) -> list[TransposedCopy]:
-        return [formed.transposed for formed in self.layers if formed.transposed is not None]
+    def _formed(self, module: nn.Module) -> FormedLinear | None:
+        if not is_plain_linear(module):
+            return None
+        forms_by_rows = self.plan.forms_by_rows(shape_key(module.weight))
+        if all(name == LINEAR for name in forms_by_rows):
+            return None
+        formed = FormedLinear(module, forms_by_rows)
+        self.layers.append(formed)
+        return formed
+
+    def _with_children_copied(self, module: nn.Module, done: dict[int, nn.Module]) -> nn.Module:
+        children = {
+            name: None if child is None else self._copied(child, done) for name, child in module._modules.items()
+        }
+        if all(children[name] is child for name, child in module._modules.items()):
+            return module
+        duplicate = copy.copy(module)
+        duplicate._modules = children
+        duplicate.training = False
+        return duplicate
 
     @property
     def extra_bytes(self) -> int:
-        """Bytes of the transposed copies (at most one per weight)."""
-        return sum(copy.nbytes for copy in self.copies)
+        """Bytes of the transposed copies held now (at most one per weight)."""
+        return sum(formed.transposed.nbytes for formed in self.layers if formed.transposed is not None)
 
     def refresh(self) -> None:
         """Copy every weight into its transposed copy: call after the weights changed (an actor update)."""
-        for copy in self.copies:
-            copy.refresh()
+        for formed in self.layers:
+            if formed.transposed is not None:
+                formed.transposed.refresh()
 
-    @contextlib.contextmanager
-    def applied(self) -> Iterator[None]:
-        """Within the block, the planned layers compute in their planned forms; afterwards they are plain
-        nn.Linear again (a layer whose forward someone else replaced meanwhile is left alone)."""
-        formed = [item for item in self.layers if "forward" not in vars(item.layer)]
-        for item in formed:
-            item.layer.forward = item.forward
-        try:
-            yield
-        finally:
-            for item in formed:
-                del item.layer.forward
+    def release(self) -> None:
+        """Free the transposed copies until the next `refresh()` or use."""
+        for formed in self.layers:
+            if formed.transposed is not None:
+                formed.transposed.release()
 
-    def describe(self) -> str:
-        """One line: the forms picked per shape, and the copies' memory."""
-        shapes = [
-            f"{key}: {form_ranges(self.plan.row_buckets, names)}"
-            for key, names in sorted(self.plan.forms.items())
-            if any(name != LINEAR for name in names)
-        ]
-        picked = "; ".join(shapes) if shapes else f"{LINEAR} everywhere"
-        return (
-            f"linear forms: {picked}; {len(self.layers)} layers formed, transposed copies "
-            f"{self.extra_bytes / 2**20:.1f} MiB ({self.extra_bytes} bytes)"
-        )
+
+def describe_plan(plan: LinearFormPlan) -> str:
+    """One line for the run log: the forms the plan picks per shape (shapes that keep `linear` everywhere left out)."""
+    shapes = [
+        f"{key}: {form_ranges(plan.row_buckets, names)}"
+        for key, names in sorted(plan.forms.items())
+        if any(name != LINEAR for name in names)
+    ]
+    return f"linear forms: {'; '.join(shapes) if shapes else f'{LINEAR} everywhere'}"
 
 
 def form_ranges(row_buckets: tuple[int, ...], names: tuple[str, ...]) -> str:

@@ -4,7 +4,7 @@ Mistral, with grouped-query attention and a tied or untied head.
 `LlamaFamilyModel(policy)` reads the policy module's parameters into the engine's own tensors once (and
 again on `refresh()`, after each actor update; `release()` frees them for the update in between): q/k/v
 fused into one product and gate/up into another, each product kept in the layout its measured plan
-(`linear_plan`, tlt_cli/engine/linear_forms_measure.py) picks per row count. The forward is plain torch
+(`linear_plan`, tlt_cli/engine/linear_forms.py) picks per row count. The forward is plain torch
 (one loop over the layers, the layer's maths in tlt_cli/engine/layers.py), fills a `SlotCache` by its
 own calls and never calls a transformers module, so a transformers release cannot break it. Greedy output
 equals transformers' `generate` in float32.
@@ -119,7 +119,6 @@ class LlamaFamilyModel:
     """
 
     path = PATH_NAME
-    calls_policy_modules = False
 
     def __init__(self, policy: nn.Module, dtype: torch.dtype | None = None, linear_plan: LinearFormPlan | None = None):
         reason = refusal(policy)

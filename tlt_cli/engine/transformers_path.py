@@ -10,7 +10,12 @@ applied to that mask from each slot's position (the cache itself keeps every col
 a config never crops), per layer type when layers differ. Entries that a row
 no longer maps (rejected drafts, padding of a prefill) stay as hidden columns, so the cache grows by every
 forward's block; this path is for correctness on any architecture with a key/value cache (not recurrent
-or hybrid state-space models), the owned path for speed.
+or hybrid state-space models).
+
+With a `LinearFormPlan` (linear_forms.py) the decoder and head run as a `FormedCopy` of the policy: the same
+parameters, its planned nn.Linear layers replaced, in that copy only, by stand-ins computing in the measured
+forms (a transposed copy of the head is what makes GPT-2-shaped models decode faster than `generate` at one
+row). The policy module itself is never changed.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from torch import nn
 from transformers import DynamicCache
 
 from tlt_cli.engine.kv_cache import additive_mask
+from tlt_cli.engine.linear_forms import FormedCopy, LinearFormPlan
 
 PATH_NAME = "transformers"
 
@@ -104,35 +110,49 @@ class TransformersModel:
     """The DecodeModel of any causal LM through transformers' public API; see the module docstring."""
 
     path = PATH_NAME
-    calls_policy_modules = True
-    extra_bytes = 0
 
-    def __init__(self, policy: nn.Module, reason: str = "") -> None:
+    def __init__(self, policy: nn.Module, reason: str = "", linear_plan: LinearFormPlan | None = None) -> None:
         self.policy = policy
         self.reason = reason
-        self.decoder = policy.get_decoder()
-        self.head = policy.get_output_embeddings()
+        # the decode-time copy whose planned linear layers compute in their forms (None: the policy's own modules)
+        self.formed = FormedCopy(policy, linear_plan) if linear_plan is not None else None
+        decoding = self.formed.module if self.formed is not None else policy
+        self.decoder = decoding.get_decoder()
+        self.head = decoding.get_output_embeddings()
         self.dtype = next(policy.parameters()).dtype
         self.device = next(policy.parameters()).device
         # transformers 5.24 renamed the decoder's `past_key_values` argument to `cache`
         parameters = inspect.signature(self.decoder.forward).parameters
         self.cache_argument = "cache" if "cache" in parameters else "past_key_values"
 
+    @property
+    def extra_bytes(self) -> int:
+        """Bytes of the formed layers' transposed copies held now (the policy's own weights are used as they are)."""
+        return self.formed.extra_bytes if self.formed is not None else 0
+
     def describe(self) -> str:
         why = f" ({self.reason})" if self.reason else ""
-        return f"decode path: {self.path}{why}; own weight copies 0 bytes"
+        formed = f"; {len(self.formed.layers)} linear layers formed" if self.formed is not None else ""
+        return (
+            f"decode path: {self.path}{why}{formed}; own weight copies {self.extra_bytes / 2**20:.1f} MiB "
+            f"({self.extra_bytes} bytes)"
+        )
 
     def new_cache(self, batch_size: int, capacity: int) -> ColumnCache:
         return ColumnCache(batch_size, capacity, self.device)
 
     def refresh(self) -> None:
-        """Nothing to re-read: the model's own modules read its parameters."""
+        """Re-read the transposed copies of the formed layers (the modules read the policy's parameters themselves)."""
+        if self.formed is not None:
+            self.formed.refresh()
 
     def refresh_if_changed(self) -> None:
-        """Nothing to re-read."""
+        """Nothing to do: each transposed copy checks its weight's storage and version when used."""
 
     def release(self) -> None:
-        """Nothing to free: no copies."""
+        """Free the transposed copies (re-read at the next use or `refresh()`)."""
+        if self.formed is not None:
+            self.formed.release()
 
     def forward_block(
         self,

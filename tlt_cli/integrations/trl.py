@@ -26,8 +26,8 @@ through its class's `trl_process_sidecar`. `take_records()` returns what each ro
 per-request lengths, SD usage and acceptance, sidecar metrics) for a trace;
 `save_state`/`load_state` carry the schedule and drafter through checkpoints. With
 `linear_forms="auto"` the engine computes each linear layer in the form measured fastest for the
-pass's rows (tlt_cli/engine/linear_forms.py); its transposed copies are refreshed before every
-rollout, since TRL's optimizer steps in between.
+pass's rows (tlt_cli/engine/linear_forms.py, measured by tlt_cli/tuning/linear_forms.py); its weight
+copies are refreshed before every rollout, since TRL's optimizer steps in between.
 """
 
 from __future__ import annotations
@@ -42,7 +42,6 @@ import torch
 
 from tlt_cli.checkpoint import DRAFTER_DIRECTORY, load_checkpoint_file
 from tlt_cli.config import DrafterConfig, PluginsConfig, SpeculativeMode, SpeculativeSection
-from tlt_cli.engine.linear_forms_measure import LINEAR_FORM_MODES
 from tlt_cli.errors import UserError
 from tlt_cli.integrations.trl_support import (
     check_trainer_supported,
@@ -58,6 +57,7 @@ from tlt_cli.rollout.types import Completion, RolloutRequest
 from tlt_cli.speculative.adaptive import OFF, SpeculativePlan
 from tlt_cli.training.logprobs import head_logprobs
 from tlt_cli.training.setup import rollout_needs_drafter, speculative_plan
+from tlt_cli.tuning.linear_forms import LINEAR_FORM_MODES
 from tlt_cli.tuning.precision import ROLLOUT_DTYPE_SETTINGS
 
 if TYPE_CHECKING:
@@ -91,7 +91,8 @@ class RolloutRecord:
     sd_seconds: decode seconds under an SD configuration; accept_length: tokens per verify pass
     over the rollout (0.0 without SD); sidecar: the drafter-training plugin's metrics (empty when
     none ran; under its metric prefix), with idle_seconds, the wait it trained in;
-    linear_form_bytes: the memory of the linear forms' transposed weight copies (0: none).
+    copy_bytes: the memory of the engine's own weight copies (the decode model's fused, transposed or cast
+    copies, and the drafter's formed copy's transposed weights).
     """
 
     rollout: int
@@ -110,7 +111,7 @@ class RolloutRecord:
     accept_length: float
     warnings: list[str]
     sidecar: dict[str, float] = field(default_factory=dict)
-    linear_form_bytes: int = 0
+    copy_bytes: int = 0
 
     @property
     def seconds(self) -> float:
@@ -328,7 +329,7 @@ class TltRollout:
             accept_length=(accepted + passes) / passes if passes else 0.0,
             warnings=self.backend.take_warnings(),
             sidecar=sidecar,
-            linear_form_bytes=self.backend.linear_forms.extra_bytes if self.backend.linear_forms else 0,
+            copy_bytes=self.backend.copy_bytes,
         )
 
     def take_records(self) -> list[RolloutRecord]:

@@ -27,7 +27,6 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from tlt_cli.config import Recipe
-from tlt_cli.engine.linear_forms_measure import prepare_linear_forms
 from tlt_cli.engine.sampling import SamplingParams
 from tlt_cli.profile.records import ProfileRecords, read_trace_records
 from tlt_cli.rollout.engine import EmbeddedEngine
@@ -36,6 +35,7 @@ from tlt_cli.tasks.base import Task
 from tlt_cli.tasks.prompts import encode_prompt
 from tlt_cli.trace import TraceWriter
 from tlt_cli.training import memory, setup
+from tlt_cli.tuning.linear_forms import measured_linear_plan
 from tlt_cli.tuning.precision import rollout_precision
 from tlt_cli.versions import installed_versions
 
@@ -51,7 +51,7 @@ def record_rollout(
     policy, tokenizer = setup.policy_and_tokenizer(recipe)
     task = setup.task(recipe)
     # the linear forms a worker's engine computes the policy with (EmbeddedRollout, no drafter: SD off here)
-    linear_forms = prepare_linear_forms(recipe.rollout.linear_forms, [policy, None], setup.model_cache(recipe))
+    linear_plan = measured_linear_plan(recipe.rollout.linear_forms, [policy, None], setup.model_cache(recipe))
     sampling = setup.sampling(recipe)
     trace_path.parent.mkdir(parents=True, exist_ok=True)
     trace_path.unlink(missing_ok=True)
@@ -60,14 +60,12 @@ def record_rollout(
     torch.set_num_threads(recipe.workers.threads_per_worker)
     try:
         # measured (rollout.dtype auto) with the thread count a worker decodes with, as a worker does
-        precision = rollout_precision(
-            recipe.rollout.dtype, policy, linear_forms.plan if linear_forms else None, setup.model_cache(recipe)
-        )
+        precision = rollout_precision(recipe.rollout.dtype, policy, linear_plan, setup.model_cache(recipe))
         engine = EmbeddedEngine(
             policy,
             eos_token_id=tokenizer.eos_token_id,
             pad_token_id=tokenizer.pad_token_id,
-            linear_forms=linear_forms,
+            linear_plan=linear_plan,
             dtype=precision.torch_dtype,
         )
         writer.write(

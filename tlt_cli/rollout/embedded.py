@@ -16,9 +16,10 @@ policy, which is all a trainer of another library has in its own process:
 `auto` measures once per machine and model which pays (tlt_cli/tuning/precision.py); `precision()` says which
 ran and the figures that chose it, `start()` puts it in the run log.
 
-`linear_forms="auto"` (the recipe's `rollout.linear_forms`) computes each linear layer of the policy
-and drafter, during generation only, in the form measured fastest for the pass's rows
-(tlt_cli/engine/linear_forms.py); its transposed copies are refreshed by `after_update`.
+`linear_forms="auto"` (the recipe's `rollout.linear_forms`) has the engine compute each linear layer of the
+policy and drafter, while decoding, in the form measured fastest on this machine for the pass's rows
+(the plan measured and cached by tlt_cli/tuning/linear_forms.py, carried out by tlt_cli/engine/linear_forms.py);
+its transposed copies are the decode model's, refreshed by `after_update`.
 
 The owned decode forward's own weight copies (fused q/k/v and gate/up, transposed or cast: about 0.5 GB for
 SmolLM2-135M) live only from `after_update` to the end of the next `generate`: `generate` frees them on its
@@ -36,7 +37,7 @@ import torch
 from torch import nn
 
 from tlt_cli.checkpoint import load_checkpoint_file
-from tlt_cli.engine.linear_forms_measure import prepare_linear_forms
+from tlt_cli.engine.linear_forms import describe_plan
 from tlt_cli.engine.sampling import SamplingParams
 from tlt_cli.models.tiny import default_cache_dir
 from tlt_cli.rollout.engine import EmbeddedEngine
@@ -47,6 +48,7 @@ from tlt_cli.speculative.adaptive import (
     SpeculativePlan,
     speculative_decoder,
 )
+from tlt_cli.tuning.linear_forms import measured_linear_plan
 from tlt_cli.tuning.precision import rollout_precision
 
 
@@ -74,21 +76,20 @@ class EmbeddedRollout:
         decoder = speculative_decoder(speculative, drafter, seed) if speculative is not None else None
         self.schedule = decoder.adaptive_schedule if isinstance(decoder, AdaptiveSpeculativeDecoder) else None
         cache_dir = cache_dir if cache_dir is not None else default_cache_dir()
-        self.linear_forms = prepare_linear_forms(linear_forms, [policy, drafter], cache_dir)
-        plan = self.linear_forms.plan if self.linear_forms is not None else None
-        self.precision_choice = rollout_precision(dtype, policy, plan, cache_dir)
+        self.linear_plan = measured_linear_plan(linear_forms, [policy, drafter], cache_dir)
+        self.precision_choice = rollout_precision(dtype, policy, self.linear_plan, cache_dir)
         self.engine = EmbeddedEngine(
             policy,
             eos_token_id=eos_token_id,
             pad_token_id=pad_token_id,
             speculative=decoder,
-            linear_forms=self.linear_forms,
+            linear_plan=self.linear_plan,
             dtype=self.precision_choice.torch_dtype,
         )
 
     def start(self) -> list[str]:
         """Nothing to start: the engine runs in this process; its precision, decode path and forms, for the log."""
-        forms = [self.linear_forms.describe()] if self.linear_forms is not None else []
+        forms = [describe_plan(self.linear_plan)] if self.linear_plan is not None else []
         return [self.precision_choice.describe(), self.engine.decode_model.describe(), *forms]
 
     def precision(self) -> dict:
@@ -114,16 +115,21 @@ class EmbeddedRollout:
         self, weight_version: str, drafter_version: float | None, probe_prompts: Sequence[Sequence[int]]
     ) -> dict[str, float]:
         """Nothing to push: the engine generates from the updated module's weights; only its decode model's
-        copies (freed by `generate` for the update) are rebuilt and the linear forms' transposed copies refreshed."""
+        copies (freed by `generate` for the update) are rebuilt."""
         self.refresh_copies()
         return {}
 
     def refresh_copies(self) -> None:
-        """Copy the policy's current weights into the decode model's own tensors, and the policy's and drafter's
-        into the linear forms' transposed copies."""
+        """Copy the policy's current weights into the decode model's own tensors (the drafter's formed copy
+        re-reads its own at the start of every generate call)."""
         self.engine.decode_model.refresh()
-        if self.linear_forms is not None:
-            self.linear_forms.refresh()
+
+    @property
+    def copy_bytes(self) -> int:
+        """Bytes of the engine's own weight copies now: the decode model's, and the drafter's formed copy's."""
+        decoder = self.engine.speculative
+        drafter_forms = decoder.drafter_forms if decoder is not None else None
+        return self.engine.decode_model.extra_bytes + (drafter_forms.extra_bytes if drafter_forms is not None else 0)
 
     def take_usage(self) -> dict[str, ConfigUsage]:
         return self.schedule.take_usage() if self.schedule is not None else {}

@@ -35,7 +35,7 @@ from tlt_cli.rollout.types import Completion, RolloutRequest
 from tlt_cli.speculative.types import DecodeStep, SpeculativeStats
 
 if TYPE_CHECKING:
-    from tlt_cli.engine.linear_forms import LinearForms
+    from tlt_cli.engine.linear_forms import LinearFormPlan
     from tlt_cli.speculative.decoder import SpeculativeDecoder
 
 # slots reserved past the longest prompt when the cache is first allocated (it grows by doubling)
@@ -59,13 +59,12 @@ class _GenerateCall:
 class EmbeddedEngine:
     """Batched generation with a KV cache, ragged prompts, early exit of finished requests and,
     when given a speculative decoder (`tlt_cli.speculative.decoder.SpeculativeDecoder`), lossless
-    speculative decoding. With `linear_forms` (tlt_cli/engine/linear_forms.py), the target's decode model
-    lays out its products by the measured plan, and the drafter's linear layers compute in the form fastest for
-    each pass's rows, for the length of each generate call. `dtype`: the precision the target is decoded in (None:
-    the model's own; tlt_cli/tuning/precision.py chooses it), its cache included; speculative decoding is exact
-    against the model in that precision. `decode_model`: the model as the engine decodes it (default:
-    `decode_model_for(model, dtype)` with the plan of `linear_forms`); call its `refresh()` after the model's
-    weights change."""
+    speculative decoding. With `linear_plan` (tlt_cli/engine/linear_forms.py), the target's decode model
+    computes its products in the measured forms, and so does the drafter, through a decode-time copy
+    (`SpeculativeDecoder.use_linear_plan`). `dtype`: the precision the target is decoded in (None: the model's
+    own; tlt_cli/tuning/precision.py chooses it), its cache included; speculative decoding is exact against the
+    model in that precision. `decode_model`: the model as the engine decodes it (default:
+    `decode_model_for(model, dtype)` with `linear_plan`); call its `refresh()` after the model's weights change."""
 
     def __init__(
         self,
@@ -73,24 +72,20 @@ class EmbeddedEngine:
         eos_token_id: int,
         pad_token_id: int,
         speculative: SpeculativeDecoder | None = None,
-        linear_forms: LinearForms | None = None,
+        linear_plan: LinearFormPlan | None = None,
         decode_model: DecodeModel | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
         self.model = model
-        plan = linear_forms.plan if linear_forms is not None else None
         if decode_model is None:
-            decode_model = decode_model_for(model, dtype=dtype, linear_plan=plan)
+            decode_model = decode_model_for(model, dtype=dtype, linear_plan=linear_plan)
         self.decode_model = decode_model
         self.target = DecodeTarget(self.decode_model, next(model.parameters()).device)
         self.eos_token_id = eos_token_id
         self.pad_token_id = pad_token_id
         self.speculative = speculative
-        if linear_forms is not None and not self.decode_model.calls_policy_modules:
-            # the owned forward multiplies by its own copies: forming the policy's nn.Linear layers too would
-            # only hold a second copy of its weights (hundreds of MiB on a real model)
-            linear_forms.keep_only([speculative.drafter if speculative is not None else None])
-        self.linear_forms = linear_forms
+        if speculative is not None and linear_plan is not None:
+            speculative.use_linear_plan(linear_plan)
         self.device = next(model.parameters()).device
 
     def generate(
@@ -129,9 +124,8 @@ class EmbeddedEngine:
             _step_observer(observe_step, on_decode_step),
         )
         drafter = self.speculative.drafter if self.speculative is not None else None
-        forms = self.linear_forms.applied() if self.linear_forms is not None else contextlib.nullcontext()
         self.decode_model.refresh_if_changed()
-        with torch.no_grad(), _eval_mode(self.model), _eval_mode(drafter), forms:
+        with torch.no_grad(), _eval_mode(self.model), _eval_mode(drafter):
             self._run(call)
         return [call.completions[index] for index in range(len(requests))]
 

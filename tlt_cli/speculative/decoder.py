@@ -50,6 +50,7 @@ import torch
 from torch import nn
 
 from tlt_cli.engine.kv_cache import SlotCache, block_attention_mask, keep_rows_of
+from tlt_cli.engine.linear_forms import FormedCopy, LinearFormPlan
 from tlt_cli.engine.running_batch import DecodeTarget, RunningBatch
 from tlt_cli.engine.sampling import SamplingParams
 from tlt_cli.speculative.acceptance import Verdict, accept_chain, accept_tree
@@ -208,6 +209,8 @@ class SpeculativeDecoder:
         uses_ngram: bool | None = None,
     ) -> None:
         self.drafter = drafter
+        # the drafter's decode-time copy computing in the measured linear forms (use_linear_plan), or None
+        self.drafter_forms: FormedCopy | None = None
         self.schedule: ConfigSchedule = config if callable(config) else (lambda batch_size: config)
         # whether a shape may ask the n-gram index (None: a fixed shape says, a schedule may): if not, none is kept
         if uses_ngram is None:
@@ -225,16 +228,29 @@ class SpeculativeDecoder:
         # finished siblings of a row -> [verify passes, accepted draft tokens] of its n-gram steps this call
         self.by_finished_siblings: dict[int, list[int]] = {}
 
+    def use_linear_plan(self, plan: LinearFormPlan) -> None:
+        """Draft through a decode-time copy of the drafter whose linear layers compute in the plan's forms
+        (tlt_cli/engine/linear_forms.py); the drafter the trainer updates is left as it is."""
+        if self.drafter is not None:
+            self.drafter_forms = FormedCopy(self.drafter, plan)
+
+    @property
+    def drafting(self) -> nn.Module | None:
+        """The module that drafts: the drafter's formed copy, else the drafter."""
+        return self.drafter_forms.module if self.drafter_forms is not None else self.drafter
+
     def begin(self, batch: RunningBatch, requests: Sequence[GroupedPrompt] = ()) -> None:
-        """Start a generate call: the drafter's head re-read from the target (whose weights may have
-        changed since the last call), empty drafter cache and counters (the drafter reads the prompt
-        at the first SD step, from the target hidden states the engine keeps), and a fresh n-gram
-        index over the requests' prompts (requests[i] is batch row i)."""
+        """Start a generate call: the drafter's head (and its formed copy's transposed weights) re-read from the
+        target and drafter (whose weights may have changed since the last call), empty drafter cache and counters
+        (the drafter reads the prompt at the first SD step, from the target hidden states the engine keeps), and
+        a fresh n-gram index over the requests' prompts (requests[i] is batch row i)."""
         device = batch.lengths.device
         if self.drafter is None:
             self.state = DraftState.empty(batch.size, 0, 0, 0, torch.float32, device)
         else:
-            self.drafter.refresh_draft_head()
+            if self.drafter_forms is not None:
+                self.drafter_forms.refresh()  # a few MiB: cheaper than tracking every way the drafter is updated
+            self.drafting.refresh_draft_head()
             self.state = DraftState.empty(
                 batch.size,
                 batch.cache.capacity,
@@ -389,7 +405,7 @@ class SpeculativeDecoder:
         kv_length = int(lengths.max()) + written + entries
         self.state.cache.prepare(write_slots, kv_length)
         mask = block_attention_mask(lengths, visible, kv_length)
-        return self.drafter(input_ids, target_hidden, positions, mask, self.state.cache)
+        return self.drafting(input_ids, target_hidden, positions, mask, self.state.cache)
 
     def _commit(
         self,

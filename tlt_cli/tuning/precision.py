@@ -20,7 +20,7 @@ the plain step at least MARGIN faster, or when it makes verification cheap (a ve
 steps, and at least MARGIN cheaper than float32's) without making the plain step more than TOLERANCE slower.
 A model outside the owned family decodes through transformers in its own dtype: `auto` keeps it.
 
-Cache: `<cache_dir>/rollout_precision/<hash>.json`, keyed by the machine (tuning/machine.py), the model's
+Cache: `<cache_dir>/rollout_precision/<hash>.json`, keyed by the machine (tuning/cache.py), the model's
 shapes and the linear-form plan, written atomically under a file lock so concurrent ranks measure once.
 """
 
@@ -38,7 +38,7 @@ from torch import nn
 from tlt_cli.engine import decode_model_for
 from tlt_cli.engine.linear_forms import LinearFormPlan
 from tlt_cli.engine.llama_family import refusal
-from tlt_cli.tuning.machine import cached_measurement, machine_key
+from tlt_cli.tuning.cache import cached_record, machine_key
 
 ROLLOUT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 ROLLOUT_DTYPE_SETTINGS = ("auto", *ROLLOUT_DTYPES)
@@ -102,8 +102,8 @@ def rollout_precision(
         own = str(policy.get_input_embeddings().weight.dtype).removeprefix("torch.")
         return PrecisionChoice(own if own in ROLLOUT_DTYPES else "float32", "model dtype: transformers path", {}, {})
     key = {"format": MEASUREMENT_FORMAT, **machine_key(_device_of(policy)), "model": _model_key(policy, linear_plan)}
-    record = cached_measurement(cache_dir / CACHE_FOLDER, key, lambda: _measured_record(policy, linear_plan))
-    return PrecisionChoice(**record)
+    record, _ = cached_record(cache_dir, CACHE_FOLDER, key, lambda: _measured_record(policy, linear_plan))
+    return PrecisionChoice(**{field: record[field] for field in ("dtype", "reason", "step_ms", "verify_ms")})
 
 
 def choose_dtype(step_ms: dict[str, float], verify_ms: dict[str, float]) -> str:

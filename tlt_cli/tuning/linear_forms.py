@@ -1,8 +1,9 @@
 """Measure which linear form (tlt_cli/engine/linear_forms.py) is fastest per weight shape and row count, and cache it.
 
-`prepare_linear_forms(mode, [policy, drafter], cache_dir)` is what the embedded rollout backend calls:
-`off` gives None (plain nn.Linear), `auto` loads the plan cached for this machine and these shapes, or
-measures and caches it first, and applies it (`LinearForms`).
+`measured_linear_plan(mode, [policy, drafter], cache_dir)` is what the rollout backends call: `off` gives None (plain
+F.linear everywhere), `auto` the plan cached for this machine and these shapes, measured and cached first
+if there is none. The plan goes to whoever decodes (`decode_model_for`, the engine's drafter copy); nothing
+here changes a module.
 
 The measurement (`measure_plan`) runs the model's own weights, grouped by shape, the way a decode step
 meets them: for each row count (1..16, 24, 32, 64) and form it runs every group in turn, so between two
@@ -10,29 +11,22 @@ visits of one group all the others have streamed through the cache, as in a forw
 model (a model that fits in the cache stays in it, as it would while decoding). Each group is timed
 on its own (synchronized on a GPU), over `rounds` interleaved rounds with the order of forms rotated;
 the best time counts; after the first round a form HOPELESS times slower than the best is dropped.
-Each form is timed as the engine calls it (`linear` as a plain nn.Linear computes, the others through
-FormedLinear.forward), so where a layer takes microseconds the Python around a form counts against it.
+Each form is timed as the decode copies call it (`linear` as a plain nn.Linear computes, the others through
+FormedLinear), so where a layer takes microseconds the Python around a form counts against it.
 A form other than `linear` replaces it only if it is at least MARGIN faster. It costs about 2 rounds
 x 3 forms of a pass over every weight at each of 1..16, 24, 32 and 64 rows: 33 s for SmolLM2-135M
 and its drafter on one thread of a heavily loaded 2-core CPU (estimated 10-15 s idle; it holds a
 transposed copy of every weight meanwhile), about 2 s for the built-in tiny model (each timing repeats
 a tiny pass to last 0.5 ms), once per machine and model.
 
-Cache: `<cache_dir>/linear_forms/<hash>.json`, keyed by the machine (CPU model string or GPU name,
-core count, torch threads, torch version, device type) and the model's shapes (each shape's dtype and
-count), under a file lock so concurrent ranks measure once; a changed key measures again.
+Cache (tlt_cli/tuning/cache.py): `<cache_dir>/linear_forms/<hash>.json`, keyed by the machine
+(`machine_key`) and the model's shapes (each shape's dtype and count); a changed key measures again.
 """
 
 from __future__ import annotations
 
-import fcntl
 import functools
-import hashlib
-import json
-import logging
 import math
-import os
-import platform
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -42,15 +36,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tlt_cli.engine.linear_forms import (
-    FORM_NAMES,
-    LINEAR,
-    FormedLinear,
-    LinearFormPlan,
-    LinearForms,
-    linear_layers,
-    shape_key,
-)
+from tlt_cli.engine.linear_forms import FORM_NAMES, LINEAR, FormedLinear, LinearFormPlan, linear_layers, shape_key
+from tlt_cli.tuning.cache import cached_record, machine_key
 
 LINEAR_FORM_MODES = ("auto", "off")
 ROW_BUCKETS = (*range(1, 17), 24, 32, 64)
@@ -62,18 +49,17 @@ HOPELESS = 1.5
 # a group's timed call repeats its pass until it lasts about this long (tiny models' passes take microseconds)
 SHORTEST_TIMING_SECONDS = 5e-4
 PLAN_FORMAT = 2
-LOGGER = logging.getLogger(__name__)
 CACHE_FOLDER = "linear_forms"
 
 
-def prepare_linear_forms(mode: str, modules: Sequence[nn.Module | None], cache_dir: Path) -> LinearForms | None:
-    """`off`: None. `auto`: the cached (or now measured) plan of this machine and model applied to `modules`."""
+def measured_linear_plan(mode: str, modules: Sequence[nn.Module | None], cache_dir: Path) -> LinearFormPlan | None:
+    """`off`: None. `auto`: the cached (or now measured) plan of this machine for the linear layers of `modules`."""
     if mode not in LINEAR_FORM_MODES:
         raise ValueError(f"rollout.linear_forms is '{mode}'; use one of {', '.join(LINEAR_FORM_MODES)}.")
     if mode == "off":
         return None
     plan, _ = cached_plan(modules, cache_dir)
-    return LinearForms(modules, plan)
+    return plan
 
 
 def cached_plan(
@@ -83,39 +69,18 @@ def cached_plan(
     rounds: int = ROUNDS,
 ) -> tuple[LinearFormPlan, Path]:
     """The plan for these modules on this machine, and its file: read from the cache, or measured (see
-    measure_plan) and written there first (atomically, under a lock)."""
-    key = plan_key(modules, row_buckets)
-    path = plan_path(cache_dir, key)
-    folder = path.parent
-    folder.mkdir(parents=True, exist_ok=True)
-    with open(path.with_suffix(".lock"), "w") as lock_file:
-        fcntl.flock(lock_file, fcntl.LOCK_EX)  # released when the file closes
-        if path.is_file():
-            stored = json.loads(path.read_text())
-            if stored.get("key") == key:
-                return LinearFormPlan.from_dict(stored["plan"]), path
-        LOGGER.info("Measuring the linear forms of this machine and model into %s (once).", path)
-        started = time.perf_counter()
+    measure_plan) and written there first."""
+
+    def measure() -> dict:
         plan, milliseconds = measure_plan(modules, row_buckets, rounds)
-        record = {
-            "key": key,
-            "plan": plan.to_dict(),
-            "milliseconds": {
-                shape: {form: [round(value, 4) for value in values] for form, values in forms.items()}
-                for shape, forms in milliseconds.items()
-            },
-            "measure_seconds": round(time.perf_counter() - started, 2),
+        rounded = {
+            shape: {form: [round(value, 4) for value in values] for form, values in forms.items()}
+            for shape, forms in milliseconds.items()
         }
-        temporary = folder / f".{path.stem}.tmp-{os.getpid()}"
-        temporary.write_text(json.dumps(record, indent=1) + "\n")
-        os.replace(temporary, path)
-    return plan, path
+        return {"plan": plan.to_dict(), "milliseconds": rounded}
 
-
-def plan_path(cache_dir: Path, key: dict) -> Path:
-    """`<cache_dir>/linear_forms/<hash of key>.json`: where the plan of `key` is cached."""
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-    return Path(cache_dir) / CACHE_FOLDER / f"{digest}.json"
+    record, path = cached_record(cache_dir, CACHE_FOLDER, plan_key(modules, row_buckets), measure)
+    return LinearFormPlan.from_dict(record["plan"]), path
 
 
 def plan_key(modules: Sequence[nn.Module | None], row_buckets: Sequence[int] = ROW_BUCKETS) -> dict:
@@ -124,26 +89,10 @@ def plan_key(modules: Sequence[nn.Module | None], row_buckets: Sequence[int] = R
     device = layers[0].weight.device if layers else torch.device("cpu")
     return {
         "format": PLAN_FORMAT,
-        "processor": processor_name(device),
-        "cores": os.cpu_count(),
-        "threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "device": device.type,
+        **machine_key(device),
         "shapes": dict(sorted(Counter(shape_key(layer.weight) for layer in layers).items())),
         "row_buckets": list(row_buckets),
     }
-
-
-def processor_name(device: torch.device) -> str:
-    """The GPU's name, or the CPU's model string from /proc/cpuinfo (platform.processor() elsewhere)."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.is_file():
-        for line in cpuinfo.read_text().splitlines():
-            if line.startswith("model name"):
-                return line.partition(":")[2].strip()
-    return platform.processor() or platform.machine()
 
 
 def measure_plan(
