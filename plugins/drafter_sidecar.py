@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from tlt_cli.checkpoint import DRAFTER_DIRECTORY, load_checkpoint_file
+from tlt_cli.config import DrafterConfig, Recipe, RunConfig
 from tlt_cli.drafter.model import save_drafter
 from tlt_cli.drafter.trainer import DrafterBatch, DrafterTrainer
 from tlt_cli.plugins import MetricColumn
@@ -75,12 +76,13 @@ class DrafterSidecar:
     )
     idle_seconds_used = ("training the drafter", TRAIN_SECONDS_METRIC)
 
-    @staticmethod
-    def trl_process_sidecar(**arguments: Any) -> Any:
-        """The sidecar driven from TRL's rollout_func in a data-parallel TRL run (drafter_sidecar_trl.py)."""
-        from tlt_plugins.drafter_sidecar_trl import TrlSidecar  # it builds on this class
+    @classmethod
+    def trl_process_sidecar(cls, settings: DrafterConfig, seed: int, **arguments: Any) -> Any:
+        """The sidecar driven from TRL's rollout_func in a data-parallel TRL run (drafter_sidecar_trl.py), around an
+        instance of this class with the `drafter` settings and seed it is given."""
+        from tlt_plugins.drafter_sidecar_trl import TrlSidecar
 
-        return TrlSidecar(**arguments)
+        return TrlSidecar(plugin=cls(Recipe(run=RunConfig(seed=seed), drafter=settings)), **arguments)
 
     def __init__(self, recipe: Any):
         self.settings = recipe.drafter

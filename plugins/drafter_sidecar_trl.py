@@ -22,17 +22,16 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 
-from tlt_cli.config import DrafterConfig, Recipe, RunConfig
 from tlt_cli.drafter.warmup import prompt_hidden_states
 from tlt_cli.integrations.process_wait import wait_for_other_processes
 from tlt_cli.integrations.trl_support import policy_in_eval_mode
 from tlt_cli.plugins import StepContext
 from tlt_cli.rollout.types import Completion
-from tlt_plugins.drafter_sidecar import DrafterSidecar
 
 # sequences per feature unit (one prompt forward, one stored micro-batch for the sidecar to draw from)
 FEATURE_ROWS = 8
@@ -54,10 +53,9 @@ class TrlSidecar:
 
     def __init__(
         self,
+        plugin: Any,
         policy: nn.Module,
         drafter: nn.Module,
-        settings: DrafterConfig,
-        seed: int,
         process: int,
         processes: int,
         device: torch.device,
@@ -65,7 +63,8 @@ class TrlSidecar:
     ) -> None:
         self.policy, self.drafter, self.device, self.pad_token_id = policy, drafter, device, pad_token_id
         self.process, self.processes = process, processes
-        self.plugin = DrafterSidecar(Recipe(run=RunConfig(seed=seed), drafter=settings))
+        # the DrafterSidecar it drives (built by DrafterSidecar.trl_process_sidecar: this module never names it)
+        self.plugin = plugin
         # (rollout number, completions) not yet turned into features, oldest first
         self.pending: list[tuple[int, list[Completion]]] = []
         # time.time() when the last wait ended: every process had finished its rollout

@@ -37,22 +37,23 @@ from tlt_cli.config import load_recipe
 from tlt_cli.engine.sampling import SamplingParams
 from tlt_cli.recipes import resolve_recipe_path
 from tlt_cli.rollout.types import RolloutRequest
-from tlt_cli.speculative.adaptive import OFF, build_rules, parse_label, speculative_decoder
+from tlt_cli.speculative.adaptive import OFF, parse_label, speculative_decoder
 from tlt_cli.speculative.decoder import SpeculativeDecoder
 from tlt_cli.tasks.prompts import encode_prompt
 from tlt_cli.tasks.registry import build_task
+from tlt_cli.training.setup import speculative_plan
 
 PHASES = ("large", "tail")
 
 
-def variants(recipe, drafter, fixed: list[str]) -> dict[str, callable]:
+def variants(plan, seed: int, drafter, fixed: list[str]) -> dict[str, callable]:
     """name -> a factory of a fresh decoder (a new schedule per rollout, as each worker step starts one)."""
-    in_table = {label for rule in recipe.speculative.rules for label in [rule["use"], *rule.get("candidates", [])]}
+    in_table = {config.label() for config in plan.configs}
     labels = sorted((in_table | set(fixed)) - {OFF}, key=lambda label: (parse_label(label).steps, label))
     factories = {"off": lambda: SpeculativeDecoder(drafter, lambda batch_size: None)}
     for label in labels:
         factories[f"fixed {label}"] = fixed_factory(drafter, label)
-    factories["adaptive"] = lambda: speculative_decoder(recipe.speculative, drafter, recipe.run.seed)
+    factories["adaptive"] = lambda: speculative_decoder(plan, drafter, seed)
     return factories
 
 
@@ -120,7 +121,7 @@ def main() -> None:
     parser.add_argument("overrides", nargs="*", help="key=value recipe overrides")
     arguments = parser.parse_args()
     recipe = load_recipe(resolve_recipe_path(arguments.recipe), ["speculative.mode=adaptive", *arguments.overrides])
-    build_rules([dict(rule) for rule in recipe.speculative.rules])  # a bad table fails here, before any work
+    plan = speculative_plan(recipe.speculative)  # a bad table fails here, before any work
     torch.set_num_threads(recipe.workers.threads_per_worker)
     pair, tokenizer, _ = load_model_pair(recipe)
     task = build_task(recipe.task.name, recipe.run.seed, dict(recipe.task.options))
@@ -128,7 +129,9 @@ def main() -> None:
         recipe.rollout.max_new_tokens, recipe.rollout.temperature, recipe.rollout.top_p, recipe.rollout.top_k
     )
     prompts_per_shard = recipe.train.prompts_per_step // recipe.workers.count
-    factories = variants(recipe, pair.drafter, [label for label in arguments.fixed.split(",") if label.strip()])
+    factories = variants(
+        plan, recipe.run.seed, pair.drafter, [label for label in arguments.fixed.split(",") if label.strip()]
+    )
     measurements: dict[str, list[dict[str, list[float]]]] = {name: [] for name in factories}
     for repeat in range(arguments.repeats):
         first = arguments.first_prompt + repeat * prompts_per_shard

@@ -4,7 +4,7 @@ import pytest
 import torch
 from test_speculative import TargetAsDrafter, requests_for, tiny_target
 
-from tlt_cli.config import RecipeError
+from tlt_cli.config import RecipeError, SpeculativeSection
 from tlt_cli.drafter.model import EagleDrafter
 from tlt_cli.engine.sampling import SamplingParams
 from tlt_cli.rollout.engine import EmbeddedEngine
@@ -17,6 +17,7 @@ from tlt_cli.speculative.adaptive import (
     parse_label,
 )
 from tlt_cli.speculative.types import SpeculativeConfig
+from tlt_cli.training.setup import speculative_plan
 
 TABLE = [
     {"batch": [9, None], "use": "off"},
@@ -52,7 +53,9 @@ def test_bad_tables_name_the_rule(table, message):
         return
     with pytest.raises(RuleTableError, match=message):
         build_rules(table)
-    assert issubclass(RuleTableError, RecipeError)  # one error for a bad table, wherever it is read
+    # every route reads the table through the one plan setup.py makes: a recipe error naming the key and the rule
+    with pytest.raises(RecipeError, match=f"^speculative.rules: .*{message}"):
+        speculative_plan(SpeculativeSection(rules=table))
 
 
 def test_choice_follows_batch_size_then_measured_acceptance():

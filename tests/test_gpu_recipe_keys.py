@@ -26,6 +26,7 @@ from tlt_cli.sglang.adaptive import BatchRule, batch_rules
 from tlt_cli.sglang.rollout import servers_of_worker
 from tlt_cli.speculative.types import SpeculativeConfig
 from tlt_cli.training.actor import deepspeed_config
+from tlt_cli.training.setup import speculative_plan
 
 runner = CliRunner()
 TINY = RECIPES_DIRECTORY / "tiny-cpu.yaml"
@@ -147,18 +148,22 @@ def test_sglang_backend_without_sglang_installed_is_one_line(tmp_path):
 
 
 def test_speculative_section_as_sglang_batch_rules():
-    assert batch_rules(load_checked_recipe(TINY, ["speculative.mode=off"]).speculative) == [BatchRule(1, None, None)]
+    off = load_checked_recipe(TINY, ["speculative.mode=off"])
+    assert batch_rules(speculative_plan(off.speculative)) == [BatchRule(1, None, None)]
     fixed = load_checked_recipe(
         TINY, ["speculative.mode=fixed", "speculative.steps=3", "speculative.topk=2", "speculative.draft_tokens=6"]
     )
-    assert batch_rules(fixed.speculative) == [BatchRule(1, None, SpeculativeConfig(3, 2, 6))]
+    assert batch_rules(speculative_plan(fixed.speculative)) == [BatchRule(1, None, SpeculativeConfig(3, 2, 6))]
     # accept ranges collapse to the rule an unmeasured bucket starts with; equal neighbours merge
     rules = (
         "[{batch: [1, 4], accept: [0, 1.5], use: 'off'}, {batch: [1, 4], accept: [1.5, null], use: s4-k1-t5},"
         " {batch: [5, 8], use: s4-k1-t5, candidates: [s2-k1-t3]}, {batch: [9, null], use: 'off'}]"
     )
     adaptive = load_checked_recipe(TINY, ["speculative.mode=adaptive", f"speculative.rules={rules}"])
-    assert batch_rules(adaptive.speculative) == [BatchRule(1, 8, SpeculativeConfig(4, 1, 5)), BatchRule(9, None, None)]
+    assert batch_rules(speculative_plan(adaptive.speculative)) == [
+        BatchRule(1, 8, SpeculativeConfig(4, 1, 5)),
+        BatchRule(9, None, None),
+    ]
 
 
 def test_each_worker_owns_consecutive_servers_and_their_ports():

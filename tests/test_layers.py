@@ -5,9 +5,11 @@ TYPE_CHECKING included: a type-only import is still a dependency a reader follow
 against LAYERS, lowest first. A module belongs to the layer of the longest prefix that names it;
 it may import modules of its own layer and of the layers below. The composition root
 (tlt_cli/training/) builds parts from everything below it; integrations/ (TRL) builds on it; the
-trainer table (training/trainers.py) names both trainers' bodies, so it sits above integrations;
-the commands' implementations and the CLI come last. ALLOWED_UPWARD lists the exceptions, each
-with its reason (the engine's use of the slot cache, until it moves below rollout/).
+commands' implementations (among them the trainer table, tlt_cli/trainers.py, which names both
+trainers' bodies) and the CLI come last. ALLOWED_UPWARD lists the exceptions, each
+with its reason. Below the composition root, the decode packages (RECIPE_FREE) take plain values and
+never import the recipe schema (tlt_cli/config.py). No two modules import each other, however
+indirectly, in tlt_cli/ or in the shipped plugins (plugins/, installed as tlt_plugins).
 """
 
 from __future__ import annotations
@@ -48,10 +50,16 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("processes", ("tlt_cli.processes",)),
     ("training", ("tlt_cli.training",)),
     ("integrations", ("tlt_cli.integrations",)),
-    ("trainers", ("tlt_cli.training.trainers",)),
     (
         "commands",
-        ("tlt_cli.recipe_checks", "tlt_cli.preflight", "tlt_cli.profile", "tlt_cli.calibration", "tlt_cli.export"),
+        (
+            "tlt_cli.recipe_checks",
+            "tlt_cli.preflight",
+            "tlt_cli.trainers",
+            "tlt_cli.profile",
+            "tlt_cli.calibration",
+            "tlt_cli.export",
+        ),
     ),
     ("cli", ("tlt_cli.cli", "tlt_cli.__main__")),
 ]
@@ -60,6 +68,11 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
 ALLOWED_UPWARD: dict[tuple[str, str], str] = {}
 
 PLUGINS_PACKAGE = "tlt_plugins"
+PLUGINS_ROOT = PACKAGE_ROOT.parent / "plugins"
+
+# the recipe schema, and the packages below the composition root that take plain values made from it instead
+RECIPE_SCHEMA = "tlt_cli.config"
+RECIPE_FREE = ("tlt_cli.engine", "tlt_cli.speculative", "tlt_cli.rollout")
 
 
 def module_name(path: Path) -> str:
@@ -205,6 +218,61 @@ def module_graph() -> dict[str, set[str]]:
         - {module_name(path)}
         for path in tlt_modules()
     }
+
+
+def recipe_schema_imports(modules: list[Path]) -> list[str]:
+    """'importer -> tlt_cli.config' for each module of a RECIPE_FREE package that imports the recipe schema."""
+    return [
+        f"{module_name(path)} -> {RECIPE_SCHEMA}"
+        for path in modules
+        if module_name(path).startswith(tuple(f"{package}." for package in RECIPE_FREE))
+        and RECIPE_SCHEMA in imported_modules(path)
+    ]
+
+
+def test_the_decode_packages_never_import_the_recipe_schema():
+    """training/setup.py turns the recipe into plain values (the speculative plan, sampling settings); below it
+    nothing reads the schema."""
+    assert recipe_schema_imports(tlt_modules()) == []
+
+
+@pytest.mark.parametrize(
+    "package, source, found",
+    [
+        ("speculative", "from tlt_cli.config import SpeculativeSection\n", True),
+        ("rollout", "def body():\n    from tlt_cli import config\n", True),
+        ("engine", "import tlt_cli.config\n", True),
+        ("speculative", "from tlt_cli.errors import UserError\n", False),
+        ("sglang", "from tlt_cli.config import RecipeError\n", False),
+    ],
+)
+def test_a_recipe_schema_import_is_found(monkeypatch, package, source, found):
+    """A module of `package` written with `source` is reported exactly when a decode package reads the schema."""
+    module = PACKAGE_ROOT / package / "layering_probe.py"
+    monkeypatch.setattr(Path, "read_text", lambda self, encoding=None: source)
+    assert bool(recipe_schema_imports([module])) is found
+
+
+def plugin_graph() -> dict[str, set[str]]:
+    """Every module of plugins/ (named as installed, tlt_plugins.<name>) -> the plugin modules it imports
+    (function-local imports included)."""
+    names = {f"{PLUGINS_PACKAGE}.{path.stem}": path for path in PLUGINS_ROOT.glob("*.py") if path.stem != "__init__"}
+    graph = {}
+    for name, path in names.items():
+        imported = set()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                imported.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                base = PLUGINS_PACKAGE + (f".{node.module}" if node.module else "") if node.level else node.module
+                imported.update({base, *(f"{base}.{alias.name}" for alias in node.names)})
+        graph[name] = (imported & set(names)) - {name}
+    return graph
+
+
+def test_no_import_circle_in_the_plugins():
+    """The drafter sidecar and its TRL driver used to import each other; the TRL driver is now handed the plugin."""
+    assert plugin_graph() and import_circles(plugin_graph()) == []
 
 
 def test_no_module_import_circle():

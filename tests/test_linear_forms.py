@@ -35,6 +35,7 @@ from tlt_cli.rollout.engine import EmbeddedEngine
 from tlt_cli.rollout.types import RolloutRequest
 from tlt_cli.speculative.decoder import SpeculativeDecoder
 from tlt_cli.speculative.types import SpeculativeConfig
+from tlt_cli.training.setup import speculative_plan
 from tlt_cli.tuning import cache
 from tlt_cli.tuning.cache import record_path
 from tlt_cli.tuning.linear_forms import CACHE_FOLDER, cached_plan, measure_plan, plan_key
@@ -170,7 +171,7 @@ def test_after_update_refreshes_copies_written_behind_autograds_back(tmp_path):
     model = MODELS["llama-tied"]()
     drafter = EagleDrafter(model, seed=2)
     write_plan(tmp_path, [model, drafter], forced_plan([model, drafter], TRANSPOSED))
-    speculative = SpeculativeSection(rules=[{"batch": [1, None], "use": "s2-k1-t3"}])
+    speculative = speculative_plan(SpeculativeSection(rules=[{"batch": [1, None], "use": "s2-k1-t3"}]))
     rollout = EmbeddedRollout(
         model, NEVER_EMITTED, 0, speculative, drafter=drafter, linear_forms="auto", cache_dir=tmp_path
     )

@@ -38,6 +38,7 @@ from tlt_cli.speculative.decoder import SpeculativeDecoder, check_speculative_co
 from tlt_cli.speculative.ngram import NgramIndex
 from tlt_cli.speculative.tree import DraftTree, ancestor_mask, with_chosen_chains, with_ngram_branch
 from tlt_cli.speculative.types import SpeculativeConfig
+from tlt_cli.training.setup import speculative_plan
 
 torch.set_num_threads(1)
 
@@ -298,7 +299,9 @@ def test_trl_prompts_repeated_num_generations_times_are_one_group_each():
 
 def test_sglang_runs_model_free_tables_with_its_ngram_flags():
     rules = batch_rules(
-        SpeculativeSection(rules=[{"batch": [1, 8], "use": "ngram4"}, {"batch": [9, None], "use": "off"}])
+        speculative_plan(
+            SpeculativeSection(rules=[{"batch": [1, 8], "use": "ngram4"}, {"batch": [9, None], "use": "off"}])
+        )
     )
     plan = plan_for_sglang(rules, sglang_features("0.5.23"))
     assert plan.mode == "ngram" and plan.launch == SpeculativeConfig(0, ngram_tokens=4)
@@ -331,7 +334,7 @@ def test_sglang_runs_model_free_tables_with_its_ngram_flags():
 def test_sglang_refuses_hybrid_and_mixed_tables_in_one_sentence(uses, message):
     rules = [{"batch": [1, 8], "use": uses[0]}, {"batch": [9, None], "use": uses[1]}]
     with pytest.raises(RecipeError, match=message):
-        batch_rules(SpeculativeSection(rules=rules))
+        batch_rules(speculative_plan(SpeculativeSection(rules=rules)))
 
 
 @pytest.mark.parametrize("ngram_token", [0, 5])  # tokens the target likes more than the drafter: r(y) > 0

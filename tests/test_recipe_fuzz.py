@@ -25,7 +25,7 @@ import torch
 from typer.testing import CliRunner
 
 from tlt_cli.cli import app
-from tlt_cli.config import Recipe, SpeculativeMode, Trainer
+from tlt_cli.config import Recipe, RolloutBackendName, SpeculativeMode, Trainer
 from tlt_cli.models.tiny import SHIPPED_TINY_MODEL
 
 runner = CliRunner()
@@ -44,6 +44,7 @@ WRONG_VALUES = {
     typing.Any: ["{a: 1}", "[a]"],
     SpeculativeMode: ["{a: 1}", "[a, b]"],
     Trainer: ["[a, b]", "tlr"],
+    RolloutBackendName: ["{a: 1}", "[a, b]"],
 }
 OUT_OF_RANGE = [
     "train.steps=0",

@@ -8,7 +8,16 @@ import torch
 from typer.testing import CliRunner
 
 from tlt_cli.cli import app
-from tlt_cli.config import RecipeError, SpeculativeMode, SpeculativeSection, TrainConfig, Trainer
+from tlt_cli.config import (
+    RecipeError,
+    RolloutBackendName,
+    RolloutConfig,
+    SpeculativeMode,
+    SpeculativeSection,
+    TrainConfig,
+    Trainer,
+    load_recipe,
+)
 from tlt_cli.drafter.model import EagleDrafter, save_drafter
 from tlt_cli.drafter.vocabulary import DraftVocabulary
 from tlt_cli.models.loading import load_policy
@@ -170,6 +179,20 @@ def test_choice_keys_take_their_enum_and_their_help_lists_every_choice(choice, s
     # `tlt recipes show` writes the spelling a recipe uses
     shown = runner.invoke(app, ["recipes", "show", "tiny-cpu"]).output
     assert f"  {key}: {getattr(section(), key).value}\n" in shown
+
+
+def test_rollout_backend_takes_its_enum_and_its_help_lists_every_backend():
+    """One meaning of rollout.backend: the enum (the choice of a TRL run or an SGLang section is checked apart)."""
+    for member in RolloutBackendName:
+        recipe = load_recipe(resolve_recipe_path("tiny-cpu"), [f"rollout.backend={member.value}"])
+        assert recipe.rollout.backend is member
+        assert member.value in key_help(RolloutConfig, "backend")
+    # refused by the loader, as every choice key is: the override named, then the choices
+    with pytest.raises(
+        RecipeError,
+        match="^override 'rollout.backend=vllm': rollout.backend must be one of embedded, sglang, trl, got 'vllm'.$",
+    ):
+        load_recipe(resolve_recipe_path("tiny-cpu"), ["rollout.backend=vllm"])
 
 
 def draft_vocabulary_recipe(overrides: list[str]):

@@ -8,9 +8,11 @@ import pytest
 import torch
 from tiny_models import tiny_qwen2
 
-from tlt_cli.config import Recipe, SpeculativeMode
+from tlt_cli.config import Recipe, RecipeError, SpeculativeMode, SpeculativeSection
 from tlt_cli.rollout.embedded import EmbeddedRollout
 from tlt_cli.rollout.types import RolloutRequest
+from tlt_cli.speculative.adaptive import AdaptiveSpeculativeDecoder, SpeculationMode, speculative_decoder
+from tlt_cli.speculative.types import SpeculativeConfig
 from tlt_cli.training import setup
 
 
@@ -79,3 +81,33 @@ def test_an_unknown_rollout_backend_is_refused_in_one_sentence(tmp_path):
     recipe = recipe_with(SpeculativeMode.off, [], backend="vllm")
     with pytest.raises(ValueError, match="rollout.backend is 'vllm'; use one of embedded, sglang"):
         setup.rollout_backend(recipe, None, Tokens(), None, setup.BackendPlace(0, 0, tmp_path))
+
+
+def test_the_speculative_plan_is_the_sections_values_with_its_rule_table_parsed_once():
+    section = Recipe().speculative
+    adaptive = setup.speculative_plan(section)
+    assert adaptive.mode is SpeculationMode.adaptive and len(adaptive.rules) == len(section.rules)
+    assert adaptive.rules[0].configs == (SpeculativeConfig(2, 1, 3), SpeculativeConfig(3, 1, 4))
+    assert (adaptive.collapse_accept_length, adaptive.reprobe_steps, adaptive.bandit_epsilon) == (
+        section.collapse_accept_length,
+        section.reprobe_steps,
+        section.bandit_epsilon,
+    )
+    assert adaptive.draft_sources == {"drafter"}
+    fixed = setup.speculative_plan(dataclasses.replace(section, mode=SpeculativeMode.fixed, steps=3, topk=2))
+    assert fixed.mode is SpeculationMode.fixed and fixed.configs == (SpeculativeConfig(3, 2, 0),)
+    # the table of the other modes is never read: a broken one is no error there
+    broken = dataclasses.replace(section, mode=SpeculativeMode.off, rules=[{"batch": [3, 1]}])
+    assert setup.speculative_plan(broken).configs == () and setup.speculative_plan(broken).rules == ()
+    with pytest.raises(RecipeError, match="^speculative.rules: rule 1: batch range"):
+        setup.speculative_plan(dataclasses.replace(broken, mode=SpeculativeMode.adaptive))
+
+
+def test_a_model_free_plan_decodes_without_a_drafter_and_a_drafter_plan_does_not():
+    model_free = setup.speculative_plan(SpeculativeSection(rules=[{"batch": [1, None], "use": "ngram4"}]))
+    assert model_free.draft_sources == {"ngram"}
+    assert isinstance(speculative_decoder(model_free, None), AdaptiveSpeculativeDecoder)
+    hybrid = setup.speculative_plan(SpeculativeSection(rules=[{"batch": [1, None], "use": "s2-k1-t3+ngram4"}]))
+    assert hybrid.draft_sources == {"drafter", "ngram"} and speculative_decoder(hybrid, None) is None
+    off = setup.speculative_plan(SpeculativeSection(mode=SpeculativeMode.off))
+    assert off.draft_sources == frozenset() and speculative_decoder(off, tiny_qwen2(vocab_size=32, seed=3)) is None

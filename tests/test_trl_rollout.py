@@ -21,11 +21,12 @@ pytest.importorskip("trl")
 from datasets import Dataset
 from trl import GRPOConfig, GRPOTrainer
 
-from tlt_cli.config import RecipeError, SpeculativeMode
+from tlt_cli.config import RecipeError
 from tlt_cli.integrations import trl_support
 from tlt_cli.integrations.trl import tlt_rollout
 from tlt_cli.integrations.trl_support import UnsupportedTrlError, UnsupportedTrlSettingError
 from tlt_cli.models.tiny import build_tiny_model, tiny_model_config, tiny_tokenizer
+from tlt_cli.speculative.adaptive import SpeculationMode
 from tlt_cli.versions import supported_ranges
 
 os.environ["TRL_EXPERIMENTAL_SILENCE"] = "1"
@@ -199,7 +200,7 @@ def test_settings_the_engine_cannot_honour_are_refused_in_one_sentence(tmp_path)
         tlt_rollout(speculative={"depth": 3})
     with pytest.raises(RecipeError, match="^speculative mode must be one of off, fixed, adaptive, got 'sometimes'.$"):
         tlt_rollout(speculative={"mode": "sometimes"})
-    assert tlt_rollout(speculative={"mode": "off"}).speculative.mode is SpeculativeMode.off
+    assert tlt_rollout(speculative={"mode": "off"}).speculative.mode is SpeculationMode.off
 
 
 def test_the_example_trains_with_two_processes_and_the_drafter_learns_in_their_wait(tmp_path):

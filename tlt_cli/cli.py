@@ -102,7 +102,7 @@ def train(
 ) -> None:
     """Run GRPO training with the TLT machinery on."""
     from tlt_cli.processes.driver import TrainingFailed
-    from tlt_cli.training.trainers import train as run_training
+    from tlt_cli.trainers import train as run_training
 
     previous_sigterm = signal.signal(signal.SIGTERM, _interrupt_on_sigterm)
     run_directory: Path | None = None

@@ -88,6 +88,17 @@ class Trainer(RecipeChoice):
     trl = "trl"
 
 
+class RolloutBackendName(RecipeChoice):
+    """rollout.backend: what generates the rollout (tlt_cli/training/setup.py builds the backend it names)."""
+
+    # the in-process engine on the actor's own weights (tlt_cli/rollout/embedded.py)
+    embedded = "embedded"
+    # SGLang servers each worker starts and owns (tlt_cli/sglang/rollout.py)
+    sglang = "sglang"
+    # TRL's own generation, no speculative decoding (train.trainer trl only)
+    trl = "trl"
+
+
 def setting(default: Any, help_text: str) -> Any:
     """A recipe key: its default (copied per instance when mutable) and its help text."""
     metadata = {HELP: help_text}
@@ -224,8 +235,8 @@ class SGLangConfig:
 
 @dataclass(frozen=True)
 class RolloutConfig:
-    backend: str = setting(
-        "embedded",
+    backend: RolloutBackendName = setting(
+        RolloutBackendName.embedded,
         "embedded (the in-process engine sharing the actor's weights), sglang "
         "(SGLang servers each worker starts and owns), or trl (TRL's own generation, "
         "no speculative decoding; train.trainer trl only)",

@@ -30,7 +30,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from tlt_cli.config import PluginsConfig, Recipe, RecipeError, RunConfig, Trainer
+from tlt_cli.config import PluginsConfig, Recipe, RecipeError, RolloutBackendName, RunConfig, Trainer
 from tlt_cli.drafter.model import CONFIG_FILE, read_drafter_metadata
 from tlt_cli.drafter.vocabulary import resolve_draft_vocab_size
 from tlt_cli.errors import UserError, nearest_existing
@@ -51,7 +51,7 @@ def check_recipe(recipe: Recipe, new_run: bool = False) -> None:
     _check_task(recipe)
     target_vocab_size = _check_model(recipe)
     draft_vocab_size = _check_drafter_start(recipe, target_vocab_size)
-    check_shapes_fit_draft_vocabulary(recipe.speculative, draft_vocab_size)
+    check_shapes_fit_draft_vocabulary(setup.speculative_plan(recipe.speculative), draft_vocab_size)
     _check_plugins(recipe.plugins)
     if recipe.train.trainer == Trainer.trl:
         _check_trl_plugins(recipe)
@@ -156,7 +156,7 @@ def _check_trl_plugins(recipe: Recipe) -> None:
     for name in recipe.plugins.enabled:
         factory = _plugin_factory(name)
         trains_drafter = getattr(factory, "trains_drafter", False)
-        if recipe.rollout.backend == "trl" and trains_drafter:
+        if recipe.rollout.backend == RolloutBackendName.trl and trains_drafter:
             raise RecipeError(
                 f"plugins.enabled: {name} trains the drafter, which rollout.backend trl (TRL's own generation) "
                 "does not use; leave it out of plugins.enabled."

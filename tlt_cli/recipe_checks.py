@@ -5,8 +5,8 @@ raises a `RecipeError` naming the key at the first value that cannot run: a rang
 SD shape or rule table, the actor's placement against the workers and the hostfile, the SGLang
 section against the workers. It reads no model, task data or plugin; tlt_cli/preflight.py runs it
 first, then checks those (the whole check the commands run before anything starts). It imports the
-hostfile parser, the SGLang section's checks, the rule table and the SD shape check, which is why
-it is not part of tlt_cli/config.py.
+hostfile parser, the SGLang section's checks, the speculative plan (tlt_cli/training/setup.py parses the rule
+table into it) and the SD shape check, which is why it is not part of tlt_cli/config.py.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from tlt_cli.config import (
     DrafterConfig,
     Recipe,
     RecipeError,
+    RolloutBackendName,
     SpeculativeMode,
     SpeculativeSection,
     Trainer,
@@ -34,16 +35,16 @@ from tlt_cli.processes.hostfile import HostfileError, check_hostfile, ranks_per_
 from tlt_cli.rollout.backend import MAX_SEED
 from tlt_cli.sglang.adaptive import batch_rules
 from tlt_cli.sglang.config import validate_sglang_config
-from tlt_cli.speculative.adaptive import RuleTableError, build_rules
+from tlt_cli.speculative.adaptive import SpeculativePlan
 from tlt_cli.speculative.decoder import check_speculative_config, check_topk_fits
 from tlt_cli.speculative.types import SpeculativeConfig
 from tlt_cli.training.rollout_correction import CORRECTION_MODES
+from tlt_cli.training.setup import speculative_plan
 from tlt_cli.tuning.linear_forms import LINEAR_FORM_MODES
 from tlt_cli.tuning.precision import ROLLOUT_DTYPE_SETTINGS
 
-ROLLOUT_BACKENDS = ("embedded", "sglang", "trl")
 # a TRL run generates with tlt's embedded engine, or with TRL's own generation (rollout.backend trl, the baseline)
-TRL_BACKENDS = ("embedded", "trl")
+TRL_BACKENDS = (RolloutBackendName.embedded, RolloutBackendName.trl)
 PRECISIONS = ("fp32", "bf16")
 DRAFTER_STARTS = ("warmup", "random")
 # ZeRO-3 shards the parameters; the rollout (embedded engine or weight push) needs the whole policy
@@ -93,7 +94,7 @@ def check_values(recipe: Recipe) -> None:
     _check_plugins(recipe)
     _check_actor_placement(recipe)
     _check_trainer(recipe)
-    if recipe.rollout.backend == "sglang":
+    if recipe.rollout.backend == RolloutBackendName.sglang:
         _check_sglang_backend(recipe)
 
 
@@ -219,10 +220,6 @@ def _check_train_and_workers(recipe: Recipe) -> None:
 
 def _check_rollout(recipe: Recipe) -> None:
     rollout = recipe.rollout
-    _require(
-        rollout.backend in ROLLOUT_BACKENDS,
-        f"rollout.backend must be one of {', '.join(ROLLOUT_BACKENDS)}, got '{rollout.backend}'.",
-    )
     _require(rollout.max_new_tokens >= 1, f"rollout.max_new_tokens must be at least 1, got {rollout.max_new_tokens}.")
     _require(rollout.temperature >= 0.0, f"rollout.temperature must be >= 0 (0 is greedy), got {rollout.temperature}.")
     _require(0.0 < rollout.top_p <= 1.0, f"rollout.top_p must be in (0, 1], got {rollout.top_p}.")
@@ -271,7 +268,9 @@ def _check_trainer(recipe: Recipe) -> None:
             f"trl.{next(iter(recipe.trl), '')} is set but train.trainer is {trainer}; set "
             "train.trainer: trl or remove the trl section.",
         )
-        _require(backend != "trl", "rollout.backend trl (TRL's own generation) needs train.trainer: trl.")
+        _require(
+            backend != RolloutBackendName.trl, "rollout.backend trl (TRL's own generation) needs train.trainer: trl."
+        )
         return
     _require(
         backend in TRL_BACKENDS,
@@ -292,7 +291,7 @@ def _check_trainer(recipe: Recipe) -> None:
         f"actor.micro_batch_size ({recipe.actor.micro_batch_size}) must divide the {completions} completions each "
         "TRL process trains on per step (train.prompts_per_step x train.group_size / workers.count).",
     )
-    if backend == "trl":
+    if backend == RolloutBackendName.trl:
         # a plugin that trains the drafter is refused with it too, where plugins resolve (tlt_cli/preflight.py)
         _require(
             recipe.speculative.mode == SpeculativeMode.off,
@@ -346,7 +345,7 @@ def _check_sglang_backend(recipe: Recipe) -> None:
         "GPUs; with the actor on cpu set rollout.sglang.colocated: false (weights go through a checkpoint on disk).",
     )
     try:
-        batch_rules(recipe.speculative)
+        batch_rules(speculative_plan(recipe.speculative))
     except RecipeError as error:
         raise RecipeError(f"speculative.rules: {error}") from None
 
@@ -354,8 +353,7 @@ def _check_sglang_backend(recipe: Recipe) -> None:
 def check_speculative_section(section: SpeculativeSection) -> None:
     """The fixed shape, the decoder's settings and (mode adaptive) the rule table. Whether the shapes
     fit the drafter's vocabulary needs the model: `check_shapes_fit_draft_vocabulary`."""
-    where, fixed = _fixed_shape(section)
-    _check_shape(where, fixed)
+    _check_shape("speculative", SpeculativeConfig(section.steps, section.topk, section.draft_tokens))
     _require(
         section.collapse_accept_length >= 1.0,
         "speculative.collapse_accept_length must be >= 1 (1 means no draft accepted), "
@@ -366,35 +364,24 @@ def check_speculative_section(section: SpeculativeSection) -> None:
         0.0 <= section.bandit_epsilon <= 1.0,
         f"speculative.bandit_epsilon must be in [0, 1], got {section.bandit_epsilon}.",
     )
-    for where, config in _rule_shapes(section):
+    for where, config in _rule_shapes(speculative_plan(section)):
         _check_shape(where, config)
 
 
-def check_shapes_fit_draft_vocabulary(section: SpeculativeSection, draft_vocab_size: int) -> None:
-    """Every shape the section names branches over at most the drafter's `draft_vocab_size` tokens."""
-    for where, config in [_fixed_shape(section), *_rule_shapes(section)]:
+def check_shapes_fit_draft_vocabulary(plan: SpeculativePlan, draft_vocab_size: int) -> None:
+    """Every shape the plan names branches over at most the drafter's `draft_vocab_size` tokens."""
+    for where, config in [("speculative", plan.shape), *_rule_shapes(plan)]:
         try:
             check_topk_fits(config, draft_vocab_size)
         except ValueError as error:
             raise RecipeError(f"{where}: {error}") from None
 
 
-def _fixed_shape(section: SpeculativeSection) -> tuple[str, SpeculativeConfig]:
-    """(where an error names it, the shape of mode fixed)."""
-    return "speculative", SpeculativeConfig(section.steps, section.topk, section.draft_tokens)
-
-
-def _rule_shapes(section: SpeculativeSection) -> list[tuple[str, SpeculativeConfig]]:
-    """(where, shape) of every SD configuration of the rule table, in mode adaptive (the table is unused otherwise)."""
-    if section.mode != SpeculativeMode.adaptive:
-        return []
-    try:
-        rules = build_rules([dict(rule) for rule in section.rules])
-    except RuleTableError as error:
-        raise RecipeError(f"speculative.rules: {error}") from None
+def _rule_shapes(plan: SpeculativePlan) -> list[tuple[str, SpeculativeConfig]]:
+    """(where, shape) of every SD configuration of the rule table (empty unless the plan is adaptive)."""
     return [
         (f"speculative.rules: rule {number}", config)
-        for number, rule in enumerate(rules, start=1)
+        for number, rule in enumerate(plan.rules, start=1)
         for config in rule.configs
         if config is not None
     ]

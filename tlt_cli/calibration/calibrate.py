@@ -33,7 +33,7 @@ from tlt_cli.calibration.settings import (
     CalibrationSettings,
     check_settings,
 )
-from tlt_cli.config import CPU_DEVICES, Recipe, SpeculativeMode
+from tlt_cli.config import CPU_DEVICES, Recipe, RolloutBackendName, SpeculativeMode
 from tlt_cli.errors import nearest_existing
 from tlt_cli.recipe_checks import load_checked_recipe
 from tlt_cli.recipes import resolve_recipe_path
@@ -129,7 +129,7 @@ def calibrate(
 
 def check_recipe(recipe: Recipe) -> None:
     """Calibration measures the embedded engine with a trained drafter; refuse what it cannot describe."""
-    if recipe.rollout.backend != "embedded":
+    if recipe.rollout.backend != RolloutBackendName.embedded:
         raise CalibrationError(
             f"rollout.backend is {recipe.rollout.backend}; tlt calibrate measures the embedded engine, "
             "so calibrate with rollout.backend=embedded."

@@ -77,10 +77,6 @@ class WarmupReport:
     train_seconds: float
     evaluate_seconds: float
 
-    @property
-    def total_seconds(self) -> float:
-        return self.generate_seconds + self.prompt_seconds + self.train_seconds + self.evaluate_seconds
-
 
 def encode_prompts(tokenizer: PreTrainedTokenizerBase, task: Task, indices: range) -> list[list[int]]:
     """Token ids of the task's prompts at `indices`, encoded as the rollout encodes them

@@ -58,8 +58,8 @@ from tlt_cli.plugins import drafter_training_plugin
 from tlt_cli.rollout.backend import sampling_seed
 from tlt_cli.rollout.embedded import EmbeddedRollout
 from tlt_cli.rollout.types import Completion, RolloutRequest
-from tlt_cli.speculative.adaptive import OFF, adaptive_schedule
-from tlt_cli.training.setup import rollout_needs_drafter
+from tlt_cli.speculative.adaptive import OFF, SpeculativePlan
+from tlt_cli.training.setup import rollout_needs_drafter, speculative_plan
 from tlt_cli.tuning.linear_forms import LINEAR_FORM_MODES
 from tlt_cli.tuning.precision import ROLLOUT_DTYPE_SETTINGS
 
@@ -155,7 +155,8 @@ def tlt_rollout(
         raise UserError(f"dtype is {dtype!r}; use one of {', '.join(ROLLOUT_DTYPE_SETTINGS)}.")
     section = _section(SpeculativeSection, speculative, "speculative")
     return TltRollout(
-        replace(section, mode=SpeculativeMode.of(section.mode, "speculative mode")),
+        # the rule table is checked now, not at the first rollout
+        speculative_plan(replace(section, mode=SpeculativeMode.of(section.mode, "speculative mode"))),
         drafter,
         process_sidecar_factory(sidecar),
         _section(DrafterConfig, drafter_config, "drafter_config"),
@@ -192,7 +193,7 @@ class TltRollout:
 
     def __init__(
         self,
-        speculative: SpeculativeSection,
+        speculative: SpeculativePlan,
         drafter: str | Path | EagleDrafter,
         sidecar: Callable[..., Any] | None,
         drafter_config: DrafterConfig,
@@ -201,8 +202,6 @@ class TltRollout:
         cache_dir: Path | None = None,
         dtype: str = "float32",
     ) -> None:
-        if speculative.mode == SpeculativeMode.adaptive:
-            adaptive_schedule(speculative)  # the rule table is checked now, not at the first rollout
         self.speculative = speculative
         self.drafter_source = drafter
         # builds the process sidecar (a plugin's trl_process_sidecar), None: no drafter training

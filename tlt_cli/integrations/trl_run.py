@@ -30,6 +30,7 @@ import torch
 from transformers import TrainerCallback
 
 from tlt_cli.checkpoint import save_collectively
+from tlt_cli.config import RolloutBackendName
 from tlt_cli.integrations.trl import RolloutRecord, tlt_rollout
 from tlt_cli.integrations.trl_recipe import (
     TaskReward,
@@ -43,8 +44,6 @@ from tlt_cli.processes.worker_process import exit_with_parent, redirect_output
 from tlt_cli.trace import request_record
 from tlt_cli.training import setup
 
-# rollout.backend value: TRL generates itself (transformers' generate), no speculative decoding
-TRL_GENERATION = "trl"
 # TRL's logged numbers reported as the step's update (actor_<name> in the trace, "/" as "_")
 UPDATE_LOGS = ("loss", "grad_norm", "kl", "entropy", "clip_ratio/region_mean")
 CHECKPOINTS = "checkpoints"
@@ -98,7 +97,7 @@ class TrlRun:
         self.reward = TaskReward(task)
         self.rollout = (
             None
-            if recipe.rollout.backend == TRL_GENERATION
+            if recipe.rollout.backend == RolloutBackendName.trl
             else tlt_rollout(
                 speculative=recipe.speculative,
                 drafter=str(spec.drafter_init) if spec.drafter_init else "random",

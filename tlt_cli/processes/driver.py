@@ -1,6 +1,6 @@
 """The driver of `tlt train`: prepares the run directory, spawns the workers, writes the trace.
 
-`train(recipe, trainer, ...)` is what the composition root calls (tlt_cli/training/trainers.py gives
+`train(recipe, trainer, ...)` is what the composition root calls (tlt_cli/trainers.py gives
 the `TrainerEntry` of the recipe's train.trainer: each process's body, how the starting drafter is
 prepared). It prepares the drafter once (so workers do not race to build it), starts one process
 per worker (a DeepSpeed rank each, running the trainer's body), then turns their per-step reports
@@ -129,7 +129,7 @@ class RunSummary:
 
 @dataclass(frozen=True)
 class TrainerEntry:
-    """What the driver runs for one train.trainer, given by the composition root (tlt_cli/training/trainers.py).
+    """What the driver runs for one train.trainer, given by the trainer table (tlt_cli/trainers.py).
 
     worker_body: each process's body (a module-level function: spawned processes and launched ranks
     import it); prepare_drafter(recipe, model cache, progress): the starting drafter's folder (None:

@@ -1,7 +1,7 @@
 """Workers on the driver's own machine: one spawned process per rank, events on a multiprocessing queue.
 
 The default of `tlt train` (no `workers.hostfile`). `LocalWorkers` starts the worker body it is
-given (the trainer's, chosen by tlt_cli/training/trainers.py) in `workers.count` processes (with
+given (the trainer's, chosen by tlt_cli/trainers.py) in `workers.count` processes (with
 only the actor's GPUs visible) and offers the driver loop (driver.py) the same three calls as a
 DeepSpeed launch (launched_workers.py): `next_event`, `failure` when none comes (a worker died
 without reporting) and `stop`.

@@ -11,7 +11,7 @@ import sys
 
 import torch
 
-from tlt_cli.config import CPU_DEVICES, ActorConfig, Recipe, RecipeError, SGLangConfig
+from tlt_cli.config import CPU_DEVICES, ActorConfig, Recipe, RecipeError, RolloutBackendName, SGLangConfig
 
 # bfloat16 arithmetic needs compute capability 8.0 (Ampere) or newer
 BF16_MIN_CAPABILITY = 8
@@ -20,7 +20,7 @@ BF16_MIN_CAPABILITY = 8
 def check_machine(recipe: Recipe) -> None:
     """RecipeError if actor.devices needs GPUs this machine lacks, or rollout.backend sglang an SGLang it lacks."""
     _check_actor_gpus(recipe.actor)
-    if recipe.rollout.backend == "sglang":
+    if recipe.rollout.backend == RolloutBackendName.sglang:
         _check_sglang(recipe.rollout.sglang)
 
 

@@ -3,11 +3,12 @@
 `EmbeddedRollout` is tlt_cli/rollout/backend.py's RolloutBackend around tlt_cli/rollout/engine.py's
 EmbeddedEngine (`rollout.backend: embedded`). It generates with the very module the trainer
 updates, so there is nothing to start, to push after an update, or to stop. It needs no recipe and
-no worker: a policy module, its EOS and pad ids, the `speculative` settings and, to speculate, a
-drafter over that policy, which is all a trainer of another library has in its own process:
+no worker: a policy module, its EOS and pad ids, the speculative plan (tlt_cli/training/setup.py
+`speculative_plan` makes it from the recipe's `speculative` section) and, to speculate, a drafter over that
+policy, which is all a trainer of another library has in its own process:
 
     rollout = EmbeddedRollout(model, tokenizer.eos_token_id, tokenizer.pad_token_id,
-                              SpeculativeSection(mode=SpeculativeMode.adaptive), drafter, seed=0)
+                              speculative_plan(SpeculativeSection(mode=SpeculativeMode.adaptive)), drafter, seed=0)
     completions, busy_end = rollout.generate(requests, SamplingParams(max_new_tokens=128), seed=step)
     usage = rollout.take_usage()  # adaptive SD: decode steps, tokens and seconds per configuration
 
@@ -36,13 +37,17 @@ import torch
 from torch import nn
 
 from tlt_cli.checkpoint import load_checkpoint_file
-from tlt_cli.config import SpeculativeSection
 from tlt_cli.engine.linear_forms import describe_plan
 from tlt_cli.engine.sampling import SamplingParams
 from tlt_cli.models.tiny import default_cache_dir
 from tlt_cli.rollout.engine import EmbeddedEngine
 from tlt_cli.rollout.types import Completion, RolloutRequest
-from tlt_cli.speculative.adaptive import AdaptiveSpeculativeDecoder, ConfigUsage, speculative_decoder
+from tlt_cli.speculative.adaptive import (
+    AdaptiveSpeculativeDecoder,
+    ConfigUsage,
+    SpeculativePlan,
+    speculative_decoder,
+)
 from tlt_cli.tuning.linear_forms import measured_linear_plan
 from tlt_cli.tuning.precision import rollout_precision
 
@@ -50,7 +55,7 @@ from tlt_cli.tuning.precision import rollout_precision
 class EmbeddedRollout:
     """Rollouts in this process on `policy` (see the module docstring).
 
-    speculative: the recipe's `speculative` settings (None: SD off); drafter: the drafter over
+    speculative: the speculative plan (None: SD off); drafter: the drafter over
     `policy` to speculate with (None: SD off). seed: the adaptive schedule's bandit draws.
     linear_forms: "auto" or "off", dtype: "auto", "float32" or "bfloat16" (see the module docstring); cache_dir:
     where the measured plan and precision are cached (None: $TLT_CACHE_DIR or ~/.cache/tlt).
@@ -61,7 +66,7 @@ class EmbeddedRollout:
         policy: nn.Module,
         eos_token_id: int,
         pad_token_id: int,
-        speculative: SpeculativeSection | None = None,
+        speculative: SpeculativePlan | None = None,
         drafter: nn.Module | None = None,
         seed: int = 0,
         linear_forms: str = "off",

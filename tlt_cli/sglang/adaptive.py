@@ -6,12 +6,13 @@ running server. What it can do (0.5.16 and later) is `--speculative-adaptive`: a
 batch-size slots, each with candidate draft depths, where depth 0 means SD off; the scheduler
 picks the slot from the running batch size at every decode step (EAGLE chains only, topk 1).
 
-SGLang picks a shape from the running batch size alone, so `batch_rules(section)` first reduces
-the section to one `BatchRule` per batch-size range, in order from 1: `off` is SD off everywhere,
-`fixed` one shape everywhere, and `adaptive` takes, for every range on which the rule table
-(tlt_cli/speculative/adaptive.py, which checks it) is constant, the configuration tlt's own schedule
-starts with (the rule matching an accept length not yet measured; its `use:`, not its bandit
-candidates). `plan_for_sglang(rules, features, auto_off_on_collapse)` then returns one of four plans:
+SGLang picks a shape from the running batch size alone, so `batch_rules(plan)` first reduces the
+speculative plan (tlt_cli/speculative/adaptive.py; tlt_cli/training/setup.py makes it from the
+recipe and checks its rule table) to one `BatchRule` per batch-size range, in order from 1: `off`
+is SD off everywhere, `fixed` one shape everywhere, and `adaptive` takes, for every range on which
+the rule table is constant, the configuration tlt's own schedule starts with (the rule matching an
+accept length not yet measured; its `use:`, not its bandit candidates).
+`plan_for_sglang(rules, features, auto_off_on_collapse)` then returns one of four plans:
 
 - **off**: every rule is off; servers launch without speculative flags.
 - **adaptive**: every rule is off or a chain; slot `min_batch` gets candidate steps `[steps]`
@@ -37,9 +38,9 @@ from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
 
-from tlt_cli.config import RecipeError, SpeculativeMode, SpeculativeSection
+from tlt_cli.config import RecipeError
 from tlt_cli.sglang.version import SGLangFeatures
-from tlt_cli.speculative.adaptive import UNBOUNDED, Rule, bucket_edges, build_rules
+from tlt_cli.speculative.adaptive import UNBOUNDED, Rule, SpeculationMode, SpeculativePlan, bucket_edges
 from tlt_cli.speculative.types import SpeculativeConfig
 
 # batch sizes above SGLang's largest captured CUDA graph are not padded; range ends are checked up to this
@@ -87,15 +88,14 @@ class SGLangSpeculativePlan:
         return {str(min_batch): {"candidate_steps": list(steps)} for min_batch, steps in self.slots}
 
 
-def batch_rules(section: SpeculativeSection) -> list[BatchRule]:
-    """Batch-size rules from the recipe's speculative section, covering batch sizes 1.. in order."""
-    if section.mode == SpeculativeMode.off:
+def batch_rules(plan: SpeculativePlan) -> list[BatchRule]:
+    """Batch-size rules from the speculative plan, covering batch sizes 1.. in order."""
+    if plan.mode == SpeculationMode.off:
         return [BatchRule(1, None, None)]
-    if section.mode == SpeculativeMode.fixed:
-        return [BatchRule(1, None, SpeculativeConfig(section.steps, section.topk, section.draft_tokens))]
-    rules = build_rules([dict(rule) for rule in section.rules])
-    _check_one_algorithm([config for rule in rules for config in rule.configs if config is not None])
-    return _adaptive_batch_rules(rules)
+    if plan.mode == SpeculationMode.fixed:
+        return [BatchRule(1, None, plan.shape)]
+    _check_one_algorithm(list(plan.configs))
+    return _adaptive_batch_rules(list(plan.rules))
 
 
 def _check_one_algorithm(configs: list[SpeculativeConfig]) -> None:

@@ -1,7 +1,8 @@
-"""Adaptive speculative decoding in one place: the rule table, its checks, the schedule, the decoder.
+"""Adaptive speculative decoding in one place: the rule table, its checks, the plan, the schedule, the decoder.
 
-A recipe's `speculative` section becomes the embedded engine's decoder here
-(`speculative_decoder(section, drafter, seed)`): `off` is none, `fixed` one shape at every step,
+A `SpeculativePlan` (made once from the recipe's `speculative` section by the composition root,
+tlt_cli/training/setup.py `speculative_plan`) becomes the embedded engine's decoder here
+(`speculative_decoder(plan, drafter, seed)`): `off` is none, `fixed` one shape at every step,
 `adaptive` an `AdaptiveSpeculativeDecoder` steered by an `AdaptiveSchedule`. The schedule is the
 ConfigSchedule the decoder consults before every decode step with the running batch size, and
 observes every `DecodeStep` the engine times (`observe_step`: its batch size, response tokens
@@ -25,16 +26,15 @@ import random
 import statistics
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import TYPE_CHECKING
 
-from tlt_cli.config import RecipeError, SpeculativeMode
+from tlt_cli.errors import UserError
 from tlt_cli.speculative.decoder import SpeculativeDecoder, StepCounts
-from tlt_cli.speculative.types import DecodeStep, SpeculativeConfig
+from tlt_cli.speculative.types import DecodeStep, SpeculativeConfig, draft_sources
 
 if TYPE_CHECKING:
     from torch import nn
-
-    from tlt_cli.config import SpeculativeSection
 
 OFF = "off"
 NGRAM_PREFIX = "ngram"  # model-free labels: ngram<tokens>, alone or after a drafter shape and a +
@@ -43,8 +43,8 @@ COLLAPSE_MIN_STEPS = 4  # SD steps a bucket must have measured before its accept
 UNBOUNDED = float("inf")
 
 
-class RuleTableError(RecipeError):
-    """A rule table that cannot be used; the message names the rule."""
+class RuleTableError(UserError):
+    """A rule table that cannot be used; the message names the rule (setup.py's `speculative_plan` names the key)."""
 
 
 def parse_label(label: str) -> SpeculativeConfig | None:
@@ -174,6 +174,48 @@ def check_coverage(rules: list[Rule]) -> None:
             raise RuleTableError(f"no rule covers batch size {batch_size} with accept length >= {reach}.")
 
 
+class SpeculationMode(str, Enum):
+    """How a rollout speculates: off (plain decoding), fixed (one shape at every decode step), adaptive (the rule
+    table). The recipe's `speculative.mode` as a plan carries it."""
+
+    off = "off"
+    fixed = "fixed"
+    adaptive = "adaptive"
+
+
+@dataclass(frozen=True)
+class SpeculativePlan:
+    """What a rollout speculates with, as plain values: made once from the recipe by tlt_cli/training/setup.py
+    (`speculative_plan`); the decoder, the SGLang mapping and the recipe checks read it, never the recipe.
+
+    shape: the shape of mode fixed (kept in every mode, as the recipe's keys are); rules: the checked rule table of
+    mode adaptive (empty in the other modes, where the table is unused); collapse_accept_length, reprobe_steps and
+    bandit_epsilon: the adaptive schedule's collapse threshold, re-probe interval and exploration share.
+    """
+
+    mode: SpeculationMode
+    shape: SpeculativeConfig
+    rules: tuple[Rule, ...]
+    collapse_accept_length: float
+    reprobe_steps: int
+    bandit_epsilon: float
+
+    @property
+    def configs(self) -> tuple[SpeculativeConfig, ...]:
+        """Every SD configuration the plan may run: none when off, the shape when fixed, each rule's `use` and
+        candidates (off left out) when adaptive."""
+        if self.mode == SpeculationMode.off:
+            return ()
+        if self.mode == SpeculationMode.fixed:
+            return (self.shape,)
+        return tuple(config for rule in self.rules for config in rule.configs if config is not None)
+
+    @property
+    def draft_sources(self) -> frozenset[str]:
+        """The draft sources (DRAFT_SOURCES) its configurations draft from."""
+        return draft_sources(self.configs)
+
+
 @dataclass
 class ConfigUsage:
     """Time spent in one configuration during a rollout and, per draft source (DRAFT_SOURCES), the
@@ -234,11 +276,6 @@ class AdaptiveSchedule:
         self._last = (bucket, config)
         return config
 
-    @property
-    def last_config(self) -> SpeculativeConfig | None:
-        """The configuration returned by the latest call (None: plain decoding)."""
-        return None if self._last is None else self._last[1]
-
     def _rule_for(self, batch_size: int, accept_length: float) -> Rule:
         return next(rule for rule in self.rules if rule.matches(batch_size, accept_length))
 
@@ -264,12 +301,7 @@ class AdaptiveSchedule:
     @property
     def uses_ngram(self) -> bool:
         """Whether any configuration of the table drafts with the n-gram index."""
-        return any(config is not None and config.uses_ngram for rule in self.rules for config in rule.configs)
-
-    @property
-    def uses_drafter(self) -> bool:
-        """Whether any configuration of the table drafts with the drafter."""
-        return any(config is not None and config.uses_drafter for rule in self.rules for config in rule.configs)
+        return "ngram" in draft_sources(config for rule in self.rules for config in rule.configs)
 
     def observe_step(self, step: DecodeStep, counts: StepCounts | None = None) -> None:
         """The engine's record of the decode step the last choice was for (every row verified if SD
@@ -376,29 +408,22 @@ class AdaptiveSpeculativeDecoder(SpeculativeDecoder):
         self.adaptive_schedule.observe_step(step, self.last_step)
 
 
-def adaptive_schedule(section: SpeculativeSection, seed: int = 0) -> AdaptiveSchedule:
-    """The schedule of an adaptive `speculative` section (its rule table checked here)."""
+def adaptive_schedule(plan: SpeculativePlan, seed: int = 0) -> AdaptiveSchedule:
+    """The schedule of an adaptive plan (its rule table already checked when the plan was made)."""
     return AdaptiveSchedule(
-        build_rules([dict(rule) for rule in section.rules]),
-        section.collapse_accept_length,
-        section.reprobe_steps,
-        section.bandit_epsilon,
-        seed=seed,
+        list(plan.rules), plan.collapse_accept_length, plan.reprobe_steps, plan.bandit_epsilon, seed=seed
     )
 
 
-def speculative_decoder(
-    section: SpeculativeSection, drafter: nn.Module | None, seed: int = 0
-) -> SpeculativeDecoder | None:
-    """The embedded engine's decoder for a recipe's `speculative` section (None when off, or without a
-    drafter when a configuration needs one: a table of model-free configurations needs none)."""
-    if section.mode == SpeculativeMode.off:
+def speculative_decoder(plan: SpeculativePlan, drafter: nn.Module | None, seed: int = 0) -> SpeculativeDecoder | None:
+    """The embedded engine's decoder for `plan` (None when off, or without a drafter when a configuration needs
+    one: a table of model-free configurations needs none)."""
+    if plan.mode == SpeculationMode.off:
         return None
-    if section.mode == SpeculativeMode.adaptive:
-        schedule = adaptive_schedule(section, seed)
-        if drafter is None and schedule.uses_drafter:
+    if plan.mode == SpeculationMode.adaptive:
+        if drafter is None and "drafter" in plan.draft_sources:
             return None
-        return AdaptiveSpeculativeDecoder(drafter, schedule)
+        return AdaptiveSpeculativeDecoder(drafter, adaptive_schedule(plan, seed))
     if drafter is None:
         return None
-    return SpeculativeDecoder(drafter, SpeculativeConfig(section.steps, section.topk, section.draft_tokens))
+    return SpeculativeDecoder(drafter, plan.shape)

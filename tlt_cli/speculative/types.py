@@ -9,7 +9,7 @@ engine, the adaptive rule table, the SGLang backend, the trace and `tlt profile`
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 
@@ -37,6 +37,16 @@ def source_accept_lengths(counts: Mapping[str, float]) -> dict[str, float]:
 
 # where a drafted token came from: the trained drafter, or the model-free n-gram index
 DRAFT_SOURCES = ("drafter", "ngram")
+
+
+def draft_sources(configs: Iterable[SpeculativeConfig | None]) -> frozenset[str]:
+    """The DRAFT_SOURCES any of `configs` drafts from (None, plain decoding, drafts from none)."""
+    configs = [config for config in configs if config is not None]
+    uses = {
+        "drafter": any(config.uses_drafter for config in configs),
+        "ngram": any(config.uses_ngram for config in configs),
+    }
+    return frozenset(source for source in DRAFT_SOURCES if uses[source])
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,6 @@
 
 setup.py         the only code that turns a Recipe into parts (policy, task, sampling, drafter,
                  rollout backend); every trainer and command builds through it
-trainers.py      the trainers by train.trainer (each process's body) and `train`, what `tlt train` runs
 worker_loop.py   one rank's GRPO step: rollout -> reward -> advantages -> actor update
 grpo.py          group advantages and the clipped policy loss
 policy_batch.py  completions packed into one padded batch

@@ -12,7 +12,7 @@ workers, the rollout's KV cache and hidden states (with the rollout log-probs' c
 update's saved activations (with `actor.gradient_checkpointing`, each layer's input and a few
 layers' activations) and the log-prob chunk. The
 constants are per-token costs measured on SmolLM2-135M (BENCHMARKS.md "Memory per worker") and
-scale with the model's shape. `check_memory(recipe)` (tlt_cli/training/trainers.py, before anything
+scale with the model's shape. `check_memory(recipe)` (tlt_cli/trainers.py, before anything
 starts) refuses a run whose workers on this machine would not fit in MemAvailable.
 """
 

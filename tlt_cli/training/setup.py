@@ -1,16 +1,18 @@
 """The composition root's one setup: the only code that turns a Recipe into parts.
 
 Every consumer of a recipe builds its parts here: the native worker (worker_loop.py), the TRL
-worker (tlt_cli/integrations/trl_run.py), the driver's drafter preparation (trainers.py),
+worker (tlt_cli/integrations/trl_run.py), the driver's drafter preparation (tlt_cli/trainers.py),
 `tlt profile <recipe>` (tlt_cli/profile/recording.py), `tlt calibrate`
 (tlt_cli/calibration/calibrate.py) and `tlt export-drafter` (tlt_cli/export.py). The parts:
   policy_and_tokenizer / reference_policy   the recipe's model (the reference only with a KL term)
   task, sampling                            the task and the rollout's sampling settings
+  speculative_plan                          the `speculative` section as a SpeculativePlan, its rule table
+                                            parsed and checked here, the one place it is read
   drafter_needed, prepare_drafter,          whether a run needs a drafter (it speculates, or a plugin
   starting_drafter                          trains one), its starting folder (a cached warm-up, whose
                                             draft vocabulary the warm-up chooses, or a saved folder)
                                             and the drafter itself over a policy
-  rollout_backend                           the RolloutBackend `rollout.backend` names (ROLLOUT_BACKENDS)
+  rollout_backend                           the RolloutBackend `rollout.backend` names (BACKEND_FACTORIES)
 Below this module nothing reads a recipe to build a part: the engines, backends and drafters
 take explicit arguments.
 """
@@ -22,10 +24,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from tlt_cli.config import Recipe, SpeculativeMode
+from tlt_cli.config import Recipe, RecipeError, RolloutBackendName, SpeculativeSection
 from tlt_cli.engine.sampling import SamplingParams
 from tlt_cli.models.tiny import cache_directory
 from tlt_cli.plugins import plugins_train_drafter
+from tlt_cli.speculative.adaptive import Rule, RuleTableError, SpeculationMode, SpeculativePlan, build_rules
+from tlt_cli.speculative.types import SpeculativeConfig
 
 if TYPE_CHECKING:
     from torch import nn
@@ -69,14 +73,39 @@ def sampling(recipe: Recipe) -> SamplingParams:
     )
 
 
-def rollout_needs_drafter(mode: SpeculativeMode, drafter_trained: bool) -> bool:
+def speculation_mode(section: SpeculativeSection) -> SpeculationMode:
+    """The section's `mode` as a plan carries it."""
+    return SpeculationMode(section.mode.value)
+
+
+def speculative_plan(section: SpeculativeSection) -> SpeculativePlan:
+    """The recipe's `speculative` section as plain values. The rule table is parsed and checked here, in mode
+    adaptive only (the other modes never read it): a RecipeError naming speculative.rules and the rule."""
+    mode = speculation_mode(section)
+    rules: tuple[Rule, ...] = ()
+    if mode == SpeculationMode.adaptive:
+        try:
+            rules = tuple(build_rules([dict(rule) for rule in section.rules]))
+        except RuleTableError as error:
+            raise RecipeError(f"speculative.rules: {error}") from None
+    return SpeculativePlan(
+        mode,
+        SpeculativeConfig(section.steps, section.topk, section.draft_tokens),
+        rules,
+        section.collapse_accept_length,
+        section.reprobe_steps,
+        section.bandit_epsilon,
+    )
+
+
+def rollout_needs_drafter(mode: SpeculationMode, drafter_trained: bool) -> bool:
     """The one rule: a rollout needs a drafter when it speculates, or when something trains one."""
-    return mode != SpeculativeMode.off or drafter_trained
+    return mode != SpeculationMode.off or drafter_trained
 
 
 def drafter_needed(recipe: Recipe) -> bool:
     """Whether the recipe's run needs a drafter: it speculates, or a plugin it enables trains one."""
-    return rollout_needs_drafter(recipe.speculative.mode, plugins_train_drafter(recipe.plugins.enabled))
+    return rollout_needs_drafter(speculation_mode(recipe.speculative), plugins_train_drafter(recipe.plugins.enabled))
 
 
 def prepare_drafter(
@@ -148,7 +177,7 @@ def _embedded(
         policy,
         tokenizer.eos_token_id,
         tokenizer.pad_token_id,
-        recipe.speculative,
+        speculative_plan(recipe.speculative),
         drafter,
         seed=recipe.run.seed,
         linear_forms=recipe.rollout.linear_forms,
@@ -171,7 +200,7 @@ def _sglang(
         # rollout.sglang.gpus are the GPUs of each node, shared among the ranks of that node
         servers_of_worker(recipe.rollout.sglang, place.rank_on_node, ranks_per_node(recipe)),
         str(model_folder(recipe.model.path)),
-        batch_rules(recipe.speculative),
+        batch_rules(speculative_plan(recipe.speculative)),
         eos_token_id=tokenizer.eos_token_id,
         seed=recipe.run.seed,
         run_directory=place.run_directory,
@@ -179,8 +208,12 @@ def _sglang(
     )
 
 
-# rollout.backend -> the factory of that backend (the SGLang one imports SGLang's client only when chosen)
-ROLLOUT_BACKENDS: dict[str, Callable[..., RolloutBackend]] = {"embedded": _embedded, "sglang": _sglang}
+# rollout.backend -> the factory of that backend (the SGLang one imports SGLang's client only when chosen); TRL's
+# own generation (rollout.backend trl) is no tlt backend: tlt_cli/integrations/trl_run.py leaves TRL to generate
+BACKEND_FACTORIES: dict[RolloutBackendName, Callable[..., RolloutBackend]] = {
+    RolloutBackendName.embedded: _embedded,
+    RolloutBackendName.sglang: _sglang,
+}
 
 
 def rollout_backend(
@@ -189,6 +222,6 @@ def rollout_backend(
     """The backend the recipe's `rollout.backend` names, not started yet: it generates with (or pushes the
     weights of) `policy`, speculates with `drafter` (None: none), stops at the tokenizer's EOS."""
     name = recipe.rollout.backend
-    if name not in ROLLOUT_BACKENDS:
-        raise ValueError(f"rollout.backend is '{name}'; use one of {', '.join(ROLLOUT_BACKENDS)}.")
-    return ROLLOUT_BACKENDS[name](recipe, policy, tokenizer, drafter, place)
+    if name not in BACKEND_FACTORIES:
+        raise ValueError(f"rollout.backend is '{name}'; use one of {', '.join(BACKEND_FACTORIES)}.")
+    return BACKEND_FACTORIES[name](recipe, policy, tokenizer, drafter, place)

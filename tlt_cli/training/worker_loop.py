@@ -1,6 +1,6 @@
 """One worker process: a DeepSpeed rank with its rollout shard, running the GRPO step loop.
 
-`worker_main` is the body of every native rank (trainers.py names it for `train.trainer: native`):
+`worker_main` is the body of every native rank (tlt_cli/trainers.py names it for `train.trainer: native`):
 spawned by the driver (one per rank), or run by tlt_cli/processes/launched_rank.py in a rank the
 DeepSpeed launcher started. Its parts (policy, task, drafter, rollout backend, sampling) come from
 the recipe through setup.py. Each step reads as the dataflow: rollout the shard -> wait for the
