@@ -68,7 +68,6 @@ OUT_OF_RANGE = [
     "actor.ppo_epochs=0",
     "actor.grad_clip=0",
     "actor.precision=fp16",
-    "actor.precision=bf16",
     "actor.devices=[0,0]",
     "actor.devices=[0,1,2]",
     "checkpoint.every=0",

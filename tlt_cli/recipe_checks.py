@@ -34,11 +34,11 @@ from tlt_cli.sglang.config import validate_sglang_config
 from tlt_cli.speculative.adaptive import RuleTableError, build_rules
 from tlt_cli.speculative.decoder import check_speculative_config, check_topk_fits
 from tlt_cli.speculative.types import SpeculativeConfig
+from tlt_cli.training.update_precision import PRECISIONS
 
 ROLLOUT_BACKENDS = ("embedded", "sglang", "trl")
 # a TRL run generates with tlt's embedded engine, or with TRL's own generation (rollout.backend trl, the baseline)
 TRL_BACKENDS = ("embedded", "trl")
-PRECISIONS = ("fp32", "bf16")
 DRAFTER_STARTS = ("warmup", "random")
 # ZeRO-3 shards the parameters; the rollout (embedded engine or weight push) needs the whole policy
 ZERO_STAGES = (0, 1, 2)
@@ -229,9 +229,6 @@ def _check_actor_placement(recipe: Recipe) -> None:
         )
         _require(len(set(devices)) == len(devices), f"actor.devices lists a GPU twice: {devices}.")
     _require(precision in PRECISIONS, f"actor.precision must be one of {', '.join(PRECISIONS)}, got '{precision}'.")
-    _require(
-        precision == "fp32" or on_gpus, f"actor.precision {precision} needs GPUs in actor.devices; on cpu use fp32."
-    )
     if recipe.workers.hostfile is None:
         _require(
             not on_gpus or len(devices) == recipe.workers.count,

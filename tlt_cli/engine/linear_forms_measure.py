@@ -85,7 +85,25 @@ def cached_plan(
     """The plan for these modules on this machine, and its file: read from the cache, or measured (see
     measure_plan) and written there first (atomically, under a lock)."""
     key = plan_key(modules, row_buckets)
+
+    def measure() -> dict:
+        plan, milliseconds = measure_plan(modules, row_buckets, rounds)
+        return {
+            "plan": plan.to_dict(),
+            "milliseconds": {
+                shape: {form: [round(value, 4) for value in values] for form, values in forms.items()}
+                for shape, forms in milliseconds.items()
+            },
+        }
+
     path = plan_path(cache_dir, key)
+    record = cached_measurement(path, key, measure, "the linear forms of this machine and model")
+    return LinearFormPlan.from_dict(record["plan"]), path
+
+
+def cached_measurement(path: Path, key: dict, measure: Callable[[], dict], what: str) -> dict:
+    """The record cached at `path` for `key`, or `measure()`'s, timed and written there first (atomically,
+    under a file lock, so concurrent processes measure once; a stored record of another key measures again)."""
     folder = path.parent
     folder.mkdir(parents=True, exist_ok=True)
     with open(path.with_suffix(".lock"), "w") as lock_file:
@@ -93,29 +111,25 @@ def cached_plan(
         if path.is_file():
             stored = json.loads(path.read_text())
             if stored.get("key") == key:
-                return LinearFormPlan.from_dict(stored["plan"]), path
-        LOGGER.info("Measuring the linear forms of this machine and model into %s (once).", path)
+                return stored
+        LOGGER.info("Measuring %s into %s (once).", what, path)
         started = time.perf_counter()
-        plan, milliseconds = measure_plan(modules, row_buckets, rounds)
-        record = {
-            "key": key,
-            "plan": plan.to_dict(),
-            "milliseconds": {
-                shape: {form: [round(value, 4) for value in values] for form, values in forms.items()}
-                for shape, forms in milliseconds.items()
-            },
-            "measure_seconds": round(time.perf_counter() - started, 2),
-        }
+        record = {"key": key, **measure(), "measure_seconds": round(time.perf_counter() - started, 2)}
         temporary = folder / f".{path.stem}.tmp-{os.getpid()}"
         temporary.write_text(json.dumps(record, indent=1) + "\n")
         os.replace(temporary, path)
-    return plan, path
+    return record
 
 
 def plan_path(cache_dir: Path, key: dict) -> Path:
     """`<cache_dir>/linear_forms/<hash of key>.json`: where the plan of `key` is cached."""
+    return measurement_path(cache_dir, CACHE_FOLDER, key)
+
+
+def measurement_path(cache_dir: Path, folder: str, key: dict) -> Path:
+    """`<cache_dir>/<folder>/<hash of key>.json`: where the measurement of `key` is cached."""
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-    return Path(cache_dir) / CACHE_FOLDER / f"{digest}.json"
+    return Path(cache_dir) / folder / f"{digest}.json"
 
 
 def plan_key(modules: Sequence[nn.Module | None], row_buckets: Sequence[int] = ROW_BUCKETS) -> dict:
@@ -124,13 +138,20 @@ def plan_key(modules: Sequence[nn.Module | None], row_buckets: Sequence[int] = R
     device = layers[0].weight.device if layers else torch.device("cpu")
     return {
         "format": PLAN_FORMAT,
+        **machine_key(device),
+        "shapes": dict(sorted(Counter(shape_key(layer.weight) for layer in layers).items())),
+        "row_buckets": list(row_buckets),
+    }
+
+
+def machine_key(device: torch.device) -> dict:
+    """What a measurement on `device` depends on besides the model: the processor, cores, threads and torch."""
+    return {
         "processor": processor_name(device),
         "cores": os.cpu_count(),
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "device": device.type,
-        "shapes": dict(sorted(Counter(shape_key(layer.weight) for layer in layers).items())),
-        "row_buckets": list(row_buckets),
     }
 
 

@@ -9,7 +9,10 @@ Estimated: `worker_peak_estimate(recipe, parameter_count)` adds up what one nati
 its peak: the runtime (Python, torch, transformers, DeepSpeed), the policy's weights (and a
 reference copy with a KL term), gradients and AdamW state as the ZeRO stage splits them over the
 workers, the rollout's KV cache, and the update's saved activations (with `actor.gradient_checkpointing`,
-each layer's input and a few layers' activations) and the log-prob chunk. The
+each layer's input and a few layers' activations) and the log-prob chunk. With `actor.precision: bf16`
+on CPU the module, its gradients and AdamW state stay float32 (the master copy), the update's forward
+adds autocast's bfloat16 copy of the weights, and the saved activations are bfloat16; on GPUs
+DeepSpeed's bf16 mode makes the module itself bfloat16. The
 constants are per-token costs measured on SmolLM2-135M (BENCHMARKS.md "Memory per worker") and
 scale with the model's shape. `check_memory(recipe)` (tlt_cli/training/trainers.py, before anything
 starts) refuses a run whose workers on this machine would not fit in MemAvailable.
@@ -26,6 +29,7 @@ from tlt_cli.training.logprobs import CHUNK_TOKENS
 
 GB = 1e9
 FLOAT32_BYTES = 4
+BFLOAT16_BYTES = 2
 # Python, torch, transformers, DeepSpeed and gloo imported and initialised, with what the allocator and
 # DeepSpeed hold beyond the parts below at the update's peak (fitted to SmolLM2-135M updates, BENCHMARKS.md)
 RUNTIME_BYTES = 1.2e9
@@ -156,7 +160,13 @@ def model_shape(recipe: Recipe) -> ModelShape:
 def worker_peak_estimate(recipe: Recipe, shape: ModelShape, prompt_tokens: int) -> MemoryEstimate:
     """One native worker's peak resident bytes for `recipe` on a model of `shape` (module docstring)."""
     workers = recipe.workers.count
-    value_bytes = 2 if recipe.actor.precision == "bf16" else FLOAT32_BYTES
+    bf16 = recipe.actor.precision == "bf16"
+    on_cpu = recipe.actor.devices == CPU_DEVICES
+    # the module's own dtype (the rollout's KV cache follows it) and that of the update's saved activations
+    weight_bytes = BFLOAT16_BYTES if bf16 and not on_cpu else FLOAT32_BYTES
+    activation_bytes = BFLOAT16_BYTES if bf16 else FLOAT32_BYTES
+    # autocast's bfloat16 copy of the float32 weights, held through a micro-batch's forward
+    autocast_weights = shape.parameters * BFLOAT16_BYTES if bf16 and on_cpu else 0
     copies = 2 if recipe.actor.kl_coef > 0 else 1
     parameters = shape.parameters
     # ZeRO 1-2 split the AdamW state and its float32 master copy over the workers; ZeRO 2 keeps its part of
@@ -167,7 +177,7 @@ def worker_peak_estimate(recipe: Recipe, shape: ModelShape, prompt_tokens: int) 
     sequence_tokens = prompt_tokens + recipe.rollout.max_new_tokens
     samples = recipe.train.prompts_per_step // workers * recipe.train.group_size
     # keys and values of every layer for every sample, prompt and response
-    rollout = samples * sequence_tokens * shape.layers * 2 * shape.key_value_width * value_bytes
+    rollout = samples * sequence_tokens * shape.layers * 2 * shape.key_value_width * weight_bytes
     micro_batch = min(recipe.actor.micro_batch_size, samples)
     saved_per_layer = SAVED_PER_HIDDEN * shape.hidden + SAVED_PER_INTERMEDIATE * shape.intermediate
     # recomputation keeps each layer's input, and in backward a few layers' activations at a time
@@ -176,10 +186,11 @@ def worker_peak_estimate(recipe: Recipe, shape: ModelShape, prompt_tokens: int) 
     saved_per_token = inputs + kept_layers * saved_per_layer
     logprob_chunk = LOGPROB_BUFFERS * CHUNK_TOKENS * shape.vocab_size * FLOAT32_BYTES
     attention = micro_batch * sequence_tokens**2 * kept_layers * ATTENTION_PAIR_BYTES
-    update = micro_batch * sequence_tokens * saved_per_token * value_bytes + attention + logprob_chunk
+    activations = micro_batch * sequence_tokens * saved_per_token * activation_bytes
+    update = activations + attention + logprob_chunk + autocast_weights
     return MemoryEstimate(
         runtime=int(RUNTIME_BYTES),
-        weights=parameters * value_bytes * copies,
+        weights=parameters * weight_bytes * copies,
         training_state=optimizer + gradients,
         rollout=rollout,
         update=update,
