@@ -245,7 +245,9 @@ def update_autocast(precision: str, device: torch.device) -> contextlib.Abstract
     """bfloat16 autocast for a CPU forward with precision bf16 (float32 weights stay the master copy); no change
     elsewhere (fp32, or GPUs, where DeepSpeed's bf16 mode made the module itself bfloat16)."""
     if precision == "bf16" and device.type == "cpu":
-        return torch.autocast("cpu", dtype=torch.bfloat16)
+        # no cache of the weights' bfloat16 copies: each is cast where it is used (a forward uses each once, and
+        # recomputation drops what it saved), so a forward never holds a copy of every weight at once
+        return torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False)
     return contextlib.nullcontext()
 
 

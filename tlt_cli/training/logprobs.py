@@ -8,9 +8,9 @@ head's product, log_softmax and the gather happen inside the chunk, only each ro
 kept, and backward recomputes each chunk's logits. So memory is [CHUNK_TOKENS, V] floats (plus
 [tokens, H] hidden states) instead of [B, T, V] logits, their log_softmax and its gradient, while
 values and gradients equal log_softmax(lm_head(hidden).float())[token] within float32 rounding.
-Under autocast (the actor's bfloat16 update on CPU) the head's product runs in the autocast dtype and
-backward recomputes it in that same dtype (autocast is off there), so its softmax matches the forward's
-logsumexp; log_softmax and the values stay float32.
+The head's product runs in the head's own dtype with autocast off: under the actor's bfloat16 update
+on CPU (autocast over float32 weights) the logits, log-probs and their gradients stay float32, as the
+ratio pi / pi_old of the loss needs; the decoder's layers before them run in bfloat16.
 """
 
 from __future__ import annotations
@@ -61,6 +61,7 @@ class ChunkedHeadLogprobs(torch.autograd.Function):
     """values[n] = log_softmax(hidden[n] @ weight.T + bias)[tokens[n]], CHUNK rows at a time both ways."""
 
     @staticmethod
+    @torch.autocast("cpu", enabled=False)
     def forward(ctx, hidden, weight, bias, tokens, temperature, chunk_tokens):  # type: ignore[override]
         values = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
         logsumexp = torch.empty_like(values)
@@ -71,7 +72,6 @@ class ChunkedHeadLogprobs(torch.autograd.Function):
             values[rows] = logits.gather(1, tokens[rows, None]).squeeze(1) - logsumexp[rows]
         ctx.save_for_backward(hidden, weight, bias, tokens, logsumexp)
         ctx.temperature, ctx.chunk_tokens = temperature, chunk_tokens
-        ctx.product_dtype = _product_dtype(weight)
         return values
 
     @staticmethod
@@ -81,21 +81,17 @@ class ChunkedHeadLogprobs(torch.autograd.Function):
         grad_hidden = torch.empty_like(hidden) if needs_hidden else None
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if needs_weight else None
         grad_bias = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if needs_bias else None
-        # the forward's products were in product_dtype (autocast's, or the head's own): recompute them so
-        product_weight = weight.to(ctx.product_dtype)
-        product_bias = bias.to(ctx.product_dtype) if bias is not None else None
         for rows in _chunks(hidden.shape[0], ctx.chunk_tokens):
             grad = grad_values[rows, None]
-            rows_hidden = hidden[rows].to(ctx.product_dtype)
             # d value / d logits = onehot(token) - softmax(logits), times the upstream gradient, / temperature
-            grad_logits = _logits(rows_hidden, product_weight, product_bias, ctx.temperature)
+            grad_logits = _logits(hidden[rows], weight, bias, ctx.temperature)
             grad_logits.sub_(logsumexp[rows, None]).exp_().mul_(-grad)
             grad_logits.scatter_add_(1, tokens[rows, None], grad)
-            grad_logits = grad_logits.div_(ctx.temperature).to(ctx.product_dtype)
+            grad_logits = grad_logits.div_(ctx.temperature).to(weight.dtype)
             if needs_hidden:
-                grad_hidden[rows] = grad_logits @ product_weight
+                grad_hidden[rows] = grad_logits @ weight
             if needs_weight:
-                grad_weight += (grad_logits.T @ rows_hidden).float()
+                grad_weight += (grad_logits.T @ hidden[rows]).float()
             if needs_bias:
                 grad_bias += grad_logits.float().sum(dim=0)
         grad_weight = grad_weight.to(weight.dtype) if needs_weight else None
@@ -105,14 +101,8 @@ class ChunkedHeadLogprobs(torch.autograd.Function):
 
 def _logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, temperature: float) -> torch.Tensor:
     """[n,V] float32 logits / temperature, the product in the head's dtype as lm_head(hidden) computes it."""
-    logits = nn.functional.linear(hidden, weight, bias).float()
+    logits = nn.functional.linear(hidden.to(weight.dtype), weight, bias).float()
     return logits if temperature == 1.0 else logits.div_(temperature)
-
-
-def _product_dtype(weight: torch.Tensor) -> torch.dtype:
-    """The dtype the head's product runs in: autocast's where it is on for the weight's device, else the weight's."""
-    device = weight.device.type
-    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
 
 
 def _chunks(count: int, chunk_tokens: int) -> list[slice]:
