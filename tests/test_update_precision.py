@@ -114,6 +114,9 @@ def test_the_memory_estimate_counts_bf16_activations_and_autocasts_copy_over_flo
     fp32_rest = fp32.update - logprob_chunk
     bf16_rest = bf16.update - logprob_chunk - shape.parameters * memory.BFLOAT16_BYTES
     assert bf16_rest < fp32_rest and bf16_rest > fp32_rest / 2
+    # auto, before it is resolved: the larger of the two
+    auto = load_recipe(resolve_recipe_path("tiny-cpu"), ["actor.precision=auto"])
+    assert memory.worker_peak_estimate(auto, shape, 50) == max(fp32, bf16, key=lambda estimate: estimate.total_bytes)
 
 
 def test_a_bf16_recipe_passes_the_checks_on_cpu_and_maps_to_trls_own_bf16(tmp_path):

@@ -21,7 +21,7 @@ starts) refuses a run whose workers on this machine would not fit in MemAvailabl
 from __future__ import annotations
 
 import resource
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from tlt_cli.config import CPU_DEVICES, Recipe, RecipeError, Trainer
@@ -158,15 +158,24 @@ def model_shape(recipe: Recipe) -> ModelShape:
 
 
 def worker_peak_estimate(recipe: Recipe, shape: ModelShape, prompt_tokens: int) -> MemoryEstimate:
-    """One native worker's peak resident bytes for `recipe` on a model of `shape` (module docstring)."""
+    """One native worker's peak resident bytes for `recipe` on a model of `shape` (module docstring); with
+    actor.precision auto, the larger of fp32's and bf16's (either may run)."""
+    if recipe.actor.precision == "auto":
+        from tlt_cli.training.actor import RESOLVED_PRECISIONS
+
+        estimates = [
+            worker_peak_estimate(
+                replace(recipe, actor=replace(recipe.actor, precision=precision)), shape, prompt_tokens
+            )
+            for precision in RESOLVED_PRECISIONS
+        ]
+        return max(estimates, key=lambda estimate: estimate.total_bytes)
     workers = recipe.workers.count
     bf16 = recipe.actor.precision == "bf16"
     on_cpu = recipe.actor.devices == CPU_DEVICES
     # the module's own dtype (the rollout's KV cache follows it) and that of the update's saved activations
     weight_bytes = BFLOAT16_BYTES if bf16 and not on_cpu else FLOAT32_BYTES
     activation_bytes = BFLOAT16_BYTES if bf16 else FLOAT32_BYTES
-    # autocast's bfloat16 copy of the float32 weights, held through a micro-batch's forward
-    autocast_weights = shape.parameters * BFLOAT16_BYTES if bf16 and on_cpu else 0
     copies = 2 if recipe.actor.kl_coef > 0 else 1
     parameters = shape.parameters
     # ZeRO 1-2 split the AdamW state and its float32 master copy over the workers; ZeRO 2 keeps its part of
@@ -187,6 +196,10 @@ def worker_peak_estimate(recipe: Recipe, shape: ModelShape, prompt_tokens: int) 
     logprob_chunk = LOGPROB_BUFFERS * CHUNK_TOKENS * shape.vocab_size * FLOAT32_BYTES
     attention = micro_batch * sequence_tokens**2 * kept_layers * ATTENTION_PAIR_BYTES
     activations = micro_batch * sequence_tokens * saved_per_token * activation_bytes
+    # autocast's bfloat16 copies of the float32 weights, saved for backward by every layer that keeps its
+    # activations (with recomputation only the few layers recomputed at once hold theirs)
+    autocast_layers = min(kept_layers, shape.layers) if bf16 and on_cpu else 0
+    autocast_weights = parameters * BFLOAT16_BYTES * autocast_layers // shape.layers
     update = activations + attention + logprob_chunk + autocast_weights
     return MemoryEstimate(
         runtime=int(RUNTIME_BYTES),
