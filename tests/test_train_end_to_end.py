@@ -47,6 +47,12 @@ def test_two_steps_write_trace_checkpoint_and_summary(small_model, tmp_path):
     assert (run_directory / "recipe.yaml").is_file()
     (run,) = read_records(run_directory, "run")
     assert run["versions"] == installed_versions() and run["versions"]["transformers"]
+    # actor.precision auto: measured on this machine, the choice and its figures in the run record and the log
+    precision = run["actor_precision"]
+    assert precision["precision"] in ("fp32", "bf16") and set(precision["micro_batch_seconds"]) == {"fp32", "bf16"}
+    assert f"actor precision {precision['precision']} (auto: measured on this machine" in result.stdout
+    # the run's recipe keeps what ran, so a resume runs in it too
+    assert f"precision: {precision['precision']}" in (run_directory / "recipe.yaml").read_text()
 
 
 def test_a_second_run_with_the_same_name_is_refused(small_model, tmp_path):
