@@ -3,7 +3,7 @@
 `calibrate(recipe_path, overrides, settings)` loads the recipe (with `key=value` overrides), checks
 that calibrating it makes sense (embedded engine, a trained drafter), builds the target and its
 initial drafter exactly as a training run starts them (built-in tiny model and offline drafter
-warm-up cached under the model cache, on the first actor device, in the actor's precision),
+warm-up cached under the model cache, on the first actor device, in the dtype of the actor's weights),
 and on `workers.threads_per_worker` threads generates `repeats` worker shards of the task
 (prompts_per_step / workers.count prompts x group_size samples, the recipe's sampling and
 max_new_tokens) with every configuration (tlt_cli/calibration/measure.py); it returns the
@@ -40,6 +40,7 @@ from tlt_cli.speculative.types import SpeculativeConfig
 from tlt_cli.tasks.base import Task
 from tlt_cli.tasks.prompts import encode_prompt
 from tlt_cli.training import setup
+from tlt_cli.training.actor import policy_dtype
 
 CALIBRATION_DIRECTORY_SUFFIX = "-calibration"
 OUTPUT_FILE = "calibration.json"
@@ -184,7 +185,7 @@ def load_model_pair(recipe: Recipe) -> tuple[ModelPair, PreTrainedTokenizerBase,
     from tlt_cli.engine.linear_forms_measure import prepare_linear_forms
 
     cache = setup.model_cache(recipe)
-    dtype = torch.bfloat16 if recipe.actor.precision == "bf16" else torch.float32
+    dtype = policy_dtype(recipe.actor)
     device = torch.device("cpu" if recipe.actor.devices == CPU_DEVICES else f"cuda:{recipe.actor.devices[0]}")
     target, tokenizer = setup.policy_and_tokenizer(recipe)
     target = target.to(device, dtype).eval()

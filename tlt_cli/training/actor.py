@@ -10,9 +10,10 @@ rank's device (`cuda:<local rank>` on GPUs); the reference model and every batch
 DeepSpeed's bf16 mode casts the module to bfloat16 and keeps float32 master weights in its
 optimizer. On CPU the module stays float32 (its own master weights; AdamW state float32) and every
 forward runs under `torch.autocast(cpu, bfloat16)`, backward outside it: the embedded rollout
-shares these weights and decodes in a dtype of its own, and on CPUs autocast measured as fast as
-DeepSpeed's bf16 mode (BENCHMARKS.md "The update in bfloat16"). Log-probs are float32 from the
-logits either way (logprobs.py). The caller must have initialised torch.distributed
+shares these weights and decodes in a dtype of its own (DeepSpeed's bf16 mode also runs on CPU and
+measured as fast, with about 0.2 GB less at a worker's peak on SmolLM2-135M, but it would turn the
+rollout's weights bfloat16 too: BENCHMARKS.md "The update in bfloat16"). The log-prob head runs in
+float32 either way (logprobs.py). The caller must have initialised torch.distributed
 (`tlt_cli.processes.distributed.init_worker_process`).
 """
 
@@ -235,10 +236,15 @@ def deepspeed_config(config: ActorConfig, accumulation_steps: int) -> dict:
         "zero_force_ds_cpu_optimizer": False,
         "steps_per_print": 2**31,
     }
-    if config.precision == "bf16" and config.devices != CPU_DEVICES:
+    if policy_dtype(config) == torch.bfloat16:
         # DeepSpeed casts the module to bfloat16 and keeps fp32 master weights in its optimizer wrapper
         settings["bf16"] = {"enabled": True}
     return settings
+
+
+def policy_dtype(config: ActorConfig) -> torch.dtype:
+    """The dtype of the trained module's weights: bfloat16 only under DeepSpeed's bf16 mode (bf16 on GPUs)."""
+    return torch.bfloat16 if config.precision == "bf16" and config.devices != CPU_DEVICES else torch.float32
 
 
 def update_autocast(precision: str, device: torch.device) -> contextlib.AbstractContextManager:
