@@ -86,6 +86,7 @@ def one_update(recipe_name: str, overrides: list[str]) -> dict:
     from tlt_cli.training import memory, setup
     from tlt_cli.training.actor import Actor
     from tlt_cli.training.policy_batch import build_policy_batch
+    from tlt_cli.training.update_precision import resolve_update_precision
 
     recipe = load_recipe(resolve_recipe_path(recipe_name), overrides)
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", DS_ACCELERATOR="cpu")
@@ -97,6 +98,7 @@ def one_update(recipe_name: str, overrides: list[str]) -> dict:
     import_deepspeed().init_distributed(dist_backend="gloo")
     torch.set_num_threads(recipe.workers.threads_per_worker)
     torch.manual_seed(recipe.run.seed)
+    recipe, precision = resolve_update_precision(recipe, setup.model_cache(recipe))
     policy, tokenizer = setup.policy_and_tokenizer(recipe)
     task = setup.task(recipe)
     prompts = recipe.train.prompts_per_step // recipe.workers.count
@@ -119,11 +121,13 @@ def one_update(recipe_name: str, overrides: list[str]) -> dict:
     peak = memory.peak_resident_bytes()
     # the estimate for what this process is: one rank holding the whole optimizer state, with one worker's prompts
     one_rank = load_recipe(
-        resolve_recipe_path(recipe_name), [*overrides, "workers.count=1", f"train.prompts_per_step={prompts}"]
+        resolve_recipe_path(recipe_name),
+        [*overrides, "workers.count=1", f"train.prompts_per_step={prompts}", f"actor.precision={precision.precision}"],
     )
     estimate = memory.worker_peak_estimate(one_rank, memory.model_shape(recipe), memory.longest_prompt_tokens(recipe))
     return {
         "max_new_tokens": length,
+        "precision": precision.precision,
         "sequences": len(completions),
         "sequence_tokens": int(batch.input_ids.shape[1]),
         "resident_before_gb": before / GB,

@@ -53,7 +53,9 @@ def test_policy_batch_sorts_rows_by_length_and_masks_exactly_the_response_tokens
 def test_logprobs_match_a_plain_forward_and_update_changes_every_parameter(single_process_group):
     policy = tiny_policy()
     before = copy.deepcopy(policy.state_dict())
-    actor = Actor(policy, ActorConfig(lr=1e-2, micro_batch_size=4, zero_stage=2), sequences_per_update=6)
+    actor = Actor(
+        policy, ActorConfig(precision="fp32", lr=1e-2, micro_batch_size=4, zero_stage=2), sequences_per_update=6
+    )
     batch = actor.logprobs(rollout_batch())
     with torch.no_grad():
         expected = full_vocabulary_logprobs(
@@ -70,13 +72,15 @@ def test_logprobs_match_a_plain_forward_and_update_changes_every_parameter(singl
 
 
 def test_save_then_load_restores_weights_and_optimizer_exactly(single_process_group, tmp_path):
-    first = Actor(tiny_policy(), ActorConfig(lr=1e-2, micro_batch_size=4), sequences_per_update=6)
+    first = Actor(tiny_policy(), ActorConfig(precision="fp32", lr=1e-2, micro_batch_size=4), sequences_per_update=6)
     first.update(first.logprobs(rollout_batch()))
     first.save(tmp_path)
     first.update(first.logprobs(rollout_batch()))
     continued = {name: value.clone() for name, value in first.policy.state_dict().items()}
 
-    second = Actor(tiny_policy(seed=1), ActorConfig(lr=1e-2, micro_batch_size=4), sequences_per_update=6)
+    second = Actor(
+        tiny_policy(seed=1), ActorConfig(precision="fp32", lr=1e-2, micro_batch_size=4), sequences_per_update=6
+    )
     second.load(tmp_path)
     second.update(second.logprobs(rollout_batch()))
     for name, value in second.policy.state_dict().items():
@@ -84,7 +88,7 @@ def test_save_then_load_restores_weights_and_optimizer_exactly(single_process_gr
 
 
 def test_single_pass_update_equals_recomputing_old_logprobs_first(single_process_group):
-    config = ActorConfig(lr=1e-2, micro_batch_size=4)
+    config = ActorConfig(precision="fp32", lr=1e-2, micro_batch_size=4)
     fused = Actor(tiny_policy(), config, sequences_per_update=6)
     seen = []
     fused.update(
@@ -101,7 +105,7 @@ def test_single_pass_update_equals_recomputing_old_logprobs_first(single_process
 def test_an_update_through_chunked_logprobs_moves_the_weights_as_full_vocabulary_logprobs_did(
     single_process_group, monkeypatch
 ):
-    config = ActorConfig(lr=1e-2, micro_batch_size=4, kl_coef=0.1)
+    config = ActorConfig(precision="fp32", lr=1e-2, micro_batch_size=4, kl_coef=0.1)
     chunked = Actor(tiny_policy(), config, sequences_per_update=6, reference=tiny_policy(seed=1))
     chunked_metrics = chunked.update(rollout_batch())
 
@@ -141,7 +145,7 @@ def test_gradient_checkpointing_gives_the_same_update_and_the_same_hidden_states
     for recompute in (False, True):
         actor = Actor(
             tiny_policy(),
-            ActorConfig(lr=1e-2, micro_batch_size=4, gradient_checkpointing=recompute),
+            ActorConfig(precision="fp32", lr=1e-2, micro_batch_size=4, gradient_checkpointing=recompute),
             sequences_per_update=6,
         )
         hidden_states = []
@@ -174,7 +178,11 @@ def test_gradient_checkpointing_lowers_the_updates_measured_peak(single_process_
     # measured growth, so this order can only hide the difference, never make one up
     for recompute in (True, False):
         policy = tiny_qwen2(vocab_size=64, **shape)
-        actor = Actor(policy, ActorConfig(micro_batch_size=4, gradient_checkpointing=recompute), sequences_per_update=4)
+        actor = Actor(
+            policy,
+            ActorConfig(precision="fp32", micro_batch_size=4, gradient_checkpointing=recompute),
+            sequences_per_update=4,
+        )
         before = memory.resident_bytes()
         memory.reset_peak_resident()
         actor.update(batch)

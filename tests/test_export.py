@@ -197,7 +197,7 @@ def test_run_directory_exports_the_latest_checkpoint_against_the_actor_weights_o
     with torch.no_grad():
         policy.model.norm.weight.mul_(1.5)  # the policy after RL differs from the model folder
     staging = prepare_staging(run / "checkpoints", 3)
-    Actor(policy, ActorConfig(micro_batch_size=2), sequences_per_update=2).save(staging)
+    Actor(policy, ActorConfig(precision="fp32", micro_batch_size=2), sequences_per_update=2).save(staging)
     save_drafter(partly_right_drafter(policy), staging / "drafter")
     publish(run / "checkpoints", 3, {"world_size": 1}, keep=2)
 

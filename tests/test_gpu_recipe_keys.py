@@ -34,9 +34,9 @@ GPU = RECIPES_DIRECTORY / "gpu-sglang.yaml"
 SGLANG_ON_CPU = ["rollout.backend=sglang", "rollout.sglang.colocated=false", "rollout.sglang.gpus=[0,1]"]
 
 
-def test_the_default_recipe_keeps_the_actor_on_cpu_in_fp32_with_the_embedded_engine():
+def test_the_default_recipe_keeps_the_actor_on_cpu_in_auto_precision_with_the_embedded_engine():
     recipe = load_checked_recipe(TINY)
-    assert recipe.actor.devices == "cpu" and recipe.actor.precision == "fp32"
+    assert recipe.actor.devices == "cpu" and recipe.actor.precision == "auto"
     assert recipe.rollout.backend == "embedded" and recipe.workers.hostfile is None
     assert "bf16" not in deepspeed_config(recipe.actor, 1)
 
@@ -69,8 +69,7 @@ BAD = {
     "negative device": (["actor.devices=[0,-1]"], "actor.devices must be cpu or a list of GPU indices"),
     "device twice": (["actor.devices=[1,1]"], "actor.devices lists a GPU twice"),
     "one gpu per rank": (["actor.devices=[0,1,2]"], "actor.devices lists 3 GPUs for workers.count 2"),
-    "unknown precision": (["actor.precision=fp16"], "actor.precision must be one of fp32, bf16"),
-    "bf16 on cpu": (["actor.precision=bf16"], "actor.precision bf16 needs GPUs in actor.devices"),
+    "unknown precision": (["actor.precision=fp16"], "actor.precision must be one of auto, fp32, bf16"),
     "unknown backend": (["rollout.backend=vllm"], "rollout.backend must be one of embedded, sglang"),
     "unknown sglang key": (["rollout.sglang.gpuz=[0]"], "rollout.sglang.gpuz"),
     "sglang value": ([*SGLANG_ON_CPU, "rollout.sglang.mem_fraction=1.5"], "rollout.sglang.mem_fraction"),

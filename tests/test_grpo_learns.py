@@ -27,7 +27,7 @@ def test_grpo_raises_a_learnable_reward(single_process_group):
         tokenizer, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128
     )
     policy = build_tiny_model(0, config)
-    actor = Actor(policy, ActorConfig(lr=3e-3, micro_batch_size=4), sequences_per_update=8 * GROUP)
+    actor = Actor(policy, ActorConfig(precision="fp32", lr=3e-3, micro_batch_size=4), sequences_per_update=8 * GROUP)
     actor.engine.eval()
     engine = EmbeddedEngine(actor.policy, tokenizer.eos_token_id, tokenizer.pad_token_id)
     task = ArithmeticTask(seed=0)

@@ -112,7 +112,9 @@ def test_api_key_file_and_server_log(served):
 
 def deepspeed_update(policy) -> None:
     """One real GRPO update of `policy` by tlt's DeepSpeed actor (ZeRO 2, one gloo rank)."""
-    actor = Actor(policy, ActorConfig(lr=5e-2, micro_batch_size=4, zero_stage=2), sequences_per_update=4)
+    actor = Actor(
+        policy, ActorConfig(precision="fp32", lr=5e-2, micro_batch_size=4, zero_stage=2), sequences_per_update=4
+    )
     completions = [
         Completion(
             request_id=index,

@@ -67,6 +67,13 @@ def test_two_steps_write_trace_checkpoint_and_summary(small_model, tmp_path):
     assert "rollout KL" in result.stdout
     profiled = subprocess.run([*TLT, "profile", str(run_directory), "--no-plots"], capture_output=True, text=True)
     assert profiled.returncode == 0 and f"rollout dtype: {precision['0']['dtype']} (measured" in profiled.stdout
+    # actor.precision auto: measured on this machine, the choice and its figures in the run record and the log
+    actor_precision = run["actor_precision"]
+    assert actor_precision["precision"] in ("fp32", "bf16")
+    assert set(actor_precision["micro_batch_seconds"]) == {"fp32", "bf16"}
+    assert f"actor precision {actor_precision['precision']} (auto: measured on this machine" in result.stdout
+    # the run's recipe keeps what ran, so a resume runs in it too
+    assert f"precision: {actor_precision['precision']}" in (run_directory / "recipe.yaml").read_text()
 
 
 def test_a_second_run_with_the_same_name_is_refused(small_model, tmp_path):

@@ -280,7 +280,12 @@ class ActorConfig:
     ppo_epochs: int = setting(1, "optimizer passes over each rollout")
     grad_clip: float = setting(1.0, "gradient norm clip")
     devices: Any = setting("cpu", "cpu, or the GPU indices of this node, one per worker rank (e.g. [0, 1])")
-    precision: str = setting("fp32", "fp32, or bf16 (GPUs only)")
+    precision: str = setting(
+        "auto",
+        "auto (bf16 where this machine's update measured faster in it: timed once per machine and model, "
+        "cached; bf16 on GPUs of compute capability 8.0 or newer), fp32, or bf16 (bfloat16 compute with float32 "
+        "master weights and AdamW state)",
+    )
     rollout_correction: str = setting(
         "token",
         "truncated importance sampling for the rollout/learner mismatch: token (each token's loss weighted by "

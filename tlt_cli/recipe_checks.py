@@ -40,12 +40,12 @@ from tlt_cli.speculative.decoder import check_speculative_config, check_topk_fit
 from tlt_cli.speculative.types import SpeculativeConfig
 from tlt_cli.training.rollout_correction import CORRECTION_MODES
 from tlt_cli.training.setup import speculative_plan
+from tlt_cli.training.update_precision import PRECISIONS
 from tlt_cli.tuning.linear_forms import LINEAR_FORM_MODES
 from tlt_cli.tuning.precision import ROLLOUT_DTYPE_SETTINGS
 
 # a TRL run generates with tlt's embedded engine, or with TRL's own generation (rollout.backend trl, the baseline)
 TRL_BACKENDS = (RolloutBackendName.embedded, RolloutBackendName.trl)
-PRECISIONS = ("fp32", "bf16")
 DRAFTER_STARTS = ("warmup", "random")
 # ZeRO-3 shards the parameters; the rollout (embedded engine or weight push) needs the whole policy
 ZERO_STAGES = (0, 1, 2)
@@ -312,9 +312,6 @@ def _check_actor_placement(recipe: Recipe) -> None:
         )
         _require(len(set(devices)) == len(devices), f"actor.devices lists a GPU twice: {devices}.")
     _require(precision in PRECISIONS, f"actor.precision must be one of {', '.join(PRECISIONS)}, got '{precision}'.")
-    _require(
-        precision == "fp32" or on_gpus, f"actor.precision {precision} needs GPUs in actor.devices; on cpu use fp32."
-    )
     if recipe.workers.hostfile is None:
         _require(
             not on_gpus or len(devices) == recipe.workers.count,

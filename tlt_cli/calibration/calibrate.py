@@ -4,8 +4,8 @@
 that calibrating it makes sense (embedded engine, a trained drafter) and that its output files can be
 written (before minutes of measuring, not after), builds the target and its
 initial drafter exactly as a training run starts them (built-in tiny model and offline drafter
-warm-up cached under the model cache, on the first actor device, in the actor's precision, decoded in the
-rollout's precision as `rollout.dtype` chooses it),
+warm-up cached under the model cache, on the first actor device, in the dtype of the actor's weights, decoded in
+the rollout's precision as `rollout.dtype` chooses it),
 and on `workers.threads_per_worker` threads generates `repeats` worker shards of the task
 (prompts_per_step / workers.count prompts x group_size samples, the recipe's sampling and
 max_new_tokens) with every configuration (tlt_cli/calibration/measure.py); it returns the
@@ -44,6 +44,7 @@ from tlt_cli.speculative.types import SpeculativeConfig
 from tlt_cli.tasks.base import Task
 from tlt_cli.tasks.prompts import encode_prompt
 from tlt_cli.training import setup
+from tlt_cli.training.actor import policy_dtype
 from tlt_cli.tuning.precision import rollout_precision
 
 CALIBRATION_DIRECTORY_SUFFIX = "-calibration"
@@ -201,7 +202,7 @@ def load_model_pair(recipe: Recipe) -> tuple[ModelPair, PreTrainedTokenizerBase,
     from tlt_cli.tuning.linear_forms import measured_linear_plan
 
     cache = setup.model_cache(recipe)
-    dtype = torch.bfloat16 if recipe.actor.precision == "bf16" else torch.float32
+    dtype = policy_dtype(recipe.actor)
     device = torch.device("cpu" if recipe.actor.devices == CPU_DEVICES else f"cuda:{recipe.actor.devices[0]}")
     target, tokenizer = setup.policy_and_tokenizer(recipe)
     target = target.to(device, dtype).eval()

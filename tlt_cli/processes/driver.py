@@ -177,8 +177,12 @@ def train(
     console: Console,
     resume_directory: Path | None = None,
     keep_log: bool = False,
+    run_facts: dict[str, Any] | None = None,
 ) -> RunSummary:
     """Run `trainer` with recipe.workers.count worker processes: a new run, or `resume_directory` resumed.
+
+    run_facts: what the composition root chose for this run (e.g. the actor's precision), added to the
+    trace's run record.
 
     The run directory is locked from when it is taken (a resumed one: once its checkpoint is
     found; a new one: once the drafter is ready) until this returns or raises.
@@ -200,7 +204,13 @@ def train(
             drafter_init=drafter_init,
         )
         return _train_in(
-            spec_base, trainer.worker_body, held, console, resumed=resume_directory is not None, keep_log=keep_log
+            spec_base,
+            trainer.worker_body,
+            held,
+            console,
+            resumed=resume_directory is not None,
+            keep_log=keep_log,
+            run_facts=run_facts or {},
         )
     finally:
         if held is not None:
@@ -208,7 +218,13 @@ def train(
 
 
 def _train_in(
-    spec_base: dict[str, Any], body: WorkerBody, held: RunDirectory, console: Console, resumed: bool, keep_log: bool
+    spec_base: dict[str, Any],
+    body: WorkerBody,
+    held: RunDirectory,
+    console: Console,
+    resumed: bool,
+    keep_log: bool,
+    run_facts: dict[str, Any],
 ) -> RunSummary:
     """The run in its (locked) run directory: workers, trace and display; the summary, or the error to show."""
     recipe: Recipe = spec_base["recipe"]
@@ -234,6 +250,7 @@ def _train_in(
             "resumed_from_step": spec_base["start_step"] if resumed else None,
             "steps": recipe.train.steps,
             "versions": installed_versions(),
+            **run_facts,
         },
         loggers,
     )

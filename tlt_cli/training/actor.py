@@ -4,13 +4,22 @@ Each worker process builds one `Actor` around its copy of the policy. The rollou
 `actor.policy` (the very module DeepSpeed trains, no copy), so after `update` the next rollout
 samples from the new weights. ZeRO stages 0-2 keep full parameters on every rank, which is what
 the embedded rollout engine (and the SGLang weight sync) needs. DeepSpeed moves the policy to the
-rank's device (`cuda:<local rank>` on GPUs) and, with `actor.precision: bf16`, to bfloat16; the
-reference model and every batch follow it. The caller must have initialised torch.distributed
+rank's device (`cuda:<local rank>` on GPUs); the reference model and every batch follow it.
+
+`actor.precision: bf16` (`auto` is resolved before, tlt_cli/training/update_precision.py): on GPUs
+DeepSpeed's bf16 mode casts the module to bfloat16 and keeps float32 master weights in its
+optimizer. On CPU the module stays float32 (its own master weights; AdamW state float32) and every
+forward runs under `torch.autocast(cpu, bfloat16)`, backward outside it: the embedded rollout
+shares these weights and decodes in a dtype of its own (DeepSpeed's bf16 mode also runs on CPU and
+measured as fast, with about 0.2 GB less at a worker's peak on SmolLM2-135M, but it would turn the
+rollout's weights bfloat16 too: BENCHMARKS.md "The update in bfloat16"). The log-prob head runs in
+float32 either way (logprobs.py). The caller must have initialised torch.distributed
 (`tlt_cli.processes.distributed.init_worker_process`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields, replace
@@ -21,7 +30,7 @@ import torch
 from transformers import PreTrainedModel
 
 from tlt_cli.checkpoint import load_checkpoint_file
-from tlt_cli.config import ActorConfig
+from tlt_cli.config import CPU_DEVICES, ActorConfig
 from tlt_cli.processes.distributed import import_deepspeed
 from tlt_cli.training.grpo import PolicyLoss, policy_loss
 from tlt_cli.training.logprobs import token_logprobs
@@ -29,6 +38,8 @@ from tlt_cli.training.policy_batch import PolicyBatch, micro_batches
 from tlt_cli.training.rollout_correction import MismatchTotals, importance_weights
 
 ADAMW_BETAS = (0.9, 0.999)
+# what `actor.precision` is once `auto` is resolved (tlt_cli/training/update_precision.py)
+RESOLVED_PRECISIONS = ("fp32", "bf16")
 CHECKPOINT_TAG = "actor"
 # the file DeepSpeed writes the (ZeRO 0-2) module state into, under CHECKPOINT_TAG (`tlt export-drafter` reads it)
 ACTOR_WEIGHTS_FILE = "mp_rank_00_model_states.pt"
@@ -65,6 +76,8 @@ class Actor:
         sequences_per_update: int,
         reference: PreTrainedModel | None = None,
     ):
+        if config.precision not in RESOLVED_PRECISIONS:
+            raise ValueError(f"the actor runs in fp32 or bf16, not '{config.precision}' (resolve auto first).")
         self.config = config
         self.accumulation_steps = math.ceil(sequences_per_update / config.micro_batch_size)
         if config.gradient_checkpointing:
@@ -98,23 +111,22 @@ class Actor:
         old_parts, reference_parts = [], []
         for micro_batch in micro_batches(batch, self.config.micro_batch_size):
             if include_policy:
-                hidden = self._last_hidden_state(self.policy, micro_batch)
+                with self.precision():
+                    hidden, logprobs = forward_logprobs(self.policy, micro_batch)
                 if on_hidden_states is not None:
                     on_hidden_states(micro_batch, hidden)
-                old_parts.append(_pad_to(_response_logprobs(self.policy, hidden, micro_batch), batch))
+                old_parts.append(_pad_to(logprobs, batch))
             if self.reference is not None:
-                reference_hidden = self._last_hidden_state(self.reference, micro_batch)
-                reference_parts.append(
-                    _pad_to(_response_logprobs(self.reference, reference_hidden, micro_batch), batch)
-                )
+                with self.precision():
+                    _, reference_logprobs = forward_logprobs(self.reference, micro_batch)
+                reference_parts.append(_pad_to(reference_logprobs, batch))
         old = torch.cat(old_parts) if old_parts else None
         reference = torch.cat(reference_parts) if reference_parts else None
         return batch.with_logprobs(old, reference)
 
-    @staticmethod
-    def _last_hidden_state(model: PreTrainedModel, batch: PolicyBatch) -> torch.Tensor:
-        output = model.get_decoder()(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False)
-        return output.last_hidden_state
+    def precision(self) -> contextlib.AbstractContextManager:
+        """The context of the actor's forwards: bfloat16 autocast on CPU with `actor.precision: bf16`."""
+        return update_autocast(self.config.precision, self.device)
 
     def update(self, batch: PolicyBatch, on_hidden_states: HiddenStatesCallback | None = None) -> UpdateMetrics:
         """ppo_epochs optimizer steps over the whole batch (one step = all its micro-batches).
@@ -162,8 +174,8 @@ class Actor:
     ) -> PolicyLoss:
         """The micro-batch's loss; with the rollout's log-probs, weighted for the mismatch (counted into
         `mismatch` when given: the first epoch, before any step, when old log-probs are the rollout's pi_old)."""
-        hidden = self._last_hidden_state(self.policy, micro_batch)
-        logprobs = _response_logprobs(self.policy, hidden, micro_batch)
+        with self.precision():
+            hidden, logprobs = forward_logprobs(self.policy, micro_batch)
         old_logprobs = micro_batch.old_logprobs
         if old_logprobs is None:  # single pass: the policy has not moved yet
             old_logprobs = logprobs.detach()
@@ -256,10 +268,32 @@ def deepspeed_config(config: ActorConfig, accumulation_steps: int) -> dict:
         "zero_force_ds_cpu_optimizer": False,
         "steps_per_print": 2**31,
     }
-    if config.precision == "bf16":
+    if policy_dtype(config) == torch.bfloat16:
         # DeepSpeed casts the module to bfloat16 and keeps fp32 master weights in its optimizer wrapper
         settings["bf16"] = {"enabled": True}
     return settings
+
+
+def policy_dtype(config: ActorConfig) -> torch.dtype:
+    """The dtype of the trained module's weights: bfloat16 only under DeepSpeed's bf16 mode (bf16 on GPUs)."""
+    return torch.bfloat16 if config.precision == "bf16" and config.devices != CPU_DEVICES else torch.float32
+
+
+def update_autocast(precision: str, device: torch.device) -> contextlib.AbstractContextManager:
+    """bfloat16 autocast for a CPU forward with precision bf16 (float32 weights stay the master copy); no change
+    elsewhere (fp32, or GPUs, where DeepSpeed's bf16 mode made the module itself bfloat16)."""
+    if precision == "bf16" and device.type == "cpu":
+        # no cache of the weights' bfloat16 copies: each is cast where it is used (a forward uses each once, and
+        # recomputation drops what it saved), so a forward never holds a copy of every weight at once
+        return torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False)
+    return contextlib.nullcontext()
+
+
+def forward_logprobs(model: PreTrainedModel, batch: PolicyBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """The decoder's last hidden states [b,t,H] and the response tokens' float32 log-probs [b,t] (0 elsewhere)."""
+    output = model.get_decoder()(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False)
+    hidden = output.last_hidden_state
+    return hidden, _response_logprobs(model, hidden, batch)
 
 
 def _to_device(batch: PolicyBatch, device: torch.device) -> PolicyBatch:

@@ -9,6 +9,9 @@ kept, and backward recomputes each chunk's logits. So memory is [CHUNK_TOKENS, V
 [tokens, H] hidden states) instead of [B, T, V] logits, their log_softmax and its gradient, while
 values and gradients equal log_softmax(lm_head(hidden).float())[token] within float32 rounding. The
 formula itself is tlt_cli/engine/logprobs.py's `chosen_logprobs`, which the rollout engine's log-probs use too.
+The head's product runs in the head's own dtype with autocast off: under the actor's bfloat16 update
+on CPU (autocast over float32 weights) the logits, log-probs and their gradients stay float32, as the
+ratio pi / pi_old of the loss needs; the decoder's layers before them run in bfloat16.
 """
 
 from __future__ import annotations
@@ -58,6 +61,7 @@ class ChunkedHeadLogprobs(torch.autograd.Function):
     """values[n] = log_softmax(hidden[n] @ weight.T + bias)[tokens[n]], CHUNK rows at a time both ways."""
 
     @staticmethod
+    @torch.autocast("cpu", enabled=False)
     def forward(ctx, hidden, weight, bias, tokens, temperature, chunk_tokens):  # type: ignore[override]
         values = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
         logsumexp = torch.empty_like(values)
@@ -95,7 +99,7 @@ class ChunkedHeadLogprobs(torch.autograd.Function):
 
 def _logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, temperature: float) -> torch.Tensor:
     """[n,V] float32 logits / temperature, the product in the head's dtype as lm_head(hidden) computes it."""
-    return scaled_logits(nn.functional.linear(hidden, weight, bias), temperature)
+    return scaled_logits(nn.functional.linear(hidden.to(weight.dtype), weight, bias), temperature)
 
 
 def _chunks(count: int, chunk_tokens: int) -> list[slice]:

@@ -8,9 +8,12 @@ step's start and reports the step's peak (`memory_peak_gb` in the trace's worker
 Estimated: `worker_peak_estimate(recipe, parameter_count)` adds up what one native worker holds at
 its peak: the runtime (Python, torch, transformers, DeepSpeed), the policy's weights (and a
 reference copy with a KL term), gradients and AdamW state as the ZeRO stage splits them over the
-workers, the rollout's KV cache and hidden states (with the rollout log-probs' chunk), and the
-update's saved activations (with `actor.gradient_checkpointing`, each layer's input and a few
-layers' activations) and the log-prob chunk. The
+workers, the rollout's KV cache and hidden states (with the rollout log-probs' chunk; bfloat16 when
+`rollout.dtype` says so, float32 for `auto`, which may choose either), and the update's saved activations
+(with `actor.gradient_checkpointing`, each layer's input and a few layers' activations) and the log-prob chunk.
+With `actor.precision: bf16` on CPU the module, its gradients and AdamW state stay float32 (the master copy),
+the update's forward adds autocast's bfloat16 copy of the weights, and the saved activations are bfloat16; on
+GPUs DeepSpeed's bf16 mode makes the module itself bfloat16. The
 constants are per-token costs measured on SmolLM2-135M (BENCHMARKS.md "Memory per worker") and
 scale with the model's shape. `check_memory(recipe)` (tlt_cli/trainers.py, before anything
 starts) refuses a run whose workers on this machine would not fit in MemAvailable.
@@ -19,7 +22,7 @@ starts) refuses a run whose workers on this machine would not fit in MemAvailabl
 from __future__ import annotations
 
 import resource
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from tlt_cli.config import CPU_DEVICES, Recipe, RecipeError, Trainer
@@ -27,6 +30,7 @@ from tlt_cli.training.logprobs import CHUNK_TOKENS
 
 GB = 1e9
 FLOAT32_BYTES = 4
+BFLOAT16_BYTES = 2
 # Python, torch, transformers, DeepSpeed and gloo imported and initialised, with what the allocator and
 # DeepSpeed hold beyond the parts below at the update's peak (fitted to SmolLM2-135M updates, BENCHMARKS.md)
 RUNTIME_BYTES = 1.2e9
@@ -155,9 +159,24 @@ def model_shape(recipe: Recipe) -> ModelShape:
 
 
 def worker_peak_estimate(recipe: Recipe, shape: ModelShape, prompt_tokens: int) -> MemoryEstimate:
-    """One native worker's peak resident bytes for `recipe` on a model of `shape` (module docstring)."""
+    """One native worker's peak resident bytes for `recipe` on a model of `shape` (module docstring); with
+    actor.precision auto, the larger of fp32's and bf16's (either may run)."""
+    if recipe.actor.precision == "auto":
+        from tlt_cli.training.actor import RESOLVED_PRECISIONS
+
+        estimates = [
+            worker_peak_estimate(
+                replace(recipe, actor=replace(recipe.actor, precision=precision)), shape, prompt_tokens
+            )
+            for precision in RESOLVED_PRECISIONS
+        ]
+        return max(estimates, key=lambda estimate: estimate.total_bytes)
     workers = recipe.workers.count
-    value_bytes = 2 if recipe.actor.precision == "bf16" else FLOAT32_BYTES
+    bf16 = recipe.actor.precision == "bf16"
+    on_cpu = recipe.actor.devices == CPU_DEVICES
+    # the module's own dtype (the rollout's KV cache follows it) and that of the update's saved activations
+    weight_bytes = BFLOAT16_BYTES if bf16 and not on_cpu else FLOAT32_BYTES
+    activation_bytes = BFLOAT16_BYTES if bf16 else FLOAT32_BYTES
     copies = 2 if recipe.actor.kl_coef > 0 else 1
     parameters = shape.parameters
     # ZeRO 1-2 split the AdamW state and its float32 master copy over the workers; ZeRO 2 keeps its part of
@@ -169,9 +188,10 @@ def worker_peak_estimate(recipe: Recipe, shape: ModelShape, prompt_tokens: int) 
     samples = recipe.train.prompts_per_step // workers * recipe.train.group_size
     logprob_chunk = LOGPROB_BUFFERS * CHUNK_TOKENS * shape.vocab_size * FLOAT32_BYTES
     # keys and values of every layer and the last hidden state (which the rollout log-probs and the drafter read)
-    # for every sample, prompt and response, and the head's chunk of the rollout log-probs
+    # for every sample, prompt and response, in the rollout's dtype, and the head's chunk of the rollout log-probs
+    rollout_bytes = BFLOAT16_BYTES if recipe.rollout.dtype == "bfloat16" else FLOAT32_BYTES
     per_token = shape.layers * 2 * shape.key_value_width + shape.hidden
-    rollout = samples * sequence_tokens * per_token * value_bytes + logprob_chunk
+    rollout = samples * sequence_tokens * per_token * rollout_bytes + logprob_chunk
     micro_batch = min(recipe.actor.micro_batch_size, samples)
     saved_per_layer = SAVED_PER_HIDDEN * shape.hidden + SAVED_PER_INTERMEDIATE * shape.intermediate
     # recomputation keeps each layer's input, and in backward a few layers' activations at a time
@@ -179,10 +199,15 @@ def worker_peak_estimate(recipe: Recipe, shape: ModelShape, prompt_tokens: int) 
     inputs = shape.layers * shape.hidden if recipe.actor.gradient_checkpointing else 0
     saved_per_token = inputs + kept_layers * saved_per_layer
     attention = micro_batch * sequence_tokens**2 * kept_layers * ATTENTION_PAIR_BYTES
-    update = micro_batch * sequence_tokens * saved_per_token * value_bytes + attention + logprob_chunk
+    activations = micro_batch * sequence_tokens * saved_per_token * activation_bytes
+    # autocast's bfloat16 copies of the float32 weights, saved for backward by every layer that keeps its
+    # activations (with recomputation only the few layers recomputed at once hold theirs)
+    autocast_layers = min(kept_layers, shape.layers) if bf16 and on_cpu else 0
+    autocast_weights = parameters * BFLOAT16_BYTES * autocast_layers // shape.layers
+    update = activations + attention + logprob_chunk + autocast_weights
     return MemoryEstimate(
         runtime=int(RUNTIME_BYTES),
-        weights=parameters * value_bytes * copies,
+        weights=parameters * weight_bytes * copies,
         training_state=optimizer + gradients,
         rollout=rollout,
         update=update,

@@ -1,0 +1,129 @@
+"""The update in bfloat16 on CPU (actor.precision bf16: autocast over float32 master weights) and `auto`
+choosing it by a measurement cached per machine and model (tlt_cli/training/update_precision.py)."""
+
+import json
+
+import pytest
+import torch
+from test_actor import rollout_batch, tiny_policy
+
+from tlt_cli.config import ActorConfig, load_recipe
+from tlt_cli.integrations.trl_recipe import grpo_config_arguments
+from tlt_cli.recipe_checks import load_checked_recipe
+from tlt_cli.recipes import resolve_recipe_path
+from tlt_cli.training import memory, update_precision
+from tlt_cli.training.actor import Actor
+from tlt_cli.training.logprobs import head_logprobs
+from tlt_cli.training.update_precision import UpdatePrecision, resolve_update_precision
+
+# bfloat16 keeps 8 bits of mantissa: a tiny model's loss and gradient norm in bf16 stay within 2% of float32
+BF16_RELATIVE_TOLERANCE = 2e-2
+
+
+def two_epoch_update(precision: str):
+    """An update whose loss depends on the precision: a KL term to a reference, two epochs (ratios move)."""
+    config = ActorConfig(precision=precision, lr=1e-2, micro_batch_size=4, kl_coef=0.1, ppo_epochs=2)
+    policy = tiny_policy()
+    before = {name: value.detach().clone() for name, value in policy.named_parameters()}
+    actor = Actor(policy, config, sequences_per_update=6, reference=tiny_policy(seed=1))
+    return actor, before, actor.update(rollout_batch())
+
+
+def test_a_bf16_update_on_cpu_moves_every_float32_master_weight_and_stays_near_the_fp32_update(single_process_group):
+    actor, before, bf16 = two_epoch_update("bf16")
+    _, _, fp32 = two_epoch_update("fp32")
+    # the module stays float32 (the master weights the rollout shares), every trainable parameter moved
+    for name, parameter in actor.policy.named_parameters():
+        assert parameter.dtype == torch.float32, name
+        assert not torch.equal(parameter.detach(), before[name]), name
+    # AdamW's moments and ZeRO's master partition are float32
+    states = list(actor.engine.optimizer.optimizer.state.values())
+    assert states and all(
+        value.dtype == torch.float32 for state in states for value in state.values() if torch.is_tensor(value)
+    )
+    assert all(group.dtype == torch.float32 for group in actor.engine.optimizer.single_partition_of_fp32_groups)
+    # the forwards ran in bfloat16 (the loss differs from float32's) and stayed within the tolerance of it
+    assert bf16.loss != fp32.loss
+    assert bf16.loss == pytest.approx(fp32.loss, rel=BF16_RELATIVE_TOLERANCE)
+    assert bf16.kl == pytest.approx(fp32.kl, rel=BF16_RELATIVE_TOLERANCE)
+    assert bf16.grad_norm == pytest.approx(fp32.grad_norm, rel=BF16_RELATIVE_TOLERANCE)
+
+
+def test_log_probs_under_the_bf16_updates_autocast_stay_float32_from_float32_logits():
+    generator = torch.Generator().manual_seed(0)
+    hidden = torch.randn(40, 16, generator=generator, requires_grad=True)
+    head = torch.nn.Linear(16, 96, bias=False)
+    tokens = torch.randint(0, 96, (40,), generator=generator)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        chunked = head_logprobs(hidden, head, tokens, chunk_tokens=16)
+    # log_softmax over the whole vocabulary at once, in float32, autocast off
+    expected = torch.log_softmax(head(hidden), dim=-1).gather(1, tokens[:, None]).squeeze(1)
+    assert chunked.dtype == torch.float32
+    assert torch.allclose(chunked, expected, atol=1e-6)
+    chunked_gradients = torch.autograd.grad(chunked.sum(), (hidden, head.weight))
+    expected_gradients = torch.autograd.grad(expected.sum(), (hidden, head.weight))
+    for value, reference in zip(chunked_gradients, expected_gradients):
+        assert torch.allclose(value, reference, atol=1e-6)
+
+
+def test_auto_measures_once_caches_per_machine_and_model_and_rereads_the_cache(tmp_path, monkeypatch):
+    recipe = load_recipe(resolve_recipe_path("tiny-cpu"), ["actor.precision=auto"])
+    resolved, choice = resolve_update_precision(recipe, tmp_path)
+    assert resolved.actor.precision == choice.precision in ("fp32", "bf16")
+    (path,) = (tmp_path / update_precision.CACHE_FOLDER).glob("*.json")
+    record = json.loads(path.read_text())
+    assert record["key"] == update_precision.measurement_key(recipe, torch.device("cpu"))
+    assert set(record["seconds"]) == {"fp32", "bf16"} and choice.seconds == record["seconds"]
+    assert choice.precision == update_precision.faster_precision(record["seconds"])
+
+    def no_measuring(*_):
+        raise AssertionError("measured again although the cache holds this machine and model")
+
+    monkeypatch.setattr(update_precision, "measure_update_seconds", no_measuring)
+    for seconds, expected in (({"fp32": 1.0, "bf16": 0.5}, "bf16"), ({"fp32": 1.0, "bf16": 0.97}, "fp32")):
+        path.write_text(json.dumps({**record, "seconds": seconds}))
+        resolved, choice = resolve_update_precision(recipe, tmp_path)
+        assert (resolved.actor.precision, choice.seconds) == (expected, seconds)
+        assert f"actor precision {expected} (auto: measured on this machine" in choice.describe()
+
+
+def test_explicit_precisions_are_kept_and_the_actor_refuses_an_unresolved_auto(tmp_path):
+    for precision in ("fp32", "bf16"):
+        recipe = load_recipe(resolve_recipe_path("tiny-cpu"), [f"actor.precision={precision}"])
+        assert resolve_update_precision(recipe, tmp_path) == (
+            recipe,
+            UpdatePrecision(precision, "as the recipe sets it"),
+        )
+    assert not (tmp_path / update_precision.CACHE_FOLDER).exists()
+    with pytest.raises(ValueError, match="resolve auto first"):
+        Actor(tiny_policy(), ActorConfig(precision="auto"), sequences_per_update=2)
+
+
+def test_the_memory_estimate_counts_bf16_activations_and_autocasts_copy_over_float32_master_state():
+    recipe = load_recipe(resolve_recipe_path("tiny-cpu"), ["actor.precision=fp32"])
+    shape = memory.model_shape(recipe)
+    fp32 = memory.worker_peak_estimate(recipe, shape, 50)
+    bf16 = memory.worker_peak_estimate(
+        load_recipe(resolve_recipe_path("tiny-cpu"), ["actor.precision=bf16"]), shape, 50
+    )
+    # float32 weights (the master copy), gradients, AdamW state and rollout KV cache, as in fp32
+    assert (bf16.weights, bf16.training_state, bf16.rollout) == (fp32.weights, fp32.training_state, fp32.rollout)
+    assert bf16.weights == shape.parameters * memory.FLOAT32_BYTES
+    # the update: half the saved activations' bytes, plus autocast's bfloat16 copy of the weights
+    logprob_chunk = memory.LOGPROB_BUFFERS * memory.CHUNK_TOKENS * shape.vocab_size * memory.FLOAT32_BYTES
+    fp32_rest = fp32.update - logprob_chunk
+    bf16_rest = bf16.update - logprob_chunk - shape.parameters * memory.BFLOAT16_BYTES
+    assert bf16_rest < fp32_rest and bf16_rest > fp32_rest / 2
+    # auto, before it is resolved: the larger of the two
+    auto = load_recipe(resolve_recipe_path("tiny-cpu"), ["actor.precision=auto"])
+    assert memory.worker_peak_estimate(auto, shape, 50) == max(fp32, bf16, key=lambda estimate: estimate.total_bytes)
+
+
+def test_a_bf16_recipe_passes_the_checks_on_cpu_and_maps_to_trls_own_bf16(tmp_path):
+    recipe = load_checked_recipe(resolve_recipe_path("tiny-cpu"), ["actor.precision=bf16", "train.trainer=trl"])
+    arguments = grpo_config_arguments(recipe, processes=2, run_directory=tmp_path)
+    assert arguments["bf16"] is True and arguments["use_cpu"] is True
+    from trl import GRPOConfig
+
+    # TRL allows bf16 on CPU (accelerate's bfloat16 autocast over the float32 model)
+    assert GRPOConfig(**arguments).bf16

@@ -1,0 +1,171 @@
+"""`actor.precision: auto` resolved by measurement: the actor's forward + backward timed in float32 and bfloat16.
+
+`resolve_update_precision(recipe, cache_dir)` is what `tlt train` calls before anything starts
+(tlt_cli/trainers.py); it gives the recipe with a concrete precision and the `UpdatePrecision`
+that the console and the trace's run record show. `fp32` and `bf16` are kept as written. For `auto`
+on CPU it loads the policy and times what one micro-batch of the update costs
+(`measure_update_seconds`): the actor's own forward (`forward_logprobs` under `update_autocast`,
+recomputation as the recipe sets it) and backward, on a micro-batch of micro_batch_size random
+sequences of MEASURED_TOKENS tokens, ROUNDS interleaved rounds after a warm-up of each, the best time
+of each precision counting; bf16 is chosen only if it is at least MARGIN faster, so nothing gets
+slower. The figures are cached per machine and model (`<cache_dir>/update_precision/<hash>.json`,
+keyed like the linear-form plan: tlt_cli/tuning/cache.py) and read back on the next
+run. On GPUs `auto` is bf16 where every actor GPU has compute capability 8.0 or newer, unmeasured.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import torch
+from transformers import PreTrainedModel
+
+from tlt_cli.config import CPU_DEVICES, ActorConfig, Recipe
+from tlt_cli.processes.machine_checks import BF16_MIN_CAPABILITY
+from tlt_cli.training import setup
+from tlt_cli.training.actor import RESOLVED_PRECISIONS, enable_recomputation, forward_logprobs, update_autocast
+from tlt_cli.training.grpo import policy_loss
+from tlt_cli.training.memory import model_shape
+from tlt_cli.training.policy_batch import PolicyBatch
+from tlt_cli.tuning.cache import cached_record, machine_key
+
+PRECISIONS = ("auto", "fp32", "bf16")
+CACHE_FOLDER = "update_precision"
+MEASUREMENT_FORMAT = 1
+# tokens per measured sequence: a prompt and a response of the lengths real-cpu's task meets (p50 66-85)
+MEASURED_TOKENS = 256
+# the first tokens of each measured sequence count as its prompt (no log-probs); the rest as its response
+MEASURED_PROMPT_TOKENS = 64
+ROUNDS = 2
+# bf16 must be this much faster than fp32 to be chosen (timing noise must not make the update slower)
+MARGIN = 0.05
+
+
+@dataclass(frozen=True)
+class UpdatePrecision:
+    """The precision the actor runs in, how it was chosen, and the measured seconds per micro-batch."""
+
+    precision: str
+    reason: str
+    seconds: dict[str, float] | None = None
+
+    def describe(self) -> str:
+        figures = ""
+        if self.seconds:
+            figures = ": " + ", ".join(f"{name} {value:.3f} s" for name, value in self.seconds.items())
+            figures += " per micro-batch forward + backward"
+        return f"actor precision {self.precision} ({self.reason}{figures})"
+
+    def record(self) -> dict:
+        """The trace's run-record entry."""
+        return {"precision": self.precision, "reason": self.reason, "micro_batch_seconds": self.seconds}
+
+
+def resolve_update_precision(recipe: Recipe, cache_dir: Path) -> tuple[Recipe, UpdatePrecision]:
+    """The recipe with actor.precision concrete (fp32 or bf16), and how it was chosen (module docstring)."""
+    actor = recipe.actor
+    if actor.precision != "auto":
+        return recipe, UpdatePrecision(actor.precision, "as the recipe sets it")
+    if actor.devices == CPU_DEVICES:
+        choice = measured_choice(recipe, cache_dir)
+    else:
+        choice = gpu_choice(actor.devices)
+    return replace(recipe, actor=replace(actor, precision=choice.precision)), choice
+
+
+def gpu_choice(devices: list[int]) -> UpdatePrecision:
+    """bf16 where CUDA shows every device with compute capability 8.0 or newer, else fp32."""
+    capable = torch.cuda.is_available() and all(
+        device < torch.cuda.device_count() and torch.cuda.get_device_capability(device)[0] >= BF16_MIN_CAPABILITY
+        for device in devices
+    )
+    if capable:
+        return UpdatePrecision("bf16", "auto: GPUs of compute capability 8.0 or newer")
+    return UpdatePrecision("fp32", "auto: not every actor GPU has compute capability 8.0")
+
+
+def measured_choice(recipe: Recipe, cache_dir: Path) -> UpdatePrecision:
+    """The cached (or now measured) seconds of both precisions on this machine and model, and the faster one."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(recipe.workers.threads_per_worker)  # as each worker runs the update
+    try:
+        key = measurement_key(recipe, torch.device("cpu"))
+
+        def measure() -> dict:
+            policy, _ = setup.policy_and_tokenizer(recipe)
+            return {"seconds": measure_update_seconds(policy, recipe.actor)}
+
+        record, path = cached_record(cache_dir, CACHE_FOLDER, key, measure)
+        seconds = record["seconds"]
+    finally:
+        torch.set_num_threads(threads)
+    return UpdatePrecision(faster_precision(seconds), f"auto: measured on this machine, cached in {path}", seconds)
+
+
+def faster_precision(seconds: dict[str, float]) -> str:
+    """bf16 if it measured at least MARGIN faster than fp32, else fp32."""
+    return "bf16" if seconds["bf16"] < (1 - MARGIN) * seconds["fp32"] else "fp32"
+
+
+def measurement_key(recipe: Recipe, device: torch.device) -> dict:
+    """What the measurement depends on: this machine, the model's parameter shapes, the micro-batch's shape."""
+    return {
+        "format": MEASUREMENT_FORMAT,
+        **machine_key(device),
+        "model": asdict(model_shape(recipe)),
+        "micro_batch_size": recipe.actor.micro_batch_size,
+        "tokens": MEASURED_TOKENS,
+        "gradient_checkpointing": recipe.actor.gradient_checkpointing,
+        "rounds": ROUNDS,
+    }
+
+
+def measure_update_seconds(policy: PreTrainedModel, config: ActorConfig, rounds: int = ROUNDS) -> dict[str, float]:
+    """Best seconds of one micro-batch's forward + backward in each precision, interleaved (module docstring)."""
+    if config.gradient_checkpointing:
+        enable_recomputation(policy)
+    policy.train()
+    batch = measured_micro_batch(policy.config.vocab_size, config.micro_batch_size, MEASURED_TOKENS)
+    best = dict.fromkeys(RESOLVED_PRECISIONS, float("inf"))
+    for round_index in range(rounds + 1):  # round 0 warms each precision up and does not count
+        order = RESOLVED_PRECISIONS if round_index % 2 == 0 else RESOLVED_PRECISIONS[::-1]
+        for precision in order:
+            seconds = _forward_backward_seconds(policy, batch, replace(config, precision=precision))
+            if round_index > 0:
+                best[precision] = min(best[precision], seconds)
+    policy.zero_grad(set_to_none=True)
+    return {precision: round(value, 4) for precision, value in best.items()}
+
+
+def measured_micro_batch(vocab_size: int, sequences: int, tokens: int) -> PolicyBatch:
+    """`sequences` rows of `tokens` random tokens, the first MEASURED_PROMPT_TOKENS a prompt, the rest a response."""
+    generator = torch.Generator().manual_seed(0)
+    input_ids = torch.randint(0, vocab_size, (sequences, tokens), generator=generator)
+    response_mask = torch.zeros(sequences, tokens)
+    response_mask[:, MEASURED_PROMPT_TOKENS:] = 1.0
+    return PolicyBatch(
+        input_ids=input_ids,
+        attention_mask=torch.ones(sequences, tokens, dtype=torch.long),
+        response_mask=response_mask,
+        advantages=torch.randn(sequences, generator=generator),
+    )
+
+
+def _forward_backward_seconds(policy: PreTrainedModel, batch: PolicyBatch, config: ActorConfig) -> float:
+    """Seconds of the actor's single-pass micro-batch: forward in config.precision, the GRPO loss, backward."""
+    started = time.perf_counter()
+    with update_autocast(config.precision, batch.input_ids.device):
+        _, logprobs = forward_logprobs(policy, batch)
+    loss = policy_loss(
+        logprobs=logprobs,
+        old_logprobs=logprobs.detach(),
+        advantages=batch.advantages,
+        response_mask=batch.response_mask,
+        clip_ratio=config.clip_ratio,
+        total_response_tokens=batch.response_token_count,
+    ).loss
+    loss.backward()
+    policy.zero_grad(set_to_none=True)
+    return time.perf_counter() - started
