@@ -210,7 +210,7 @@ def test_the_update_weights_its_loss_by_the_truncated_importance_weights_and_rep
     single_process_group, mode, shift, weight, truncated
 ):
     def loss_and_mismatch(correction):
-        config = ActorConfig(lr=1e-2, micro_batch_size=4, rollout_correction=correction)
+        config = ActorConfig(lr=1e-2, micro_batch_size=4, precision="fp32", rollout_correction=correction)
         actor = Actor(tiny_policy(), config, sequences_per_update=6)
         metrics = actor.update(with_rollout_logprobs(actor.logprobs(rollout_batch()), shift))
         return metrics.loss, metrics.as_dict()
