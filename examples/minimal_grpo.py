@@ -42,7 +42,9 @@ def main(steps: int, prompts: int, group_size: int, max_new_tokens: int, seed: i
     torch.manual_seed(seed)
     policy, tokenizer = load_policy("builtin:tiny-arith")
     task = ArithmeticTask(seed=seed, max_terms=8)  # sums of up to 8 numbers: short responses, a quick demo
-    actor = Actor(policy, ActorConfig(lr=1e-4, micro_batch_size=4), sequences_per_update=prompts * group_size)
+    actor = Actor(
+        policy, ActorConfig(lr=1e-4, micro_batch_size=4, precision="fp32"), sequences_per_update=prompts * group_size
+    )
     engine = EmbeddedEngine(actor.policy, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=1.0)
 
