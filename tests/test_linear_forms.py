@@ -324,11 +324,11 @@ def test_the_trl_rollout_refreshes_the_copies_before_every_rollout(tmp_path):
     write_plan(tmp_path, [model], forced_plan([model], TRANSPOSED))
     rollout = HiddenStateRollout(model, NEVER_EMITTED, 0, linear_forms="auto", cache_dir=tmp_path)
     requests, greedy = ragged_requests(3), SamplingParams(8, temperature=0.0)
-    rollout.generate_with_hidden(requests, greedy, seed=0)
+    rollout.generate_with_hidden(requests, greedy, seed=0, logprob_temperature=1.0)
     with torch.no_grad():
         for parameter in model.parameters():  # an update TRL makes between rollouts, unseen by autograd
             parameter.data.copy_(torch.randn_like(parameter) * 0.1)
-    completions, _ = rollout.generate_with_hidden(requests, greedy, seed=0)
+    completions, _ = rollout.generate_with_hidden(requests, greedy, seed=0, logprob_temperature=1.0)
     assert [completion.response_ids for completion in completions] == greedy_tokens(model, requests, 8)
     with pytest.raises(UserError, match="linear_forms is 'fast'; use one of auto, off"):
         tlt_rollout(linear_forms="fast")

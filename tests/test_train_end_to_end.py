@@ -55,9 +55,10 @@ def test_two_steps_write_trace_checkpoint_and_summary(small_model, tmp_path):
         "bfloat16",
     }
     assert f"rollout dtype: {precision['0']['dtype']} (measured: float32 step" in result.stdout
-    # the rollout/learner mismatch of every step: none in float32 (the learner's own policy, weights 1), small
-    # in bfloat16
+    # the rollout/learner mismatch of every step: none when both decode and learn in float32 (the learner's own
+    # policy, weights 1), small when either runs in bfloat16 (rollout.dtype, actor.precision: both auto)
     float32 = all(chosen["dtype"] == "float32" for chosen in precision.values())
+    float32 = float32 and run["actor_precision"]["precision"] == "fp32"
     for step in steps:
         if float32:
             assert 0.0 <= step["actor_rollout_kl_k3"] < 1e-9 and step["actor_rollout_weight_truncated"] == 0.0

@@ -72,7 +72,12 @@ def test_auto_measures_once_caches_per_machine_and_model_and_rereads_the_cache(t
     assert resolved.actor.precision == choice.precision in ("fp32", "bf16")
     (path,) = (tmp_path / update_precision.CACHE_FOLDER).glob("*.json")
     record = json.loads(path.read_text())
-    assert record["key"] == update_precision.measurement_key(recipe, torch.device("cpu"))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(recipe.workers.threads_per_worker)  # the measurement's thread count, a worker's
+    try:
+        assert record["key"] == update_precision.measurement_key(recipe, torch.device("cpu"))
+    finally:
+        torch.set_num_threads(threads)
     assert set(record["seconds"]) == {"fp32", "bf16"} and choice.seconds == record["seconds"]
     assert choice.precision == update_precision.faster_precision(record["seconds"])
 
