@@ -21,6 +21,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -307,6 +308,20 @@ def held_run(model: Path, runs: Path, name: str, release: Path, fail: bool = Fal
 def environment_with_test_plugins() -> dict[str, str]:
     """This environment with the tests' folder (their plugins) first on PYTHONPATH, the caller's entries after it."""
     return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")]))}
+
+
+def inner_pytest_session(test_file: Path, tmp_path: Path) -> subprocess.CompletedProcess:
+    """A pytest session of its own over `test_file`, with the tests' conftest (its session fixtures and leak
+    checks), run in `tmp_path`: what a test of those fixtures inspects."""
+    command = ["-m", "pytest", "-q", "-p", "conftest", "-c", os.devnull, f"--basetemp={tmp_path / 'basetemp'}"]
+    return subprocess.run(
+        [sys.executable, *command, str(test_file)],
+        capture_output=True,
+        text=True,
+        timeout=HANG_GUARD_SECONDS,
+        env=environment_with_test_plugins(),
+        cwd=tmp_path,
+    )
 
 
 def start(command: list[str], folder: Path, name: str = "driver") -> subprocess.Popen:

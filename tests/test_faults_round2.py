@@ -17,7 +17,6 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -498,25 +497,7 @@ def test_a_test_session_leaves_no_deepspeed_buffer_in_shared_memory(tmp_path):
         "from pathlib import Path\n\n"
         f"def test_a_rank_killed_from_outside():\n    Path({str(left)!r}).write_bytes(b'0' * 4096)\n"
     )
-    session = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pytest",
-            "-q",
-            "-p",
-            "conftest",
-            "-c",
-            os.devnull,
-            f"--basetemp={tmp_path / 'basetemp'}",
-            str(tmp_path / "test_killed_rank.py"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=faults.HANG_GUARD_SECONDS,
-        env=faults.environment_with_test_plugins(),
-        cwd=tmp_path,
-    )
+    session = faults.inner_pytest_session(tmp_path / "test_killed_rank.py", tmp_path)
     try:
         assert session.returncode == 0, session.stdout[-3000:]
         assert not left.exists(), "the session left its DeepSpeed buffer in /dev/shm"

@@ -90,16 +90,16 @@ def test_sigkill_of_a_hostfile_runs_driver_leaves_no_deepspeed_segment_after_the
 # ---------------------------------------------------------------- blame
 
 
-def test_sigkill_of_worker_one_mid_checkpoint_names_it_not_its_peer(small_model, tmp_path):
-    """Worker 1 is killed writing the first checkpoint; worker 0 then fails in the checkpoint's barrier (gloo:
-    connection reset by peer). The cause is worker 1, named with its signal; worker 0's error only in the log."""
-    result = subprocess.run(
+def run_killed_in_checkpoint(small_model: Path, tmp_path: Path, name: str, *extra: str) -> subprocess.CompletedProcess:
+    """A 2-step run of `name` (a checkpoint every step) whose rank 1 is SIGKILLed in its first checkpoint."""
+    return subprocess.run(
         small_run(
             small_model,
             tmp_path,
-            "killed-in-checkpoint",
+            name,
             2,
             "checkpoint.every=1",
+            *extra,
             "plugins.enabled=[fault_plugins:KillInCheckpoint]",
         ),
         capture_output=True,
@@ -107,6 +107,12 @@ def test_sigkill_of_worker_one_mid_checkpoint_names_it_not_its_peer(small_model,
         timeout=faults.HANG_GUARD_SECONDS,
         env=faults.environment_with_test_plugins(),
     )
+
+
+def test_sigkill_of_worker_one_mid_checkpoint_names_it_not_its_peer(small_model, tmp_path):
+    """Worker 1 is killed writing the first checkpoint; worker 0 then fails in the checkpoint's barrier (gloo:
+    connection reset by peer). The cause is worker 1, named with its signal; worker 0's error only in the log."""
+    result = run_killed_in_checkpoint(small_model, tmp_path, "killed-in-checkpoint")
     assert result.returncode == 1, result.stderr[-3000:]
     line = faults.one_line(result.stdout, result.stderr)
     assert line.startswith("error: worker 1 was killed by SIGKILL (code -9) without reporting an error"), line
@@ -120,20 +126,8 @@ def test_sigkill_of_rank_one_of_a_hostfile_run_mid_checkpoint_names_it_not_its_p
     its progress reports carried."""
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("localhost slots=2\n")
-    result = subprocess.run(
-        small_run(
-            small_model,
-            tmp_path,
-            "launched-killed-in-checkpoint",
-            2,
-            "checkpoint.every=1",
-            f"workers.hostfile={hostfile}",
-            "plugins.enabled=[fault_plugins:KillInCheckpoint]",
-        ),
-        capture_output=True,
-        text=True,
-        timeout=faults.HANG_GUARD_SECONDS,
-        env=faults.environment_with_test_plugins(),
+    result = run_killed_in_checkpoint(
+        small_model, tmp_path, "launched-killed-in-checkpoint", f"workers.hostfile={hostfile}"
     )
     assert result.returncode == 1, result.stderr[-3000:]
     line = faults.one_line(result.stdout, result.stderr)
@@ -212,25 +206,7 @@ def test_leaves_nothing():
 def test_the_leak_check_fails_each_kind_of_leak_and_passes_a_clean_test(tmp_path):
     probe = tmp_path / "test_faults_leak_probe.py"
     probe.write_text(LEAKING_TESTS.format(mark=os.getpid()))
-    session = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pytest",
-            "-q",
-            "-p",
-            "conftest",
-            "-c",
-            os.devnull,
-            f"--basetemp={tmp_path / 'basetemp'}",
-            str(probe),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=faults.HANG_GUARD_SECONDS,
-        env=faults.environment_with_test_plugins(),
-        cwd=tmp_path,
-    )
+    session = faults.inner_pytest_session(probe, tmp_path)
     output = session.stdout
     assert session.returncode == 1, output[-3000:]
     # a test whose teardown fails counts as passed and errored: only the clean one passes without an error
