@@ -405,3 +405,36 @@ def test_the_step_record_carries_the_mismatch_over_workers_and_the_profile_shows
     write_jsonl(tmp_path / "trace.jsonl", hand_made_trace())
     unmeasured = runner.invoke(app, ["profile", str(tmp_path), "--no-plots"])
     assert "rollout/learner mismatch: not measured in the input" in unmeasured.output
+
+
+def precision_record(**extra):
+    figures = {"step_ms": {"float32": 48.0, "bfloat16": 54.1}, "verify_ms": {"float32": 145.0, "bfloat16": 86.4}}
+    return {"dtype": "bfloat16", "reason": "measured", **figures, **extra}
+
+
+def test_the_rollout_precision_of_older_and_newer_traces_reads_and_is_described(tmp_path):
+    newer = precision_record(batch_step_ms={"float32": 158.1, "bfloat16": 89.0}, rows=16, speculates=True)
+    records = hand_made_trace()
+    records[0] = {**records[0], "rollout_precision": {"0": precision_record(), "1": newer}}
+    profile = analyse(load_records(write_jsonl(tmp_path / "trace.jsonl", records)), tail_batch=4)
+    older_line, newer_line = sorted(profile.rollout_precision, key=len)
+    # a trace written before the batch step was measured: its figures, no prediction
+    assert older_line.startswith("rollout dtype: bfloat16 (measured: float32 step 48.0 ms")
+    assert "predicted" not in older_line
+    # 1 / (0.5 * 89.0 / 158.1 + 0.5 * 86.4 / 145.0) = 1.73
+    assert "16-row step 158.1 ms" in newer_line and "a 16-row rollout, speculating, predicted 1.73x" in newer_line
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ({"rows": 0}, "'rows' must be a positive count"),
+        ({"speculates": "yes"}, "'speculates' true or false"),
+        ({"batch_step_ms": [1]}, "must be objects of milliseconds"),
+    ],
+)
+def test_a_malformed_rollout_precision_is_one_clear_error(tmp_path, extra, message):
+    records = hand_made_trace()
+    records[0] = {**records[0], "rollout_precision": {"0": precision_record(**extra)}}
+    with pytest.raises(ProfileInputError, match=message):
+        load_records(write_jsonl(tmp_path / "trace.jsonl", records))

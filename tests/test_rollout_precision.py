@@ -26,7 +26,7 @@ from tlt_cli.rollout.types import RolloutRequest
 from tlt_cli.speculative.adaptive import parse_label
 from tlt_cli.speculative.decoder import SpeculativeDecoder
 from tlt_cli.tuning import precision
-from tlt_cli.tuning.precision import CACHE_FOLDER, PrecisionChoice, choose_dtype, rollout_precision
+from tlt_cli.tuning.precision import CACHE_FOLDER, PrecisionChoice, RolloutWorkload, choose_dtype, rollout_precision
 
 torch.set_num_threads(1)
 
@@ -135,42 +135,91 @@ def test_sampled_sd_has_the_bfloat16_targets_law(label):
     assert chisquare(observed.numpy(), expected.numpy() * observed.sum().item() / expected.sum().item()).pvalue > 0.01
 
 
+# (1-row step, batch step, 16-token verify) in ms per dtype, as measured on SmolLM2-135M
+AMX_XEON = (
+    {"float32": 64.0, "bfloat16": 66.0},
+    {"float32": 64.0, "bfloat16": 66.0},
+    {"float32": 158.0, "bfloat16": 80.0},
+)
+# an AMD EPYC with avx512_bf16, no AMX (scripts/bench_precision.py, 16 rows): slower at one row, faster at 16
+EPYC = ({"float32": 48.0, "bfloat16": 54.1}, {"float32": 158.1, "bfloat16": 89.0}, {"float32": 145.0, "bfloat16": 86.4})
+EPYC_ONE_ROW = (EPYC[0], EPYC[0], EPYC[2])
+# bfloat16 emulated without matrix support: slower in every pass
+NO_BF16_UNITS = (
+    {"float32": 48.0, "bfloat16": 90.0},
+    {"float32": 150.0, "bfloat16": 260.0},
+    {"float32": 145.0, "bfloat16": 250.0},
+)
+# bfloat16 faster, but by less than MARGIN over the rollout: its different samples are not worth it
+MARGINAL = (
+    {"float32": 50.0, "bfloat16": 50.0},
+    {"float32": 100.0, "bfloat16": 93.0},
+    {"float32": 100.0, "bfloat16": 93.0},
+)
+
+
 @pytest.mark.parametrize(
-    ("step_ms", "verify_ms", "chosen"),
+    ("figures", "speculates", "chosen"),
     [
-        # an Intel Xeon with AMX, SmolLM2-135M (DESIGN.md): verify 2.46x a step in float32, 1.21x in bfloat16
-        ({"float32": 64.0, "bfloat16": 66.0}, {"float32": 158.0, "bfloat16": 80.0}, "bfloat16"),
-        # a Xeon without AMX: bfloat16 no faster at one row, its verify still about 2x a step
-        ({"float32": 64.0, "bfloat16": 64.0}, {"float32": 158.0, "bfloat16": 123.0}, "float32"),
-        # bfloat16 makes the plain step faster: chosen whatever the verify costs
-        ({"float32": 64.0, "bfloat16": 50.0}, {"float32": 158.0, "bfloat16": 150.0}, "bfloat16"),
-        # a cheap verify, but the plain step 20% slower: not chosen (nothing may get slower)
-        ({"float32": 64.0, "bfloat16": 77.0}, {"float32": 158.0, "bfloat16": 80.0}, "float32"),
+        # an Intel Xeon with AMX (DESIGN.md; one row): verify 2.46x a step in float32, 1.21x in bfloat16
+        (AMX_XEON, True, "bfloat16"),
+        (EPYC, False, "bfloat16"),
+        (EPYC, True, "bfloat16"),
+        # one row at a time: only a speculating tail (the cheaper verify) pays for the slower step
+        (EPYC_ONE_ROW, False, "float32"),
+        (EPYC_ONE_ROW, True, "bfloat16"),
+        (NO_BF16_UNITS, True, "float32"),
+        (MARGINAL, True, "float32"),
     ],
 )
-def test_auto_chooses_bfloat16_where_it_makes_verification_cheap_or_the_step_faster(step_ms, verify_ms, chosen):
-    assert choose_dtype(step_ms, verify_ms) == chosen
+def test_auto_chooses_bfloat16_where_it_makes_the_rollout_faster_by_the_margin(figures, speculates, chosen):
+    assert choose_dtype(*figures, speculates) == chosen
 
 
-def test_auto_measures_once_per_machine_and_model_then_reads_the_cache(tmp_path, monkeypatch):
+def test_the_predicted_speedup_weighs_the_full_batch_and_the_tail_by_their_share_of_time():
+    step, batch, verify = EPYC
+    # half the time at 16 rows (1.78x faster), half in the tail: verify passes (1.68x) or 1-row steps (0.89x)
+    expected_speculating = 1 / (0.5 * 89.0 / 158.1 + 0.5 * 86.4 / 145.0)
+    expected_sd_off = 1 / (0.5 * 89.0 / 158.1 + 0.5 * 54.1 / 48.0)
+    assert precision.bfloat16_speedup(step, batch, verify, True) == pytest.approx(expected_speculating)
+    assert precision.bfloat16_speedup(step, batch, verify, False) == pytest.approx(expected_sd_off)
+
+
+def test_auto_measures_once_per_machine_model_and_batch_then_reads_the_cache(tmp_path, monkeypatch):
     target = tiny_target()
-    choice = rollout_precision("auto", target, None, tmp_path)
+    workload = RolloutWorkload(rows=6, speculates=True)
+    choice = rollout_precision("auto", target, None, tmp_path, workload)
     assert choice.reason == "measured" and choice.dtype in ("float32", "bfloat16")
-    assert set(choice.step_ms) == set(choice.verify_ms) == {"float32", "bfloat16"}
-    assert all(value > 0 for value in [*choice.step_ms.values(), *choice.verify_ms.values()])
-    assert choice.dtype == choose_dtype(choice.step_ms, choice.verify_ms)
+    assert (choice.rows, choice.speculates) == (6, True)
+    figures = (choice.step_ms, choice.batch_step_ms, choice.verify_ms)
+    assert all(set(values) == {"float32", "bfloat16"} for values in figures)
+    assert all(value > 0 for values in figures for value in values.values())
+    assert choice.dtype == choose_dtype(*figures, True)
     (cached,) = (tmp_path / CACHE_FOLDER).glob("*.json")
     stored = json.loads(cached.read_text())
-    assert {field: stored[field] for field in choice.to_record()} == choice.to_record()
+    assert stored["key"]["rows"] == 6
+    assert {name: stored[name] for name in ("step_ms", "batch_step_ms", "verify_ms")} == dict(
+        zip(("step_ms", "batch_step_ms", "verify_ms"), figures)
+    )
 
     def no_measuring(*arguments):
-        raise AssertionError("measured again although the cache holds this machine and model")
+        raise AssertionError("measured again although the cache holds this machine, model and batch")
 
     monkeypatch.setattr(precision, "_measured_record", no_measuring)
-    assert rollout_precision("auto", target, None, tmp_path) == choice
-    # another model (another vocabulary) is measured anew
+    assert rollout_precision("auto", target, None, tmp_path, workload) == choice
+    # the same figures weighed for a tail that does not speculate: read, not measured
+    plain = rollout_precision("auto", target, None, tmp_path, RolloutWorkload(rows=6, speculates=False))
+    assert plain.batch_step_ms == choice.batch_step_ms and plain.dtype == choose_dtype(*figures, False)
+    # another batch, or another model (another vocabulary), is measured anew
     with pytest.raises(AssertionError, match="measured again"):
-        rollout_precision("auto", tiny_target(vocab_size=96), None, tmp_path)
+        rollout_precision("auto", target, None, tmp_path, RolloutWorkload(rows=2, speculates=True))
+    with pytest.raises(AssertionError, match="measured again"):
+        rollout_precision("auto", tiny_target(vocab_size=96), None, tmp_path, workload)
+
+
+def test_batches_wider_than_the_measured_cap_share_one_measurement():
+    assert RolloutWorkload(rows=64).measured_rows == RolloutWorkload(rows=precision.MAX_MEASURED_ROWS).measured_rows
+    assert RolloutWorkload(rows=3).measured_rows == 3
 
 
 def test_given_dtypes_are_taken_and_the_transformers_path_keeps_its_own(tmp_path):
@@ -184,11 +233,13 @@ def test_given_dtypes_are_taken_and_the_transformers_path_keeps_its_own(tmp_path
 
 
 def test_the_embedded_rollout_decodes_in_the_chosen_dtype_and_says_why(tmp_path):
-    rollout = EmbeddedRollout(tiny_target(), eos_token_id=64, pad_token_id=0, cache_dir=tmp_path, dtype="auto")
+    rollout = EmbeddedRollout(tiny_target(), eos_token_id=64, pad_token_id=0, cache_dir=tmp_path, dtype="auto", rows=3)
     record = rollout.precision()
+    assert (record["rows"], record["speculates"]) == (3, False)
     assert rollout.engine.decode_model.dtype == PrecisionChoice(**record).torch_dtype
     lines = rollout.start()
     assert lines[0].startswith(f"rollout dtype: {record['dtype']} (measured: float32 step ")
-    assert "16-token verify" in lines[0]
+    assert "3-row step" in lines[0] and "16-token verify" in lines[0]
+    assert "a 3-row rollout, SD off, predicted " in lines[0]
     completions, _ = rollout.generate(requests_for(3, seed=2), SamplingParams(5, temperature=0.0), seed=0)
     assert [len(completion.response_ids) for completion in completions] == [5, 5, 5]

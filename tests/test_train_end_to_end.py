@@ -54,6 +54,8 @@ def test_two_steps_write_trace_checkpoint_and_summary(small_model, tmp_path):
         "float32",
         "bfloat16",
     }
+    # weighed for the batch each worker decodes: its 4 completions of a step
+    assert precision["0"]["rows"] == 4 and set(precision["0"]["batch_step_ms"]) == {"float32", "bfloat16"}
     assert f"rollout dtype: {precision['0']['dtype']} (measured: float32 step" in result.stdout
     # the rollout/learner mismatch of every step: none when both decode and learn in float32 (the learner's own
     # policy, weights 1), small when either runs in bfloat16 (rollout.dtype, actor.precision: both auto)

@@ -257,8 +257,8 @@ class RolloutConfig:
     )
     dtype: str = setting(
         "auto",
-        "precision the embedded engine decodes in: auto (measured once per machine and model: bfloat16 where it "
-        "makes a 16-token verify cheap or a decode step faster, as on GPUs and CPUs with AMX, else float32), "
+        "precision the embedded engine decodes in: auto (measured once per machine, model and batch: bfloat16 "
+        "where it makes a rollout, a worker's batch then its tail, at least 10% faster, else float32), "
         "float32 or bfloat16 (speculative decoding stays exact against the model in that precision)",
     )
     sglang: SGLangConfig = setting(SGLangConfig(), "SGLang servers, used when backend is sglang")
@@ -393,6 +393,16 @@ class Recipe:
         "train.trainer trl: more fields of TRL's GRPOConfig, passed through (e.g. "
         "loss_type: grpo); fields the recipe sets by its own keys are refused",
     )
+
+    @property
+    def prompts_per_worker(self) -> int:
+        """Each worker's prompts of one step: train.prompts_per_step split evenly over workers.count."""
+        return self.train.prompts_per_step // self.workers.count
+
+    @property
+    def samples_per_worker(self) -> int:
+        """Each worker's completions of one step (its prompts x train.group_size): what its rollout decodes at once."""
+        return self.prompts_per_worker * self.train.group_size
 
 
 CPU_DEVICES = "cpu"

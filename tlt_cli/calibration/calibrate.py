@@ -45,7 +45,7 @@ from tlt_cli.tasks.base import Task
 from tlt_cli.tasks.prompts import encode_prompt
 from tlt_cli.training import setup
 from tlt_cli.training.actor import policy_dtype
-from tlt_cli.tuning.precision import rollout_precision
+from tlt_cli.tuning.precision import RolloutWorkload, rollout_precision
 
 CALIBRATION_DIRECTORY_SUFFIX = "-calibration"
 OUTPUT_FILE = "calibration.json"
@@ -215,7 +215,8 @@ def load_model_pair(recipe: Recipe) -> tuple[ModelPair, PreTrainedTokenizerBase,
     # the costs a run pays
     linear_plan = measured_linear_plan(recipe.rollout.linear_forms, [target, drafter], cache)
     # and the precision it decodes in: the SD economics (what a verify costs against a step) change with it
-    precision = rollout_precision(recipe.rollout.dtype, target, linear_plan, cache)
+    workload = RolloutWorkload(recipe.samples_per_worker, speculates=True)
+    precision = rollout_precision(recipe.rollout.dtype, target, linear_plan, cache, workload)
     pair = ModelPair(target, drafter, tokenizer.pad_token_id, tokenizer.eos_token_id, device, linear_plan, precision)
     return pair, tokenizer, str(folder)
 

@@ -225,8 +225,8 @@ class TltRollout:
         eos_ids, _ = eos_and_pad_ids(trainer)
         process, processes = trainer.accelerator.process_index, trainer.accelerator.num_processes
         with generation_policy(trainer) as policy:
-            self._build(policy, trainer)
             requests = grouped_requests(prompt_ids)
+            self._build(policy, trainer, len(requests))
             completions, busy_end = self.backend.generate_with_hidden(
                 requests, trl_sampling(trainer), self._sampling_seed(process), trainer.temperature
             )
@@ -247,8 +247,9 @@ class TltRollout:
         """The dtype tlt decodes in and how it was chosen (None before the first rollout built the engine)."""
         return self.backend.precision() if self.backend is not None else None
 
-    def _build(self, policy: nn.Module, trainer: Any) -> None:
-        """The engine, drafter and sidecar on `policy`, once (again only if TRL hands over another module)."""
+    def _build(self, policy: nn.Module, trainer: Any, rows: int) -> None:
+        """The engine, drafter and sidecar on `policy`, once (again only if TRL hands over another module); `rows`:
+        the completions this process generates per rollout, which rollout.dtype auto weighs."""
         if policy is self.policy:
             return
         from tlt_cli.integrations.trl_drafter import starting_drafter
@@ -272,6 +273,7 @@ class TltRollout:
             linear_forms=self.linear_forms,
             cache_dir=self.cache_dir,
             dtype=self.dtype,
+            rows=rows,
         )
         if self.pending_state is not None:
             self._load_schedule(self.pending_state, trainer.accelerator.process_index)

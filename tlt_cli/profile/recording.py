@@ -37,7 +37,7 @@ from tlt_cli.tasks.prompts import encode_prompt
 from tlt_cli.trace import TraceWriter
 from tlt_cli.training import memory, setup
 from tlt_cli.tuning.linear_forms import measured_linear_plan
-from tlt_cli.tuning.precision import rollout_precision
+from tlt_cli.tuning.precision import RolloutWorkload, rollout_precision
 from tlt_cli.versions import installed_versions
 
 SIMPLIFICATION = "one process; worker shards generated one after another and re-timed to start together"
@@ -60,8 +60,9 @@ def record_rollout(
     threads = torch.get_num_threads()
     torch.set_num_threads(recipe.workers.threads_per_worker)
     try:
-        # measured (rollout.dtype auto) with the thread count a worker decodes with, as a worker does
-        precision = rollout_precision(recipe.rollout.dtype, policy, linear_plan, setup.model_cache(recipe))
+        # measured (rollout.dtype auto) with the thread count and batch a worker decodes with (SD off here)
+        workload = RolloutWorkload(recipe.samples_per_worker, speculates=False)
+        precision = rollout_precision(recipe.rollout.dtype, policy, linear_plan, setup.model_cache(recipe), workload)
         engine = EmbeddedEngine(
             policy,
             eos_token_id=tokenizer.eos_token_id,
@@ -149,7 +150,7 @@ def _shard_requests(
     recipe: Recipe, task: Task, tokenizer: PreTrainedTokenizerBase, step: int, worker: int
 ) -> list[RolloutRequest]:
     """The prompts `tlt train` gives this worker at this step (tlt_cli/training/worker_loop.py, WorkerLoop.shard)."""
-    prompts_per_worker = recipe.train.prompts_per_step // recipe.workers.count
+    prompts_per_worker = recipe.prompts_per_worker
     first = step * recipe.train.prompts_per_step + worker * prompts_per_worker
     requests = []
     for problem_number in range(prompts_per_worker):

@@ -338,14 +338,23 @@ def _rollout_precision(record: dict[str, Any], where: str) -> dict[str, Precisio
         inside = f"{where}, rollout_precision of worker {worker}"
         if not isinstance(choice, dict) or not all(isinstance(choice.get(key), str) for key in ("dtype", "reason")):
             raise ProfileInputError(f"{inside}: expected 'dtype' and 'reason' texts.")
-        figures = {name: choice.get(name) or {} for name in ("step_ms", "verify_ms")}
+        # batch_step_ms, rows and speculates came with the workload-weighed choice; older traces lack them
+        figures = {name: choice.get(name) or {} for name in ("step_ms", "verify_ms", "batch_step_ms")}
         if not all(isinstance(values, dict) for values in figures.values()):
-            raise ProfileInputError(f"{inside}: 'step_ms' and 'verify_ms' must be objects of milliseconds by dtype.")
+            raise ProfileInputError(
+                f"{inside}: 'step_ms', 'batch_step_ms' and 'verify_ms' must be objects of milliseconds by dtype."
+            )
         figures = {
             name: {dtype: _number(values, dtype, float, f"{inside}, {name}") for dtype in values}
             for name, values in figures.items()
         }
-        choices[str(worker)] = PrecisionChoice(choice["dtype"], choice["reason"], **figures)
+        rows = _number(choice, "rows", int, inside, default=1)
+        speculates = choice.get("speculates", False)
+        if rows < 1 or not isinstance(speculates, bool):
+            raise ProfileInputError(f"{inside}: 'rows' must be a positive count and 'speculates' true or false.")
+        choices[str(worker)] = PrecisionChoice(
+            choice["dtype"], choice["reason"], rows=rows, speculates=speculates, **figures
+        )
     return choices
 
 

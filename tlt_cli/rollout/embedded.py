@@ -49,7 +49,7 @@ from tlt_cli.speculative.adaptive import (
     speculative_decoder,
 )
 from tlt_cli.tuning.linear_forms import measured_linear_plan
-from tlt_cli.tuning.precision import rollout_precision
+from tlt_cli.tuning.precision import RolloutWorkload, rollout_precision
 
 
 class EmbeddedRollout:
@@ -58,7 +58,8 @@ class EmbeddedRollout:
     speculative: the speculative plan (None: SD off); drafter: the drafter over
     `policy` to speculate with (None: SD off). seed: the adaptive schedule's bandit draws.
     linear_forms: "auto" or "off", dtype: "auto", "float32" or "bfloat16" (see the module docstring); cache_dir:
-    where the measured plan and precision are cached (None: $TLT_CACHE_DIR or ~/.cache/tlt).
+    where the measured plan and precision are cached (None: $TLT_CACHE_DIR or ~/.cache/tlt). rows: how many
+    sequences one `generate` call decodes at once (a worker's completions of a step), which `auto` weighs.
     """
 
     def __init__(
@@ -72,12 +73,14 @@ class EmbeddedRollout:
         linear_forms: str = "off",
         cache_dir: Path | None = None,
         dtype: str = "float32",
+        rows: int = 1,
     ) -> None:
         decoder = speculative_decoder(speculative, drafter, seed) if speculative is not None else None
         self.schedule = decoder.adaptive_schedule if isinstance(decoder, AdaptiveSpeculativeDecoder) else None
         cache_dir = cache_dir if cache_dir is not None else default_cache_dir()
         self.linear_plan = measured_linear_plan(linear_forms, [policy, drafter], cache_dir)
-        self.precision_choice = rollout_precision(dtype, policy, self.linear_plan, cache_dir)
+        workload = RolloutWorkload(rows, speculates=decoder is not None)
+        self.precision_choice = rollout_precision(dtype, policy, self.linear_plan, cache_dir, workload)
         self.engine = EmbeddedEngine(
             policy,
             eos_token_id=eos_token_id,

@@ -185,7 +185,7 @@ def worker_peak_estimate(recipe: Recipe, shape: ModelShape, prompt_tokens: int) 
     optimizer = parameters * FLOAT32_BYTES * (ADAM_MOMENTS + (1 if zero >= 1 else 0)) // (workers if zero >= 1 else 1)
     gradients = parameters * FLOAT32_BYTES + (parameters * FLOAT32_BYTES // workers if zero >= 2 else 0)
     sequence_tokens = prompt_tokens + recipe.rollout.max_new_tokens
-    samples = recipe.train.prompts_per_step // workers * recipe.train.group_size
+    samples = recipe.samples_per_worker
     logprob_chunk = LOGPROB_BUFFERS * CHUNK_TOKENS * shape.vocab_size * FLOAT32_BYTES
     # keys and values of every layer and the last hidden state (which the rollout log-probs and the drafter read)
     # for every sample, prompt and response, in the rollout's dtype, and the head's chunk of the rollout log-probs

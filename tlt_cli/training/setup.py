@@ -183,6 +183,7 @@ def _embedded(
         linear_forms=recipe.rollout.linear_forms,
         cache_dir=place.cache_dir,
         dtype=recipe.rollout.dtype,
+        rows=recipe.samples_per_worker,
     )
 
 

@@ -97,10 +97,8 @@ class WorkerLoop:
         torch.manual_seed(recipe.run.seed)
         policy, self.tokenizer = setup.policy_and_tokenizer(recipe)
         self.task = setup.task(recipe)
-        self.prompts_per_worker = recipe.train.prompts_per_step // recipe.workers.count
-        self.actor = Actor(
-            policy, recipe.actor, self.prompts_per_worker * recipe.train.group_size, setup.reference_policy(recipe)
-        )
+        self.prompts_per_worker = recipe.prompts_per_worker
+        self.actor = Actor(policy, recipe.actor, recipe.samples_per_worker, setup.reference_policy(recipe))
         self.actor.engine.eval()
         self.drafter = None
         if setup.drafter_needed(recipe):

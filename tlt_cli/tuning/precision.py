@@ -13,15 +13,22 @@ gains little, and a bfloat16 rollout samples from a slightly different policy th
 `float32` and `bfloat16` are taken as given. `auto` reads the choice cached for this machine and model, or
 measures it first (about 2 s for SmolLM2-135M, milliseconds for the built-in tiny model): the owned decode
 forward of `policy` (tlt_cli/engine/llama_family.py) in each dtype, float32 with the measured linear-form
-plan a worker uses, times a 1-row decode step and a 16-token verify pass (4 rows x 4 tokens), logits
-included, over a 64-token prefix, in interleaved rounds (best CPU time counts, so load from other processes
-moves it little). bfloat16 is chosen when it makes
-the plain step at least MARGIN faster, or when it makes verification cheap (a verify at most CHEAP_VERIFY
-steps, and at least MARGIN cheaper than float32's) without making the plain step more than TOLERANCE slower.
-A model outside the owned family decodes through transformers in its own dtype: `auto` keeps it.
+plan a worker uses, times the passes a rollout makes (logits included, over a 64-token prefix, in interleaved
+rounds; best CPU time counts, so load from other processes moves it little): a decode step of the rollout's
+full batch (`RolloutWorkload.rows`, a worker's sequences of one step, at most MAX_MEASURED_ROWS), a 1-row
+decode step and a 16-token verify pass (4 rows x 4 tokens).
 
-Cache: `<cache_dir>/rollout_precision/<hash>.json`, keyed by the machine (tuning/cache.py), the model's
-shapes and the linear-form plan, written atomically under a file lock so concurrent ranks measure once.
+The choice weighs a rollout as TLT sees it: HEAD_SHARE of its time decoding the full batch, the rest in the
+tail, where it speculates (a verify pass per round) or, with SD off, decodes one row at a time. bfloat16 is
+chosen when that rollout is predicted at least MARGIN faster in it (its samples differ slightly from the float32
+learner's, so a small gain does not pay for that). On a CPU without AMX (an AMD EPYC with avx512_bf16,
+SmolLM2-135M) bfloat16 loses at one row (0.94x) and wins at four (1.52x) and in a verify (1.83x): one figure
+alone would choose wrong. A model outside the owned family decodes through transformers in its own dtype:
+`auto` keeps it.
+
+Cache: `<cache_dir>/rollout_precision/<hash>.json` holds the figures, keyed by the machine (tuning/cache.py),
+the model's shapes, the linear-form plan and the measured row count, written atomically under a file lock so
+concurrent ranks measure once; the choice is made from them for each workload.
 """
 
 from __future__ import annotations
@@ -29,7 +36,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -43,46 +50,76 @@ from tlt_cli.tuning.cache import cached_record, machine_key
 ROLLOUT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 ROLLOUT_DTYPE_SETTINGS = ("auto", *ROLLOUT_DTYPES)
 CACHE_FOLDER = "rollout_precision"
-MEASUREMENT_FORMAT = 1
+MEASUREMENT_FORMAT = 2
 ROUNDS = 5
 # each timing repeats its pass until it lasts about this long (CPU milliseconds)
 SHORTEST_TIMING_MS = 20.0
 PREFIX_TOKENS = 64
 VERIFY_ROWS, VERIFY_TOKENS = 4, 4
-# bfloat16 must be this much faster (plain step, or verify) to be chosen: its samples differ from float32's
+# the full-batch step is measured at most this wide (a wider batch is compute-bound already: the ratio holds)
+MAX_MEASURED_ROWS = 16
+# the share of a rollout's time spent decoding its full batch; the rest is the tail (TLT's long tail)
+HEAD_SHARE = 0.5
+# bfloat16 must make the rollout this much faster to be chosen: its samples differ from float32's
 MARGIN = 0.1
-# a verify pass of VERIFY_ROWS x VERIFY_TOKENS tokens costing at most this many 1-row steps is "cheap"
-CHEAP_VERIFY = 1.5
-# bfloat16 chosen for cheap verification may make the plain 1-row step at most this much slower
-TOLERANCE = 0.05
+
+
+@dataclass(frozen=True)
+class RolloutWorkload:
+    """The passes a rollout makes: `rows` sequences decoded together at its start (a worker's prompts of one step
+    times the group size), and whether its tail speculates (verify passes) or decodes one row at a time."""
+
+    rows: int = 1
+    speculates: bool = False
+
+    @property
+    def measured_rows(self) -> int:
+        return max(1, min(self.rows, MAX_MEASURED_ROWS))
 
 
 @dataclass(frozen=True)
 class PrecisionChoice:
     """The rollout's dtype and why: `given` (the recipe named it), `measured` (auto, figures below) or
-    `model dtype` (auto on a model the owned forward does not decode). step_ms / verify_ms: per dtype
-    name, the best 1-row decode step and 16-token verify, in milliseconds (empty unless measured)."""
+    `model dtype` (auto on a model the owned forward does not decode). step_ms / batch_step_ms / verify_ms: per
+    dtype name, the best 1-row decode step, `rows`-row decode step and 16-token verify, in milliseconds (empty
+    unless measured); speculates: whether the tail was weighed as verify passes."""
 
     dtype: str
     reason: str
     step_ms: dict[str, float]
     verify_ms: dict[str, float]
+    batch_step_ms: dict[str, float] = field(default_factory=dict)
+    rows: int = 1
+    speculates: bool = False
 
     @property
     def torch_dtype(self) -> torch.dtype:
         return ROLLOUT_DTYPES[self.dtype]
 
+    @property
+    def workload(self) -> RolloutWorkload:
+        return RolloutWorkload(self.rows, self.speculates)
+
     def describe(self) -> str:
-        """One line for the run log: the dtype and the figures that chose it."""
-        measured = [name for name in self.step_ms if self.step_ms[name] > 0 and name in self.verify_ms]
-        if not measured:
+        """One line for the run log: the dtype, the figures that chose it and the speed-up they predict."""
+        if not _complete(self.step_ms, self.verify_ms):
             return f"rollout dtype: {self.dtype} ({self.reason})"
+        rows = self.workload.measured_rows
+        with_batch = _complete(self.batch_step_ms)
         figures = "; ".join(
-            f"{name} step {self.step_ms[name]:.1f} ms, 16-token verify {self.verify_ms[name]:.1f} ms "
-            f"({self.verify_ms[name] / self.step_ms[name]:.2f}x a step)"
-            for name in measured
+            f"{name} step {self.step_ms[name]:.1f} ms, "
+            + (f"{rows}-row step {self.batch_step_ms[name]:.1f} ms, " if with_batch else "")
+            + f"16-token verify {self.verify_ms[name]:.1f} ms ({self.verify_ms[name] / self.step_ms[name]:.2f}x a step)"
+            for name in ROLLOUT_DTYPES
         )
-        return f"rollout dtype: {self.dtype} ({self.reason}: {figures})"
+        if not with_batch:  # a trace written before the batch step was measured
+            return f"rollout dtype: {self.dtype} ({self.reason}: {figures})"
+        predicted = bfloat16_speedup(self.step_ms, self.batch_step_ms, self.verify_ms, self.speculates)
+        tail = "speculating" if self.speculates else "SD off"
+        return (
+            f"rollout dtype: {self.dtype} ({self.reason}: {figures}; "
+            f"a {rows}-row rollout, {tail}, predicted {predicted:.2f}x faster in bfloat16)"
+        )
 
     def to_record(self) -> dict:
         """What the trace's run record and `tlt profile` carry."""
@@ -90,9 +127,14 @@ class PrecisionChoice:
 
 
 def rollout_precision(
-    setting: str, policy: nn.Module, linear_plan: LinearFormPlan | None, cache_dir: Path
+    setting: str,
+    policy: nn.Module,
+    linear_plan: LinearFormPlan | None,
+    cache_dir: Path,
+    workload: RolloutWorkload = RolloutWorkload(),
 ) -> PrecisionChoice:
-    """The dtype the rollout decodes `policy` in, for the recipe's `rollout.dtype` (see the module docstring)."""
+    """The dtype the rollout decodes `policy` in, for the recipe's `rollout.dtype` and the rollout's `workload`
+    (see the module docstring)."""
     if setting not in ROLLOUT_DTYPE_SETTINGS:
         raise ValueError(f"rollout.dtype is '{setting}'; use one of {', '.join(ROLLOUT_DTYPE_SETTINGS)}.")
     if setting != "auto":
@@ -101,57 +143,72 @@ def rollout_precision(
     if reason is not None:
         own = str(policy.get_input_embeddings().weight.dtype).removeprefix("torch.")
         return PrecisionChoice(own if own in ROLLOUT_DTYPES else "float32", "model dtype: transformers path", {}, {})
-    key = {"format": MEASUREMENT_FORMAT, **machine_key(_device_of(policy)), "model": _model_key(policy, linear_plan)}
-    record, _ = cached_record(cache_dir, CACHE_FOLDER, key, lambda: _measured_record(policy, linear_plan))
-    return PrecisionChoice(**{field: record[field] for field in ("dtype", "reason", "step_ms", "verify_ms")})
+    rows = workload.measured_rows
+    key = {
+        "format": MEASUREMENT_FORMAT,
+        **machine_key(_device_of(policy)),
+        "model": _model_key(policy, linear_plan),
+        "rows": rows,
+    }
+    record, _ = cached_record(cache_dir, CACHE_FOLDER, key, lambda: _measured_record(policy, linear_plan, rows))
+    step_ms, batch_step_ms, verify_ms = record["step_ms"], record["batch_step_ms"], record["verify_ms"]
+    dtype = choose_dtype(step_ms, batch_step_ms, verify_ms, workload.speculates)
+    return PrecisionChoice(dtype, "measured", step_ms, verify_ms, batch_step_ms, workload.rows, workload.speculates)
 
 
-def choose_dtype(step_ms: dict[str, float], verify_ms: dict[str, float]) -> str:
-    """bfloat16 when it makes the plain step faster, or verification cheap without slowing the step; else float32."""
-    plain_gain = step_ms["float32"] / step_ms["bfloat16"]
-    verify_gain = verify_ms["float32"] / verify_ms["bfloat16"]
-    verify_in_steps = verify_ms["bfloat16"] / step_ms["bfloat16"]
-    if plain_gain >= 1 + MARGIN:
-        return "bfloat16"
-    cheap_verify = verify_in_steps <= CHEAP_VERIFY and verify_gain >= 1 + MARGIN
-    return "bfloat16" if cheap_verify and plain_gain >= 1 - TOLERANCE else "float32"
+def bfloat16_speedup(
+    step_ms: dict[str, float], batch_step_ms: dict[str, float], verify_ms: dict[str, float], speculates: bool
+) -> float:
+    """How much faster a rollout is predicted in bfloat16: HEAD_SHARE of float32's time at the full batch, the rest
+    in the tail (verify passes when it speculates, else 1-row steps), each part scaled by bfloat16's ratio."""
+    tail_ms = verify_ms if speculates else step_ms
+    bfloat16_time = HEAD_SHARE * batch_step_ms["bfloat16"] / batch_step_ms["float32"] + (1 - HEAD_SHARE) * (
+        tail_ms["bfloat16"] / tail_ms["float32"]
+    )
+    return 1 / bfloat16_time
+
+
+def choose_dtype(
+    step_ms: dict[str, float], batch_step_ms: dict[str, float], verify_ms: dict[str, float], speculates: bool
+) -> str:
+    """bfloat16 when it makes the rollout (full batch, then the tail) at least MARGIN faster; else float32."""
+    speedup = bfloat16_speedup(step_ms, batch_step_ms, verify_ms, speculates)
+    return "bfloat16" if speedup >= 1 + MARGIN else "float32"
 
 
 def measure_precision(
-    policy: nn.Module, linear_plan: LinearFormPlan | None, rounds: int = ROUNDS
-) -> tuple[dict[str, float], dict[str, float]]:
-    """(1-row step ms, 16-token verify ms) per dtype name: the owned forward's best of `rounds` interleaved rounds."""
-    passes = {name: _timed_passes(policy, dtype, linear_plan) for name, dtype in ROLLOUT_DTYPES.items()}
-    step_ms = dict.fromkeys(ROLLOUT_DTYPES, float("inf"))
-    verify_ms = dict.fromkeys(ROLLOUT_DTYPES, float("inf"))
+    policy: nn.Module, linear_plan: LinearFormPlan | None, rows: int, rounds: int = ROUNDS
+) -> tuple[dict[str, float], dict[str, float], dict[str, float]]:
+    """(1-row step ms, `rows`-row step ms, 16-token verify ms) per dtype name: the owned forward's best of `rounds`
+    interleaved rounds."""
+    passes = {name: _timed_passes(policy, dtype, linear_plan, rows) for name, dtype in ROLLOUT_DTYPES.items()}
+    best = [dict.fromkeys(ROLLOUT_DTYPES, float("inf")) for _ in range(3)]
     with torch.no_grad():
-        repeats = {name: (_repeats(step), _repeats(verify)) for name, (step, verify) in passes.items()}
+        repeats = {name: [_repeats(run) for run in runs] for name, runs in passes.items()}
         for _ in range(rounds):
-            for name, (step, verify) in passes.items():
-                step_ms[name] = min(step_ms[name], _milliseconds(step, repeats[name][0]))
-                verify_ms[name] = min(verify_ms[name], _milliseconds(verify, repeats[name][1]))
-    return step_ms, verify_ms
+            for name, runs in passes.items():
+                for figures, run, count in zip(best, runs, repeats[name]):
+                    figures[name] = min(figures[name], _milliseconds(run, count))
+    step_ms, batch_step_ms, verify_ms = best
+    return step_ms, batch_step_ms, verify_ms
 
 
-def _measured_record(policy: nn.Module, linear_plan: LinearFormPlan | None) -> dict:
-    step_ms, verify_ms = measure_precision(policy, linear_plan)
-    rounded = {
-        name: {key: round(value, 3) for key, value in figures.items()}
-        for name, figures in (("step_ms", step_ms), ("verify_ms", verify_ms))
-    }
-    return {"dtype": choose_dtype(step_ms, verify_ms), "reason": "measured", **rounded}
+def _measured_record(policy: nn.Module, linear_plan: LinearFormPlan | None, rows: int) -> dict:
+    figures = zip(("step_ms", "batch_step_ms", "verify_ms"), measure_precision(policy, linear_plan, rows))
+    return {name: {key: round(value, 3) for key, value in values.items()} for name, values in figures}
 
 
 def _timed_passes(
-    policy: nn.Module, dtype: torch.dtype, linear_plan: LinearFormPlan | None
-) -> tuple[Callable[[], None], Callable[[], None]]:
-    """(a 1-row decode step, a VERIFY_ROWS x VERIFY_TOKENS verify), each with its logits, over a prefilled prefix
-    of PREFIX_TOKENS; both write past the prefix, so repeating them measures the same pass."""
+    policy: nn.Module, dtype: torch.dtype, linear_plan: LinearFormPlan | None, rows: int
+) -> tuple[Callable[[], None], Callable[[], None], Callable[[], None]]:
+    """(a 1-row decode step, a `rows`-row decode step, a VERIFY_ROWS x VERIFY_TOKENS verify), each with its
+    logits, over a prefilled prefix of PREFIX_TOKENS; all write past the prefix, so repeating them measures the
+    same pass."""
     model = decode_model_for(policy, dtype=dtype, linear_plan=linear_plan)
     device = _device_of(policy)
     vocabulary = policy.get_input_embeddings().weight.shape[0]
     generator = torch.Generator(device=device).manual_seed(0)
-    prefix = torch.randint(vocabulary, (VERIFY_ROWS, PREFIX_TOKENS), generator=generator, device=device)
+    prefix = torch.randint(vocabulary, (max(VERIFY_ROWS, rows), PREFIX_TOKENS), generator=generator, device=device)
 
     def block_pass(rows: int, tokens: int) -> Callable[[], None]:
         cache = model.new_cache(rows, PREFIX_TOKENS + tokens)
@@ -174,7 +231,7 @@ def _timed_passes(
 
         return run
 
-    return block_pass(1, 1), block_pass(VERIFY_ROWS, VERIFY_TOKENS)
+    return block_pass(1, 1), block_pass(rows, 1), block_pass(VERIFY_ROWS, VERIFY_TOKENS)
 
 
 def _milliseconds(run: Callable[[], None], repeats: int) -> float:
@@ -203,6 +260,11 @@ def _model_key(policy: nn.Module, linear_plan: LinearFormPlan | None) -> dict:
         "shapes": dict(sorted(shapes.items())),
         "linear_plan": linear_plan.to_dict() if linear_plan is not None else None,
     }
+
+
+def _complete(*figures: dict[str, float]) -> bool:
+    """Whether each of `figures` has a positive time for every dtype (a trace may carry partial or zero ones)."""
+    return all(set(values) == set(ROLLOUT_DTYPES) and all(value > 0 for value in values.values()) for values in figures)
 
 
 def _device_of(policy: nn.Module) -> torch.device:
