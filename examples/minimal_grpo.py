@@ -23,7 +23,7 @@ from tlt_cli.engine.sampling import SamplingParams
 from tlt_cli.models.loading import load_policy
 from tlt_cli.models.tiny import default_cache_dir
 from tlt_cli.processes.distributed import WorkerAddress, free_port, init_worker_process
-from tlt_cli.rollout.engine import EmbeddedEngine
+from tlt_cli.rollout.generate_loop import EmbeddedEngine
 from tlt_cli.rollout.types import RolloutRequest
 from tlt_cli.tasks.arithmetic import ArithmeticTask
 from tlt_cli.tasks.prompts import encode_prompt

@@ -37,7 +37,7 @@ from tlt_cli.drafter.warmup import (
 )
 from tlt_cli.engine.sampling import SamplingParams
 from tlt_cli.models.loading import load_policy
-from tlt_cli.rollout.engine import EmbeddedEngine
+from tlt_cli.rollout.generate_loop import EmbeddedEngine
 from tlt_cli.rollout.types import Completion, RolloutRequest
 from tlt_cli.speculative.decoder import SpeculativeDecoder
 from tlt_cli.speculative.types import SpeculativeConfig

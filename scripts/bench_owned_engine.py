@@ -35,7 +35,7 @@ from tlt_cli.drafter.warmup import encode_prompts
 from tlt_cli.engine import decode_model_for
 from tlt_cli.engine.running_batch import RunningBatch
 from tlt_cli.engine.sampling import SamplingParams
-from tlt_cli.rollout.engine import EmbeddedEngine
+from tlt_cli.rollout.generate_loop import EmbeddedEngine
 from tlt_cli.rollout.types import RolloutRequest
 from tlt_cli.training import setup
 from tlt_cli.tuning.linear_forms import measured_linear_plan

@@ -65,7 +65,7 @@ from tlt_cli.engine.linear_forms import describe_plan
 from tlt_cli.engine.sampling import SamplingParams
 from tlt_cli.models.loading import load_policy, model_fingerprint
 from tlt_cli.models.tiny import BUILTIN_TINY_MODEL, IGNORED_LABEL, pad_supervised_batch
-from tlt_cli.rollout.engine import EmbeddedEngine
+from tlt_cli.rollout.generate_loop import EmbeddedEngine
 from tlt_cli.rollout.types import RolloutRequest
 from tlt_cli.speculative.adaptive import RuleTableError, parse_label
 from tlt_cli.speculative.decoder import SpeculativeDecoder

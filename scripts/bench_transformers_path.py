@@ -37,7 +37,7 @@ from transformers import AutoModelForCausalLM, GPT2Config, MistralConfig, PhiCon
 from tlt_cli.engine.linear_forms import describe_plan
 from tlt_cli.engine.sampling import SamplingParams
 from tlt_cli.models.tiny import default_cache_dir
-from tlt_cli.rollout.engine import EmbeddedEngine
+from tlt_cli.rollout.generate_loop import EmbeddedEngine
 from tlt_cli.rollout.types import RolloutRequest
 from tlt_cli.tuning.cache import matrix_flags, processor_name
 from tlt_cli.tuning.linear_forms import measured_linear_plan

@@ -27,7 +27,7 @@ from tlt_cli.checkpoint import latest_checkpoint, load_checkpoint_file
 from tlt_cli.config import load_recipe
 from tlt_cli.engine.sampling import SamplingParams
 from tlt_cli.models.loading import load_policy
-from tlt_cli.rollout.engine import EmbeddedEngine
+from tlt_cli.rollout.generate_loop import EmbeddedEngine
 from tlt_cli.rollout.types import RolloutRequest
 from tlt_cli.tasks.prompts import encode_prompt
 from tlt_cli.tasks.registry import build_task

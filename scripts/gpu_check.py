@@ -58,7 +58,7 @@ from tlt_cli.drafter.warmup import (
 from tlt_cli.engine.sampling import SamplingParams
 from tlt_cli.models.loading import load_policy
 from tlt_cli.models.tiny import BUILTIN_TINY_MODEL, tiny_tokenizer
-from tlt_cli.rollout.engine import EmbeddedEngine
+from tlt_cli.rollout.generate_loop import EmbeddedEngine
 from tlt_cli.rollout.types import RolloutRequest
 from tlt_cli.speculative.adaptive import parse_label
 from tlt_cli.speculative.decoder import SpeculativeDecoder

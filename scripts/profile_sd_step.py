@@ -27,7 +27,7 @@ from tlt_cli.drafter.model import load_drafter
 from tlt_cli.drafter.warmup import encode_prompts
 from tlt_cli.engine.sampling import SamplingParams
 from tlt_cli.models.loading import load_policy
-from tlt_cli.rollout.engine import EmbeddedEngine
+from tlt_cli.rollout.generate_loop import EmbeddedEngine
 from tlt_cli.rollout.types import RolloutRequest
 from tlt_cli.speculative.adaptive import parse_label
 from tlt_cli.speculative.decoder import SpeculativeDecoder

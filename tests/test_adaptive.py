@@ -7,7 +7,7 @@ from test_speculative import TargetAsDrafter, requests_for, tiny_target
 from tlt_cli.config import RecipeError, SpeculativeSection
 from tlt_cli.drafter.model import EagleDrafter
 from tlt_cli.engine.sampling import SamplingParams
-from tlt_cli.rollout.engine import EmbeddedEngine
+from tlt_cli.rollout.generate_loop import EmbeddedEngine
 from tlt_cli.speculative.adaptive import (
     COLLAPSE_MIN_STEPS,
     AdaptiveSchedule,

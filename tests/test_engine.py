@@ -7,7 +7,7 @@ from transformers import LlamaForCausalLM, Qwen2ForCausalLM
 
 from tlt_cli.engine.kv_cache import SlotCache
 from tlt_cli.engine.sampling import SamplingParams
-from tlt_cli.rollout.engine import EmbeddedEngine
+from tlt_cli.rollout.generate_loop import EmbeddedEngine
 from tlt_cli.rollout.types import RolloutRequest
 
 torch.set_num_threads(1)

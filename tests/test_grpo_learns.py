@@ -11,7 +11,7 @@ import torch
 from tlt_cli.config import ActorConfig
 from tlt_cli.engine.sampling import SamplingParams
 from tlt_cli.models.tiny import build_tiny_model, tiny_model_config, tiny_tokenizer
-from tlt_cli.rollout.engine import EmbeddedEngine
+from tlt_cli.rollout.generate_loop import EmbeddedEngine
 from tlt_cli.rollout.types import RolloutRequest
 from tlt_cli.tasks.arithmetic import ArithmeticTask
 from tlt_cli.training.actor import Actor

@@ -5,11 +5,13 @@ path, the same driver, event channel and rank entry point as several nodes, with
 a 2-step run (trace records of both ranks, checkpoint, exit 0) and its resume (slow); a rank that
 raises and ranks that die silently (one line, exit 1, no process left, within a timeout); Ctrl-C
 (exit 130); stand-in SGLang servers owned by the launched ranks (slow); hostfile mistakes (one
-line naming the key, exit 2); the event channel on its own.
+line naming the key, exit 2); the event channel on its own; the driver's RunSpec, read back whole
+from the launch files.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -27,8 +29,11 @@ from typer.testing import CliRunner
 
 from tlt_cli.cli import app
 from tlt_cli.config import load_recipe
+from tlt_cli.processes.distributed import WorkerAddress
 from tlt_cli.processes.event_channel import EventListener, connect_to_driver
 from tlt_cli.processes.hostfile import deepspeed_launch_command
+from tlt_cli.processes.launch_files import LaunchPlan, read_launch_files, write_launch_files
+from tlt_cli.processes.messages import RunSpec
 from tlt_cli.sglang.server import live_group_members
 from tlt_cli.shared_memory import DEEPSPEED_BUFFER_PREFIX, SHARED_MEMORY_DIRECTORY, rank_buffer
 
@@ -82,6 +87,30 @@ def test_one_host_launches_locally_without_ssh(hostfile, tmp_path):
         "tlt_cli.processes.launched_rank",
         str(tmp_path / "run"),
     ]
+
+
+def test_a_launched_rank_reads_back_the_run_spec_the_driver_wrote(hostfile, tmp_path):
+    """launch_files.py carries the driver's RunSpec to a rank whole; its recipe names the launch's hostfile copy."""
+    folder = tmp_path.resolve()
+    run_spec = RunSpec(
+        recipe=load_recipe(RECIPE, [f"workers.hostfile={hostfile}"]),
+        run_directory=folder / "run",
+        model_cache=folder / "cache",
+        resume_from=folder / "run" / "checkpoints" / "step-2",
+        start_step=2,
+    )
+    plan = LaunchPlan("127.0.0.1", 29501, "00ff", "tlt_cli.training.worker_loop:worker_main", str(folder / "meet"))
+    launch = write_launch_files(run_spec, plan)
+
+    read_spec, read_plan = read_launch_files(run_spec.run_directory)
+    assert read_plan == plan
+    assert read_spec.recipe.workers.hostfile == str(launch / "hostfile")
+    assert dataclasses.replace(read_spec, recipe=run_spec.recipe) == run_spec
+    address = WorkerAddress(1, 2, master_port=29500)
+    worker_spec = read_spec.for_rank(address)
+    assert worker_spec.address == address
+    shared = [field.name for field in dataclasses.fields(RunSpec)]
+    assert [getattr(worker_spec, name) for name in shared] == [getattr(read_spec, name) for name in shared]
 
 
 HOSTFILE_MISTAKES = {

@@ -31,7 +31,7 @@ from tlt_cli.errors import UserError
 from tlt_cli.recipe_checks import load_checked_recipe
 from tlt_cli.recipes import RECIPES_DIRECTORY
 from tlt_cli.rollout.embedded import EmbeddedRollout
-from tlt_cli.rollout.engine import EmbeddedEngine
+from tlt_cli.rollout.generate_loop import EmbeddedEngine
 from tlt_cli.rollout.types import RolloutRequest
 from tlt_cli.speculative.decoder import SpeculativeDecoder
 from tlt_cli.speculative.types import SpeculativeConfig

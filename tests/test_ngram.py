@@ -21,7 +21,7 @@ from tlt_cli.drafter.model import EagleDrafter
 from tlt_cli.engine.sampling import SamplingParams
 from tlt_cli.profile.analysis import analyse
 from tlt_cli.profile.records import load_records
-from tlt_cli.rollout.engine import EmbeddedEngine
+from tlt_cli.rollout.generate_loop import EmbeddedEngine
 from tlt_cli.rollout.types import RolloutRequest
 from tlt_cli.sglang.adaptive import batch_rules, plan_for_sglang
 from tlt_cli.sglang.server_args import speculative_flags

@@ -22,7 +22,7 @@ from tlt_cli.engine.llama_family import PATH_NAME as OWNED
 from tlt_cli.engine.llama_family import LlamaFamilyModel, refusal
 from tlt_cli.engine.transformers_path import PATH_NAME as TRANSFORMERS
 from tlt_cli.rollout.embedded import EmbeddedRollout
-from tlt_cli.rollout.engine import EmbeddedEngine
+from tlt_cli.rollout.generate_loop import EmbeddedEngine
 
 torch.set_num_threads(1)
 

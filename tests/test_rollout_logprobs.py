@@ -14,7 +14,7 @@ from tiny_models import tiny_llama
 
 from tlt_cli.engine import decode_model_for
 from tlt_cli.engine.sampling import SamplingParams
-from tlt_cli.rollout.engine import EmbeddedEngine
+from tlt_cli.rollout.generate_loop import EmbeddedEngine
 from tlt_cli.rollout.types import Completion
 from tlt_cli.speculative.decoder import SpeculativeDecoder
 from tlt_cli.speculative.types import SpeculativeConfig

@@ -21,7 +21,7 @@ from tlt_cli.drafter.model import EagleDrafter
 from tlt_cli.engine import decode_model_for
 from tlt_cli.engine.sampling import SamplingParams, apply_sampling
 from tlt_cli.rollout.embedded import EmbeddedRollout
-from tlt_cli.rollout.engine import EmbeddedEngine
+from tlt_cli.rollout.generate_loop import EmbeddedEngine
 from tlt_cli.rollout.types import RolloutRequest
 from tlt_cli.speculative.adaptive import parse_label
 from tlt_cli.speculative.decoder import SpeculativeDecoder

@@ -22,7 +22,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tlt_cli.config import ActorConfig
 from tlt_cli.engine.sampling import SamplingParams
-from tlt_cli.rollout.engine import EmbeddedEngine
+from tlt_cli.rollout.generate_loop import EmbeddedEngine
 from tlt_cli.rollout.types import Completion, RolloutRequest
 from tlt_cli.sglang.client import SGLangClient
 from tlt_cli.sglang.server import live_group_members

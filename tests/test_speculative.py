@@ -10,7 +10,7 @@ from transformers import DynamicCache, Qwen2ForCausalLM
 from tlt_cli.drafter.model import DrafterOutput, EagleDrafter
 from tlt_cli.drafter.vocabulary import DraftVocabulary, most_frequent_tokens
 from tlt_cli.engine.sampling import SamplingParams, apply_sampling
-from tlt_cli.rollout.engine import EmbeddedEngine
+from tlt_cli.rollout.generate_loop import EmbeddedEngine
 from tlt_cli.rollout.types import RolloutRequest
 from tlt_cli.speculative.decoder import SpeculativeDecoder, check_speculative_config, check_topk_fits
 from tlt_cli.speculative.types import SpeculativeConfig

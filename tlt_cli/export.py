@@ -43,7 +43,7 @@ from tlt_cli.drafter.warmup import encode_prompts
 from tlt_cli.engine.sampling import SamplingParams
 from tlt_cli.errors import writing
 from tlt_cli.recipe_checks import load_checked_recipe
-from tlt_cli.rollout.engine import EmbeddedEngine
+from tlt_cli.rollout.generate_loop import EmbeddedEngine
 from tlt_cli.rollout.types import RolloutRequest
 from tlt_cli.sglang.drafter_format import CONFIG_FILE as EXPORT_CONFIG_FILE
 from tlt_cli.sglang.drafter_format import (

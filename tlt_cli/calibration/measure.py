@@ -23,7 +23,7 @@ from torch import nn
 
 from tlt_cli.engine.linear_forms import LinearFormPlan
 from tlt_cli.engine.sampling import SamplingParams
-from tlt_cli.rollout.engine import EmbeddedEngine
+from tlt_cli.rollout.generate_loop import EmbeddedEngine
 from tlt_cli.rollout.types import RolloutRequest
 from tlt_cli.speculative.decoder import SpeculativeDecoder
 from tlt_cli.speculative.types import DecodeStep, SpeculativeConfig

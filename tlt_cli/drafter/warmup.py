@@ -33,7 +33,7 @@ from tlt_cli.drafter.model import EagleDrafter
 from tlt_cli.drafter.trainer import DrafterBatch, DrafterTrainer, evaluate_drafter
 from tlt_cli.drafter.vocabulary import choose_vocabulary, token_coverage
 from tlt_cli.engine.sampling import SamplingParams
-from tlt_cli.rollout.engine import EmbeddedEngine
+from tlt_cli.rollout.generate_loop import EmbeddedEngine
 from tlt_cli.rollout.types import Completion, RolloutRequest
 from tlt_cli.tasks.base import Task
 from tlt_cli.tasks.prompts import encode_prompt

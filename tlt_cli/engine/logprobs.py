@@ -2,7 +2,7 @@
 
 `chosen_logprobs(logits, tokens, temperature)` is log_softmax(logits.float() / temperature)[token] and the
 logsumexp it subtracted. The learner's chunked head (tlt_cli/training/logprobs.py) calls it for the old,
-reference and trained log-probs; the rollout engine (tlt_cli/rollout/engine.py) calls `decoded_logprobs`,
+reference and trained log-probs; the generate loop (tlt_cli/rollout/generate_loop.py) calls `decoded_logprobs`,
 which feeds it the decode model's own logits of the hidden states that produced each sampled token, so a
 rollout's log-probs are the rollout model's (in its dtype) by the learner's definition: with a float32
 rollout the two agree to float32 rounding, with a bfloat16 one they differ by the mismatch the trainer

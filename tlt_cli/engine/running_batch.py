@@ -8,7 +8,7 @@ finished rows from every field at once. `DecodeTarget` is the target as a decodi
     logits = target.logits(hidden)                                              # [..., V] float32
     tokens, counts = target.decode_step(batch, sampling, generator)            # one plain step
 
-The embedded engine (tlt_cli/rollout/engine.py) runs the generate loop with it; speculative decoding
+The embedded rollout's generate loop (tlt_cli/rollout/generate_loop.py) decodes with it; speculative decoding
 (tlt_cli/speculative/) drafts, verifies through `forward_block` under a tree mask, and commits by
 moving cache entries (`batch.cache.move_slots`) and advancing `lengths` and `pending`. Neither calls
 the other's internals, and neither sees a transformers module: the model is a `DecodeModel`

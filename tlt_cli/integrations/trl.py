@@ -17,7 +17,7 @@ states it produced anyway (one head product, no forward). TRL 1.16 compares them
 log-probs and corrects the loss by importance sampling only when it generates with vLLM
 (`use_vllm`, which tlt's rollout replaces): under `rollout_func` it takes them and applies nothing.
 
-The engine (tlt_cli/rollout/engine.py) is built on the first call on the very module TRL trains
+The generate loop (tlt_cli/rollout/generate_loop.py) is built on the first call on the very module TRL trains
 (unwrapped and, under ZeRO-3, gathered as TRL gathers it for its own generation), so every
 rollout sees the weights of the latest optimizer step. It speculates with a drafter
 (tlt_cli/integrations/trl_drafter.py: warmed up on the trainer's own prompts and cached, random,

@@ -3,7 +3,7 @@
 None of it is the algorithm (tlt_cli/training/); it is what runs the algorithm in several processes,
 whatever body each process runs (the caller hands the driver the trainer's):
   driver.py            `train(recipe, trainer)`: starting the workers, the step deadline, trace and live display
-  messages.py          what the driver and its workers send each other (WorkerSpec, WorkerStepReport, ...)
+  messages.py          what the driver and its workers send each other (RunSpec, WorkerSpec, WorkerStepReport, ...)
   run_directory.py     the run directory: made, locked while the run lives, removed if it fails at once
   step_deadline.py     which worker overran workers.step_timeout_s in its step
   local_workers.py     workers spawned on the driver's machine, events on a multiprocessing queue

@@ -54,7 +54,14 @@ from tlt_cli.processes.hostfile import runs_on_this_machine
 from tlt_cli.processes.launched_workers import LaunchedWorkers
 from tlt_cli.processes.local_workers import LocalWorkers
 from tlt_cli.processes.machine_checks import check_machine
-from tlt_cli.processes.messages import WorkerBody, WorkerFailed, WorkerFinished, WorkerProgress, WorkerStepReport
+from tlt_cli.processes.messages import (
+    RunSpec,
+    WorkerBody,
+    WorkerFailed,
+    WorkerFinished,
+    WorkerProgress,
+    WorkerStepReport,
+)
 from tlt_cli.processes.run_directory import (
     CHECKPOINTS,
     RECIPE_FILE,
@@ -195,7 +202,7 @@ def train(
         cache = cache_directory(recipe.model.cache_dir)
         drafter_init = _prepare_drafter(trainer, recipe, cache, console)
         held = held or RunDirectory.create(recipe)
-        spec_base = dict(
+        run_spec = RunSpec(
             recipe=recipe,
             run_directory=held.path,
             model_cache=cache,
@@ -204,7 +211,7 @@ def train(
             drafter_init=drafter_init,
         )
         return _train_in(
-            spec_base,
+            run_spec,
             trainer.worker_body,
             held,
             console,
@@ -218,7 +225,7 @@ def train(
 
 
 def _train_in(
-    spec_base: dict[str, Any],
+    run_spec: RunSpec,
     body: WorkerBody,
     held: RunDirectory,
     console: Console,
@@ -227,7 +234,7 @@ def _train_in(
     run_facts: dict[str, Any],
 ) -> RunSummary:
     """The run in its (locked) run directory: workers, trace and display; the summary, or the error to show."""
-    recipe: Recipe = spec_base["recipe"]
+    recipe = run_spec.recipe
     run_directory = held.path
     console.print(f"run directory: {run_directory}", markup=False)
     loggers = DriverPlugins(recipe)
@@ -236,18 +243,18 @@ def _train_in(
         run_directory,
         recipe.workers.count,
         recipe.train.steps,
-        spec_base["start_step"],
+        run_spec.start_step,
         resumed,
         recipe_to_dict(recipe),
     )
     trace = RunTrace(
         run_directory / TRACE_FILE,
-        spec_base["start_step"],
+        run_spec.start_step,
         {
             "type": "run",
             "name": recipe.run.name,
             "world_size": recipe.workers.count,
-            "resumed_from_step": spec_base["start_step"] if resumed else None,
+            "resumed_from_step": run_spec.start_step if resumed else None,
             "steps": recipe.train.steps,
             "versions": installed_versions(),
             **run_facts,
@@ -260,7 +267,7 @@ def _train_in(
             TrainingDisplay(console, f"tlt train {recipe.run.name}", recipe.train.steps, columns) as display,
             loggers.running(run, warn=display.note),
         ):
-            _run_workers(spec_base, body, trace, display)
+            _run_workers(run_spec, body, trace, display)
     except (TrainingFailed, UserError) as error:
         trace.close()
         details = getattr(error, "details", "") or traceback.format_exc()
@@ -379,24 +386,24 @@ def _check_same_model(run_directory: Path, recipe: Recipe) -> None:
         )
 
 
-def _run_workers(spec_base: dict[str, Any], body: WorkerBody, trace: RunTrace, display: TrainingDisplay) -> None:
-    recipe: Recipe = spec_base["recipe"]
-    workers = _start_workers(spec_base, body)
+def _run_workers(run_spec: RunSpec, body: WorkerBody, trace: RunTrace, display: TrainingDisplay) -> None:
+    recipe = run_spec.recipe
+    workers = _start_workers(run_spec, body)
     try:
         _drain_events(workers, trace, display, StepDeadline(recipe.workers.step_timeout_s))
     finally:
         workers.stop()
         if recipe.workers.hostfile is None or runs_on_this_machine(recipe):
-            stop_recorded_servers(spec_base["run_directory"], recipe.rollout.sglang.stop_timeout_s)
+            stop_recorded_servers(run_spec.run_directory, recipe.rollout.sglang.stop_timeout_s)
 
 
-def _start_workers(spec_base: dict[str, Any], body: WorkerBody) -> WorkerGroup:
+def _start_workers(run_spec: RunSpec, body: WorkerBody) -> WorkerGroup:
     """`body` in each process: spawned on this machine, or started on the hostfile's nodes by the DeepSpeed launcher."""
-    recipe: Recipe = spec_base["recipe"]
+    recipe = run_spec.recipe
     if recipe.workers.hostfile is not None:
-        return LaunchedWorkers(spec_base, body)
+        return LaunchedWorkers(run_spec, body)
     gpus = [] if recipe.actor.devices == CPU_DEVICES else recipe.actor.devices
-    return LocalWorkers(spec_base, recipe.workers.count, gpus, body)
+    return LocalWorkers(run_spec, recipe.workers.count, gpus, body)
 
 
 def _drain_events(workers: WorkerGroup, trace: RunTrace, display: TrainingDisplay, deadline: StepDeadline) -> None:

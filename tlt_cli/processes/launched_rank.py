@@ -22,7 +22,6 @@ from pathlib import Path
 from tlt_cli.processes.distributed import WorkerAddress
 from tlt_cli.processes.event_channel import DriverUnreachable, connect_to_driver
 from tlt_cli.processes.launch_files import body_function, read_launch_files
-from tlt_cli.processes.messages import WorkerSpec
 
 
 def launched_address() -> WorkerAddress:
@@ -39,17 +38,9 @@ def launched_address() -> WorkerAddress:
 
 def main(arguments: list[str]) -> None:
     run_directory = Path(arguments[0])
-    recipe, plan = read_launch_files(run_directory)
+    run_spec, plan = read_launch_files(run_directory)
     rendezvous = Path(plan.rendezvous_directory) if plan.rendezvous_directory is not None else None
-    spec = WorkerSpec(
-        recipe=recipe,
-        run_directory=run_directory,
-        address=dataclasses.replace(launched_address(), rendezvous_directory=rendezvous),
-        model_cache=Path(plan.model_cache),
-        resume_from=Path(plan.resume_from) if plan.resume_from is not None else None,
-        start_step=plan.start_step,
-        drafter_init=Path(plan.drafter_init) if plan.drafter_init is not None else None,
-    )
+    spec = run_spec.for_rank(dataclasses.replace(launched_address(), rendezvous_directory=rendezvous))
     try:
         events = connect_to_driver(plan.driver_host, plan.driver_port, bytes.fromhex(plan.authkey))
     except DriverUnreachable as error:

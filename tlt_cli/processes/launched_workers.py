@@ -37,7 +37,7 @@ from tlt_cli.processes.distributed import free_port, private_rendezvous_director
 from tlt_cli.processes.event_channel import EventListener
 from tlt_cli.processes.hostfile import LOCAL_ADDRESS, deepspeed_launch_command, read_hostfile, runs_on_this_machine
 from tlt_cli.processes.launch_files import LaunchPlan, body_name, write_launch_files
-from tlt_cli.processes.messages import WorkerBody, WorkerFinished, WorkerProgress
+from tlt_cli.processes.messages import RunSpec, WorkerBody, WorkerFinished, WorkerProgress
 from tlt_cli.shared_memory import remove_unheld, run_buffers
 
 LAUNCHER_LOG = "launcher.log"
@@ -53,9 +53,10 @@ PROBE_PORT = 9
 class LaunchedWorkers:
     """The ranks of one DeepSpeed launch, as the driver sees them."""
 
-    def __init__(self, spec_base: dict[str, Any], body: WorkerBody):
-        """body: what each rank runs (a module-level function; the plan names it, launched_rank.py imports it)."""
-        recipe, run_directory = spec_base["recipe"], spec_base["run_directory"]
+    def __init__(self, run_spec: RunSpec, body: WorkerBody):
+        """body: what each rank runs (a module-level function; the plan names it, launched_rank.py imports it),
+        handed `run_spec.for_rank` of its place."""
+        recipe, run_directory = run_spec.recipe, run_spec.run_directory
         self.size = recipe.workers.count
         self.finished: set[int] = set()
         # rank -> pid of the ranks on this machine, from their progress events
@@ -71,14 +72,10 @@ class LaunchedWorkers:
             driver_host=host,
             driver_port=self.channel.port,
             authkey=authkey.hex(),
-            model_cache=str(Path(spec_base["model_cache"]).resolve()),
-            resume_from=_absolute(spec_base["resume_from"]),
-            start_step=spec_base["start_step"],
-            drafter_init=_absolute(spec_base["drafter_init"]),
             worker_body=body_name(body),
-            rendezvous_directory=_absolute(self.rendezvous),
+            rendezvous_directory=str(self.rendezvous.resolve()) if self.rendezvous is not None else None,
         )
-        write_launch_files(run_directory, recipe, plan)
+        write_launch_files(run_spec, plan)
         master_port = free_port()
         # a one-node job's DeepSpeed segments in /dev/shm, removed in `stop` if the ranks could not (shared_memory.py)
         self.shared_buffers = run_buffers(LOCAL_ADDRESS, master_port, self.size) if local else []
@@ -167,10 +164,6 @@ def address_towards(recipe: Recipe) -> str:
         f"workers.hostfile: none of the hosts in {recipe.workers.hostfile} can be reached from this machine "
         "(their names do not resolve here); the driver must reach the nodes it launches on."
     )
-
-
-def _absolute(path: Path | None) -> str | None:
-    return str(Path(path).resolve()) if path is not None else None
 
 
 def _wait(process: subprocess.Popen, seconds: float) -> bool:

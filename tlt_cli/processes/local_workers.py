@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from tlt_cli.processes.distributed import WorkerAddress, private_rendezvous_directory, visible_gpus
-from tlt_cli.processes.messages import WorkerBody, WorkerSpec
+from tlt_cli.processes.messages import RunSpec, WorkerBody
 
 # seconds a terminated worker gets to exit before it is killed
 STOP_SECONDS = 10
@@ -29,8 +29,9 @@ STOP_SECONDS = 10
 class LocalWorkers:
     """workers.count processes of this machine, rank r the r-th."""
 
-    def __init__(self, spec_base: dict[str, Any], world_size: int, gpus: Sequence[int], body: WorkerBody):
-        """body: each process's body (a module-level function, so a spawned process can import it)."""
+    def __init__(self, run_spec: RunSpec, world_size: int, gpus: Sequence[int], body: WorkerBody):
+        """body: each process's body (a module-level function, so a spawned process can import it), handed
+        `run_spec.for_rank` of its rank."""
         context = multiprocessing.get_context("spawn")
         self.size = world_size
         self.events = context.Queue()
@@ -38,7 +39,7 @@ class LocalWorkers:
         self.processes = [
             context.Process(
                 target=body,
-                args=(WorkerSpec(address=self._address(rank), **spec_base), self.events),
+                args=(run_spec.for_rank(self._address(rank)), self.events),
                 name=f"tlt-worker-{rank}",
             )
             for rank in range(world_size)

@@ -1,11 +1,14 @@
 """The messages between the driver and its worker processes, apart from any worker's body.
 
-The driver hands each process a `WorkerSpec` (picklable: spawned processes get it as an
-argument, launched ranks rebuild it from the run directory). A process, whatever trainer it runs
-(tlt's worker loop, tlt_cli/training/worker_loop.py, or TRL's, tlt_cli/integrations/trl_run.py),
-sends the driver `WorkerProgress` as it enters each part of a step, one `WorkerStepReport` per
-step, and finally `WorkerFinished` or `WorkerFailed`. The driver (driver.py) turns the reports into
-trace records (step_records.py) and names a stuck rank from the progress (step_deadline.py).
+The driver prepares one `RunSpec` per run (the recipe, the run directory, what it prepared once) and
+hands each process the `WorkerSpec` that `RunSpec.for_rank` makes of it with the process's place in
+the job (picklable: spawned processes get it as an argument; launched ranks rebuild the `RunSpec` from
+the run directory, launch_files.py, and add the place the DeepSpeed launcher gave them). A process,
+whatever trainer it runs (tlt's worker loop, tlt_cli/training/worker_loop.py, or TRL's,
+tlt_cli/integrations/trl_run.py), sends the driver `WorkerProgress` as it enters each part of a step,
+one `WorkerStepReport` per step, and finally `WorkerFinished` or `WorkerFailed`. The driver (driver.py)
+turns the reports into trace records (step_records.py) and names a stuck rank from the progress
+(step_deadline.py).
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ from __future__ import annotations
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -22,18 +25,31 @@ from tlt_cli.errors import UserError
 from tlt_cli.processes.distributed import WorkerAddress
 
 
-@dataclass(frozen=True)
-class WorkerSpec:
-    """Everything a spawned worker needs (picklable)."""
+@dataclass(frozen=True, kw_only=True)
+class RunSpec:
+    """What every worker of one run is handed alike, prepared once by the driver (picklable)."""
 
     recipe: Recipe
     run_directory: Path
-    address: WorkerAddress
+    # model.cache_dir resolved (tlt_cli/models/tiny.py cache_directory): built models, measured plans, compiled ops
     model_cache: Path
+    # the checkpoint folder a resumed run loads (None: a new run) and the first step the workers run
     resume_from: Path | None = None
     start_step: int = 0
     # folder of the starting drafter (None: random init); used only when the run needs a drafter
     drafter_init: Path | None = None
+
+    def for_rank(self, address: WorkerAddress) -> WorkerSpec:
+        """The spec of the worker at `address`: this run's fields, and that worker's place in the job."""
+        shared = {spec_field.name: getattr(self, spec_field.name) for spec_field in fields(RunSpec)}
+        return WorkerSpec(**shared, address=address)
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkerSpec(RunSpec):
+    """Everything one worker process needs: its run's `RunSpec` and its place in the job (picklable)."""
+
+    address: WorkerAddress
 
 
 # the body of one worker process: runs the trainer and reports on `events` (anything with `put`)

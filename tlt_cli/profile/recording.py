@@ -30,7 +30,7 @@ from tlt_cli.config import Recipe
 from tlt_cli.engine.sampling import SamplingParams
 from tlt_cli.profile.records import ProfileRecords, read_trace_records
 from tlt_cli.rollout.backend import sampling_seed
-from tlt_cli.rollout.engine import EmbeddedEngine
+from tlt_cli.rollout.generate_loop import EmbeddedEngine
 from tlt_cli.rollout.types import Completion, RolloutRequest
 from tlt_cli.tasks.base import Task
 from tlt_cli.tasks.prompts import encode_prompt

@@ -1,6 +1,6 @@
 """The embedded rollout backend: the in-process engine on the trainer's own policy module.
 
-`EmbeddedRollout` is tlt_cli/rollout/backend.py's RolloutBackend around tlt_cli/rollout/engine.py's
+`EmbeddedRollout` is tlt_cli/rollout/backend.py's RolloutBackend around tlt_cli/rollout/generate_loop.py's
 EmbeddedEngine (`rollout.backend: embedded`). It generates with the very module the trainer
 updates, so there is nothing to start, to push after an update, or to stop. It needs no recipe and
 no worker: a policy module, its EOS and pad ids, the speculative plan (tlt_cli/training/setup.py
@@ -40,7 +40,7 @@ from tlt_cli.checkpoint import load_checkpoint_file
 from tlt_cli.engine.linear_forms import describe_plan
 from tlt_cli.engine.sampling import SamplingParams
 from tlt_cli.models.tiny import default_cache_dir
-from tlt_cli.rollout.engine import EmbeddedEngine
+from tlt_cli.rollout.generate_loop import EmbeddedEngine
 from tlt_cli.rollout.types import Completion, RolloutRequest
 from tlt_cli.speculative.adaptive import (
     AdaptiveSpeculativeDecoder,

@@ -2,5 +2,5 @@
 siblings), exact verification and acceptance, and the adaptive schedule that picks a shape per step.
 
 It sees the model being decoded only through tlt_cli/engine/running_batch.py (`DecodeTarget` over a
-`RunningBatch`); the embedded engine (tlt_cli/rollout/engine.py) drives it one step at a time.
+`RunningBatch`); the generate loop (tlt_cli/rollout/generate_loop.py) drives it one step at a time.
 """

@@ -1,4 +1,4 @@
-"""The embedded rollout engine: batched generation in-process, on the actor's own module.
+"""The generate loop of the embedded rollout: batched generation in-process, on the actor's own module.
 
 The trainer calls `EmbeddedEngine(model, eos_token_id, pad_token_id).generate(requests, sampling,
 generator)`. All requests enter one running batch; each step feeds every running row one token
