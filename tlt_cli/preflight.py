@@ -18,9 +18,11 @@ at fault) at the first problem, reading what the recipe names but building and w
      cache folder (model.cache_dir or $TLT_CACHE_DIR) is writable;
   7. with train.trainer trl: the installed TRL is supported and its GRPOConfig takes the recipe's
      settings and trl section (tlt_cli/integrations/trl_recipe.py; this imports TRL).
-`tlt recipes validate` says ok exactly when this passes, so `tlt train` starts; what the machine
-lacks (GPUs, SGLang) is checked when a run starts (tlt_cli/processes/machine_checks.py), so a GPU
-recipe validates on a laptop.
+`tlt recipes validate` says ok exactly when this passes, so `tlt train` starts. What the machine
+lacks is checked when a run starts, by `check_machine(recipe)` (tlt_cli/trainers.py calls it), so a GPU
+recipe validates on a laptop: the workers' estimated memory (tlt_cli/training/memory.py), then the GPUs
+and SGLang the recipe asks for (tlt_cli/processes/machine_checks.py). With tlt_cli/recipe_checks.py this is
+the gate: the modules that know a rule return a problem sentence (or None), and only the gate raises.
 """
 
 from __future__ import annotations
@@ -37,30 +39,45 @@ from tlt_cli.errors import UserError, nearest_existing
 from tlt_cli.models.loading import check_weight_shapes, load_config_and_tokenizer, model_folder
 from tlt_cli.models.tiny import cache_directory
 from tlt_cli.plugins import DRIVER_HOOKS, WORKER_HOOKS, plugin_factory
+from tlt_cli.processes.machine_checks import machine_problem
 from tlt_cli.processes.run_directory import holds_run
 from tlt_cli.recipe_checks import check_shapes_fit_draft_vocabulary, check_values
 from tlt_cli.tasks.prompts import encode_prompt
 from tlt_cli.training import setup
+from tlt_cli.training.memory import memory_problem
 
 PLUGIN_HOOKS = WORKER_HOOKS + DRIVER_HOOKS
 
 
 def check_recipe(recipe: Recipe, new_run: bool = False) -> None:
     """Raise RecipeError naming the key (and file) of the first problem that would stop a run of `recipe`."""
-    check_values(recipe)
-    _check_task(recipe)
-    target_vocab_size = _check_model(recipe)
-    draft_vocab_size = _check_drafter_start(recipe, target_vocab_size)
+    check_values(recipe)  # 1. values (tlt_cli/recipe_checks.py)
+    _check_task(recipe)  # 2. the task
+    target_vocab_size = _check_model(recipe)  # 3. the model folder
+    draft_vocab_size = _check_drafter_start(recipe, target_vocab_size)  # 4. the starting drafter
     check_shapes_fit_draft_vocabulary(setup.speculative_plan(recipe.speculative), draft_vocab_size)
-    _check_plugins(recipe.plugins)
+    _check_plugins(recipe.plugins)  # 5. the plugins
     if recipe.train.trainer == Trainer.trl:
         _check_trl_plugins(recipe)
-    check_output_folder(recipe.run, new_run)
+    check_output_folder(recipe.run, new_run)  # 6. the run directory and the cache folder
     check_cache_folder(recipe)
-    if recipe.train.trainer == Trainer.trl:
-        from tlt_cli.integrations.trl_recipe import check_trl_recipe
+    if recipe.train.trainer == Trainer.trl:  # 7. TRL's GRPOConfig
+        from tlt_cli.integrations.trl_recipe import trl_recipe_problem
 
-        check_trl_recipe(recipe)
+        _refuse(trl_recipe_problem(recipe))
+
+
+def check_machine(recipe: Recipe) -> None:
+    """Raise RecipeError naming what to change when this machine cannot run `recipe` (when a run starts, after
+    `check_recipe`): its workers would not fit in memory, or it lacks the GPUs or the SGLang the recipe asks for."""
+    _refuse(memory_problem(recipe))
+    _refuse(machine_problem(recipe))
+
+
+def _refuse(problem: str | None) -> None:
+    """Raise RecipeError with `problem`, a sentence naming the key that a module knowing the rule returned."""
+    if problem is not None:
+        raise RecipeError(problem)
 
 
 def _check_task(recipe: Recipe) -> None:

@@ -13,11 +13,10 @@ before its peers failed in their collectives is named with its signal, not they;
 exit 2, when the error is the user's: a data file, model weights); its traceback goes to the
 run's log (`run.log`), the run directory keeps every complete checkpoint for `--resume`.
 
-Before anything is created, the DeepSpeed /dev/shm segments and rendezvous folders a killed run
-left are removed (shared_memory.py, distributed.py), `check_machine` makes sure this machine has
-what the recipe asks for (GPUs for `actor.devices`, SGLang for `rollout.backend: sglang`) and the
-drafter is prepared; only
-then is a new run directory made, locked for the run's life (run_directory.py: a second
+Before anything is created (the caller, tlt_cli/trainers.py, has made sure this machine has what the
+recipe asks for: GPUs for `actor.devices`, SGLang for `rollout.backend: sglang`), the DeepSpeed /dev/shm
+segments and rendezvous folders a killed run left are removed (shared_memory.py, distributed.py) and the
+drafter is prepared; only then is a new run directory made, locked for the run's life (run_directory.py: a second
 `tlt train` of it refuses). A new run that fails before its first step is removed again (only
 what it made; with `keep_log`, all but its logs stay), and the trace is opened at the first step,
 so a resume that fails first leaves the run's trace and checkpoints as they were. A worker that
@@ -53,7 +52,6 @@ from tlt_cli.processes.distributed import remove_abandoned_rendezvous
 from tlt_cli.processes.hostfile import runs_on_this_machine
 from tlt_cli.processes.launched_workers import LaunchedWorkers
 from tlt_cli.processes.local_workers import LocalWorkers
-from tlt_cli.processes.machine_checks import check_machine
 from tlt_cli.processes.messages import WorkerBody, WorkerFailed, WorkerFinished, WorkerProgress, WorkerStepReport
 from tlt_cli.processes.run_directory import (
     CHECKPOINTS,
@@ -190,7 +188,6 @@ def train(
     resume_from, start_step = _resume_point(resume_directory, recipe, console) if resume_directory else (None, 0)
     held = RunDirectory.resume(resume_directory) if resume_directory else None
     try:
-        check_machine(recipe)
         _remove_what_killed_runs_left(console)
         cache = cache_directory(recipe.model.cache_dir)
         drafter_init = _prepare_drafter(trainer, recipe, cache, console)
