@@ -19,9 +19,10 @@ at fault) at the first problem, reading what the recipe names but building and w
   7. with train.trainer trl: the installed TRL is supported and its GRPOConfig takes the recipe's
      settings and trl section (tlt_cli/integrations/trl_recipe.py; this imports TRL).
 `tlt recipes validate` says ok exactly when this passes, so `tlt train` starts. What the machine
-lacks is checked when a run starts, by `check_machine(recipe)` (tlt_cli/trainers.py calls it), so a GPU
-recipe validates on a laptop: the workers' estimated memory (tlt_cli/training/memory.py), then the GPUs
-and SGLang the recipe asks for (tlt_cli/processes/machine_checks.py). With tlt_cli/recipe_checks.py this is
+lacks is checked when a run starts, so a GPU recipe validates on a laptop: `check_memory(recipe)`, the
+workers' estimated memory (tlt_cli/training/memory.py; tlt_cli/trainers.py), then `check_machine(recipe)`,
+the GPUs and SGLang the recipe asks for (tlt_cli/processes/machine_checks.py; the driver, once the run to
+resume is known). With tlt_cli/recipe_checks.py this is
 the gate: the modules that know a rule return a problem sentence (or None), and only the gate raises.
 """
 
@@ -67,10 +68,13 @@ def check_recipe(recipe: Recipe, new_run: bool = False) -> None:
         _refuse(trl_recipe_problem(recipe))
 
 
-def check_machine(recipe: Recipe) -> None:
-    """Raise RecipeError naming what to change when this machine cannot run `recipe` (when a run starts, after
-    `check_recipe`): its workers would not fit in memory, or it lacks the GPUs or the SGLang the recipe asks for."""
+def check_memory(recipe: Recipe) -> None:
+    """Raise RecipeError naming what to lower when the run's workers would not fit in this machine's memory."""
     _refuse(memory_problem(recipe))
+
+
+def check_machine(recipe: Recipe) -> None:
+    """Raise RecipeError naming the key when this machine lacks the GPUs or the SGLang the recipe asks for."""
     _refuse(machine_problem(recipe))
 
 

@@ -6,10 +6,11 @@ starting drafter's preparation (setup.py), so the process plumbing imports no tr
   native  tlt's own GRPO worker loop (worker_loop.py)
   trl     Hugging Face TRL's GRPOTrainer with tlt's rollout (tlt_cli/integrations/trl_run.py),
           imported only when a TRL run starts (the native path never loads TRL)
-Before either starts, `check_machine` (tlt_cli/preflight.py) refuses a run this machine cannot hold (its
-workers' memory, the GPUs and SGLang the recipe asks for), then `resolve_update_precision`
+Before either starts, the checks of this machine (tlt_cli/preflight.py) refuse a run whose workers would not
+fit in memory (`check_memory`), then `resolve_update_precision`
 (update_precision.py) makes `actor.precision: auto` concrete (measured once per machine and model; the
-console and the trace's run record say what ran and why).
+console and the trace's run record say what ran and why); the driver is handed `check_machine`, which
+refuses a run whose GPUs or SGLang this machine lacks.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import Any
 from rich.console import Console
 
 from tlt_cli.config import CPU_DEVICES, Recipe, Trainer
-from tlt_cli.preflight import check_machine
+from tlt_cli.preflight import check_machine, check_memory
 from tlt_cli.processes.driver import RunSummary, TrainerEntry
 from tlt_cli.processes.driver import train as run_driver
 from tlt_cli.processes.messages import WorkerSpec
@@ -45,14 +46,16 @@ TRAINERS: dict[Trainer, TrainerEntry] = {
 def train(recipe: Recipe, console: Console, resume_directory: Path | None = None, keep_log: bool = False) -> RunSummary:
     """Run the recipe's trainer (a new run, or `resume_directory` resumed); see tlt_cli/processes/driver.py.
 
-    First the refusal, in one sentence, of a run this machine cannot hold (tlt_cli/preflight.py `check_machine`:
-    the workers' estimated peak memory, with actor.precision auto that of the larger precision; the GPUs and
-    SGLang the recipe asks for), then auto is resolved.
+    First a refusal, one sentence, when this machine's memory cannot hold the workers' estimated peak
+    (tlt_cli/preflight.py `check_memory`; with actor.precision auto, that of the larger precision), then auto is
+    resolved.
     """
-    check_machine(recipe)
+    check_memory(recipe)
     if recipe.actor.precision == "auto" and recipe.actor.devices == CPU_DEVICES:
         console.print("choosing actor.precision auto (the update is timed in fp32 and bf16 once per machine and model)")
     recipe, precision = resolve_update_precision(recipe, model_cache(recipe))
     console.print(precision.describe(), markup=False)
     facts = {"actor_precision": precision.record()}
-    return run_driver(recipe, TRAINERS[recipe.train.trainer], console, resume_directory, keep_log, facts)
+    return run_driver(
+        recipe, TRAINERS[recipe.train.trainer], console, resume_directory, keep_log, facts, check_machine=check_machine
+    )

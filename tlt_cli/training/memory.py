@@ -16,7 +16,7 @@ the update's forward adds autocast's bfloat16 copy of the weights, and the saved
 GPUs DeepSpeed's bf16 mode makes the module itself bfloat16. The
 constants are per-token costs measured on SmolLM2-135M (BENCHMARKS.md "Memory per worker") and
 scale with the model's shape. `memory_problem(recipe)` says, in one sentence, when a run's workers on this
-machine would not fit in MemAvailable; the checks when a run starts (tlt_cli/preflight.py `check_machine`)
+machine would not fit in MemAvailable; the checks when a run starts (tlt_cli/preflight.py `check_memory`)
 refuse the run with it.
 """
 
