@@ -34,7 +34,7 @@ from tlt_cli.config import (
     is_control_character,
     load_recipe,
 )
-from tlt_cli.processes.hostfile import HostfileError, check_hostfile, ranks_per_node, shell_paths
+from tlt_cli.processes.hostfile import hostfile_problem, ranks_per_node, shell_paths
 from tlt_cli.rollout.backend import MAX_SEED
 from tlt_cli.sglang.adaptive import one_algorithm_problem
 from tlt_cli.sglang.config import sglang_config_problem
@@ -332,10 +332,7 @@ def _check_actor_placement(recipe: Recipe) -> None:
             "give one GPU per worker rank.",
         )
         return
-    try:
-        check_hostfile(recipe)
-    except HostfileError as error:
-        raise RecipeError(f"workers.hostfile: {error}") from None
+    _refuse(hostfile_problem(recipe), "workers.hostfile: ")
 
 
 def _check_sglang_backend(recipe: Recipe) -> None:
