@@ -20,10 +20,13 @@ at fault) at the first problem, reading what the recipe names but building and w
      settings and trl section (tlt_cli/integrations/trl_recipe.py; this imports TRL).
 `tlt recipes validate` says ok exactly when this passes, so `tlt train` starts. What the machine
 lacks is checked when a run starts, so a GPU recipe validates on a laptop: `check_memory(recipe)`, the
-workers' estimated memory (tlt_cli/training/memory.py; tlt_cli/trainers.py), then `check_machine(recipe)`,
-the GPUs and SGLang the recipe asks for (tlt_cli/processes/machine_checks.py; the driver, once the run to
-resume is known). With tlt_cli/recipe_checks.py this is
-the gate: the modules that know a rule return a problem sentence (or None), and only the gate raises.
+workers' estimated memory (tlt_cli/training/memory.py; tlt_cli/trainers.py calls it), then
+`check_machine(recipe)`, the GPUs and SGLang the recipe asks for (tlt_cli/processes/machine_checks.py; the
+driver calls it once the run to resume is known).
+
+With tlt_cli/recipe_checks.py this module is the recipe gate, the only code that raises `RecipeError` for a
+recipe that has loaded: the modules that know a rule (the SGLang section, the hostfile, the TRL section, the
+memory estimate, the machine) return a problem sentence or None, and the gate refuses with it (`refuse`).
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ from tlt_cli.models.tiny import cache_directory
 from tlt_cli.plugins import DRIVER_HOOKS, WORKER_HOOKS, plugin_factory
 from tlt_cli.processes.machine_checks import machine_problem
 from tlt_cli.processes.run_directory import holds_run
-from tlt_cli.recipe_checks import check_shapes_fit_draft_vocabulary, check_values
+from tlt_cli.recipe_checks import check_shapes_fit_draft_vocabulary, check_values, refuse
 from tlt_cli.tasks.prompts import encode_prompt
 from tlt_cli.training import setup
 from tlt_cli.training.memory import memory_problem
@@ -65,23 +68,17 @@ def check_recipe(recipe: Recipe, new_run: bool = False) -> None:
     if recipe.train.trainer == Trainer.trl:  # 7. TRL's GRPOConfig
         from tlt_cli.integrations.trl_recipe import trl_recipe_problem
 
-        _refuse(trl_recipe_problem(recipe))
+        refuse(trl_recipe_problem(recipe))
 
 
 def check_memory(recipe: Recipe) -> None:
     """Raise RecipeError naming what to lower when the run's workers would not fit in this machine's memory."""
-    _refuse(memory_problem(recipe))
+    refuse(memory_problem(recipe))
 
 
 def check_machine(recipe: Recipe) -> None:
     """Raise RecipeError naming the key when this machine lacks the GPUs or the SGLang the recipe asks for."""
-    _refuse(machine_problem(recipe))
-
-
-def _refuse(problem: str | None) -> None:
-    """Raise RecipeError with `problem`, a sentence naming the key that a module knowing the rule returned."""
-    if problem is not None:
-        raise RecipeError(problem)
+    refuse(machine_problem(recipe))
 
 
 def _check_task(recipe: Recipe) -> None:

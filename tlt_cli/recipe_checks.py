@@ -72,8 +72,9 @@ def _require(condition: bool, message: str) -> None:
         raise RecipeError(message)
 
 
-def _refuse(problem: str | None, key: str = "") -> None:
-    """Raise RecipeError with `problem` (a sentence a module that knows the rule returned), after `key`, if any."""
+def refuse(problem: str | None, key: str = "") -> None:
+    """Raise RecipeError with `problem`, the sentence a module that knows the rule returned (None: no problem),
+    after `key` when the sentence does not name it."""
     if problem is not None:
         raise RecipeError(f"{key}{problem}")
 
@@ -332,13 +333,13 @@ def _check_actor_placement(recipe: Recipe) -> None:
             "give one GPU per worker rank.",
         )
         return
-    _refuse(hostfile_problem(recipe), "workers.hostfile: ")
+    refuse(hostfile_problem(recipe), "workers.hostfile: ")
 
 
 def _check_sglang_backend(recipe: Recipe) -> None:
     """rollout.sglang on its own, then how it fits the workers and the speculative section."""
     config = recipe.rollout.sglang
-    _refuse(sglang_config_problem(config))
+    refuse(sglang_config_problem(config))
     # every node runs its own servers for its own ranks
     node_ranks = ranks_per_node(recipe)
     _require(
@@ -353,7 +354,7 @@ def _check_sglang_backend(recipe: Recipe) -> None:
     )
     plan = checked_speculative_plan(recipe.speculative)
     if plan.mode == SpeculationMode.adaptive:
-        _refuse(one_algorithm_problem(plan.configs), "speculative.rules: ")
+        refuse(one_algorithm_problem(plan.configs), "speculative.rules: ")
 
 
 def check_speculative_section(section: SpeculativeSection) -> None:
