@@ -7,6 +7,7 @@ from test_speculative import TargetAsDrafter, requests_for, tiny_target
 from tlt_cli.config import RecipeError, SpeculativeSection
 from tlt_cli.drafter.model import EagleDrafter
 from tlt_cli.engine.sampling import SamplingParams
+from tlt_cli.recipe_checks import checked_speculative_plan
 from tlt_cli.rollout.generate_loop import EmbeddedEngine
 from tlt_cli.speculative.adaptive import (
     COLLAPSE_MIN_STEPS,
@@ -53,9 +54,12 @@ def test_bad_tables_name_the_rule(table, message):
         return
     with pytest.raises(RuleTableError, match=message):
         build_rules(table)
-    # every route reads the table through the one plan setup.py makes: a recipe error naming the key and the rule
-    with pytest.raises(RecipeError, match=f"^speculative.rules: .*{message}"):
+    # every route reads the table through the one plan setup.py makes: an error naming the key and the rule, which
+    # the recipe checks refuse the recipe with
+    with pytest.raises(RuleTableError, match=f"^speculative.rules: .*{message}"):
         speculative_plan(SpeculativeSection(rules=table))
+    with pytest.raises(RecipeError, match=f"^speculative.rules: .*{message}"):
+        checked_speculative_plan(SpeculativeSection(rules=table))
 
 
 def test_choice_follows_batch_size_then_measured_acceptance():

@@ -17,9 +17,9 @@ from typer.testing import CliRunner
 
 from tlt_cli.cli import app
 from tlt_cli.config import RecipeError
+from tlt_cli.preflight import check_machine
 from tlt_cli.processes.distributed import visible_gpus
 from tlt_cli.processes.hostfile import deepspeed_launch_command
-from tlt_cli.processes.machine_checks import check_machine
 from tlt_cli.recipe_checks import load_checked_recipe
 from tlt_cli.recipes import RECIPES_DIRECTORY
 from tlt_cli.sglang.adaptive import BatchRule, batch_rules

@@ -157,4 +157,9 @@ def test_the_recipe_schema_imports_nothing_heavy():
         .split(",")
     )
     assert [name for name in loaded if name.startswith(HEAVY)] == []
-    assert [name for name in loaded if name.startswith("tlt_cli.")] == ["tlt_cli.config", "tlt_cli.errors"]
+    assert [name for name in loaded if name.startswith("tlt_cli.")] == [
+        "tlt_cli.config",
+        "tlt_cli.config.loading",
+        "tlt_cli.config.schema",
+        "tlt_cli.errors",
+    ]

@@ -8,7 +8,7 @@ it may import modules of its own layer and of the layers below. The composition 
 commands' implementations (among them the trainer table, tlt_cli/trainers.py, which names both
 trainers' bodies) and the CLI come last. ALLOWED_UPWARD lists the exceptions, each
 with its reason. Below the composition root, the decode packages (RECIPE_FREE) take plain values and
-never import the recipe schema (tlt_cli/config.py). No two modules import each other, however
+never import the recipe schema (the package tlt_cli/config/). No two modules import each other, however
 indirectly, in tlt_cli/ or in the shipped plugins (plugins/, installed as tlt_plugins).
 """
 
@@ -70,7 +70,8 @@ ALLOWED_UPWARD: dict[tuple[str, str], str] = {}
 PLUGINS_PACKAGE = "tlt_plugins"
 PLUGINS_ROOT = PACKAGE_ROOT.parent / "plugins"
 
-# the recipe schema, and the packages below the composition root that take plain values made from it instead
+# the recipe schema (a package: the name and its modules), and the packages below the composition root that take
+# plain values made from it instead
 RECIPE_SCHEMA = "tlt_cli.config"
 RECIPE_FREE = ("tlt_cli.engine", "tlt_cli.speculative", "tlt_cli.rollout")
 
@@ -221,12 +222,13 @@ def module_graph() -> dict[str, set[str]]:
 
 
 def recipe_schema_imports(modules: list[Path]) -> list[str]:
-    """'importer -> tlt_cli.config' for each module of a RECIPE_FREE package that imports the recipe schema."""
+    """'importer -> tlt_cli.config' for each module of a RECIPE_FREE package that imports the recipe schema (the
+    package or one of its modules)."""
     return [
         f"{module_name(path)} -> {RECIPE_SCHEMA}"
         for path in modules
         if module_name(path).startswith(tuple(f"{package}." for package in RECIPE_FREE))
-        and RECIPE_SCHEMA in imported_modules(path)
+        and any(name == RECIPE_SCHEMA or name.startswith(f"{RECIPE_SCHEMA}.") for name in imported_modules(path))
     ]
 
 
@@ -242,6 +244,8 @@ def test_the_decode_packages_never_import_the_recipe_schema():
         ("speculative", "from tlt_cli.config import SpeculativeSection\n", True),
         ("rollout", "def body():\n    from tlt_cli import config\n", True),
         ("engine", "import tlt_cli.config\n", True),
+        ("speculative", "from tlt_cli.config.schema import SpeculativeSection\n", True),
+        ("rollout", "from tlt_cli.config import loading\n", True),
         ("speculative", "from tlt_cli.errors import UserError\n", False),
         ("sglang", "from tlt_cli.config import RecipeError\n", False),
     ],

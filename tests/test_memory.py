@@ -8,6 +8,7 @@ from typer.testing import CliRunner
 
 from tlt_cli.cli import app
 from tlt_cli.config import RecipeError, load_recipe
+from tlt_cli.preflight import check_memory
 from tlt_cli.recipes import resolve_recipe_path
 from tlt_cli.training import memory
 
@@ -58,10 +59,10 @@ def test_a_run_fits_exactly_when_its_workers_estimate_is_at_most_what_is_availab
         recipe, memory.model_shape(recipe), memory.longest_prompt_tokens(recipe)
     ).total_bytes
     monkeypatch.setattr(memory, "available_bytes", lambda: needed * recipe.workers.count)
-    memory.check_memory(recipe)
+    check_memory(recipe)
     monkeypatch.setattr(memory, "available_bytes", lambda: needed * recipe.workers.count - 1)
     with pytest.raises(RecipeError, match="workers.count, train.prompts_per_step or rollout.max_new_tokens"):
-        memory.check_memory(recipe)
+        check_memory(recipe)
 
 
 def test_a_step_too_big_for_memory_is_refused_before_its_prompts_are_encoded(monkeypatch):
@@ -70,7 +71,7 @@ def test_a_step_too_big_for_memory_is_refused_before_its_prompts_are_encoded(mon
     recipe = load_recipe(resolve_recipe_path("tiny-cpu"), ["train.prompts_per_step=100000000"])
     monkeypatch.setattr(memory, "longest_prompt_tokens", lambda recipe: pytest.fail("encoded the prompts"))
     with pytest.raises(RecipeError, match="lower workers.count, train.prompts_per_step or rollout.max_new_tokens"):
-        memory.check_memory(recipe)
+        check_memory(recipe)
 
 
 def test_tlt_train_refuses_a_recipe_that_cannot_fit_in_one_sentence_with_exit_2(tmp_path):

@@ -1,5 +1,8 @@
 """Model-free and hybrid drafting: the n-gram index, and SD with its proposals stays lossless."""
 
+import json
+import re
+
 import pytest
 import torch
 from scipy.stats import chisquare
@@ -21,9 +24,11 @@ from tlt_cli.drafter.model import EagleDrafter
 from tlt_cli.engine.sampling import SamplingParams
 from tlt_cli.profile.analysis import analyse
 from tlt_cli.profile.records import load_records
+from tlt_cli.recipe_checks import load_checked_recipe
+from tlt_cli.recipes import resolve_recipe_path
 from tlt_cli.rollout.generate_loop import EmbeddedEngine
 from tlt_cli.rollout.types import RolloutRequest
-from tlt_cli.sglang.adaptive import batch_rules, plan_for_sglang
+from tlt_cli.sglang.adaptive import batch_rules, one_algorithm_problem, plan_for_sglang
 from tlt_cli.sglang.server_args import speculative_flags
 from tlt_cli.sglang.version import sglang_features
 from tlt_cli.speculative.acceptance import accept_tree
@@ -333,8 +338,14 @@ def test_sglang_runs_model_free_tables_with_its_ngram_flags():
 )
 def test_sglang_refuses_hybrid_and_mixed_tables_in_one_sentence(uses, message):
     rules = [{"batch": [1, 8], "use": uses[0]}, {"batch": [9, None], "use": uses[1]}]
-    with pytest.raises(RecipeError, match=message):
-        batch_rules(speculative_plan(SpeculativeSection(rules=rules)))
+    plan = speculative_plan(SpeculativeSection(rules=rules))
+    assert re.search(message, one_algorithm_problem(plan.configs))
+    with pytest.raises(ValueError, match=message):
+        batch_rules(plan)
+    # the recipe checks refuse it, naming the key
+    sglang = ["rollout.backend=sglang", "rollout.sglang.colocated=false", "rollout.sglang.gpus=[0,1]"]
+    with pytest.raises(RecipeError, match=f"^speculative.rules: .*{message}"):
+        load_checked_recipe(resolve_recipe_path("tiny-cpu"), [*sglang, f"speculative.rules={json.dumps(rules)}"])
 
 
 @pytest.mark.parametrize("ngram_token", [0, 5])  # tokens the target likes more than the drafter: r(y) > 0

@@ -1,4 +1,4 @@
-"""One source for each key's help and default: the dataclass fields of tlt_cli/config.py.
+"""One source for each key's help and default: the dataclass fields of tlt_cli/config/schema.py.
 
 The contract (tlt_cli/recipe_help.py): in a shipped recipe the comment lines directly above every
 key, joined with spaces, start with the key's help (a recipe may add a note after it);

@@ -8,10 +8,15 @@ import pytest
 import torch
 from tiny_models import tiny_qwen2
 
-from tlt_cli.config import Recipe, RecipeError, SpeculativeMode, SpeculativeSection
+from tlt_cli.config import Recipe, SpeculativeMode, SpeculativeSection
 from tlt_cli.rollout.embedded import EmbeddedRollout
 from tlt_cli.rollout.types import RolloutRequest
-from tlt_cli.speculative.adaptive import AdaptiveSpeculativeDecoder, SpeculationMode, speculative_decoder
+from tlt_cli.speculative.adaptive import (
+    AdaptiveSpeculativeDecoder,
+    RuleTableError,
+    SpeculationMode,
+    speculative_decoder,
+)
 from tlt_cli.speculative.types import SpeculativeConfig
 from tlt_cli.training import setup
 
@@ -99,7 +104,7 @@ def test_the_speculative_plan_is_the_sections_values_with_its_rule_table_parsed_
     # the table of the other modes is never read: a broken one is no error there
     broken = dataclasses.replace(section, mode=SpeculativeMode.off, rules=[{"batch": [3, 1]}])
     assert setup.speculative_plan(broken).configs == () and setup.speculative_plan(broken).rules == ()
-    with pytest.raises(RecipeError, match="^speculative.rules: rule 1: batch range"):
+    with pytest.raises(RuleTableError, match="^speculative.rules: rule 1: batch range"):
         setup.speculative_plan(dataclasses.replace(broken, mode=SpeculativeMode.adaptive))
 
 

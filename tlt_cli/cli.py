@@ -25,12 +25,11 @@ from rich.markup import escape
 
 from tlt_cli.calibration.settings import (
     DEFAULT_CONFIGS,
-    CalibrationError,
     CalibrationSettings,
     parse_batch_sizes,
 )
 from tlt_cli.checkpoint import CheckpointError, next_run_advice
-from tlt_cli.config import Recipe, RecipeError, load_recipe
+from tlt_cli.config import Recipe, load_recipe
 from tlt_cli.errors import UserError
 from tlt_cli.recipes import resolve_recipe_path, shipped_recipes
 from tlt_cli.versions import out_of_range_warnings, version_table
@@ -146,7 +145,7 @@ def _resolve_run(arguments: list[str], resume: Path | None) -> tuple[Recipe, Pat
     has_recipe = bool(arguments) and "=" not in arguments[0]
     overrides = arguments[1:] if has_recipe else arguments
     if resume is None and not has_recipe:
-        raise RecipeError("give a recipe: tlt train RECIPE [key=value ...] (see `tlt recipes list`).")
+        raise UserError("give a recipe: tlt train RECIPE [key=value ...] (see `tlt recipes list`).")
     if resume is not None and not resume.is_dir():
         raise CheckpointError(
             f"--resume {resume} is not a directory; pass the run directory printed when the run started."
@@ -344,8 +343,6 @@ def calibrate(
     from tlt_cli.calibration.calibrate import calibrate as run_calibration
     from tlt_cli.calibration.recipe_text import RecipeEditError, write_rules_into_recipe
     from tlt_cli.calibration.report import render_calibration, write_calibration
-    from tlt_cli.models.loading import ModelLoadError
-    from tlt_cli.tasks.registry import TaskOptionError, UnknownTaskError
 
     def show(label: str, repeat: int) -> None:
         status.update(f"calibrating: shard {repeat + 1} of {repeats}, {label}")
@@ -368,7 +365,7 @@ def calibrate(
         if write_recipe is not None:
             write_rules_into_recipe(write_recipe, result.rules, result.command)
             console.print(f"rewrote speculative.rules in {write_recipe}", highlight=False)
-    except (CalibrationError, RecipeEditError, RecipeError, ModelLoadError, TaskOptionError, UnknownTaskError) as error:
+    except (RecipeEditError, UserError) as error:
         raise fail(str(error)) from None
 
 

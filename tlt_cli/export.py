@@ -37,11 +37,11 @@ from tlt_cli.checkpoint import (
     latest_checkpoint,
     load_checkpoint_file,
 )
-from tlt_cli.config import Recipe, RecipeError
+from tlt_cli.config import Recipe
 from tlt_cli.drafter.model import CONFIG_FILE, DrafterLoadError, load_drafter
 from tlt_cli.drafter.warmup import encode_prompts
 from tlt_cli.engine.sampling import SamplingParams
-from tlt_cli.errors import writing
+from tlt_cli.errors import UserError, writing
 from tlt_cli.recipe_checks import load_checked_recipe
 from tlt_cli.rollout.generate_loop import EmbeddedEngine
 from tlt_cli.rollout.types import RolloutRequest
@@ -247,7 +247,7 @@ def _checkpoint_source(checkpoint_dir: Path, recipe_path: Path | None) -> Drafte
 def _recipe(path: Path) -> Recipe:
     try:
         return load_checked_recipe(path)
-    except RecipeError as error:
+    except UserError as error:
         raise ExportError(str(error)) from None
 
 

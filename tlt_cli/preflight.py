@@ -18,9 +18,15 @@ at fault) at the first problem, reading what the recipe names but building and w
      cache folder (model.cache_dir or $TLT_CACHE_DIR) is writable;
   7. with train.trainer trl: the installed TRL is supported and its GRPOConfig takes the recipe's
      settings and trl section (tlt_cli/integrations/trl_recipe.py; this imports TRL).
-`tlt recipes validate` says ok exactly when this passes, so `tlt train` starts; what the machine
-lacks (GPUs, SGLang) is checked when a run starts (tlt_cli/processes/machine_checks.py), so a GPU
-recipe validates on a laptop.
+`tlt recipes validate` says ok exactly when this passes, so `tlt train` starts. What the machine
+lacks is checked when a run starts, so a GPU recipe validates on a laptop: `check_memory(recipe)`, the
+workers' estimated memory (tlt_cli/training/memory.py; tlt_cli/trainers.py calls it), then
+`check_machine(recipe)`, the GPUs and SGLang the recipe asks for (tlt_cli/processes/machine_checks.py; the
+driver calls it once the run to resume is known).
+
+With tlt_cli/recipe_checks.py this module is the recipe gate, the only code that raises `RecipeError` for a
+recipe that has loaded: the modules that know a rule (the SGLang section, the hostfile, the TRL section, the
+memory estimate, the machine) return a problem sentence or None, and the gate refuses with it (`refuse`).
 """
 
 from __future__ import annotations
@@ -37,30 +43,42 @@ from tlt_cli.errors import UserError, nearest_existing
 from tlt_cli.models.loading import check_weight_shapes, load_config_and_tokenizer, model_folder
 from tlt_cli.models.tiny import cache_directory
 from tlt_cli.plugins import DRIVER_HOOKS, WORKER_HOOKS, plugin_factory
+from tlt_cli.processes.machine_checks import machine_problem
 from tlt_cli.processes.run_directory import holds_run
-from tlt_cli.recipe_checks import check_shapes_fit_draft_vocabulary, check_values
+from tlt_cli.recipe_checks import check_shapes_fit_draft_vocabulary, check_values, refuse
 from tlt_cli.tasks.prompts import encode_prompt
 from tlt_cli.training import setup
+from tlt_cli.training.memory import memory_problem
 
 PLUGIN_HOOKS = WORKER_HOOKS + DRIVER_HOOKS
 
 
 def check_recipe(recipe: Recipe, new_run: bool = False) -> None:
     """Raise RecipeError naming the key (and file) of the first problem that would stop a run of `recipe`."""
-    check_values(recipe)
-    _check_task(recipe)
-    target_vocab_size = _check_model(recipe)
-    draft_vocab_size = _check_drafter_start(recipe, target_vocab_size)
+    check_values(recipe)  # 1. values (tlt_cli/recipe_checks.py)
+    _check_task(recipe)  # 2. the task
+    target_vocab_size = _check_model(recipe)  # 3. the model folder
+    draft_vocab_size = _check_drafter_start(recipe, target_vocab_size)  # 4. the starting drafter
     check_shapes_fit_draft_vocabulary(setup.speculative_plan(recipe.speculative), draft_vocab_size)
-    _check_plugins(recipe.plugins)
+    _check_plugins(recipe.plugins)  # 5. the plugins
     if recipe.train.trainer == Trainer.trl:
         _check_trl_plugins(recipe)
-    check_output_folder(recipe.run, new_run)
+    check_output_folder(recipe.run, new_run)  # 6. the run directory and the cache folder
     check_cache_folder(recipe)
-    if recipe.train.trainer == Trainer.trl:
-        from tlt_cli.integrations.trl_recipe import check_trl_recipe
+    if recipe.train.trainer == Trainer.trl:  # 7. TRL's GRPOConfig
+        from tlt_cli.integrations.trl_recipe import trl_recipe_problem
 
-        check_trl_recipe(recipe)
+        refuse(trl_recipe_problem(recipe))
+
+
+def check_memory(recipe: Recipe) -> None:
+    """Raise RecipeError naming what to lower when the run's workers would not fit in this machine's memory."""
+    refuse(memory_problem(recipe))
+
+
+def check_machine(recipe: Recipe) -> None:
+    """Raise RecipeError naming the key when this machine lacks the GPUs or the SGLang the recipe asks for."""
+    refuse(machine_problem(recipe))
 
 
 def _check_task(recipe: Recipe) -> None:

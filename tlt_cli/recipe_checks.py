@@ -1,12 +1,15 @@
-"""Checks of a recipe's values: ranges, choices, and how its sections fit together.
+"""The table of a recipe's value checks: ranges, choices, and how its sections fit together.
 
 `check_values(recipe)` takes a `Recipe` the loader built (keys and types are right by then) and
-raises a `RecipeError` naming the key at the first value that cannot run: a range, a choice, an
-SD shape or rule table, the actor's placement against the workers and the hostfile, the SGLang
-section against the workers. It reads no model, task data or plugin; tlt_cli/preflight.py runs it
-first, then checks those (the whole check the commands run before anything starts). It imports the
-hostfile parser, the SGLang section's checks, the speculative plan (tlt_cli/training/setup.py parses the rule
-table into it) and the SD shape check, which is why it is not part of tlt_cli/config.py.
+raises a `RecipeError` naming the key at the first value that cannot run, running the section
+checks it lists in order: a range, a choice, an SD shape or rule table, the actor's placement
+against the workers and the hostfile, the SGLang section against the workers. It reads no model,
+task data or plugin; tlt_cli/preflight.py runs it first, then checks those (the whole check the
+commands run before anything starts). This module and tlt_cli/preflight.py are the gate: the
+modules that know a rule only answer with values or a problem sentence, and the gate raises.
+Those it asks: the hostfile parser, the SGLang section's and rule table's problems
+(tlt_cli/sglang/config.py, tlt_cli/sglang/adaptive.py), the speculative plan
+(tlt_cli/training/setup.py parses the rule table into it) and the decoder's SD shape check.
 """
 
 from __future__ import annotations
@@ -31,11 +34,11 @@ from tlt_cli.config import (
     is_control_character,
     load_recipe,
 )
-from tlt_cli.processes.hostfile import HostfileError, check_hostfile, ranks_per_node, shell_paths
+from tlt_cli.processes.hostfile import hostfile_problem, ranks_per_node, shell_paths
 from tlt_cli.rollout.backend import MAX_SEED
-from tlt_cli.sglang.adaptive import batch_rules
-from tlt_cli.sglang.config import validate_sglang_config
-from tlt_cli.speculative.adaptive import SpeculativePlan
+from tlt_cli.sglang.adaptive import one_algorithm_problem
+from tlt_cli.sglang.config import sglang_config_problem
+from tlt_cli.speculative.adaptive import RuleTableError, SpeculationMode, SpeculativePlan
 from tlt_cli.speculative.decoder import check_speculative_config, check_topk_fits
 from tlt_cli.speculative.types import SpeculativeConfig
 from tlt_cli.training.rollout_correction import CORRECTION_MODES
@@ -69,6 +72,13 @@ def _require(condition: bool, message: str) -> None:
         raise RecipeError(message)
 
 
+def refuse(problem: str | None, key: str = "") -> None:
+    """Raise RecipeError with `problem`, the sentence a module that knows the rule returned (None: no problem),
+    after `key` when the sentence does not name it."""
+    if problem is not None:
+        raise RecipeError(f"{key}{problem}")
+
+
 def load_checked_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Recipe:
     """`load_recipe` then `check_values`: a recipe whose keys, types and values are right."""
     recipe = load_recipe(path, overrides)
@@ -77,25 +87,21 @@ def load_checked_recipe(path: str | Path, overrides: list[str] | tuple[str, ...]
 
 
 def check_values(recipe: Recipe) -> None:
-    """Raise RecipeError naming the key of the first value the recipe cannot run with."""
-    _check_numbers(recipe)
-    _check_run(recipe)
-    _check_train_and_workers(recipe)
-    _check_rollout(recipe)
-    _check_actor(recipe)
-    _require(
-        recipe.checkpoint.every >= 1,
-        f"checkpoint.every must be at least 1 (steps between checkpoints), got {recipe.checkpoint.every}.",
-    )
-    _require(recipe.checkpoint.keep >= 1, f"checkpoint.keep must be at least 1, got {recipe.checkpoint.keep}.")
-    _check_model_path(recipe.model.path)
-    check_speculative_section(recipe.speculative)
-    _check_drafter(recipe.drafter)
-    _check_plugins(recipe)
-    _check_actor_placement(recipe)
-    _check_trainer(recipe)
+    """Raise RecipeError naming the key of the first value the recipe cannot run with: the table, in order."""
+    _check_numbers(recipe)  # every float finite, every integer within 64 bits
+    _check_run(recipe)  # run.name, run.output_dir (a folder, printable, shell-safe under a hostfile), run.seed
+    _check_train_and_workers(recipe)  # train.*, workers.*, a step's token count
+    _check_rollout(recipe)  # rollout.* but the SGLang section
+    _check_actor(recipe)  # actor.* ranges and choices
+    _check_checkpoint(recipe)  # checkpoint.every, checkpoint.keep
+    _check_model_path(recipe.model.path)  # a built-in model's name, or a path
+    check_speculative_section(recipe.speculative)  # SD shapes, the decoder's settings, the rule table
+    _check_drafter(recipe.drafter)  # drafter.init and the drafter's training settings
+    _check_plugins(recipe)  # plugins.enabled names, plugins.options for enabled plugins
+    _check_actor_placement(recipe)  # actor.devices and actor.precision against workers and the hostfile
+    _check_trainer(recipe)  # what train.trainer trl takes
     if recipe.rollout.backend == RolloutBackendName.sglang:
-        _check_sglang_backend(recipe)
+        _check_sglang_backend(recipe)  # rollout.sglang, and how it fits the workers and the rule table
 
 
 def _check_numbers(section: Any, prefix: str = "") -> None:
@@ -259,6 +265,14 @@ def _check_actor(recipe: Recipe) -> None:
     )
 
 
+def _check_checkpoint(recipe: Recipe) -> None:
+    _require(
+        recipe.checkpoint.every >= 1,
+        f"checkpoint.every must be at least 1 (steps between checkpoints), got {recipe.checkpoint.every}.",
+    )
+    _require(recipe.checkpoint.keep >= 1, f"checkpoint.keep must be at least 1, got {recipe.checkpoint.keep}.")
+
+
 def _check_trainer(recipe: Recipe) -> None:
     """What a TRL run takes (TRL's own settings are checked by tlt_cli/preflight.py)."""
     trainer, backend = recipe.train.trainer, recipe.rollout.backend
@@ -319,16 +333,13 @@ def _check_actor_placement(recipe: Recipe) -> None:
             "give one GPU per worker rank.",
         )
         return
-    try:
-        check_hostfile(recipe)
-    except HostfileError as error:
-        raise RecipeError(f"workers.hostfile: {error}") from None
+    refuse(hostfile_problem(recipe), "workers.hostfile: ")
 
 
 def _check_sglang_backend(recipe: Recipe) -> None:
     """rollout.sglang on its own, then how it fits the workers and the speculative section."""
     config = recipe.rollout.sglang
-    validate_sglang_config(config)
+    refuse(sglang_config_problem(config))
     # every node runs its own servers for its own ranks
     node_ranks = ranks_per_node(recipe)
     _require(
@@ -341,10 +352,9 @@ def _check_sglang_backend(recipe: Recipe) -> None:
         "rollout.sglang.colocated: true sends the actor's CUDA tensors to the servers, so actor.devices must list "
         "GPUs; with the actor on cpu set rollout.sglang.colocated: false (weights go through a checkpoint on disk).",
     )
-    try:
-        batch_rules(speculative_plan(recipe.speculative))
-    except RecipeError as error:
-        raise RecipeError(f"speculative.rules: {error}") from None
+    plan = checked_speculative_plan(recipe.speculative)
+    if plan.mode == SpeculationMode.adaptive:
+        refuse(one_algorithm_problem(plan.configs), "speculative.rules: ")
 
 
 def check_speculative_section(section: SpeculativeSection) -> None:
@@ -361,8 +371,17 @@ def check_speculative_section(section: SpeculativeSection) -> None:
         0.0 <= section.bandit_epsilon <= 1.0,
         f"speculative.bandit_epsilon must be in [0, 1], got {section.bandit_epsilon}.",
     )
-    for where, config in _rule_shapes(speculative_plan(section)):
+    for where, config in _rule_shapes(checked_speculative_plan(section)):
         _check_shape(where, config)
+
+
+def checked_speculative_plan(section: SpeculativeSection) -> SpeculativePlan:
+    """The section as a plan (tlt_cli/training/setup.py parses the rule table); RecipeError naming
+    speculative.rules and the rule it cannot read."""
+    try:
+        return speculative_plan(section)
+    except RuleTableError as error:
+        raise RecipeError(str(error)) from None
 
 
 def check_shapes_fit_draft_vocabulary(plan: SpeculativePlan, draft_vocab_size: int) -> None:

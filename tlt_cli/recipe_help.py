@@ -1,6 +1,6 @@
 """A recipe as YAML with each key's help above it: what `tlt recipes show` prints.
 
-The help of a key is the `help` metadata of its dataclass field (tlt_cli/config.py), written as
+The help of a key is the `help` metadata of its dataclass field (tlt_cli/config/schema.py), written as
 comment lines wrapped at 100 columns directly above the key. The shipped recipes follow the same
 contract: the comment lines directly above every key, joined with spaces, start with the key's help
 (a recipe may go on with a note of its own), which tests/test_recipes.py checks. The output loads
@@ -28,7 +28,7 @@ def commented_yaml(recipe: Recipe) -> str:
 
 
 def key_help(section_class: type, key: str) -> str:
-    """The help text of `key` in a section dataclass of tlt_cli/config.py."""
+    """The help text of `key` in a section dataclass of tlt_cli/config/schema.py."""
     return next(key_field.metadata[HELP] for key_field in dataclasses.fields(section_class) if key_field.name == key)
 
 

@@ -6,9 +6,11 @@ starting drafter's preparation (setup.py), so the process plumbing imports no tr
   native  tlt's own GRPO worker loop (worker_loop.py)
   trl     Hugging Face TRL's GRPOTrainer with tlt's rollout (tlt_cli/integrations/trl_run.py),
           imported only when a TRL run starts (the native path never loads TRL)
-Before either starts, `check_memory` (memory.py) refuses a run whose workers would not fit in memory,
-then `resolve_update_precision` (update_precision.py) makes `actor.precision: auto` concrete (measured
-once per machine and model; the console and the trace's run record say what ran and why).
+Before either starts, the checks of this machine (tlt_cli/preflight.py) refuse a run whose workers would not
+fit in memory (`check_memory`), then `resolve_update_precision`
+(update_precision.py) makes `actor.precision: auto` concrete (measured once per machine and model; the
+console and the trace's run record say what ran and why); the driver is handed `check_machine`, which
+refuses a run whose GPUs or SGLang this machine lacks.
 """
 
 from __future__ import annotations
@@ -19,10 +21,10 @@ from typing import Any
 from rich.console import Console
 
 from tlt_cli.config import CPU_DEVICES, Recipe, Trainer
+from tlt_cli.preflight import check_machine, check_memory
 from tlt_cli.processes.driver import RunSummary, TrainerEntry
 from tlt_cli.processes.driver import train as run_driver
 from tlt_cli.processes.messages import WorkerSpec
-from tlt_cli.training.memory import check_memory
 from tlt_cli.training.setup import model_cache, prepare_drafter
 from tlt_cli.training.update_precision import resolve_update_precision
 from tlt_cli.training.worker_loop import worker_main
@@ -44,8 +46,9 @@ TRAINERS: dict[Trainer, TrainerEntry] = {
 def train(recipe: Recipe, console: Console, resume_directory: Path | None = None, keep_log: bool = False) -> RunSummary:
     """Run the recipe's trainer (a new run, or `resume_directory` resumed); see tlt_cli/processes/driver.py.
 
-    First a RecipeError when this machine's memory cannot hold the workers' estimated peak (memory.py; with
-    actor.precision auto, that of the larger precision), then auto is resolved.
+    First a refusal, one sentence, when this machine's memory cannot hold the workers' estimated peak
+    (tlt_cli/preflight.py `check_memory`; with actor.precision auto, that of the larger precision), then auto is
+    resolved.
     """
     check_memory(recipe)
     if recipe.actor.precision == "auto" and recipe.actor.devices == CPU_DEVICES:
@@ -53,4 +56,6 @@ def train(recipe: Recipe, console: Console, resume_directory: Path | None = None
     recipe, precision = resolve_update_precision(recipe, model_cache(recipe))
     console.print(precision.describe(), markup=False)
     facts = {"actor_precision": precision.record()}
-    return run_driver(recipe, TRAINERS[recipe.train.trainer], console, resume_directory, keep_log, facts)
+    return run_driver(
+        recipe, TRAINERS[recipe.train.trainer], console, resume_directory, keep_log, facts, check_machine=check_machine
+    )

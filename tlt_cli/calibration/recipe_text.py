@@ -21,7 +21,8 @@ from tlt_cli.calibration.rules import (
     rules_block,
     rules_comment,
 )
-from tlt_cli.config import RecipeError, SpeculativeMode
+from tlt_cli.config import SpeculativeMode
+from tlt_cli.errors import UserError
 from tlt_cli.recipe_checks import load_checked_recipe
 
 SECTION = re.compile(r"^speculative:\s*(#.*)?$")
@@ -36,7 +37,7 @@ def write_rules_into_recipe(path: Path, rules: list[dict], command: str) -> None
     """Rewrite `path` so its speculative section is adaptive with `rules` (see the module docstring)."""
     try:
         before = load_checked_recipe(path)
-    except RecipeError as error:
+    except UserError as error:
         raise RecipeEditError(f"--write-recipe {path}: {error}") from None
     text = path.read_text(encoding="utf-8")
     candidate = path.with_name(f".{path.name}.calibrated")
@@ -44,7 +45,7 @@ def write_rules_into_recipe(path: Path, rules: list[dict], command: str) -> None
     expected = replace(before, speculative=replace(before.speculative, mode=SpeculativeMode.adaptive, rules=rules))
     try:
         after = load_checked_recipe(candidate)
-    except RecipeError as error:
+    except UserError as error:
         candidate.unlink()
         raise RecipeEditError(
             f"--write-recipe {path}: the rewritten file is not a valid recipe ({error}); "

@@ -13,9 +13,9 @@ steps on it:
     sequence -> sequence_truncate, off -> no correction) and actor.rollout_correction_cap
 then adds the recipe's `trl:` section, passed through unchanged. A key of that section that
 GRPOConfig does not have, or that the recipe sets through its own key, or that tlt's run needs
-as it sets it (logging, saving, the output folder), is a `RecipeError` naming `trl.<key>`;
-`check_trl_recipe` (called by tlt_cli/preflight.py) checks the TRL version, the keys, and that
-GRPOConfig accepts the values. `prompt_dataset` and `TaskReward` give TRL the task's problems
+as it sets it (logging, saving, the output folder), is refused in one sentence naming `trl.<key>`:
+`trl_recipe_problem` (which tlt_cli/preflight.py refuses the recipe with) checks the TRL version, the keys,
+and that GRPOConfig accepts the values. `prompt_dataset` and `TaskReward` give TRL the task's problems
 in tlt's data order (through the chat template when the model has one) and its exact reward.
 Only the TRL processes import TRL and datasets (tlt_cli/integrations/trl_run.py); the preflight
 check imports TRL.
@@ -29,7 +29,7 @@ import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from tlt_cli.config import CPU_DEVICES, Recipe, RecipeError
+from tlt_cli.config import CPU_DEVICES, Recipe
 from tlt_cli.integrations.trl_support import check_trl_version
 from tlt_cli.plugins import trl_reporting
 from tlt_cli.tasks.base import Task
@@ -135,8 +135,9 @@ def grpo_config_arguments(recipe: Recipe, processes: int, run_directory: Path) -
     return {**derived, **dict(recipe.trl)}
 
 
-def check_trl_recipe(recipe: Recipe, trl_version: str | None = None) -> None:
-    """RecipeError (one sentence) unless TRL is supported and GRPOConfig takes the recipe's trl section.
+def trl_recipe_problem(recipe: Recipe, trl_version: str | None = None) -> str | None:
+    """Why TRL's GRPOConfig does not take the recipe's settings and trl section, in one sentence naming the key;
+    None when it does. An UnsupportedTrlError first when TRL is missing or unsupported.
 
     trl_version: the version to check instead of the installed one (tests).
     """
@@ -145,23 +146,27 @@ def check_trl_recipe(recipe: Recipe, trl_version: str | None = None) -> None:
 
     fields = {field.name for field in dataclasses.fields(GRPOConfig)}
     for key in recipe.trl:
-        _check_key(key, fields)
+        problem = _key_problem(key, fields)
+        if problem is not None:
+            return problem
     try:
         build_grpo_config(recipe, recipe.workers.count, Path(recipe.run.output_dir) / recipe.run.name)
     except (ValueError, TypeError) as error:
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise RecipeError(f"trl: TRL's GRPOConfig refuses the recipe's settings: {reason}") from None
+        return f"trl: TRL's GRPOConfig refuses the recipe's settings: {reason}"
+    return None
 
 
-def _check_key(key: str, fields: set[str]) -> None:
+def _key_problem(key: str, fields: set[str]) -> str | None:
     if key in DERIVED:
-        raise RecipeError(f"trl.{key} is set from the recipe's {DERIVED[key]}; set that instead.")
+        return f"trl.{key} is set from the recipe's {DERIVED[key]}; set that instead."
     if key in RUN_OWNED:
-        raise RecipeError(f"trl.{key} is set by tlt for its trace, display and checkpoints; remove it.")
+        return f"trl.{key} is set by tlt for its trace, display and checkpoints; remove it."
     if key not in fields:
         close = difflib.get_close_matches(key, sorted(fields), n=1)
         hint = f"did you mean trl.{close[0]}?" if close else "see the fields of trl.GRPOConfig."
-        raise RecipeError(f"trl.{key} is not a field of TRL's GRPOConfig; {hint}")
+        return f"trl.{key} is not a field of TRL's GRPOConfig; {hint}"
+    return None
 
 
 def build_grpo_config(recipe: Recipe, processes: int, run_directory: Path) -> GRPOConfig:

@@ -13,20 +13,20 @@ before its peers failed in their collectives is named with its signal, not they;
 exit 2, when the error is the user's: a data file, model weights); its traceback goes to the
 run's log (`run.log`), the run directory keeps every complete checkpoint for `--resume`.
 
-Before anything is created, the DeepSpeed /dev/shm segments and rendezvous folders a killed run
-left are removed (shared_memory.py, distributed.py), `check_machine` makes sure this machine has
-what the recipe asks for (GPUs for `actor.devices`, SGLang for `rollout.backend: sglang`) and the
-drafter is prepared; only
-then is a new run directory made, locked for the run's life (run_directory.py: a second
-`tlt train` of it refuses). A new run that fails before its first step is removed again (only
-what it made; with `keep_log`, all but its logs stay), and the trace is opened at the first step,
-so a resume that fails first leaves the run's trace and checkpoints as they were. A worker that
-spends more than `workers.step_timeout_s` in one step ends the run as a failure does, named
-(step_deadline.py); SIGTERM ends it as Ctrl-C does (tlt_cli/cli.py). Workers start with only the
-actor's GPUs visible. With SGLang each worker owns its servers; whatever way the run ends
-(finished, Ctrl-C, a failure, a worker killed), the driver finally stops every server process
-group the workers recorded in the run directory, so none is left behind (on this machine: with a
-hostfile of several nodes each worker stops its own, and DeepSpeed ends the ranks' process trees).
+Before anything is created, the `check_machine` it is handed (tlt_cli/preflight.py's, by
+tlt_cli/trainers.py) makes sure this machine has what the recipe asks for (GPUs for `actor.devices`,
+SGLang for `rollout.backend: sglang`), the DeepSpeed /dev/shm segments and rendezvous folders a killed
+run left are removed (shared_memory.py, distributed.py) and the drafter is prepared; only then is a new
+run directory made, locked for the run's life (run_directory.py: a second `tlt train` of it refuses).
+A new run that fails before its first step is removed again (only what it made; with `keep_log`, all
+but its logs stay), and the trace is opened at the first step, so a resume that fails first leaves the
+run's trace and checkpoints as they were. A worker that spends more than `workers.step_timeout_s` in one
+step ends the run as a failure does, named (step_deadline.py); SIGTERM ends it as Ctrl-C does
+(tlt_cli/cli.py). Workers start with only the actor's GPUs visible. With SGLang each worker owns its
+servers; whatever way the run ends (finished, Ctrl-C, a failure, a worker killed), the driver finally
+stops every server process group the workers recorded in the run directory, so none is left behind (on
+this machine: with a hostfile of several nodes each worker stops its own, and DeepSpeed ends the ranks'
+process trees).
 """
 
 from __future__ import annotations
@@ -53,7 +53,6 @@ from tlt_cli.processes.distributed import remove_abandoned_rendezvous
 from tlt_cli.processes.hostfile import runs_on_this_machine
 from tlt_cli.processes.launched_workers import LaunchedWorkers
 from tlt_cli.processes.local_workers import LocalWorkers
-from tlt_cli.processes.machine_checks import check_machine
 from tlt_cli.processes.messages import (
     RunSpec,
     WorkerBody,
@@ -185,11 +184,14 @@ def train(
     resume_directory: Path | None = None,
     keep_log: bool = False,
     run_facts: dict[str, Any] | None = None,
+    *,
+    check_machine: Callable[[Recipe], None],
 ) -> RunSummary:
     """Run `trainer` with recipe.workers.count worker processes: a new run, or `resume_directory` resumed.
 
     run_facts: what the composition root chose for this run (e.g. the actor's precision), added to the
-    trace's run record.
+    trace's run record. check_machine: raises, in one sentence, when this machine lacks what the recipe asks
+    for (run once the run to resume is known, before anything starts).
 
     The run directory is locked from when it is taken (a resumed one: once its checkpoint is
     found; a new one: once the drafter is ready) until this returns or raises.

@@ -1,7 +1,8 @@
 """Hostfiles and the DeepSpeed launcher command that runs a recipe's actor ranks on them.
 
 `read_hostfile(path)` reads a DeepSpeed hostfile (one `<host> slots=<n>` line per node, `#`
-comments); `check_hostfile(recipe)` says whether it fits the recipe (recipe validation calls it);
+comments); `hostfile_problem(recipe)` says, in one sentence, why it does not fit the recipe (None when it
+does; the recipe gate, tlt_cli/recipe_checks.py, refuses the recipe with it);
 `deepspeed_launch_command(recipe, run_directory, master_port)` builds the argv the driver runs
 (launched_workers.py): DeepSpeed's launcher starts `python -m tlt_cli.processes.launched_rank
 RUN_DIR` as every rank, one per GPU of `actor.devices` on each host, or one per slot with
@@ -32,7 +33,7 @@ LOCAL_ADDRESS = "127.0.0.1"
 
 
 class HostfileError(ValueError):
-    """A hostfile that cannot be read or does not fit the recipe; the message names the file and line."""
+    """A hostfile that cannot be read; the message names the file and line."""
 
 
 @dataclass(frozen=True)
@@ -64,14 +65,18 @@ def read_hostfile(path: Path) -> list[Host]:
     return hosts
 
 
-def check_hostfile(recipe: Recipe) -> None:
-    """HostfileError unless the hostfile's nodes give exactly workers.count ranks (one per GPU or CPU slot)."""
+def hostfile_problem(recipe: Recipe) -> str | None:
+    """Why the hostfile cannot be read, or why its nodes do not give exactly workers.count ranks (one per GPU or
+    CPU slot), in one sentence naming the file; None when they do."""
     path = Path(recipe.workers.hostfile)
-    hosts = read_hostfile(path)
+    try:
+        hosts = read_hostfile(path)
+    except HostfileError as error:
+        return str(error)
     devices = recipe.actor.devices
     if devices == CPU_DEVICES:
         if len({host.slots for host in hosts}) > 1:
-            raise HostfileError(
+            return (
                 f"{path} gives hosts different slots; with actor.devices cpu every node runs the same "
                 "number of ranks, one per slot."
             )
@@ -79,13 +84,14 @@ def check_hostfile(recipe: Recipe) -> None:
     else:
         short = [host for host in hosts if host.slots <= max(devices)]
         if short:
-            raise HostfileError(
+            return (
                 f"{path} gives {short[0].name} slots={short[0].slots}, but actor.devices uses GPU "
                 f"{max(devices)}; slots must count the node's GPUs."
             )
         ranks, why = len(hosts) * len(devices), f"{len(hosts)} nodes in {path} x {len(devices)} actor.devices each"
     if recipe.workers.count != ranks:
-        raise HostfileError(f"workers.count must be {ranks} ({why}), got {recipe.workers.count}.")
+        return f"workers.count must be {ranks} ({why}), got {recipe.workers.count}."
+    return None
 
 
 def ranks_per_node(recipe: Recipe) -> int:

@@ -1,8 +1,9 @@
-"""Run-time checks that this machine has what a valid recipe asks for: GPUs for the actor, SGLang.
+"""What this machine must have for a valid recipe to run: GPUs for the actor, SGLang.
 
 Recipe validation (tlt_cli/recipe_checks.py) never looks at the machine, so a GPU recipe validates on a
-laptop. The driver calls `check_machine(recipe)` before it starts any worker or server; each
-problem is a `RecipeError` naming the key that asks for what is missing (the CLI exits with 2).
+laptop. `machine_problem(recipe)` names, in one sentence, the key that asks for what this machine lacks
+(None when it has it all); the checks when a run starts (tlt_cli/preflight.py `check_machine`) refuse the
+run with it before any worker or server starts (the CLI exits with 2).
 """
 
 from __future__ import annotations
@@ -11,47 +12,49 @@ import sys
 
 import torch
 
-from tlt_cli.config import CPU_DEVICES, ActorConfig, Recipe, RecipeError, RolloutBackendName, SGLangConfig
+from tlt_cli.config import CPU_DEVICES, ActorConfig, Recipe, RolloutBackendName, SGLangConfig
 
 # bfloat16 arithmetic needs compute capability 8.0 (Ampere) or newer
 BF16_MIN_CAPABILITY = 8
 
 
-def check_machine(recipe: Recipe) -> None:
-    """RecipeError if actor.devices needs GPUs this machine lacks, or rollout.backend sglang an SGLang it lacks."""
-    _check_actor_gpus(recipe.actor)
-    if recipe.rollout.backend == RolloutBackendName.sglang:
-        _check_sglang(recipe.rollout.sglang)
+def machine_problem(recipe: Recipe) -> str | None:
+    """Why this machine cannot run `recipe`: actor.devices needs GPUs it lacks, or rollout.backend sglang an
+    SGLang it lacks; None when it can."""
+    problem = _actor_gpus_problem(recipe.actor)
+    if problem is None and recipe.rollout.backend == RolloutBackendName.sglang:
+        problem = _sglang_problem(recipe.rollout.sglang)
+    return problem
 
 
-def _check_actor_gpus(actor: ActorConfig) -> None:
+def _actor_gpus_problem(actor: ActorConfig) -> str | None:
     if actor.devices == CPU_DEVICES:
-        return
+        return None
     if not torch.cuda.is_available():
-        raise RecipeError(
+        return (
             f"actor.devices lists GPUs {actor.devices}, but CUDA is not available here; "
             "run on a GPU machine or set actor.devices=cpu actor.precision=fp32."
         )
     count = torch.cuda.device_count()
     absent = [device for device in actor.devices if device >= count]
     if absent:
-        raise RecipeError(
-            f"actor.devices lists GPU {absent[0]}, but this machine shows {count} GPU(s) (0..{count - 1})."
-        )
+        return f"actor.devices lists GPU {absent[0]}, but this machine shows {count} GPU(s) (0..{count - 1})."
     if actor.precision == "bf16":
         for device in actor.devices:
             major, minor = torch.cuda.get_device_capability(device)
             if major < BF16_MIN_CAPABILITY:
-                raise RecipeError(
+                return (
                     f"actor.precision bf16 needs compute capability 8.0 or newer, but GPU {device} has "
                     f"{major}.{minor}; set actor.precision=fp32."
                 )
+    return None
 
 
-def _check_sglang(config: SGLangConfig) -> None:
+def _sglang_problem(config: SGLangConfig) -> str | None:
     from tlt_cli.sglang.version import SGLangVersionError, installed_sglang_version, sglang_features
 
     try:
         sglang_features(installed_sglang_version(config.python or sys.executable))
     except SGLangVersionError as error:
-        raise RecipeError(f"rollout.backend is sglang, but {error}") from None
+        return f"rollout.backend is sglang, but {error}"
+    return None

@@ -22,8 +22,9 @@ accept length not yet measured; its `use:`, not its bandit candidates).
   from the rule that covers `static_batch_size` (the tail), runs at every batch size.
 - **ngram**: the table's SD configurations are model-free (`ngram<k>`): SGLang's own NGRAM
   drafting (`--speculative-algorithm NGRAM`, one trie per server fed by every running request),
-  one configuration at every batch size as in a static plan. NGRAM cannot run beside EAGLE, so
-  `batch_rules` refuses hybrid configurations (`s2-k1-t3+ngram4`) and tables mixing the two.
+  one configuration at every batch size as in a static plan. NGRAM cannot run beside EAGLE:
+  `one_algorithm_problem(configs)` says so of hybrid configurations (`s2-k1-t3+ngram4`) and tables mixing
+  the two, in the sentence the recipe checks (tlt_cli/recipe_checks.py) refuse the recipe with.
 
 `SGLangSpeculativePlan.differences` lists, in sentences, how the plan differs from the
 embedded engine; the backend logs them at start. The server command line is built from the
@@ -38,7 +39,6 @@ from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
 
-from tlt_cli.config import RecipeError
 from tlt_cli.sglang.version import SGLangFeatures
 from tlt_cli.speculative.adaptive import UNBOUNDED, Rule, SpeculationMode, SpeculativePlan, bucket_edges
 from tlt_cli.speculative.types import SpeculativeConfig
@@ -89,29 +89,38 @@ class SGLangSpeculativePlan:
 
 
 def batch_rules(plan: SpeculativePlan) -> list[BatchRule]:
-    """Batch-size rules from the speculative plan, covering batch sizes 1.. in order."""
+    """Batch-size rules from the speculative plan, covering batch sizes 1.. in order; a ValueError for a rule
+    table the recipe checks refuse (`one_algorithm_problem`)."""
     if plan.mode == SpeculationMode.off:
         return [BatchRule(1, None, None)]
     if plan.mode == SpeculationMode.fixed:
         return [BatchRule(1, None, plan.shape)]
-    _check_one_algorithm(list(plan.configs))
+    _require_one_algorithm(list(plan.configs))
     return _adaptive_batch_rules(list(plan.rules))
 
 
-def _check_one_algorithm(configs: list[SpeculativeConfig]) -> None:
-    """SGLang runs NGRAM or EAGLE on a server, never both: no hybrid, no table mixing the two."""
+def one_algorithm_problem(configs: Sequence[SpeculativeConfig]) -> str | None:
+    """Why an SGLang server cannot run `configs`, in one sentence (it runs NGRAM or EAGLE, never both: no
+    hybrid, no table mixing the two); None when it can."""
     for config in configs:
         if config.uses_ngram and config.uses_drafter:
-            raise RecipeError(
+            return (
                 f"{config.label()} drafts with both the n-gram index and the drafter, which SGLang cannot run (its "
                 f"NGRAM drafting does not combine with EAGLE); use ngram{config.ngram_tokens} or "
                 f"{config.drafter_part.label()} with rollout.backend: sglang."
             )
     if len({config.uses_ngram for config in configs}) > 1:
-        raise RecipeError(
+        return (
             "the rule table mixes model-free ngram<k> with drafter configurations, and an SGLang server runs one "
             "speculative algorithm (NGRAM or EAGLE); use one kind with rollout.backend: sglang."
         )
+    return None
+
+
+def _require_one_algorithm(configs: list[SpeculativeConfig]) -> None:
+    problem = one_algorithm_problem(configs)
+    if problem is not None:
+        raise ValueError(problem)
 
 
 def _adaptive_batch_rules(rules: list[Rule]) -> list[BatchRule]:
@@ -163,7 +172,7 @@ def plan_for_sglang(
         return SGLangSpeculativePlan(
             PlanMode.off, None, (), ("SD is off on every server, as every rule of the table says.",)
         )
-    _check_one_algorithm([rule.speculative for rule in speculative_rules])
+    _require_one_algorithm([rule.speculative for rule in speculative_rules])
     if speculative_rules[0].speculative.uses_ngram:
         return _ngram_plan(rules, static_batch_size)
     all_chains = all(rule.speculative.is_chain for rule in speculative_rules)

@@ -15,8 +15,9 @@ With `actor.precision: bf16` on CPU the module, its gradients and AdamW state st
 the update's forward adds autocast's bfloat16 copy of the weights, and the saved activations are bfloat16; on
 GPUs DeepSpeed's bf16 mode makes the module itself bfloat16. The
 constants are per-token costs measured on SmolLM2-135M (BENCHMARKS.md "Memory per worker") and
-scale with the model's shape. `check_memory(recipe)` (tlt_cli/trainers.py, before anything
-starts) refuses a run whose workers on this machine would not fit in MemAvailable.
+scale with the model's shape. `memory_problem(recipe)` says, in one sentence, when a run's workers on this
+machine would not fit in MemAvailable; the checks when a run starts (tlt_cli/preflight.py `check_memory`)
+refuse the run with it.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import resource
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from tlt_cli.config import CPU_DEVICES, Recipe, RecipeError, Trainer
+from tlt_cli.config import CPU_DEVICES, Recipe, Trainer
 from tlt_cli.training.logprobs import CHUNK_TOKENS
 
 GB = 1e9
@@ -214,8 +215,8 @@ def worker_peak_estimate(recipe: Recipe, shape: ModelShape, prompt_tokens: int) 
     )
 
 
-def check_memory(recipe: Recipe) -> None:
-    """RecipeError, one sentence naming what to change, when this machine's workers would not fit in MemAvailable.
+def memory_problem(recipe: Recipe) -> str | None:
+    """One sentence naming what to change when this machine's workers would not fit in MemAvailable; else None.
 
     Only for CPU actors of the native trainer spawned on this machine (a hostfile's ranks run on
     other nodes; GPU workers hold the model in GPU memory; TRL computes its own loss).
@@ -225,10 +226,10 @@ def check_memory(recipe: Recipe) -> None:
         or recipe.workers.hostfile is not None
         or recipe.train.trainer != Trainer.native
     ):
-        return
+        return None
     available = available_bytes()
     if available is None:
-        return
+        return None
     shape = model_shape(recipe)
     # without the prompts first: a run too big for memory even so is refused before a step's prompts are encoded
     # (one by one, train.prompts_per_step of them; once this fits, memory bounds their number)
@@ -237,8 +238,8 @@ def check_memory(recipe: Recipe) -> None:
         estimate = worker_peak_estimate(recipe, shape, longest_prompt_tokens(recipe))
     needed = estimate.total_bytes * recipe.workers.count
     if needed <= available:
-        return
-    raise RecipeError(
+        return None
+    return (
         f"{recipe.workers.count} workers would need about {needed / GB:.1f} GB at their peak but this machine has "
         f"{available / GB:.1f} GB available (each worker: {estimate.describe()}); lower workers.count, "
         f"train.prompts_per_step or rollout.max_new_tokens, or free memory."

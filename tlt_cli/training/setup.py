@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from tlt_cli.config import Recipe, RecipeError, RolloutBackendName, SpeculativeSection
+from tlt_cli.config import Recipe, RolloutBackendName, SpeculativeSection
 from tlt_cli.engine.sampling import SamplingParams
 from tlt_cli.models.tiny import cache_directory
 from tlt_cli.plugins import plugins_train_drafter
@@ -80,14 +80,15 @@ def speculation_mode(section: SpeculativeSection) -> SpeculationMode:
 
 def speculative_plan(section: SpeculativeSection) -> SpeculativePlan:
     """The recipe's `speculative` section as plain values. The rule table is parsed and checked here, in mode
-    adaptive only (the other modes never read it): a RecipeError naming speculative.rules and the rule."""
+    adaptive only (the other modes never read it): a RuleTableError naming speculative.rules and the rule, which
+    the recipe checks (tlt_cli/recipe_checks.py) refuse the recipe with."""
     mode = speculation_mode(section)
     rules: tuple[Rule, ...] = ()
     if mode == SpeculationMode.adaptive:
         try:
             rules = tuple(build_rules([dict(rule) for rule in section.rules]))
         except RuleTableError as error:
-            raise RecipeError(f"speculative.rules: {error}") from None
+            raise RuleTableError(f"speculative.rules: {error}") from None
     return SpeculativePlan(
         mode,
         SpeculativeConfig(section.steps, section.topk, section.draft_tokens),
