@@ -7,7 +7,8 @@ update endpoints (a tensor update is refused outside a begin/end session, as in 
 path but /health needs `Authorization: Bearer <api key>`. Modes: ok, slow (healthy after
 --startup-delay), hang (never listens), crash (prints an error and exits 1). --spawn-child
 forks a sleeping child in the same process group and logs its pid, to test that stopping the
-group leaves no orphans. --leave-files makes and never removes what a real server leaves behind.
+group leaves no orphans. --leave-files makes what a real server leaves behind, holds it while it
+runs, and never removes it.
 
 Run: python tests/sglang_fake_server.py --port 30100 --api-key KEY (or --config KEY.yaml) [--mode ok]
 """
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import mmap
 import os
 import socket
 import subprocess
@@ -165,13 +167,30 @@ class Handler(BaseHTTPRequestHandler):
         self._send(200, {"success": True, "message": f"loaded {body['model_path']}", "num_paused_requests": 0})
 
 
+# the maps of the /dev/shm entries the fake holds for as long as it runs, as SGLang's scheduler does
+HELD_MAPS: list[mmap.mmap] = []
+
+
+def hold_shared_memory(path: Path, staging_name: str | None = None) -> None:
+    """Make `path` in /dev/shm and keep it mapped. With `staging_name`, as glibc's sem_open makes a named
+    semaphore: made and mapped under the staging name, then linked to `path` and the staging name removed (so
+    /proc/<pid>/maps shows the staging name, deleted)."""
+    made = path.with_name(staging_name) if staging_name else path
+    made.write_bytes(b"\0" * 64)
+    with open(made, "r+b") as handle:
+        HELD_MAPS.append(mmap.mmap(handle.fileno(), 64))
+    if staging_name:
+        os.link(made, path)
+        made.unlink()
+
+
 def leave_files() -> None:
-    """Make what SGLang 0.5.23 leaves after a clean stop, and log each path: a /dev/shm/sglang_loads_*.shm, a
-    /dev/shm/sem.mp-* (a forked child's, as SGLang's scheduler makes one), three Unix socket files and two empty
-    files in the temporary folder."""
+    """Make what SGLang 0.5.23 leaves after a clean stop, held while the fake runs, and log each path: a
+    /dev/shm/sglang_loads_*.shm, a /dev/shm/sem.mp-* (made as glibc makes a semaphore), three Unix socket files
+    and two empty files in the temporary folder."""
     left = [Path(f"/dev/shm/sglang_loads_{os.getpid()}.shm"), Path(f"/dev/shm/sem.mp-fake{os.getpid()}")]
-    for path in left:
-        path.write_bytes(b"\0" * 64)
+    hold_shared_memory(left[0])
+    hold_shared_memory(left[1], staging_name=f"sem.fake{os.getpid()}")
     for number in range(3):
         listener = socket.socket(socket.AF_UNIX)
         listener.bind(tempfile.mktemp(prefix=f"fake-sglang-ipc-{number}-"))

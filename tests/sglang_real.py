@@ -1,5 +1,6 @@
 """Helpers of the tests against the real SGLang 0.5.23 (marker `real_sglang`): where its side environment is,
-the skip when it is missing, and a server on SGLang's CPU platform started through tlt's own launcher.
+the skip when it is missing, a server on SGLang's CPU platform started through tlt's own launcher, and a watch
+of what a server's processes hold in /dev/shm (to check that nothing of it is left once they are gone).
 
 The side environment is built by scripts/build_sglang_cpu_env.py; the tests find its interpreter in
 $TLT_SGLANG_CPU_PYTHON, else at the script's default path ($TLT_CACHE_DIR/sglang-cpu-env, read when this
@@ -10,8 +11,11 @@ from __future__ import annotations
 
 import os
 import shutil
+import threading
+from collections.abc import Callable
 from pathlib import Path
 
+import psutil
 import pytest
 from sglang_fakes import free_port_range
 
@@ -26,6 +30,9 @@ SIDE_PYTHON = Path(
         Path(os.environ.get("TLT_CACHE_DIR", Path.home() / ".cache" / "tlt")) / "sglang-cpu-env" / "bin" / "python",
     )
 )
+SHARED_MEMORY = Path("/dev/shm")
+# seconds between two looks at what the watched processes hold in /dev/shm
+SAMPLE_SECONDS = 0.5
 SHIPPED_TINY_MODEL = Path(__file__).resolve().parent.parent / "tlt_cli" / "models" / "tiny_arith"
 # a KV pool of a few thousand tokens: SGLang on CPU otherwise sizes it from the machine's whole memory
 CPU_TEST_ARGS = (*CPU_SERVER_ARGS, "--max-total-tokens", "4096", "--log-level", "info")
@@ -82,3 +89,143 @@ def start_cpu_server(model_dir: Path, run_dir: Path, skip_tokenizer_init: bool =
             os.environ.pop("OMP_NUM_THREADS")
         else:
             os.environ["OMP_NUM_THREADS"] = previous
+
+
+def held_shared_memory(pids: list[int]) -> set[tuple[int, int]]:
+    """(device, inode) of each /dev/shm file the processes map or hold open. By inode, not by the name /proc shows:
+    glibc makes a named semaphore under a staging name, maps it, renames it to sem.mp-*, so the maps show
+    `sem.XXXXXX (deleted)` for a file that exists under another name."""
+    held = set()
+    for pid in pids:
+        try:
+            maps = Path(f"/proc/{pid}/maps").read_text().splitlines()
+            descriptors = list(Path(f"/proc/{pid}/fd").iterdir())
+        except OSError:
+            continue
+        for line in maps:
+            fields = line.split(maxsplit=5)  # address, permissions, offset, major:minor (hex), inode, path
+            if len(fields) == 6 and fields[5].startswith("/dev/shm/"):
+                major, minor = fields[3].split(":")
+                held.add((os.makedev(int(major, 16), int(minor, 16)), int(fields[4])))
+        for descriptor in descriptors:
+            try:
+                if os.readlink(descriptor).startswith("/dev/shm/"):
+                    status = os.stat(descriptor)
+                    held.add((status.st_dev, status.st_ino))
+            except OSError:
+                continue
+    return held
+
+
+class RunWatch:
+    """The processes of a run and the /dev/shm entries they hold, looked at every SAMPLE_SECONDS from `with` to its
+    end; afterwards `survivors()` lists those processes still running and `left_shared_memory()` those entries still
+    there as the same file (same inode).
+
+    A run's processes are `roots()` and every descendant of one, remembered once seen (by pid and start time, so a
+    reused pid is not taken for them). Descendants, because SGLang's scheduler and detokenizer carry neither the
+    server's port on their command line nor a mark in their environment that /proc shows: they set their process
+    title (setproctitle), which overwrites the environment /proc/<pid>/environ reads.
+
+        with RunWatch(lambda: [psutil.Process(leader)]) as watch:
+            ...  # the server runs, then stops
+        assert not watch.survivors() and sglang_shared_memory(watch.seen_names()) and not watch.left_shared_memory()
+    """
+
+    def __init__(self, roots: Callable[[], list[psutil.Process]]):
+        self.roots = roots
+        self.processes: dict[tuple[int, float], psutil.Process] = {}
+        # each process's name as last seen (a process that has exited has none to read; SGLang's children take
+        # theirs, sglang::scheduler and sglang::detokenizer, a moment after they start)
+        self.names: dict[tuple[int, float], str] = {}
+        self.shared_memory: dict[tuple[int, int], Path] = {}
+        self._over = threading.Event()
+        self._sampler = threading.Thread(target=self._sample, name="run-watch", daemon=True)
+
+    def __enter__(self) -> RunWatch:
+        self._sampler.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._over.set()
+        self._sampler.join()
+
+    def look(self) -> None:
+        """Note the run's processes now, and the /dev/shm entries they hold."""
+        for root in self._roots():
+            try:
+                for process in [root, *root.children(recursive=True)]:
+                    self._remember(process)
+            except psutil.Error:
+                continue
+        held = held_shared_memory([process.pid for process in self.processes.values() if process.is_running()])
+        for inode, path in shared_memory_entries().items():
+            if inode in held:
+                self.shared_memory[inode] = path
+
+    def _remember(self, process: psutil.Process) -> None:
+        try:
+            key = (process.pid, process.create_time())
+            self.names[key] = process.name()
+            self.processes.setdefault(key, process)
+        except psutil.Error:  # gone meanwhile
+            return
+
+    def _roots(self) -> list[psutil.Process]:
+        try:
+            return self.roots()
+        except psutil.Error:  # the root is gone
+            return []
+
+    def _sample(self) -> None:
+        while True:
+            self.look()
+            if self._over.wait(SAMPLE_SECONDS):
+                return
+
+    def survivors(self, grace_seconds: float = 10.0) -> list[str]:
+        """'pid name' of each process of the run still running once those on their way out had `grace_seconds`."""
+        running = [process for process in self.processes.values() if process.is_running()]
+        _, alive = psutil.wait_procs(running, timeout=grace_seconds)
+        described = []
+        for process in alive:
+            try:
+                if process.status() != psutil.STATUS_ZOMBIE:
+                    described.append(f"{process.pid} {process.name()}")
+            except psutil.Error:
+                continue
+        return described
+
+    def process_names(self) -> list[str]:
+        return sorted(set(self.names.values()))
+
+    def seen_names(self) -> list[str]:
+        return sorted(path.name for path in self.shared_memory.values())
+
+    def left_shared_memory(self) -> list[Path]:
+        now = shared_memory_entries()
+        return sorted(path for inode, path in self.shared_memory.items() if now.get(inode) == path)
+
+
+def shared_memory_entries() -> dict[tuple[int, int], Path]:
+    """Each /dev/shm entry by its (device, inode)."""
+    entries = {}
+    for path in SHARED_MEMORY.iterdir():
+        try:
+            status = path.lstat()
+        except OSError:
+            continue
+        entries[(status.st_dev, status.st_ino)] = path
+    return entries
+
+
+def sglang_shared_memory(names: list[str]) -> bool:
+    """Whether `names` hold what every SGLang 0.5.23 server makes: its load snapshot and a semaphore (a watch that
+    sees neither could not tell a leak)."""
+    return any(name.startswith("sglang_loads_") for name in names) and any(name.startswith("sem.mp-") for name in names)
+
+
+def sglang_processes(names: list[str]) -> bool:
+    """Whether `names` hold SGLang's scheduler and detokenizer (a watch that saw neither could not tell a survivor).
+    Linux keeps 15 characters of a process name: `sglang::schedul`, unless psutil read the whole title."""
+    return all(any(name.startswith(prefix) for name in names) for prefix in ("sglang::schedul", "sglang::detoken"))

@@ -1,5 +1,6 @@
 """tlt's SGLang backend against a real SGLang 0.5.23 server on CPU: generation, the API key, the logs, weight
-pushes after a real DeepSpeed update, and a server dying mid-rollout.
+pushes after a real DeepSpeed update, a server dying mid-rollout, and nothing of the server left after stop
+(processes, /dev/shm entries, temporary files).
 
 Run: `pytest -m real_sglang tests/test_sglang_real.py` after scripts/build_sglang_cpu_env.py (skipped, with
 the reason, without its environment). One server of the shipped tiny Qwen2 (float32) serves the module; it is
@@ -15,9 +16,17 @@ import stat
 import threading
 import time
 
+import psutil
 import pytest
 import torch
-from sglang_real import copy_tiny_model, requires_real_sglang, start_cpu_server
+from sglang_real import (
+    RunWatch,
+    copy_tiny_model,
+    requires_real_sglang,
+    sglang_processes,
+    sglang_shared_memory,
+    start_cpu_server,
+)
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tlt_cli.config import ActorConfig
@@ -46,13 +55,23 @@ EOS = 2
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    """(model folder, running ServerGroup) of one real SGLang server with its tokenizer loaded."""
+    """(model folder, running ServerGroup) of one real SGLang server with its tokenizer loaded; once stopped, none
+    of its processes, /dev/shm entries or temporary files may be left."""
     root = tmp_path_factory.mktemp("real-sglang")
     model_dir = copy_tiny_model(root / "model")
     group = start_cpu_server(model_dir, root / "run")
-    yield model_dir, group
-    group.stop()
+    folder = group.temporary_folders[0]
+    # SGLang's Unix sockets (and its empty temporary files) are made in the server's own folder
+    assert len([path for path in folder.iterdir() if stat.S_ISSOCK(path.lstat().st_mode)]) == 3, list(folder.iterdir())
+    with RunWatch(lambda: [psutil.Process(group.pids[0])]) as watch:
+        watch.look()  # at once: the server holds its entries from start-up to exit
+        yield model_dir, group
+        group.stop()
     assert not any(live_group_members(pid) for pid in group.pids), "an SGLang process outlived stop()"
+    assert sglang_processes(watch.process_names()) and not watch.survivors(), "an SGLang process outlived stop()"
+    assert sglang_shared_memory(watch.seen_names()), watch.seen_names()
+    assert not watch.left_shared_memory(), "SGLang's /dev/shm entries outlived stop()"
+    assert not folder.exists(), "the server's temporary folder outlived stop()"
 
 
 def load_policy(model_dir) -> torch.nn.Module:

@@ -2,13 +2,14 @@
 
 SGLang's `Qwen2ForCausalLMEagle` / `LlamaForCausalLMEagle` are built in the SGLang side environment
 (tests/sglang_real_draft_probe.py) and fed the export through their own `load_weights`: every parameter must
-be written (filled with NaN before), every exported tensor must land where it belongs, value for value (fused
-q/k/v and gate/up compared slice by slice with q_proj, k_proj, v_proj, gate_proj, up_proj), the token map of a
-reduced draft vocabulary must read back through SGLang's `load_token_map`, and the draft layer's output on the
-same embeddings and target hidden states must equal tlt's drafter's (before the final norm tlt applies and
-SGLang does not, docs/gpu.md "Known difference of the drafter"). That output is one position's, where
-attention returns its value: it reads fc, v_proj, o_proj and the MLP; q_proj and k_proj are checked by their
-values above.
+be written (filled with NaN before), and each must hold, value for value, what tlt's own modules hold (the
+drafter's fc and decoder layer, the target's shared embedding; read from them, not from the exported file, so a
+tensor exported under the wrong name or in the wrong order fails too), fused q/k/v and gate/up compared slice by
+slice with tlt's q_proj, k_proj, v_proj, gate_proj, up_proj. The token map of a reduced draft vocabulary must
+read back through SGLang's `load_token_map`, and the draft layer's output on the same embeddings and target
+hidden states must equal tlt's drafter's (before the final norm tlt applies and SGLang does not, docs/gpu.md
+"Known difference of the drafter"). That output is one position's, where attention returns its value: it reads
+fc, v_proj, o_proj and the MLP, not q_proj and k_proj, which only the value comparison checks.
 
 Run: `pytest -m real_sglang tests/test_sglang_real_export.py` after scripts/build_sglang_cpu_env.py.
 """
@@ -53,14 +54,30 @@ def run_probe(export_dir: Path, inputs: dict[str, torch.Tensor], work: Path, tok
     return report, load_file(str(work / "sg.safetensors"))["layer_output"], values
 
 
-def expected_slices(name: str, exported: dict[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
-    """The exported tensors SGLang's parameter `name` must hold, in the order of its rows: one, or the parts of a
-    fused q/k/v or gate/up parameter."""
+def tlt_tensors(drafter: EagleDrafter, target, include_shared: bool) -> dict[str, torch.Tensor]:
+    """What each exported name must hold, read from tlt's own modules: the drafter's fc (its bias zero: tlt's fc has
+    none) and decoder layer (SGLang's layers.0), and with include_shared the target's embedding (and untied head)."""
+    tensors = {
+        name.replace("decoder_layer.", "layers.0.", 1): tensor.detach()
+        for name, tensor in drafter.state_dict().items()
+        if name.startswith(("fc.", "decoder_layer."))
+    }
+    tensors.setdefault("fc.bias", torch.zeros(drafter.fc.weight.shape[0]))
+    if include_shared:
+        tensors["embed_tokens.weight"] = target.get_input_embeddings().weight.detach()
+        if not target.config.tie_word_embeddings:
+            tensors["lm_head.weight"] = target.get_output_embeddings().weight.detach()
+    return tensors
+
+
+def expected_slices(name: str, tensors: dict[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
+    """The tensors SGLang's parameter `name` must hold, in the order of its rows: one, or the parts of a fused q/k/v
+    or gate/up parameter."""
     name = name.removeprefix("model.")
     for fused, parts in (("qkv_proj", ("q_proj", "k_proj", "v_proj")), ("gate_up_proj", ("gate_proj", "up_proj"))):
         if fused in name:
-            return [(name.replace(fused, part), exported[name.replace(fused, part)]) for part in parts]
-    return [(name, exported[name])]
+            return [(name.replace(fused, part), tensors[name.replace(fused, part)]) for part in parts]
+    return [(name, tensors[name])]
 
 
 @pytest.mark.parametrize("architecture", ["qwen2", "llama"])
@@ -74,6 +91,8 @@ def test_sglang_eagle_class_consumes_every_exported_tensor_and_drafts_like_tlt(t
     out = tmp_path / "out"
     export_drafter(tmp_path / "drafter", out, recipe_path=recipe, include_shared=include_shared, prompts=1)
     exported = load_file(str(out / "model.safetensors"))
+    expected_tensors = tlt_tensors(drafter, target, include_shared)
+    assert exported.keys() == expected_tensors.keys()
 
     generator = torch.Generator().manual_seed(0)
     token_ids = torch.randint(0, target.config.vocab_size, (4,), generator=generator)
@@ -92,7 +111,7 @@ def test_sglang_eagle_class_consumes_every_exported_tensor_and_drafts_like_tlt(t
     for name, seen in parameters.items():
         if name in unwritten:
             continue
-        slices = expected_slices(name, exported)
+        slices = expected_slices(name, expected_tensors)
         expected = [sum(len(tensor) for _, tensor in slices), *slices[0][1].shape[1:]]
         if name in shared:
             # SGLang pads the vocabulary rows of its (vocab-parallel) embedding and head to a multiple of 64

@@ -3,11 +3,14 @@ started, health-checked, crashed, hung, interrupted and stopped; no process may 
 
 from __future__ import annotations
 
+import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from pathlib import Path
@@ -15,6 +18,7 @@ from pathlib import Path
 import pytest
 from sglang_fakes import FAKE_SERVER, fake_launch, free_port, pid_running, wait_for_first_generation
 
+from tlt_cli.sglang.registry import stop_recorded_servers
 from tlt_cli.sglang.server import ServerGroup, ServerStartError, live_group_members, log_tail
 from tlt_cli.sglang.transport import get_status
 
@@ -140,10 +144,10 @@ DRIVER = textwrap.dedent(
     from pathlib import Path
     from tlt_cli.sglang.server import ServerGroup, ServerLaunch
     from tlt_cli.sglang.transport import ServerEndpoint
-    port, log_dir = int(sys.argv[1]), Path(sys.argv[2])
+    port, log_dir, fake_arguments = int(sys.argv[1]), Path(sys.argv[2]), sys.argv[4:] or ["--spawn-child"]
     launch = ServerLaunch(
         endpoint=ServerEndpoint(0, f"http://127.0.0.1:{port}", "k"),
-        command=(sys.executable, sys.argv[3], "--port", str(port), "--api-key", "k", "--spawn-child"),
+        command=(sys.executable, sys.argv[3], "--port", str(port), "--api-key", "k", *fake_arguments),
         environment=dict(os.environ), log_path=log_dir / "server-0.log", ports=(port,))
     with ServerGroup([launch], startup_timeout_s=20, stop_timeout_s=5) as group:
         print("ready", group.pids[0], flush=True)
@@ -168,3 +172,71 @@ def test_interrupt_or_terminate_of_the_trainer_stops_its_servers(tmp_path, signu
     driver.wait(timeout=15)
     assert driver.returncode != 0
     assert not pid_running(server_pid) and not pid_running(grandchild)
+
+
+def start_driver(log_dir: Path, temporary_folder: Path, *fake_arguments: str) -> tuple[subprocess.Popen, int]:
+    """DRIVER (a process that starts a fake server and sleeps) with `fake_arguments` and its own TMPDIR; it and the
+    server's pid once the server is healthy."""
+    driver = subprocess.Popen(
+        [sys.executable, "-c", DRIVER, str(free_port()), str(log_dir), str(FAKE_SERVER), *fake_arguments],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "TMPDIR": str(temporary_folder)},
+    )
+    line = driver.stdout.readline()
+    assert line.startswith("ready"), driver.stderr.read()
+    return driver, int(line.split()[1])
+
+
+def left_files(log_path: Path) -> list[Path]:
+    """The paths the fake server logged as left (tests/sglang_fake_server.py --leave-files)."""
+    return [Path(line.split(" left ", 1)[1]) for line in log_path.read_text().splitlines() if " left " in line]
+
+
+def kill_and_wait(driver: subprocess.Popen, server_pid: int) -> None:
+    """SIGKILL the driver; its server then gets SIGTERM from Linux (parent-death signal) and exits."""
+    driver.kill()
+    driver.wait(timeout=15)
+    deadline = time.monotonic() + 15
+    while pid_running(server_pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not pid_running(server_pid)
+
+
+@pytest.fixture
+def short_temporary_folder(monkeypatch):
+    """A system temporary folder of the test's own with a short path (Unix sockets are made in it)."""
+    folder = Path(tempfile.mkdtemp(prefix="tlt-test-"))
+    monkeypatch.setenv("TMPDIR", str(folder))
+    monkeypatch.setattr(tempfile, "tempdir", str(folder))
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def test_files_a_killed_run_left_are_removed_by_the_next_start_and_a_running_server_keeps_its_own(
+    tmp_path, short_temporary_folder
+):
+    """SIGKILL of the process that started a server (a worker, `tlt train`) skips its stop: the server dies by its
+    parent-death signal and its files stay, until the next group's start removes them; a running server of another
+    process keeps its files."""
+    killed, killed_server = start_driver(tmp_path / "killed", short_temporary_folder, "--leave-files")
+    running, running_server = start_driver(tmp_path / "running", short_temporary_folder, "--leave-files")
+    try:
+        abandoned = left_files(tmp_path / "killed" / "server-0.log")
+        kept = left_files(tmp_path / "running" / "server-0.log")
+        assert len(abandoned) == len(kept) == 7 and all(path.exists() for path in abandoned + kept)
+        kill_and_wait(killed, killed_server)
+        assert all(path.exists() for path in abandoned), "nothing removes a killed run's files but the next start"
+        with ServerGroup([fake_launch(0, tmp_path / "next")], startup_timeout_s=20, stop_timeout_s=5):
+            assert not [path for path in abandoned if path.exists()]
+            assert not abandoned[2].parent.exists(), "the killed server's temporary folder stays"
+            assert all(path.exists() for path in kept)
+        kill_and_wait(running, running_server)
+        # the sweep of a driver whose worker was killed (it runs after stopping the servers the worker recorded)
+        assert stop_recorded_servers(tmp_path, timeout_s=1) == []
+        assert not [path for path in kept if path.exists()], "the driver's sweep leaves a killed worker's server files"
+    finally:
+        running.kill()
+        running.wait()
+    assert list(short_temporary_folder.iterdir()) == []

@@ -13,7 +13,7 @@ unlinks any. Three things keep them from filling the machine's memory:
    (`remove_abandoned_buffers`: left by a run killed before its ranks could unlink them).
 A segment is unmapped only between DeepSpeed's shm_open and its mmap a few lines later, so one
 that no live process maps belongs to a process that has exited. SGLang's servers leave entries of
-their own; tlt_cli/sglang/server.py removes them with `remove_unheld` when it stops a server.
+their own, recorded and removed by tlt_cli/sglang/server_files.py.
 """
 
 from __future__ import annotations

@@ -5,7 +5,9 @@ before it does (SIGKILL, out of memory). So, once its servers are up, a worker r
 process groups with `record_server_groups(run_directory, worker, groups)` in
 `<run_directory>/sglang-servers/worker-<rank>.json`, and the driver calls
 `stop_recorded_servers(run_directory)` when the run ends, however it ends: every recorded group
-that still has a live process gets SIGTERM, then SIGKILL after the timeout, and the records go.
+that still has a live process gets SIGTERM, then SIGKILL after the timeout, and the records go;
+then the files of every server whose starter and processes are gone are removed (server_files.py:
+what SGLang leaves in the temporary folder and /dev/shm, which the dead worker could not remove).
 A record names each group's leader by its pid and its start time (a server is started as the
 leader of its own group), and a group is signalled only while that very process leads it: a pid
 reused since, a record written by hand or copied with a run directory, or one that cannot be read
@@ -20,7 +22,7 @@ import signal
 import time
 from pathlib import Path
 
-from tlt_cli.sglang.server import live_group_members, process_start_ticks
+from tlt_cli.sglang.server_files import live_group_members, process_start_ticks, remove_abandoned_server_files
 
 REGISTRY_DIRECTORY = "sglang-servers"
 POLL_SECONDS = 0.05
@@ -46,7 +48,7 @@ def recorded_server_groups(run_directory: Path) -> list[int]:
 
 def stop_recorded_servers(run_directory: Path, timeout_s: float) -> list[int]:
     """Stop the recorded groups that still run under the leader the worker started (SIGTERM, SIGKILL after
-    timeout_s), drop the records; the groups stopped."""
+    timeout_s), drop the records, remove the files of servers nothing runs any more; the groups stopped."""
     running = [
         group
         for group, started in _recorded_starts(run_directory).items()
@@ -61,6 +63,7 @@ def stop_recorded_servers(run_directory: Path, timeout_s: float) -> list[int]:
         _signal_group(group, signal.SIGKILL)
     for path in (run_directory / REGISTRY_DIRECTORY).glob("worker-*.json"):
         path.unlink(missing_ok=True)
+    remove_abandoned_server_files()
     return running
 
 

@@ -17,9 +17,10 @@ leader gets SIGTERM if the thread that started it dies (PR_SET_PDEATHSIG): start
 the thread that lives for the whole run.
 
 SGLang leaves files even after a clean stop (0.5.23: three socket files and two empty temporary
-files, one `/dev/shm/sglang_loads_*.shm`, one `/dev/shm/sem.mp-*`). Each server therefore gets a
-temporary folder of its own (TMPDIR, removed at stop), and stop removes the /dev/shm entries named
-as SGLang's that appeared while the group ran and that no live process holds (tlt_cli/shared_memory.py).
+files, one `/dev/shm/sglang_loads_*.shm`, one `/dev/shm/sem.mp-*`). Each server therefore runs in a
+temporary folder of its own (TMPDIR) whose record names the /dev/shm entries its processes hold
+(tlt_cli/sglang/server_files.py); stop removes both. Files a killed run's servers left are removed
+when the next group starts, or by the driver that outlives a killed worker (registry.py).
 """
 
 from __future__ import annotations
@@ -29,16 +30,13 @@ import ctypes
 import functools
 import os
 import secrets
-import shutil
 import signal
 import socket
 import subprocess
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from fnmatch import fnmatch
 from pathlib import Path
 
 from tlt_cli.sglang.adaptive import PlanMode, SGLangSpeculativePlan, write_adaptive_config
@@ -52,8 +50,15 @@ from tlt_cli.sglang.server_args import (
     serves_on_cpu,
     speculative_flags,
 )
+from tlt_cli.sglang.server_files import (
+    live_group_members,
+    make_server_folder,
+    record_leader,
+    record_shared_memory,
+    remove_abandoned_server_files,
+    remove_server_files,
+)
 from tlt_cli.sglang.transport import ServerEndpoint, get_status
-from tlt_cli.shared_memory import SHARED_MEMORY_DIRECTORY, remove_unheld
 
 HEALTH_PATH = "/health"
 HEALTH_POLL_S = 0.25
@@ -63,8 +68,6 @@ PR_SET_PDEATHSIG = 1
 API_KEY_FILE = "api_key.yaml"
 PRIVATE_FOLDER_MODE = 0o700
 PRIVATE_FILE_MODE = 0o600
-# what SGLang's processes (and the multiprocessing semaphores they make) leave in /dev/shm
-SGLANG_SHARED_MEMORY_NAMES = ("sglang_*", "sem.mp-*")
 
 
 class ServerStartError(RuntimeError):
@@ -128,36 +131,6 @@ def _raise_system_exit(signum: int, frame: object) -> None:
     raise SystemExit(128 + signum)
 
 
-def process_start_ticks(pid: int) -> int | None:
-    """When process `pid` started, in clock ticks since boot (/proc/<pid>/stat field 22), or None if it is gone.
-
-    A pid with the same start is the same process: a pid Linux has given to another process since differs.
-    """
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    # fields after the parenthesised command: state (3), ppid, pgrp, ... starttime (22)
-    return int(stat.rsplit(")", 1)[1].split()[19])
-
-
-def live_group_members(process_group: int) -> list[int]:
-    """Pids in `process_group` that are still running (zombies excluded), read from /proc."""
-    members = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        # fields after the parenthesised command: state, ppid, pgrp, ...
-        state, _parent, group = stat.rsplit(")", 1)[1].split()[:3]
-        if int(group) == process_group and state != "Z":
-            members.append(int(entry.name))
-    return members
-
-
 def _port_is_free(port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
         try:
@@ -183,9 +156,8 @@ class ServerGroup:
         # told the servers' process groups once all are spawned, before the (long) wait for health
         self.on_spawned = on_spawned
         self.processes: list[subprocess.Popen] = []
-        # each server's TMPDIR, and /dev/shm as it was before the first server started
+        # each server's TMPDIR, whose record names what it holds in /dev/shm (server_files.py)
         self.temporary_folders: list[Path] = []
-        self.shared_memory_before: set[Path] = set()
         self._previous_sigterm = None
         self._stopped = threading.Event()
 
@@ -208,13 +180,14 @@ class ServerGroup:
         self._check_ports_free()
         atexit.register(self.stop)
         self._install_sigterm_handler()
-        self.shared_memory_before = set(SHARED_MEMORY_DIRECTORY.iterdir())
+        remove_abandoned_server_files()
         try:
             for launch in self.launches:
                 self.processes.append(self._spawn(launch))
             if self.on_spawned is not None:
                 self.on_spawned(self.pids)
             self._wait_healthy()
+            self._record_shared_memory()
         except BaseException:
             self.stop()
             raise
@@ -235,15 +208,14 @@ class ServerGroup:
 
     def _spawn(self, launch: ServerLaunch) -> subprocess.Popen:
         private_folder(launch.log_path.parent)
-        # short, under the system's temporary folder: SGLang puts its Unix sockets there (at most 107 bytes a path)
-        self.temporary_folders.append(Path(tempfile.mkdtemp(prefix=f"tlt-sglang-{launch.endpoint.index}-")))
+        self.temporary_folders.append(make_server_folder(launch.endpoint.index))
         shown = " ".join(launch.command)
         with os.fdopen(
             os.open(launch.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, PRIVATE_FILE_MODE), "ab"
         ) as log:
             log.write(f"# tlt: starting SGLang server {launch.endpoint.index}: {shown}\n".encode())
             log.flush()
-            return subprocess.Popen(
+            process = subprocess.Popen(
                 launch.command,
                 env={**launch.environment, "TMPDIR": str(self.temporary_folders[-1])},
                 stdin=subprocess.DEVNULL,
@@ -252,6 +224,8 @@ class ServerGroup:
                 start_new_session=True,
                 preexec_fn=_parent_death_signal(),
             )
+        record_leader(self.temporary_folders[-1], process.pid)
+        return process
 
     def _wait_healthy(self) -> None:
         deadline = time.monotonic() + self.startup_timeout_s
@@ -274,13 +248,20 @@ class ServerGroup:
                     f"{_shown_tail(self.launches[index])}"
                 )
             if pending:
+                # a worker killed while its servers start leaves what they held so far on record
+                self._record_shared_memory()
                 time.sleep(HEALTH_POLL_S)
+
+    def _record_shared_memory(self) -> None:
+        for folder, process in zip(self.temporary_folders, self.processes):
+            record_shared_memory(folder, process.pid)
 
     def stop(self) -> None:
         """SIGTERM every server's process group, SIGKILL what remains after stop_timeout_s. Idempotent."""
         if self._stopped.is_set():
             return
         self._stopped.set()
+        self._record_shared_memory()
         groups = [process.pid for process in self.processes]
         for group in groups:
             self._signal_group(group, signal.SIGTERM)
@@ -299,17 +280,9 @@ class ServerGroup:
             signal.signal(signal.SIGTERM, self._previous_sigterm)
 
     def _remove_left_files(self) -> None:
-        """The servers' temporary folders, and the /dev/shm entries named as SGLang's that appeared since the
-        group started and that no live process holds (another run's servers keep theirs)."""
+        """Each server's temporary folder and the /dev/shm entries its record names (server_files.py)."""
         for folder in self.temporary_folders:
-            shutil.rmtree(folder, ignore_errors=True)
-        appeared = [
-            path
-            for path in SHARED_MEMORY_DIRECTORY.iterdir()
-            if path not in self.shared_memory_before
-            and any(fnmatch(path.name, pattern) for pattern in SGLANG_SHARED_MEMORY_NAMES)
-        ]
-        remove_unheld(appeared)
+            remove_server_files(folder)
 
     @staticmethod
     def _signal_group(group: int, signum: int) -> None:
