@@ -243,3 +243,8 @@ def test_the_embedded_rollout_decodes_in_the_chosen_dtype_and_says_why(tmp_path)
     assert "a 3-row rollout, SD off, predicted " in lines[0]
     completions, _ = rollout.generate(requests_for(3, seed=2), SamplingParams(5, temperature=0.0), seed=0)
     assert [len(completion.response_ids) for completion in completions] == [5, 5, 5]
+
+
+def test_one_row_wide_the_batch_step_is_the_1_row_step_timed_once(tmp_path):
+    choice = rollout_precision("auto", tiny_target(), None, tmp_path, RolloutWorkload(rows=1, speculates=True))
+    assert choice.batch_step_ms == choice.step_ms

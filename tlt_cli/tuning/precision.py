@@ -180,17 +180,17 @@ def measure_precision(
     policy: nn.Module, linear_plan: LinearFormPlan | None, rows: int, rounds: int = ROUNDS
 ) -> tuple[dict[str, float], dict[str, float], dict[str, float]]:
     """(1-row step ms, `rows`-row step ms, 16-token verify ms) per dtype name: the owned forward's best of `rounds`
-    interleaved rounds."""
+    interleaved rounds (one row wide, the batch step is the 1-row step, timed once)."""
     passes = {name: _timed_passes(policy, dtype, linear_plan, rows) for name, dtype in ROLLOUT_DTYPES.items()}
-    best = [dict.fromkeys(ROLLOUT_DTYPES, float("inf")) for _ in range(3)]
+    best: dict[str, dict[str, float]] = {}
     with torch.no_grad():
-        repeats = {name: [_repeats(run) for run in runs] for name, runs in passes.items()}
+        repeats = {name: {kind: _repeats(run) for kind, run in runs.items()} for name, runs in passes.items()}
         for _ in range(rounds):
             for name, runs in passes.items():
-                for figures, run, count in zip(best, runs, repeats[name]):
-                    figures[name] = min(figures[name], _milliseconds(run, count))
-    step_ms, batch_step_ms, verify_ms = best
-    return step_ms, batch_step_ms, verify_ms
+                for kind, run in runs.items():
+                    figures = best.setdefault(kind, {})
+                    figures[name] = min(figures.get(name, float("inf")), _milliseconds(run, repeats[name][kind]))
+    return best["step_ms"], best.get("batch_step_ms", dict(best["step_ms"])), best["verify_ms"]
 
 
 def _measured_record(policy: nn.Module, linear_plan: LinearFormPlan | None, rows: int) -> dict:
@@ -200,10 +200,10 @@ def _measured_record(policy: nn.Module, linear_plan: LinearFormPlan | None, rows
 
 def _timed_passes(
     policy: nn.Module, dtype: torch.dtype, linear_plan: LinearFormPlan | None, rows: int
-) -> tuple[Callable[[], None], Callable[[], None], Callable[[], None]]:
-    """(a 1-row decode step, a `rows`-row decode step, a VERIFY_ROWS x VERIFY_TOKENS verify), each with its
-    logits, over a prefilled prefix of PREFIX_TOKENS; all write past the prefix, so repeating them measures the
-    same pass."""
+) -> dict[str, Callable[[], None]]:
+    """A 1-row decode step, a `rows`-row decode step (when rows > 1) and a VERIFY_ROWS x VERIFY_TOKENS verify, by
+    the name of their figures, each with its logits, over a prefilled prefix of PREFIX_TOKENS; all write past the
+    prefix, so repeating them measures the same pass."""
     model = decode_model_for(policy, dtype=dtype, linear_plan=linear_plan)
     device = _device_of(policy)
     vocabulary = policy.get_input_embeddings().weight.shape[0]
@@ -231,7 +231,8 @@ def _timed_passes(
 
         return run
 
-    return block_pass(1, 1), block_pass(rows, 1), block_pass(VERIFY_ROWS, VERIFY_TOKENS)
+    passes = {"step_ms": block_pass(1, 1), "verify_ms": block_pass(VERIFY_ROWS, VERIFY_TOKENS)}
+    return passes | ({"batch_step_ms": block_pass(rows, 1)} if rows > 1 else {})
 
 
 def _milliseconds(run: Callable[[], None], repeats: int) -> float:
