@@ -3,6 +3,7 @@ started, health-checked, crashed, hung, interrupted and stopped; no process may 
 
 from __future__ import annotations
 
+import io
 import os
 import re
 import shutil
@@ -16,8 +17,10 @@ import time
 from pathlib import Path
 
 import pytest
+from rich.console import Console
 from sglang_fakes import FAKE_SERVER, fake_launch, free_port, pid_running, wait_for_first_generation
 
+from tlt_cli.processes import driver
 from tlt_cli.sglang.registry import stop_recorded_servers
 from tlt_cli.sglang.server import ServerGroup, ServerStartError, live_group_members, log_tail
 from tlt_cli.sglang.transport import get_status
@@ -239,4 +242,17 @@ def test_files_a_killed_run_left_are_removed_by_the_next_start_and_a_running_ser
     finally:
         running.kill()
         running.wait()
+    assert list(short_temporary_folder.iterdir()) == []
+
+
+def test_a_tlt_train_of_any_backend_removes_the_server_files_a_killed_run_left(tmp_path, short_temporary_folder):
+    """What `tlt train` clears first, whatever its rollout backend (an embedded run starts no server to sweep)."""
+    killed, killed_server = start_driver(tmp_path / "killed", short_temporary_folder, "--leave-files")
+    abandoned = left_files(tmp_path / "killed" / "server-0.log")
+    kill_and_wait(killed, killed_server)
+    assert all(path.exists() for path in abandoned)
+    output = io.StringIO()
+    driver._remove_what_killed_runs_left(Console(file=output, width=200))
+    assert not [path for path in abandoned if path.exists()]
+    assert "removed the files of 1 SGLang server(s) a killed run left" in output.getvalue()
     assert list(short_temporary_folder.iterdir()) == []

@@ -73,6 +73,7 @@ from tlt_cli.processes.run_directory import (
 from tlt_cli.processes.step_deadline import StepDeadline
 from tlt_cli.processes.step_records import step_records
 from tlt_cli.sglang.registry import stop_recorded_servers
+from tlt_cli.sglang.server_files import remove_abandoned_server_files
 from tlt_cli.shared_memory import remove_abandoned_buffers
 from tlt_cli.trace import STEP_RECORD, TraceWriteError, TraceWriter, read_trace, truncate_trace
 from tlt_cli.tuning.precision import PrecisionChoice
@@ -315,13 +316,17 @@ def _after_failure(error: Exception, details: str, held: RunDirectory, discard: 
 
 def _remove_what_killed_runs_left(console: Console) -> None:
     """Free the DeepSpeed /dev/shm segments (shared_memory.py) and remove the rendezvous folders (distributed.py)
-    that killed runs left, saying so in one line."""
+    and SGLang servers' files (sglang/server_files.py) that killed runs left, saying so in one line; whatever
+    backend this run uses."""
     removed = remove_abandoned_buffers()
     if removed:
         console.print(
             f"removed {len(removed)} DeepSpeed shared-memory segment(s) a killed run left in /dev/shm", markup=False
         )
     remove_abandoned_rendezvous()
+    servers = remove_abandoned_server_files()
+    if servers:
+        console.print(f"removed the files of {len(servers)} SGLang server(s) a killed run left", markup=False)
 
 
 def _prepare_drafter(trainer: TrainerEntry, recipe: Recipe, cache: Path, console: Console) -> Path | None:
