@@ -541,9 +541,13 @@ def _apply_override(merged: DictConfig, override: str) -> DictConfig:
         raise RecipeError(f"override '{shown}' must have the form key=value, e.g. train.steps=10.")
     key, _, value = override.partition("=")
     key = key.strip()
+    if key.count(".") >= MAX_NESTING:  # OmegaConf recurses once a level (a RecursionError at about a thousand)
+        raise RecipeError(
+            f"override key '{_shortened(key)}' nests more than {MAX_NESTING} deep; a recipe nests a few levels."
+        )
     free_form = key.startswith(FREE_FORM_SECTIONS)
     if not free_form and OmegaConf.select(merged, key, default=_MISSING_KEY) is _MISSING_KEY:
-        raise RecipeError(f"override key '{key}' is not a recipe key; {_suggest(key)}")
+        raise RecipeError(f"override key '{_shortened(key)}' is not a recipe key; {_suggest(key)}")
     try:
         content = read_yaml(value)
         parsed = OmegaConf.create()
