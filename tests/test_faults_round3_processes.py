@@ -185,6 +185,19 @@ def read_only_shared_memory():
         pytest.skip(f"no mount namespace with a read-only /dev/shm here: {probe.stderr.decode().strip()}")
 
 
+def test_the_segments_a_read_only_dev_shm_keeps_are_passed_over(read_only_shared_memory, tmp_path):
+    """`tlt train` first frees the segments killed runs left; on a /dev/shm remounted read-only since, it cannot
+    and must go on (the unlink's OSError was a traceback)."""
+    segment = deepspeed_buffer(LOCAL_ADDRESS, PLANTED_PORT, 0).name
+    plant_then_remount = (
+        f"mount -t tmpfs tmpfs /dev/shm && touch /dev/shm/{segment} && mount -o remount,ro /dev/shm && exec \"$@\""
+    )
+    remove = "from tlt_cli.shared_memory import remove_abandoned_buffers; print(remove_abandoned_buffers())"
+    command = ["unshare", "--mount", "--propagation", "private", "sh", "-c", plant_then_remount, "sh"]
+    result = subprocess.run([*command, sys.executable, "-c", remove], capture_output=True, text=True, timeout=60)
+    assert (result.returncode, result.stdout, result.stderr) == (0, "[]\n", "")
+
+
 def test_a_read_only_dev_shm_is_one_sentence_before_spawned_workers_start(
     read_only_shared_memory, small_model, tmp_path
 ):

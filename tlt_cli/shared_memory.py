@@ -84,12 +84,16 @@ def deepspeed_buffers_if_writable(environment: MutableMapping[str, str] = os.env
 
 
 def remove_unheld(paths: list[Path]) -> list[Path]:
-    """Remove those of `paths` that exist and no live process maps or holds open; the ones removed."""
+    """Remove those of `paths` that exist and no live process maps or holds open; the ones removed (one a read-only
+    /dev/shm keeps is not)."""
     held = held_files() if paths else set()
     removed = []
     for path in paths:
         if path.exists() and path not in held:
-            path.unlink(missing_ok=True)
+            try:
+                path.unlink(missing_ok=True)
+            except OSError:
+                continue
             removed.append(path)
     return removed
 
