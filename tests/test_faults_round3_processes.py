@@ -190,7 +190,7 @@ def test_the_segments_a_read_only_dev_shm_keeps_are_passed_over(read_only_shared
     and must go on (the unlink's OSError was a traceback)."""
     segment = deepspeed_buffer(LOCAL_ADDRESS, PLANTED_PORT, 0).name
     plant_then_remount = (
-        f"mount -t tmpfs tmpfs /dev/shm && touch /dev/shm/{segment} && mount -o remount,ro /dev/shm && exec \"$@\""
+        f'mount -t tmpfs tmpfs /dev/shm && touch /dev/shm/{segment} && mount -o remount,ro /dev/shm && exec "$@"'
     )
     remove = "from tlt_cli.shared_memory import remove_abandoned_buffers; print(remove_abandoned_buffers())"
     command = ["unshare", "--mount", "--propagation", "private", "sh", "-c", plant_then_remount, "sh"]

@@ -415,7 +415,9 @@ def test_a_user_error_inside_a_worker_is_one_line_and_its_traceback_goes_to_the_
     assert "Traceback" in logs and "ModelLoadError" in logs and "load_policy" in logs, logs
 
 
-@pytest.mark.parametrize("word", ["a\nb", "a\tb", "a\x1b[2Jb", "[a,\tb]"], ids=["newline", "tab", "escape", "tab in a list"])
+@pytest.mark.parametrize(
+    "word", ["a\nb", "a\tb", "a\x1b[2Jb", "[a,\tb]"], ids=["newline", "tab", "escape", "tab in a list"]
+)
 def test_a_raw_control_character_in_an_override_is_named_as_such(word, workspace):
     """YAML folds a raw line break into a space and stops at a raw tab: either way the sentence names the character."""
     folder, output = workspace
