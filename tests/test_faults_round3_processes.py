@@ -1,9 +1,10 @@
 """The chaos suite, round 3 (issue 36), process faults: a killed hostfile run's shared memory, blame when several
-workers fail, Ctrl-C in the first drafter warm-up.
+workers fail, Ctrl-C in the first drafter warm-up, a read-only /dev/shm.
 
 As in tests/test_faults.py, each fault is injected for real into the real CLI (`python -m tlt_cli` in a
 subprocess): SIGKILL of a hostfile run's driver, SIGKILL of a worker mid-checkpoint, SIGINT during the
-warm-up. Each case checks what a user would see and what the machine keeps afterwards.
+warm-up, a run whose /dev/shm is a read-only tmpfs (in a mount namespace of its own: as root, else skipped).
+Each case checks what a user would see and what the machine keeps afterwards.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import test_faults as faults
 from recipe_overrides import small_run
 from test_hostfile_launch import processes_of
@@ -123,7 +125,7 @@ def test_sigkill_of_worker_one_mid_checkpoint_names_it_not_its_peer(small_model,
 
 def test_sigkill_of_rank_one_of_a_hostfile_run_mid_checkpoint_names_it_not_its_peer(small_model, tmp_path):
     """As above, under the DeepSpeed launcher: the driver is not the ranks' parent, so it names rank 1 by the pid
-    its progress reports carried."""
+    its progress reports carried, and its signal by the exit code the launcher (its parent) logged."""
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("localhost slots=2\n")
     result = run_killed_in_checkpoint(
@@ -132,7 +134,7 @@ def test_sigkill_of_rank_one_of_a_hostfile_run_mid_checkpoint_names_it_not_its_p
     assert result.returncode == 1, result.stderr[-3000:]
     line = faults.one_line(result.stdout, result.stderr)
     assert line.startswith("error: worker 1 (pid "), line
-    assert "ended without reporting an error" in line and "worker 0" not in line, line
+    assert "was killed by SIGKILL (code -9) without reporting an error" in line and "worker 0" not in line, line
 
 
 # ---------------------------------------------------------------- Ctrl-C in the first drafter warm-up
@@ -160,6 +162,80 @@ def test_ctrl_c_in_the_first_drafter_warm_up_says_there_is_nothing_to_resume(sma
         "resume: run it again."
     )
     assert not run_directory.exists()
+
+
+# ---------------------------------------------------------------- a read-only /dev/shm
+
+# mounts an empty read-only tmpfs on /dev/shm in a mount namespace of its own (never the machine's), then runs "$@"
+READ_ONLY_SHARED_MEMORY = 'mount -t tmpfs -o ro tmpfs /dev/shm && exec "$@"'
+
+
+def with_read_only_shared_memory(command: list[str]) -> list[str]:
+    """`command` where /dev/shm cannot be written, as on a hardened host or a container with a read-only /dev/shm."""
+    return ["unshare", "--mount", "--propagation", "private", "sh", "-c", READ_ONLY_SHARED_MEMORY, "sh", *command]
+
+
+@pytest.fixture(scope="module")
+def read_only_shared_memory():
+    """Skip unless this machine lets the tests make a mount namespace (root, unshare) whose /dev/shm is read-only."""
+    probe = subprocess.run(
+        with_read_only_shared_memory(["sh", "-c", "! touch /dev/shm/tlt-write-probe"]), capture_output=True
+    )
+    if probe.returncode != 0:
+        pytest.skip(f"no mount namespace with a read-only /dev/shm here: {probe.stderr.decode().strip()}")
+
+
+def test_the_segments_a_read_only_dev_shm_keeps_are_passed_over(read_only_shared_memory, tmp_path):
+    """`tlt train` first frees the segments killed runs left; on a /dev/shm remounted read-only since, it cannot
+    and must go on (the unlink's OSError was a traceback)."""
+    segment = deepspeed_buffer(LOCAL_ADDRESS, PLANTED_PORT, 0).name
+    plant_then_remount = (
+        f'mount -t tmpfs tmpfs /dev/shm && touch /dev/shm/{segment} && mount -o remount,ro /dev/shm && exec "$@"'
+    )
+    remove = "from tlt_cli.shared_memory import remove_abandoned_buffers; print(remove_abandoned_buffers())"
+    command = ["unshare", "--mount", "--propagation", "private", "sh", "-c", plant_then_remount, "sh"]
+    result = subprocess.run([*command, sys.executable, "-c", remove], capture_output=True, text=True, timeout=60)
+    assert (result.returncode, result.stdout, result.stderr) == (0, "[]\n", "")
+
+
+def test_a_read_only_dev_shm_is_one_sentence_before_spawned_workers_start(
+    read_only_shared_memory, small_model, tmp_path
+):
+    """Spawned workers' event queue needs semaphores, which live in /dev/shm: refused before the run directory
+    is made (it was a traceback from multiprocessing, and the run directory stayed)."""
+    result = subprocess.run(
+        with_read_only_shared_memory(small_run(small_model, tmp_path, "read-only-shm", 1)),
+        capture_output=True,
+        text=True,
+        timeout=faults.HANG_GUARD_SECONDS,
+    )
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert faults.one_line(result.stdout, result.stderr) == (
+        "error: /dev/shm cannot be written on this machine (Read-only file system) and the worker processes tlt "
+        "train spawns share their locks there; mount a writable tmpfs there (in a container: docker run "
+        "--shm-size=1g), or launch the workers with workers.hostfile (a file reading 'localhost slots=N'), then "
+        "run again."
+    )
+    assert not (tmp_path / "read-only-shm").exists()
+
+
+def test_a_hostfile_run_trains_where_dev_shm_is_read_only(read_only_shared_memory, small_model, tmp_path):
+    """The DeepSpeed launcher's ranks need no /dev/shm: DeepSpeed makes no all-reduce buffer there and reduces
+    through gloo (it printed "shared_create ... failed" and waited forever for its own segment)."""
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("localhost slots=2\n")
+    result = subprocess.run(
+        with_read_only_shared_memory(
+            small_run(small_model, tmp_path, "read-only-shm", 1, f"workers.hostfile={hostfile}")
+        ),
+        capture_output=True,
+        text=True,
+        timeout=faults.HANG_GUARD_SECONDS,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "done: 1 steps" in result.stdout, result.stdout[-3000:]
+    rank_log = (tmp_path / "read-only-shm" / "workers" / "worker-0.log").read_text()
+    assert "shared_create" not in rank_log, rank_log[-3000:]
 
 
 # ---------------------------------------------------------------- the leak check of the fault tests itself

@@ -228,7 +228,8 @@ def test_launched_ranks_own_their_sglang_servers_and_leave_none(small_model, hos
         "rollout.sglang.startup_timeout_s=60",
         "rollout.sglang.stop_timeout_s=5",
     )
-    environment = {**os.environ, "PYTHONPATH": str(write_stand_in_sglang(tmp_path / "site"))}
+    site = write_stand_in_sglang(tmp_path / "site")
+    environment = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))}
     result = subprocess.run(command, capture_output=True, text=True, timeout=RUN_TIMEOUT_SECONDS, env=environment)
     assert result.returncode == 0, result.stderr[-3000:]
     assert {request["worker"] for request in records(run_directory, "request")} == {0, 1}
@@ -264,7 +265,7 @@ def test_a_failing_rank_is_one_line_exit_1_and_leaves_no_process_or_run(
         capture_output=True,
         text=True,
         timeout=RUN_TIMEOUT_SECONDS,
-        env={**os.environ, "PYTHONPATH": str(TESTS)},
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")]))},
     )
     assert result.returncode == 1, result.stderr[-3000:]
     first_line = result.stderr.strip().splitlines()[0]

@@ -108,6 +108,12 @@ OUT_OF_RANGE = [
     'run.output_dir="runs\\e[2J"',
     "run.output_dir=~nosuchuser/x",
 ]
+# override keys too big to name a case by: one 3,000 deep under a section that takes any name (a RecursionError
+# traceback), one of 5,000 characters (quoted whole in its error)
+LONG_KEYS = {
+    "key nested 3000 deep": "task.options." + "a." * 3000 + "b=1",
+    "key of 5000 characters": "run." + "a" * 5000 + "=1",
+}
 # several keys at once (the vocabulary of the built-in model is 66 tokens)
 COMBINED = [
     ["speculative.mode=fixed", "speculative.steps=2", "speculative.topk=100", "speculative.draft_tokens=50"],
@@ -222,6 +228,7 @@ def generated_cases() -> list[Case]:
         if section not in ("task", "plugins")
     ]
     cases += [Case(f"range {override}", (override,)) for override in OUT_OF_RANGE]
+    cases += [Case(f"override {name}", (override,)) for name, override in LONG_KEYS.items()]
     cases += [Case(f"combined {' '.join(overrides)}", tuple(overrides)) for overrides in COMBINED]
     cases += [Case(f"override {' '.join(overrides)}", tuple(overrides)) for overrides in OVERRIDE_SYNTAX]
     cases += [Case(f"file {name}", recipe=text) for name, text in RECIPE_FILES.items()]
@@ -406,3 +413,13 @@ def test_a_user_error_inside_a_worker_is_one_line_and_its_traceback_goes_to_the_
     assert (run_directory / "workers" / "worker-0.log").is_file()
     logs = "".join(log.read_text() for log in run_directory.rglob("*.log"))
     assert "Traceback" in logs and "ModelLoadError" in logs and "load_policy" in logs, logs
+
+
+@pytest.mark.parametrize(
+    "word", ["a\nb", "a\tb", "a\x1b[2Jb", "[a,\tb]"], ids=["newline", "tab", "escape", "tab in a list"]
+)
+def test_a_raw_control_character_in_an_override_is_named_as_such(word, workspace):
+    """YAML folds a raw line break into a space and stops at a raw tab: either way the sentence names the character."""
+    folder, output = workspace
+    result = runner.invoke(app, ["recipes", "validate", "tiny-cpu", output, f"run.name={word}"])
+    assert "the value holds a control character" in assert_one_line(result), result.output

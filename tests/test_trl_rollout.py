@@ -225,7 +225,14 @@ def test_the_example_trains_with_two_processes_and_the_drafter_learns_in_their_w
         "--output-dir",
         str(tmp_path / "run"),
     ]
-    environment = {**os.environ, "TLT_CACHE_DIR": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
+    # torch.distributed.run leaves a torchelastic_* folder in the system temporary folder: make it the test's own
+    (tmp_path / "tmp").mkdir()
+    environment = {
+        **os.environ,
+        "TLT_CACHE_DIR": str(tmp_path / "cache"),
+        "OMP_NUM_THREADS": "1",
+        "TMPDIR": str(tmp_path / "tmp"),
+    }
     result = subprocess.run(command, check=False, capture_output=True, text=True, timeout=600, env=environment)
     assert result.returncode == 0, result.stderr[-3000:]
     # two processes print into one pipe: a line may start after another's unterminated output

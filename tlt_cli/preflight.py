@@ -21,7 +21,7 @@ at fault) at the first problem, reading what the recipe names but building and w
 `tlt recipes validate` says ok exactly when this passes, so `tlt train` starts. What the machine
 lacks is checked when a run starts, so a GPU recipe validates on a laptop: `check_memory(recipe)`, the
 workers' estimated memory (tlt_cli/training/memory.py; tlt_cli/trainers.py calls it), then
-`check_machine(recipe)`, the GPUs and SGLang the recipe asks for (tlt_cli/processes/machine_checks.py; the
+`check_machine(recipe)`, the GPUs, SGLang and /dev/shm the recipe needs (tlt_cli/processes/machine_checks.py; the
 driver calls it once the run to resume is known).
 
 With tlt_cli/recipe_checks.py this module is the recipe gate, the only code that raises `RecipeError` for a
@@ -77,7 +77,8 @@ def check_memory(recipe: Recipe) -> None:
 
 
 def check_machine(recipe: Recipe) -> None:
-    """Raise RecipeError naming the key when this machine lacks the GPUs or the SGLang the recipe asks for."""
+    """Raise RecipeError naming the key when this machine lacks the GPUs or the SGLang the recipe asks for, or the
+    writable /dev/shm its processes need."""
     refuse(machine_problem(recipe))
 
 

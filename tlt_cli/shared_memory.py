@@ -14,12 +14,17 @@ unlinks any. Three things keep them from filling the machine's memory:
 A segment is unmapped only between DeepSpeed's shm_open and its mmap a few lines later, so one
 that no live process maps belongs to a process that has exited. SGLang's servers leave entries of
 their own, recorded and removed by tlt_cli/sglang/server_files.py.
+Where /dev/shm cannot be written (read-only, absent: `unwritable_reason`), DeepSpeed would report
+"shared_create ... failed" and wait forever for its own segment; `deepspeed_buffers_if_writable` hides
+from it that the ranks share a node, so its all-reduce goes through the process group instead.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Mapping
+import tempfile
+from collections.abc import Iterator, Mapping, MutableMapping
 from pathlib import Path
 
 SHARED_MEMORY_DIRECTORY = Path("/dev/shm")
@@ -51,13 +56,44 @@ def release_own_buffer(environment: Mapping[str, str]) -> None:
         buffer.unlink(missing_ok=True)
 
 
+def unwritable_reason(directory: Path = SHARED_MEMORY_DIRECTORY) -> str | None:
+    """Why no file can be made in `directory` now, in the system's words ("Read-only file system"), or None when
+    one can (Python's multiprocessing semaphores and DeepSpeed's buffers are files in /dev/shm)."""
+    try:
+        descriptor, probe = tempfile.mkstemp(prefix="tlt-probe-", dir=directory)
+    except OSError as error:
+        return error.strerror or type(error).__name__
+    os.close(descriptor)
+    os.unlink(probe)
+    return None
+
+
+@contextlib.contextmanager
+def deepspeed_buffers_if_writable(environment: MutableMapping[str, str] = os.environ) -> Iterator[None]:
+    """Around DeepSpeed's init_distributed: when /dev/shm cannot be written, LOCAL_SIZE (the launcher's word that
+    every rank is on this node, which makes DeepSpeed map its buffers) is hidden, then put back."""
+    local_size = environment.get("LOCAL_SIZE")
+    hidden = local_size is not None and unwritable_reason() is not None
+    if hidden:
+        del environment["LOCAL_SIZE"]
+    try:
+        yield
+    finally:
+        if hidden:
+            environment["LOCAL_SIZE"] = local_size
+
+
 def remove_unheld(paths: list[Path]) -> list[Path]:
-    """Remove those of `paths` that exist and no live process maps or holds open; the ones removed."""
+    """Remove those of `paths` that exist and no live process maps or holds open; the ones removed (one a read-only
+    /dev/shm keeps is not)."""
     held = held_files() if paths else set()
     removed = []
     for path in paths:
         if path.exists() and path not in held:
-            path.unlink(missing_ok=True)
+            try:
+                path.unlink(missing_ok=True)
+            except OSError:
+                continue
             removed.append(path)
     return removed
 

@@ -174,21 +174,30 @@ def _apply_override(merged: DictConfig, override: str) -> DictConfig:
         raise RecipeError(f"override '{shown}' must have the form key=value, e.g. train.steps=10.")
     key, _, value = override.partition("=")
     key = key.strip()
+    if key.count(".") >= MAX_NESTING:  # OmegaConf recurses once a level (a RecursionError at about a thousand)
+        raise RecipeError(
+            f"override key '{_shortened(key)}' nests more than {MAX_NESTING} deep; a recipe nests a few levels."
+        )
     free_form = key.startswith(FREE_FORM_SECTIONS)
     if not free_form and OmegaConf.select(merged, key, default=_MISSING_KEY) is _MISSING_KEY:
-        raise RecipeError(f"override key '{key}' is not a recipe key; {_suggest(key)}")
+        raise RecipeError(f"override key '{_shortened(key)}' is not a recipe key; {_suggest(key)}")
+    # YAML folds a line break of a plain word into a space (`run.name=$'a\nb'` would silently become "a b") and
+    # stops at a tab or an escape: either way the sentence names the character
+    holds_control = RecipeError(
+        f"override '{shown}': the value holds a control character (a line break, a tab), which YAML would turn "
+        "into a space or refuse; use printable characters only."
+    )
+    control = any(is_control_character(character) for character in value)
     try:
         content = read_yaml(value)
         parsed = OmegaConf.create()
         OmegaConf.update(parsed, key, content)
     except (YAMLError, OmegaConfBaseException) as error:
+        if control:
+            raise holds_control from None
         raise RecipeError(f"override '{shown}': the value is not valid YAML ({_first_line(error)}).") from None
-    if isinstance(content, str) and any(is_control_character(character) for character in value):
-        # YAML folds a line break of a plain word into a space: `run.name=$'a\nb'` would silently become "a b"
-        raise RecipeError(
-            f"override '{shown}': the value holds a control character (a line break, a tab), which YAML would turn "
-            "into a space; use printable characters only."
-        )
+    if isinstance(content, str) and control:
+        raise holds_control
     try:
         return OmegaConf.merge(merged, parsed)
     except (OmegaConfBaseException, TypeError) as error:

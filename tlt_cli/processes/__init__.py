@@ -13,7 +13,7 @@ whatever body each process runs (the caller hands the driver the trainer's):
   hostfile.py          DeepSpeed hostfiles: parsing, checks, the launcher command
   event_channel.py     authenticated TCP channel from launched ranks to the driver
   distributed.py       process-group init (gloo / NCCL) and the rollout barrier
-  machine_checks.py    does this machine have the GPUs and SGLang the recipe asks for
+  machine_checks.py    does this machine have the GPUs, SGLang and /dev/shm the recipe needs
   step_records.py      the workers' step reports turned into trace records
   worker_process.py    what each worker process does first: exit with the driver, output to its log
 """

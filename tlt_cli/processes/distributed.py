@@ -6,7 +6,8 @@ DeepSpeed launcher. The driver starts its workers inside `visible_gpus(actor.dev
 DeepSpeed launcher does the same from its `--include`), so every rank sees exactly the actor's
 GPUs and local rank r of a node uses the r-th of them.
 A rank whose DeepSpeed made a shared-memory all-reduce buffer (one node, under the launcher) unlinks
-it once every rank has mapped it (shared_memory.py), so no way the run ends can leave it in /dev/shm.
+it once every rank has mapped it (shared_memory.py), so no way the run ends can leave it in /dev/shm;
+where /dev/shm cannot be written, DeepSpeed makes none and all-reduces through the process group.
 `RolloutBarrier` lets a worker that finished its rollout shard keep doing useful work (the idle
 hook) while it waits for the others: it marks finished workers in a key-value store instead of
 blocking in a collective, and gives up after a deadline, naming the workers it waited for.
@@ -39,7 +40,7 @@ from typing import Any
 import torch
 import torch.distributed
 
-from tlt_cli.shared_memory import rank_buffer, release_own_buffer
+from tlt_cli.shared_memory import deepspeed_buffers_if_writable, rank_buffer, release_own_buffer
 
 POLL_SECONDS = 0.005
 STORE_TIMEOUT = timedelta(minutes=30)
@@ -173,10 +174,9 @@ def init_worker_process(
     if on_gpus:
         torch.cuda.set_device(device)
     backend = "nccl" if on_gpus else "gloo"
-    if address.rendezvous_directory is None:
-        import_deepspeed().init_distributed(dist_backend=backend)
-    else:
-        import_deepspeed().init_distributed(dist_backend=backend, **one_node_rendezvous(address))
+    rendezvous = {} if address.rendezvous_directory is None else one_node_rendezvous(address)
+    with deepspeed_buffers_if_writable():  # a read-only /dev/shm: no buffers, the process group all-reduces
+        import_deepspeed().init_distributed(dist_backend=backend, **rendezvous)
     own_buffer = rank_buffer(os.environ)
     if own_buffer is not None and own_buffer.exists():
         torch.distributed.barrier()  # every rank has mapped every rank's segment once all are past their init

@@ -19,9 +19,11 @@ the DeepSpeed /dev/shm segments of a one-node launch that no rank could unlink (
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import os
 import queue
+import re
 import secrets
 import shutil
 import signal
@@ -48,6 +50,10 @@ LAST_EVENTS_SECONDS = 5.0
 SESSION_POLL_SECONDS = 0.1
 # a port for the route probe: connecting a UDP socket sends nothing, it only asks for the route
 PROBE_PORT = 9
+# seconds to wait for the launcher to log the exit code of a rank that died (it looks at its ranks every second)
+EXIT_CODE_SECONDS = 3.0
+# how DeepSpeed's per-node launcher (deepspeed/launcher/launch.py) logs the first of its ranks to end with an error
+LAUNCHER_EXIT_CODE = re.compile(r"exits with return code = (-?\d+)")
 
 
 class LaunchedWorkers:
@@ -81,6 +87,7 @@ class LaunchedWorkers:
         self.shared_buffers = run_buffers(LOCAL_ADDRESS, master_port, self.size) if local else []
         command = deepspeed_launch_command(recipe, run_directory, master_port)
         with self.log_path.open("a", encoding="utf-8") as log:
+            self.log_start = log.tell()  # a resumed run's log holds earlier launches too
             self.launcher = subprocess.Popen(
                 command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
             )
@@ -103,14 +110,35 @@ class LaunchedWorkers:
 
     def ended_without_report(self, accounted: set[int]) -> str | None:
         """The first rank of this machine not in `accounted` (finished, or failed and said so) whose process has
-        ended (its parent, the per-node launcher, learns the exit code and logs it); None if there is none."""
+        ended, named with the signal that ended it when its parent, the per-node launcher, logged one; None if there
+        is none."""
         for rank, pid in sorted(self.local_pids.items()):
             if rank not in accounted and not process_running(pid):
+                code = self._launcher_exit_code(EXIT_CODE_SECONDS)
+                if code is not None and code < 0:  # a signal: its peers raise, then exit 1
+                    return (
+                        f"worker {rank} (pid {pid}) was killed by {_signal_name(-code)} (code {code}) without "
+                        f"reporting an error (out of memory, or killed?); see {self.log_path}."
+                    )
                 return (
                     f"worker {rank} (pid {pid}) ended without reporting an error (killed, or out of memory?); the "
                     f"DeepSpeed launcher logs its exit code in {self.log_path}."
                 )
         return None
+
+    def _launcher_exit_code(self, seconds: float) -> int | None:
+        """The exit code this launch's launcher logged for the first rank that ended with an error, waiting up to
+        `seconds` for it; None if it logged none."""
+        deadline = time.monotonic() + seconds
+        while True:
+            with contextlib.suppress(OSError), self.log_path.open(encoding="utf-8", errors="replace") as log:
+                log.seek(self.log_start)
+                found = LAUNCHER_EXIT_CODE.search(log.read())
+                if found:
+                    return int(found.group(1))
+            if time.monotonic() > deadline:
+                return None
+            time.sleep(SESSION_POLL_SECONDS)
 
     def failure(self, finished: set[int]) -> str | None:
         """Why the run cannot go on (the launcher exited with ranks unfinished), or None while it can."""
@@ -164,6 +192,13 @@ def address_towards(recipe: Recipe) -> str:
         f"workers.hostfile: none of the hosts in {recipe.workers.hostfile} can be reached from this machine "
         "(their names do not resolve here); the driver must reach the nodes it launches on."
     )
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
 
 
 def _wait(process: subprocess.Popen, seconds: float) -> bool:

@@ -1,9 +1,10 @@
-"""What this machine must have for a valid recipe to run: GPUs for the actor, SGLang.
+"""What this machine must have for a valid recipe to run: GPUs for the actor, SGLang, a writable /dev/shm.
 
 Recipe validation (tlt_cli/recipe_checks.py) never looks at the machine, so a GPU recipe validates on a
-laptop. `machine_problem(recipe)` names, in one sentence, the key that asks for what this machine lacks
-(None when it has it all); the checks when a run starts (tlt_cli/preflight.py `check_machine`) refuse the
-run with it before any worker or server starts (the CLI exits with 2).
+laptop. `machine_problem(recipe)` names, in one sentence, the key that asks for what this machine lacks, or
+the /dev/shm the run's processes need and cannot write (None when it has it all); the checks when a run starts
+(tlt_cli/preflight.py `check_machine`) refuse the run with it before any worker or server starts (the CLI
+exits with 2).
 """
 
 from __future__ import annotations
@@ -13,18 +14,19 @@ import sys
 import torch
 
 from tlt_cli.config import CPU_DEVICES, ActorConfig, Recipe, RolloutBackendName, SGLangConfig
+from tlt_cli.shared_memory import SHARED_MEMORY_DIRECTORY, unwritable_reason
 
 # bfloat16 arithmetic needs compute capability 8.0 (Ampere) or newer
 BF16_MIN_CAPABILITY = 8
 
 
 def machine_problem(recipe: Recipe) -> str | None:
-    """Why this machine cannot run `recipe`: actor.devices needs GPUs it lacks, or rollout.backend sglang an
-    SGLang it lacks; None when it can."""
+    """Why this machine cannot run `recipe`: actor.devices needs GPUs it lacks, rollout.backend sglang an
+    SGLang it lacks, or the run needs a /dev/shm it cannot write; None when it can."""
     problem = _actor_gpus_problem(recipe.actor)
     if problem is None and recipe.rollout.backend == RolloutBackendName.sglang:
         problem = _sglang_problem(recipe.rollout.sglang)
-    return problem
+    return problem or _shared_memory_problem(recipe)
 
 
 def _actor_gpus_problem(actor: ActorConfig) -> str | None:
@@ -58,3 +60,20 @@ def _sglang_problem(config: SGLangConfig) -> str | None:
     except SGLangVersionError as error:
         return f"rollout.backend is sglang, but {error}"
     return None
+
+
+def _shared_memory_problem(recipe: Recipe) -> str | None:
+    """Spawned workers share their event queue's semaphores through /dev/shm (Python's multiprocessing has no
+    other way), SGLang's servers their weights and locks; the DeepSpeed launcher's ranks do without it."""
+    sglang = recipe.rollout.backend == RolloutBackendName.sglang
+    if recipe.workers.hostfile and not sglang:
+        return None
+    reason = unwritable_reason()
+    if reason is None:
+        return None
+    users = "SGLang's servers need it" if sglang else "the worker processes tlt train spawns share their locks there"
+    instead = "" if sglang else ", or launch the workers with workers.hostfile (a file reading 'localhost slots=N')"
+    return (
+        f"{SHARED_MEMORY_DIRECTORY} cannot be written on this machine ({reason}) and {users}; mount a writable "
+        f"tmpfs there (in a container: docker run --shm-size=1g){instead}, then run again."
+    )
