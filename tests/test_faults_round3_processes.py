@@ -252,6 +252,11 @@ HOLD_AND_DIE = (
     "import mmap, os, time; f = open({{path!r}}, 'w+b'); f.write(bytes(4096)); f.flush(); "
     "m = mmap.mmap(f.fileno(), 0); time.sleep(3); os._exit(9)"
 )
+LINK_AND_DIE = (
+    "import mmap, os, time; f = open({{stage!r}}, 'w+b'); f.write(bytes(4096)); f.flush(); "
+    "m = mmap.mmap(f.fileno(), 0); f.close(); os.link({{stage!r}}, {{path!r}}); os.unlink({{stage!r}}); "
+    "time.sleep(3); os._exit(9)"
+)
 
 
 def test_leaves_a_process():
@@ -263,6 +268,13 @@ def test_leaves_shared_memory():
     subprocess.run(
         [sys.executable, "-c", HOLD_AND_DIE.format(path="/dev/shm/tlt-leak-probe-{mark}")], check=False, timeout=60
     )
+
+
+def test_leaves_shared_memory_under_another_name():
+    # as glibc makes a POSIX semaphore: map a staging file, link it to its own name, unlink the staging name;
+    # the process then shows only the deleted staging name, and dies leaving the linked one
+    script = LINK_AND_DIE.format(stage="/dev/shm/tlt-leak-stage-{mark}", path="/dev/shm/tlt-leak-linked-{mark}")
+    subprocess.run([sys.executable, "-c", script], check=False, timeout=60)
 
 
 def test_leaves_a_listening_socket():
@@ -286,10 +298,11 @@ def test_the_leak_check_fails_each_kind_of_leak_and_passes_a_clean_test(tmp_path
     output = session.stdout
     assert session.returncode == 1, output[-3000:]
     # a test whose teardown fails counts as passed and errored: only the clean one passes without an error
-    assert "5 passed, 4 errors" in output and "of test_leaves_nothing" not in output, output[-3000:]
+    assert "6 passed, 5 errors" in output and "of test_leaves_nothing" not in output, output[-3000:]
     for test, leak in [
         ("test_leaves_a_process", "process "),
         ("test_leaves_shared_memory", f"shared memory /dev/shm/tlt-leak-probe-{os.getpid()}"),
+        ("test_leaves_shared_memory_under_another_name", f"shared memory /dev/shm/tlt-leak-linked-{os.getpid()}"),
         ("test_leaves_a_listening_socket", "listening socket ('AF_INET', "),
         ("test_leaves_a_temporary_file", "file "),
     ]:
@@ -297,3 +310,4 @@ def test_the_leak_check_fails_each_kind_of_leak_and_passes_a_clean_test(tmp_path
         report = output.split(f"ERROR at teardown of {test}", 1)[1]
         assert f"the test left behind:\n{leak}" in report, report[:1000]
     assert not Path(f"/dev/shm/tlt-leak-probe-{os.getpid()}").exists()
+    assert not Path(f"/dev/shm/tlt-leak-linked-{os.getpid()}").exists()

@@ -9,7 +9,7 @@ unlinks any. Three things keep them from filling the machine's memory:
    distributed.py); the maps stay valid, and the memory goes when the last rank exits, however it exits;
 2. the driver of a hostfile run removes its run's segments once the ranks are gone
    (`run_buffers`: the names follow from the launch's port and size; launched_workers.py);
-3. every `tlt train` first removes this user's segments that no live process maps
+3. every `tlt train` first removes this user's segments that no live process maps or holds open
    (`remove_abandoned_buffers`: left by a run killed before its ranks could unlink them).
 A segment is unmapped only between DeepSpeed's shm_open and its mmap a few lines later, so one
 that no live process maps belongs to a process that has exited. SGLang's servers leave entries of
@@ -84,17 +84,19 @@ def deepspeed_buffers_if_writable(environment: MutableMapping[str, str] = os.env
 
 
 def remove_unheld(paths: list[Path]) -> list[Path]:
-    """Remove those of `paths` that exist and no live process maps or holds open; the ones removed (one a read-only
-    /dev/shm keeps is not)."""
-    held = held_files() if paths else set()
+    """Remove those of `paths` that exist and that no live process maps or holds open (compared by inode, whatever
+    name the process shows); the ones removed (one a read-only /dev/shm keeps is not)."""
+    held = held_inodes() if paths else set()
     removed = []
     for path in paths:
-        if path.exists() and path not in held:
-            try:
-                path.unlink(missing_ok=True)
-            except OSError:
+        try:
+            status = path.lstat()
+            if (status.st_dev, status.st_ino) in held:
                 continue
-            removed.append(path)
+            path.unlink()
+        except OSError:  # gone already, or kept by a read-only /dev/shm
+            continue
+        removed.append(path)
     return removed
 
 
@@ -103,29 +105,44 @@ def remove_abandoned_buffers() -> list[Path]:
     return remove_unheld(sorted(SHARED_MEMORY_DIRECTORY.glob(f"{DEEPSPEED_BUFFER_PREFIX}_{os.getuid()}_*")))
 
 
-def mapped_files() -> set[Path]:
-    """Every file some live process of this machine maps (from /proc/<pid>/maps)."""
-    mapped = set()
-    for maps in Path("/proc").glob("[0-9]*/maps"):
+def shared_memory_entries() -> dict[Path, tuple[int, int]]:
+    """Every /dev/shm entry with its (device, inode)."""
+    entries = {}
+    for path in SHARED_MEMORY_DIRECTORY.iterdir():
         try:
-            lines = maps.read_text().splitlines()
+            status = path.lstat()
+        except OSError:
+            continue
+        entries[path] = (status.st_dev, status.st_ino)
+    return entries
+
+
+def held_inodes(pids: list[int] | None = None) -> set[tuple[int, int]]:
+    """(device, inode) of every /dev/shm file the processes `pids` (None: every live process) map or hold open,
+    whatever name they show: glibc makes a POSIX semaphore under a temporary name, maps it, then links it to its
+    own name and unlinks the first, so /proc/<pid>/maps shows `sem.XXXXXX (deleted)` for `sem.mp-*`."""
+    inodes = set()
+    for pid in _all_pids() if pids is None else pids:
+        try:
+            maps = Path(f"/proc/{pid}/maps").read_text().splitlines()
+            descriptors = list(Path(f"/proc/{pid}/fd").iterdir())
         except OSError:  # the process ended, or is not ours to read
             continue
-        mapped.update(Path(line.split(maxsplit=5)[5]) for line in lines if line.count(" ") >= 5 and "/" in line)
-    return mapped
+        for line in maps:
+            # address, permissions, offset, device (major:minor in hex), inode, path
+            fields = line.split(maxsplit=5)
+            if len(fields) == 6 and fields[5].startswith(f"{SHARED_MEMORY_DIRECTORY}/"):
+                major, minor = (int(part, 16) for part in fields[3].split(":"))
+                inodes.add((os.makedev(major, minor), int(fields[4])))
+        for descriptor in descriptors:
+            try:
+                if os.readlink(descriptor).startswith(f"{SHARED_MEMORY_DIRECTORY}/"):
+                    status = os.stat(descriptor)
+                    inodes.add((status.st_dev, status.st_ino))
+            except OSError:
+                continue
+    return inodes
 
 
-def open_files() -> set[Path]:
-    """Every file some live process of this machine holds open (from /proc/<pid>/fd)."""
-    held = set()
-    for descriptor in Path("/proc").glob("[0-9]*/fd/*"):
-        try:
-            held.add(Path(os.readlink(descriptor)))
-        except OSError:  # the process or descriptor ended, or is not ours to read
-            continue
-    return held
-
-
-def held_files() -> set[Path]:
-    """Every file some live process maps or holds open."""
-    return mapped_files() | open_files()
+def _all_pids() -> list[int]:
+    return [int(entry.name) for entry in Path("/proc").iterdir() if entry.name.isdigit()]

@@ -28,9 +28,10 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from tlt_cli.shared_memory import SHARED_MEMORY_DIRECTORY, held_inodes, shared_memory_entries
+
 SERVER_FOLDER_PREFIX = "tlt-sglang-"
 RECORD_FILE = "tlt-server.json"
-SHARED_MEMORY_DIRECTORY = Path("/dev/shm")
 
 
 def process_start_ticks(pid: int) -> int | None:
@@ -63,35 +64,6 @@ def live_group_members(process_group: int) -> list[int]:
     return members
 
 
-def shared_memory_inodes(pids: list[int]) -> set[tuple[int, int]]:
-    """(device, inode) of every /dev/shm file the processes `pids` map or hold open, whatever name they show."""
-    inodes = set()
-    for pid in pids:
-        try:
-            maps = Path(f"/proc/{pid}/maps").read_text().splitlines()
-            descriptors = list(Path(f"/proc/{pid}/fd").iterdir())
-        except OSError:  # the process ended, or is not ours to read
-            continue
-        for line in maps:
-            # address, permissions, offset, device (major:minor in hex), inode, path
-            fields = line.split(maxsplit=5)
-            if len(fields) == 6 and fields[5].startswith(f"{SHARED_MEMORY_DIRECTORY}/"):
-                major, minor = (int(part, 16) for part in fields[3].split(":"))
-                inodes.add((os.makedev(major, minor), int(fields[4])))
-        for descriptor in descriptors:
-            try:
-                if os.readlink(descriptor).startswith(f"{SHARED_MEMORY_DIRECTORY}/"):
-                    status = os.stat(descriptor)
-                    inodes.add((status.st_dev, status.st_ino))
-            except OSError:
-                continue
-    return inodes
-
-
-def all_pids() -> list[int]:
-    return [int(entry.name) for entry in Path("/proc").iterdir() if entry.name.isdigit()]
-
-
 def make_server_folder(index: int) -> Path:
     """A new temporary folder for server `index` (0700), recorded as started by this process."""
     folder = Path(tempfile.mkdtemp(prefix=f"{SERVER_FOLDER_PREFIX}{index}-"))
@@ -107,11 +79,11 @@ def record_leader(folder: Path, leader: int) -> None:
 def record_shared_memory(folder: Path, leader: int) -> None:
     """Add the /dev/shm entries the processes of `leader`'s group hold now to the folder's record."""
     record = _read_record(folder)
-    held = shared_memory_inodes(live_group_members(leader))
+    held = held_inodes(live_group_members(leader))
     known = {tuple(entry["inode"]) for entry in record.get("shared_memory", [])}
     found = [
         {"path": str(path), "inode": list(inode)}
-        for path, inode in _shared_memory_entries().items()
+        for path, inode in shared_memory_entries().items()
         if inode in held and inode not in known
     ]
     if found:
@@ -122,7 +94,7 @@ def remove_server_files(folder: Path) -> list[Path]:
     """Remove the folder's recorded /dev/shm entries (those still the same file that no live process holds) and
     the folder; the entries removed."""
     recorded = _read_record(folder).get("shared_memory", [])
-    held = shared_memory_inodes(all_pids()) if recorded else set()
+    held = held_inodes() if recorded else set()
     removed = []
     for entry in recorded:
         path = Path(entry["path"])
@@ -178,17 +150,6 @@ def _is_running(identity: dict) -> bool:
         return identity["started"] is not None and process_start_ticks(identity["pid"]) == identity["started"]
     except (KeyError, TypeError):
         return False
-
-
-def _shared_memory_entries() -> dict[Path, tuple[int, int]]:
-    entries = {}
-    for path in SHARED_MEMORY_DIRECTORY.iterdir():
-        try:
-            status = path.lstat()
-        except OSError:
-            continue
-        entries[path] = (status.st_dev, status.st_ino)
-    return entries
 
 
 def _read_record(folder: Path) -> dict:
