@@ -91,15 +91,6 @@ def fake_launch(index: int, log_dir: Path, *fake_arguments: str, port: int | Non
     )
 
 
-def pid_running(pid: int) -> bool:
-    """True if `pid` exists and is not a zombie."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
-
-
 def wait_for_first_generation(run: subprocess.Popen, server_log: Path, seconds: float) -> None:
     """Wait until the server behind `run` logged its first `POST /generate` (a rollout has begun) and `run` is
     still alive, for at most `seconds`; fail if it did not come by then, or `run` ended first."""

@@ -23,6 +23,7 @@ from tlt_cli.config import SGLangConfig
 from tlt_cli.sglang.adaptive import PlanMode, SGLangSpeculativePlan
 from tlt_cli.sglang.server import ServerGroup, launch_sglang_servers
 from tlt_cli.sglang.server_args import CPU_SERVER_ARGS
+from tlt_cli.shared_memory import held_inodes, shared_memory_entries
 
 SIDE_PYTHON = Path(
     os.environ.get(
@@ -30,7 +31,6 @@ SIDE_PYTHON = Path(
         Path(os.environ.get("TLT_CACHE_DIR", Path.home() / ".cache" / "tlt")) / "sglang-cpu-env" / "bin" / "python",
     )
 )
-SHARED_MEMORY = Path("/dev/shm")
 # seconds between two looks at what the watched processes hold in /dev/shm
 SAMPLE_SECONDS = 0.5
 SHIPPED_TINY_MODEL = Path(__file__).resolve().parent.parent / "tlt_cli" / "models" / "tiny_arith"
@@ -91,32 +91,6 @@ def start_cpu_server(model_dir: Path, run_dir: Path, skip_tokenizer_init: bool =
             os.environ["OMP_NUM_THREADS"] = previous
 
 
-def held_shared_memory(pids: list[int]) -> set[tuple[int, int]]:
-    """(device, inode) of each /dev/shm file the processes map or hold open. By inode, not by the name /proc shows:
-    glibc makes a named semaphore under a staging name, maps it, renames it to sem.mp-*, so the maps show
-    `sem.XXXXXX (deleted)` for a file that exists under another name."""
-    held = set()
-    for pid in pids:
-        try:
-            maps = Path(f"/proc/{pid}/maps").read_text().splitlines()
-            descriptors = list(Path(f"/proc/{pid}/fd").iterdir())
-        except OSError:
-            continue
-        for line in maps:
-            fields = line.split(maxsplit=5)  # address, permissions, offset, major:minor (hex), inode, path
-            if len(fields) == 6 and fields[5].startswith("/dev/shm/"):
-                major, minor = fields[3].split(":")
-                held.add((os.makedev(int(major, 16), int(minor, 16)), int(fields[4])))
-        for descriptor in descriptors:
-            try:
-                if os.readlink(descriptor).startswith("/dev/shm/"):
-                    status = os.stat(descriptor)
-                    held.add((status.st_dev, status.st_ino))
-            except OSError:
-                continue
-    return held
-
-
 class RunWatch:
     """The processes of a run and the /dev/shm entries they hold, looked at every SAMPLE_SECONDS from `with` to its
     end; afterwards `survivors()` lists those processes still running and `left_shared_memory()` those entries still
@@ -158,8 +132,8 @@ class RunWatch:
                     self._remember(process)
             except psutil.Error:
                 continue
-        held = held_shared_memory([process.pid for process in self.processes.values() if process.is_running()])
-        for inode, path in shared_memory_entries().items():
+        held = held_inodes([process.pid for process in self.processes.values() if process.is_running()])
+        for path, inode in shared_memory_entries().items():
             if inode in held:
                 self.shared_memory[inode] = path
 
@@ -204,19 +178,7 @@ class RunWatch:
 
     def left_shared_memory(self) -> list[Path]:
         now = shared_memory_entries()
-        return sorted(path for inode, path in self.shared_memory.items() if now.get(inode) == path)
-
-
-def shared_memory_entries() -> dict[tuple[int, int], Path]:
-    """Each /dev/shm entry by its (device, inode)."""
-    entries = {}
-    for path in SHARED_MEMORY.iterdir():
-        try:
-            status = path.lstat()
-        except OSError:
-            continue
-        entries[(status.st_dev, status.st_ino)] = path
-    return entries
+        return sorted(path for inode, path in self.shared_memory.items() if now.get(path) == inode)
 
 
 def sglang_shared_memory(names: list[str]) -> bool:

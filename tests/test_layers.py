@@ -37,6 +37,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "tlt_cli.display",
             "tlt_cli.versions",
             "tlt_cli.shared_memory",
+            "tlt_cli.process_status",
         ),
     ),
     ("tasks", ("tlt_cli.tasks",)),

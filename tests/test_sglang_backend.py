@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from sglang_fakes import free_port_range, pid_running, write_stand_in_sglang
+from sglang_fakes import free_port_range, write_stand_in_sglang
 
 from tlt_cli.engine.sampling import SamplingParams
+from tlt_cli.process_status import process_running
 from tlt_cli.rollout.types import RolloutRequest
 from tlt_cli.sglang.adaptive import BatchRule
 from tlt_cli.sglang.backend import SGLangBackend
@@ -62,7 +63,7 @@ def test_backend_starts_generates_syncs_from_disk_and_stops(stand_in_sglang, tmp
             backend.sync_weights("step-2")
     finally:
         backend.stop()
-    assert backend.group.pids and not any(pid_running(pid) for pid in backend.group.pids)
+    assert backend.group.pids and not any(process_running(pid) for pid in backend.group.pids)
 
 
 def test_backend_refuses_to_generate_before_start(tmp_path):

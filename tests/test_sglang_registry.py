@@ -11,8 +11,9 @@ import subprocess
 import sys
 import time
 
-from sglang_fakes import API_KEY, FAKE_SERVER, free_port, pid_running
+from sglang_fakes import API_KEY, FAKE_SERVER, free_port
 
+from tlt_cli.process_status import process_running
 from tlt_cli.sglang.registry import record_server_groups, recorded_server_groups, stop_recorded_servers
 from tlt_cli.sglang.server import live_group_members
 
@@ -40,7 +41,7 @@ def test_recorded_groups_are_stopped_with_their_children_and_the_records_dropped
     record_server_groups(tmp_path, 0, [2**22 + 7])
     assert sorted(recorded_server_groups(tmp_path)) == sorted([group, 2**22 + 7])
     assert stop_recorded_servers(tmp_path, timeout_s=5) == [group]
-    assert live_group_members(group) == [] and not pid_running(group)
+    assert live_group_members(group) == [] and not process_running(group)
     assert recorded_server_groups(tmp_path) == []
 
 

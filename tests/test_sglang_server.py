@@ -18,8 +18,9 @@ from pathlib import Path
 
 import pytest
 from rich.console import Console
-from sglang_fakes import FAKE_SERVER, fake_launch, free_port, pid_running, wait_for_first_generation
+from sglang_fakes import FAKE_SERVER, fake_launch, free_port, wait_for_first_generation
 
+from tlt_cli.process_status import process_running
 from tlt_cli.processes import driver
 from tlt_cli.sglang.registry import stop_recorded_servers
 from tlt_cli.sglang.server import ServerGroup, ServerStartError, live_group_members, log_tail
@@ -43,10 +44,10 @@ def test_start_waits_for_health_and_stop_leaves_no_process(tmp_path):
     server_pid = group.pids[0]
     grandchild = child_pid(launch.log_path)
     assert get_status(launch.endpoint, "/health", timeout_s=2) == 200
-    assert pid_running(server_pid) and pid_running(grandchild)
+    assert process_running(server_pid) and process_running(grandchild)
     group.stop()
-    assert not pid_running(server_pid)
-    assert not pid_running(grandchild), "the server's own child outlived the stop"
+    assert not process_running(server_pid)
+    assert not process_running(grandchild), "the server's own child outlived the stop"
     assert live_group_members(server_pid) == []
     assert get_status(launch.endpoint, "/health", timeout_s=1) is None
 
@@ -56,7 +57,7 @@ def test_slow_start_is_waited_for(tmp_path):
     with ServerGroup([launch], startup_timeout_s=20, stop_timeout_s=5) as group:
         assert get_status(launch.endpoint, "/health", timeout_s=2) == 200
         pid = group.pids[0]
-    assert not pid_running(pid)
+    assert not process_running(pid)
 
 
 def test_health_timeout_names_the_server_and_shows_its_log(tmp_path):
@@ -68,7 +69,7 @@ def test_health_timeout_names_the_server_and_shows_its_log(tmp_path):
     assert "did not answer /health within 2 s" in message
     assert "rollout.sglang.startup_timeout_s" in message
     assert "pid starting in mode hang" in message
-    assert not pid_running(group.pids[0])
+    assert not process_running(group.pids[0])
 
 
 def test_crash_during_startup_raises_with_log_tail_and_stops_the_others(tmp_path):
@@ -81,7 +82,7 @@ def test_crash_during_startup_raises_with_log_tail_and_stops_the_others(tmp_path
     assert message.startswith("SGLang server 1 exited with code 1 while starting")
     assert "CUDA out of memory (fake crash for the tests)" in message
     grandchild = child_pid(healthy.log_path)
-    assert all(not pid_running(pid) for pid in [*group.pids, grandchild])
+    assert all(not process_running(pid) for pid in [*group.pids, grandchild])
 
 
 def test_port_in_use_is_refused_before_anything_starts(tmp_path):
@@ -174,7 +175,7 @@ def test_interrupt_or_terminate_of_the_trainer_stops_its_servers(tmp_path, signu
     driver.send_signal(signum)
     driver.wait(timeout=15)
     assert driver.returncode != 0
-    assert not pid_running(server_pid) and not pid_running(grandchild)
+    assert not process_running(server_pid) and not process_running(grandchild)
 
 
 def start_driver(log_dir: Path, temporary_folder: Path, *fake_arguments: str) -> tuple[subprocess.Popen, int]:
@@ -202,9 +203,9 @@ def kill_and_wait(driver: subprocess.Popen, server_pid: int) -> None:
     driver.kill()
     driver.wait(timeout=15)
     deadline = time.monotonic() + 15
-    while pid_running(server_pid) and time.monotonic() < deadline:
+    while process_running(server_pid) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not pid_running(server_pid)
+    assert not process_running(server_pid)
 
 
 @pytest.fixture

@@ -119,8 +119,9 @@ def shared_memory_entries() -> dict[Path, tuple[int, int]]:
 
 def held_inodes(pids: list[int] | None = None) -> set[tuple[int, int]]:
     """(device, inode) of every /dev/shm file the processes `pids` (None: every live process) map or hold open,
-    whatever name they show: glibc makes a POSIX semaphore under a temporary name, maps it, then links it to its
-    own name and unlinks the first, so /proc/<pid>/maps shows `sem.XXXXXX (deleted)` for `sem.mp-*`."""
+    whatever name they show: glibc makes a POSIX semaphore under a staging name (`sem.` and six random
+    characters), maps it, then links it to its own name (`sem.mp-*`) and unlinks the staging one, so
+    /proc/<pid>/maps names a deleted file for an entry that exists under another name."""
     inodes = set()
     for pid in _all_pids() if pids is None else pids:
         try:

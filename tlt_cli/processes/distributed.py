@@ -40,6 +40,7 @@ from typing import Any
 import torch
 import torch.distributed
 
+from tlt_cli.process_status import process_running
 from tlt_cli.shared_memory import deepspeed_buffers_if_writable, rank_buffer, release_own_buffer
 
 POLL_SECONDS = 0.005
@@ -118,15 +119,6 @@ def remove_abandoned_rendezvous() -> list[Path]:
             shutil.rmtree(folder, ignore_errors=True)
             removed.append(folder)
     return removed
-
-
-def process_running(pid: int) -> bool:
-    """Whether process `pid` of this machine exists and has not ended (a zombie, not yet reaped, has)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"  # the state follows the parenthesised command
 
 
 def import_deepspeed() -> ModuleType:

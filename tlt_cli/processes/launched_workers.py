@@ -35,7 +35,8 @@ from typing import Any
 
 from tlt_cli.config import Recipe
 from tlt_cli.errors import UserError
-from tlt_cli.processes.distributed import free_port, private_rendezvous_directory, process_running
+from tlt_cli.process_status import process_running
+from tlt_cli.processes.distributed import free_port, private_rendezvous_directory
 from tlt_cli.processes.event_channel import EventListener
 from tlt_cli.processes.hostfile import LOCAL_ADDRESS, deepspeed_launch_command, read_hostfile, runs_on_this_machine
 from tlt_cli.processes.launch_files import LaunchPlan, body_name, write_launch_files

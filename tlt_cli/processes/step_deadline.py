@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import socket
 import time
-from pathlib import Path
 
+from tlt_cli.process_status import stat_fields
 from tlt_cli.processes.messages import WorkerProgress, WorkerStepReport
 
 # the state letter of /proc/<pid>/stat, in words
@@ -91,10 +91,7 @@ def _process(event: WorkerProgress) -> str:
 
 def _process_state(pid: int) -> str | None:
     """What Linux says the process is doing (from /proc), or None where that cannot be read."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text(encoding="utf-8")
-    except OSError:
+    fields = stat_fields(pid)
+    if fields is None:
         return None
-    # the state follows the command name, which is in parentheses and may itself hold spaces
-    letter = stat.rpartition(")")[2].split()[0]
-    return PROCESS_STATES.get(letter, letter)
+    return PROCESS_STATES.get(fields[0], fields[0])

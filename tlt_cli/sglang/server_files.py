@@ -9,9 +9,8 @@ outside (a random instance id, a random semaphore name), so tlt writes them down
   Unix socket's path is at most 107 bytes, so not under the run directory);
 - in it, `tlt-server.json` names the tlt process that started the server and the server's leader
   (pid and start time), and the /dev/shm entries the server's processes hold (`record_shared_memory`,
-  called while the server starts, once it is healthy and as it is stopped). Entries are found by
-  inode, not by the name a process shows: glibc makes a semaphore under a temporary name, maps it,
-  then renames it, so /proc/<pid>/maps shows `sem.XXXXXX (deleted)` for `sem.mp-*`;
+  called while the server starts, once it is healthy and as it is stopped), found by inode, not by the
+  name a process shows (tlt_cli/shared_memory.py `held_inodes` says why);
 - `remove_server_files(folder)` removes the recorded entries that are still the same file (same
   inode) and that no live process holds, then the folder.
 ServerGroup.stop (server.py) removes its own servers' files. After a kill (of the worker, or of
@@ -28,6 +27,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from tlt_cli.process_status import stat_fields
 from tlt_cli.shared_memory import SHARED_MEMORY_DIRECTORY, held_inodes, shared_memory_entries
 
 SERVER_FOLDER_PREFIX = "tlt-sglang-"
@@ -39,12 +39,8 @@ def process_start_ticks(pid: int) -> int | None:
 
     A pid with the same start is the same process: a pid Linux has given to another process since differs.
     """
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    # fields after the parenthesised command: state (3), ppid, pgrp, ... starttime (22)
-    return int(stat.rsplit(")", 1)[1].split()[19])
+    fields = stat_fields(pid)
+    return int(fields[19]) if fields is not None else None
 
 
 def live_group_members(process_group: int) -> list[int]:
@@ -53,12 +49,10 @@ def live_group_members(process_group: int) -> list[int]:
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
+        fields = stat_fields(int(entry.name))
+        if fields is None:
             continue
-        # fields after the parenthesised command: state, ppid, pgrp, ...
-        state, _parent, group = stat.rsplit(")", 1)[1].split()[:3]
+        state, _parent, group = fields[:3]
         if int(group) == process_group and state != "Z":
             members.append(int(entry.name))
     return members
