@@ -4,7 +4,7 @@ import pytest
 import torch
 from test_speculative import TargetAsDrafter, requests_for, tiny_target
 
-from tlt_cli.config import RecipeError, SpeculativeSection
+from tlt_cli.config import DEFAULT_RULES, RecipeError, SpeculativeMode, SpeculativeSection
 from tlt_cli.drafter.model import EagleDrafter
 from tlt_cli.engine.sampling import SamplingParams
 from tlt_cli.recipe_checks import checked_speculative_plan
@@ -14,6 +14,7 @@ from tlt_cli.speculative.adaptive import (
     AdaptiveSchedule,
     AdaptiveSpeculativeDecoder,
     RuleTableError,
+    SpeculationMode,
     build_rules,
     parse_label,
 )
@@ -54,6 +55,11 @@ def test_bad_tables_name_the_rule(table, message):
         return
     with pytest.raises(RuleTableError, match=message):
         build_rules(table)
+    if not table:  # a recipe without a table has none: mode auto's cost model chooses, mode adaptive uses tlt's own
+        assert speculative_plan(SpeculativeSection(rules=table)).mode == SpeculationMode.auto
+        adaptive = speculative_plan(SpeculativeSection(mode=SpeculativeMode.adaptive, rules=table))
+        assert len(adaptive.rules) == len(DEFAULT_RULES)
+        return
     # every route reads the table through the one plan setup.py makes: an error naming the key and the rule, which
     # the recipe checks refuse the recipe with
     with pytest.raises(RuleTableError, match=f"^speculative.rules: .*{message}"):

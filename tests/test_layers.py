@@ -44,8 +44,9 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("models", ("tlt_cli.models",)),
     ("engine", ("tlt_cli.engine",)),
     ("speculative", ("tlt_cli.speculative",)),
-    ("tuning", ("tlt_cli.tuning",)),
     ("rollout", ("tlt_cli.rollout",)),
+    # measured per-machine choices: above the rollout, which takes them resolved (rollout/decode_plan.py)
+    ("tuning", ("tlt_cli.tuning",)),
     ("drafter", ("tlt_cli.drafter",)),
     ("sglang", ("tlt_cli.sglang",)),
     ("processes", ("tlt_cli.processes",)),

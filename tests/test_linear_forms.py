@@ -35,7 +35,7 @@ from tlt_cli.rollout.generate_loop import EmbeddedEngine
 from tlt_cli.rollout.types import RolloutRequest
 from tlt_cli.speculative.decoder import SpeculativeDecoder
 from tlt_cli.speculative.types import SpeculativeConfig
-from tlt_cli.training.setup import speculative_plan
+from tlt_cli.training.setup import decode_plan_for, speculative_plan
 from tlt_cli.tuning import cache
 from tlt_cli.tuning.cache import record_path
 from tlt_cli.tuning.linear_forms import CACHE_FOLDER, cached_plan, measure_plan, plan_key
@@ -172,15 +172,15 @@ def test_after_update_refreshes_copies_written_behind_autograds_back(tmp_path):
     drafter = EagleDrafter(model, seed=2)
     write_plan(tmp_path, [model, drafter], forced_plan([model, drafter], TRANSPOSED))
     speculative = speculative_plan(SpeculativeSection(rules=[{"batch": [1, None], "use": "s2-k1-t3"}]))
-    rollout = EmbeddedRollout(
-        model, NEVER_EMITTED, 0, speculative, drafter=drafter, linear_forms="auto", cache_dir=tmp_path
-    )
+    plan = decode_plan_for(model, drafter, "float32", "auto", tmp_path, rows=1, speculates=True, costs=False)
+    rollout = EmbeddedRollout(model, NEVER_EMITTED, 0, speculative, drafter=drafter, decode=plan)
     # the owned forward multiplies the policy by copies of its own; the drafter drafts through its formed copy
     drafter_forms = rollout.engine.speculative.drafter_forms
     assert {id(formed.layer) for formed in drafter_forms.layers} == set(map(id, linear_layers([drafter])))
     assert drafter_forms.extra_bytes == sum(layer.weight.numel() * 4 for layer in linear_layers([drafter]))
     assert rollout.copy_bytes == rollout.engine.decode_model.extra_bytes + drafter_forms.extra_bytes
-    precision_line, decode_path_line, forms_line = rollout.start()
+    precision_line, forms_line = plan.log_lines
+    [decode_path_line] = rollout.start()
     assert precision_line == "rollout dtype: float32 (given)"
     assert decode_path_line.startswith("decode path: owned llama-family")
     assert forms_line.startswith("linear forms: ") and "1-64 transposed" in forms_line
@@ -220,12 +220,14 @@ def test_the_drafters_formed_copy_follows_a_drafter_written_behind_autograds_bac
 def test_the_policys_modules_are_never_changed_and_off_forms_nothing(tmp_path):
     model = tiny_gpt2(VOCAB, 10, 256)  # the transformers path: it decodes through a formed copy of the policy
     modules_before = list(model.named_modules())
-    off = EmbeddedRollout(model, NEVER_EMITTED, 0, linear_forms="off", cache_dir=tmp_path)
-    assert off.linear_plan is None and off.engine.decode_model.formed is None
-    assert off.start() == ["rollout dtype: float32 (given)", off.engine.decode_model.describe()]
+    off_plan = decode_plan_for(model, None, "float32", "off", tmp_path, rows=1, speculates=False, costs=False)
+    off = EmbeddedRollout(model, NEVER_EMITTED, 0, decode=off_plan)
+    assert off_plan.linear_plan is None and off.engine.decode_model.formed is None
+    assert [*off_plan.log_lines, *off.start()] == ["rollout dtype: float32 (given)", off.engine.decode_model.describe()]
     assert not (tmp_path / "linear_forms").exists()
     write_plan(tmp_path, [model], forced_plan([model], WEIGHT_MAJOR))
-    rollout = EmbeddedRollout(model, NEVER_EMITTED, 0, linear_forms="auto", cache_dir=tmp_path)
+    plan = decode_plan_for(model, None, "float32", "auto", tmp_path, rows=1, speculates=False, costs=False)
+    rollout = EmbeddedRollout(model, NEVER_EMITTED, 0, decode=plan)
     formed = rollout.engine.decode_model.formed
     assert [type(formed.module.get_output_embeddings())] == [FormedLinear]
     untouched_during = []
@@ -241,7 +243,7 @@ def test_the_policys_modules_are_never_changed_and_off_forms_nothing(tmp_path):
     assert list(model.named_modules()) == modules_before
     assert rollout.engine.decode_model.extra_bytes == 0  # weight-major needs no copy
     with pytest.raises(ValueError, match="linear_forms"):
-        EmbeddedRollout(model, NEVER_EMITTED, 0, linear_forms="fast", cache_dir=tmp_path)
+        decode_plan_for(model, None, "float32", "fast", tmp_path, rows=1, speculates=False, costs=False)
 
 
 def test_a_recipe_names_a_bad_linear_forms_value():
@@ -322,7 +324,8 @@ def test_the_trl_rollout_refreshes_the_copies_before_every_rollout(tmp_path):
 
     model = MODELS["qwen2-untied"]()
     write_plan(tmp_path, [model], forced_plan([model], TRANSPOSED))
-    rollout = HiddenStateRollout(model, NEVER_EMITTED, 0, linear_forms="auto", cache_dir=tmp_path)
+    plan = decode_plan_for(model, None, "float32", "auto", tmp_path, rows=3, speculates=False, costs=False)
+    rollout = HiddenStateRollout(model, NEVER_EMITTED, 0, decode=plan)
     requests, greedy = ragged_requests(3), SamplingParams(8, temperature=0.0)
     rollout.generate_with_hidden(requests, greedy, seed=0, logprob_temperature=1.0)
     with torch.no_grad():

@@ -25,6 +25,7 @@ from tlt_cli.rollout.generate_loop import EmbeddedEngine
 from tlt_cli.rollout.types import RolloutRequest
 from tlt_cli.speculative.adaptive import parse_label
 from tlt_cli.speculative.decoder import SpeculativeDecoder
+from tlt_cli.training.setup import decode_plan_for
 from tlt_cli.tuning import precision
 from tlt_cli.tuning.precision import CACHE_FOLDER, PrecisionChoice, RolloutWorkload, choose_dtype, rollout_precision
 
@@ -233,11 +234,13 @@ def test_given_dtypes_are_taken_and_the_transformers_path_keeps_its_own(tmp_path
 
 
 def test_the_embedded_rollout_decodes_in_the_chosen_dtype_and_says_why(tmp_path):
-    rollout = EmbeddedRollout(tiny_target(), eos_token_id=64, pad_token_id=0, cache_dir=tmp_path, dtype="auto", rows=3)
-    record = rollout.precision()
+    policy = tiny_target()
+    plan = decode_plan_for(policy, None, "auto", "off", tmp_path, rows=3, speculates=False, costs=False)
+    rollout = EmbeddedRollout(policy, eos_token_id=64, pad_token_id=0, decode=plan)
+    record = plan.precision
     assert (record["rows"], record["speculates"]) == (3, False)
     assert rollout.engine.decode_model.dtype == PrecisionChoice(**record).torch_dtype
-    lines = rollout.start()
+    lines = [*plan.log_lines, *rollout.start()]
     assert lines[0].startswith(f"rollout dtype: {record['dtype']} (measured: float32 step ")
     assert "3-row step" in lines[0] and "16-token verify" in lines[0]
     assert "a 3-row rollout, SD off, predicted " in lines[0]

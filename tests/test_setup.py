@@ -8,7 +8,7 @@ import pytest
 import torch
 from tiny_models import tiny_qwen2
 
-from tlt_cli.config import Recipe, SpeculativeMode, SpeculativeSection
+from tlt_cli.config import DEFAULT_RULES, Recipe, SpeculativeMode, SpeculativeSection
 from tlt_cli.rollout.embedded import EmbeddedRollout
 from tlt_cli.rollout.types import RolloutRequest
 from tlt_cli.speculative.adaptive import (
@@ -74,7 +74,7 @@ class Tokens:
 def test_the_embedded_backend_generates_with_the_policy_it_is_given(tmp_path):
     recipe = recipe_with(SpeculativeMode.off, [], linear_forms="off", temperature=0.0, max_new_tokens=3)
     policy = tiny_qwen2(vocab_size=32, seed=3).eval()
-    backend = setup.rollout_backend(recipe, policy, Tokens(), None, setup.BackendPlace(0, 0, tmp_path, tmp_path))
+    backend = setup.rollout_backend(recipe, policy, Tokens(), None, setup.BackendPlace(0, 0, tmp_path))
     assert isinstance(backend, EmbeddedRollout)
     completions, _ = backend.generate([RolloutRequest(0, (2, 3, 4))], setup.sampling(recipe), seed=5)
     with torch.no_grad():
@@ -89,9 +89,10 @@ def test_an_unknown_rollout_backend_is_refused_in_one_sentence(tmp_path):
 
 
 def test_the_speculative_plan_is_the_sections_values_with_its_rule_table_parsed_once():
-    section = Recipe().speculative
+    section = dataclasses.replace(Recipe().speculative, mode=SpeculativeMode.adaptive)
+    assert section.rules == []  # mode adaptive without a table: tlt's default one
     adaptive = setup.speculative_plan(section)
-    assert adaptive.mode is SpeculationMode.adaptive and len(adaptive.rules) == len(section.rules)
+    assert adaptive.mode is SpeculationMode.adaptive and len(adaptive.rules) == len(DEFAULT_RULES)
     assert adaptive.rules[0].configs == (SpeculativeConfig(2, 1, 3), SpeculativeConfig(3, 1, 4))
     assert (adaptive.collapse_accept_length, adaptive.reprobe_steps, adaptive.bandit_epsilon) == (
         section.collapse_accept_length,
@@ -99,6 +100,11 @@ def test_the_speculative_plan_is_the_sections_values_with_its_rule_table_parsed_
         section.bandit_epsilon,
     )
     assert adaptive.draft_sources == {"drafter"}
+    # mode auto (the default) has no table: the cost model chooses; a table given wins over it
+    auto = setup.speculative_plan(Recipe().speculative)
+    assert auto.mode is SpeculationMode.auto and auto.rules == () and auto.configs == ()
+    given = setup.speculative_plan(dataclasses.replace(Recipe().speculative, rules=[{"batch": [1, None], "use": "s2"}]))
+    assert given.mode is SpeculationMode.adaptive and given.configs == (SpeculativeConfig(2),)
     fixed = setup.speculative_plan(dataclasses.replace(section, mode=SpeculativeMode.fixed, steps=3, topk=2))
     assert fixed.mode is SpeculationMode.fixed and fixed.configs == (SpeculativeConfig(3, 2, 0),)
     # the table of the other modes is never read: a broken one is no error there
@@ -116,3 +122,42 @@ def test_a_model_free_plan_decodes_without_a_drafter_and_a_drafter_plan_does_not
     assert hybrid.draft_sources == {"drafter", "ngram"} and speculative_decoder(hybrid, None) is None
     off = setup.speculative_plan(SpeculativeSection(mode=SpeculativeMode.off))
     assert off.draft_sources == frozenset() and speculative_decoder(off, tiny_qwen2(vocab_size=32, seed=3)) is None
+
+
+def test_the_decode_plan_is_resolved_once_in_setup_and_the_rollout_measures_nothing(tmp_path, monkeypatch):
+    recipe = dataclasses.replace(
+        Recipe(),
+        model=dataclasses.replace(Recipe().model, cache_dir=str(tmp_path)),
+        plugins=dataclasses.replace(Recipe().plugins, enabled=[]),
+        drafter=dataclasses.replace(Recipe().drafter, init="random"),
+    )
+    plan = setup.decode_plan(recipe)
+    # mode auto (the default): the pass costs of this machine in the chosen dtype, up to a worker's rows
+    assert plan.pass_costs is not None and plan.pass_costs.dtype == plan.dtype
+    assert plan.pass_costs.rows[-1] <= recipe.samples_per_worker and plan.pass_costs.drafter_entries
+    assert plan.precision["rows"] == recipe.samples_per_worker and plan.precision["speculates"] is True
+    assert any(line.startswith("SD pass costs") for line in plan.log_lines)
+    assert type(plan).from_dict(plan.to_dict()) == plan  # as launched ranks read it
+    off = setup.decode_plan(recipe, speculates=False)
+    assert off.pass_costs is None and off.precision["speculates"] is False
+    # the rollout takes the plan and measures nothing: every measurement of tuning/ fails now
+    from tlt_cli.tuning import linear_forms, pass_costs, precision
+
+    def no_measurement(*args, **kwargs):
+        raise AssertionError("a rollout measured")
+
+    for module, name in (
+        (linear_forms, "measure_plan"),
+        (precision, "measure_precision"),
+        (pass_costs, "measure_pass_costs"),
+    ):
+        monkeypatch.setattr(module, name, no_measurement)
+    policy, tokenizer = setup.policy_and_tokenizer(recipe)
+    drafter = setup.starting_drafter(recipe, None, policy)
+    backend = setup.rollout_backend(recipe, policy, tokenizer, drafter, setup.BackendPlace(0, 0, tmp_path, plan))
+    assert isinstance(backend, EmbeddedRollout) and backend.engine.decode_model.dtype == plan.torch_dtype
+    completions, _ = backend.generate([RolloutRequest(0, (2, 3, 4), group=0)], setup.sampling(recipe), seed=1)
+    assert completions[0].response_ids
+    usage = backend.take_usage()
+    assert sum(value.decode_steps for value in usage.values()) > 0
+    assert all(value.predicted_seconds > 0 for value in usage.values())

@@ -38,6 +38,7 @@ COLUMNS = (
 # plugins' columns
 OPTIONAL_COLUMNS = (
     ("accept len", "accept_length", "{:.2f}"),
+    ("SD share", "sd_share", "{:.0%}"),
     ("peak GB/worker", "memory_peak_gb", "{:.2f}"),
     ("rollout KL", "actor_rollout_kl_k3", "{:.1e}"),
     ("IS w max", "actor_rollout_weight_max", "{:.3f}"),
@@ -174,6 +175,10 @@ def render_summary(
             f"accept length, first {window} -> last {window} SD steps",
             f"{mean_of(accept_lengths[:window]):.2f} -> {mean_of(accept_lengths[-window:]):.2f}",
         )
+    on_seconds = sum(r.get("sd_on_seconds") or 0.0 for r in records)
+    off_seconds = sum(r.get("sd_off_seconds") or 0.0 for r in records)
+    if on_seconds + off_seconds > 0:
+        table.add_row("SD share of rollout decode time", f"{on_seconds / (on_seconds + off_seconds):.0%}")
     memory_peaks = [r["memory_peak_gb"] for r in records if r.get("memory_peak_gb") is not None]
     if memory_peaks:
         table.add_row("peak resident memory of a worker", f"{max(memory_peaks):.2f} GB")

@@ -25,7 +25,7 @@ from tlt_cli.preflight import check_machine, check_memory
 from tlt_cli.processes.driver import RunSummary, TrainerEntry
 from tlt_cli.processes.driver import train as run_driver
 from tlt_cli.processes.messages import WorkerSpec
-from tlt_cli.training.setup import model_cache, prepare_drafter
+from tlt_cli.training.setup import decode_plan, model_cache, prepare_drafter
 from tlt_cli.training.update_precision import resolve_update_precision
 from tlt_cli.training.worker_loop import worker_main
 
@@ -38,8 +38,8 @@ def trl_worker_main(spec: WorkerSpec, events: Any) -> None:
 
 
 TRAINERS: dict[Trainer, TrainerEntry] = {
-    Trainer.native: TrainerEntry(worker_main, prepare_drafter),
-    Trainer.trl: TrainerEntry(trl_worker_main, prepare_drafter),
+    Trainer.native: TrainerEntry(worker_main, prepare_drafter, decode_plan),
+    Trainer.trl: TrainerEntry(trl_worker_main, prepare_drafter, decode_plan),
 }
 
 

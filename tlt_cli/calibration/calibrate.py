@@ -45,7 +45,6 @@ from tlt_cli.tasks.base import Task
 from tlt_cli.tasks.prompts import encode_prompt
 from tlt_cli.training import setup
 from tlt_cli.training.actor import policy_dtype
-from tlt_cli.tuning.precision import RolloutWorkload, rollout_precision
 
 CALIBRATION_DIRECTORY_SUFFIX = "-calibration"
 OUTPUT_FILE = "calibration.json"
@@ -123,7 +122,7 @@ def calibrate(
         recipe.workers.threads_per_worker,
         str(pair.device),
         drafter_source,
-        pair.precision.to_record(),
+        pair.precision,
         output,
     )
 
@@ -199,8 +198,6 @@ def _check_topk(config: SpeculativeConfig, draft_vocab_size: int) -> None:
 def load_model_pair(recipe: Recipe) -> tuple[ModelPair, PreTrainedTokenizerBase, str]:
     """(the target and its initial drafter as a training run starts them, the tokenizer, where the drafter came
     from)."""
-    from tlt_cli.tuning.linear_forms import measured_linear_plan
-
     cache = setup.model_cache(recipe)
     dtype = policy_dtype(recipe.actor)
     device = torch.device("cpu" if recipe.actor.devices == CPU_DEVICES else f"cuda:{recipe.actor.devices[0]}")
@@ -213,11 +210,28 @@ def load_model_pair(recipe: Recipe) -> tuple[ModelPair, PreTrainedTokenizerBase,
     drafter = setup.starting_drafter(recipe, folder, target).to(device, dtype).eval()
     # the forms a worker's engine computes the pair's linear layers with (EmbeddedRollout), so calibrated costs are
     # the costs a run pays
-    linear_plan = measured_linear_plan(recipe.rollout.linear_forms, [target, drafter], cache)
-    # and the precision it decodes in: the SD economics (what a verify costs against a step) change with it
-    workload = RolloutWorkload(recipe.samples_per_worker, speculates=True)
-    precision = rollout_precision(recipe.rollout.dtype, target, linear_plan, cache, workload)
-    pair = ModelPair(target, drafter, tokenizer.pad_token_id, tokenizer.eos_token_id, device, linear_plan, precision)
+    # and the precision it decodes in: the SD economics (what a verify costs against a step) change with it; and the
+    # pass costs mode auto chooses with, for the table the cost model would choose
+    decode = setup.decode_plan_for(
+        target,
+        drafter,
+        recipe.rollout.dtype,
+        recipe.rollout.linear_forms,
+        cache,
+        recipe.samples_per_worker,
+        speculates=True,
+        costs=True,
+    )
+    pair = ModelPair(
+        target,
+        drafter,
+        tokenizer.pad_token_id,
+        tokenizer.eos_token_id,
+        device,
+        decode.linear_plan,
+        decode.torch_dtype,
+        decode.precision,
+    )
     return pair, tokenizer, str(folder)
 
 

@@ -27,7 +27,6 @@ from tlt_cli.rollout.generate_loop import EmbeddedEngine
 from tlt_cli.rollout.types import RolloutRequest
 from tlt_cli.speculative.decoder import SpeculativeDecoder
 from tlt_cli.speculative.types import DecodeStep, SpeculativeConfig
-from tlt_cli.tuning.precision import PrecisionChoice
 
 
 @dataclass(frozen=True)
@@ -41,8 +40,9 @@ class ModelPair:
     eos_token_id: int
     device: torch.device
     linear_plan: LinearFormPlan | None = None
-    # the dtype the target is decoded in (None: its own); tlt_cli/tuning/precision.py chose it
-    precision: PrecisionChoice | None = None
+    # the dtype the target is decoded in (None: its own) and how it was chosen (setup.py `decode_plan_for`)
+    dtype: torch.dtype | None = None
+    precision: dict | None = None
 
 
 @dataclass(frozen=True)
@@ -120,7 +120,7 @@ def shard_engine(pair: ModelPair, decoder: SpeculativeDecoder) -> EmbeddedEngine
         pad_token_id=pair.pad_token_id,
         speculative=decoder,
         linear_plan=pair.linear_plan,
-        dtype=pair.precision.torch_dtype if pair.precision is not None else None,
+        dtype=pair.dtype,
     )
 
 

@@ -63,6 +63,8 @@ class SpeculativeMode(RecipeChoice):
     off = "off"
     fixed = "fixed"
     adaptive = "adaptive"
+    # per decode step from the pass costs measured on this machine and the run's own acceptance
+    auto = "auto"
 
 
 class Trainer(RecipeChoice):
@@ -287,7 +289,8 @@ class CheckpointConfig:
     keep: int = setting(2, "complete checkpoints kept")
 
 
-# the default recipe's rule table, calibrated on a 2-core CPU for builtin:tiny-arith (tlt calibrate writes one)
+# mode adaptive's table when the recipe gives none: calibrated on a 2-core CPU for builtin:tiny-arith in float32
+# (tlt calibrate writes one)
 DEFAULT_RULES = [
     {"batch": [1, 1], "use": "s2-k1-t3", "candidates": ["s3-k1-t4"]},
     {"batch": [2, 15], "use": "s3-k1-t4"},
@@ -299,15 +302,19 @@ DEFAULT_RULES = [
 @dataclass(frozen=True)
 class SpeculativeSection:
     mode: SpeculativeMode = setting(
-        SpeculativeMode.adaptive,
-        "off: plain decoding; fixed: the shape below at every decode step; adaptive: the rules below",
+        SpeculativeMode.auto,
+        "auto: per decode step, the configuration (or plain decoding) predicted fastest from the pass costs "
+        "measured on this machine and the acceptance measured in this run; off: plain decoding; fixed: the "
+        "shape below at every decode step; adaptive: the rule table below",
     )
     steps: int = setting(4, "draft depth of mode fixed: tokens drafted in a row before a verify pass")
     topk: int = setting(1, "branches per drafted position of mode fixed (1: a chain)")
     draft_tokens: int = setting(0, "tokens verified per pass of mode fixed (0: steps + 1)")
     rules: list[dict[str, Any]] = setting(
-        DEFAULT_RULES,
-        "running batch size -> SD configuration (off or s<steps>-k<topk>-t<draft tokens>), first match wins",
+        [],
+        "a rule table: running batch size -> SD configuration (off or s<steps>-k<topk>-t<draft tokens>), "
+        "first match wins; a table given here wins over mode auto's cost model; empty: none (mode adaptive "
+        "then uses tlt's default table)",
     )
     collapse_accept_length: float = setting(
         1.15,

@@ -54,12 +54,14 @@ from tlt_cli.integrations.trl_support import (
     prompt_token_ids,
     trl_sampling,
 )
+from tlt_cli.models.tiny import default_cache_dir
 from tlt_cli.plugins import drafter_training_plugin
 from tlt_cli.rollout.backend import sampling_seed
+from tlt_cli.rollout.decode_plan import DecodePlan
 from tlt_cli.rollout.embedded import EmbeddedRollout
 from tlt_cli.rollout.types import Completion, RolloutRequest
-from tlt_cli.speculative.adaptive import OFF, SpeculativePlan
-from tlt_cli.training.setup import rollout_needs_drafter, speculative_plan
+from tlt_cli.speculative.adaptive import OFF, SpeculationMode, SpeculativePlan
+from tlt_cli.training.setup import decode_plan_for, rollout_needs_drafter, speculative_plan
 from tlt_cli.tuning.linear_forms import LINEAR_FORM_MODES
 from tlt_cli.tuning.precision import ROLLOUT_DTYPE_SETTINGS
 
@@ -133,6 +135,7 @@ def tlt_rollout(
     linear_forms: str = "auto",
     cache_dir: str | Path | None = None,
     dtype: str = "auto",
+    decode: DecodePlan | None = None,
 ) -> TltRollout:
     """A `rollout_func` for `GRPOTrainer` (checked now: TRL's version, the settings).
 
@@ -146,7 +149,9 @@ def tlt_rollout(
     and the bandit's draws. linear_forms: "auto" or "off" (the recipe's `rollout.linear_forms`);
     cache_dir: where its measured plan is cached (None: $TLT_CACHE_DIR or ~/.cache/tlt). dtype: the precision
     tlt decodes in, "auto" (measured per machine and model), "float32" or "bfloat16" (the recipe's
-    `rollout.dtype`; TRL's loss computes in the trainer's own precision).
+    `rollout.dtype`; TRL's loss computes in the trainer's own precision). decode: how to decode, already resolved
+    (`tlt train` resolves it once in the driver: setup.py `decode_plan`); None: resolved from linear_forms and dtype
+    at the first rollout, measured once per machine and model.
     """
     check_trl_version()
     if linear_forms not in LINEAR_FORM_MODES:
@@ -164,6 +169,7 @@ def tlt_rollout(
         linear_forms,
         None if cache_dir is None else Path(cache_dir),
         dtype,
+        decode,
     )
 
 
@@ -201,6 +207,7 @@ class TltRollout:
         linear_forms: str = "off",
         cache_dir: Path | None = None,
         dtype: str = "float32",
+        decode: DecodePlan | None = None,
     ) -> None:
         self.speculative = speculative
         self.drafter_source = drafter
@@ -209,7 +216,7 @@ class TltRollout:
         self.use_sidecar = sidecar is not None
         self.drafter_config = drafter_config
         self.seed = seed
-        self.linear_forms, self.cache_dir, self.dtype = linear_forms, cache_dir, dtype
+        self.linear_forms, self.cache_dir, self.dtype, self.decode = linear_forms, cache_dir, dtype, decode
         self.rollouts = 0
         self.backend: EmbeddedRollout | None = None
         self.policy: nn.Module | None = None
@@ -243,10 +250,6 @@ class TltRollout:
             "logprobs": [completion.rollout_logprobs.tolist() for completion in completions],
         }
 
-    def precision(self) -> dict | None:
-        """The dtype tlt decodes in and how it was chosen (None before the first rollout built the engine)."""
-        return self.backend.precision() if self.backend is not None else None
-
     def _build(self, policy: nn.Module, trainer: Any, rows: int) -> None:
         """The engine, drafter and sidecar on `policy`, once (again only if TRL hands over another module); `rows`:
         the completions this process generates per rollout, which rollout.dtype auto weighs."""
@@ -263,17 +266,21 @@ class TltRollout:
             else None
         )
         eos_ids, pad_token_id = eos_and_pad_ids(trainer)
+        if self.decode is None:  # a script of the user's: no driver resolved it
+            self.decode = decode_plan_for(
+                policy,
+                self.drafter,
+                self.dtype,
+                self.linear_forms,
+                self.cache_dir if self.cache_dir is not None else default_cache_dir(),
+                rows,
+                speculates=self.speculative.mode != SpeculationMode.off,
+                costs=self.speculative.mode == SpeculationMode.auto,
+            )
+            for line in self.decode.log_lines:
+                print(f"tlt rollout: {line}", flush=True)
         self.backend = HiddenStateRollout(
-            policy,
-            eos_ids[0],
-            pad_token_id,
-            self.speculative,
-            self.drafter,
-            seed=self.seed,
-            linear_forms=self.linear_forms,
-            cache_dir=self.cache_dir,
-            dtype=self.dtype,
-            rows=rows,
+            policy, eos_ids[0], pad_token_id, self.speculative, self.drafter, seed=self.seed, decode=self.decode
         )
         if self.pending_state is not None:
             self._load_schedule(self.pending_state, trainer.accelerator.process_index)

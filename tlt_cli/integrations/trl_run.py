@@ -107,6 +107,7 @@ class TrlRun:
                 linear_forms=recipe.rollout.linear_forms,
                 cache_dir=spec.model_cache,
                 dtype=recipe.rollout.dtype,
+                decode=spec.decode,
             )
         )
         self.trainer = TimedGRPOTrainer(
@@ -143,9 +144,6 @@ class TrlRun:
             plugin_metrics=_sidecar_metrics(record),
             sd_usage=record.sd_usage if record is not None else {},
             sd_warnings=record.warnings if record is not None else [],
-            rollout_precision=self.rollout.precision()
-            if self.rollout is not None and step == self.spec.start_step
-            else None,
         )
         next_step = step + 1
         if next_step % self.recipe.checkpoint.every == 0 or next_step == self.recipe.train.steps:

@@ -72,11 +72,11 @@ from tlt_cli.processes.run_directory import (
 )
 from tlt_cli.processes.step_deadline import StepDeadline
 from tlt_cli.processes.step_records import step_records
+from tlt_cli.rollout.decode_plan import DecodePlan
 from tlt_cli.sglang.registry import stop_recorded_servers
 from tlt_cli.sglang.server_files import remove_abandoned_server_files
 from tlt_cli.shared_memory import remove_abandoned_buffers
 from tlt_cli.trace import STEP_RECORD, TraceWriteError, TraceWriter, read_trace, truncate_trace
-from tlt_cli.tuning.precision import PrecisionChoice
 from tlt_cli.versions import installed_versions
 
 EVENT_POLL_SECONDS = 1.0
@@ -140,11 +140,14 @@ class TrainerEntry:
 
     worker_body: each process's body (a module-level function: spawned processes and launched ranks
     import it); prepare_drafter(recipe, model cache, progress): the starting drafter's folder (None:
-    random or none) and the report of a warm-up that ran now (None: cached or none).
+    random or none) and the report of a warm-up that ran now (None: cached or none); prepare_decoding(recipe,
+    starting drafter's folder): how the embedded rollout decodes (setup.py `decode_plan`: measured once per
+    machine and model, before any worker starts).
     """
 
     worker_body: WorkerBody
     prepare_drafter: Callable[[Recipe, Path, Any], tuple[Path | None, dict | None]]
+    prepare_decoding: Callable[[Recipe, Path | None], DecodePlan]
 
 
 class RunTrace:
@@ -204,6 +207,7 @@ def train(
         _remove_what_killed_runs_left(console)
         cache = cache_directory(recipe.model.cache_dir)
         drafter_init = _prepare_drafter(trainer, recipe, cache, console)
+        decode = _prepare_decoding(trainer, recipe, drafter_init, console)
         held = held or RunDirectory.create(recipe)
         run_spec = RunSpec(
             recipe=recipe,
@@ -212,6 +216,7 @@ def train(
             resume_from=resume_from,
             start_step=start_step,
             drafter_init=drafter_init,
+            decode=decode,
         )
         return _train_in(
             run_spec,
@@ -220,7 +225,7 @@ def train(
             console,
             resumed=resume_directory is not None,
             keep_log=keep_log,
-            run_facts=run_facts or {},
+            run_facts={**(run_facts or {}), "rollout_precision": _precision_by_worker(recipe, decode)},
         )
     finally:
         if held is not None:
@@ -340,6 +345,22 @@ def _prepare_drafter(trainer: TrainerEntry, recipe: Recipe, cache: Path, console
             markup=False,
         )
     return folder
+
+
+def _prepare_decoding(trainer: TrainerEntry, recipe: Recipe, drafter_init: Path | None, console: Console) -> DecodePlan:
+    """How the workers' rollouts decode, measured here once (cached per machine and model) and printed."""
+    console.print("choosing how the rollout decodes (dtype, linear forms, SD pass costs: measured once per machine)")
+    decode = trainer.prepare_decoding(recipe, drafter_init)
+    for line in decode.log_lines:
+        console.print(line, markup=False)
+    return decode
+
+
+def _precision_by_worker(recipe: Recipe, decode: DecodePlan) -> dict[str, dict]:
+    """The trace's rollout_precision: each worker's record (one plan for all of them)."""
+    if not decode.precision:  # TRL's own generation: tlt does not decode
+        return {}
+    return {str(worker): decode.precision for worker in range(recipe.workers.count)}
 
 
 def _resume_point(run_directory: Path, recipe: Recipe, console: Console) -> tuple[Path, int]:
@@ -484,12 +505,6 @@ def _failure_message(event: WorkerFailed) -> str:
 
 
 def _record_step(reports: list[WorkerStepReport], trace: RunTrace, display: TrainingDisplay) -> None:
-    precisions = {str(report.worker): report.rollout_precision for report in reports if report.rollout_precision}
-    if precisions and not trace.started:
-        # the run record goes out with the first step: it says what each rank's rollout decoded in, and why
-        trace.run_record["rollout_precision"] = precisions
-        for line in sorted({PrecisionChoice(**record).describe() for record in precisions.values()}):
-            display.note(line)
     records = step_records(reports)
     for record in records:
         trace.write(record)

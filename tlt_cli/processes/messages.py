@@ -23,6 +23,7 @@ from typing import Any
 from tlt_cli.config import Recipe
 from tlt_cli.errors import UserError
 from tlt_cli.processes.distributed import WorkerAddress
+from tlt_cli.rollout.decode_plan import DecodePlan
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -38,6 +39,8 @@ class RunSpec:
     start_step: int = 0
     # folder of the starting drafter (None: random init); used only when the run needs a drafter
     drafter_init: Path | None = None
+    # how the embedded rollout decodes (dtype, linear forms, pass costs), resolved once by the driver
+    decode: DecodePlan | None = None
 
     def for_rank(self, address: WorkerAddress) -> WorkerSpec:
         """The spec of the worker at `address`: this run's fields, and that worker's place in the job."""
@@ -76,8 +79,6 @@ class WorkerStepReport:
     sd_usage: dict[str, dict[str, float]] = field(default_factory=dict)
     sd_warnings: list[str] = field(default_factory=list)
     checkpoint: str | None = None
-    # the rollout's dtype and how it was chosen (RolloutBackend.precision), sent with a rank's first step only
-    rollout_precision: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)

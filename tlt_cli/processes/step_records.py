@@ -82,13 +82,33 @@ def _step_record(
         "response_tokens": int(lengths.sum()),
         "accept_length": accept_length(accepted, verify_passes),
         **{f"actor_{name}": value for name, value in update.items()},
-        "sd_on_seconds": sum(
-            usage["seconds"] for report in reports for label, usage in report.sd_usage.items() if label != "off"
-        ),
-        "sd_off_seconds": sum(
-            usage["seconds"] for report in reports for label, usage in report.sd_usage.items() if label == "off"
-        ),
+        **_speculation_totals(reports),
         **_plugin_totals(reports),
+    }
+
+
+def _speculation_totals(reports: list[WorkerStepReport]) -> dict[str, float | None]:
+    """Worker-seconds decoded with SD on and off, SD's share of them, and over the SD configurations the cost
+    model chose (mode auto), its predicted tokens per second beside the measured ones (None where nothing ran)."""
+    usages = [(label, usage) for report in reports for label, usage in report.sd_usage.items()]
+    on = [usage for label, usage in usages if label != "off"]
+    on_seconds = sum(usage["seconds"] for usage in on)
+    off_seconds = sum(usage["seconds"] for label, usage in usages if label == "off")
+    predicted = [usage for usage in on if usage.get("predicted_seconds", 0) > 0]
+    predicted_seconds = sum(usage["predicted_seconds"] for usage in predicted)
+    measured_seconds = sum(usage["seconds"] for usage in predicted)
+    return {
+        "sd_on_seconds": on_seconds,
+        "sd_off_seconds": off_seconds,
+        "sd_share": on_seconds / (on_seconds + off_seconds) if on_seconds + off_seconds > 0 else None,
+        "sd_predicted_tokens_per_second": (
+            sum(usage["predicted_tokens"] for usage in predicted) / predicted_seconds if predicted else None
+        ),
+        "sd_measured_tokens_per_second": (
+            sum(usage["tokens"] for usage in predicted) / measured_seconds
+            if predicted and measured_seconds > 0
+            else None
+        ),
     }
 
 

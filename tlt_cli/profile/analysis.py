@@ -94,6 +94,11 @@ class ConfigTime:
     share: float
     # draft source -> accept length counting only its drafts (types.source_accept_lengths); empty for off
     accept_length_by_source: dict[str, float] = field(default_factory=dict)
+    # tokens per second measured, and as mode auto's cost model predicted them (None: not predicted)
+    tokens_per_second: float | None = None
+    predicted_tokens_per_second: float | None = None
+    # the running batch sizes it decoded at, smallest and largest (None: not recorded)
+    batch_range: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -350,23 +355,32 @@ def _accept_by_depth(requests: list[RequestRecord]) -> list[DepthAcceptance]:
 
 
 def _sd_time(records: ProfileRecords) -> list[ConfigTime]:
-    totals: dict[str, tuple[float, int]] = {}
+    by_config: dict[str, list[SdConfigRecord]] = {}
     for record in records.sd_configs:
-        seconds, decode_steps = totals.get(record.config, (0.0, 0))
-        totals[record.config] = (seconds + record.seconds, decode_steps + record.decode_steps)
-    all_seconds = sum(seconds for seconds, _ in totals.values())
+        by_config.setdefault(record.config, []).append(record)
+    all_seconds = sum(record.seconds for record in records.sd_configs)
     return [
-        ConfigTime(
-            config,
-            seconds,
-            decode_steps,
-            seconds / all_seconds if all_seconds else 0.0,
-            source_accept_lengths(_source_counts([record for record in records.sd_configs if record.config == config])),
-        )
-        for config, (seconds, decode_steps) in sorted(
-            totals.items(), key=lambda item: (item[0] != SD_OFF_LABEL, item[0])
-        )
+        _config_time(config, by_config[config], all_seconds)
+        for config in sorted(by_config, key=lambda config: (config != SD_OFF_LABEL, config))
     ]
+
+
+def _config_time(config: str, records: list[SdConfigRecord], all_seconds: float) -> ConfigTime:
+    """One configuration's time, tokens per second (measured and predicted) and batch sizes over `records`."""
+    seconds = sum(record.seconds for record in records)
+    tokens = sum(record.tokens for record in records)
+    predicted_seconds = sum(record.predicted_seconds for record in records)
+    sizes = [size for record in records for size in record.batch_sizes]
+    return ConfigTime(
+        config,
+        seconds,
+        sum(record.decode_steps for record in records),
+        seconds / all_seconds if all_seconds else 0.0,
+        source_accept_lengths(_source_counts(records)),
+        tokens / seconds if tokens and seconds > 0 else None,
+        sum(record.predicted_tokens for record in records) / predicted_seconds if predicted_seconds > 0 else None,
+        (min(sizes), max(sizes)) if sizes else None,
+    )
 
 
 def _source_counts(records: list[SdConfigRecord]) -> dict[str, int]:

@@ -36,8 +36,6 @@ from tlt_cli.tasks.base import Task
 from tlt_cli.tasks.prompts import encode_prompt
 from tlt_cli.trace import TraceWriter
 from tlt_cli.training import memory, setup
-from tlt_cli.tuning.linear_forms import measured_linear_plan
-from tlt_cli.tuning.precision import RolloutWorkload, rollout_precision
 from tlt_cli.versions import installed_versions
 
 SIMPLIFICATION = "one process; worker shards generated one after another and re-timed to start together"
@@ -51,8 +49,6 @@ def record_rollout(
         raise ValueError(f"steps is {steps}; record at least 1 step.")
     policy, tokenizer = setup.policy_and_tokenizer(recipe)
     task = setup.task(recipe)
-    # the linear forms a worker's engine computes the policy with (EmbeddedRollout, no drafter: SD off here)
-    linear_plan = measured_linear_plan(recipe.rollout.linear_forms, [policy, None], setup.model_cache(recipe))
     sampling = setup.sampling(recipe)
     trace_path.parent.mkdir(parents=True, exist_ok=True)
     trace_path.unlink(missing_ok=True)
@@ -60,15 +56,23 @@ def record_rollout(
     threads = torch.get_num_threads()
     torch.set_num_threads(recipe.workers.threads_per_worker)
     try:
-        # measured (rollout.dtype auto) with the thread count and batch a worker decodes with (SD off here)
-        workload = RolloutWorkload(recipe.samples_per_worker, speculates=False)
-        precision = rollout_precision(recipe.rollout.dtype, policy, linear_plan, setup.model_cache(recipe), workload)
+        # as a worker decodes: its thread count, batch, linear forms and dtype (SD off here)
+        decode = setup.decode_plan_for(
+            policy,
+            None,
+            recipe.rollout.dtype,
+            recipe.rollout.linear_forms,
+            setup.model_cache(recipe),
+            recipe.samples_per_worker,
+            speculates=False,
+            costs=False,
+        )
         engine = EmbeddedEngine(
             policy,
             eos_token_id=tokenizer.eos_token_id,
             pad_token_id=tokenizer.pad_token_id,
-            linear_plan=linear_plan,
-            dtype=precision.torch_dtype,
+            linear_plan=decode.linear_plan,
+            dtype=decode.torch_dtype,
         )
         writer.write(
             {
@@ -80,7 +84,7 @@ def record_rollout(
                 "recorded_by": "tlt profile",
                 "simplification": SIMPLIFICATION,
                 "versions": installed_versions(),
-                "rollout_precision": {"0": precision.to_record()},
+                "rollout_precision": {"0": decode.precision},
             }
         )
         step_start = time.time()

@@ -108,6 +108,12 @@ class SdConfigRecord:
     decode_steps: int
     # <source>_verify_passes and <source>_accepted_tokens per draft source (older traces: none)
     source_counts: dict[str, int] = field(default_factory=dict)
+    # response tokens emitted; mode auto's predicted tokens and seconds for the same steps (0: not predicted, or an
+    # older trace); running batch size -> decode steps
+    tokens: int = 0
+    predicted_tokens: float = 0.0
+    predicted_seconds: float = 0.0
+    batch_sizes: dict[int, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -325,7 +331,21 @@ def _sd_config(record: dict[str, Any], where: str) -> SdConfigRecord:
             for source in DRAFT_SOURCES
             for count in ("verify_passes", "accepted_tokens")
         },
+        tokens=_number(record, "tokens", int, where, default=0),
+        predicted_tokens=_number(record, "predicted_tokens", float, where, default=0.0),
+        predicted_seconds=_number(record, "predicted_seconds", float, where, default=0.0),
+        batch_sizes=_batch_sizes(record, where),
     )
+
+
+def _batch_sizes(record: dict[str, Any], where: str) -> dict[int, int]:
+    """The record's running batch size -> decode steps (absent in older traces)."""
+    sizes = record.get("batch_sizes", {})
+    if not isinstance(sizes, dict) or not all(
+        str(size).isdigit() and isinstance(steps, int) and steps >= 0 for size, steps in sizes.items()
+    ):
+        raise ProfileInputError(f"{where}: 'batch_sizes' must map running batch sizes to decode-step counts.")
+    return {int(size): steps for size, steps in sizes.items()}
 
 
 def _rollout_precision(record: dict[str, Any], where: str) -> dict[str, PrecisionChoice]:

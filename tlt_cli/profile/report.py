@@ -155,11 +155,33 @@ def _idle_summary(profile: Profile) -> str:
     )
 
 
+def _batch_range(batch_range: tuple[int, int] | None) -> str:
+    if batch_range is None:
+        return ""
+    low, high = batch_range
+    return str(low) if low == high else f"{low}-{high}"
+
+
+def _rates(measured: float | None, predicted: float | None) -> str:
+    """Measured tokens per second, and the cost model's prediction in brackets where it made one."""
+    if measured is None:
+        return ""
+    return f"{measured:.1f}" + (f" ({predicted:.1f})" if predicted is not None else "")
+
+
 def _render_speculative(console: Console, profile: Profile) -> None:
     if profile.sd_time:
         table = Table(title="decoding time by SD configuration", title_justify="left")
         table.add_column("config")
-        for column in ("seconds", "share %", "decode steps", "accept length by draft source"):
+        columns = (
+            "seconds",
+            "share %",
+            "decode steps",
+            "batch sizes",
+            "tokens/s (predicted)",
+            "accept length by source",
+        )
+        for column in columns:
             table.add_column(column, justify="right")
         for entry in profile.sd_time:
             table.add_row(
@@ -167,10 +189,15 @@ def _render_speculative(console: Console, profile: Profile) -> None:
                 f"{entry.seconds:.2f}",
                 f"{100 * entry.share:.0f}",
                 str(entry.decode_steps),
+                _batch_range(entry.batch_range),
+                _rates(entry.tokens_per_second, entry.predicted_tokens_per_second),
                 _by_source(entry.accept_length_by_source),
             )
         table.add_row(
-            "SD on / off", f"{profile.sd_on_seconds:.2f} / {profile.sd_off_seconds:.2f}", "", "", "", style="bold"
+            "SD on / off",
+            f"{profile.sd_on_seconds:.2f} / {profile.sd_off_seconds:.2f}",
+            *[""] * (len(columns) - 1),
+            style="bold",
         )
         console.print(table)
     else:

@@ -3,7 +3,6 @@
 A worker (tlt_cli/training/worker_loop.py), or any other trainer, holds one `RolloutBackend` and uses only this:
 
     lines = backend.start()                       # before the first rollout; lines for the log
-    precision = backend.precision()               # the dtype it decodes in, and why (for the trace)
     completions, busy_end = backend.generate(requests, sampling, seed, on_request_finished)
     ...actor update...
     metrics = backend.after_update("step-1", drafter_version, probe_prompts)   # weight push + probe
@@ -73,10 +72,6 @@ class RolloutBackend(Protocol):
         version if a plugin trains it (a changed version is pushed too), else None. probe_prompts:
         prompt ids to check acceptance on after the push (empty: no probe).
         """
-
-    def precision(self) -> dict:
-        """The dtype the rollout decodes in and how it was chosen: {"dtype", "reason", "step_ms", "verify_ms"}
-        (tlt_cli/tuning/precision.py's PrecisionChoice record); the trace's run record carries it."""
 
     def take_usage(self) -> dict[str, ConfigUsage]:
         """Decode steps, tokens and seconds per SD configuration label since the last call."""

@@ -12,14 +12,12 @@ policy, which is all a trainer of another library has in its own process:
     completions, busy_end = rollout.generate(requests, SamplingParams(max_new_tokens=128), seed=step)
     usage = rollout.take_usage()  # adaptive SD: decode steps, tokens and seconds per configuration
 
-`dtype` (the recipe's `rollout.dtype`: auto, float32 or bfloat16) is the precision the policy is decoded in;
-`auto` measures once per machine and model which pays (tlt_cli/tuning/precision.py); `precision()` says which
-ran and the figures that chose it, `start()` puts it in the run log.
-
-`linear_forms="auto"` (the recipe's `rollout.linear_forms`) has the engine compute each linear layer of the
-policy and drafter, while decoding, in the form measured fastest on this machine for the pass's rows
-(the plan measured and cached by tlt_cli/tuning/linear_forms.py, carried out by tlt_cli/engine/linear_forms.py);
-its transposed copies are the decode model's, refreshed by `after_update`.
+`decode` is the `DecodePlan` (decode_plan.py) the composition root resolved from the recipe, measuring nothing
+here: the dtype the policy is decoded in, the linear-form plan (each linear layer of the policy and drafter
+computed, while decoding, in the form measured fastest on this machine for the pass's rows, carried out by
+tlt_cli/engine/linear_forms.py; its transposed copies are the decode model's, refreshed by `after_update`) and,
+for `speculative.mode: auto`, the pass costs the SD configuration is chosen with. None: float32, plain forms.
+`start()` puts the plan's lines in the run log.
 
 The owned decode forward's own weight copies (fused q/k/v and gate/up, transposed or cast: about 0.5 GB for
 SmolLM2-135M) live only from `after_update` to the end of the next `generate`: `generate` frees them on its
@@ -37,9 +35,8 @@ import torch
 from torch import nn
 
 from tlt_cli.checkpoint import load_checkpoint_file
-from tlt_cli.engine.linear_forms import describe_plan
 from tlt_cli.engine.sampling import SamplingParams
-from tlt_cli.models.tiny import default_cache_dir
+from tlt_cli.rollout.decode_plan import DecodePlan
 from tlt_cli.rollout.generate_loop import EmbeddedEngine
 from tlt_cli.rollout.types import Completion, RolloutRequest
 from tlt_cli.speculative.adaptive import (
@@ -48,18 +45,14 @@ from tlt_cli.speculative.adaptive import (
     SpeculativePlan,
     speculative_decoder,
 )
-from tlt_cli.tuning.linear_forms import measured_linear_plan
-from tlt_cli.tuning.precision import RolloutWorkload, rollout_precision
 
 
 class EmbeddedRollout:
     """Rollouts in this process on `policy` (see the module docstring).
 
     speculative: the speculative plan (None: SD off); drafter: the drafter over
-    `policy` to speculate with (None: SD off). seed: the adaptive schedule's bandit draws.
-    linear_forms: "auto" or "off", dtype: "auto", "float32" or "bfloat16" (see the module docstring); cache_dir:
-    where the measured plan and precision are cached (None: $TLT_CACHE_DIR or ~/.cache/tlt). rows: how many
-    sequences one `generate` call decodes at once (a worker's completions of a step), which `auto` weighs.
+    `policy` to speculate with (None: SD off). seed: the adaptive schedule's draws. decode: how it decodes (see
+    the module docstring; None: float32, plain forms, no pass costs).
     """
 
     def __init__(
@@ -70,34 +63,26 @@ class EmbeddedRollout:
         speculative: SpeculativePlan | None = None,
         drafter: nn.Module | None = None,
         seed: int = 0,
-        linear_forms: str = "off",
-        cache_dir: Path | None = None,
-        dtype: str = "float32",
-        rows: int = 1,
+        decode: DecodePlan | None = None,
     ) -> None:
-        decoder = speculative_decoder(speculative, drafter, seed) if speculative is not None else None
+        self.decode = decode if decode is not None else DecodePlan()
+        decoder = (
+            speculative_decoder(speculative, drafter, seed, self.decode.pass_costs) if speculative is not None else None
+        )
         self.schedule = decoder.adaptive_schedule if isinstance(decoder, AdaptiveSpeculativeDecoder) else None
-        cache_dir = cache_dir if cache_dir is not None else default_cache_dir()
-        self.linear_plan = measured_linear_plan(linear_forms, [policy, drafter], cache_dir)
-        workload = RolloutWorkload(rows, speculates=decoder is not None)
-        self.precision_choice = rollout_precision(dtype, policy, self.linear_plan, cache_dir, workload)
         self.engine = EmbeddedEngine(
             policy,
             eos_token_id=eos_token_id,
             pad_token_id=pad_token_id,
             speculative=decoder,
-            linear_plan=self.linear_plan,
-            dtype=self.precision_choice.torch_dtype,
+            linear_plan=self.decode.linear_plan,
+            dtype=self.decode.torch_dtype,
         )
 
     def start(self) -> list[str]:
-        """Nothing to start: the engine runs in this process; its precision, decode path and forms, for the log."""
-        forms = [describe_plan(self.linear_plan)] if self.linear_plan is not None else []
-        return [self.precision_choice.describe(), self.engine.decode_model.describe(), *forms]
-
-    def precision(self) -> dict:
-        """The dtype the engine decodes in and how it was chosen (see tlt_cli/tuning/precision.py)."""
-        return self.precision_choice.to_record()
+        """Nothing to start: the engine runs in this process; its decode path, for the log (the plan's lines are
+        the driver's)."""
+        return [self.engine.decode_model.describe()]
 
     def generate(
         self,

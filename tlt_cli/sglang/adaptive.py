@@ -65,6 +65,19 @@ class BatchRule:
         return self.min_batch <= batch_size and (self.max_batch is None or batch_size <= self.max_batch)
 
 
+# speculative.mode auto on SGLang servers: the servers' passes are not timed by tlt and SGLang picks a slot by batch
+# size alone, so auto becomes EAGLE chains by batch size, deeper where the batch is small (the reference's H100
+# buckets as chains: SD off above 32 running requests), each slot turned off by SGLang's own acceptance EMA when
+# it collapses. The embedded engine's per-step choice from measured costs and acceptance does not carry over.
+AUTO_BATCH_RULES = (
+    BatchRule(1, 1, SpeculativeConfig(steps=6)),
+    BatchRule(2, 4, SpeculativeConfig(steps=4)),
+    BatchRule(5, 20, SpeculativeConfig(steps=2)),
+    BatchRule(21, 32, SpeculativeConfig(steps=1)),
+    BatchRule(33, None, None),
+)
+
+
 class PlanMode(str, Enum):
     """How the servers speculate (see the module docstring); not the recipe's speculative.mode."""
 
@@ -95,6 +108,8 @@ def batch_rules(plan: SpeculativePlan) -> list[BatchRule]:
         return [BatchRule(1, None, None)]
     if plan.mode == SpeculationMode.fixed:
         return [BatchRule(1, None, plan.shape)]
+    if plan.mode == SpeculationMode.auto:
+        return list(AUTO_BATCH_RULES)
     _require_one_algorithm(list(plan.configs))
     return _adaptive_batch_rules(list(plan.rules))
 

@@ -93,10 +93,6 @@ class SGLangRollout:
             draft_model_path = str(write_drafter_folder(self.drafter, self.policy, folder))
         return self.backend.start(draft_model_path)
 
-    def precision(self) -> dict:
-        """The servers' dtype (rollout.sglang.dtype), as the recipe gives it."""
-        return {"dtype": self.served_dtype, "reason": "given: rollout.sglang.dtype", "step_ms": {}, "verify_ms": {}}
-
     def stop(self) -> None:
         self.backend.stop()
 

@@ -30,13 +30,14 @@ from enum import Enum
 from typing import TYPE_CHECKING
 
 from tlt_cli.errors import UserError
+from tlt_cli.speculative.cost_schedule import CostSchedule, candidate_configs
+from tlt_cli.speculative.costs import PassCosts
 from tlt_cli.speculative.decoder import SpeculativeDecoder, StepCounts
-from tlt_cli.speculative.types import DecodeStep, SpeculativeConfig, draft_sources
+from tlt_cli.speculative.types import OFF, ConfigUsage, DecodeStep, SpeculativeConfig, draft_sources, label_of
 
 if TYPE_CHECKING:
     from torch import nn
 
-OFF = "off"
 NGRAM_PREFIX = "ngram"  # model-free labels: ngram<tokens>, alone or after a drafter shape and a +
 ACCEPT_SMOOTHING = 0.3  # weight of the newest step in the accept-length moving average
 COLLAPSE_MIN_STEPS = 4  # SD steps a bucket must have measured before its accept length can count as collapsed
@@ -84,10 +85,6 @@ def _ngram_tokens(part: str) -> int:
     if not part.startswith(NGRAM_PREFIX) or int(part[len(NGRAM_PREFIX) :]) < 1:
         raise ValueError(part)
     return int(part[len(NGRAM_PREFIX) :])
-
-
-def label_of(config: SpeculativeConfig | None) -> str:
-    return OFF if config is None else config.label()
 
 
 @dataclass(frozen=True)
@@ -176,11 +173,13 @@ def check_coverage(rules: list[Rule]) -> None:
 
 class SpeculationMode(str, Enum):
     """How a rollout speculates: off (plain decoding), fixed (one shape at every decode step), adaptive (the rule
-    table). The recipe's `speculative.mode` as a plan carries it."""
+    table), auto (per decode step from measured pass costs and acceptance: cost_schedule.py). The recipe's
+    `speculative.mode` as a plan carries it."""
 
     off = "off"
     fixed = "fixed"
     adaptive = "adaptive"
+    auto = "auto"
 
 
 @dataclass(frozen=True)
@@ -214,21 +213,6 @@ class SpeculativePlan:
     def draft_sources(self) -> frozenset[str]:
         """The draft sources (DRAFT_SOURCES) its configurations draft from."""
         return draft_sources(self.configs)
-
-
-@dataclass
-class ConfigUsage:
-    """Time spent in one configuration during a rollout and, per draft source (DRAFT_SOURCES), the
-    verify passes that drafted with it and the accepted tokens it had proposed (a token both sources
-    proposed counts for both): types.source_accept_lengths reads them."""
-
-    decode_steps: int = 0
-    tokens: int = 0
-    seconds: float = 0.0
-    drafter_verify_passes: int = 0
-    drafter_accepted_tokens: int = 0
-    ngram_verify_passes: int = 0
-    ngram_accepted_tokens: int = 0
 
 
 @dataclass
@@ -394,13 +378,14 @@ class AdaptiveSchedule:
 
 
 class AdaptiveSpeculativeDecoder(SpeculativeDecoder):
-    """A SpeculativeDecoder whose configuration comes from, and whose timed decode steps feed, an AdaptiveSchedule.
+    """A SpeculativeDecoder whose configuration comes from, and whose timed decode steps feed, a schedule: the rule
+    table's AdaptiveSchedule or mode auto's CostSchedule (cost_schedule.py).
 
     Outputs are those of any SpeculativeDecoder: the schedule only chooses among lossless
     configurations (or plain decoding).
     """
 
-    def __init__(self, drafter: nn.Module | None, schedule: AdaptiveSchedule) -> None:
+    def __init__(self, drafter: nn.Module | None, schedule: AdaptiveSchedule | CostSchedule) -> None:
         super().__init__(drafter, schedule, uses_ngram=schedule.uses_ngram)
         self.adaptive_schedule = schedule
 
@@ -415,11 +400,20 @@ def adaptive_schedule(plan: SpeculativePlan, seed: int = 0) -> AdaptiveSchedule:
     )
 
 
-def speculative_decoder(plan: SpeculativePlan, drafter: nn.Module | None, seed: int = 0) -> SpeculativeDecoder | None:
+def speculative_decoder(
+    plan: SpeculativePlan, drafter: nn.Module | None, seed: int = 0, pass_costs: PassCosts | None = None
+) -> SpeculativeDecoder | None:
     """The embedded engine's decoder for `plan` (None when off, or without a drafter when a configuration needs
-    one: a table of model-free configurations needs none)."""
+    one: a table of model-free configurations needs none). Mode auto chooses with `pass_costs` (None: this model
+    has no measured costs, the owned forward does not decode it: plain decoding)."""
     if plan.mode == SpeculationMode.off:
         return None
+    if plan.mode == SpeculationMode.auto:
+        if pass_costs is None:
+            return None
+        candidates = candidate_configs(pass_costs, has_drafter=drafter is not None)
+        schedule = CostSchedule(candidates, pass_costs, plan.collapse_accept_length, plan.reprobe_steps, seed=seed)
+        return AdaptiveSpeculativeDecoder(drafter, schedule)
     if plan.mode == SpeculationMode.adaptive:
         if drafter is None and "drafter" in plan.draft_sources:
             return None

@@ -178,6 +178,8 @@ class StepCounts:
 
     passes_by_source: dict[str, int]
     accepted_by_source: dict[str, int]
+    # per verified row, the drafted tokens it accepted (the cost-model schedule's acceptance by depth reads them)
+    accepted_per_row: tuple[int, ...] = ()
 
 
 # weight of the newest verify pass in a row's running mean of accepted drafts per source (picks_source shapes)
@@ -495,7 +497,9 @@ class SpeculativeDecoder:
         self.state.passes_by_source += used.long()
         self.state.accepted_by_source += accepted
         totals, passes = accepted.sum(dim=0).tolist(), used.long().sum(dim=0).tolist()
-        self.last_step = StepCounts(dict(zip(DRAFT_SOURCES, passes)), dict(zip(DRAFT_SOURCES, totals)))
+        self.last_step = StepCounts(
+            dict(zip(DRAFT_SOURCES, passes)), dict(zip(DRAFT_SOURCES, totals)), tuple(verdict.accept_length.tolist())
+        )
         ngram_used = used[:, DRAFT_SOURCES.index("ngram")].tolist()
         if any(ngram_used):
             accepted_per_row = verdict.accept_length.tolist()

@@ -35,6 +35,34 @@ def source_accept_lengths(counts: Mapping[str, float]) -> dict[str, float]:
     return lengths
 
 
+# the label of plain decoding (no SD configuration) in rule tables, usage and the trace
+OFF = "off"
+
+
+def label_of(config: SpeculativeConfig | None) -> str:
+    return OFF if config is None else config.label()
+
+
+@dataclass
+class ConfigUsage:
+    """Time spent in one configuration during a rollout and, per draft source (DRAFT_SOURCES), the
+    verify passes that drafted with it and the accepted tokens it had proposed (a token both sources
+    proposed counts for both): types.source_accept_lengths reads them."""
+
+    decode_steps: int = 0
+    tokens: int = 0
+    seconds: float = 0.0
+    drafter_verify_passes: int = 0
+    drafter_accepted_tokens: int = 0
+    ngram_verify_passes: int = 0
+    ngram_accepted_tokens: int = 0
+    # mode auto (tlt_cli/speculative/cost_schedule.py): the cost model's tokens and seconds predicted for these
+    # steps before they ran, and the running batch sizes they ran at (batch size -> decode steps)
+    predicted_tokens: float = 0.0
+    predicted_seconds: float = 0.0
+    batch_sizes: dict[str, int] = field(default_factory=dict)
+
+
 # where a drafted token came from: the trained drafter, or the model-free n-gram index
 DRAFT_SOURCES = ("drafter", "ngram")
 

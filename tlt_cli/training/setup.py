@@ -12,6 +12,11 @@ worker (tlt_cli/integrations/trl_run.py), the driver's drafter preparation (tlt_
   starting_drafter                          trains one), its starting folder (a cached warm-up, whose
                                             draft vocabulary the warm-up chooses, or a saved folder)
                                             and the drafter itself over a policy
+  decode_plan, decode_plan_for              how the embedded rollout decodes (rollout/decode_plan.py): the
+                                            rollout dtype, the linear-form plan and, in speculative.mode auto,
+                                            the pass costs; the one caller of tuning/'s measurements, run by
+                                            the driver before the workers start (and by profile, calibrate
+                                            and a TRL script's rollout_func, which have no driver)
   rollout_backend                           the RolloutBackend `rollout.backend` names (BACKEND_FACTORIES)
 Below this module nothing reads a recipe to build a part: the engines, backends and drafters
 take explicit arguments.
@@ -24,7 +29,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from tlt_cli.config import Recipe, RolloutBackendName, SpeculativeSection
+from tlt_cli.config import CPU_DEVICES, DEFAULT_RULES, Recipe, RolloutBackendName, SpeculativeSection
 from tlt_cli.engine.sampling import SamplingParams
 from tlt_cli.models.tiny import cache_directory
 from tlt_cli.plugins import plugins_train_drafter
@@ -38,6 +43,7 @@ if TYPE_CHECKING:
     from tlt_cli.drafter.model import EagleDrafter
     from tlt_cli.drafter.warmup import WarmupProgress
     from tlt_cli.rollout.backend import RolloutBackend
+    from tlt_cli.rollout.decode_plan import DecodePlan
     from tlt_cli.tasks.base import Task
 
 
@@ -80,13 +86,18 @@ def speculation_mode(section: SpeculativeSection) -> SpeculationMode:
 
 def speculative_plan(section: SpeculativeSection) -> SpeculativePlan:
     """The recipe's `speculative` section as plain values. The rule table is parsed and checked here, in mode
-    adaptive only (the other modes never read it): a RuleTableError naming speculative.rules and the rule, which
+    adaptive (tlt's DEFAULT_RULES when the recipe gives none), and in mode auto when the recipe gives one (it then
+    wins over the cost model: the plan's mode is adaptive); the other modes never read it: a RuleTableError
+    naming speculative.rules and the rule, which
     the recipe checks (tlt_cli/recipe_checks.py) refuse the recipe with."""
     mode = speculation_mode(section)
+    table = [dict(rule) for rule in section.rules]
+    if mode == SpeculationMode.auto and table:  # a table the recipe gives wins over the cost model
+        mode = SpeculationMode.adaptive
     rules: tuple[Rule, ...] = ()
     if mode == SpeculationMode.adaptive:
         try:
-            rules = tuple(build_rules([dict(rule) for rule in section.rules]))
+            rules = tuple(build_rules(table or [dict(rule) for rule in DEFAULT_RULES]))
         except RuleTableError as error:
             raise RuleTableError(f"speculative.rules: {error}") from None
     return SpeculativePlan(
@@ -159,14 +170,95 @@ def starting_drafter(recipe: Recipe, folder: Path | None, policy: PreTrainedMode
     return load_drafter(folder, policy)
 
 
+def decode_plan(
+    recipe: Recipe, drafter_folder: Path | None = None, speculates: bool | None = None, rows: int | None = None
+) -> DecodePlan:
+    """How the recipe's embedded rollout decodes (rollout/decode_plan.py), measured with the thread count and on
+    the device a worker decodes with; `drafter_folder`: the starting drafter's (prepare_drafter), whose shapes the
+    linear forms and pass costs cover. speculates: whether the rollout's tail is weighed as verify passes (None:
+    whether the recipe speculates); rows: the sequences one rollout call decodes (None: a worker's of one step).
+    An SGLang rollout decodes in its servers: nothing is measured."""
+    from tlt_cli.rollout.decode_plan import DecodePlan
+
+    if recipe.rollout.backend == RolloutBackendName.sglang:
+        return DecodePlan(precision={"dtype": recipe.rollout.sglang.dtype, "reason": "given: rollout.sglang.dtype"})
+    if recipe.rollout.backend != RolloutBackendName.embedded:  # TRL's own generation, in the trainer's dtype
+        return DecodePlan()
+    import torch
+
+    policy, _ = policy_and_tokenizer(recipe)
+    policy = policy.to(_decode_device(recipe)).eval()
+    drafter = starting_drafter(recipe, drafter_folder, policy) if drafter_needed(recipe) else None
+    mode = speculation_mode(recipe.speculative)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(recipe.workers.threads_per_worker)
+    try:
+        return decode_plan_for(
+            policy,
+            drafter,
+            dtype=recipe.rollout.dtype,
+            linear_forms=recipe.rollout.linear_forms,
+            cache_dir=model_cache(recipe),
+            rows=rows if rows is not None else recipe.samples_per_worker,
+            speculates=mode != SpeculationMode.off if speculates is None else speculates,
+            costs=mode == SpeculationMode.auto and (speculates is None or speculates),
+        )
+    finally:
+        torch.set_num_threads(threads)
+
+
+def decode_plan_for(
+    policy: nn.Module,
+    drafter: nn.Module | None,
+    dtype: str,
+    linear_forms: str,
+    cache_dir: Path,
+    rows: int,
+    speculates: bool,
+    costs: bool,
+) -> DecodePlan:
+    """`decode_plan` from plain values (a TRL script's rollout_func has no recipe): the linear-form plan for the
+    policy and drafter, the dtype for a rollout of `rows` rows (its tail speculating or not) and, when `costs`,
+    the pass costs in that dtype."""
+    from tlt_cli.rollout.decode_plan import DecodePlan
+    from tlt_cli.tuning.linear_forms import measured_linear_plan
+    from tlt_cli.tuning.pass_costs import measured_pass_costs
+    from tlt_cli.tuning.precision import RolloutWorkload, rollout_precision
+
+    linear_plan = measured_linear_plan(linear_forms, [policy, drafter], cache_dir)
+    precision = rollout_precision(dtype, policy, linear_plan, cache_dir, RolloutWorkload(rows, speculates))
+    pass_costs = (
+        measured_pass_costs(policy, drafter, precision.torch_dtype, linear_plan, cache_dir, rows) if costs else None
+    )
+    lines = [precision.describe()]
+    if linear_plan is not None:
+        from tlt_cli.engine.linear_forms import describe_plan
+
+        lines.append(describe_plan(linear_plan))
+    if pass_costs is not None:
+        lines.append(pass_costs.describe())
+    return DecodePlan(precision.dtype, linear_plan, pass_costs, precision.to_record(), tuple(lines))
+
+
+def _decode_device(recipe: Recipe):
+    """Where a worker decodes: its GPU (the first of actor.devices stands for all), or the CPU."""
+    import torch
+
+    if recipe.actor.devices == CPU_DEVICES:
+        return torch.device("cpu")
+    devices = recipe.actor.devices
+    return torch.device("cuda", int(devices[0] if isinstance(devices, (list, tuple)) else devices))
+
+
 @dataclass(frozen=True)
 class BackendPlace:
-    """Where a worker's rollout backend runs: its rank, its index on its node, the run directory and model cache."""
+    """Where a worker's rollout backend runs: its rank, its index on its node, the run directory, and how the
+    embedded rollout decodes there (`decode_plan`, resolved by the driver)."""
 
     worker: int
     rank_on_node: int
     run_directory: Path
-    cache_dir: Path | None = None
+    decode: DecodePlan | None = None
 
 
 def _embedded(
@@ -181,10 +273,7 @@ def _embedded(
         speculative_plan(recipe.speculative),
         drafter,
         seed=recipe.run.seed,
-        linear_forms=recipe.rollout.linear_forms,
-        cache_dir=place.cache_dir,
-        dtype=recipe.rollout.dtype,
-        rows=recipe.samples_per_worker,
+        decode=place.decode,
     )
 
 

@@ -111,7 +111,7 @@ class WorkerLoop:
             self.actor.policy,
             self.tokenizer,
             self.drafter,
-            setup.BackendPlace(self.rank, spec.address.rank_on_node, spec.run_directory, cache_dir=spec.model_cache),
+            setup.BackendPlace(self.rank, spec.address.rank_on_node, spec.run_directory, decode=spec.decode),
         )
         self.barrier = RolloutBarrier(spec.address, barrier_timeout(recipe.workers.step_timeout_s))
         plugins = build_plugins(recipe.plugins.enabled, dict(recipe.plugins.options), recipe)
@@ -189,7 +189,6 @@ class WorkerLoop:
             plugin_failures=[vars(failure) for failure in self.plugins.take_failures()],
             sd_usage={label: vars(usage) for label, usage in self.rollout_backend.take_usage().items()},
             sd_warnings=self.rollout_backend.take_warnings(),
-            rollout_precision=self.rollout_backend.precision() if step == self.spec.start_step else None,
         )
 
     def progress(self, step: int, activity: str, waiting: bool = False) -> None:

@@ -33,8 +33,6 @@ concurrent ranks measure once; the choice is made from them for each workload.
 
 from __future__ import annotations
 
-import math
-import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -46,14 +44,13 @@ from tlt_cli.engine import decode_model_for
 from tlt_cli.engine.linear_forms import LinearFormPlan
 from tlt_cli.engine.llama_family import refusal
 from tlt_cli.tuning.cache import cached_record, machine_key
+from tlt_cli.tuning.timing import block_pass, milliseconds, random_prefix, repeats_for
 
 ROLLOUT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 ROLLOUT_DTYPE_SETTINGS = ("auto", *ROLLOUT_DTYPES)
 CACHE_FOLDER = "rollout_precision"
 MEASUREMENT_FORMAT = 2
 ROUNDS = 5
-# each timing repeats its pass until it lasts about this long (CPU milliseconds)
-SHORTEST_TIMING_MS = 20.0
 PREFIX_TOKENS = 64
 VERIFY_ROWS, VERIFY_TOKENS = 4, 4
 # the full-batch step is measured at most this wide (a wider batch is compute-bound already: the ratio holds)
@@ -147,7 +144,7 @@ def rollout_precision(
     key = {
         "format": MEASUREMENT_FORMAT,
         **machine_key(_device_of(policy)),
-        "model": _model_key(policy, linear_plan),
+        "model": model_key(policy, linear_plan),
         "rows": rows,
     }
     record, _ = cached_record(cache_dir, CACHE_FOLDER, key, lambda: _measured_record(policy, linear_plan, rows))
@@ -184,12 +181,15 @@ def measure_precision(
     passes = {name: _timed_passes(policy, dtype, linear_plan, rows) for name, dtype in ROLLOUT_DTYPES.items()}
     best: dict[str, dict[str, float]] = {}
     with torch.no_grad():
-        repeats = {name: {kind: _repeats(run) for kind, run in runs.items()} for name, runs in passes.items()}
+        device = _device_of(policy)
+        repeats = {
+            name: {kind: repeats_for(run, device) for kind, run in runs.items()} for name, runs in passes.items()
+        }
         for _ in range(rounds):
             for name, runs in passes.items():
                 for kind, run in runs.items():
                     figures = best.setdefault(kind, {})
-                    figures[name] = min(figures.get(name, float("inf")), _milliseconds(run, repeats[name][kind]))
+                    figures[name] = min(figures.get(name, float("inf")), milliseconds(run, repeats[name][kind], device))
     return best["step_ms"], best.get("batch_step_ms", dict(best["step_ms"])), best["verify_ms"]
 
 
@@ -202,55 +202,17 @@ def _timed_passes(
     policy: nn.Module, dtype: torch.dtype, linear_plan: LinearFormPlan | None, rows: int
 ) -> dict[str, Callable[[], None]]:
     """A 1-row decode step, a `rows`-row decode step (when rows > 1) and a VERIFY_ROWS x VERIFY_TOKENS verify, by
-    the name of their figures, each with its logits, over a prefilled prefix of PREFIX_TOKENS; all write past the
-    prefix, so repeating them measures the same pass."""
+    the name of their figures, each with its logits, over a prefilled prefix of PREFIX_TOKENS (timing.py)."""
     model = decode_model_for(policy, dtype=dtype, linear_plan=linear_plan)
-    device = _device_of(policy)
-    vocabulary = policy.get_input_embeddings().weight.shape[0]
-    generator = torch.Generator(device=device).manual_seed(0)
-    prefix = torch.randint(vocabulary, (max(VERIFY_ROWS, rows), PREFIX_TOKENS), generator=generator, device=device)
-
-    def block_pass(rows: int, tokens: int) -> Callable[[], None]:
-        cache = model.new_cache(rows, PREFIX_TOKENS + tokens)
-        positions = torch.arange(PREFIX_TOKENS, device=device).expand(rows, PREFIX_TOKENS)
-        causal = torch.ones(PREFIX_TOKENS, PREFIX_TOKENS, dtype=torch.bool, device=device).tril()
-        with torch.no_grad():
-            model.forward_block(
-                cache, prefix[:rows], positions, positions, PREFIX_TOKENS, causal.expand(rows, 1, -1, -1)
-            )
-        kv_length = PREFIX_TOKENS + tokens
-        visible = torch.ones(tokens, kv_length, dtype=torch.bool, device=device)
-        visible[:, PREFIX_TOKENS:] = torch.ones(tokens, tokens, dtype=torch.bool, device=device).tril()
-        visible = visible.expand(rows, 1, -1, -1)
-        block_positions = (PREFIX_TOKENS + torch.arange(tokens, device=device)).expand(rows, tokens)
-        block_ids = prefix[:rows, :tokens]
-
-        def run() -> None:
-            hidden = model.forward_block(cache, block_ids, block_positions, block_positions, kv_length, visible)
-            model.logits(hidden)
-
-        return run
-
-    passes = {"step_ms": block_pass(1, 1), "verify_ms": block_pass(VERIFY_ROWS, VERIFY_TOKENS)}
-    return passes | ({"batch_step_ms": block_pass(rows, 1)} if rows > 1 else {})
+    prefix = random_prefix(policy, max(VERIFY_ROWS, rows), PREFIX_TOKENS)
+    passes = {
+        "step_ms": block_pass(model, prefix, 1, 1),
+        "verify_ms": block_pass(model, prefix, VERIFY_ROWS, VERIFY_TOKENS),
+    }
+    return passes | ({"batch_step_ms": block_pass(model, prefix, rows, 1)} if rows > 1 else {})
 
 
-def _milliseconds(run: Callable[[], None], repeats: int) -> float:
-    """CPU milliseconds of one `run()`, averaged over `repeats` back-to-back calls (process CPU time: the time this
-    process computed, not the time it waited for a core on a loaded machine)."""
-    started = time.process_time()
-    for _ in range(repeats):
-        run()
-    return (time.process_time() - started) * 1e3 / repeats
-
-
-def _repeats(run: Callable[[], None]) -> int:
-    """How many back-to-back calls of `run` last about SHORTEST_TIMING_MS (tiny models' passes take microseconds)."""
-    once = _milliseconds(run, 1)
-    return max(1, math.ceil(SHORTEST_TIMING_MS / max(once, 1e-3)))
-
-
-def _model_key(policy: nn.Module, linear_plan: LinearFormPlan | None) -> dict:
+def model_key(policy: nn.Module, linear_plan: LinearFormPlan | None) -> dict:
     """What the measurement depends on besides the machine: every weight's shape and dtype, and the plan."""
     shapes: dict[str, int] = {}
     for parameter in policy.parameters():

@@ -1,0 +1,130 @@
+"""Measure what the passes of a speculative decode step cost on this machine, model and dtype, and cache it.
+
+`measured_pass_costs(policy, drafter, dtype, linear_plan, cache_dir, most_rows)` is what the composition root
+(tlt_cli/training/setup.py `decode_plan`) calls when the rollout chooses its SD configuration from costs
+(`speculative.mode: auto`); it returns tlt_cli/speculative/costs.py's `PassCosts`. It times, with the owned decode
+forward of `policy` in `dtype` and the measured linear-form plan (as the rollout decodes), the target's pass over
+every point of a grid of running rows (1, 2, 4, ... up to the rows a worker decodes, at most 32) x tokens per row
+(1, 2, 4, 8, 16), logits included, over a 64-token prefix (tuning/timing.py), and the drafter's forward over 1-32
+entries. Each point is the best of ROUNDS timings. For SmolLM2-135M on a 2-core CPU it takes a few seconds; it is
+cached per machine, model, dtype, plan and grid (`<cache_dir>/pass_costs/<hash>.json`, tuning/cache.py) and read
+back by every later run. A model the owned forward does not decode gets no costs (None): `auto` then keeps SD off.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from tlt_cli.engine import decode_model_for
+from tlt_cli.engine.kv_cache import SlotCache, block_attention_mask
+from tlt_cli.engine.linear_forms import LinearFormPlan
+from tlt_cli.engine.llama_family import refusal
+from tlt_cli.speculative.costs import PassCosts
+from tlt_cli.tuning.cache import cached_record, machine_key
+from tlt_cli.tuning.precision import model_key
+from tlt_cli.tuning.timing import block_pass, milliseconds, random_prefix, repeats_for
+
+CACHE_FOLDER = "pass_costs"
+MEASUREMENT_FORMAT = 1
+ROWS = (1, 2, 4, 8, 16, 32)
+TOKENS = (1, 2, 4, 8, 16)
+DRAFTER_ENTRIES = (1, 2, 4, 8, 16, 32)
+PREFIX_TOKENS = 64
+ROUNDS = 2
+
+
+def measured_pass_costs(
+    policy: nn.Module,
+    drafter: nn.Module | None,
+    dtype: torch.dtype,
+    linear_plan: LinearFormPlan | None,
+    cache_dir: Path,
+    most_rows: int,
+) -> PassCosts | None:
+    """The pass costs of decoding `policy` (and drafting with `drafter`) in `dtype` with the plan, for batches of
+    up to `most_rows` rows, cached (see the module docstring); None for a model outside the owned forward."""
+    if refusal(policy) is not None:
+        return None
+    rows = tuple(value for value in ROWS if value <= max(1, most_rows)) or (1,)
+    dtype_name = str(dtype).removeprefix("torch.")
+    key = {
+        "format": MEASUREMENT_FORMAT,
+        **machine_key(next(policy.parameters()).device),
+        "model": model_key(policy, linear_plan),
+        "drafter": model_key(drafter, None) if drafter is not None else None,
+        "dtype": dtype_name,
+        "rows": list(rows),
+        "tokens": list(TOKENS),
+    }
+
+    def measure() -> dict:
+        return measure_pass_costs(policy, drafter, dtype, linear_plan, rows).to_dict()
+
+    record, _ = cached_record(cache_dir, CACHE_FOLDER, key, measure)
+    return PassCosts.from_dict(record)
+
+
+def measure_pass_costs(
+    policy: nn.Module,
+    drafter: nn.Module | None,
+    dtype: torch.dtype,
+    linear_plan: LinearFormPlan | None,
+    rows: tuple[int, ...] = ROWS,
+    tokens: tuple[int, ...] = TOKENS,
+    rounds: int = ROUNDS,
+) -> PassCosts:
+    """Time the grid (see the module docstring)."""
+    device = next(policy.parameters()).device
+    model = decode_model_for(policy, dtype=dtype, linear_plan=linear_plan)
+    prefix = random_prefix(policy, max(rows), PREFIX_TOKENS)
+    target_ms = tuple(
+        tuple(_best_ms(block_pass(model, prefix, row_count, token_count), rounds, device) for token_count in tokens)
+        for row_count in rows
+    )
+    model.release()
+    drafter_ms = (
+        tuple(_best_ms(_drafter_pass(drafter, entries), rounds, device) for entries in DRAFTER_ENTRIES)
+        if drafter is not None
+        else ()
+    )
+    entries = DRAFTER_ENTRIES if drafter is not None else ()
+    return PassCosts(rows, tokens, target_ms, entries, drafter_ms, str(dtype).removeprefix("torch."))
+
+
+def _best_ms(run, rounds: int, device: torch.device) -> float:
+    repeats = repeats_for(run, device)
+    return round(min(milliseconds(run, repeats, device) for _ in range(rounds)), 4)
+
+
+def _drafter_pass(drafter: nn.Module, entries: int):
+    """One drafter forward over `entries` rows of one entry each, past a PREFIX_TOKENS prefix in its own cache."""
+    parameter = next(drafter.parameters())
+    device, dtype = parameter.device, parameter.dtype
+    hidden_size = drafter.config.hidden_size
+    cache = SlotCache(entries, PREFIX_TOKENS + 1)
+    lengths = torch.full((entries,), PREFIX_TOKENS, dtype=torch.long, device=device)
+    with torch.no_grad():
+        prefix_positions = torch.arange(PREFIX_TOKENS, device=device).expand(entries, PREFIX_TOKENS)
+        cache.prepare(prefix_positions, PREFIX_TOKENS)
+        causal = torch.ones(PREFIX_TOKENS, PREFIX_TOKENS, dtype=torch.bool, device=device).tril()
+        drafter(
+            torch.zeros(entries, PREFIX_TOKENS, dtype=torch.long, device=device),
+            torch.zeros(entries, PREFIX_TOKENS, hidden_size, dtype=dtype, device=device),
+            prefix_positions,
+            block_attention_mask(torch.zeros_like(lengths), causal, PREFIX_TOKENS),
+            cache,
+        )
+    token_ids = torch.zeros(entries, 1, dtype=torch.long, device=device)
+    target_hidden = torch.zeros(entries, 1, hidden_size, dtype=dtype, device=device)
+    positions = lengths[:, None]
+    mask = block_attention_mask(lengths, torch.ones(1, 1, dtype=torch.bool, device=device), PREFIX_TOKENS + 1)
+
+    def run() -> None:
+        with torch.no_grad():
+            cache.prepare(positions, PREFIX_TOKENS + 1)
+            drafter(token_ids, target_hidden, positions, mask, cache)
+
+    return run

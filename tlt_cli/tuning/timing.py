@@ -1,0 +1,77 @@
+"""Timing the decode model's passes the way a rollout makes them, for the per-machine measurements of tuning/.
+
+`block_pass(model, prefix, rows, tokens)` prefills `rows` rows of `prefix` into a fresh cache of the decode model
+(tlt_cli/engine) and returns a call that runs one pass of `tokens` tokens per row past it, logits included (a
+plain decode step at tokens 1, a verify pass above); repeating the call measures the same pass, since it writes
+past the prefix each time. `milliseconds(run, repeats)` is the process CPU time of one call (time this process
+computed, not time it waited for a core on a loaded machine), `repeats_for(run)` how many back-to-back calls last
+about SHORTEST_TIMING_MS. tuning/precision.py (float32 against bfloat16) and tuning/pass_costs.py (the adaptive
+engine's grid of rows x tokens) time with these.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+
+import torch
+
+# each timing repeats its pass until it lasts about this long (CPU milliseconds)
+SHORTEST_TIMING_MS = 20.0
+CPU = torch.device("cpu")
+
+
+def random_prefix(policy: torch.nn.Module, rows: int, tokens: int) -> torch.Tensor:
+    """[rows, tokens] random token ids of `policy`'s vocabulary on its device (seeded: every measurement alike)."""
+    device = next(policy.parameters()).device
+    vocabulary = policy.get_input_embeddings().weight.shape[0]
+    generator = torch.Generator(device=device).manual_seed(0)
+    return torch.randint(vocabulary, (rows, tokens), generator=generator, device=device)
+
+
+def block_pass(model, prefix: torch.Tensor, rows: int, tokens: int) -> Callable[[], None]:
+    """One pass of `tokens` tokens for each of `rows` rows over a prefilled prefix (see the module docstring);
+    prefix: [at least rows, prefix tokens] token ids."""
+    device = prefix.device
+    prefix_tokens = prefix.shape[1]
+    cache = model.new_cache(rows, prefix_tokens + tokens)
+    positions = torch.arange(prefix_tokens, device=device).expand(rows, prefix_tokens)
+    causal = torch.ones(prefix_tokens, prefix_tokens, dtype=torch.bool, device=device).tril()
+    with torch.no_grad():
+        model.forward_block(cache, prefix[:rows], positions, positions, prefix_tokens, causal.expand(rows, 1, -1, -1))
+    kv_length = prefix_tokens + tokens
+    visible = torch.ones(tokens, kv_length, dtype=torch.bool, device=device)
+    visible[:, prefix_tokens:] = torch.ones(tokens, tokens, dtype=torch.bool, device=device).tril()
+    visible = visible.expand(rows, 1, -1, -1)
+    block_positions = (prefix_tokens + torch.arange(tokens, device=device)).expand(rows, tokens)
+    block_ids = prefix[:rows, :tokens]
+
+    def run() -> None:
+        with torch.no_grad():
+            hidden = model.forward_block(cache, block_ids, block_positions, block_positions, kv_length, visible)
+            model.logits(hidden)
+
+    return run
+
+
+def milliseconds(run: Callable[[], None], repeats: int, device: torch.device = CPU) -> float:
+    """Milliseconds of one `run()`, averaged over `repeats` back-to-back calls: process CPU time on a CPU, wall
+    time between synchronisations on a GPU."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        started = time.perf_counter()
+        for _ in range(repeats):
+            run()
+        torch.cuda.synchronize(device)
+        return (time.perf_counter() - started) * 1e3 / repeats
+    started = time.process_time()
+    for _ in range(repeats):
+        run()
+    return (time.process_time() - started) * 1e3 / repeats
+
+
+def repeats_for(run: Callable[[], None], device: torch.device = CPU) -> int:
+    """How many back-to-back calls of `run` last about SHORTEST_TIMING_MS (tiny models' passes take microseconds)."""
+    once = milliseconds(run, 1, device)
+    return max(1, math.ceil(SHORTEST_TIMING_MS / max(once, 1e-3)))
