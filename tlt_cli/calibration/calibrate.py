@@ -39,6 +39,7 @@ from tlt_cli.recipe_checks import load_checked_recipe
 from tlt_cli.recipes import resolve_recipe_path
 from tlt_cli.rollout.types import RolloutRequest
 from tlt_cli.speculative.adaptive import OFF, RuleTableError, parse_label
+from tlt_cli.speculative.costs import PassCosts
 from tlt_cli.speculative.decoder import check_speculative_config, check_topk_fits
 from tlt_cli.speculative.types import SpeculativeConfig
 from tlt_cli.tasks.base import Task
@@ -65,6 +66,9 @@ class CalibrationResult:
     drafter: str
     # the dtype the shards were decoded in and the figures that chose it (tlt_cli/tuning/precision.py)
     rollout_precision: dict
+    # batch size -> the configuration speculative.mode auto's cost model picks there, given the accept lengths
+    # measured here (`cost_model_choices`)
+    model_choices: dict[int, str]
     # where the measurements' JSON goes (the YAML fragment goes next to it): checked writable before measuring
     output: Path
 
@@ -110,6 +114,7 @@ def calibrate(
         size: {cell.label: cell.tokens_per_second for cell in cells if cell.batch_size == size} for size in batch_sizes
     }
     choices, rules = calibrated_rules(throughput, settings.margin, settings.candidates)
+    model_choices = cost_model_choices(cells, configs, pair.pass_costs) if pair.pass_costs is not None else {}
     return CalibrationResult(
         recipe,
         command_line(recipe_name, overrides, settings),
@@ -123,8 +128,25 @@ def calibrate(
         str(pair.device),
         drafter_source,
         pair.precision,
+        model_choices,
         output,
     )
+
+
+def cost_model_choices(
+    cells: list[Cell], configs: dict[str, SpeculativeConfig | None], costs: PassCosts
+) -> dict[int, str]:
+    """Per batch size, the configuration with the most tokens per second as mode auto predicts them: the measured
+    pass costs, and each cell's measured accept length as the tokens a pass emits (what mode auto learns online)."""
+    choices = {}
+    for size in sorted({cell.batch_size for cell in cells}):
+        predicted = {
+            cell.label: size * cell.accept_length / costs.step_seconds(configs[cell.label], size, cell.accept_length)
+            for cell in cells
+            if cell.batch_size == size and cell.decode_steps > 0
+        }
+        choices[size] = max(predicted, key=predicted.get) if predicted else OFF
+    return choices
 
 
 def check_recipe(recipe: Recipe) -> None:
@@ -231,6 +253,7 @@ def load_model_pair(recipe: Recipe) -> tuple[ModelPair, PreTrainedTokenizerBase,
         decode.linear_plan,
         decode.torch_dtype,
         decode.precision,
+        decode.pass_costs,
     )
     return pair, tokenizer, str(folder)
 

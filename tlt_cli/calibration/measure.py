@@ -25,6 +25,7 @@ from tlt_cli.engine.linear_forms import LinearFormPlan
 from tlt_cli.engine.sampling import SamplingParams
 from tlt_cli.rollout.generate_loop import EmbeddedEngine
 from tlt_cli.rollout.types import RolloutRequest
+from tlt_cli.speculative.costs import PassCosts
 from tlt_cli.speculative.decoder import SpeculativeDecoder
 from tlt_cli.speculative.types import DecodeStep, SpeculativeConfig
 
@@ -43,6 +44,8 @@ class ModelPair:
     # the dtype the target is decoded in (None: its own) and how it was chosen (setup.py `decode_plan_for`)
     dtype: torch.dtype | None = None
     precision: dict | None = None
+    # the pass costs of this machine in that dtype (speculative.mode auto's cost model), None: not measured
+    pass_costs: PassCosts | None = None
 
 
 @dataclass(frozen=True)

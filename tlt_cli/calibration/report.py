@@ -41,15 +41,19 @@ def render_calibration(console: Console, result: CalibrationResult) -> None:
     for label in result.labels:
         table.add_column(label, justify="right")
     table.add_column("choice")
+    if result.model_choices:
+        table.add_column("cost model's choice")
     for choice in result.choices:
         off = cell_for(result, choice.batch_size, OFF).tokens_per_second
         cells = [_cell_text(cell_for(result, choice.batch_size, label), off) for label in result.labels]
-        table.add_row(str(choice.batch_size), *cells, _choice_text(choice.use, choice.candidates))
+        model = [result.model_choices[choice.batch_size]] if result.model_choices else []
+        table.add_row(str(choice.batch_size), *cells, _choice_text(choice.use, choice.candidates), *model)
     console.print(table)
     console.print(
         "batch b: decode steps whose running batch was b up to the next row's b; cell: tokens/s, ratio vs off / "
         "accept length (tokens per row per step), ± half the range of the shards' own rates; "
-        f"SD is chosen where it beats off by more than {settings.margin:.0%}",
+        f"SD is chosen where it beats off by more than {settings.margin:.0%}; the cost model's choice is what "
+        "speculative.mode auto (the default) predicts best from this machine's pass costs and these accept lengths",
         highlight=False,
     )
     console.print(fragment_text(result.rules, result.command), highlight=False, markup=False, soft_wrap=True)
@@ -110,6 +114,7 @@ def calibration_json(result: CalibrationResult) -> dict:
             for choice in result.choices
         ],
         "rules": result.rules,
+        "cost_model_choices": {str(size): label for size, label in result.model_choices.items()},
     }
 
 

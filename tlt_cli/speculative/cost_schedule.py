@@ -17,9 +17,10 @@ the least recently run candidate among those predicted within PLAUSIBLE of the b
 the least recently run candidate of all (so a drafter whose acceptance collapsed, and which the costs therefore
 turned off, is tried again). A draft source whose recent tokens per verify pass (a moving average over the steps
 it drafted in) fall under the collapse threshold is warned about once, and again when it recovers; while it is
-collapsed, its configurations are predicted with that recent figure, so SD goes off at once. Each configuration's predicted seconds are corrected by the ratio of its
-measured to predicted step times (the Python around the passes), and the usage records keep the uncorrected
-prediction beside what was measured, so the cost model's error stays visible in the trace.
+collapsed, its configurations are predicted with that recent figure, so SD goes off at once. Each configuration's
+predicted seconds are corrected by the ratio of its measured to predicted step times (the Python around the
+passes), and the usage records keep the uncorrected prediction beside what was measured, so the cost model's error
+stays visible in the trace.
 """
 
 from __future__ import annotations
