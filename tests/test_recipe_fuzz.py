@@ -399,8 +399,11 @@ def test_a_user_error_inside_a_worker_is_one_line_and_its_traceback_goes_to_the_
         "workers.count=1",
         "train.prompts_per_step=2",
         "train.group_size=2",
-        # auto would load the weights in the driver to time the update (the same one-line error, before the run)
+        # auto would load the weights in the driver to time the update and the rollout's passes (the same one-line
+        # error, before the run)
         "actor.precision=fp32",
+        "rollout.dtype=float32",
+        "rollout.linear_forms=off",
     ]
     result = subprocess.run(command, capture_output=True, text=True, cwd=folder, timeout=300)
     assert result.returncode == 2, result.stderr

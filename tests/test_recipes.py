@@ -97,7 +97,7 @@ MALFORMED = {
     "bad mode": (
         "speculative:\n  mode: sometimes\n",
         [],
-        "speculative.mode must be one of off, fixed, adaptive, got 'sometimes'.",
+        "speculative.mode must be one of off, fixed, adaptive, auto, got 'sometimes'.",
     ),
     "override bad trainer": (
         "run: {name: t}\n",
@@ -117,7 +117,7 @@ MALFORMED = {
     "mode a mapping": (
         "speculative:\n  mode: {a: 1}\n",
         [],
-        "speculative.mode must be one of off, fixed, adaptive, got {a: 1}.",
+        "speculative.mode must be one of off, fixed, adaptive, auto, got {a: 1}.",
     ),
 }
 

@@ -187,12 +187,15 @@ def decode_plan(
         return DecodePlan(precision={"dtype": recipe.rollout.sglang.dtype, "reason": "given: rollout.sglang.dtype"})
     if recipe.rollout.backend != RolloutBackendName.embedded:  # TRL's own generation, in the trainer's dtype
         return DecodePlan()
+    mode = speculation_mode(recipe.speculative)
+    costs = mode == SpeculationMode.auto and speculates is not False
+    if recipe.rollout.dtype != "auto" and recipe.rollout.linear_forms == "off" and not costs:
+        return _given_decode_plan(recipe.rollout.dtype)  # nothing to measure: the model is not loaded here
     import torch
 
     policy, _ = policy_and_tokenizer(recipe)
     policy = policy.to(_decode_device(recipe)).eval()
     drafter = starting_drafter(recipe, drafter_folder, policy) if drafter_needed(recipe) else None
-    mode = speculation_mode(recipe.speculative)
     threads = torch.get_num_threads()
     torch.set_num_threads(recipe.workers.threads_per_worker)
     try:
@@ -204,7 +207,7 @@ def decode_plan(
             cache_dir=model_cache(recipe),
             rows=rows if rows is not None else recipe.samples_per_worker,
             speculates=mode != SpeculationMode.off if speculates is None else speculates,
-            costs=mode == SpeculationMode.auto and (speculates is None or speculates),
+            costs=costs,
         )
     finally:
         torch.set_num_threads(threads)
@@ -248,6 +251,15 @@ def actor_precision(recipe: Recipe) -> tuple[Recipe, UpdatePrecision]:
     from tlt_cli.training.update_precision import resolve_update_precision
 
     return resolve_update_precision(recipe, model_cache(recipe))
+
+
+def _given_decode_plan(dtype: str) -> DecodePlan:
+    """The plan of a rollout whose dtype the recipe names, with plain linear forms and no pass costs."""
+    from tlt_cli.rollout.decode_plan import DecodePlan
+    from tlt_cli.tuning.precision import PrecisionChoice
+
+    choice = PrecisionChoice(dtype, "given", {}, {})
+    return DecodePlan(dtype, precision=choice.to_record(), log_lines=(choice.describe(),))
 
 
 def _decode_device(recipe: Recipe):
