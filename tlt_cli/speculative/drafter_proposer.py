@@ -123,9 +123,9 @@ class DrafterProposer:
         output = self._run_drafter(
             commit.emitted[:, :caught_up], path_hidden, commit.lengths, positions, causal, written=0
         )
-        rows = torch.arange(path.shape[0], device=path.device)
-        self.rows.root_hidden = output.hidden[rows, accept_length]
-        self.rows.root_logits = output.logits[rows, accept_length]
+        row_index = torch.arange(path.shape[0], device=path.device)
+        self.rows.root_hidden = output.hidden[row_index, accept_length]
+        self.rows.root_logits = output.logits[row_index, accept_length]
         self.rows.drafter_lengths = batch.lengths.clone()
 
     def keep_rows(self, batch: RunningBatch, rows: torch.Tensor) -> None:
@@ -147,11 +147,11 @@ class DrafterProposer:
         output = self._run_drafter(next_token_ids, hidden, self.rows.drafter_lengths, slots, causal, written=0)
         caught_up = gap > 0
         last_entry = (gap - 1).clamp(min=0)
-        rows = torch.arange(batch.size, device=gap.device)
-        state = self.rows
-        state.root_hidden = torch.where(caught_up[:, None], output.hidden[rows, last_entry], state.root_hidden)
-        state.root_logits = torch.where(caught_up[:, None], output.logits[rows, last_entry], state.root_logits)
-        state.drafter_lengths = batch.lengths.clone()
+        row_index = torch.arange(batch.size, device=gap.device)
+        rows = self.rows
+        rows.root_hidden = torch.where(caught_up[:, None], output.hidden[row_index, last_entry], rows.root_hidden)
+        rows.root_logits = torch.where(caught_up[:, None], output.logits[row_index, last_entry], rows.root_logits)
+        rows.drafter_lengths = batch.lengths.clone()
 
     def _draft(
         self, batch: RunningBatch, config: SpeculativeConfig, sampling: SamplingParams, generator: torch.Generator
