@@ -50,7 +50,7 @@ from tlt_cli.speculative.drafter_proposer import DrafterProposer
 from tlt_cli.speculative.ngram_proposer import NgramProposer
 from tlt_cli.speculative.proposer import Commit, GroupedPrompt, Proposer
 from tlt_cli.speculative.tree import DraftTree, root_only, rows_by_source, with_chosen_chains, with_ngram_branch
-from tlt_cli.speculative.types import DecodeStep, SpeculativeConfig, SpeculativeStats
+from tlt_cli.speculative.types import DRAFT_SOURCES, DecodeStep, SpeculativeConfig, SpeculativeStats
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -211,14 +211,15 @@ class SpeculativeDecoder:
             tree = self.drafter_proposer.propose(batch, config, sampling, generator)
         else:
             tree = root_only(batch.pending)
+        drafted = {"drafter": model_drafts, "ngram": config.uses_ngram}
         if ngram_rows is not None:
             tree, row_sources = with_chosen_chains(tree, proposals, ngram_rows), rows_by_source(ngram_rows)
         else:
             if proposals is not None:
                 tree = with_ngram_branch(tree, proposals)
-            uses = torch.tensor([config.uses_drafter, config.uses_ngram], device=batch.lengths.device)
-            row_sources = uses[None, :].expand(batch.size, -1)
-        drafted = {"drafter": model_drafts, "ngram": config.uses_ngram}
+            # every row verifies the drafts of every source that drafted
+            sources = torch.tensor([drafted[source] for source in DRAFT_SOURCES], device=batch.lengths.device)
+            row_sources = sources[None, :].expand(batch.size, -1)
         return Draft(tree, row_sources, tuple(proposer for proposer in self.proposers if drafted[proposer.source]))
 
     def _config_for(self, batch_size: int) -> SpeculativeConfig | None:
