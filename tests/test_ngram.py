@@ -161,8 +161,11 @@ def test_finished_siblings_stay_in_the_index_with_every_emitted_token():
     decoder = SpeculativeDecoder(None, MODEL_FREE[1])
     completions = generate(target, requests, greedy, eos_token_id, decoder)
     for request, completion in zip(requests, completions):
-        assert decoder.index.sequences[request.request_id] == [*request.prompt_ids, *completion.response_ids]
-    assert all(decoder.index.finished_siblings(request.request_id) == 2 for request in requests)
+        assert decoder.ngram_proposer.index.sequences[request.request_id] == [
+            *request.prompt_ids,
+            *completion.response_ids,
+        ]
+    assert all(decoder.ngram_proposer.index.finished_siblings(request.request_id) == 2 for request in requests)
 
 
 def test_requests_without_a_group_draft_only_from_their_own_text():
@@ -170,7 +173,7 @@ def test_requests_without_a_group_draft_only_from_their_own_text():
     target = tiny_target()
     requests = [RolloutRequest(number, (BOS, 3, 4, 5)) for number in range(3)]
     generate(target, requests, SamplingParams(max_new_tokens=8, temperature=0.0), 64, index_of_lone_rows)
-    assert len(index_of_lone_rows.index.groups) == 3
+    assert len(index_of_lone_rows.ngram_proposer.index.groups) == 3
 
 
 def test_an_adaptive_table_of_model_free_configurations_needs_no_drafter():

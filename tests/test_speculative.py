@@ -1,5 +1,7 @@
 """Speculative decoding in the embedded engine is lossless: same greedy tokens, same sampling law."""
 
+import inspect
+
 import pytest
 import torch
 from scipy.stats import chisquare
@@ -13,7 +15,8 @@ from tlt_cli.engine.sampling import SamplingParams, apply_sampling
 from tlt_cli.rollout.generate_loop import EmbeddedEngine
 from tlt_cli.rollout.types import RolloutRequest
 from tlt_cli.speculative.decoder import SpeculativeDecoder, check_speculative_config, check_topk_fits
-from tlt_cli.speculative.types import SpeculativeConfig
+from tlt_cli.speculative.proposer import Proposer
+from tlt_cli.speculative.types import DRAFT_SOURCES, SpeculativeConfig
 
 torch.set_num_threads(1)
 
@@ -337,3 +340,21 @@ def test_topk_is_checked_against_the_draft_vocabulary_not_the_targets():
         SpeculativeDecoder(drafter, SpeculativeConfig(2, 5, 6))
     # a model-free shape drafts with no drafter, so no draft vocabulary bounds it
     check_topk_fits(SpeculativeConfig(0, ngram_tokens=4), 1)
+
+
+def test_a_decoder_keeps_one_proposer_per_draft_source_behind_the_proposer_hooks():
+    target = tiny_target()
+    drafter = EagleDrafter(target, seed=3)
+    shapes = {
+        ("drafter",): (drafter, SpeculativeConfig(4)),
+        ("ngram",): (None, SpeculativeConfig(0, ngram_tokens=4)),
+        # every source, in DRAFT_SOURCES order
+        DRAFT_SOURCES: (drafter, SpeculativeConfig(2, ngram_tokens=4, picks_source=True)),
+    }
+    for sources, (shape_drafter, config) in shapes.items():
+        decoder = SpeculativeDecoder(shape_drafter, config)
+        assert tuple(proposer.source for proposer in decoder.proposers) == sources
+        for proposer in decoder.proposers:
+            for hook in ("begin", "propose", "after_commit", "keep_rows"):
+                expected = inspect.signature(getattr(Proposer, hook)).parameters
+                assert inspect.signature(getattr(type(proposer), hook)).parameters.keys() == expected.keys(), hook

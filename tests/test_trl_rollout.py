@@ -198,7 +198,9 @@ def test_settings_the_engine_cannot_honour_are_refused_in_one_sentence(tmp_path)
         rollout(["a1=", "a1="], trainer)
     with pytest.raises(ValueError, match="speculative has no key 'depth'"):
         tlt_rollout(speculative={"depth": 3})
-    with pytest.raises(RecipeError, match="^speculative mode must be one of off, fixed, adaptive, auto, got 'sometimes'.$"):
+    with pytest.raises(
+        RecipeError, match="^speculative mode must be one of off, fixed, adaptive, auto, got 'sometimes'.$"
+    ):
         tlt_rollout(speculative={"mode": "sometimes"})
     assert tlt_rollout(speculative={"mode": "off"}).speculative.mode is SpeculationMode.off
 

@@ -9,8 +9,8 @@ prefix plus the part of the new block its mask allows) is a 4D mask built by `bl
 Rejected speculative entries need no rollback: they lie past the row's committed length, are masked
 out, and are overwritten by the next forward. Accepted entries of a draft tree are moved into place with `move_slots`.
 `keep_rows_of` drops finished rows from a dataclass of per-row state (the engine's running batch,
-the speculative decoder's draft state) and from its caches, field by field, so no list of
-per-row names needs keeping in step with the fields.
+the drafter proposer's rows, the speculative decoder's counters) and from its caches, field by field,
+so no list of per-row names needs keeping in step with the fields.
 """
 
 from __future__ import annotations

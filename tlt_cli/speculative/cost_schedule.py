@@ -30,7 +30,7 @@ from collections import defaultdict
 
 from tlt_cli.speculative.acceptance_estimates import AcceptanceEstimates
 from tlt_cli.speculative.costs import PassCosts
-from tlt_cli.speculative.decoder import StepCounts
+from tlt_cli.speculative.draft_counts import StepCounts
 from tlt_cli.speculative.types import (
     DRAFT_SOURCES,
     OFF,

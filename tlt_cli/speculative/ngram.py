@@ -1,7 +1,7 @@
 """Model-free drafts: an n-gram index over the prompt and the sibling responses of a request's group.
 
 In GRPO the G responses to one prompt share much of their text, and in the tail most of them
-have finished. The speculative decoder (tlt_cli/speculative/decoder.py) keeps one `NgramIndex` per
+have finished. The n-gram proposer (tlt_cli/speculative/ngram_proposer.py) keeps one `NgramIndex` per
 generate call: every request is a sequence (its prompt, then its response as tokens are emitted),
 sequences of one group (RolloutRequest.group) share one table, and a finished sibling stays in it
 after its row has left the running batch. `propose(sequence, k)` matches the sequence's last

@@ -1,10 +1,10 @@
 """Draft shapes for speculative decoding: a chain (topk 1) or an EAGLE-2 / SGLang-style tree.
 
-The speculative decoder runs the drafter `steps` times; after each run it hands the drafter's
-logits for the current frontier to a builder, which picks the tokens to draft next and says which
-earlier draft entries each new one may attend to. `finish` returns a `DraftTree`: node 0 is the
-root (the row's pending token, already emitted), nodes are ordered so parents come before their
-children, and `ancestors` is the tree attention mask the target verifies with.
+The drafter's proposer (tlt_cli/speculative/drafter_proposer.py) runs the drafter `steps` times; after
+each run it hands the drafter's logits for the current frontier to a builder, which picks the tokens to
+draft next and says which earlier draft entries each new one may attend to. `finish` returns a
+`DraftTree`: node 0 is the root (the row's pending token, already emitted), nodes are ordered so
+parents come before their children, and `ancestors` is the tree attention mask the target verifies with.
 
 Tree (SGLang's steps / topk / draft_tokens): each step expands every frontier node into its topk
 most likely children, scores a node by the sum of draft log-probabilities along its path, keeps
