@@ -4,8 +4,9 @@ A `Recipe` holds one dataclass per section (run, model, task, train, workers, ro
 servers, actor, checkpoint, speculative, drafter, plugins) and the free-form `trl` mapping. Each key is
 declared once with `setting(default, help)`: its default is the default recipe's value
 (recipes/tiny-cpu.yaml, checked by a test) and its help text lives in the field's metadata, which
-`tlt recipes show` prints above the key and the shipped recipes' comments start with. Keys that take
-one of a few words are `RecipeChoice` enums. `RecipeError` is the refusal of a recipe: one sentence
+`tlt recipes show` prints above the key and the shipped recipes' comments start with; a number key's range
+is declared there too (`setting(..., minimum=1)`, tlt_cli/config/ranges.py), and its help ends with it. Keys
+that take one of a few words are `RecipeChoice` enums. `RecipeError` is the refusal of a recipe: one sentence
 naming the key. The loader (tlt_cli/config/loading.py) builds a Recipe from YAML and overrides.
 """
 
