@@ -31,7 +31,7 @@ from rich.table import Table
 
 from tlt_cli.calibration.calibrate import load_model_pair
 from tlt_cli.calibration.measure import ModelPair, fixed_decoder, time_shard
-from tlt_cli.config import SpeculativeMode, load_recipe
+from tlt_cli.config import RolloutDtype, SpeculativeMode, load_recipe
 from tlt_cli.engine.sampling import SamplingParams
 from tlt_cli.recipes import resolve_recipe_path
 from tlt_cli.rollout.types import RolloutRequest
@@ -55,7 +55,7 @@ def requests_for(recipe, tokenizer, task, rows: int, first_prompt: int) -> list[
 
 def pair_in(recipe, dtype: str) -> ModelPair:
     """The target and drafter with the decode plan of `dtype` (pass costs included, for mode auto)."""
-    recipe = dataclasses.replace(recipe, rollout=dataclasses.replace(recipe.rollout, dtype=dtype))
+    recipe = dataclasses.replace(recipe, rollout=dataclasses.replace(recipe.rollout, dtype=RolloutDtype(dtype)))
     pair, _, _ = load_model_pair(recipe)
     return pair
 

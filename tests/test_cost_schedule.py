@@ -205,7 +205,9 @@ def test_sampled_decoding_with_the_cost_model_has_the_targets_distribution(monke
     requests = [type(requests_for(1, seed=7)[0])(index, prompt) for index in range(rows)]
     sampling = SamplingParams(max_new_tokens=4, temperature=1.0)
     plain = EmbeddedEngine(target, 10_000, 0).generate(requests, sampling, torch.Generator().manual_seed(1))
-    engine, schedule = auto_engine(target, drafter, 10_000, grid_costs(10.0, 0.0001, per_row_ms=0.0, drafter_ms=0.001), seed=2)
+    engine, schedule = auto_engine(
+        target, drafter, 10_000, grid_costs(10.0, 0.0001, per_row_ms=0.0, drafter_ms=0.001), seed=2
+    )
     auto = engine.generate(requests, sampling, torch.Generator().manual_seed(2))
     assert sum(value.decode_steps for label, value in schedule.take_usage().items() if label != "off") > 0
     for position in (0, 3):  # the first token (the prefill's) and one drafted and verified

@@ -78,7 +78,10 @@ BAD = {
         "each worker owns whole servers",
     ),
     "colocated on cpu": (["rollout.backend=sglang", "rollout.sglang.gpus=[0,1]"], "rollout.sglang.colocated: true"),
-    "zero 3": (["actor.zero_stage=3"], "actor.zero_stage must be 0, 1 or 2"),
+    "zero 3": (
+        ["actor.zero_stage=3"],
+        "actor.zero_stage must be in 0..2 (the rollout needs the full policy on every rank), got 3.",
+    ),
     "rule table gap": (
         [*SGLANG_ON_CPU, "speculative.mode=adaptive", "speculative.rules=[{batch: [2, null], use: s2-k1}]"],
         "speculative.rules",

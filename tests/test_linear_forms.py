@@ -333,7 +333,7 @@ def test_the_trl_rollout_refreshes_the_copies_before_every_rollout(tmp_path):
             parameter.data.copy_(torch.randn_like(parameter) * 0.1)
     completions, _ = rollout.generate_with_hidden(requests, greedy, seed=0, logprob_temperature=1.0)
     assert [completion.response_ids for completion in completions] == greedy_tokens(model, requests, 8)
-    with pytest.raises(UserError, match="linear_forms is 'fast'; use one of auto, off"):
+    with pytest.raises(UserError, match="^linear_forms must be one of auto, off, got 'fast'.$"):
         tlt_rollout(linear_forms="fast")
 
 

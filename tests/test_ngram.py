@@ -39,8 +39,9 @@ from tlt_cli.speculative.adaptive import (
     build_rules,
     parse_label,
 )
-from tlt_cli.speculative.decoder import SpeculativeDecoder, check_speculative_config
+from tlt_cli.speculative.decoder import SpeculativeDecoder
 from tlt_cli.speculative.ngram import NgramIndex
+from tlt_cli.speculative.shapes import shape_problem
 from tlt_cli.speculative.tree import DraftTree, ancestor_mask, with_chosen_chains, with_ngram_branch
 from tlt_cli.speculative.types import SpeculativeConfig
 from tlt_cli.training.setup import speculative_plan
@@ -230,8 +231,7 @@ def test_parse_label_reads_model_free_and_hybrid_labels_back():
         assert parse_label(label).label() == label
     assert parse_label("s2-k1-t3|ngram4") == SpeculativeConfig(2, 1, 3, ngram_tokens=4, picks_source=True)
     # one source per row verifies chains: a tree shape or a missing n-gram part is refused
-    with pytest.raises(ValueError, match="topk 1, not 2"):
-        check_speculative_config(parse_label("s2-k2-t4|ngram4"))
+    assert "topk 1, not 2" in shape_problem(parse_label("s2-k2-t4|ngram4"))
     with pytest.raises(RuleTableError, match="joined by |"):
         parse_label("s2-k1-t3|")
     assert parse_label("ngram3") == SpeculativeConfig(0, ngram_tokens=3)

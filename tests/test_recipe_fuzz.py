@@ -25,7 +25,17 @@ import torch
 from typer.testing import CliRunner
 
 from tlt_cli.cli import app
-from tlt_cli.config import Recipe, RolloutBackendName, SpeculativeMode, Trainer
+from tlt_cli.config import (
+    LinearForms,
+    Precision,
+    Recipe,
+    RolloutBackendName,
+    RolloutCorrection,
+    RolloutDtype,
+    ServedDtype,
+    SpeculativeMode,
+    Trainer,
+)
 from tlt_cli.models.tiny import SHIPPED_TINY_MODEL
 
 runner = CliRunner()
@@ -45,6 +55,11 @@ WRONG_VALUES = {
     SpeculativeMode: ["{a: 1}", "[a, b]"],
     Trainer: ["[a, b]", "tlr"],
     RolloutBackendName: ["{a: 1}", "[a, b]"],
+    LinearForms: ["fast", "[a, b]"],
+    RolloutDtype: ["float16", "{a: 1}"],
+    Precision: ["fp16", "[a, b]"],
+    RolloutCorrection: ["tokens", "{a: 1}"],
+    ServedDtype: ["int8", "[a, b]"],
 }
 OUT_OF_RANGE = [
     "train.steps=0",

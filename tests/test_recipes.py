@@ -9,9 +9,14 @@ from typer.testing import CliRunner
 
 from tlt_cli.cli import app
 from tlt_cli.config import (
+    ActorConfig,
+    LinearForms,
+    Precision,
     RecipeError,
     RolloutBackendName,
     RolloutConfig,
+    RolloutCorrection,
+    RolloutDtype,
     SpeculativeMode,
     SpeculativeSection,
     TrainConfig,
@@ -169,6 +174,10 @@ def test_cli_validate_and_version():
     [
         (SpeculativeMode, "speculative", SpeculativeSection, "mode"),
         (Trainer, "train", TrainConfig, "trainer"),
+        (LinearForms, "rollout", RolloutConfig, "linear_forms"),
+        (RolloutDtype, "rollout", RolloutConfig, "dtype"),
+        (Precision, "actor", ActorConfig, "precision"),
+        (RolloutCorrection, "actor", ActorConfig, "rollout_correction"),
     ],
 )
 def test_choice_keys_take_their_enum_and_their_help_lists_every_choice(choice, section_name, section, key):

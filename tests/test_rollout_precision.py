@@ -229,7 +229,7 @@ def test_given_dtypes_are_taken_and_the_transformers_path_keeps_its_own(tmp_path
     gpt2 = rollout_precision("auto", tiny_gpt2(64), None, tmp_path)
     assert (gpt2.dtype, gpt2.reason) == ("float32", "model dtype: transformers path")
     assert not (tmp_path / CACHE_FOLDER).exists()
-    with pytest.raises(ValueError, match="rollout.dtype is 'float16'; use one of auto, float32, bfloat16"):
+    with pytest.raises(ValueError, match="rollout.dtype must be one of auto, float32, bfloat16, got 'float16'"):
         rollout_precision("float16", tiny_target(), None, tmp_path)
 
 

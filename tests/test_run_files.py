@@ -4,7 +4,8 @@ import json
 
 import pytest
 
-from tlt_cli.checkpoint import MAX_STEPS, CheckpointError, latest_checkpoint, prepare_staging, publish
+from tlt_cli.checkpoint import CheckpointError, latest_checkpoint, prepare_staging, publish
+from tlt_cli.config import MAX_STEPS
 from tlt_cli.profile.records import ProfileInputError, load_records
 from tlt_cli.trace import TraceError, TraceWriter, numbered_records, read_trace, request_record, truncate_trace
 

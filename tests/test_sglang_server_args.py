@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tlt_cli.config import RecipeError, ServedDtype, load_recipe
+from tlt_cli.recipes import resolve_recipe_path
 from tlt_cli.sglang.adaptive import BatchRule, plan_for_sglang, write_adaptive_config
 from tlt_cli.sglang.config import SGLangConfig, sglang_config_problem
 from tlt_cli.sglang.server_args import (
@@ -189,13 +191,26 @@ def test_sd_on_without_a_drafter_is_refused():
         ({"extra_args": ("--port=1",)}, "extra_args sets --port"),
         ({"extra_args": ("--config", "mine.yaml")}, "extra_args sets --config"),
         ({"extra_args": ("--speculative-num-steps", "3")}, "extra_args sets --speculative-num-steps"),
-        ({"dtype": "fp8"}, "rollout.sglang.dtype"),
     ],
 )
 def test_config_errors_name_the_key(changes, key):
     fields = {**CONFIG.__dict__, **changes}
     assert sglang_config_problem(CONFIG) is None
     assert re.search(key, sglang_config_problem(SGLangConfig(**fields)))
+
+
+def test_the_served_dtype_is_a_choice_refused_where_the_recipe_loads(tmp_path):
+    with pytest.raises(
+        RecipeError,
+        match=r"^override 'rollout.sglang.dtype=fp8': rollout.sglang.dtype must be one of auto, bfloat16, float16, "
+        r"float32, got 'fp8'.$",
+    ):
+        load_recipe(resolve_recipe_path("tiny-cpu"), ["rollout.sglang.dtype=fp8"])
+    served = load_recipe(resolve_recipe_path("tiny-cpu"), ["rollout.sglang.dtype=float32"]).rollout.sglang
+    assert served.dtype is ServedDtype.float32
+    command = server_command(served, server_placements(served)[0], "/models/target", tmp_path / "key.yaml", [], seed=7)
+    dtype = command[command.index("--dtype") + 1]
+    assert dtype == "float32" and type(dtype) is str
 
 
 UNCAPTURED_TABLE = [BatchRule(1, 9, SpeculativeConfig(3)), BatchRule(10, None, None)]

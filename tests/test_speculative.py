@@ -14,8 +14,9 @@ from tlt_cli.drafter.vocabulary import DraftVocabulary, most_frequent_tokens
 from tlt_cli.engine.sampling import SamplingParams, apply_sampling
 from tlt_cli.rollout.generate_loop import EmbeddedEngine
 from tlt_cli.rollout.types import RolloutRequest
-from tlt_cli.speculative.decoder import SpeculativeDecoder, check_speculative_config, check_topk_fits
+from tlt_cli.speculative.decoder import SpeculativeDecoder
 from tlt_cli.speculative.proposer import Proposer
+from tlt_cli.speculative.shapes import shape_problem, topk_fit_problem
 from tlt_cli.speculative.types import DRAFT_SOURCES, SpeculativeConfig
 
 torch.set_num_threads(1)
@@ -319,14 +320,14 @@ def test_greedy_sd_with_a_reduced_draft_vocabulary_is_token_identical(config, dr
 
 
 def test_bad_configs_name_the_field_to_fix():
-    with pytest.raises(ValueError, match="draft_tokens"):
-        check_speculative_config(SpeculativeConfig(2, 2, 9))
-    with pytest.raises(ValueError, match="steps"):
-        check_speculative_config(SpeculativeConfig(0))
-    with pytest.raises(ValueError, match="draft_tokens"):
-        check_speculative_config(SpeculativeConfig(3, 1, 7))
-    with pytest.raises(ValueError, match="topk is 0"):
-        check_speculative_config(SpeculativeConfig(2, 0, 3))
+    assert shape_problem(SpeculativeConfig(2, 2, 4)) is None
+    assert "draft_tokens" in shape_problem(SpeculativeConfig(2, 2, 9))
+    assert "steps" in shape_problem(SpeculativeConfig(0))
+    assert "draft_tokens" in shape_problem(SpeculativeConfig(3, 1, 7))
+    assert "topk is 0" in shape_problem(SpeculativeConfig(2, 0, 3))
+    # the decoder refuses a shape it is handed with the same sentence
+    with pytest.raises(ValueError, match="^a chain .topk 1. of 3 steps verifies 4 tokens"):
+        SpeculativeDecoder(EagleDrafter(tiny_target(vocab_size=8)), SpeculativeConfig(3, 1, 7))
     with pytest.raises(ValueError, match="topk"):
         SpeculativeDecoder(EagleDrafter(tiny_target(vocab_size=8)), SpeculativeConfig(2, 9, 4))
 
@@ -334,12 +335,12 @@ def test_bad_configs_name_the_field_to_fix():
 def test_topk_is_checked_against_the_draft_vocabulary_not_the_targets():
     target = tiny_target(vocab_size=8)
     drafter = EagleDrafter(target, vocabulary=DraftVocabulary(torch.tensor([0, 2, 4, 6]), 8))
-    check_topk_fits(SpeculativeConfig(2, 4, 6), drafter.vocabulary.size)
+    assert topk_fit_problem(SpeculativeConfig(2, 4, 6), drafter.vocabulary.size) is None
     # topk 5 fits the target's 8 tokens but not the drafter's 4
     with pytest.raises(ValueError, match="topk is 5; set it between 1 and the draft vocabulary size 4"):
         SpeculativeDecoder(drafter, SpeculativeConfig(2, 5, 6))
     # a model-free shape drafts with no drafter, so no draft vocabulary bounds it
-    check_topk_fits(SpeculativeConfig(0, ngram_tokens=4), 1)
+    assert topk_fit_problem(SpeculativeConfig(0, ngram_tokens=4), 1) is None
 
 
 def test_a_decoder_keeps_one_proposer_per_draft_source_behind_the_proposer_hooks():

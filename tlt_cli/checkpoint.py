@@ -44,9 +44,6 @@ DRAFTER_DIRECTORY = "drafter"
 FILE_SIZES_KEY = "file_sizes"
 # step_000010: the step number, at least six digits wide (ordered by number, so step_1000000 follows step_999999)
 CHECKPOINT_NAME = re.compile(r"step_(\d{6,})")
-# the most steps a run takes (train.steps' bound): its checkpoint names stay within 9 digits, and its sampling
-# seeds within the generators' 64 bits (tlt_cli/rollout/backend.py)
-MAX_STEPS = 10**9 - 1
 # the lines of torch.load's weights-only refusal that are advice, not the reason
 TORCH_LOAD_ADVICE = ("Weights only load failed", "Check the documentation")
 # errno values of a write refused for want of room: the file system is full, or the user's quota is

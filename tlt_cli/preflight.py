@@ -55,11 +55,11 @@ PLUGIN_HOOKS = WORKER_HOOKS + DRIVER_HOOKS
 
 def check_recipe(recipe: Recipe, new_run: bool = False) -> None:
     """Raise RecipeError naming the key (and file) of the first problem that would stop a run of `recipe`."""
-    check_values(recipe)  # 1. values (tlt_cli/recipe_checks.py)
+    plan = check_values(recipe)  # 1. values (tlt_cli/recipe_checks.py), and the speculative plan it built
     _check_task(recipe)  # 2. the task
     target_vocab_size = _check_model(recipe)  # 3. the model folder
     draft_vocab_size = _check_drafter_start(recipe, target_vocab_size)  # 4. the starting drafter
-    check_shapes_fit_draft_vocabulary(setup.speculative_plan(recipe.speculative), draft_vocab_size)
+    check_shapes_fit_draft_vocabulary(plan, draft_vocab_size)
     _check_plugins(recipe.plugins)  # 5. the plugins
     if recipe.train.trainer == Trainer.trl:
         _check_trl_plugins(recipe)

@@ -1,15 +1,17 @@
-"""The table of a recipe's value checks: ranges, choices, and how its sections fit together.
+"""The table of a recipe's value checks: the declared ranges, then the rules that span keys and sections.
 
-`check_values(recipe)` takes a `Recipe` the loader built (keys and types are right by then) and
-raises a `RecipeError` naming the key at the first value that cannot run, running the section
-checks it lists in order: a range, a choice, an SD shape or rule table, the actor's placement
-against the workers and the hostfile, the SGLang section against the workers. It reads no model,
-task data or plugin; tlt_cli/preflight.py runs it first, then checks those (the whole check the
-commands run before anything starts). This module and tlt_cli/preflight.py are the gate: the
-modules that know a rule only answer with values or a problem sentence, and the gate raises.
-Those it asks: the hostfile parser, the SGLang section's and rule table's problems
-(tlt_cli/sglang/config.py, tlt_cli/sglang/adaptive.py), the speculative plan
-(tlt_cli/training/setup.py parses the rule table into it) and the decoder's SD shape check.
+`check_values(recipe)` takes a `Recipe` the loader built (keys, types and choices are right by then),
+raises a `RecipeError` naming the key at the first value that cannot run, and returns the recipe's
+speculative plan, built once. It runs the checks it lists in order: every number's range as the schema
+declares it with the key (tlt_cli/config/ranges.py `range_problem`; nothing here restates one), then
+the rules no single key holds: the run's folder names, a step's token count, the SD shapes and rule
+table, the actor's placement against the workers and the hostfile, the SGLang section against the
+workers. It reads no model, task data or plugin; tlt_cli/preflight.py runs it first, then checks those
+(the whole check the commands run before anything starts). This module and tlt_cli/preflight.py are the
+gate: the modules that know a rule only answer with values or a problem sentence, and the gate raises.
+Those it asks: the schema's ranges, the hostfile parser, the SGLang section's and rule table's problems
+(tlt_cli/sglang/config.py, tlt_cli/sglang/adaptive.py), the speculative plan (tlt_cli/training/setup.py
+parses the rule table into it) and the SD shape problems (tlt_cli/speculative/shapes.py).
 """
 
 from __future__ import annotations
@@ -21,7 +23,6 @@ import re
 from pathlib import Path
 from typing import Any
 
-from tlt_cli.checkpoint import MAX_STEPS
 from tlt_cli.config import (
     CPU_DEVICES,
     DrafterConfig,
@@ -33,25 +34,19 @@ from tlt_cli.config import (
     Trainer,
     is_control_character,
     load_recipe,
+    range_problem,
 )
 from tlt_cli.processes.hostfile import hostfile_problem, ranks_per_node, shell_paths
-from tlt_cli.rollout.backend import MAX_SEED
 from tlt_cli.sglang.adaptive import one_algorithm_problem
 from tlt_cli.sglang.config import sglang_config_problem
 from tlt_cli.speculative.adaptive import RuleTableError, SpeculationMode, SpeculativePlan
-from tlt_cli.speculative.decoder import check_speculative_config, check_topk_fits
+from tlt_cli.speculative.shapes import shape_problem, topk_fit_problem
 from tlt_cli.speculative.types import SpeculativeConfig
-from tlt_cli.training.rollout_correction import CORRECTION_MODES
 from tlt_cli.training.setup import speculative_plan
-from tlt_cli.training.update_precision import PRECISIONS
-from tlt_cli.tuning.linear_forms import LINEAR_FORM_MODES
-from tlt_cli.tuning.precision import ROLLOUT_DTYPE_SETTINGS
 
 # a TRL run generates with tlt's embedded engine, or with TRL's own generation (rollout.backend trl, the baseline)
 TRL_BACKENDS = (RolloutBackendName.embedded, RolloutBackendName.trl)
 DRAFTER_STARTS = ("warmup", "random")
-# ZeRO-3 shards the parameters; the rollout (embedded engine or weight push) needs the whole policy
-ZERO_STAGES = (0, 1, 2)
 BUILTIN_PREFIX = "builtin:"
 BUILTIN_MODELS = ("builtin:tiny-arith",)
 # the longest folder name Linux file systems take (NAME_MAX), in bytes
@@ -86,22 +81,23 @@ def load_checked_recipe(path: str | Path, overrides: list[str] | tuple[str, ...]
     return recipe
 
 
-def check_values(recipe: Recipe) -> None:
-    """Raise RecipeError naming the key of the first value the recipe cannot run with: the table, in order."""
+def check_values(recipe: Recipe) -> SpeculativePlan:
+    """Raise RecipeError naming the key of the first value the recipe cannot run with: the table, in order.
+    Returns the speculative plan it checked (built once), for the checks that need the model."""
     _check_numbers(recipe)  # every float finite, every integer within 64 bits
-    _check_run(recipe)  # run.name, run.output_dir (a folder, printable, shell-safe under a hostfile), run.seed
-    _check_train_and_workers(recipe)  # train.*, workers.*, a step's token count
-    _check_rollout(recipe)  # rollout.* but the SGLang section
-    _check_actor(recipe)  # actor.* ranges and choices
-    _check_checkpoint(recipe)  # checkpoint.every, checkpoint.keep
+    _check_ranges(recipe)  # every number within the range its key declares (rollout.sglang: with that backend)
+    _check_run(recipe)  # run.name, run.output_dir (a folder, printable, shell-safe under a hostfile)
+    _check_train_and_workers(recipe)  # a step's token count, whole groups per worker
     _check_model_path(recipe.model.path)  # a built-in model's name, or a path
-    check_speculative_section(recipe.speculative)  # SD shapes, the decoder's settings, the rule table
-    _check_drafter(recipe.drafter)  # drafter.init and the drafter's training settings
+    plan = checked_speculative_plan(recipe.speculative)
+    check_speculative_section(recipe.speculative, plan)  # SD shapes and the rule table's
+    _check_drafter(recipe.drafter)  # drafter.init
     _check_plugins(recipe)  # plugins.enabled names, plugins.options for enabled plugins
-    _check_actor_placement(recipe)  # actor.devices and actor.precision against workers and the hostfile
+    _check_actor_placement(recipe)  # actor.devices against workers and the hostfile
     _check_trainer(recipe)  # what train.trainer trl takes
     if recipe.rollout.backend == RolloutBackendName.sglang:
-        _check_sglang_backend(recipe)  # rollout.sglang, and how it fits the workers and the rule table
+        _check_sglang_backend(recipe, plan)  # rollout.sglang, and how it fits the workers and the rule table
+    return plan
 
 
 def _check_numbers(section: Any, prefix: str = "") -> None:
@@ -118,6 +114,15 @@ def _check_numbers(section: Any, prefix: str = "") -> None:
                 -(2 ** (INTEGER_BITS - 1)) <= value < 2 ** (INTEGER_BITS - 1),
                 f"{key} must fit in {INTEGER_BITS} bits (below 2^{INTEGER_BITS - 1} in size), got {value}.",
             )
+
+
+def _check_ranges(recipe: Recipe) -> None:
+    """Each section's own keys against the ranges the schema declares with them (rollout.sglang is a section of
+    its own, checked with the rest of it when that backend runs)."""
+    for section_field in dataclasses.fields(recipe):
+        section = getattr(recipe, section_field.name)
+        if dataclasses.is_dataclass(section):
+            refuse(range_problem(section, f"{section_field.name}."))
 
 
 def control_characters(text: str) -> list[str]:
@@ -148,11 +153,6 @@ def _check_run(recipe: Recipe) -> None:
         home is None,
         f"run.output_dir starts with {home}, but this machine knows no home folder for it; write the folder out in "
         "full.",
-    )
-    _require(
-        0 <= recipe.run.seed <= MAX_SEED,
-        f"run.seed must be in 0..{MAX_SEED} (2^32 - 1, what the data and sampling generators take), got "
-        f"{recipe.run.seed}.",
     )
     _require(
         name.strip() != "" and "/" not in name and name not in (".", ".."),
@@ -193,84 +193,17 @@ def _shell_characters(text: str) -> str:
 
 def _check_train_and_workers(recipe: Recipe) -> None:
     train, workers = recipe.train, recipe.workers
-    _require(
-        1 <= train.steps <= MAX_STEPS,
-        f"train.steps must be in 1..{MAX_STEPS} (what checkpoint names hold), got {train.steps}.",
-    )
-    _require(train.prompts_per_step >= 1, f"train.prompts_per_step must be at least 1, got {train.prompts_per_step}.")
-    _require(
-        train.group_size >= 2,
-        f"train.group_size must be at least 2 (GRPO compares responses within a group), got {train.group_size}.",
-    )
     step_tokens = train.prompts_per_step * train.group_size * recipe.rollout.max_new_tokens
     _require(
         step_tokens <= MAX_STEP_TOKENS,
         f"a step would generate up to {step_tokens:,} tokens (train.prompts_per_step x train.group_size x "
         f"rollout.max_new_tokens), more than any machine holds (at most 2^40); lower one of them.",
     )
-    _require(workers.count >= 1, f"workers.count must be at least 1, got {workers.count}.")
     _require(
         train.prompts_per_step % workers.count == 0,
         f"train.prompts_per_step ({train.prompts_per_step}) must be a multiple of workers.count "
         f"({workers.count}) so every worker gets whole groups.",
     )
-    _require(
-        workers.threads_per_worker >= 1,
-        f"workers.threads_per_worker must be at least 1, got {workers.threads_per_worker}.",
-    )
-    _require(
-        workers.step_timeout_s >= 0,
-        f"workers.step_timeout_s must be >= 0 (0: no limit), got {workers.step_timeout_s}.",
-    )
-
-
-def _check_rollout(recipe: Recipe) -> None:
-    rollout = recipe.rollout
-    _require(rollout.max_new_tokens >= 1, f"rollout.max_new_tokens must be at least 1, got {rollout.max_new_tokens}.")
-    _require(rollout.temperature >= 0.0, f"rollout.temperature must be >= 0 (0 is greedy), got {rollout.temperature}.")
-    _require(0.0 < rollout.top_p <= 1.0, f"rollout.top_p must be in (0, 1], got {rollout.top_p}.")
-    _require(rollout.top_k >= 0, f"rollout.top_k must be >= 0 (0 keeps all tokens), got {rollout.top_k}.")
-    _require(
-        rollout.linear_forms in LINEAR_FORM_MODES,
-        f"rollout.linear_forms must be one of {', '.join(LINEAR_FORM_MODES)}, got '{rollout.linear_forms}'.",
-    )
-    _require(
-        rollout.dtype in ROLLOUT_DTYPE_SETTINGS,
-        f"rollout.dtype must be one of {', '.join(ROLLOUT_DTYPE_SETTINGS)}, got '{rollout.dtype}'.",
-    )
-
-
-def _check_actor(recipe: Recipe) -> None:
-    actor = recipe.actor
-    _require(actor.lr > 0.0, f"actor.lr must be positive, got {actor.lr}.")
-    _require(actor.weight_decay >= 0.0, f"actor.weight_decay must be >= 0, got {actor.weight_decay}.")
-    _require(
-        actor.zero_stage in ZERO_STAGES,
-        f"actor.zero_stage must be 0, 1 or 2 (the rollout needs the full policy on every rank), "
-        f"got {actor.zero_stage}.",
-    )
-    _require(actor.micro_batch_size >= 1, f"actor.micro_batch_size must be at least 1, got {actor.micro_batch_size}.")
-    _require(0.0 < actor.clip_ratio < 1.0, f"actor.clip_ratio must be in (0, 1), got {actor.clip_ratio}.")
-    _require(actor.kl_coef >= 0.0, f"actor.kl_coef must be >= 0, got {actor.kl_coef}.")
-    _require(actor.ppo_epochs >= 1, f"actor.ppo_epochs must be at least 1, got {actor.ppo_epochs}.")
-    _require(actor.grad_clip > 0.0, f"actor.grad_clip must be positive, got {actor.grad_clip}.")
-    _require(
-        actor.rollout_correction in CORRECTION_MODES,
-        f"actor.rollout_correction must be one of {', '.join(CORRECTION_MODES)}, got '{actor.rollout_correction}'.",
-    )
-    _require(
-        actor.rollout_correction_cap > 1.0,
-        f"actor.rollout_correction_cap must be greater than 1 (importance weights are truncated at it), "
-        f"got {actor.rollout_correction_cap}.",
-    )
-
-
-def _check_checkpoint(recipe: Recipe) -> None:
-    _require(
-        recipe.checkpoint.every >= 1,
-        f"checkpoint.every must be at least 1 (steps between checkpoints), got {recipe.checkpoint.every}.",
-    )
-    _require(recipe.checkpoint.keep >= 1, f"checkpoint.keep must be at least 1, got {recipe.checkpoint.keep}.")
 
 
 def _check_trainer(recipe: Recipe) -> None:
@@ -314,8 +247,8 @@ def _check_trainer(recipe: Recipe) -> None:
 
 
 def _check_actor_placement(recipe: Recipe) -> None:
-    """actor.devices, actor.precision and workers.hostfile: possible on some machine (CUDA is checked at run time)."""
-    devices, precision = recipe.actor.devices, recipe.actor.precision
+    """actor.devices and workers.hostfile: possible on some machine (CUDA is checked at run time)."""
+    devices = recipe.actor.devices
     on_gpus = devices != CPU_DEVICES
     if on_gpus:
         _require(
@@ -325,7 +258,6 @@ def _check_actor_placement(recipe: Recipe) -> None:
             f"actor.devices must be cpu or a list of GPU indices like [0, 1], got {devices!r}.",
         )
         _require(len(set(devices)) == len(devices), f"actor.devices lists a GPU twice: {devices}.")
-    _require(precision in PRECISIONS, f"actor.precision must be one of {', '.join(PRECISIONS)}, got '{precision}'.")
     if recipe.workers.hostfile is None:
         _require(
             not on_gpus or len(devices) == recipe.workers.count,
@@ -336,8 +268,8 @@ def _check_actor_placement(recipe: Recipe) -> None:
     refuse(hostfile_problem(recipe), "workers.hostfile: ")
 
 
-def _check_sglang_backend(recipe: Recipe) -> None:
-    """rollout.sglang on its own, then how it fits the workers and the speculative section."""
+def _check_sglang_backend(recipe: Recipe, plan: SpeculativePlan) -> None:
+    """rollout.sglang on its own, then how it fits the workers and the speculative `plan`."""
     config = recipe.rollout.sglang
     refuse(sglang_config_problem(config))
     # every node runs its own servers for its own ranks
@@ -352,27 +284,16 @@ def _check_sglang_backend(recipe: Recipe) -> None:
         "rollout.sglang.colocated: true sends the actor's CUDA tensors to the servers, so actor.devices must list "
         "GPUs; with the actor on cpu set rollout.sglang.colocated: false (weights go through a checkpoint on disk).",
     )
-    plan = checked_speculative_plan(recipe.speculative)
     if plan.mode == SpeculationMode.adaptive:
         refuse(one_algorithm_problem(plan.configs), "speculative.rules: ")
 
 
-def check_speculative_section(section: SpeculativeSection) -> None:
-    """The fixed shape, the decoder's settings and (mode adaptive) the rule table. Whether the shapes
-    fit the drafter's vocabulary needs the model: `check_shapes_fit_draft_vocabulary`."""
-    _check_shape("speculative", SpeculativeConfig(section.steps, section.topk, section.draft_tokens))
-    _require(
-        section.collapse_accept_length >= 1.0,
-        "speculative.collapse_accept_length must be >= 1 (1 means no draft accepted), "
-        f"got {section.collapse_accept_length}.",
-    )
-    _require(section.reprobe_steps >= 1, f"speculative.reprobe_steps must be at least 1, got {section.reprobe_steps}.")
-    _require(
-        0.0 <= section.bandit_epsilon <= 1.0,
-        f"speculative.bandit_epsilon must be in [0, 1], got {section.bandit_epsilon}.",
-    )
-    for where, config in _rule_shapes(checked_speculative_plan(section)):
-        _check_shape(where, config)
+def check_speculative_section(section: SpeculativeSection, plan: SpeculativePlan) -> None:
+    """The fixed shape of `section` and (mode adaptive) the rule table's, which `plan` (made from `section`)
+    holds. Whether the shapes fit the drafter's vocabulary needs the model: `check_shapes_fit_draft_vocabulary`."""
+    refuse(shape_problem(SpeculativeConfig(section.steps, section.topk, section.draft_tokens)), "speculative: ")
+    for where, config in _rule_shapes(plan):
+        refuse(shape_problem(config), f"{where}: ")
 
 
 def checked_speculative_plan(section: SpeculativeSection) -> SpeculativePlan:
@@ -387,10 +308,7 @@ def checked_speculative_plan(section: SpeculativeSection) -> SpeculativePlan:
 def check_shapes_fit_draft_vocabulary(plan: SpeculativePlan, draft_vocab_size: int) -> None:
     """Every shape the plan names branches over at most the drafter's `draft_vocab_size` tokens."""
     for where, config in [("speculative", plan.shape), *_rule_shapes(plan)]:
-        try:
-            check_topk_fits(config, draft_vocab_size)
-        except ValueError as error:
-            raise RecipeError(f"{where}: {error}") from None
+        refuse(topk_fit_problem(config, draft_vocab_size), f"{where}: ")
 
 
 def _rule_shapes(plan: SpeculativePlan) -> list[tuple[str, SpeculativeConfig]]:
@@ -403,24 +321,11 @@ def _rule_shapes(plan: SpeculativePlan) -> list[tuple[str, SpeculativeConfig]]:
     ]
 
 
-def _check_shape(where: str, config: SpeculativeConfig) -> None:
-    try:
-        check_speculative_config(config)
-    except ValueError as error:
-        raise RecipeError(f"{where}: {error}") from None
-
-
 def _check_drafter(drafter: DrafterConfig) -> None:
     _require(
         drafter.init in DRAFTER_STARTS or Path(drafter.init).is_dir(),
         f"drafter.init must be warmup, random or a drafter folder, got '{drafter.init}'.",
     )
-    for key in ("warmup_steps", "warmup_prompts", "warmup_batch_size", "window_steps", "batch_size"):
-        _require(getattr(drafter, key) >= 1, f"drafter.{key} must be at least 1, got {getattr(drafter, key)}.")
-    _require(drafter.warmup_lr > 0, f"drafter.warmup_lr must be positive, got {drafter.warmup_lr}.")
-    _require(drafter.lr > 0, f"drafter.lr must be positive, got {drafter.lr}.")
-    _require(drafter.weight_decay >= 0, f"drafter.weight_decay must be >= 0, got {drafter.weight_decay}.")
-    _require(drafter.vocab_size >= 0, f"drafter.vocab_size must be >= 0 (0: the default), got {drafter.vocab_size}.")
 
 
 def _check_plugins(recipe: Recipe) -> None:

@@ -20,7 +20,7 @@ from typing import Any
 
 from rich.console import Console
 
-from tlt_cli.config import CPU_DEVICES, Recipe, Trainer
+from tlt_cli.config import CPU_DEVICES, Precision, Recipe, Trainer
 from tlt_cli.preflight import check_machine, check_memory
 from tlt_cli.processes.driver import RunSummary, TrainerEntry
 from tlt_cli.processes.driver import train as run_driver
@@ -50,7 +50,7 @@ def train(recipe: Recipe, console: Console, resume_directory: Path | None = None
     resolved.
     """
     check_memory(recipe)
-    if recipe.actor.precision == "auto" and recipe.actor.devices == CPU_DEVICES:
+    if recipe.actor.precision == Precision.auto and recipe.actor.devices == CPU_DEVICES:
         console.print("choosing actor.precision auto (the update is timed in fp32 and bf16 once per machine and model)")
     recipe, precision = actor_precision(recipe)
     console.print(precision.describe(), markup=False)

@@ -40,7 +40,7 @@ from tlt_cli.recipes import resolve_recipe_path
 from tlt_cli.rollout.types import RolloutRequest
 from tlt_cli.speculative.adaptive import OFF, RuleTableError, parse_label
 from tlt_cli.speculative.costs import PassCosts
-from tlt_cli.speculative.decoder import check_speculative_config, check_topk_fits
+from tlt_cli.speculative.shapes import shape_problem, topk_fit_problem
 from tlt_cli.speculative.types import SpeculativeConfig
 from tlt_cli.tasks.base import Task
 from tlt_cli.tasks.prompts import encode_prompt
@@ -204,17 +204,15 @@ def parse_configs(labels: tuple[str, ...]) -> dict[str, SpeculativeConfig | None
 
 def _check_shape(label: str, config: SpeculativeConfig) -> None:
     """The shape `label` (as the user typed it) names can run; the error quotes the label, not its parsed form."""
-    try:
-        check_speculative_config(config)
-    except ValueError as error:
-        raise CalibrationError(f"--configs {label}: {error}") from None
+    problem = shape_problem(config)
+    if problem is not None:
+        raise CalibrationError(f"--configs {label}: {problem}")
 
 
 def _check_topk(config: SpeculativeConfig, draft_vocab_size: int) -> None:
-    try:
-        check_topk_fits(config, draft_vocab_size)
-    except ValueError as error:
-        raise CalibrationError(f"--configs {config.label()}: {error}") from None
+    problem = topk_fit_problem(config, draft_vocab_size)
+    if problem is not None:
+        raise CalibrationError(f"--configs {config.label()}: {problem}")
 
 
 def load_model_pair(recipe: Recipe) -> tuple[ModelPair, PreTrainedTokenizerBase, str]:

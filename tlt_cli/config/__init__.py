@@ -8,8 +8,11 @@ commands call before anything starts. Every problem becomes a `RecipeError` whos
 sentence naming the key, which the CLI prints before exiting with code 2.
 
   schema.py   the sections as frozen dataclasses, each key declared once with `setting(default, help)`:
-              its default is the default recipe's value (recipes/tiny-cpu.yaml, checked by a test) and
-              its help text is what `tlt recipes show` prints above the key; the choice keys' enums
+              its default is the default recipe's value (recipes/tiny-cpu.yaml, checked by a test), its
+              help text is what `tlt recipes show` prints above the key, and a number's range is declared
+              there too; the choice keys' enums
+  ranges.py   a number key's `Range`, the words its help ends with, and `range_problem`, the one check of
+              every declared range
   loading.py  the YAML reader, the merge of file and overrides, the one-sentence refusals naming the key
 
 Import the names from here (`from tlt_cli.config import Recipe, load_recipe`). The package imports no
@@ -29,21 +32,29 @@ from tlt_cli.config.loading import (
     recipe_to_dict,
     recipe_to_yaml,
 )
+from tlt_cli.config.ranges import RANGE, Range, range_problem
 from tlt_cli.config.schema import (
     CPU_DEVICES,
     DEFAULT_RULES,
     HELP,
+    MAX_SEED,
+    MAX_STEPS,
     ActorConfig,
     CheckpointConfig,
     DrafterConfig,
+    LinearForms,
     ModelConfig,
     PluginsConfig,
+    Precision,
     Recipe,
     RecipeChoice,
     RecipeError,
     RolloutBackendName,
     RolloutConfig,
+    RolloutCorrection,
+    RolloutDtype,
     RunConfig,
+    ServedDtype,
     SGLangConfig,
     SpeculativeMode,
     SpeculativeSection,
@@ -61,17 +72,26 @@ __all__ = [
     "HELP",
     "MAX_NESTING",
     "MAX_RECIPE_BYTES",
+    "MAX_SEED",
+    "MAX_STEPS",
+    "RANGE",
     "ActorConfig",
     "CheckpointConfig",
     "DrafterConfig",
+    "LinearForms",
     "ModelConfig",
     "PluginsConfig",
+    "Precision",
     "Recipe",
     "RecipeChoice",
     "RecipeError",
     "RolloutBackendName",
     "RolloutConfig",
+    "RolloutCorrection",
+    "RolloutDtype",
+    "Range",
     "RunConfig",
+    "ServedDtype",
     "SGLangConfig",
     "SpeculativeMode",
     "SpeculativeSection",
@@ -84,6 +104,7 @@ __all__ = [
     "read_yaml",
     "recipe_from_config",
     "recipe_to_dict",
+    "range_problem",
     "recipe_to_yaml",
     "setting",
 ]

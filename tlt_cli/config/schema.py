@@ -4,8 +4,9 @@ A `Recipe` holds one dataclass per section (run, model, task, train, workers, ro
 servers, actor, checkpoint, speculative, drafter, plugins) and the free-form `trl` mapping. Each key is
 declared once with `setting(default, help)`: its default is the default recipe's value
 (recipes/tiny-cpu.yaml, checked by a test) and its help text lives in the field's metadata, which
-`tlt recipes show` prints above the key and the shipped recipes' comments start with. Keys that take
-one of a few words are `RecipeChoice` enums. `RecipeError` is the refusal of a recipe: one sentence
+`tlt recipes show` prints above the key and the shipped recipes' comments start with; a number key's range
+is declared there too (`setting(..., minimum=1)`, tlt_cli/config/ranges.py), and its help ends with it. Keys
+that take one of a few words are `RecipeChoice` enums. `RecipeError` is the refusal of a recipe: one sentence
 naming the key. The loader (tlt_cli/config/loading.py) builds a Recipe from YAML and overrides.
 """
 
@@ -20,10 +21,18 @@ from typing import Any
 import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from tlt_cli.config.ranges import RANGE, Range
 from tlt_cli.errors import UserError
 
 # the metadata key of a field's help text
 HELP = "help"
+# the largest run.seed: NumPy's SeedSequence and torch's generator take any seed in [0, 2^32), and
+# tlt_cli/rollout/backend.py's `sampling_seed` of it, for 10^9 steps and 2^32 ranks, stays below 2^64
+# (torch.Generator.manual_seed's top)
+MAX_SEED = 2**32 - 1
+# the most steps a run takes (train.steps' bound): its checkpoint names (tlt_cli/checkpoint.py, step_<n>) stay
+# within 9 digits, and its sampling seeds within the generators' 64 bits (tlt_cli/rollout/backend.py)
+MAX_STEPS = 10**9 - 1
 
 
 class RecipeError(UserError):
@@ -86,9 +95,74 @@ class RolloutBackendName(RecipeChoice):
     trl = "trl"
 
 
-def setting(default: Any, help_text: str) -> Any:
-    """A recipe key: its default (copied per instance when mutable) and its help text."""
-    metadata = {HELP: help_text}
+class LinearForms(RecipeChoice):
+    """rollout.linear_forms: how the embedded engine computes its linear layers."""
+
+    # the form measured fastest on this machine for the rows of each pass (tlt_cli/tuning/linear_forms.py)
+    auto = "auto"
+    # plain nn.Linear
+    off = "off"
+
+
+class RolloutDtype(RecipeChoice):
+    """rollout.dtype: the precision the embedded engine decodes in."""
+
+    # measured once per machine, model and batch (tlt_cli/tuning/precision.py)
+    auto = "auto"
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+
+
+class Precision(RecipeChoice):
+    """actor.precision: the precision of the actor's update (`auto` is resolved before the workers start,
+    tlt_cli/training/update_precision.py)."""
+
+    auto = "auto"
+    fp32 = "fp32"
+    # bfloat16 compute with float32 master weights and AdamW state
+    bf16 = "bf16"
+
+
+class RolloutCorrection(RecipeChoice):
+    """actor.rollout_correction: the truncated importance sampling of the rollout/learner mismatch
+    (tlt_cli/training/rollout_correction.py)."""
+
+    # each token's loss weighted by min(pi_old/pi_rollout, cap)
+    token = "token"
+    # one weight per response: the product of its tokens' ratios, truncated
+    sequence = "sequence"
+    # no weight (the mismatch is still measured)
+    off = "off"
+
+
+class ServedDtype(RecipeChoice):
+    """rollout.sglang.dtype: the weight and activation dtype of the served model (SGLang's --dtype)."""
+
+    # the model's own dtype
+    auto = "auto"
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+    float32 = "float32"
+
+
+def setting(
+    default: Any,
+    help_text: str,
+    *,
+    minimum: float | None = None,
+    maximum: float | None = None,
+    exclusive_minimum: bool = False,
+    exclusive_maximum: bool = False,
+    note: str = "",
+) -> Any:
+    """A recipe key: its default (copied per instance when mutable), its help text and, for a number, its range
+    (tlt_cli/config/ranges.py: an integer key's when the default is one; `note` says why), which the help ends with."""
+    metadata: dict[str, Any] = {HELP: help_text}
+    if minimum is not None or maximum is not None:
+        declared = Range(
+            minimum, maximum, exclusive_minimum, exclusive_maximum, integer=type(default) is int, note=note
+        )
+        metadata = {HELP: f"{help_text}; {declared.described()}", RANGE: declared}
     if dataclasses.is_dataclass(default):
         return field(default_factory=type(default), metadata=metadata)
     if isinstance(default, list | dict):
@@ -102,7 +176,13 @@ class RunConfig:
         "run", "name of the run: its directory is <output_dir>/<name> (printable characters, at most 255 bytes)"
     )
     output_dir: str = setting("runs", "folder that holds the run directories (printable characters)")
-    seed: int = setting(0, "seeds data order, sampling and initialisation (0 to 2^32 - 1)")
+    seed: int = setting(
+        0,
+        "seeds data order, sampling and initialisation",
+        minimum=0,
+        maximum=MAX_SEED,
+        note="2^32 - 1, what the data and sampling generators take",
+    )
 
 
 @dataclass(frozen=True)
@@ -139,13 +219,16 @@ class TaskConfig:
 
 @dataclass(frozen=True)
 class TrainConfig:
-    steps: int = setting(60, "RL steps (1 to 999,999,999: what checkpoint names hold)")
+    steps: int = setting(60, "RL steps", minimum=1, maximum=MAX_STEPS, note="what checkpoint names hold")
     prompts_per_step: int = setting(
         16,
         "prompts per step across all workers (a multiple of workers.count; a step generates at most 2^40 tokens: "
         "prompts_per_step x group_size x rollout.max_new_tokens)",
+        minimum=1,
     )
-    group_size: int = setting(8, "responses sampled per prompt (the GRPO group, at least 2)")
+    group_size: int = setting(
+        8, "responses sampled per prompt (the GRPO group)", minimum=2, note="GRPO compares responses within a group"
+    )
     trainer: Trainer = setting(
         Trainer.native,
         "native (tlt's GRPO loop on DeepSpeed workers) or trl (Hugging Face TRL's "
@@ -155,8 +238,8 @@ class TrainConfig:
 
 @dataclass(frozen=True)
 class WorkersConfig:
-    count: int = setting(2, "worker processes, one DeepSpeed rank each")
-    threads_per_worker: int = setting(1, "torch threads per worker")
+    count: int = setting(2, "worker processes, one DeepSpeed rank each", minimum=1)
+    threads_per_worker: int = setting(1, "torch threads per worker", minimum=1)
     hostfile: str | None = setting(
         None,
         "DeepSpeed hostfile, one line per node: <host> slots=<n> (n GPUs or, with "
@@ -166,7 +249,9 @@ class WorkersConfig:
     step_timeout_s: float = setting(
         3600.0,
         "seconds one worker may spend in one step (rollout, update, checkpoint; not the start-up) before the "
-        "run is stopped naming it; 0: no limit",
+        "run is stopped naming it",
+        minimum=0,
+        note="0: no limit",
     )
 
 
@@ -180,35 +265,61 @@ class SGLangConfig:
         "of tp_size; worker r owns server r (with more servers than workers, "
         "consecutive servers per worker)",
     )
-    tp_size: int = setting(1, "tensor-parallel size of each server (1: one server per GPU)")
+    tp_size: int = setting(1, "tensor-parallel size of each server (1: one server per GPU)", minimum=1)
     port_base: int = setting(
         30100, "first port of the servers' range on 127.0.0.1: server i takes port_base + 2i (HTTP) and the next (NCCL)"
     )
     startup_timeout_s: float = setting(
-        900.0, "seconds to wait for every server to answer /health (a first start compiles kernels and CUDA graphs)"
+        900.0,
+        "seconds to wait for every server to answer /health (a first start compiles kernels and CUDA graphs)",
+        minimum=0,
+        exclusive_minimum=True,
     )
     stop_timeout_s: float = setting(
-        30.0, "seconds a server gets to exit after SIGTERM before its process group is killed"
+        30.0,
+        "seconds a server gets to exit after SIGTERM before its process group is killed",
+        minimum=0,
+        exclusive_minimum=True,
     )
     mem_fraction: float = setting(
-        0.6, "share of each GPU's memory for SGLang's weights and KV cache (leave room for a colocated actor)"
+        0.6,
+        "share of each GPU's memory for SGLang's weights and KV cache (leave room for a colocated actor)",
+        minimum=0,
+        maximum=1,
+        exclusive_minimum=True,
+        exclusive_maximum=True,
     )
     max_running_requests: int = setting(
-        256, "most requests one server runs at once (set explicitly: SGLang caps it at 48 when EAGLE is on)"
+        256,
+        "most requests one server runs at once (set explicitly: SGLang caps it at 48 when EAGLE is on)",
+        minimum=1,
     )
-    dtype: str = setting("bfloat16", "weight and activation dtype of the served model")
+    dtype: ServedDtype = setting(ServedDtype.bfloat16, "weight and activation dtype of the served model")
     python: str = setting("", 'Python interpreter whose environment has sglang installed ("": the one running tlt)')
     skip_tokenizer_init: bool = setting(True, "send and receive token ids only (the servers load no tokenizer)")
     colocated: bool = setting(
         True, "actor ranks and servers share the GPUs: weights go over CUDA IPC (false: through a checkpoint on disk)"
     )
-    request_timeout_s: float = setting(3600.0, "seconds one /generate request may take before the rollout fails")
-    max_in_flight_per_server: int = setting(1024, "most requests tlt keeps in flight on one server at a time")
+    request_timeout_s: float = setting(
+        3600.0,
+        "seconds one /generate request may take before the rollout fails",
+        minimum=0,
+        exclusive_minimum=True,
+    )
+    max_in_flight_per_server: int = setting(
+        1024, "most requests tlt keeps in flight on one server at a time", minimum=1
+    )
     probe_max_new_tokens: int = setting(
-        64, "tokens generated per prompt by the greedy acceptance probe after every weight sync"
+        64,
+        "tokens generated per prompt by the greedy acceptance probe after every weight sync",
+        minimum=2,
+        note="a probe needs decode steps",
     )
     collapse_accept_length: float = setting(
-        1.1, "accept length at or below which a drafter that worked before a sync counts as collapsed"
+        1.1,
+        "accept length at or below which a drafter that worked before a sync counts as collapsed",
+        minimum=1,
+        note="1 = no draft token accepted",
     )
     auto_off_on_collapse: bool = setting(
         True, "let SGLang turn SD off in a batch-size slot whose acceptance collapses (adaptive mode only)"
@@ -229,21 +340,25 @@ class RolloutConfig:
         "no speculative decoding; train.trainer trl only)",
     )
     max_new_tokens: int = setting(
-        320, "longest response in tokens (at least 1; see train.prompts_per_step for the bound)"
+        320, "longest response in tokens (train.prompts_per_step says how many tokens a step may take)", minimum=1
     )
-    temperature: float = setting(1.0, "sampling temperature (0 is greedy)")
+    temperature: float = setting(1.0, "sampling temperature", minimum=0, note="0 is greedy")
     top_p: float = setting(
-        1.0, "nucleus sampling: keep the most likely tokens up to this total probability (1.0 keeps all)"
+        1.0,
+        "nucleus sampling: keep the most likely tokens up to this total probability (1.0 keeps all)",
+        minimum=0,
+        maximum=1,
+        exclusive_minimum=True,
     )
-    top_k: int = setting(0, "keep only the k most likely tokens (0 keeps all)")
-    linear_forms: str = setting(
-        "auto",
+    top_k: int = setting(0, "keep only the k most likely tokens", minimum=0, note="0 keeps all tokens")
+    linear_forms: LinearForms = setting(
+        LinearForms.auto,
         "auto (the embedded engine computes each linear layer in the form measured fastest on this machine "
         "for the rows of each pass, e.g. x @ W.T with a transposed copy of the weights; measured once, "
         "cached) or off (plain nn.Linear)",
     )
-    dtype: str = setting(
-        "auto",
+    dtype: RolloutDtype = setting(
+        RolloutDtype.auto,
         "precision the embedded engine decodes in: auto (measured once per machine, model and batch: bfloat16 "
         "where it makes a rollout, a worker's batch then its tail, at least 10% faster, else float32), "
         "float32 or bfloat16 (speculative decoding stays exact against the model in that precision)",
@@ -253,40 +368,57 @@ class RolloutConfig:
 
 @dataclass(frozen=True)
 class ActorConfig:
-    lr: float = setting(1e-4, "AdamW learning rate")
-    weight_decay: float = setting(0.0, "AdamW weight decay")
-    zero_stage: int = setting(2, "DeepSpeed ZeRO stage: 0, 1 or 2 (the rollout needs the full policy on every rank)")
-    micro_batch_size: int = setting(4, "sequences per forward/backward")
+    lr: float = setting(1e-4, "AdamW learning rate", minimum=0, exclusive_minimum=True)
+    weight_decay: float = setting(0.0, "AdamW weight decay", minimum=0)
+    zero_stage: int = setting(
+        2, "DeepSpeed ZeRO stage", minimum=0, maximum=2, note="the rollout needs the full policy on every rank"
+    )
+    micro_batch_size: int = setting(4, "sequences per forward/backward", minimum=1)
     gradient_checkpointing: bool = setting(
         False,
         "recompute each decoder layer's activations in backward instead of keeping them (less memory in the "
         "update, about one more forward's time)",
     )
-    clip_ratio: float = setting(0.2, "PPO clip range of the ratio pi/pi_old")
-    kl_coef: float = setting(0.0, "weight of the KL penalty to the initial policy (0 disables the reference model)")
-    ppo_epochs: int = setting(1, "optimizer passes over each rollout")
-    grad_clip: float = setting(1.0, "gradient norm clip")
+    clip_ratio: float = setting(
+        0.2,
+        "PPO clip range of the ratio pi/pi_old",
+        minimum=0,
+        maximum=1,
+        exclusive_minimum=True,
+        exclusive_maximum=True,
+    )
+    kl_coef: float = setting(
+        0.0, "weight of the KL penalty to the initial policy (0 disables the reference model)", minimum=0
+    )
+    ppo_epochs: int = setting(1, "optimizer passes over each rollout", minimum=1)
+    grad_clip: float = setting(1.0, "gradient norm clip", minimum=0, exclusive_minimum=True)
     devices: Any = setting("cpu", "cpu, or the GPU indices of this node, one per worker rank (e.g. [0, 1])")
-    precision: str = setting(
-        "auto",
+    precision: Precision = setting(
+        Precision.auto,
         "auto (bf16 where this machine's update measured faster in it: timed once per machine and model, "
         "cached; bf16 on GPUs of compute capability 8.0 or newer), fp32, or bf16 (bfloat16 compute with float32 "
         "master weights and AdamW state)",
     )
-    rollout_correction: str = setting(
-        "token",
+    rollout_correction: RolloutCorrection = setting(
+        RolloutCorrection.token,
         "truncated importance sampling for the rollout/learner mismatch: token (each token's loss weighted by "
         "min(pi_old/pi_rollout, cap)), sequence (one weight per response, the product of its tokens' ratios, "
         "truncated), or off (the mismatch is still measured); with train.trainer trl it sets TRL's "
         "vllm_importance_sampling_*, which TRL 1.16 applies only when it generates with vLLM, not under tlt's rollout",
     )
-    rollout_correction_cap: float = setting(2.0, "upper bound (> 1) of the importance weights of rollout_correction")
+    rollout_correction_cap: float = setting(
+        2.0,
+        "upper bound of the importance weights of rollout_correction",
+        minimum=1,
+        exclusive_minimum=True,
+        note="importance weights are truncated at it",
+    )
 
 
 @dataclass(frozen=True)
 class CheckpointConfig:
-    every: int = setting(5, "steps between checkpoints (the last step always checkpoints)")
-    keep: int = setting(2, "complete checkpoints kept")
+    every: int = setting(5, "steps between checkpoints (the last step always checkpoints)", minimum=1)
+    keep: int = setting(2, "complete checkpoints kept", minimum=1)
 
 
 # mode adaptive's table when the recipe gives none: calibrated on a 2-core CPU for builtin:tiny-arith in float32
@@ -321,12 +453,16 @@ class SpeculativeSection:
         "accept length (tokens per verify pass, moving average) under "
         "which SD counts as collapsed in a batch-size bucket: SD off "
         "there, a warning, a re-probe every reprobe_steps decode steps",
+        minimum=1,
+        note="1 means no draft accepted",
     )
-    reprobe_steps: int = setting(64, "decode steps between re-probes of a collapsed bucket")
+    reprobe_steps: int = setting(64, "decode steps between re-probes of a collapsed bucket", minimum=1)
     bandit_epsilon: float = setting(
         0.0,
         "share of decode steps on which a rule with candidates tries one at random "
         "(epsilon-greedy; 0: always the best measured)",
+        minimum=0,
+        maximum=1,
     )
 
 
@@ -337,24 +473,32 @@ class DrafterConfig:
         "where the drafter starts: warmup (trained offline on the target's generations, "
         "cached), random, or a folder written by tlt (save_drafter)",
     )
-    warmup_steps: int = setting(600, "offline warm-up: optimizer steps")
-    warmup_lr: float = setting(1e-3, "offline warm-up: learning rate")
-    warmup_prompts: int = setting(1024, "offline warm-up: prompts sampled")
-    warmup_batch_size: int = setting(16, "offline warm-up: sequences per optimizer step")
+    warmup_steps: int = setting(600, "offline warm-up: optimizer steps", minimum=1)
+    warmup_lr: float = setting(1e-3, "offline warm-up: learning rate", minimum=0, exclusive_minimum=True)
+    warmup_prompts: int = setting(1024, "offline warm-up: prompts sampled", minimum=1)
+    warmup_batch_size: int = setting(16, "offline warm-up: sequences per optimizer step", minimum=1)
     vocab_size: int = setting(
         0,
         "draft vocabulary: the warm-up keeps the N tokens the model emits most often in its "
         "responses, and the drafter's head and loss run over those N only (verification "
         "stays exact); 0: the whole vocabulary up to 4096 tokens, else 8192; a saved "
         "drafter keeps its own, a random one drafts over the whole vocabulary",
+        minimum=0,
+        note="0: the default",
     )
-    lr: float = setting(1e-3, "online training on idle workers (drafter_sidecar plugin): AdamW learning rate")
-    weight_decay: float = setting(0.0, "online training: AdamW weight decay")
-    window_steps: int = setting(2, "online training: RL steps of actor hidden states kept")
+    lr: float = setting(
+        1e-3,
+        "online training on idle workers (drafter_sidecar plugin): AdamW learning rate",
+        minimum=0,
+        exclusive_minimum=True,
+    )
+    weight_decay: float = setting(0.0, "online training: AdamW weight decay", minimum=0)
+    window_steps: int = setting(2, "online training: RL steps of actor hidden states kept", minimum=1)
     batch_size: int = setting(
         4,
         "online training: sequences per drafter step (drawn from one actor micro-batch, so "
         "a step is short and the sidecar yields to the rollout quickly)",
+        minimum=1,
     )
 
 

@@ -44,7 +44,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from tlt_cli.checkpoint import DRAFTER_DIRECTORY, load_checkpoint_file
-from tlt_cli.config import DrafterConfig, PluginsConfig, SpeculativeMode, SpeculativeSection
+from tlt_cli.config import (
+    DrafterConfig,
+    LinearForms,
+    PluginsConfig,
+    RolloutDtype,
+    SpeculativeMode,
+    SpeculativeSection,
+)
 from tlt_cli.errors import UserError
 from tlt_cli.integrations.trl_support import (
     check_trainer_supported,
@@ -62,8 +69,6 @@ from tlt_cli.rollout.embedded import EmbeddedRollout
 from tlt_cli.rollout.types import Completion, RolloutRequest
 from tlt_cli.speculative.adaptive import OFF, SpeculationMode, SpeculativePlan
 from tlt_cli.training.setup import decode_plan_for, rollout_needs_drafter, speculative_plan
-from tlt_cli.tuning.linear_forms import LINEAR_FORM_MODES
-from tlt_cli.tuning.precision import ROLLOUT_DTYPE_SETTINGS
 
 if TYPE_CHECKING:
     from torch import nn
@@ -132,9 +137,9 @@ def tlt_rollout(
     sidecar: bool | Sequence[str] = True,
     drafter_config: DrafterConfig | dict | None = None,
     seed: int = 0,
-    linear_forms: str = "auto",
+    linear_forms: LinearForms | str = LinearForms.auto,
     cache_dir: str | Path | None = None,
-    dtype: str = "auto",
+    dtype: RolloutDtype | str = RolloutDtype.auto,
     decode: DecodePlan | None = None,
 ) -> TltRollout:
     """A `rollout_func` for `GRPOTrainer` (checked now: TRL's version, the settings).
@@ -154,10 +159,7 @@ def tlt_rollout(
     at the first rollout, measured once per machine and model.
     """
     check_trl_version()
-    if linear_forms not in LINEAR_FORM_MODES:
-        raise UserError(f"linear_forms is {linear_forms!r}; use one of {', '.join(LINEAR_FORM_MODES)}.")
-    if dtype not in ROLLOUT_DTYPE_SETTINGS:
-        raise UserError(f"dtype is {dtype!r}; use one of {', '.join(ROLLOUT_DTYPE_SETTINGS)}.")
+    linear_forms, dtype = LinearForms.of(linear_forms, "linear_forms"), RolloutDtype.of(dtype, "dtype")
     section = _section(SpeculativeSection, speculative, "speculative")
     return TltRollout(
         # the rule table is checked now, not at the first rollout
@@ -204,9 +206,9 @@ class TltRollout:
         sidecar: Callable[..., Any] | None,
         drafter_config: DrafterConfig,
         seed: int,
-        linear_forms: str = "off",
+        linear_forms: LinearForms = LinearForms.off,
         cache_dir: Path | None = None,
-        dtype: str = "float32",
+        dtype: RolloutDtype = RolloutDtype.float32,
         decode: DecodePlan | None = None,
     ) -> None:
         self.speculative = speculative

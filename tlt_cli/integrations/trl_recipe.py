@@ -29,7 +29,7 @@ import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from tlt_cli.config import CPU_DEVICES, Recipe
+from tlt_cli.config import CPU_DEVICES, Precision, Recipe, RolloutCorrection
 from tlt_cli.integrations.trl_support import check_trl_version
 from tlt_cli.plugins import trl_reporting
 from tlt_cli.tasks.base import Task
@@ -76,7 +76,11 @@ DERIVED = {
 # actor.rollout_correction -> TRL's vllm_importance_sampling_mode. TRL 1.16 applies it only when it generates
 # with vLLM itself (use_vllm, which tlt's rollout_func replaces): under tlt's rollout it takes the rollout's
 # log-probs and applies no correction, so the mapping only keeps TRL's settings the recipe's
-TRL_CORRECTION_MODES = {"token": "token_truncate", "sequence": "sequence_truncate", "off": "token_truncate"}
+TRL_CORRECTION_MODES = {
+    RolloutCorrection.token: "token_truncate",
+    RolloutCorrection.sequence: "sequence_truncate",
+    RolloutCorrection.off: "token_truncate",
+}
 # GRPOConfig fields tlt's run sets as it needs them (its trace, display and checkpoints)
 RUN_OWNED = (
     "logging_steps",
@@ -120,14 +124,14 @@ def grpo_config_arguments(recipe: Recipe, processes: int, run_directory: Path) -
         "seed": recipe.run.seed,
         "output_dir": str(run_directory / TRL_OUTPUT),
         "use_cpu": actor.devices == CPU_DEVICES,
-        "bf16": actor.precision == "bf16",
+        "bf16": actor.precision == Precision.bf16,
         "save_strategy": "no",
         "logging_steps": 1,
         # the recipe's logger plugins TRL has too log TRL's own numbers (its process sets their environment)
         "report_to": trl_reporting(recipe.plugins.enabled, dict(recipe.plugins.options), run_directory)[0] or "none",
         "disable_tqdm": True,
         "lr_scheduler_type": LR_SCHEDULE,
-        "vllm_importance_sampling_correction": actor.rollout_correction != "off",
+        "vllm_importance_sampling_correction": actor.rollout_correction != RolloutCorrection.off,
         "vllm_importance_sampling_mode": TRL_CORRECTION_MODES[actor.rollout_correction],
         "vllm_importance_sampling_clip_max": actor.rollout_correction_cap,
         "shuffle_dataset": False,

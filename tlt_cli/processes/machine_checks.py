@@ -13,7 +13,7 @@ import sys
 
 import torch
 
-from tlt_cli.config import CPU_DEVICES, ActorConfig, Recipe, RolloutBackendName, SGLangConfig
+from tlt_cli.config import CPU_DEVICES, ActorConfig, Precision, Recipe, RolloutBackendName, SGLangConfig
 from tlt_cli.shared_memory import SHARED_MEMORY_DIRECTORY, unwritable_reason
 
 # bfloat16 arithmetic needs compute capability 8.0 (Ampere) or newer
@@ -41,7 +41,7 @@ def _actor_gpus_problem(actor: ActorConfig) -> str | None:
     absent = [device for device in actor.devices if device >= count]
     if absent:
         return f"actor.devices lists GPU {absent[0]}, but this machine shows {count} GPU(s) (0..{count - 1})."
-    if actor.precision == "bf16":
+    if actor.precision == Precision.bf16:
         for device in actor.devices:
             major, minor = torch.cuda.get_device_capability(device)
             if major < BF16_MIN_CAPABILITY:

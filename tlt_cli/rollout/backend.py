@@ -16,8 +16,8 @@ Two implementations, chosen by name from the recipe's `rollout.backend` in the c
     there is nothing to start, push or stop; constructible without a recipe or a worker;
   - `sglang` (tlt_cli/sglang/rollout.py): this worker's SGLang servers, imported only when chosen so
     the CPU path never loads the SGLang package.
-`sampling_seed(seed, step, rank)` is the seed every trainer hands `generate` (run.seed's range,
-`MAX_SEED`, keeps it within the generators' 64 bits). This module imports neither torch nor SGLang.
+`sampling_seed(seed, step, rank)` is the seed every trainer hands `generate` (run.seed's range, `MAX_SEED` in
+tlt_cli/config/schema.py, keeps it within the generators' 64 bits). This module imports neither torch nor SGLang.
 """
 
 from __future__ import annotations
@@ -30,11 +30,6 @@ if TYPE_CHECKING:
     from tlt_cli.engine.sampling import SamplingParams
     from tlt_cli.rollout.types import Completion, RolloutRequest
     from tlt_cli.speculative.adaptive import ConfigUsage
-
-
-# the largest run.seed: NumPy's SeedSequence and torch's generator take any seed in [0, 2^32), and
-# `sampling_seed` of it, for 10^9 steps and 2^32 ranks, stays below 2^64 (torch.Generator.manual_seed's top)
-MAX_SEED = 2**32 - 1
 
 
 def sampling_seed(seed: int, step: int, rank: int) -> int:

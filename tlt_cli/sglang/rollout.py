@@ -67,7 +67,7 @@ class SGLangRollout:
         """servers: the part of rollout.sglang this worker owns (`servers_of_worker`); model_path: the target's
         Hugging Face folder; rules: the batch-size rules the servers follow (tlt_cli/sglang/adaptive.py)."""
         self.policy, self.drafter = policy, drafter
-        self.served_dtype = servers.dtype
+        self.served_dtype = str(servers.dtype)
         self.directory = run_directory / "workers" / f"worker-{worker}"
         self.tie_word_embeddings = bool(policy.config.tie_word_embeddings)
         self.backend = SGLangBackend(

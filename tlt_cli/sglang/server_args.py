@@ -165,7 +165,7 @@ def server_command(
         "--max-running-requests",
         str(config.max_running_requests),
         "--dtype",
-        config.dtype,
+        str(config.dtype),
         "--random-seed",
         str(seed),
     ]

@@ -49,56 +49,12 @@ from tlt_cli.speculative.draft_counts import DraftCounts, StepCounts
 from tlt_cli.speculative.drafter_proposer import DrafterProposer
 from tlt_cli.speculative.ngram_proposer import NgramProposer
 from tlt_cli.speculative.proposer import Commit, GroupedPrompt, Proposer
+from tlt_cli.speculative.shapes import shape_problem, topk_fit_problem
 from tlt_cli.speculative.tree import DraftTree, root_only, rows_by_source, with_chosen_chains, with_ngram_branch
 from tlt_cli.speculative.types import DRAFT_SOURCES, DecodeStep, SpeculativeConfig, SpeculativeStats
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
-
-
-def check_speculative_config(config: SpeculativeConfig) -> None:
-    """Raise ValueError naming the field to fix when `config` cannot be drafted by any drafter
-    (whether its topk fits a given drafter's vocabulary: `check_topk_fits`)."""
-    if config.ngram_tokens < 0:
-        raise ValueError(f"ngram tokens is {config.ngram_tokens}; set it to 0 (none) or more.")
-    if config.steps == 0 and config.uses_ngram:
-        if config.topk != 1 or config.draft_tokens != 0:
-            raise ValueError(
-                f"a model-free shape (steps 0, ngram {config.ngram_tokens}) drafts no tree; "
-                f"set topk to 1 and draft_tokens to 0, not {config.topk} and {config.draft_tokens}."
-            )
-        return
-    if config.steps < 1:
-        raise ValueError(f"speculative steps is {config.steps}; set it to at least 1.")
-    if config.topk < 1:
-        raise ValueError(f"speculative topk is {config.topk}; set it to at least 1.")
-    if config.picks_source and not (config.is_chain and config.uses_ngram):
-        raise ValueError(
-            f"a per-row choice of source (|) verifies one chain per row; give the drafter a chain (topk 1, not "
-            f"{config.topk}) and ngram tokens >= 1 (not {config.ngram_tokens}), e.g. s2-k1-t3|ngram4."
-        )
-    if config.is_chain:
-        if config.draft_tokens not in (0, config.steps + 1):
-            raise ValueError(
-                f"a chain (topk 1) of {config.steps} steps verifies {config.steps + 1} tokens; "
-                f"set draft_tokens to {config.steps + 1} or 0, not {config.draft_tokens}."
-            )
-        return
-    candidates = config.topk + (config.steps - 1) * config.topk**2
-    if not 2 <= config.verified_tokens <= candidates + 1:
-        raise ValueError(
-            f"speculative draft_tokens is {config.verified_tokens}; with steps {config.steps} and topk "
-            f"{config.topk} set it between 2 and {candidates + 1}."
-        )
-
-
-def check_topk_fits(config: SpeculativeConfig, draft_vocab_size: int) -> None:
-    """Raise ValueError when `config` branches over more tokens than the drafter proposes from (its
-    draft vocabulary, N tokens; a model-free shape uses no drafter)."""
-    if config.uses_drafter and config.topk > draft_vocab_size:
-        raise ValueError(
-            f"speculative topk is {config.topk}; set it between 1 and the draft vocabulary size {draft_vocab_size}."
-        )
 
 
 @dataclass(frozen=True)
@@ -233,9 +189,11 @@ class SpeculativeDecoder:
             raise ValueError(f"SD configuration {config.label()} drafts with a model, and there is no drafter.")
         if config.uses_ngram and self.ngram_proposer is None:
             raise ValueError(f"SD configuration {config.label()} drafts n-grams, and this decoder keeps no index.")
-        check_speculative_config(config)
-        if config.uses_drafter:
-            check_topk_fits(config, self.drafter.vocabulary.size)
+        problem = shape_problem(config) or (
+            topk_fit_problem(config, self.drafter.vocabulary.size) if config.uses_drafter else None
+        )
+        if problem is not None:
+            raise ValueError(problem)
         self._checked.add(config)
 
     def _commit(

@@ -30,7 +30,7 @@ import torch
 from transformers import PreTrainedModel
 
 from tlt_cli.checkpoint import load_checkpoint_file
-from tlt_cli.config import CPU_DEVICES, ActorConfig
+from tlt_cli.config import CPU_DEVICES, ActorConfig, Precision
 from tlt_cli.processes.distributed import import_deepspeed
 from tlt_cli.training.grpo import PolicyLoss, policy_loss
 from tlt_cli.training.logprobs import token_logprobs
@@ -39,7 +39,7 @@ from tlt_cli.training.rollout_correction import MismatchTotals, importance_weigh
 
 ADAMW_BETAS = (0.9, 0.999)
 # what `actor.precision` is once `auto` is resolved (tlt_cli/training/update_precision.py)
-RESOLVED_PRECISIONS = ("fp32", "bf16")
+RESOLVED_PRECISIONS = (Precision.fp32, Precision.bf16)
 CHECKPOINT_TAG = "actor"
 # the file DeepSpeed writes the (ZeRO 0-2) module state into, under CHECKPOINT_TAG (`tlt export-drafter` reads it)
 ACTOR_WEIGHTS_FILE = "mp_rank_00_model_states.pt"
@@ -76,7 +76,7 @@ class Actor:
         sequences_per_update: int,
         reference: PreTrainedModel | None = None,
     ):
-        if config.precision not in RESOLVED_PRECISIONS:
+        if config.precision == Precision.auto:
             raise ValueError(f"the actor runs in fp32 or bf16, not '{config.precision}' (resolve auto first).")
         self.config = config
         self.accumulation_steps = math.ceil(sequences_per_update / config.micro_batch_size)
@@ -276,13 +276,13 @@ def deepspeed_config(config: ActorConfig, accumulation_steps: int) -> dict:
 
 def policy_dtype(config: ActorConfig) -> torch.dtype:
     """The dtype of the trained module's weights: bfloat16 only under DeepSpeed's bf16 mode (bf16 on GPUs)."""
-    return torch.bfloat16 if config.precision == "bf16" and config.devices != CPU_DEVICES else torch.float32
+    return torch.bfloat16 if config.precision == Precision.bf16 and config.devices != CPU_DEVICES else torch.float32
 
 
-def update_autocast(precision: str, device: torch.device) -> contextlib.AbstractContextManager:
+def update_autocast(precision: Precision, device: torch.device) -> contextlib.AbstractContextManager:
     """bfloat16 autocast for a CPU forward with precision bf16 (float32 weights stay the master copy); no change
     elsewhere (fp32, or GPUs, where DeepSpeed's bf16 mode made the module itself bfloat16)."""
-    if precision == "bf16" and device.type == "cpu":
+    if precision == Precision.bf16 and device.type == "cpu":
         # no cache of the weights' bfloat16 copies: each is cast where it is used (a forward uses each once, and
         # recomputation drops what it saved), so a forward never holds a copy of every weight at once
         return torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False)

@@ -26,7 +26,7 @@ import resource
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from tlt_cli.config import CPU_DEVICES, Recipe, Trainer
+from tlt_cli.config import CPU_DEVICES, Precision, Recipe, RolloutDtype, Trainer
 from tlt_cli.training.logprobs import CHUNK_TOKENS
 
 GB = 1e9
@@ -162,7 +162,7 @@ def model_shape(recipe: Recipe) -> ModelShape:
 def worker_peak_estimate(recipe: Recipe, shape: ModelShape, prompt_tokens: int) -> MemoryEstimate:
     """One native worker's peak resident bytes for `recipe` on a model of `shape` (module docstring); with
     actor.precision auto, the larger of fp32's and bf16's (either may run)."""
-    if recipe.actor.precision == "auto":
+    if recipe.actor.precision == Precision.auto:
         from tlt_cli.training.actor import RESOLVED_PRECISIONS
 
         estimates = [
@@ -173,7 +173,7 @@ def worker_peak_estimate(recipe: Recipe, shape: ModelShape, prompt_tokens: int) 
         ]
         return max(estimates, key=lambda estimate: estimate.total_bytes)
     workers = recipe.workers.count
-    bf16 = recipe.actor.precision == "bf16"
+    bf16 = recipe.actor.precision == Precision.bf16
     on_cpu = recipe.actor.devices == CPU_DEVICES
     # the module's own dtype (the rollout's KV cache follows it) and that of the update's saved activations
     weight_bytes = BFLOAT16_BYTES if bf16 and not on_cpu else FLOAT32_BYTES
@@ -190,7 +190,7 @@ def worker_peak_estimate(recipe: Recipe, shape: ModelShape, prompt_tokens: int) 
     logprob_chunk = LOGPROB_BUFFERS * CHUNK_TOKENS * shape.vocab_size * FLOAT32_BYTES
     # keys and values of every layer and the last hidden state (which the rollout log-probs and the drafter read)
     # for every sample, prompt and response, in the rollout's dtype, and the head's chunk of the rollout log-probs
-    rollout_bytes = BFLOAT16_BYTES if recipe.rollout.dtype == "bfloat16" else FLOAT32_BYTES
+    rollout_bytes = BFLOAT16_BYTES if recipe.rollout.dtype == RolloutDtype.bfloat16 else FLOAT32_BYTES
     per_token = shape.layers * 2 * shape.key_value_width + shape.hidden
     rollout = samples * sequence_tokens * per_token * rollout_bytes + logprob_chunk
     micro_batch = min(recipe.actor.micro_batch_size, samples)

@@ -22,16 +22,20 @@ from dataclasses import dataclass
 
 import torch
 
-CORRECTION_MODES = ("token", "sequence", "off")
+from tlt_cli.config import RolloutCorrection
 
 
 def importance_weights(
-    old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, response_mask: torch.Tensor, mode: str, cap: float
+    old_logprobs: torch.Tensor,
+    rollout_logprobs: torch.Tensor,
+    response_mask: torch.Tensor,
+    mode: RolloutCorrection,
+    cap: float,
 ) -> torch.Tensor | None:
     """[B,T] detached truncated weights min(pi_old / pi_rollout, cap) by `mode` (module table); None for off.
 
     old_logprobs, rollout_logprobs, response_mask: [B,T]; entries outside the mask are 1."""
-    if mode == "off":
+    if mode == RolloutCorrection.off:
         return None
     log_ratio = _log_ratios(old_logprobs, rollout_logprobs, response_mask, mode)
     # truncate in log space first: exp never overflows, whatever a sequence's summed log-ratio
@@ -49,7 +53,7 @@ class MismatchTotals:
     above the cap.
     """
 
-    mode: str
+    mode: RolloutCorrection
     cap: float
     tokens: int = 0
     k3_sum: float = 0.0
@@ -68,7 +72,7 @@ class MismatchTotals:
         self.k3_sum += float((torch.exp(token_log_ratio) - token_log_ratio - 1.0).sum())
         self.tokens += int(mask.sum())
         log_ratio = _log_ratios(old_logprobs.double(), rollout_logprobs.double(), response_mask, self.mode)
-        ratios = torch.exp(log_ratio.flatten() if self.mode == "sequence" else log_ratio[mask])
+        ratios = torch.exp(log_ratio.flatten() if self.mode == RolloutCorrection.sequence else log_ratio[mask])
         if ratios.numel() == 0:
             return
         self.weights += ratios.numel()
@@ -92,8 +96,8 @@ class MismatchTotals:
 
 
 def _log_ratios(
-    old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, response_mask: torch.Tensor, mode: str
+    old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, response_mask: torch.Tensor, mode: RolloutCorrection
 ) -> torch.Tensor:
     """log(pi_old / pi_rollout) per token [B,T] (0 off the mask), or per sequence [B,1] for `sequence`."""
     log_ratio = (old_logprobs - rollout_logprobs) * response_mask
-    return log_ratio.sum(dim=1, keepdim=True) if mode == "sequence" else log_ratio
+    return log_ratio.sum(dim=1, keepdim=True) if mode == RolloutCorrection.sequence else log_ratio

@@ -31,7 +31,15 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from tlt_cli.config import CPU_DEVICES, DEFAULT_RULES, Recipe, RolloutBackendName, SpeculativeSection
+from tlt_cli.config import (
+    CPU_DEVICES,
+    DEFAULT_RULES,
+    LinearForms,
+    Recipe,
+    RolloutBackendName,
+    RolloutDtype,
+    SpeculativeSection,
+)
 from tlt_cli.engine.sampling import SamplingParams
 from tlt_cli.models.tiny import cache_directory
 from tlt_cli.plugins import plugins_train_drafter
@@ -184,12 +192,14 @@ def decode_plan(
     from tlt_cli.rollout.decode_plan import DecodePlan
 
     if recipe.rollout.backend == RolloutBackendName.sglang:
-        return DecodePlan(precision={"dtype": recipe.rollout.sglang.dtype, "reason": "given: rollout.sglang.dtype"})
+        return DecodePlan(
+            precision={"dtype": str(recipe.rollout.sglang.dtype), "reason": "given: rollout.sglang.dtype"}
+        )
     if recipe.rollout.backend != RolloutBackendName.embedded:  # TRL's own generation, in the trainer's dtype
         return DecodePlan()
     mode = speculation_mode(recipe.speculative)
     costs = mode == SpeculationMode.auto and speculates is not False
-    if recipe.rollout.dtype != "auto" and recipe.rollout.linear_forms == "off" and not costs:
+    if recipe.rollout.dtype != RolloutDtype.auto and recipe.rollout.linear_forms == LinearForms.off and not costs:
         return _given_decode_plan(recipe.rollout.dtype)  # nothing to measure: the model is not loaded here
     import torch
 
@@ -216,8 +226,8 @@ def decode_plan(
 def decode_plan_for(
     policy: nn.Module,
     drafter: nn.Module | None,
-    dtype: str,
-    linear_forms: str,
+    dtype: RolloutDtype | str,
+    linear_forms: LinearForms | str,
     cache_dir: Path,
     rows: int,
     speculates: bool,
@@ -253,13 +263,13 @@ def actor_precision(recipe: Recipe) -> tuple[Recipe, UpdatePrecision]:
     return resolve_update_precision(recipe, model_cache(recipe))
 
 
-def _given_decode_plan(dtype: str) -> DecodePlan:
+def _given_decode_plan(dtype: RolloutDtype) -> DecodePlan:
     """The plan of a rollout whose dtype the recipe names, with plain linear forms and no pass costs."""
     from tlt_cli.rollout.decode_plan import DecodePlan
     from tlt_cli.tuning.precision import PrecisionChoice
 
-    choice = PrecisionChoice(dtype, "given", {}, {})
-    return DecodePlan(dtype, precision=choice.to_record(), log_lines=(choice.describe(),))
+    choice = PrecisionChoice(dtype.value, "given", {}, {})
+    return DecodePlan(dtype.value, precision=choice.to_record(), log_lines=(choice.describe(),))
 
 
 def _decode_device(recipe: Recipe):

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel
 
-from tlt_cli.config import CPU_DEVICES, ActorConfig, Recipe
+from tlt_cli.config import CPU_DEVICES, ActorConfig, Precision, Recipe
 from tlt_cli.processes.machine_checks import BF16_MIN_CAPABILITY
 from tlt_cli.training import setup
 from tlt_cli.training.actor import RESOLVED_PRECISIONS, enable_recomputation, forward_logprobs, update_autocast
@@ -31,7 +31,6 @@ from tlt_cli.training.memory import model_shape
 from tlt_cli.training.policy_batch import PolicyBatch
 from tlt_cli.tuning.cache import cached_record, machine_key
 
-PRECISIONS = ("auto", "fp32", "bf16")
 CACHE_FOLDER = "update_precision"
 MEASUREMENT_FORMAT = 1
 # tokens per measured sequence: a prompt and a response of the lengths real-cpu's task meets (p50 66-85)
@@ -47,7 +46,7 @@ MARGIN = 0.05
 class UpdatePrecision:
     """The precision the actor runs in, how it was chosen, and the measured seconds per micro-batch."""
 
-    precision: str
+    precision: Precision
     reason: str
     seconds: dict[str, float] | None = None
 
@@ -60,13 +59,13 @@ class UpdatePrecision:
 
     def record(self) -> dict:
         """The trace's run-record entry."""
-        return {"precision": self.precision, "reason": self.reason, "micro_batch_seconds": self.seconds}
+        return {"precision": str(self.precision), "reason": self.reason, "micro_batch_seconds": self.seconds}
 
 
 def resolve_update_precision(recipe: Recipe, cache_dir: Path) -> tuple[Recipe, UpdatePrecision]:
     """The recipe with actor.precision concrete (fp32 or bf16), and how it was chosen (module docstring)."""
     actor = recipe.actor
-    if actor.precision != "auto":
+    if actor.precision != Precision.auto:
         return recipe, UpdatePrecision(actor.precision, "as the recipe sets it")
     if actor.devices == CPU_DEVICES:
         choice = measured_choice(recipe, cache_dir)
@@ -82,8 +81,8 @@ def gpu_choice(devices: list[int]) -> UpdatePrecision:
         for device in devices
     )
     if capable:
-        return UpdatePrecision("bf16", "auto: GPUs of compute capability 8.0 or newer")
-    return UpdatePrecision("fp32", "auto: not every actor GPU has compute capability 8.0")
+        return UpdatePrecision(Precision.bf16, "auto: GPUs of compute capability 8.0 or newer")
+    return UpdatePrecision(Precision.fp32, "auto: not every actor GPU has compute capability 8.0")
 
 
 def measured_choice(recipe: Recipe, cache_dir: Path) -> UpdatePrecision:
@@ -104,9 +103,9 @@ def measured_choice(recipe: Recipe, cache_dir: Path) -> UpdatePrecision:
     return UpdatePrecision(faster_precision(seconds), f"auto: measured on this machine, cached in {path}", seconds)
 
 
-def faster_precision(seconds: dict[str, float]) -> str:
+def faster_precision(seconds: dict[str, float]) -> Precision:
     """bf16 if it measured at least MARGIN faster than fp32, else fp32."""
-    return "bf16" if seconds["bf16"] < (1 - MARGIN) * seconds["fp32"] else "fp32"
+    return Precision.bf16 if seconds[Precision.bf16] < (1 - MARGIN) * seconds[Precision.fp32] else Precision.fp32
 
 
 def measurement_key(recipe: Recipe, device: torch.device) -> dict:

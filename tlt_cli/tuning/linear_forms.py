@@ -36,10 +36,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tlt_cli.config import LinearForms
 from tlt_cli.engine.linear_forms import FORM_NAMES, LINEAR, FormedLinear, LinearFormPlan, linear_layers, shape_key
 from tlt_cli.tuning.cache import cached_record, machine_key
 
-LINEAR_FORM_MODES = ("auto", "off")
 ROW_BUCKETS = (*range(1, 17), 24, 32, 64)
 ROUNDS = 2
 # a form other than F.linear must be this much faster to be picked (timing noise must not cost memory)
@@ -52,11 +52,11 @@ PLAN_FORMAT = 2
 CACHE_FOLDER = "linear_forms"
 
 
-def measured_linear_plan(mode: str, modules: Sequence[nn.Module | None], cache_dir: Path) -> LinearFormPlan | None:
+def measured_linear_plan(
+    mode: LinearForms | str, modules: Sequence[nn.Module | None], cache_dir: Path
+) -> LinearFormPlan | None:
     """`off`: None. `auto`: the cached (or now measured) plan of this machine for the linear layers of `modules`."""
-    if mode not in LINEAR_FORM_MODES:
-        raise ValueError(f"rollout.linear_forms is '{mode}'; use one of {', '.join(LINEAR_FORM_MODES)}.")
-    if mode == "off":
+    if LinearForms.of(mode, "rollout.linear_forms") == LinearForms.off:
         return None
     plan, _ = cached_plan(modules, cache_dir)
     return plan

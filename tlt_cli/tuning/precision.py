@@ -40,6 +40,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from tlt_cli.config import RolloutDtype
 from tlt_cli.engine import decode_model_for
 from tlt_cli.engine.linear_forms import LinearFormPlan
 from tlt_cli.engine.llama_family import refusal
@@ -47,7 +48,6 @@ from tlt_cli.tuning.cache import cached_record, machine_key
 from tlt_cli.tuning.timing import block_pass, milliseconds, random_prefix, repeats_for
 
 ROLLOUT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-ROLLOUT_DTYPE_SETTINGS = ("auto", *ROLLOUT_DTYPES)
 CACHE_FOLDER = "rollout_precision"
 MEASUREMENT_FORMAT = 2
 ROUNDS = 5
@@ -124,7 +124,7 @@ class PrecisionChoice:
 
 
 def rollout_precision(
-    setting: str,
+    setting: RolloutDtype | str,
     policy: nn.Module,
     linear_plan: LinearFormPlan | None,
     cache_dir: Path,
@@ -132,10 +132,9 @@ def rollout_precision(
 ) -> PrecisionChoice:
     """The dtype the rollout decodes `policy` in, for the recipe's `rollout.dtype` and the rollout's `workload`
     (see the module docstring)."""
-    if setting not in ROLLOUT_DTYPE_SETTINGS:
-        raise ValueError(f"rollout.dtype is '{setting}'; use one of {', '.join(ROLLOUT_DTYPE_SETTINGS)}.")
-    if setting != "auto":
-        return PrecisionChoice(setting, "given", {}, {})
+    setting = RolloutDtype.of(setting, "rollout.dtype")
+    if setting != RolloutDtype.auto:
+        return PrecisionChoice(setting.value, "given", {}, {})
     reason = refusal(policy)
     if reason is not None:
         own = str(policy.get_input_embeddings().weight.dtype).removeprefix("torch.")
