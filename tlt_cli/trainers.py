@@ -7,8 +7,8 @@ starting drafter's preparation (setup.py), so the process plumbing imports no tr
   trl     Hugging Face TRL's GRPOTrainer with tlt's rollout (tlt_cli/integrations/trl_run.py),
           imported only when a TRL run starts (the native path never loads TRL)
 Before either starts, the checks of this machine (tlt_cli/preflight.py) refuse a run whose workers would not
-fit in memory (`check_memory`), then setup.py's `actor_precision` (update_precision.py) makes
-`actor.precision: auto` concrete (measured once per machine and model; the
+fit in memory (`check_memory`), then `resolve_update_precision` (update_precision.py, which the composition
+root's setup.py serves with the policy) makes `actor.precision: auto` concrete (measured once per machine and model; the
 console and the trace's run record say what ran and why); the driver is handed `check_machine`, which
 refuses a run whose GPUs or SGLang this machine lacks.
 """
@@ -25,7 +25,8 @@ from tlt_cli.preflight import check_machine, check_memory
 from tlt_cli.processes.driver import RunSummary, TrainerEntry
 from tlt_cli.processes.driver import train as run_driver
 from tlt_cli.processes.messages import WorkerSpec
-from tlt_cli.training.setup import actor_precision, decode_plan, prepare_drafter
+from tlt_cli.training.setup import decode_plan, model_cache, prepare_drafter
+from tlt_cli.training.update_precision import resolve_update_precision
 from tlt_cli.training.worker_loop import worker_main
 
 
@@ -52,7 +53,7 @@ def train(recipe: Recipe, console: Console, resume_directory: Path | None = None
     check_memory(recipe)
     if recipe.actor.precision == Precision.auto and recipe.actor.devices == CPU_DEVICES:
         console.print("choosing actor.precision auto (the update is timed in fp32 and bf16 once per machine and model)")
-    recipe, precision = actor_precision(recipe)
+    recipe, precision = resolve_update_precision(recipe, model_cache(recipe))
     console.print(precision.describe(), markup=False)
     facts = {"actor_precision": precision.record()}
     return run_driver(

@@ -17,8 +17,6 @@ worker (tlt_cli/integrations/trl_run.py), the driver's drafter preparation (tlt_
                                             the pass costs; the one caller of tuning/'s measurements, run by
                                             the driver before the workers start (and by profile, calibrate
                                             and a TRL script's rollout_func, which have no driver)
-  actor_precision                           `actor.precision` made concrete (update_precision.py: auto
-                                            measured once per machine and model), run by the driver
   rollout_backend                           the RolloutBackend `rollout.backend` names (BACKEND_FACTORIES)
 Below this module nothing reads a recipe to build a part: the engines, backends and drafters
 take explicit arguments.
@@ -55,7 +53,6 @@ if TYPE_CHECKING:
     from tlt_cli.rollout.backend import RolloutBackend
     from tlt_cli.rollout.decode_plan import DecodePlan
     from tlt_cli.tasks.base import Task
-    from tlt_cli.training.update_precision import UpdatePrecision
 
 
 def model_cache(recipe: Recipe) -> Path:
@@ -254,13 +251,6 @@ def decode_plan_for(
     if pass_costs is not None:
         lines.append(pass_costs.describe())
     return DecodePlan(precision.dtype, linear_plan, pass_costs, precision.to_record(), tuple(lines))
-
-
-def actor_precision(recipe: Recipe) -> tuple[Recipe, UpdatePrecision]:
-    """The recipe with `actor.precision` concrete (fp32 or bf16) and how it was chosen (update_precision.py)."""
-    from tlt_cli.training.update_precision import resolve_update_precision
-
-    return resolve_update_precision(recipe, model_cache(recipe))
 
 
 def _given_decode_plan(dtype: RolloutDtype) -> DecodePlan:
