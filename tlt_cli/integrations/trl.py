@@ -146,7 +146,8 @@ def tlt_rollout(
     and the bandit's draws. linear_forms: "auto" or "off" (the recipe's `rollout.linear_forms`);
     cache_dir: where its measured plan is cached (None: $TLT_CACHE_DIR or ~/.cache/tlt). dtype: the precision
     tlt decodes in, "auto" (measured per machine and model), "float32" or "bfloat16" (the recipe's
-    `rollout.dtype`; TRL's loss computes in the trainer's own precision).
+    `rollout.dtype`; TRL's loss computes in the trainer's own precision; under TRL's own GRPOTrainer, which cannot
+    correct a bfloat16 rollout's mismatch, "auto" keeps the policy's dtype).
     """
     check_trl_version()
     if linear_forms not in LINEAR_FORM_MODES:
@@ -274,6 +275,8 @@ class TltRollout:
             cache_dir=self.cache_dir,
             dtype=self.dtype,
             rows=rows,
+            # TRL's own GRPOTrainer never sees the rollout's log-probs: auto then keeps the policy's dtype
+            correctable=getattr(trainer, "corrects_rollout_mismatch", False),
         )
         if self.pending_state is not None:
             self._load_schedule(self.pending_state, trainer.accelerator.process_index)

@@ -59,7 +59,8 @@ class EmbeddedRollout:
     `policy` to speculate with (None: SD off). seed: the adaptive schedule's bandit draws.
     linear_forms: "auto" or "off", dtype: "auto", "float32" or "bfloat16" (see the module docstring); cache_dir:
     where the measured plan and precision are cached (None: $TLT_CACHE_DIR or ~/.cache/tlt). rows: how many
-    sequences one `generate` call decodes at once (a worker's completions of a step), which `auto` weighs.
+    sequences one `generate` call decodes at once (a worker's completions of a step), which `auto` weighs;
+    correctable: whether the learner corrects the rollout/learner mismatch (False: `auto` keeps the policy's dtype).
     """
 
     def __init__(
@@ -74,13 +75,14 @@ class EmbeddedRollout:
         cache_dir: Path | None = None,
         dtype: str = "float32",
         rows: int = 1,
+        correctable: bool = True,
     ) -> None:
         decoder = speculative_decoder(speculative, drafter, seed) if speculative is not None else None
         self.schedule = decoder.adaptive_schedule if isinstance(decoder, AdaptiveSpeculativeDecoder) else None
         cache_dir = cache_dir if cache_dir is not None else default_cache_dir()
         self.linear_plan = measured_linear_plan(linear_forms, [policy, drafter], cache_dir)
         workload = RolloutWorkload(rows, speculates=decoder is not None)
-        self.precision_choice = rollout_precision(dtype, policy, self.linear_plan, cache_dir, workload)
+        self.precision_choice = rollout_precision(dtype, policy, self.linear_plan, cache_dir, workload, correctable)
         self.engine = EmbeddedEngine(
             policy,
             eos_token_id=eos_token_id,
