@@ -1,7 +1,11 @@
 """tlt's rollout under TRL's real GRPOTrainer (rollout_func), on tiny models the tests build.
 
 The contract: TRL trains every parameter on exactly the completions tlt generated, with the
-log-probs tlt returned equal to the policy's own; chat templates applied as TRL applies them;
+log-probs tlt returned equal to the policy's own; after TRL's optimizer step the engine decodes as transformers
+does on the updated module in the rollout's dtype (float32 and bfloat16, with and without linear forms and the
+drafter); tlt train's trainer measures the rollout/learner mismatch and folds the native loop's truncated
+importance weights into its loss, while under TRL's own trainer `auto` keeps the policy's dtype;
+chat templates applied as TRL applies them;
 greedy completions token-identical with and without speculative decoding; an unsupported TRL
 refused in one sentence naming the range; examples/trl_grpo.py under two data-parallel processes,
 the drafter sidecar training in their wait and the copies averaged.
@@ -22,11 +26,15 @@ from datasets import Dataset
 from trl import GRPOConfig, GRPOTrainer
 
 from tlt_cli.config import RecipeError
+from tlt_cli.engine.linear_forms import TRANSPOSED, LinearFormPlan, linear_layers, shape_key
 from tlt_cli.integrations import trl_support
 from tlt_cli.integrations.trl import tlt_rollout
 from tlt_cli.integrations.trl_support import UnsupportedTrlError, UnsupportedTrlSettingError
+from tlt_cli.integrations.trl_trainer import TimedGRPOTrainer
 from tlt_cli.models.tiny import build_tiny_model, tiny_model_config, tiny_tokenizer
+from tlt_cli.rollout import embedded
 from tlt_cli.speculative.adaptive import SpeculationMode
+from tlt_cli.training.rollout_correction import importance_weights
 from tlt_cli.versions import supported_ranges
 
 os.environ["TRL_EXPERIMENTAL_SILENCE"] = "1"
@@ -46,14 +54,13 @@ def tiny_policy(seed: int = 0):
     return build_tiny_model(seed, config), tokenizer
 
 
-def grpo_trainer(model, tokenizer, rollout, reward, prompts, tmp_path, **settings):
+def grpo_trainer(model, tokenizer, rollout, reward, prompts, tmp_path, trainer_class=GRPOTrainer, **settings):
+    settings = {"max_steps": 2, "learning_rate": 1e-2, **settings}
     args = GRPOConfig(
         output_dir=str(tmp_path / "trl"),
         per_device_train_batch_size=4,
         num_generations=2,
         max_completion_length=12,
-        max_steps=2,
-        learning_rate=1e-2,
         report_to=[],
         use_cpu=True,
         save_strategy="no",
@@ -63,7 +70,7 @@ def grpo_trainer(model, tokenizer, rollout, reward, prompts, tmp_path, **setting
         **settings,
     )
     dataset = Dataset.from_dict({"prompt": prompts})
-    return GRPOTrainer(
+    return trainer_class(
         model=model,
         reward_funcs=reward,
         args=args,
@@ -121,6 +128,154 @@ def logprobs_under(model, prompt_ids, completion_ids, temperature):
             logits = model(torch.tensor([prompt + completion])).logits[0, len(prompt) - 1 : -1].float() / temperature
             values.append(logits.log_softmax(-1).gather(1, torch.tensor(completion)[:, None]).squeeze(1))
     return values
+
+
+PROMPTS = ["a1b2=", "a3b4c5=", "a6=", "a7b8c9d1="]
+# bfloat16 rounding of a log-prob on the spread tiny model (its logits reach about 10): a few of its 2^-8 steps
+BFLOAT16_LOGPROB_TOLERANCE = 0.1
+
+
+def spread_policy(seed: int):
+    """tiny_policy with its matrices spread 8x: distinct greedy paths, and an optimizer step that changes them."""
+    model, tokenizer = tiny_policy(seed)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            if parameter.dim() > 1:
+                parameter.mul_(8.0)
+    return model, tokenizer
+
+
+def transformers_copy(model, dtype: torch.dtype):
+    """A new transformers module with `model`'s current weights, cast to `dtype` (a deepcopy of a module TRL
+    prepared would keep calling the original's forward through accelerate's wrapper)."""
+    copy = type(model)(model.config)
+    copy.load_state_dict(model.state_dict())
+    copy.generation_config = model.generation_config
+    return copy.to(dtype).eval()
+
+
+def transposed_plan(mode, modules, cache_dir):
+    """Every linear layer of the policy and drafter in the transposed form, in both dtypes: the copies a
+    refresh must rewrite."""
+    keys = {shape_key(layer.weight) for layer in linear_layers(modules)}
+    return LinearFormPlan.uniform(TRANSPOSED, keys | {key.replace("float32", "bfloat16") for key in keys})
+
+
+def cut_at_eos(ids: list[int], eos_ids: list[int]) -> list[int]:
+    ends = [index for index, token in enumerate(ids) if token in eos_ids]
+    return ids[: ends[0] + 1] if ends else ids
+
+
+@pytest.mark.parametrize("engine", ["plain", "forms-and-drafter"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_after_a_trl_optimizer_step_the_engine_decodes_as_transformers_on_the_updated_module(
+    tmp_path, monkeypatch, dtype, engine
+):
+    monkeypatch.setenv("TLT_CACHE_DIR", str(tmp_path / "cache"))
+    speculates = engine == "forms-and-drafter"
+    if speculates:
+        monkeypatch.setattr(embedded, "measured_linear_plan", transposed_plan)
+    model, tokenizer = spread_policy(1)
+    before = {name: parameter.detach().clone() for name, parameter in model.named_parameters()}
+    rollout = tlt_rollout(
+        speculative={"mode": "fixed", "steps": 3} if speculates else {"mode": "off"},
+        drafter="random",
+        dtype=dtype,
+        linear_forms="auto" if speculates else "off",
+    )
+
+    def reward(completion_ids, **_):
+        return [float(sum(ids) % 7) for ids in completion_ids]
+
+    trainer = grpo_trainer(model, tokenizer, rollout, reward, PROMPTS * 2, tmp_path, max_steps=1)
+    trainer.train()  # one sampled rollout, then TRL's optimizer step
+    assert all(not torch.equal(parameter, before[name]) for name, parameter in model.named_parameters())
+
+    trainer.args.generation_kwargs = {"do_sample": False}
+    output = rollout(PROMPTS, trainer)
+    reference = transformers_copy(model, getattr(torch, dtype))
+    tolerance = BFLOAT16_LOGPROB_TOLERANCE if dtype == "bfloat16" else 1e-4
+    for prompt_ids, completion_ids, logprobs in zip(output["prompt_ids"], output["completion_ids"], output["logprobs"]):
+        with torch.no_grad():
+            generated = reference.generate(
+                torch.tensor([prompt_ids]), do_sample=False, max_new_tokens=12, pad_token_id=0
+            )[0, len(prompt_ids) :].tolist()
+        assert completion_ids == cut_at_eos(generated, trainer.eos_token_ids)
+        (expected,) = logprobs_under(reference, [prompt_ids], [completion_ids], trainer.temperature)
+        assert torch.allclose(torch.tensor(logprobs), expected, atol=tolerance)
+    if speculates:
+        assert sum(request.verify_passes for request in rollout.take_records()[-1].requests) > 0
+
+
+def test_tlt_trains_trainer_measures_the_mismatch_and_weights_the_loss_as_the_native_loop(tmp_path, monkeypatch):
+    monkeypatch.setenv("TLT_CACHE_DIR", str(tmp_path / "cache"))
+    model, tokenizer = spread_policy(2)
+    rollout = tlt_rollout(speculative={"mode": "off"}, drafter="random", dtype="bfloat16", linear_forms="off")
+    returned, learner, scored = [], [], []
+
+    class ScoredTrainer(TimedGRPOTrainer):
+        def _generate_and_score_completions(self, inputs):
+            scored.append(super()._generate_and_score_completions(inputs))
+            return scored[-1]
+
+    def recorded_rollout(prompts, trainer):
+        returned.append(rollout(prompts, trainer))
+        return returned[-1]
+
+    def reward(completion_ids, **_):
+        learner.append(logprobs_under(model, returned[-1]["prompt_ids"], completion_ids, temperature=1.0))
+        return [float(sum(ids) % 7) for ids in completion_ids]
+
+    cap = 1.01  # low enough that some of the bfloat16 rollout's weights are truncated
+    trainer = grpo_trainer(
+        model,
+        tokenizer,
+        recorded_rollout,
+        reward,
+        PROMPTS * 2,
+        tmp_path,
+        trainer_class=ScoredTrainer,
+        max_steps=1,
+        vllm_importance_sampling_correction=True,
+        vllm_importance_sampling_mode="token_truncate",
+        vllm_importance_sampling_clip_max=cap,
+    )
+    trainer.train()
+
+    (generation,) = trainer.take_generations()
+    mismatch = generation.mismatch
+    assert mismatch["rollout_kl_k3"] > 0 and 0 < mismatch["rollout_weight_truncated"] < 1
+    assert mismatch["rollout_weight_min"] < 1 < mismatch["rollout_weight_max"]
+    advantages = torch.tensor(list(trainer._logs["advantages"]))  # TRL's own, before the weights
+    weighted = scored[0]["advantages"]
+    for row, (logprobs, learner_logprobs) in enumerate(zip(returned[0]["logprobs"], learner[0])):
+        rollout_logprobs = torch.tensor(logprobs)
+        mask = torch.ones(1, len(logprobs))
+        weights = importance_weights(learner_logprobs[None], rollout_logprobs[None], mask, "token", cap)[0]
+        assert torch.allclose(weighted[row, : len(logprobs)], advantages[row] * weights, atol=1e-5)
+        assert not torch.allclose(weights, torch.ones_like(weights))
+
+
+def test_auto_keeps_the_policy_dtype_under_trls_own_trainer_which_cannot_correct_the_mismatch(tmp_path, monkeypatch):
+    monkeypatch.setenv("TLT_CACHE_DIR", str(tmp_path / "cache"))
+    model, tokenizer = tiny_policy()
+    for trainer_class, reason in (
+        (GRPOTrainer, "model dtype: the trainer cannot correct"),
+        (TimedGRPOTrainer, "measured"),
+    ):
+        rollout = tlt_rollout(speculative={"mode": "off"}, drafter="random", dtype="auto", linear_forms="off")
+        trainer = grpo_trainer(
+            model,
+            tokenizer,
+            rollout,
+            lambda completions, **_: [0.0] * len(completions),
+            PROMPTS,
+            tmp_path,
+            trainer_class=trainer_class,
+        )
+        rollout(PROMPTS, trainer)
+        assert rollout.precision()["reason"] == reason
+        assert reason == "measured" or rollout.precision()["dtype"] == "float32"
 
 
 def test_greedy_completions_are_token_identical_with_and_without_speculative_decoding(tmp_path, monkeypatch):

@@ -61,6 +61,9 @@ def test_a_trl_run_writes_the_trace_checkpoints_profile_and_export_and_resumes(t
     assert all(
         step["actor_loss"] is not None and step["rollout_seconds"] > 0 and step["update_seconds"] > 0 for step in steps
     )
+    # the rollout/learner mismatch of tlt's rollout, measured every step as in a native run
+    assert all(isinstance(step["actor_rollout_kl_k3"], float) and step["actor_rollout_kl_k3"] >= 0 for step in steps)
+    assert all(step["actor_rollout_weight_min"] <= step["actor_rollout_weight_max"] for step in steps)
     requests = [record for record in records if record["type"] == "request"]
     assert len(requests) == 2 * 4 * 4 and {request["worker"] for request in requests} == {0, 1}
     assert all(0.0 <= request["reward"] <= 1.0 for request in requests)
@@ -70,7 +73,8 @@ def test_a_trl_run_writes_the_trace_checkpoints_profile_and_export_and_resumes(t
 
     profiled = tlt("profile", str(run), "--json", "--no-plots", cwd=tmp_path)
     assert profiled.returncode == 0, profiled.stderr
-    assert json.loads(profiled.stdout)
+    profile = json.loads(profiled.stdout)
+    assert [step["mismatch"]["kl_k3"] for step in profile["steps"]] == [step["actor_rollout_kl_k3"] for step in steps]
     exported = tlt(
         "export-drafter", str(run), str(tmp_path / "exported"), "--prompts", "2", "--max-new-tokens", "24", cwd=tmp_path
     )
@@ -93,7 +97,7 @@ def test_grpo_config_takes_the_recipes_keys_and_its_trl_section(tmp_path):
     assert arguments["max_steps"] == recipe.train.steps * 2 and arguments["num_iterations"] == 2
     assert arguments["num_generations"] == recipe.train.group_size
     assert arguments["loss_type"] == recipe.trl["loss_type"] == "grpo"
-    # the rollout correction's TRL form (which TRL 1.16 applies only when it generates with vLLM)
+    # the rollout correction's TRL form (tlt's trainer applies it to tlt's rollout; TRL itself only under vLLM)
     assert arguments["vllm_importance_sampling_mode"] == "token_truncate"
     assert arguments["vllm_importance_sampling_clip_max"] == 2.0 and arguments["vllm_importance_sampling_correction"]
     sequence = load_recipe(RECIPE, ["actor.rollout_correction=sequence", "actor.rollout_correction_cap=3"])

@@ -403,8 +403,8 @@ class ActorConfig:
         RolloutCorrection.token,
         "truncated importance sampling for the rollout/learner mismatch: token (each token's loss weighted by "
         "min(pi_old/pi_rollout, cap)), sequence (one weight per response, the product of its tokens' ratios, "
-        "truncated), or off (the mismatch is still measured); with train.trainer trl it sets TRL's "
-        "vllm_importance_sampling_*, which TRL 1.16 applies only when it generates with vLLM, not under tlt's rollout",
+        "truncated), or off (the mismatch is still measured); with train.trainer trl the same weights, applied to "
+        "TRL's loss through its per-token advantages (docs/trl.md)",
     )
     rollout_correction_cap: float = setting(
         2.0,

@@ -154,7 +154,8 @@ def tlt_rollout(
     and the bandit's draws. linear_forms: "auto" or "off" (the recipe's `rollout.linear_forms`);
     cache_dir: where its measured plan is cached (None: $TLT_CACHE_DIR or ~/.cache/tlt). dtype: the precision
     tlt decodes in, "auto" (measured per machine and model), "float32" or "bfloat16" (the recipe's
-    `rollout.dtype`; TRL's loss computes in the trainer's own precision). decode: how to decode, already resolved
+    `rollout.dtype`; TRL's loss computes in the trainer's own precision; under TRL's own GRPOTrainer, which cannot
+    correct a bfloat16 rollout's mismatch, "auto" keeps the policy's dtype). decode: how to decode, already resolved
     (`tlt train` resolves it once in the driver: setup.py `decode_plan`); None: resolved from linear_forms and dtype
     at the first rollout, measured once per machine and model.
     """
@@ -278,6 +279,8 @@ class TltRollout:
                 rows,
                 speculates=self.speculative.mode != SpeculationMode.off,
                 costs=self.speculative.mode == SpeculationMode.auto,
+                # TRL's own GRPOTrainer never sees the rollout's log-probs: auto then keeps the policy's dtype
+                correctable=getattr(trainer, "corrects_rollout_mismatch", False),
             )
             for line in self.decode.log_lines:
                 print(f"tlt rollout: {line}", flush=True)

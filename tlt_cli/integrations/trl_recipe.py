@@ -73,9 +73,9 @@ DERIVED = {
     "vllm_importance_sampling_mode": "actor.rollout_correction",
     "vllm_importance_sampling_clip_max": "actor.rollout_correction_cap",
 }
-# actor.rollout_correction -> TRL's vllm_importance_sampling_mode. TRL 1.16 applies it only when it generates
-# with vLLM itself (use_vllm, which tlt's rollout_func replaces): under tlt's rollout it takes the rollout's
-# log-probs and applies no correction, so the mapping only keeps TRL's settings the recipe's
+# actor.rollout_correction -> TRL's vllm_importance_sampling_mode. TRL 1.16 applies it itself only when it generates
+# with vLLM (use_vllm, which tlt's rollout_func replaces); tlt's trainer (tlt_cli/integrations/trl_trainer.py) reads
+# these fields and applies the native loop's truncated weights to tlt's rollout
 TRL_CORRECTION_MODES = {
     RolloutCorrection.token: "token_truncate",
     RolloutCorrection.sequence: "sequence_truncate",

@@ -13,7 +13,9 @@ and trains. TRL keeps its loss, advantages, reference model and optimizer step.
 actor.ppo_epochs optimizer steps) into the `WorkerStepReport` a native worker sends: the rollout
 window, this process's wait, the scoring and update seconds (tlt_cli/integrations/trl_trainer.py),
 one request per completion with its reward, SD usage, warnings, sidecar metrics, and TRL's loss,
-grad norm, KL, entropy and clip ratio as the update. Checkpoints follow tlt's layout and atomicity
+grad norm, KL, entropy and clip ratio as the update, with the rollout/learner mismatch tlt's rollout brings
+(K3 KL and importance weights, measured and corrected by the trainer) as a native run reports it.
+Checkpoints follow tlt's layout and atomicity
 (tlt_cli/checkpoint.py) and hold TRL's own checkpoint files (model, optimizer, scheduler, RNG,
 trainer state: `--resume` hands the folder to `trainer.train(resume_from_checkpoint=...)`), the
 rollout's state and drafter, and the actor weights where `tlt export-drafter` reads them.
@@ -140,7 +142,8 @@ class TrlRun:
             reward_seconds=generation.scored_end - generation.idle_end,
             update_seconds=step_end - generation.scored_end,
             requests=self._requests(step, generation, record),
-            update=update,
+            # the rollout/learner mismatch is the update's as in a native run (actor_rollout_* in the trace)
+            update={**update, **generation.mismatch},
             plugin_metrics=_sidecar_metrics(record),
             sd_usage=record.sd_usage if record is not None else {},
             sd_warnings=record.warnings if record is not None else [],

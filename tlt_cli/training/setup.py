@@ -229,17 +229,19 @@ def decode_plan_for(
     rows: int,
     speculates: bool,
     costs: bool,
+    correctable: bool = True,
 ) -> DecodePlan:
     """`decode_plan` from plain values (a TRL script's rollout_func has no recipe): the linear-form plan for the
     policy and drafter, the dtype for a rollout of `rows` rows (its tail speculating or not) and, when `costs`,
-    the pass costs in that dtype."""
+    the pass costs in that dtype. correctable: whether the learner corrects the rollout/learner mismatch (False: a
+    user's own TRL GRPOTrainer; `auto` then keeps the policy's dtype)."""
     from tlt_cli.rollout.decode_plan import DecodePlan
     from tlt_cli.tuning.linear_forms import measured_linear_plan
     from tlt_cli.tuning.pass_costs import measured_pass_costs
     from tlt_cli.tuning.precision import RolloutWorkload, rollout_precision
 
     linear_plan = measured_linear_plan(linear_forms, [policy, drafter], cache_dir)
-    precision = rollout_precision(dtype, policy, linear_plan, cache_dir, RolloutWorkload(rows, speculates))
+    precision = rollout_precision(dtype, policy, linear_plan, cache_dir, RolloutWorkload(rows, speculates), correctable)
     pass_costs = (
         measured_pass_costs(policy, drafter, precision.torch_dtype, linear_plan, cache_dir, rows) if costs else None
     )

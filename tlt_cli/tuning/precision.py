@@ -24,7 +24,8 @@ chosen when that rollout is predicted at least MARGIN faster in it (its samples 
 learner's, so a small gain does not pay for that). On a CPU without AMX (an AMD EPYC with avx512_bf16,
 SmolLM2-135M) bfloat16 loses at one row (0.94x) and wins at four (1.52x) and in a verify (1.83x): one figure
 alone would choose wrong. A model outside the owned family decodes through transformers in its own dtype:
-`auto` keeps it.
+`auto` keeps it, and so it does for a learner that cannot correct the mismatch (`correctable=False`: a user's own
+TRL GRPOTrainer, whose loss tlt's rollout cannot reach; docs/trl.md).
 
 Cache: `<cache_dir>/rollout_precision/<hash>.json` holds the figures, keyed by the machine (tuning/cache.py),
 the model's shapes, the linear-form plan and the measured row count, written atomically under a file lock so
@@ -77,7 +78,8 @@ class RolloutWorkload:
 @dataclass(frozen=True)
 class PrecisionChoice:
     """The rollout's dtype and why: `given` (the recipe named it), `measured` (auto, figures below) or
-    `model dtype` (auto on a model the owned forward does not decode). step_ms / batch_step_ms / verify_ms: per
+    `model dtype: ...` (auto on a model the owned forward does not decode, or for a learner that cannot correct the
+    mismatch). step_ms / batch_step_ms / verify_ms: per
     dtype name, the best 1-row decode step, `rows`-row decode step and 16-token verify, in milliseconds (empty
     unless measured); speculates: whether the tail was weighed as verify passes."""
 
@@ -129,16 +131,19 @@ def rollout_precision(
     linear_plan: LinearFormPlan | None,
     cache_dir: Path,
     workload: RolloutWorkload = RolloutWorkload(),
+    correctable: bool = True,
 ) -> PrecisionChoice:
     """The dtype the rollout decodes `policy` in, for the recipe's `rollout.dtype` and the rollout's `workload`
-    (see the module docstring)."""
+    (see the module docstring). correctable: whether the learner corrects the rollout/learner mismatch; if not,
+    `auto` keeps the policy's own dtype (a trainer of another library that cannot reach its loss)."""
     setting = RolloutDtype.of(setting, "rollout.dtype")
     if setting != RolloutDtype.auto:
         return PrecisionChoice(setting.value, "given", {}, {})
     reason = refusal(policy)
-    if reason is not None:
+    if reason is not None or not correctable:
         own = str(policy.get_input_embeddings().weight.dtype).removeprefix("torch.")
-        return PrecisionChoice(own if own in ROLLOUT_DTYPES else "float32", "model dtype: transformers path", {}, {})
+        why = "model dtype: transformers path" if reason is not None else "model dtype: the trainer cannot correct"
+        return PrecisionChoice(own if own in ROLLOUT_DTYPES else "float32", why, {}, {})
     rows = workload.measured_rows
     key = {
         "format": MEASUREMENT_FORMAT,
