@@ -32,9 +32,9 @@ from tlt_cli.integrations.trl import tlt_rollout
 from tlt_cli.integrations.trl_support import UnsupportedTrlError, UnsupportedTrlSettingError
 from tlt_cli.integrations.trl_trainer import TimedGRPOTrainer
 from tlt_cli.models.tiny import build_tiny_model, tiny_model_config, tiny_tokenizer
-from tlt_cli.rollout import embedded
 from tlt_cli.speculative.adaptive import SpeculationMode
 from tlt_cli.training.rollout_correction import importance_weights
+from tlt_cli.tuning import linear_forms as tuned_linear_forms
 from tlt_cli.versions import supported_ranges
 
 os.environ["TRL_EXPERIMENTAL_SILENCE"] = "1"
@@ -84,7 +84,8 @@ def test_grpo_trainer_trains_every_parameter_on_the_completions_and_logprobs_tlt
     monkeypatch.setenv("TLT_CACHE_DIR", str(tmp_path / "cache"))
     model, tokenizer = tiny_policy()
     before = {name: parameter.detach().clone() for name, parameter in model.named_parameters()}
-    rollout = tlt_rollout(drafter="random", seed=0, dtype="float32")
+    # the rule table (mode auto might keep SD off on this machine's costs): SD runs under TRL
+    rollout = tlt_rollout(speculative={"mode": "adaptive"}, drafter="random", seed=0, dtype="float32")
     returned, scored, policy_logprobs = [], [], []
 
     def recorded_rollout(prompts, trainer):
@@ -174,7 +175,7 @@ def test_after_a_trl_optimizer_step_the_engine_decodes_as_transformers_on_the_up
     monkeypatch.setenv("TLT_CACHE_DIR", str(tmp_path / "cache"))
     speculates = engine == "forms-and-drafter"
     if speculates:
-        monkeypatch.setattr(embedded, "measured_linear_plan", transposed_plan)
+        monkeypatch.setattr(tuned_linear_forms, "measured_linear_plan", transposed_plan)
     model, tokenizer = spread_policy(1)
     before = {name: parameter.detach().clone() for name, parameter in model.named_parameters()}
     rollout = tlt_rollout(
@@ -274,8 +275,8 @@ def test_auto_keeps_the_policy_dtype_under_trls_own_trainer_which_cannot_correct
             trainer_class=trainer_class,
         )
         rollout(PROMPTS, trainer)
-        assert rollout.precision()["reason"] == reason
-        assert reason == "measured" or rollout.precision()["dtype"] == "float32"
+        assert rollout.decode.precision["reason"] == reason
+        assert reason == "measured" or rollout.decode.precision["dtype"] == "float32"
 
 
 def test_greedy_completions_are_token_identical_with_and_without_speculative_decoding(tmp_path, monkeypatch):
@@ -304,7 +305,8 @@ def test_greedy_completions_are_token_identical_with_and_without_speculative_dec
 
 def test_a_checkpoint_carries_the_drafter_schedule_and_rollout_count_into_a_new_rollout(tmp_path):
     model, tokenizer = tiny_policy()
-    rollout = tlt_rollout(drafter="random", seed=0, dtype="float32")
+    # the rule table's schedule, whose bucket state the checkpoint carries
+    rollout = tlt_rollout(speculative={"mode": "adaptive"}, drafter="random", seed=0, dtype="float32")
     trainer = grpo_trainer(
         model, tokenizer, rollout, lambda completions, **_: [0.0] * len(completions), ["a1="], tmp_path
     )
@@ -314,7 +316,7 @@ def test_a_checkpoint_carries_the_drafter_schedule_and_rollout_count_into_a_new_
     assert (tmp_path / "checkpoint" / "drafter" / "drafter_config.json").is_file()  # what tlt export-drafter reads
 
     resumed = tlt_rollout(
-        drafter="random", seed=7, dtype="float32"
+        speculative={"mode": "adaptive"}, drafter="random", seed=7, dtype="float32"
     )  # another start, replaced by the checkpoint's drafter
     resumed.load_state(tmp_path / "checkpoint", process=0)
     resumed(["a1b2=", "a1b2="], trainer)
