@@ -34,6 +34,7 @@ from tlt_cli.config import (
     is_control_character,
     load_recipe,
 )
+from tlt_cli.engine.sampling import MIN_TEMPERATURE
 from tlt_cli.processes.hostfile import hostfile_problem, ranks_per_node, shell_paths
 from tlt_cli.rollout.backend import MAX_SEED
 from tlt_cli.sglang.adaptive import one_algorithm_problem
@@ -50,6 +51,9 @@ from tlt_cli.tuning.precision import ROLLOUT_DTYPE_SETTINGS
 # a TRL run generates with tlt's embedded engine, or with TRL's own generation (rollout.backend trl, the baseline)
 TRL_BACKENDS = (RolloutBackendName.embedded, RolloutBackendName.trl)
 DRAFTER_STARTS = ("warmup", "random")
+# the largest cap of the rollout correction's importance weights: a weight, times a log-ratio and summed over a
+# batch's tokens, must stay far inside float32's range (3.4e38) so the loss stays finite
+MAX_CORRECTION_CAP = 1e4
 # ZeRO-3 shards the parameters; the rollout (embedded engine or weight push) needs the whole policy
 ZERO_STAGES = (0, 1, 2)
 BUILTIN_PREFIX = "builtin:"
@@ -227,7 +231,10 @@ def _check_train_and_workers(recipe: Recipe) -> None:
 def _check_rollout(recipe: Recipe) -> None:
     rollout = recipe.rollout
     _require(rollout.max_new_tokens >= 1, f"rollout.max_new_tokens must be at least 1, got {rollout.max_new_tokens}.")
-    _require(rollout.temperature >= 0.0, f"rollout.temperature must be >= 0 (0 is greedy), got {rollout.temperature}.")
+    _require(
+        rollout.temperature == 0.0 or rollout.temperature >= MIN_TEMPERATURE,
+        f"rollout.temperature must be 0 (greedy) or at least {MIN_TEMPERATURE}, got {rollout.temperature}.",
+    )
     _require(0.0 < rollout.top_p <= 1.0, f"rollout.top_p must be in (0, 1], got {rollout.top_p}.")
     _require(rollout.top_k >= 0, f"rollout.top_k must be >= 0 (0 keeps all tokens), got {rollout.top_k}.")
     _require(
@@ -259,9 +266,9 @@ def _check_actor(recipe: Recipe) -> None:
         f"actor.rollout_correction must be one of {', '.join(CORRECTION_MODES)}, got '{actor.rollout_correction}'.",
     )
     _require(
-        actor.rollout_correction_cap > 1.0,
-        f"actor.rollout_correction_cap must be greater than 1 (importance weights are truncated at it), "
-        f"got {actor.rollout_correction_cap}.",
+        1.0 < actor.rollout_correction_cap <= MAX_CORRECTION_CAP,
+        f"actor.rollout_correction_cap must be greater than 1 and at most {MAX_CORRECTION_CAP:g} (importance weights "
+        f"are truncated at it), got {actor.rollout_correction_cap}.",
     )
 
 

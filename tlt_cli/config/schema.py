@@ -229,7 +229,7 @@ class RolloutConfig:
     max_new_tokens: int = setting(
         320, "longest response in tokens (at least 1; see train.prompts_per_step for the bound)"
     )
-    temperature: float = setting(1.0, "sampling temperature (0 is greedy)")
+    temperature: float = setting(1.0, "sampling temperature (0 is greedy, else at least 0.001)")
     top_p: float = setting(
         1.0, "nucleus sampling: keep the most likely tokens up to this total probability (1.0 keeps all)"
     )
@@ -278,7 +278,9 @@ class ActorConfig:
         "truncated), or off (the mismatch is still measured); with train.trainer trl it sets TRL's "
         "vllm_importance_sampling_*, which TRL 1.16 applies only when it generates with vLLM, not under tlt's rollout",
     )
-    rollout_correction_cap: float = setting(2.0, "upper bound (> 1) of the importance weights of rollout_correction")
+    rollout_correction_cap: float = setting(
+        2.0, "upper bound (> 1, at most 10000) of the importance weights of rollout_correction"
+    )
 
 
 @dataclass(frozen=True)
