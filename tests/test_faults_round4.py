@@ -133,16 +133,26 @@ def test_the_machine_key_changes_with_the_cores_a_process_may_use(monkeypatch):
     assert (os.cpu_count() or 1) == 1 or pinned != everything
 
 
+def absurd_row_buckets(text: str) -> bytes:
+    record = json.loads(text)
+    record["plan"]["row_buckets"] = [10**7]
+    return json.dumps(record).encode()
+
+
+# per cache folder, a damage that stopped every later run before: a traceback in the driver (update precision), a
+# worker failing with UnicodeDecodeError (rollout precision), a 393 MB tuple of forms (linear forms)
+DAMAGES = {
+    "update_precision": lambda text: b"[]",
+    ROLLOUT_PRECISION: lambda text: b"\x80\x81 not JSON",
+    LINEAR_FORMS: absurd_row_buckets,
+}
+
+
 def damage_every_record(cache_dir: Path) -> list[Path]:
-    """Damage every measurement record under `cache_dir` a different way; the records damaged."""
-    records = sorted(
-        path
-        for folder in ("update_precision", ROLLOUT_PRECISION, LINEAR_FORMS)
-        for path in (cache_dir / folder).glob("*.json")
-    )
-    damages = [b"", b"[]", b"\x80\x81 not json", b'{"key": {}, "plan": {"row_buckets": [10000000]}}']
-    for number, path in enumerate(records):
-        path.write_bytes(damages[number % len(damages)])
+    """Damage every measurement record under `cache_dir` as DAMAGES says for its folder; the records damaged."""
+    records = sorted(path for folder in DAMAGES for path in (cache_dir / folder).glob("*.json"))
+    for path in records:
+        path.write_bytes(DAMAGES[path.parent.name](path.read_text()))
     return records
 
 
@@ -152,7 +162,9 @@ def test_damaged_measurement_records_never_stop_a_run(small_model, cache_directo
     cache_dir = tmp_path / "cache"
     cache_dir.mkdir()
     # the DeepSpeed op compiled once for the session (a minute on 2 cores), shared; the measurements are this test's
-    (cache_dir / "torch_extensions").symlink_to(cache_directory / "torch_extensions", target_is_directory=True)
+    shared_extensions = cache_directory / "torch_extensions"
+    shared_extensions.mkdir(parents=True, exist_ok=True)
+    (cache_dir / "torch_extensions").symlink_to(shared_extensions, target_is_directory=True)
     settings = ("actor.precision=auto", "rollout.dtype=auto", "rollout.linear_forms=auto", "workers.count=1")
     first = subprocess.run(
         small_run(small_model, tmp_path, "first", 1, f"model.cache_dir={cache_dir}", *settings),
