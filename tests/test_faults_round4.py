@@ -406,3 +406,24 @@ def test_calibrate_refuses_a_recipe_to_rewrite_before_it_measures(tmp_path):
     line = refused(tlt("calibrate", str(RECIPE), "--write-recipe", str(broken), "--output", str(output)))
     assert line.startswith(f"error: --write-recipe {broken}: "), line
     assert not output.parent.exists(), "nothing was measured"
+
+
+def test_the_profile_names_each_segments_precisions_by_its_steps():
+    from tlt_cli.profile.analysis import precision_lines
+    from tlt_cli.profile.records import PrecisionSegment
+    from tlt_cli.tuning.precision import PrecisionChoice
+
+    segments = [
+        PrecisionSegment(0, {"0": PrecisionChoice("float32", "given", {}, {})}, "actor precision fp32 (given)"),
+        PrecisionSegment(2, {"0": PrecisionChoice("bfloat16", "given", {}, {})}, "actor precision bf16 (given)"),
+    ]
+    assert precision_lines(segments, last_step=3) == [
+        "steps 0-1: rollout dtype: float32 (given)",
+        "steps 0-1: actor precision fp32 (given)",
+        "steps 2-3: rollout dtype: bfloat16 (given)",
+        "steps 2-3: actor precision bf16 (given)",
+    ]
+    assert precision_lines(segments[:1], last_step=3) == [
+        "rollout dtype: float32 (given)",
+        "actor precision fp32 (given)",
+    ]
