@@ -427,3 +427,25 @@ def test_the_profile_names_each_segments_precisions_by_its_steps():
         "rollout dtype: float32 (given)",
         "actor precision fp32 (given)",
     ]
+
+
+@pytest.mark.parametrize("damage", ["zero", "missing"])
+def test_a_damaged_rollout_precision_record_is_measured_again(tmp_path, damage):
+    """What a worker meets: a verify figure zeroed (a ZeroDivisionError before) or a figure missing (a KeyError)."""
+    from test_speculative import tiny_target
+
+    from tlt_cli.tuning.precision import rollout_precision
+
+    target = tiny_target()
+    choice = rollout_precision("auto", target, None, tmp_path)
+    (path,) = (tmp_path / ROLLOUT_PRECISION).glob("*.json")
+    stored = json.loads(path.read_text())
+    if damage == "zero":
+        stored["verify_ms"]["bfloat16"] = 0
+    else:
+        del stored["batch_step_ms"]
+    path.write_text(json.dumps(stored))
+    again = rollout_precision("auto", target, None, tmp_path)
+    assert again.reason == "measured" and all(value > 0 for value in again.verify_ms.values())
+    assert set(json.loads(path.read_text())["batch_step_ms"]) == {"float32", "bfloat16"}
+    assert choice.rows == again.rows
