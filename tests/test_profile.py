@@ -417,7 +417,7 @@ def test_the_rollout_precision_of_older_and_newer_traces_reads_and_is_described(
     records = hand_made_trace()
     records[0] = {**records[0], "rollout_precision": {"0": precision_record(), "1": newer}}
     profile = analyse(load_records(write_jsonl(tmp_path / "trace.jsonl", records)), tail_batch=4)
-    older_line, newer_line = sorted(profile.rollout_precision, key=len)
+    older_line, newer_line = sorted(profile.precision, key=len)
     # a trace written before the batch step was measured: its figures, no prediction
     assert older_line.startswith("rollout dtype: bfloat16 (measured: float32 step 48.0 ms")
     assert "predicted" not in older_line

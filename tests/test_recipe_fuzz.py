@@ -386,11 +386,11 @@ def test_a_recipe_that_is_not_utf8_is_one_line_in_a_real_validate_process(worksp
     ]
 
 
-def test_a_user_error_inside_a_worker_is_one_line_and_its_traceback_goes_to_the_log(workspace):
-    """A torn download of .bin weights passes the checks and fails in the worker that loads it.
+def test_torn_bin_weights_are_one_line_before_the_run_starts(workspace):
+    """A torn download of .bin weights is refused by the checks before any worker starts.
 
-    The checks read the config, the tokenizer and the safetensors headers; a pytorch_model.bin has no
-    header, so only loading it (in the worker, after the driver started it) finds that it is cut short.
+    The checks read a pytorch_model.bin weights-only and memory-mapped for its names and shapes (it has
+    no header), so a file cut short is one sentence and no run directory is made, --keep-log or not.
     """
     folder, output = workspace
     model = folder / "model_with_broken_weights"
@@ -426,11 +426,8 @@ def test_a_user_error_inside_a_worker_is_one_line_and_its_traceback_goes_to_the_
     assert len(lines) == 1 and "Model weights in" in lines[0] and "Traceback" not in result.stderr, result.stderr
     assert not (folder / "runs" / "broken").exists()
     kept = subprocess.run([*command, "--keep-log"], capture_output=True, text=True, cwd=folder, timeout=300)
-    assert kept.returncode == 2 and "Traceback" not in kept.stderr
-    run_directory = folder / "runs" / "broken"
-    assert (run_directory / "workers" / "worker-0.log").is_file()
-    logs = "".join(log.read_text() for log in run_directory.rglob("*.log"))
-    assert "Traceback" in logs and "ModelLoadError" in logs and "load_policy" in logs, logs
+    assert kept.returncode == 2 and "Traceback" not in kept.stderr and "Model weights in" in kept.stderr
+    assert not (folder / "runs" / "broken").exists()
 
 
 @pytest.mark.parametrize(

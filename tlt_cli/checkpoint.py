@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tlt_cli.atomic_files import fsync_path, write_atomically
 from tlt_cli.errors import UserError
 
 STATE_FILE = "state.json"
@@ -91,29 +92,6 @@ def numbered_checkpoints(checkpoints: Path) -> list[Path]:
 
 def staging_directory(checkpoints: Path, next_step: int) -> Path:
     return checkpoints / f".staging-{checkpoint_name(next_step)}"
-
-
-def fsync_path(path: Path) -> None:
-    """Flush a file's or a folder's data and metadata to the disk (a folder: the names in it)."""
-    descriptor = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)
-
-
-def write_atomically(path: Path, text: str) -> None:
-    """Write `text` to a temporary sibling, fsync it, rename it over `path`, fsync the folder."""
-    staging = path.with_name(f".{path.name}.tmp")
-    try:
-        with staging.open("w", encoding="utf-8") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(staging, path)
-    finally:
-        staging.unlink(missing_ok=True)
-    fsync_path(path.parent)
 
 
 def remove_staging(checkpoints: Path) -> None:
@@ -240,21 +218,27 @@ def load_checkpoint_file(path: Path, allowed_classes: Iterable[type] = (), map_l
         raise CheckpointError(f"checkpoint file {path} is missing; the checkpoint is incomplete.") from None
     except (pickle.UnpicklingError, RuntimeError, EOFError, OSError, ValueError) as error:
         raise CheckpointError(
-            f"checkpoint file {path} cannot be loaded safely ({_load_failure(error)}): it is damaged or was not "
+            f"checkpoint file {path} cannot be loaded safely ({load_failure_reason(error)}): it is damaged or was not "
             "written by tlt, and tlt loads only tensors and plain data from a run directory."
         ) from None
 
 
-def _load_failure(error: Exception) -> str:
+def load_failure_reason(error: Exception) -> str:
     """The line of a torch.load error that says what was wrong (the refused global, the bad record),
     without torch's advice around it (which suggests turning the weights-only check off)."""
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]
     for number, line in enumerate(lines):
         _, marker, detail = line.partition("WeightsUnpickler error:")
-        reason = (detail.strip() or (lines[number + 1 :] or [""])[0]) if marker else line
-        if marker or not line.startswith(TORCH_LOAD_ADVICE):
-            return reason.split(". ")[0].rstrip(".")[:200]
+        if marker:
+            return _first_sentence(detail.strip() or (lines[number + 1 :] or [""])[0])
+    for line in lines:
+        if not line.startswith(TORCH_LOAD_ADVICE) and "weights_only" not in line:
+            return _first_sentence(line)
     return type(error).__name__
+
+
+def _first_sentence(line: str) -> str:
+    return line.split(". ")[0].rstrip(".")[:200]
 
 
 def save_collectively(

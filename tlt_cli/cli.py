@@ -150,15 +150,18 @@ def _resolve_run(arguments: list[str], resume: Path | None) -> tuple[Recipe, Pat
         raise CheckpointError(
             f"--resume {resume} is not a directory; pass the run directory printed when the run started."
         )
-    recipe_name = arguments[0] if has_recipe else str(resume / "recipe.yaml")
-    return _whole_checked_recipe(recipe_name, overrides, new_run=resume is None), resume
+    if resume is None:
+        return _whole_checked_recipe(load_recipe(resolve_recipe_path(arguments[0]), overrides), new_run=True), None
+    from tlt_cli.processes.resume_settings import resumed_recipe
+
+    recipe = resumed_recipe(resume, arguments[0] if has_recipe else None, overrides)
+    return _whole_checked_recipe(recipe, new_run=False), resume
 
 
-def _whole_checked_recipe(name: str, overrides: list[str], new_run: bool) -> Recipe:
-    """The recipe a name or path and overrides give, checked whole (tlt_cli/preflight.py)."""
+def _whole_checked_recipe(recipe: Recipe, new_run: bool) -> Recipe:
+    """`recipe`, checked whole (tlt_cli/preflight.py)."""
     from tlt_cli.preflight import check_recipe
 
-    recipe = load_recipe(resolve_recipe_path(name), overrides)
     check_recipe(recipe, new_run=new_run)
     if recipe.model.trust_remote_code:
         error_console.print(
@@ -207,7 +210,7 @@ def recipes_validate(
     invalid = 0
     for name in names:
         try:
-            _whole_checked_recipe(name, overrides, new_run=True)
+            _whole_checked_recipe(load_recipe(resolve_recipe_path(name), overrides), new_run=True)
             console.print(f"ok  {name}", highlight=False, markup=False)
         except UserError as error:
             invalid += 1
@@ -341,13 +344,15 @@ def calibrate(
 ) -> None:
     """Measure SD off vs SD configurations by running batch size on this machine and write the adaptive rule table."""
     from tlt_cli.calibration.calibrate import calibrate as run_calibration
-    from tlt_cli.calibration.recipe_text import RecipeEditError, write_rules_into_recipe
+    from tlt_cli.calibration.recipe_text import RecipeEditError, check_recipe_to_rewrite, write_rules_into_recipe
     from tlt_cli.calibration.report import render_calibration, write_calibration
 
     def show(label: str, repeat: int) -> None:
         status.update(f"calibrating: shard {repeat + 1} of {repeats}, {label}")
 
     try:
+        if write_recipe is not None:  # refused before the measurement, not after it
+            check_recipe_to_rewrite(write_recipe)
         settings = CalibrationSettings(
             parse_batch_sizes(batch_sizes),
             tuple(part for part in configs.split(",") if part.strip()),

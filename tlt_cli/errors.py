@@ -19,6 +19,11 @@ class UserError(ValueError):
     """A problem the user can fix; the message is one sentence naming the key or file."""
 
 
+class TrainingDiverged(RuntimeError):
+    """The policy's logits or loss stopped being finite: training diverged. The worker's message names the step and
+    the likely cause; the driver then advises no --resume (tlt_cli/processes/driver.py)."""
+
+
 @contextlib.contextmanager
 def writing(path: Path, advice: str, error_type: type[UserError] = UserError) -> Iterator[None]:
     """Around a write to `path`: an OSError becomes `error_type` naming the path and the reason, then `advice`."""

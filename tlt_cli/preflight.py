@@ -46,7 +46,7 @@ from tlt_cli.plugins import DRIVER_HOOKS, WORKER_HOOKS, plugin_factory
 from tlt_cli.processes.machine_checks import machine_problem
 from tlt_cli.processes.run_directory import holds_run
 from tlt_cli.recipe_checks import check_shapes_fit_draft_vocabulary, check_values, refuse
-from tlt_cli.tasks.prompts import encode_prompt
+from tlt_cli.tasks.prompts import ChatTemplateTooSlow, encode_prompt
 from tlt_cli.training import setup
 from tlt_cli.training.memory import memory_problem
 
@@ -110,6 +110,8 @@ def _check_prompt_encoding(recipe: Recipe, tokenizer: Any) -> None:
     prompt = setup.task(recipe).problem(0).prompt
     try:
         encode_prompt(tokenizer, prompt)
+    except ChatTemplateTooSlow as error:
+        raise RecipeError(f"model.path {model_folder(recipe.model.path)}: {error}") from None
     except Exception as error:  # the chat template is the folder's own Jinja code: any error is the folder's
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise RecipeError(

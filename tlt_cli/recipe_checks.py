@@ -36,6 +36,7 @@ from tlt_cli.config import (
     load_recipe,
     range_problem,
 )
+from tlt_cli.engine.sampling import MIN_TEMPERATURE
 from tlt_cli.processes.hostfile import hostfile_problem, ranks_per_node, shell_paths
 from tlt_cli.sglang.adaptive import one_algorithm_problem
 from tlt_cli.sglang.config import sglang_config_problem
@@ -95,9 +96,19 @@ def check_values(recipe: Recipe) -> SpeculativePlan:
     _check_plugins(recipe)  # plugins.enabled names, plugins.options for enabled plugins
     _check_actor_placement(recipe)  # actor.devices against workers and the hostfile
     _check_trainer(recipe)  # what train.trainer trl takes
+    _check_temperature(recipe.rollout.temperature)  # 0 (greedy), or not so small the logits overflow
     if recipe.rollout.backend == RolloutBackendName.sglang:
         _check_sglang_backend(recipe, plan)  # rollout.sglang, and how it fits the workers and the rule table
     return plan
+
+
+def _check_temperature(temperature: float) -> None:
+    """rollout.temperature is 0 (greedy) or at least MIN_TEMPERATURE: logits divided by less overflow to inf (the
+    schema's range says >= 0; this is the gap inside it)."""
+    _require(
+        temperature == 0.0 or temperature >= MIN_TEMPERATURE,
+        f"rollout.temperature must be 0 (greedy) or at least {MIN_TEMPERATURE}, got {temperature}.",
+    )
 
 
 def _check_numbers(section: Any, prefix: str = "") -> None:

@@ -32,7 +32,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
-from tlt_cli.checkpoint import write_atomically
+from tlt_cli.atomic_files import write_atomically
 from tlt_cli.errors import UserError, writing
 
 # the record that ends a step: the trace is fsynced after it

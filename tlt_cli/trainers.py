@@ -20,11 +20,13 @@ from typing import Any
 
 from rich.console import Console
 
-from tlt_cli.config import CPU_DEVICES, Precision, Recipe, Trainer
+from tlt_cli.config import CPU_DEVICES, Precision, Recipe, Trainer, load_recipe
 from tlt_cli.preflight import check_machine, check_memory
 from tlt_cli.processes.driver import RunSummary, TrainerEntry
 from tlt_cli.processes.driver import train as run_driver
 from tlt_cli.processes.messages import WorkerSpec
+from tlt_cli.processes.resume_settings import changed_settings, describe_changes
+from tlt_cli.processes.run_directory import RECIPE_FILE
 from tlt_cli.training.setup import decode_plan, model_cache, prepare_drafter
 from tlt_cli.training.update_precision import resolve_update_precision
 from tlt_cli.training.worker_loop import worker_main
@@ -48,14 +50,20 @@ def train(recipe: Recipe, console: Console, resume_directory: Path | None = None
 
     First a refusal, one sentence, when this machine's memory cannot hold the workers' estimated peak
     (tlt_cli/preflight.py `check_memory`; with actor.precision auto, that of the larger precision), then auto is
-    resolved.
+    resolved; a resume says which settings it changes (tlt_cli/processes/resume_settings.py) and records them in
+    the trace's run record, and the driver writes them to the run's recipe.yaml.
     """
     check_memory(recipe)
     if recipe.actor.precision == Precision.auto and recipe.actor.devices == CPU_DEVICES:
         console.print("choosing actor.precision auto (the update is timed in fp32 and bf16 once per machine and model)")
     recipe, precision = resolve_update_precision(recipe, model_cache(recipe))
     console.print(precision.describe(), markup=False)
-    facts = {"actor_precision": precision.record()}
+    facts: dict[str, Any] = {"actor_precision": precision.record()}
+    if resume_directory is not None:
+        changes = changed_settings(load_recipe(resume_directory / RECIPE_FILE), recipe)
+        if changes:
+            console.print(describe_changes(changes), markup=False, highlight=False, soft_wrap=True)
+            facts["changed_settings"] = {key: list(values) for key, values in changes.items()}
     return run_driver(
         recipe, TRAINERS[recipe.train.trainer], console, resume_directory, keep_log, facts, check_machine=check_machine
     )

@@ -11,6 +11,7 @@ fragment by hand.
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import replace
 from pathlib import Path
@@ -21,7 +22,7 @@ from tlt_cli.calibration.rules import (
     rules_block,
     rules_comment,
 )
-from tlt_cli.config import SpeculativeMode
+from tlt_cli.config import Recipe, SpeculativeMode
 from tlt_cli.errors import UserError
 from tlt_cli.recipe_checks import load_checked_recipe
 
@@ -33,12 +34,23 @@ class RecipeEditError(ValueError):
     """The recipe file could not be rewritten safely; the message says to paste the fragment instead."""
 
 
-def write_rules_into_recipe(path: Path, rules: list[dict], command: str) -> None:
-    """Rewrite `path` so its speculative section is adaptive with `rules` (see the module docstring)."""
+def check_recipe_to_rewrite(path: Path) -> Recipe:
+    """The recipe at `path`, checked, and RecipeEditError unless its file and folder can be written: what
+    `tlt calibrate --write-recipe` asks before it measures anything."""
     try:
-        before = load_checked_recipe(path)
+        recipe = load_checked_recipe(path)
     except UserError as error:
         raise RecipeEditError(f"--write-recipe {path}: {error}") from None
+    if not os.access(path, os.W_OK) or not os.access(path.parent, os.W_OK | os.X_OK):
+        raise RecipeEditError(
+            f"--write-recipe {path}: the file or its folder cannot be written; give a recipe file you can write."
+        )
+    return recipe
+
+
+def write_rules_into_recipe(path: Path, rules: list[dict], command: str) -> None:
+    """Rewrite `path` so its speculative section is adaptive with `rules` (see the module docstring)."""
+    before = check_recipe_to_rewrite(path)
     text = path.read_text(encoding="utf-8")
     candidate = path.with_name(f".{path.name}.calibrated")
     candidate.write_text(edited_recipe_text(text, rules, command), encoding="utf-8")

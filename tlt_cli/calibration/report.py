@@ -17,11 +17,11 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from tlt_cli.atomic_files import write_atomically
 from tlt_cli.calibration.calibrate import CalibrationResult, fragment_path
 from tlt_cli.calibration.measure import Cell
 from tlt_cli.calibration.rules import fragment_text
 from tlt_cli.calibration.settings import CalibrationError
-from tlt_cli.checkpoint import write_atomically
 from tlt_cli.errors import writing
 from tlt_cli.speculative.adaptive import OFF
 

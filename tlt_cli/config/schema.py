@@ -342,7 +342,7 @@ class RolloutConfig:
     max_new_tokens: int = setting(
         320, "longest response in tokens (train.prompts_per_step says how many tokens a step may take)", minimum=1
     )
-    temperature: float = setting(1.0, "sampling temperature", minimum=0, note="0 is greedy")
+    temperature: float = setting(1.0, "sampling temperature", minimum=0, note="0 is greedy, else at least 0.001")
     top_p: float = setting(
         1.0,
         "nucleus sampling: keep the most likely tokens up to this total probability (1.0 keeps all)",
@@ -411,6 +411,8 @@ class ActorConfig:
         "upper bound of the importance weights of rollout_correction",
         minimum=1,
         exclusive_minimum=True,
+        # a weight, times a log-ratio and summed over a batch's tokens, must stay far inside float32's range
+        maximum=10_000,
         note="importance weights are truncated at it",
     )
 

@@ -3,17 +3,23 @@
 With `drafter.init: warmup` the composition root (tlt_cli/training/setup.py, `prepare_drafter`)
 trains a drafter on the target's own generations once (tlt_cli/drafter/warmup.py) and caches it in
 `warmup_folder(recipe, cache)`, keyed by everything that determines it, so the next run with the
-same model and task starts at once.
+same model and task starts at once. `cached_warmup(folder)` says whether a cached warm-up can be used: a
+damaged one (its config does not parse, its weights do not match it) is warned about and counts as absent, so
+the warm-up runs again and replaces it (tlt made the folder; nothing the user saved is lost).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from dataclasses import asdict
 from pathlib import Path
 
 from tlt_cli.config import Recipe
+from tlt_cli.drafter.model import DrafterLoadError, read_drafter_metadata
+
+LOGGER = logging.getLogger(__name__)
 
 # 2: hidden states from the engine, a draft vocabulary (drafter.vocab_size); 3: prompts through the chat template
 WARMUP_FORMAT = 3
@@ -44,3 +50,19 @@ def warmup_key(recipe: Recipe, cache: Path) -> str:
 def warmup_folder(recipe: Recipe, cache: Path) -> Path:
     """The folder the recipe's warmed-up drafter is cached in under the model cache `cache`."""
     return cache / "drafters" / f"warmup-{warmup_key(recipe, cache)}"
+
+
+def cached_warmup(folder: Path) -> bool:
+    """Whether `folder` holds a whole cached warm-up (module docstring); a damaged one is a warning and False."""
+    if not folder.exists():
+        return False
+    try:
+        read_drafter_metadata(folder)
+    except DrafterLoadError:
+        LOGGER.warning(
+            "the cached drafter warm-up %s is damaged (its config or weights do not read back whole); warming up "
+            "again.",
+            folder,
+        )
+        return False
+    return True

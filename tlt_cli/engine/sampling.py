@@ -3,7 +3,10 @@
 `apply_sampling` is the one place temperature, top-k and top-p are applied. The embedded engine
 applies it to the target's logits and speculative decoding applies the very same function to the
 drafter's logits, so the draft distribution q and the target distribution p are processed alike and
-acceptance stays exact. Temperature 0 means greedy: the distribution is a point mass on the argmax.
+acceptance stays exact. Temperature 0 means greedy: the distribution is a point mass on the argmax; a
+positive one is at least MIN_TEMPERATURE (the recipe's bound). `sample` raises `NonFiniteLogits` when a row
+has no finite probability mass (logits that are NaN or infinite: a diverged policy), which the worker turns
+into one sentence naming the step (tlt_cli/training/worker_loop.py).
 """
 
 from __future__ import annotations
@@ -11,6 +14,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+# the smallest positive sampling temperature: below it, logits divided by it leave float32's range (and it is greedy
+# in all but name)
+MIN_TEMPERATURE = 1e-3
+
+
+class NonFiniteLogits(ArithmeticError):
+    """The logits sampled from are not finite, so the distribution has no mass to draw from."""
 
 
 @dataclass(frozen=True)
@@ -73,6 +84,8 @@ def sample(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     49k vocabulary on one CPU thread, 40x this)."""
     cumulative = probs.double().cumsum(dim=-1)
     total = cumulative[:, -1:]
+    if not bool((torch.isfinite(total) & (total > 0)).all()):
+        raise NonFiniteLogits("the logits sampled from are not finite")
     uniform = torch.rand(total.shape, generator=generator, dtype=torch.float64, device=probs.device)
     # strictly below the total, so some token's running mass exceeds it even where u * total rounds up
     threshold = torch.minimum(uniform * total, torch.nextafter(total, torch.zeros_like(total)))

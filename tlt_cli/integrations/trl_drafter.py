@@ -29,6 +29,7 @@ from torch import nn
 
 from tlt_cli.checkpoint import DRAFTER_DIRECTORY
 from tlt_cli.config import DrafterConfig
+from tlt_cli.drafter.initial import cached_warmup
 from tlt_cli.drafter.model import CONFIG_FILE, DrafterLoadError, EagleDrafter, load_drafter, save_drafter
 from tlt_cli.errors import UserError
 from tlt_cli.integrations.trl_support import policy_in_eval_mode, prompt_token_ids, trl_sampling
@@ -87,7 +88,7 @@ def _warmed_up(policy: nn.Module, trainer: Any, settings: DrafterConfig, seed: i
     prompts = prompt_token_ids(trainer, _first_prompts(trainer, settings.warmup_prompts))
     folder = default_cache_dir() / "drafters" / f"trl-warmup-{_warmup_key(policy, trainer, prompts, settings, seed)}"
     with trainer.accelerator.main_process_first():
-        if not (folder / CONFIG_FILE).is_file():
+        if not cached_warmup(folder):
             folder.parent.mkdir(parents=True, exist_ok=True)
             save_drafter(_warm_up(policy, trainer, prompts, settings, seed), folder)
     return load_drafter(folder, policy)

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import pickle
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,7 +21,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from tlt_cli.models.loading import load_config_and_tokenizer, model_folder
+from tlt_cli.models.loading import bin_weights, load_config_and_tokenizer, model_folder
 
 # config.json keys that say where and how a model was saved, not what it is
 UNSAVED_CONFIG_KEYS = ("_name_or_path", "transformers_version", "_commit_hash")
@@ -76,11 +75,7 @@ def _tensor_rows(model_dir: Path) -> Iterator[tuple[str, list[int], bytes]]:
     if safetensors_files:
         return
     for path in sorted(model_dir.glob("*.bin")):
-        try:
-            weights = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
-        except (RuntimeError, pickle.UnpicklingError, EOFError, OSError, ValueError):
-            continue  # a damaged file: the workers' load names it, with its traceback in their log
-        for name, tensor in weights.items():
+        for name, tensor in bin_weights(path).items():
             rows = tensor if tensor.dim() == 0 or len(tensor) <= 2 else torch.cat([tensor[:1], tensor[-1:]])
             yield name, list(tensor.shape), _raw_bytes(rows)
 

@@ -9,8 +9,10 @@ one sentence naming the folder and what to fix. `load_config_and_tokenizer` load
 checks need (the vocabulary) without the weights; `check_weight_shapes` compares the names and shapes in
 the safetensors headers with the model the config builds, so weights of another model, or a folder
 missing a layer's tensors (which transformers would fill with random values, with only a warning), are
-refused before anything loads them (by `tlt recipes validate` as by `tlt train`); the load itself
-refuses a missing or unexpected weight too (.bin files have no header to read first). A folder that ships its own
+refused before anything loads them (by `tlt recipes validate` as by `tlt train`); .bin files, which have no
+header, are read weights-only and memory-mapped for it (`bin_weights`: a pickle torch refuses, or one that
+holds anything but tensors by name, is one sentence); the load itself refuses a missing or unexpected weight
+too. A folder that ships its own
 Python code (`auto_map` in config.json or tokenizer_config.json) is refused unless the caller passes
 trust_remote_code=True (the recipe's `model.trust_remote_code`); every transformers load here says
 which, so transformers never asks on the terminal.
@@ -21,6 +23,8 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import pickle
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -37,6 +41,7 @@ from transformers import (
 )
 from transformers.utils import logging as transformers_logging
 
+from tlt_cli.checkpoint import load_failure_reason
 from tlt_cli.errors import UserError
 from tlt_cli.models.tiny import BUILTIN_TINY_MODEL, SHIPPED_TINY_MODEL, default_cache_dir
 
@@ -131,30 +136,67 @@ def check_weight_shapes(model_dir: Path, config: PretrainedConfig, trust_remote_
     """ModelLoadError naming the first tensor of the folder's safetensors files whose shape differs from
     the model `config` builds (built on the meta device: no memory, no weights read), then the first
     tensor the model has and the files lack (tied weights count once), then the first the files hold and
-    the model has no place for. .bin weights have no header to read: the load checks them.
+    the model has no place for. Without safetensors files, the .bin files are read the same way (`bin_weights`).
     """
     with torch.device("meta"), _without_progress_bars():
         model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
     expected = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
-    files = sorted(model_dir.glob("*.safetensors"))
+    files = sorted(model_dir.glob("*.safetensors")) or sorted(model_dir.glob("*.bin"))
     present = set()
     for weights in files:
-        try:
-            with safe_open(str(weights), framework="pt") as tensors:
-                for name in tensors.keys():
-                    shape = tuple(tensors.get_slice(name).get_shape())
-                    if name in expected and shape != expected[name]:
-                        raise ModelLoadError(
-                            f"Model weights in {weights} do not fit its config.json: {name} has shape "
-                            f"{list(shape)}, the config makes it {list(expected[name])}; the weights belong to "
-                            "another model."
-                        )
-                    present.add(name)
-        except (SafetensorError, OSError) as error:
-            reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-            raise ModelLoadError(f"Model weights in {weights} cannot be read ({reason}).") from None
+        for name, shape in _weight_shapes(weights):
+            if name in expected and shape != expected[name]:
+                raise ModelLoadError(
+                    f"Model weights in {weights} do not fit its config.json: {name} has shape "
+                    f"{list(shape)}, the config makes it {list(expected[name])}; the weights belong to "
+                    "another model."
+                )
+            present.add(name)
     if files:
         _check_weight_names(model_dir, model, present)
+
+
+def _weight_shapes(weights: Path) -> Iterator[tuple[str, tuple[int, ...]]]:
+    """(name, shape) of each tensor of a weight file: a safetensors file's header, or a .bin file read weights-only
+    and memory-mapped (bin_weights)."""
+    if weights.suffix == ".bin":
+        for name, tensor in bin_weights(weights).items():
+            yield name, tuple(tensor.shape)
+        return
+    try:
+        with safe_open(str(weights), framework="pt") as tensors:
+            shapes = [(name, tuple(tensors.get_slice(name).get_shape())) for name in tensors.keys()]
+    except (SafetensorError, OSError) as error:
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise ModelLoadError(f"Model weights in {weights} cannot be read ({reason}).") from None
+    yield from shapes
+
+
+def bin_weights(weights: Path) -> dict[str, torch.Tensor]:
+    """The tensors of a pytorch_model.bin by name, loaded weights-only (no pickled code runs) and memory-mapped;
+    ModelLoadError, one sentence, for a file torch refuses or that holds anything but a dict of tensors."""
+    try:
+        # torch warns that a plain pickle's protocol is not its default: noise beside the refusal
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            loaded = torch.load(weights, map_location="cpu", mmap=True, weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, OSError, ValueError) as error:
+        raise ModelLoadError(
+            f"Model weights in {weights} cannot be loaded safely ({load_failure_reason(error)}); tlt loads only "
+            "tensors from a .bin file, so save the weights again (as safetensors, or a state dict of tensors)."
+        ) from None
+    if not isinstance(loaded, dict):
+        raise ModelLoadError(
+            f"Model weights in {weights} hold a {type(loaded).__name__}, not a dict of tensors by name; save the "
+            "weights again (as safetensors, or a state dict of tensors)."
+        )
+    for name, value in loaded.items():
+        if not isinstance(name, str) or not isinstance(value, torch.Tensor):
+            raise ModelLoadError(
+                f"Model weights in {weights} hold {name!r}: a {type(value).__name__}, not a tensor; save the "
+                "weights again (as safetensors, or a state dict of tensors)."
+            )
+    return loaded
 
 
 def _check_weight_names(model_dir: Path, model: PreTrainedModel, present: set[str]) -> None:

@@ -41,8 +41,9 @@ from typing import Any, Protocol
 
 from rich.console import Console
 
+from tlt_cli.atomic_files import write_atomically
 from tlt_cli.checkpoint import CheckpointError, next_run_advice, remove_staging
-from tlt_cli.config import CPU_DEVICES, Recipe, load_recipe, recipe_to_dict
+from tlt_cli.config import CPU_DEVICES, Recipe, load_recipe, recipe_to_dict, recipe_to_yaml
 from tlt_cli.display import PhaseProgress, TrainingDisplay, render_summary
 from tlt_cli.errors import UserError
 from tlt_cli.models.identity import identity_difference, model_identity
@@ -106,6 +107,11 @@ class TrainingFailed(RuntimeError):
         self.details = details
 
 
+class RunDiverged(TrainingFailed):
+    """A worker's policy logits or loss stopped being finite; the message names the worker, the step and the likely
+    cause, and advises no --resume (its newest checkpoints may hold the diverged weights)."""
+
+
 class WorkerInputError(UserError):
     """A worker stopped on a problem the user can fix (a data file, model weights); the message names it."""
 
@@ -153,12 +159,20 @@ class TrainerEntry:
 class RunTrace:
     """The run's trace, opened at its first record: until a step is recorded, nothing in it changes.
 
-    On a resume the records of steps from `start_step` on are dropped then (they run again), and
-    the `run` record goes first.
+    On a resume the records of steps from `start_step` on are dropped then (they run again), the `run`
+    record goes first, and a resume that changed settings writes the run's recipe.yaml (`recipe_text`) anew.
     """
 
-    def __init__(self, path: Path, start_step: int, run_record: dict[str, Any], loggers: DriverPlugins):
+    def __init__(
+        self,
+        path: Path,
+        start_step: int,
+        run_record: dict[str, Any],
+        loggers: DriverPlugins,
+        recipe_text: str | None = None,
+    ):
         self.path, self.start_step, self.run_record = path, start_step, run_record
+        self.recipe_text = recipe_text
         self.writer: TraceWriter | None = None
         # driver-side plugins see each step record once the trace holds it
         self.loggers = loggers
@@ -169,6 +183,8 @@ class RunTrace:
 
     def write(self, record: dict[str, Any]) -> None:
         if self.writer is None:
+            if self.recipe_text is not None:
+                write_atomically(self.path.parent / RECIPE_FILE, self.recipe_text)
             truncate_trace(self.path, self.start_step)
             self.writer = TraceWriter(self.path)
             self.writer.write(self.run_record)
@@ -268,6 +284,7 @@ def _train_in(
             **run_facts,
         },
         loggers,
+        recipe_to_yaml(recipe) if "changed_settings" in run_facts else None,
     )
     columns = plugin_columns(recipe.plugins.enabled)
     try:
@@ -314,6 +331,11 @@ def _after_failure(error: Exception, details: str, held: RunDirectory, discard: 
     first_line, newline, more = str(error).partition("\n")
     if discard and not keep_log:
         note = "it failed before its first step, so its run directory is removed; --keep-log keeps its log"
+    elif isinstance(error, RunDiverged):  # a checkpoint after the divergence would diverge again
+        note = (
+            f"{f'traceback in {log}; ' if logged else ''}do not --resume it, its newest checkpoint may hold the "
+            "diverged weights: start the run again with the cause fixed"
+        )
     else:
         note = f"{f'traceback in {log}; ' if logged else ''}{next_run_advice(run_directory)}"
     return TrainingFailed(f"{first_line.rstrip('.')} ({note}).{newline}{more}")
@@ -478,6 +500,8 @@ def _first_failure(workers: WorkerGroup, first_report: WorkerFailed, finished: s
     details = "\n".join([cause.details, *(f"then worker {other.worker} failed: {other.message}" for other in others)])
     if cause.user_error:
         return WorkerInputError(cause.message, details)
+    if cause.diverged:
+        return RunDiverged(f"worker {cause.worker}: {cause.message}", details)
     return TrainingFailed(_failure_message(cause), details)
 
 

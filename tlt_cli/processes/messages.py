@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from tlt_cli.config import Recipe
-from tlt_cli.errors import UserError
+from tlt_cli.errors import TrainingDiverged, UserError
 from tlt_cli.processes.distributed import WorkerAddress
 from tlt_cli.rollout.decode_plan import DecodePlan
 
@@ -88,6 +88,7 @@ class WorkerFailed:
     user_error: the error is the user's to fix (a tlt UserError: a data file, model weights); the
     message is then the sentence to show, without the worker's name or the error's type.
     failed_at: when it raised (time.time(): the driver names the first of several failures).
+    diverged: the policy's logits or loss stopped being finite (a TrainingDiverged: the message names the step).
     """
 
     worker: int
@@ -95,12 +96,15 @@ class WorkerFailed:
     details: str
     user_error: bool = False
     failed_at: float = 0.0
+    diverged: bool = False
 
     @classmethod
     def of_exception(cls, worker: int, error: BaseException) -> WorkerFailed:
         """The report of `error`, raised in `worker` and being handled now (its traceback is the current one)."""
         if isinstance(error, UserError):
             return cls(worker, str(error), traceback.format_exc(), user_error=True, failed_at=time.time())
+        if isinstance(error, TrainingDiverged):
+            return cls(worker, str(error), traceback.format_exc(), failed_at=time.time(), diverged=True)
         return cls(worker, f"{type(error).__name__}: {error}", traceback.format_exc(), failed_at=time.time())
 
 

@@ -24,6 +24,7 @@ from itertools import groupby
 import numpy
 
 from tlt_cli.profile.records import (
+    PrecisionSegment,
     ProfileRecords,
     RequestRecord,
     RolloutMismatch,
@@ -154,8 +155,9 @@ class Profile:
     drafter_idle_share: float
     projection: Projection
     warnings: list[str]
-    # one line per distinct rollout precision of the workers: the dtype and the figures that chose it
-    rollout_precision: list[str] = field(default_factory=list)
+    # the precisions the run ran in: per distinct rollout precision of the workers, the dtype and the figures that
+    # chose it, then the actor's; a resumed run's lines per segment, each headed by its steps
+    precision: list[str] = field(default_factory=list)
 
 
 def analyse(records: ProfileRecords, tail_batch: int = DEFAULT_TAIL_BATCH, sd_speedup: float | None = None) -> Profile:
@@ -196,8 +198,21 @@ def analyse(records: ProfileRecords, tail_batch: int = DEFAULT_TAIL_BATCH, sd_sp
         drafter_idle_share=drafter_seconds / idle_worker_seconds if idle_worker_seconds else 0.0,
         projection=_projection(steps, tail_batch, speedup, speedup_source, already_sd=accept_length is not None),
         warnings=list(records.warnings),
-        rollout_precision=sorted({choice.describe() for choice in records.rollout_precision.values()}),
+        precision=precision_lines(records.precision_segments, max((step.step for step in records.steps), default=0)),
     )
+
+
+def precision_lines(segments: list[PrecisionSegment], last_step: int) -> list[str]:
+    """The lines of each segment's precisions (`Profile.precision`); with several, each headed `steps a-b:`."""
+    lines = []
+    for index, segment in enumerate(segments):
+        own = sorted({choice.describe() for choice in segment.rollout.values()})
+        own += [segment.actor] if segment.actor is not None else []
+        if len(segments) > 1:
+            end = segments[index + 1].first_step - 1 if index + 1 < len(segments) else last_step
+            own = [f"steps {segment.first_step}-{end}: {line}" for line in own]
+        lines += own
+    return lines
 
 
 def profile_to_json(profile: Profile) -> dict:

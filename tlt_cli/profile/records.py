@@ -37,6 +37,17 @@ class ProfileInputError(UserError):
 
 
 @dataclass(frozen=True)
+class PrecisionSegment:
+    """What one start or resume of a run (one run record) ran in, from its first step on: per worker the dtype its
+    rollout decoded in and the figures that chose it (older traces: {}), and the actor's precision and why (None
+    where the trace does not say)."""
+
+    first_step: int
+    rollout: dict[str, PrecisionChoice]
+    actor: str | None = None
+
+
+@dataclass(frozen=True)
 class RequestRecord:
     """One generated response: which step and worker, when it ran (seconds) and how long it is."""
 
@@ -129,8 +140,8 @@ class ProfileRecords:
     steps: list[StepRecord]
     sd_configs: list[SdConfigRecord] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
-    # worker -> the dtype its rollout decoded in and the figures that chose it (the run record; older traces: {})
-    rollout_precision: dict[str, PrecisionChoice] = field(default_factory=dict)
+    # per start and resume of the run (each writes a run record): its precisions, oldest first
+    precision_segments: list[PrecisionSegment] = field(default_factory=list)
 
 
 def load_records(path: Path) -> ProfileRecords:
@@ -166,13 +177,18 @@ def read_trace_records(path: Path) -> ProfileRecords:
 
 def _trace_records(path: Path, lines: list[tuple[int, dict[str, Any]]]) -> ProfileRecords:
     requests, workers, steps, sd_configs, warnings = [], [], [], [], []
-    world_size, precision = 0, {}
+    world_size, segments = 0, []
     for number, record in lines:
         where = f"{path} line {number}"
         kind = record.get("type")
         if kind == "run":
             world_size = max(world_size, _number(record, "world_size", int, where, default=0))
-            precision = _rollout_precision(record, where)
+            first_step = record.get("resumed_from_step") or 0
+            if not isinstance(first_step, int):
+                raise ProfileInputError(f"{where}: 'resumed_from_step' must be a step number or null.")
+            segments.append(
+                PrecisionSegment(first_step, _rollout_precision(record, where), _actor_precision(record, where))
+            )
         elif kind == "request":
             requests.append(_request(record, where))
         elif kind == "worker":
@@ -199,7 +215,7 @@ def _trace_records(path: Path, lines: list[tuple[int, dict[str, Any]]]) -> Profi
         steps=steps,
         sd_configs=[record for record in sd_configs if record.step in complete],
         warnings=warnings,
-        rollout_precision=precision,
+        precision_segments=segments,
     )
     if not records.steps:
         raise ProfileInputError(
@@ -346,6 +362,16 @@ def _batch_sizes(record: dict[str, Any], where: str) -> dict[int, int]:
     ):
         raise ProfileInputError(f"{where}: 'batch_sizes' must map running batch sizes to decode-step counts.")
     return {int(size): steps for size, steps in sizes.items()}
+
+
+def _actor_precision(record: dict[str, Any], where: str) -> str | None:
+    """The run record's `actor_precision` as one line (tlt_cli/training/update_precision.py), or None."""
+    actor = record.get("actor_precision")
+    if actor is None:
+        return None
+    if not isinstance(actor, dict) or not all(isinstance(actor.get(key), str) for key in ("precision", "reason")):
+        raise ProfileInputError(f"{where}: 'actor_precision' must hold 'precision' and 'reason' texts.")
+    return f"actor precision {actor['precision']} ({actor['reason']})"
 
 
 def _rollout_precision(record: dict[str, Any], where: str) -> dict[str, PrecisionChoice]:

@@ -39,7 +39,7 @@ def render_profile(
         f"({profile.kind}, {profile.workers} workers, {len(profile.steps)} {steps_word})",
         highlight=False,
     )
-    for line in profile.rollout_precision:
+    for line in profile.precision:
         console.print(escape(line), highlight=False)
     console.print(_lengths_table(profile))
     console.print(_steps_table(profile))

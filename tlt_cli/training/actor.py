@@ -31,6 +31,7 @@ from transformers import PreTrainedModel
 
 from tlt_cli.checkpoint import load_checkpoint_file
 from tlt_cli.config import CPU_DEVICES, ActorConfig, Precision
+from tlt_cli.errors import TrainingDiverged
 from tlt_cli.processes.distributed import import_deepspeed
 from tlt_cli.training.grpo import PolicyLoss, policy_loss
 from tlt_cli.training.logprobs import token_logprobs
@@ -153,10 +154,13 @@ class Actor:
                     on_hidden_states if single_pass else None,
                     mismatch if epoch == 0 else None,
                 )
+                loss = float(result.loss.detach())
+                if not math.isfinite(loss):  # checked before the step, so the weights never take it
+                    raise TrainingDiverged(f"the policy loss is {loss}")
                 # the loss is already normalised over the whole batch: no extra 1/accumulation scaling
                 self.engine.backward(result.loss, scale_wrt_gas=False)
                 self.engine.step()
-                totals["loss"] += float(result.loss.detach())
+                totals["loss"] += loss
                 totals["clip_fraction"] += result.clip_fraction / len(parts)
                 totals["kl"] += result.kl / len(parts)
                 totals["ratio_mean"] += result.ratio_mean / len(parts)

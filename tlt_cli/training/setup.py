@@ -38,7 +38,7 @@ from tlt_cli.config import (
     RolloutDtype,
     SpeculativeSection,
 )
-from tlt_cli.engine.sampling import SamplingParams
+from tlt_cli.engine.sampling import MIN_TEMPERATURE, SamplingParams
 from tlt_cli.models.tiny import cache_directory
 from tlt_cli.plugins import plugins_train_drafter
 from tlt_cli.speculative.adaptive import Rule, RuleTableError, SpeculationMode, SpeculativePlan, build_rules
@@ -141,12 +141,12 @@ def prepare_drafter(
         return None, None
     if recipe.drafter.init != "warmup":
         return Path(recipe.drafter.init), None
-    from tlt_cli.drafter.initial import warmup_folder
-    from tlt_cli.drafter.model import CONFIG_FILE, save_drafter
+    from tlt_cli.drafter.initial import cached_warmup, warmup_folder
+    from tlt_cli.drafter.model import save_drafter
     from tlt_cli.drafter.warmup import warm_up_drafter
 
     folder = warmup_folder(recipe, cache)
-    if (folder / CONFIG_FILE).is_file():
+    if cached_warmup(folder):
         return folder, None
     target, tokenizer = policy_and_tokenizer(recipe)
     drafter, report = warm_up_drafter(
@@ -159,7 +159,7 @@ def prepare_drafter(
         seed=recipe.run.seed,
         train_prompts=recipe.drafter.warmup_prompts,
         max_new_tokens=recipe.rollout.max_new_tokens,
-        temperature=max(recipe.rollout.temperature, 1e-3),
+        temperature=max(recipe.rollout.temperature, MIN_TEMPERATURE),  # greedy runs warm up sampling
         draft_vocab_size=recipe.drafter.vocab_size,
         progress=progress,
     )

@@ -29,7 +29,7 @@ from tlt_cli.training.actor import RESOLVED_PRECISIONS, enable_recomputation, fo
 from tlt_cli.training.grpo import policy_loss
 from tlt_cli.training.memory import model_shape
 from tlt_cli.training.policy_batch import PolicyBatch
-from tlt_cli.tuning.cache import cached_record, machine_key
+from tlt_cli.tuning.cache import cached_record, machine_key, positive_figures
 
 CACHE_FOLDER = "update_precision"
 MEASUREMENT_FORMAT = 1
@@ -96,11 +96,17 @@ def measured_choice(recipe: Recipe, cache_dir: Path) -> UpdatePrecision:
             policy, _ = setup.policy_and_tokenizer(recipe)
             return {"seconds": measure_update_seconds(policy, recipe.actor)}
 
-        record, path = cached_record(cache_dir, CACHE_FOLDER, key, measure)
+        record, path = cached_record(cache_dir, CACHE_FOLDER, key, measure, valid_record)
         seconds = record["seconds"]
     finally:
         torch.set_num_threads(threads)
-    return UpdatePrecision(faster_precision(seconds), f"auto: measured on this machine, cached in {path}", seconds)
+    where = f"cached in {path}" if path is not None else "not cached"
+    return UpdatePrecision(faster_precision(seconds), f"auto: measured on this machine, {where}", seconds)
+
+
+def valid_record(record: dict) -> bool:
+    """Whether a stored record holds a finite positive time for each precision (tlt_cli/tuning/cache.py)."""
+    return positive_figures(record.get("seconds"), RESOLVED_PRECISIONS)
 
 
 def faster_precision(seconds: dict[str, float]) -> Precision:

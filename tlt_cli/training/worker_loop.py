@@ -27,6 +27,8 @@ import torch
 
 from tlt_cli.checkpoint import save_collectively
 from tlt_cli.config import CPU_DEVICES
+from tlt_cli.engine.sampling import NonFiniteLogits
+from tlt_cli.errors import TrainingDiverged
 from tlt_cli.plugins import PluginHost, StepContext, agree_across_workers, build_plugins
 from tlt_cli.processes.distributed import RolloutBarrier, barrier_timeout, init_worker_process
 from tlt_cli.processes.messages import WorkerFailed, WorkerFinished, WorkerProgress, WorkerSpec, WorkerStepReport
@@ -132,12 +134,29 @@ class WorkerLoop:
     def run(self) -> None:
         self.start_rollout()
         for step in range(self.spec.start_step, self.recipe.train.steps):
-            report = self.run_step(step)
+            try:
+                report = self.run_step(step)
+            except (NonFiniteLogits, TrainingDiverged) as error:
+                raise TrainingDiverged(self.divergence(step, error)) from error
             next_step = step + 1
             if next_step % self.recipe.checkpoint.every == 0 or next_step == self.recipe.train.steps:
                 self.progress(step, "saving the checkpoint")
                 report.checkpoint = str(self.save_checkpoint(next_step))
             self.events.put(report)
+
+    def divergence(self, step: int, error: ArithmeticError | TrainingDiverged) -> str:
+        """One sentence: what stopped being finite at `step`, and the likely cause (the model or the temperature
+        before this run updated it; the learning rate after)."""
+        recipe = self.recipe
+        if step > self.spec.start_step:
+            cause = f"most likely actor.lr {recipe.actor.lr} is too high"
+        elif isinstance(error, NonFiniteLogits):
+            temperature = recipe.rollout.temperature
+            cause = f"before any update of this run: the model's weights, or rollout.temperature {temperature}"
+        else:
+            cap = recipe.actor.rollout_correction_cap
+            cause = f"in the first update of this run: the model's weights, or actor.rollout_correction_cap {cap}"
+        return f"step {step}: {error}, so training diverged ({cause})"
 
     def run_step(self, step: int) -> WorkerStepReport:
         context = StepContext(

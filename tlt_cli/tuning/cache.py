@@ -1,47 +1,59 @@
 """The cache of per-machine measurements: what identifies a machine, and one JSON record per key on disk.
 
-A measurement (a linear-form plan, a precision choice) calls `cached_record(cache_dir, folder, key, measure)`
+A measurement (a linear-form plan, a precision choice) calls `cached_record(cache_dir, folder, key, measure, valid)`
 with a `key` that starts from `machine_key(device)` (CPU model string or GPU name, the CPU's AMX and AVX-512
-bfloat16 flags, core count, torch
-threads, torch version, device type) and adds what else the result depends on (the model's shapes, the
-format of the record). The record lives at `<cache_dir>/<folder>/<hash of key>.json`; the first caller
-measures and writes it (to a temporary file, then renamed) while holding `<hash>.lock`, so concurrent
-ranks measure once and never read half a file; a stored record whose key differs (a hash collision, or
-a file copied from elsewhere) is measured again.
+bfloat16 flags, core count, the cores this process may use and its cgroup's CPU quota, torch threads, torch
+version, device type) and adds what else the result depends on (the model's shapes, the format of the
+record). The record lives at `<cache_dir>/<folder>/<hash of key>.json`; the first caller measures and
+writes it (tlt_cli/atomic_files.py: an O_EXCL temporary file, fsynced, then renamed) while holding
+`<hash>.lock` (never followed if it is a symbolic link), so concurrent ranks measure once and never read
+half a file; a stored record whose key differs (a hash collision, or a file copied from elsewhere) is
+measured again. A damaged record (it does not parse, or `valid` finds its figures out of shape: missing,
+zero, not finite) counts as absent: a warning names the file and it is measured again. A record that
+cannot be written (a full disk, a lock file that is a link) is a warning; the run goes on with the
+figures it measured. Deleting `<cache_dir>/<folder>/` takes every measurement of it again.
 
 Example:
     key = {**machine_key(torch.device("cpu")), "format": 1, "shapes": shapes}
-    record, path = cached_record(cache_dir, "rollout_precision", key, lambda: {"dtype": measure_dtype()})
+    record, path = cached_record(cache_dir, "update_precision", key, measure, lambda record: positive_figures(
+        record.get("seconds"), ("fp32", "bf16")))
 """
 
 from __future__ import annotations
 
-import fcntl
+import contextlib
 import hashlib
 import json
 import logging
+import math
 import os
 import platform
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
+
+from tlt_cli.atomic_files import exclusive_lock, read_json_object, write_atomically
 
 LOGGER = logging.getLogger(__name__)
 
 
 # CPU flags that decide how fast low-precision products run (AMX, AVX-512 bfloat16)
 MATRIX_FLAGS = ("amx_bf16", "amx_tile", "amx_int8", "avx512_bf16", "avx512_vnni")
+# the CPU time a cgroup v2 may use per period: measurements made under another quota are taken again
+CGROUP_CPU_MAX = "/sys/fs/cgroup/cpu.max"
 
 
 def machine_key(device: torch.device) -> dict:
-    """What identifies this machine for a measurement on `device`: processor and its matrix-unit flags, cores,
-    torch threads and version."""
+    """What identifies this machine for a measurement on `device`: processor and its matrix-unit flags, cores (those
+    the machine has, those this process may run on, its cgroup's CPU quota), torch threads and version."""
     return {
         "processor": processor_name(device),
         "matrix_flags": list(matrix_flags()) if device.type == "cpu" else [],
         "cores": os.cpu_count(),
+        "usable_cores": len(os.sched_getaffinity(0)),
+        "cpu_quota": cpu_quota(),
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "device": device.type,
@@ -70,28 +82,86 @@ def matrix_flags() -> tuple[str, ...]:
     return ()
 
 
+def cpu_quota() -> str:
+    """The cgroup v2 CPU quota of this process ("max 100000": none; "150000 100000": 1.5 cores), or "" where none
+    can be read."""
+    try:
+        return Path(CGROUP_CPU_MAX).read_text().strip()
+    except OSError:
+        return ""
+
+
 def record_path(cache_dir: Path, folder: str, key: dict) -> Path:
     """`<cache_dir>/<folder>/<hash of key>.json`: where the record of `key` is cached."""
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     return Path(cache_dir) / folder / f"{digest}.json"
 
 
-def cached_record(cache_dir: Path, folder: str, key: dict, measure: Callable[[], dict]) -> tuple[dict, Path]:
+def cached_record(
+    cache_dir: Path, folder: str, key: dict, measure: Callable[[], dict], valid: Callable[[dict], bool]
+) -> tuple[dict, Path | None]:
     """The record cached for `key` (see the module docstring), or `measure()`'s, written there first; the record
-    is `{"key": key, "measure_seconds": ..., **measure()}`."""
+    is `{"key": key, "measure_seconds": ..., **measure()}` and its file's path, None when it could not be cached
+    (a warning says why: a full disk, a lock file that is a symbolic link). `valid(record)` says whether a stored
+    record's fields have the shape `measure` gives them; one that has not, or does not parse, counts as absent."""
     path = record_path(cache_dir, folder, key)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path.with_suffix(".lock"), "w") as lock_file:
-        fcntl.flock(lock_file, fcntl.LOCK_EX)  # released when the file closes
-        if path.is_file():
-            stored = json.loads(path.read_text())
-            if stored.get("key") == key:
-                return stored, path
-        LOGGER.info("Measuring %s of this machine into %s (once).", folder, path)
-        started = time.perf_counter()
-        record = {"key": key, **measure()}
-        record["measure_seconds"] = round(time.perf_counter() - started, 2)
-        temporary = path.parent / f".{path.stem}.tmp-{os.getpid()}"
-        temporary.write_text(json.dumps(record, indent=1) + "\n")
-        os.replace(temporary, path)
+    with contextlib.ExitStack() as held:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            held.enter_context(exclusive_lock(path.with_suffix(".lock")))
+        except OSError as error:
+            _warn_uncached(path, error)
+            return measured_record(folder, path, key, measure), None
+        stored = stored_record(path, key, valid)
+        if stored is not None:
+            return stored, path
+        record = measured_record(folder, path, key, measure)
+        try:
+            write_atomically(path, json.dumps(record, indent=1) + "\n")
+        except OSError as error:  # a full disk: the temporary file is gone, the run goes on
+            _warn_uncached(path, error)
+            return record, None
     return record, path
+
+
+def _warn_uncached(path: Path, error: OSError) -> None:
+    LOGGER.warning(
+        "measurement record %s cannot be written (%s); this run goes on without caching it.",
+        path,
+        error.strerror or error,
+    )
+
+
+def stored_record(path: Path, key: dict, valid: Callable[[dict], bool]) -> dict | None:
+    """The record at `path` if it was measured for `key`; None when there is none, it was measured for another key,
+    or it is damaged (unparsable, or fields out of shape: a warning naming the file, it is measured again)."""
+    if not path.exists():
+        return None
+    record = read_json_object(path)
+    if record is not None and record.get("key") != key and isinstance(record.get("key"), dict):
+        return None  # measured for another key (a hash collision, a file copied from elsewhere)
+    if record is None or not valid(record):
+        LOGGER.warning("measurement record %s is damaged (unparsable or out of shape); measuring again.", path)
+        return None
+    return record
+
+
+def measured_record(folder: str, path: Path, key: dict, measure: Callable[[], dict]) -> dict:
+    """`{"key": key, **measure(), "measure_seconds": ...}`."""
+    LOGGER.info("Measuring %s of this machine into %s (once).", folder, path)
+    started = time.perf_counter()
+    record = {"key": key, **measure()}
+    record["measure_seconds"] = round(time.perf_counter() - started, 2)
+    return record
+
+
+def positive_figures(figures: object, names: Iterable[str]) -> bool:
+    """Whether `figures` maps exactly `names` to finite positive numbers (a measured record's timings)."""
+    return (
+        isinstance(figures, dict)
+        and set(figures) == set(names)
+        and all(
+            isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+            for value in figures.values()
+        )
+    )

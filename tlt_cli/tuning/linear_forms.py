@@ -49,6 +49,8 @@ HOPELESS = 1.5
 # a group's timed call repeats its pass until it lasts about this long (tiny models' passes take microseconds)
 SHORTEST_TIMING_SECONDS = 5e-4
 PLAN_FORMAT = 2
+# the most rows a stored plan's bucket may name (each decode copy holds a form per row count up to its largest)
+MAX_ROWS = 4096
 CACHE_FOLDER = "linear_forms"
 
 
@@ -67,7 +69,7 @@ def cached_plan(
     cache_dir: Path,
     row_buckets: Sequence[int] = ROW_BUCKETS,
     rounds: int = ROUNDS,
-) -> tuple[LinearFormPlan, Path]:
+) -> tuple[LinearFormPlan, Path | None]:
     """The plan for these modules on this machine, and its file: read from the cache, or measured (see
     measure_plan) and written there first."""
 
@@ -79,8 +81,25 @@ def cached_plan(
         }
         return {"plan": plan.to_dict(), "milliseconds": rounded}
 
-    record, path = cached_record(cache_dir, CACHE_FOLDER, plan_key(modules, row_buckets), measure)
+    record, path = cached_record(cache_dir, CACHE_FOLDER, plan_key(modules, row_buckets), measure, valid_record)
     return LinearFormPlan.from_dict(record["plan"]), path
+
+
+def valid_record(record: dict) -> bool:
+    """Whether a stored record holds a plan of this shape (tlt_cli/tuning/cache.py): ascending row buckets within
+    1..MAX_ROWS, and per weight shape one known form per bucket."""
+    plan = record.get("plan")
+    if not isinstance(plan, dict) or not isinstance(plan.get("forms"), dict):
+        return False
+    buckets = plan.get("row_buckets")
+    if not isinstance(buckets, list) or not buckets:
+        return False
+    if not all(type(rows) is int and 1 <= rows <= MAX_ROWS for rows in buckets) or buckets != sorted(set(buckets)):
+        return False
+    return all(
+        isinstance(forms, list) and len(forms) == len(buckets) and all(form in FORM_NAMES for form in forms)
+        for forms in plan["forms"].values()
+    )
 
 
 def plan_key(modules: Sequence[nn.Module | None], row_buckets: Sequence[int] = ROW_BUCKETS) -> dict:

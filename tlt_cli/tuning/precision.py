@@ -45,12 +45,14 @@ from tlt_cli.config import RolloutDtype
 from tlt_cli.engine import decode_model_for
 from tlt_cli.engine.linear_forms import LinearFormPlan
 from tlt_cli.engine.llama_family import refusal
-from tlt_cli.tuning.cache import cached_record, machine_key
+from tlt_cli.tuning.cache import cached_record, machine_key, positive_figures
 from tlt_cli.tuning.timing import block_pass, milliseconds, random_prefix, repeats_for
 
 ROLLOUT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 CACHE_FOLDER = "rollout_precision"
 MEASUREMENT_FORMAT = 2
+# the figures a measurement records, each in milliseconds per dtype name
+FIGURES = ("step_ms", "batch_step_ms", "verify_ms")
 ROUNDS = 5
 PREFIX_TOKENS = 64
 VERIFY_ROWS, VERIFY_TOKENS = 4, 4
@@ -151,7 +153,9 @@ def rollout_precision(
         "model": model_key(policy, linear_plan),
         "rows": rows,
     }
-    record, _ = cached_record(cache_dir, CACHE_FOLDER, key, lambda: _measured_record(policy, linear_plan, rows))
+    record, _ = cached_record(
+        cache_dir, CACHE_FOLDER, key, lambda: _measured_record(policy, linear_plan, rows), valid_record
+    )
     step_ms, batch_step_ms, verify_ms = record["step_ms"], record["batch_step_ms"], record["verify_ms"]
     dtype = choose_dtype(step_ms, batch_step_ms, verify_ms, workload.speculates)
     return PrecisionChoice(dtype, "measured", step_ms, verify_ms, batch_step_ms, workload.rows, workload.speculates)
@@ -197,8 +201,13 @@ def measure_precision(
     return best["step_ms"], best.get("batch_step_ms", dict(best["step_ms"])), best["verify_ms"]
 
 
+def valid_record(record: dict) -> bool:
+    """Whether a stored record holds a finite positive time per dtype for each figure (tlt_cli/tuning/cache.py)."""
+    return all(positive_figures(record.get(figure), ROLLOUT_DTYPES) for figure in FIGURES)
+
+
 def _measured_record(policy: nn.Module, linear_plan: LinearFormPlan | None, rows: int) -> dict:
-    figures = zip(("step_ms", "batch_step_ms", "verify_ms"), measure_precision(policy, linear_plan, rows))
+    figures = zip(FIGURES, measure_precision(policy, linear_plan, rows))
     return {name: {key: round(value, 3) for key, value in values.items()} for name, values in figures}
 
 
