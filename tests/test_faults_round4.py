@@ -317,8 +317,7 @@ def test_a_resume_with_changed_settings_says_so_and_writes_them_to_the_run(run_c
         ("rollout.temperature=1e-300", "rollout.temperature must be 0 (greedy) or at least 0.001, got 1e-300."),
         (
             "actor.rollout_correction_cap=1e308",
-            "actor.rollout_correction_cap must be greater than 1 and at most 10000 (importance weights are "
-            "truncated at it), got 1e+308.",
+            "actor.rollout_correction_cap must be in (1, 10000] (importance weights are truncated at it), got 1e+308.",
         ),
     ],
 )

@@ -38,6 +38,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "tlt_cli.versions",
             "tlt_cli.shared_memory",
             "tlt_cli.process_status",
+            "tlt_cli.atomic_files",
         ),
     ),
     ("tasks", ("tlt_cli.tasks",)),

@@ -117,8 +117,7 @@ MALFORMED = {
     "rollout correction cap at most 1": (
         "run: {name: t}\n",
         ["actor.rollout_correction_cap=1.0"],
-        "actor.rollout_correction_cap must be greater than 1 and at most 10000 (importance weights are truncated at "
-        "it), got 1.0.",
+        "actor.rollout_correction_cap must be in (1, 10000] (importance weights are truncated at it), got 1.0.",
     ),
     "mode a mapping": (
         "speculative:\n  mode: {a: 1}\n",
