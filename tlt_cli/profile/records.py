@@ -187,7 +187,7 @@ def _trace_records(path: Path, lines: list[tuple[int, dict[str, Any]]]) -> Profi
             if not isinstance(first_step, int):
                 raise ProfileInputError(f"{where}: 'resumed_from_step' must be a step number or null.")
             segments.append(
-                PrecisionSegment(first_step, _rollout_precision(record, where), _actor_precision(record, where))
+                PrecisionSegment(first_step, _precision_records(record, where), _actor_precision(record, where))
             )
         elif kind == "request":
             requests.append(_request(record, where))
@@ -374,7 +374,7 @@ def _actor_precision(record: dict[str, Any], where: str) -> str | None:
     return f"actor precision {actor['precision']} ({actor['reason']})"
 
 
-def _rollout_precision(record: dict[str, Any], where: str) -> dict[str, PrecisionChoice]:
+def _precision_records(record: dict[str, Any], where: str) -> dict[str, PrecisionChoice]:
     """The run record's `rollout_precision` (worker -> PrecisionChoice record), each field checked."""
     by_worker = record.get("rollout_precision", {})
     if not isinstance(by_worker, dict):

@@ -4,11 +4,10 @@ Speculative decoding pays when verifying a block of drafted tokens costs about o
 units (GPU tensor cores, CPUs with AMX) that holds in bfloat16 and not in float32 (a 16-token verify of
 SmolLM2-135M on an AMX Xeon: 1.21x a 1-row step in bfloat16, 2.46x in float32); on other CPUs bfloat16
 gains little, and a bfloat16 rollout samples from a slightly different policy than the float32 learner
-(tlt_cli/training measures and corrects that). So the dtype is measured, not assumed:
-
-    choice = rollout_precision("auto", policy, linear_plan, cache_dir)   # PrecisionChoice
-    decode_model_for(policy, dtype=choice.torch_dtype, linear_plan=linear_plan)
-    print(choice.describe())      # for the run log; choice.to_record() for the trace
+(tlt_cli/training measures and corrects that). So the dtype is measured, not assumed; the composition root
+(tlt_cli/training/setup.py `decode_plan_for`) is the one caller, and the rollout decodes in the dtype of the
+plan it makes: the `PrecisionChoice` here gives it (`torch_dtype`), its run-log line (`describe()`) and the
+trace's record (`to_record()`).
 
 `float32` and `bfloat16` are taken as given. `auto` reads the choice cached for this machine and model, or
 measures it first (about 2 s for SmolLM2-135M, milliseconds for the built-in tiny model): the owned decode
