@@ -1,6 +1,7 @@
 """Measure which linear form (tlt_cli/engine/linear_forms.py) is fastest per weight shape and row count, and cache it.
 
-`measured_linear_plan(mode, [policy, drafter], cache_dir)` is what the rollout backends call: `off` gives None (plain
+`measured_linear_plan` is what the composition root (tlt_cli/training/setup.py `decode_plan_for`) calls for the
+policy and drafter: `off` gives None (plain
 F.linear everywhere), `auto` the plan cached for this machine and these shapes, measured and cached first
 if there is none. The plan goes to whoever decodes (`decode_model_for`, the engine's drafter copy); nothing
 here changes a module.
