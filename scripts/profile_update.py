@@ -53,7 +53,6 @@ CASTS = {"aten::to", "aten::_to_copy", "aten::copy_", "aten::clone", "aten::cont
 BACKWARD_LABEL = "profile: backward"
 STEP_LABEL = "profile: DeepSpeed step"
 LAYER_LABEL = "profile: decoder layer"
-RECOMPUTED_LAYER_LABEL = "profile: decoder layer recomputed"
 HEAD_NAMES = ("ChunkedHeadLogprobs",)
 TOP_OPERATORS = 25
 MICROSECONDS = 1e-6
@@ -121,8 +120,7 @@ def profile_one_update(recipe_name: str, overrides: list[str]) -> dict:
 
 def label_update_parts(actor) -> None:
     """Wrap the engine's backward and step, and each decoder layer's forward, in profiler labels; a layer's
-    forward inside backward (the autograd engine is running a node) is its recomputation."""
-    import torch
+    forward inside the engine's backward is its recomputation (gradient checkpointing)."""
     from torch.profiler import record_function
 
     engine = actor.engine
@@ -135,13 +133,12 @@ def label_update_parts(actor) -> None:
 
         setattr(engine, name, labelled)
     for layer in actor.policy.get_decoder().layers:
-        layer.forward = labelled_forward(layer.forward, torch, record_function)
+        layer.forward = labelled_forward(layer.forward, record_function)
 
 
-def labelled_forward(forward, torch, record_function):
+def labelled_forward(forward, record_function):
     def run(*arguments, **keywords):
-        recomputed = torch._C._current_autograd_node() is not None
-        with record_function(RECOMPUTED_LAYER_LABEL if recomputed else LAYER_LABEL):
+        with record_function(LAYER_LABEL):
             return forward(*arguments, **keywords)
 
     return run
@@ -210,10 +207,8 @@ def category(name: str, ancestors: set[str]) -> str:
 def phase(names: set[str]) -> str:
     if STEP_LABEL in names:
         return "optimizer step"
-    if RECOMPUTED_LAYER_LABEL in names:
-        return "recomputation"
     if BACKWARD_LABEL in names:
-        return "backward"
+        return "recomputation" if LAYER_LABEL in names else "backward"
     return "forward"
 
 

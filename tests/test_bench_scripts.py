@@ -174,7 +174,7 @@ def test_profile_update_puts_each_operators_self_time_in_one_category_and_one_ph
     assert category("autograd::engine::evaluate_function: MmBackward0", set()) == "Python and dispatch"
     assert category("aten::_scaled_dot_product_flash_attention_for_cpu", set()) == "attention"
     assert set(profile_update.CATEGORIES) >= {"all-reduce", "other operators (norms, activations, elementwise)"}
-    recomputed = {profile_update.BACKWARD_LABEL, profile_update.RECOMPUTED_LAYER_LABEL, "aten::mm"}
+    recomputed = {profile_update.BACKWARD_LABEL, profile_update.LAYER_LABEL, "aten::mm"}
     assert phase(recomputed) == "recomputation"
     assert phase({profile_update.BACKWARD_LABEL, "aten::mm"}) == "backward"
     assert phase({profile_update.LAYER_LABEL, "aten::mm"}) == "forward"
