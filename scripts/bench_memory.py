@@ -77,13 +77,55 @@ def update_in_fresh_process(recipe: str, overrides: list[str], max_new_tokens: i
 
 def one_update(recipe_name: str, overrides: list[str]) -> dict:
     """One worker's first GRPO update on its worst-case batch, in this process (one rank)."""
+    from tlt_cli.config import load_recipe
+    from tlt_cli.recipes import resolve_recipe_path
+    from tlt_cli.training import memory
+
+    recipe, precision, actor, batch = worst_case_update(recipe_name, overrides)
+    prompts = recipe.train.prompts_per_step // recipe.workers.count
+    length = recipe.rollout.max_new_tokens
+    before = memory.resident_bytes()
+    memory.reset_peak_resident()
+    start, start_cpu = time.perf_counter(), time.process_time()
+    metrics = actor.update(batch)
+    seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - start_cpu
+    peak = memory.peak_resident_bytes()
+    # the estimate for what this process is: one rank holding the whole optimizer state, with one worker's prompts
+    one_rank = load_recipe(
+        resolve_recipe_path(recipe_name),
+        [*overrides, "workers.count=1", f"train.prompts_per_step={prompts}", f"actor.precision={precision.precision}"],
+    )
+    estimate = memory.worker_peak_estimate(one_rank, memory.model_shape(recipe), memory.longest_prompt_tokens(recipe))
+    return {
+        "max_new_tokens": length,
+        "precision": precision.precision,
+        "sequences": batch.size,
+        "sequence_tokens": int(batch.input_ids.shape[1]),
+        "resident_before_gb": before / GB,
+        "update_peak_gb": peak / GB,
+        "update_growth_gb": (peak - before) / GB,
+        "estimate_gb": estimate.total_bytes / GB,
+        "estimate_update_gb": estimate.update / GB,
+        "estimate_training_state_gb": estimate.training_state / GB,
+        "update_seconds": seconds,
+        # CPU time of every thread of the process: steadier than wall-clock on a shared machine
+        "update_cpu_seconds": cpu_seconds,
+        "loss": metrics.loss,
+        "grad_norm": metrics.grad_norm,
+    }
+
+
+def worst_case_update(recipe_name: str, overrides: list[str]):
+    """(recipe, its UpdatePrecision, a one-rank Actor, the worst-case PolicyBatch) of one worker, in this
+    process: prompts_per_step / workers.count prompts of the task x group_size random responses, each
+    max_new_tokens long, and random advantages, all from the recipe's seed."""
     import torch
 
     from tlt_cli.config import load_recipe
     from tlt_cli.recipes import resolve_recipe_path
     from tlt_cli.rollout.types import Completion
     from tlt_cli.tasks.prompts import encode_prompt
-    from tlt_cli.training import memory, setup
+    from tlt_cli.training import setup
     from tlt_cli.training.actor import Actor
     from tlt_cli.training.policy_batch import build_policy_batch
     from tlt_cli.training.update_precision import resolve_update_precision
@@ -112,36 +154,7 @@ def one_update(recipe_name: str, overrides: list[str]) -> dict:
         response = torch.randint(0, policy.config.vocab_size, (length,), generator=generator).tolist()
         completions.append(Completion(index, prompt_ids, response, finished_by_eos=False, start=0.0, end=0.0))
     advantages = torch.randn(len(completions), generator=generator)
-    batch = build_policy_batch(completions, advantages, tokenizer.pad_token_id)
-    before = memory.resident_bytes()
-    memory.reset_peak_resident()
-    start, start_cpu = time.perf_counter(), time.process_time()
-    metrics = actor.update(batch)
-    seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - start_cpu
-    peak = memory.peak_resident_bytes()
-    # the estimate for what this process is: one rank holding the whole optimizer state, with one worker's prompts
-    one_rank = load_recipe(
-        resolve_recipe_path(recipe_name),
-        [*overrides, "workers.count=1", f"train.prompts_per_step={prompts}", f"actor.precision={precision.precision}"],
-    )
-    estimate = memory.worker_peak_estimate(one_rank, memory.model_shape(recipe), memory.longest_prompt_tokens(recipe))
-    return {
-        "max_new_tokens": length,
-        "precision": precision.precision,
-        "sequences": len(completions),
-        "sequence_tokens": int(batch.input_ids.shape[1]),
-        "resident_before_gb": before / GB,
-        "update_peak_gb": peak / GB,
-        "update_growth_gb": (peak - before) / GB,
-        "estimate_gb": estimate.total_bytes / GB,
-        "estimate_update_gb": estimate.update / GB,
-        "estimate_training_state_gb": estimate.training_state / GB,
-        "update_seconds": seconds,
-        # CPU time of every thread of the process: steadier than wall-clock on a shared machine
-        "update_cpu_seconds": cpu_seconds,
-        "loss": metrics.loss,
-        "grad_norm": metrics.grad_norm,
-    }
+    return recipe, precision, actor, build_policy_batch(completions, advantages, tokenizer.pad_token_id)
 
 
 def render_update(rows: list[dict]) -> None:

@@ -123,6 +123,35 @@ def test_an_update_through_chunked_logprobs_moves_the_weights_as_full_vocabulary
     assert chunked_metrics.grad_norm == pytest.approx(full_metrics.grad_norm, rel=1e-5)
 
 
+def test_the_actors_adamw_is_fused_and_moves_the_weights_as_torchs_per_tensor_adamw(single_process_group, monkeypatch):
+    config = ActorConfig(precision="fp32", lr=1e-2, micro_batch_size=4, zero_stage=2)
+    fused = Actor(tiny_policy(), config, sequences_per_update=6)
+    assert torch_optimizer(fused).defaults["fused"] is True
+    per_tensor_adamw = torch.optim.AdamW
+
+    def unfused(*arguments, fused, **settings):
+        return per_tensor_adamw(*arguments, foreach=False, **settings)
+
+    monkeypatch.setattr(torch.optim, "AdamW", unfused)
+    reference = Actor(tiny_policy(), config, sequences_per_update=6)
+    assert not torch_optimizer(reference).defaults["fused"]
+    for _ in range(3):  # the first step is about lr * sign(g); later ones weigh the moments
+        fused_metrics, reference_metrics = fused.update(rollout_batch()), reference.update(rollout_batch())
+        assert fused_metrics.loss == pytest.approx(reference_metrics.loss, rel=1e-5)
+        assert fused_metrics.grad_norm == pytest.approx(reference_metrics.grad_norm, rel=1e-5)
+    for (name, value), other in zip(fused.policy.state_dict().items(), reference.policy.state_dict().values()):
+        # a key bias adds the same q.b to every score of a query, which softmax ignores: its gradient is float32
+        # rounding, which AdamW's lr * g / |g| magnifies to about lr either way
+        if "k_proj.bias" not in name:
+            assert torch.allclose(value, other, rtol=1e-5, atol=1e-6), name
+
+
+def torch_optimizer(actor: Actor) -> torch.optim.Optimizer:
+    """The torch AdamW inside DeepSpeed's engine (ZeRO 1-2 wrap it; ZeRO 0 in float32 does not)."""
+    optimizer = actor.engine.optimizer
+    return getattr(optimizer, "optimizer", optimizer)
+
+
 def long_rollout_batch(sequences, prompt_tokens, response_tokens, vocab_size):
     """`sequences` completions of random tokens, every response `response_tokens` long."""
     generator = torch.Generator().manual_seed(0)
