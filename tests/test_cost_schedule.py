@@ -231,6 +231,10 @@ def test_pass_costs_are_measured_once_on_the_owned_forward_and_cached(tmp_path):
     again = measured_pass_costs(target, EagleDrafter(target, seed=0), torch.float32, None, tmp_path, most_rows=5)
     assert again == costs and records[0].read_text() == before  # read back, not measured again
     # in bfloat16 it is measured apart; a model the owned forward does not decode gets none
+    # a damaged record counts as absent: measured again and replaced (the other caches' rule, tuning/cache.py)
+    records[0].write_text(before.replace('"target_ms"', '"damaged"'))
+    assert measured_pass_costs(target, EagleDrafter(target, seed=0), torch.float32, None, tmp_path, most_rows=5)
+    assert '"target_ms"' in records[0].read_text()
     bfloat16 = measured_pass_costs(target, None, torch.bfloat16, None, tmp_path, most_rows=1)
     assert bfloat16.dtype == "bfloat16" and bfloat16.rows == (1,)
     assert measured_pass_costs(tiny_gpt2(64), None, torch.float32, None, tmp_path, most_rows=1) is None

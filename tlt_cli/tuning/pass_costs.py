@@ -63,8 +63,18 @@ def measured_pass_costs(
     def measure() -> dict:
         return measure_pass_costs(policy, drafter, dtype, linear_plan, rows).to_dict()
 
-    record, _ = cached_record(cache_dir, CACHE_FOLDER, key, measure)
+    record, _ = cached_record(cache_dir, CACHE_FOLDER, key, measure, valid_record)
     return PassCosts.from_dict(record)
+
+
+def valid_record(record: dict) -> bool:
+    """Whether a stored record holds a usable grid (tlt_cli/tuning/cache.py): ascending positive rows, tokens and
+    drafter entries, a finite positive time at every point (PassCosts.from_dict's checks)."""
+    try:
+        PassCosts.from_dict(record)
+    except (KeyError, TypeError, ValueError):
+        return False
+    return True
 
 
 def measure_pass_costs(
