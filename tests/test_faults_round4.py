@@ -151,6 +151,8 @@ def damage_every_record(cache_dir: Path) -> list[Path]:
     return records
 
 
+# real `tlt train` runs of minutes each (a compiled DeepSpeed op per session): `pytest -m slow`
+@pytest.mark.slow
 def test_damaged_measurement_records_never_stop_a_run(small_model, cache_directory, tmp_path):
     """Every per-machine record a run reads (update precision in the driver, rollout precision in the worker) is
     damaged: the next run measures again, says which file it replaced, and trains."""
@@ -244,6 +246,8 @@ def run_copy(finished_run, tmp_path) -> Path:
     return Path(shutil.copytree(finished_run, tmp_path / "run"))
 
 
+# real `tlt train` runs of minutes each (a compiled DeepSpeed op per session): `pytest -m slow`
+@pytest.mark.slow
 def test_a_recipe_beside_resume_is_refused_unless_it_is_the_runs_own(run_copy):
     line = refused(tlt("train", "--resume", str(run_copy), str(RECIPE), "train.steps=3"))
     assert line.startswith(
@@ -254,6 +258,8 @@ def test_a_recipe_beside_resume_is_refused_unless_it_is_the_runs_own(run_copy):
     assert "run.name" in line and "train.steps" in line
 
 
+# real `tlt train` runs of minutes each (a compiled DeepSpeed op per session): `pytest -m slow`
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("override", "reason"),
     [
@@ -271,6 +277,8 @@ def test_an_override_the_checkpoint_cannot_honour_is_refused(run_copy, override,
     assert (run_copy / "recipe.yaml").read_text() == before
 
 
+# real `tlt train` runs of minutes each (a compiled DeepSpeed op per session): `pytest -m slow`
+@pytest.mark.slow
 def test_a_resume_with_changed_settings_says_so_and_writes_them_to_the_run(run_copy):
     own = run_copy / "recipe.yaml"
     result = tlt(
@@ -331,6 +339,8 @@ def test_sampling_from_non_finite_logits_is_named():
         sample(torch.tensor([[float("nan"), 0.5]]), torch.Generator().manual_seed(0))
 
 
+# real `tlt train` runs of minutes each (a compiled DeepSpeed op per session): `pytest -m slow`
+@pytest.mark.slow
 def test_a_diverging_run_stops_naming_the_step_and_the_learning_rate_and_never_advises_resume(tmp_path):
     # one worker on the shipped model (seeded): its logits overflow at step 1; with two workers of the session's
     # model they stayed finite (huge, sampling one token) for 6 steps, which is not what this test is about
