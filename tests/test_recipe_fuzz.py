@@ -135,7 +135,6 @@ COMBINED = [
     ["speculative.rules=[{batch: [1, null], use: s2-k80-t40}]"],
     ["speculative.rules=[{batch: [2, null], use: s2-k1-t3}]"],
     ["speculative.rules=[{batch: [1, null], use: fast}]"],
-    ["speculative.rules=[]"],
     ["task.options.min_terms=9", "task.options.max_terms=3"],
     ["task.name=jsonl_math"],
     ["task.name=jsonl_math", "task.options.path=5"],
