@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Protocol
 if TYPE_CHECKING:
     from tlt_cli.engine.sampling import SamplingParams
     from tlt_cli.rollout.types import Completion, RolloutRequest
-    from tlt_cli.speculative.adaptive import ConfigUsage
+    from tlt_cli.speculative.types import ConfigUsage
 
 
 def sampling_seed(seed: int, step: int, rank: int) -> int:

@@ -41,10 +41,10 @@ from tlt_cli.rollout.generate_loop import EmbeddedEngine
 from tlt_cli.rollout.types import Completion, RolloutRequest
 from tlt_cli.speculative.adaptive import (
     AdaptiveSpeculativeDecoder,
-    ConfigUsage,
     SpeculativePlan,
     speculative_decoder,
 )
+from tlt_cli.speculative.types import ConfigUsage
 
 
 class EmbeddedRollout:

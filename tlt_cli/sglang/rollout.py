@@ -38,7 +38,7 @@ from tlt_cli.sglang.config import PORTS_PER_SERVER
 from tlt_cli.sglang.drafter_format import write_drafter_folder
 from tlt_cli.sglang.registry import record_server_groups
 from tlt_cli.sglang.weight_sync import target_tensors, write_checkpoint
-from tlt_cli.speculative.adaptive import ConfigUsage
+from tlt_cli.speculative.types import ConfigUsage
 
 
 def servers_of_worker(config: SGLangConfig, worker: int, worker_count: int) -> SGLangConfig:

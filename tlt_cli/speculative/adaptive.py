@@ -24,7 +24,7 @@ from __future__ import annotations
 import bisect
 import random
 import statistics
-from collections import defaultdict, deque
+from collections import deque
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING
@@ -33,7 +33,14 @@ from tlt_cli.errors import UserError
 from tlt_cli.speculative.cost_schedule import CostSchedule, candidate_configs
 from tlt_cli.speculative.costs import PassCosts
 from tlt_cli.speculative.decoder import SpeculativeDecoder, StepCounts
-from tlt_cli.speculative.types import OFF, ConfigUsage, DecodeStep, SpeculativeConfig, draft_sources, label_of
+from tlt_cli.speculative.types import (
+    OFF,
+    DecodeStep,
+    ScheduleReports,
+    SpeculativeConfig,
+    draft_sources,
+    label_of,
+)
 
 if TYPE_CHECKING:
     from torch import nn
@@ -226,7 +233,7 @@ class BucketState:
     rewards: dict[str, deque] = field(default_factory=dict)
 
 
-class AdaptiveSchedule:
+class AdaptiveSchedule(ScheduleReports):
     """Rule table + bandit + collapse detection; the speculative decoder calls it every decode step.
 
     Buckets are the batch-size intervals between the rules' edges; each keeps its own measured
@@ -250,8 +257,7 @@ class AdaptiveSchedule:
         self.random = random.Random(seed)
         self.edges = bucket_edges(rules)
         self.states = [BucketState() for _ in self.edges]
-        self.usage: dict[str, ConfigUsage] = defaultdict(ConfigUsage)
-        self.warnings: list[str] = []
+        super().__init__()
         self._last: tuple[int, SpeculativeConfig | None] | None = None
 
     def __call__(self, batch_size: int) -> SpeculativeConfig | None:
@@ -340,14 +346,6 @@ class AdaptiveSchedule:
     def _range(self, bucket: int) -> str:
         upper = self.edges[bucket + 1] - 1 if bucket + 1 < len(self.edges) else None
         return f"{self.edges[bucket]}-{upper if upper is not None else 'up'}"
-
-    def take_usage(self) -> dict[str, ConfigUsage]:
-        usage, self.usage = dict(self.usage), defaultdict(ConfigUsage)
-        return usage
-
-    def take_warnings(self) -> list[str]:
-        warnings, self.warnings = self.warnings, []
-        return warnings
 
     def state_dict(self) -> dict:
         return {

@@ -26,7 +26,6 @@ stays visible in the trace.
 from __future__ import annotations
 
 import random
-from collections import defaultdict
 
 from tlt_cli.speculative.acceptance_estimates import AcceptanceEstimates
 from tlt_cli.speculative.costs import PassCosts
@@ -34,8 +33,8 @@ from tlt_cli.speculative.draft_counts import StepCounts
 from tlt_cli.speculative.types import (
     DRAFT_SOURCES,
     OFF,
-    ConfigUsage,
     DecodeStep,
+    ScheduleReports,
     SpeculativeConfig,
     draft_sources,
     label_of,
@@ -69,7 +68,7 @@ def candidate_configs(costs: PassCosts, has_drafter: bool) -> tuple[SpeculativeC
     return tuple(configs)
 
 
-class CostSchedule:
+class CostSchedule(ScheduleReports):
     """The decoder's ConfigSchedule in `mode: auto` (see the module docstring)."""
 
     def __init__(
@@ -92,8 +91,7 @@ class CostSchedule:
         # per draft source: (SD steps it drafted in, moving average of tokens per verify pass over them)
         self.recent: dict[str, tuple[int, float]] = {}
         self.steps = 0
-        self.usage: dict[str, ConfigUsage] = defaultdict(ConfigUsage)
-        self.warnings: list[str] = []
+        super().__init__()
         self._last: tuple[SpeculativeConfig | None, int, float, float] | None = None
 
     @property
@@ -102,19 +100,28 @@ class CostSchedule:
 
     def __call__(self, batch_size: int) -> SpeculativeConfig | None:
         self.steps += 1
-        rates = {config: self.predicted_rate(config, batch_size) for config in (None, *self.candidates)}
+        # per configuration: (tokens per pass, uncorrected step seconds), each computed once per decode step
+        predictions = {config: self._prediction(config, batch_size) for config in (None, *self.candidates)}
+        rates = {
+            config: batch_size * tokens / (seconds * self._correction(config))
+            for config, (tokens, seconds) in predictions.items()
+        }
         best = max(rates, key=rates.get)
         config = self._explored(rates, best) or best
-        seconds = self.costs.step_seconds(config, batch_size, self._tokens_per_pass(config))
-        self._last = (config, batch_size, batch_size * self._tokens_per_pass(config), seconds)
+        tokens, seconds = predictions[config]
+        self._last = (config, batch_size, batch_size * tokens, seconds)
         self.last_run[label_of(config)] = self.steps
         return config
 
     def predicted_rate(self, config: SpeculativeConfig | None, batch_size: int) -> float:
         """Tokens per second predicted for a step of `config` at `batch_size` rows, corrected as measured."""
-        tokens_per_pass = self._tokens_per_pass(config)
-        seconds = self.costs.step_seconds(config, batch_size, tokens_per_pass)
+        tokens_per_pass, seconds = self._prediction(config, batch_size)
         return batch_size * tokens_per_pass / (seconds * self._correction(config))
+
+    def _prediction(self, config: SpeculativeConfig | None, batch_size: int) -> tuple[float, float]:
+        """(tokens a verify pass emits per row, the cost model's uncorrected step seconds) for `config`."""
+        tokens_per_pass = self._tokens_per_pass(config)
+        return tokens_per_pass, self.costs.step_seconds(config, batch_size, tokens_per_pass)
 
     def _tokens_per_pass(self, config: SpeculativeConfig | None) -> float:
         """Tokens per verify pass expected of `config`: the acceptance estimates', or where every source it drafts
@@ -197,14 +204,6 @@ class CostSchedule:
             elif tokens >= self.collapse_accept_length and source in self.collapsed:
                 self.collapsed.discard(source)
                 self.warnings.append(f"SD accept length of {source} drafts recovered to {tokens:.2f}")
-
-    def take_usage(self) -> dict[str, ConfigUsage]:
-        usage, self.usage = dict(self.usage), defaultdict(ConfigUsage)
-        return usage
-
-    def take_warnings(self) -> list[str]:
-        warnings, self.warnings = self.warnings, []
-        return warnings
 
     def state_dict(self) -> dict:
         return {

@@ -9,6 +9,7 @@ engine, the adaptive rule table, the SGLang backend, the trace and `tlt profile`
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
@@ -61,6 +62,23 @@ class ConfigUsage:
     predicted_tokens: float = 0.0
     predicted_seconds: float = 0.0
     batch_sizes: dict[str, int] = field(default_factory=dict)
+
+
+class ScheduleReports:
+    """What a schedule of SD configurations reports per rollout step, kept in one place for the rule table's and
+    the cost model's: time and counts per configuration label (`usage`) and warnings, each taken once."""
+
+    def __init__(self) -> None:
+        self.usage: dict[str, ConfigUsage] = defaultdict(ConfigUsage)
+        self.warnings: list[str] = []
+
+    def take_usage(self) -> dict[str, ConfigUsage]:
+        usage, self.usage = dict(self.usage), defaultdict(ConfigUsage)
+        return usage
+
+    def take_warnings(self) -> list[str]:
+        warnings, self.warnings = self.warnings, []
+        return warnings
 
 
 # where a drafted token came from: the trained drafter, or the model-free n-gram index
