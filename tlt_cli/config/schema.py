@@ -123,6 +123,15 @@ class Precision(RecipeChoice):
     bf16 = "bf16"
 
 
+class Bfloat16Rounding(RecipeChoice):
+    """actor.bfloat16_rounding: how bfloat16 copies of the float32 policy round (tlt_cli/engine/rounding.py)."""
+
+    # unbiased, so a copy follows updates far below a bfloat16 ulp; the rollout's and learner's copies agree
+    stochastic = "stochastic"
+    # round-to-nearest: a small update flips every weight halfway between two bfloat16 values (for comparison)
+    nearest = "nearest"
+
+
 class RolloutCorrection(RecipeChoice):
     """actor.rollout_correction: the truncated importance sampling of the rollout/learner mismatch
     (tlt_cli/training/rollout_correction.py)."""
@@ -398,6 +407,14 @@ class ActorConfig:
         "auto (bf16 where this machine's update measured faster in it: timed once per machine and model, "
         "cached; bf16 on GPUs of compute capability 8.0 or newer), fp32, or bf16 (bfloat16 compute with float32 "
         "master weights and AdamW state)",
+    )
+    bfloat16_rounding: Bfloat16Rounding = setting(
+        Bfloat16Rounding.stochastic,
+        "how the bfloat16 copies of the float32 policy are rounded, the rollout's decode copy (rollout.dtype "
+        "bfloat16) and the learner's compute copy (precision bf16 on CPU): stochastic (each weight up with "
+        "probability equal to its remainder, from fixed thresholds, so the copies follow updates far below a "
+        "bfloat16 ulp and the rollout samples the weights the learner computes with) or nearest (round-to-nearest, "
+        "as torch casts; a 1e-6 update moves such a copy ~300x more than the policy)",
     )
     rollout_correction: RolloutCorrection = setting(
         RolloutCorrection.token,

@@ -30,6 +30,7 @@ from torch import nn
 from tlt_cli.engine.kv_cache import SlotCache
 from tlt_cli.engine.layers import AttentionShape, attend, gated, grouped_mask, rms_norm, rotary_tables
 from tlt_cli.engine.linear_forms import FORMS, LINEAR, TRANSPOSED, LinearFormPlan, form_ranges
+from tlt_cli.engine.rounding import parameter_key, stochastic_bfloat16
 
 MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 ROPE_TYPES = ("default", "linear", "llama3")
@@ -120,13 +121,21 @@ class LlamaFamilyModel:
 
     path = PATH_NAME
 
-    def __init__(self, policy: nn.Module, dtype: torch.dtype | None = None, linear_plan: LinearFormPlan | None = None):
+    def __init__(
+        self,
+        policy: nn.Module,
+        dtype: torch.dtype | None = None,
+        linear_plan: LinearFormPlan | None = None,
+        stochastic_rounding: bool = True,
+    ):
         reason = refusal(policy)
         if reason is not None:
             raise ValueError(f"the owned forward does not reproduce this model: {reason}.")
         self.policy = policy
         # the weights' own dtype unless another is asked for (bfloat16 copies of a float32 policy)
         self.dtype = dtype if dtype is not None else policy.get_input_embeddings().weight.dtype
+        # bfloat16 copies of float32 weights rounded as the learner's are (rounding.py), or to nearest
+        self.stochastic_rounding = stochastic_rounding
         dtype = self.dtype
         config = policy.config
         self.shape = AttentionShape.of(config)
@@ -159,7 +168,7 @@ class LlamaFamilyModel:
 
     def refresh(self) -> None:
         """Read every weight of the policy again into this model's tensors (buffers of unchanged shape are reused)."""
-        decoder, reader = self.policy.get_decoder(), _Reader(self.dtype, self._owned)
+        decoder, reader = self.policy.get_decoder(), _Reader(self.dtype, self._owned, self._rounding_keys())
         previous = self.layers or [None] * len(decoder.layers)
         self.embed = reader.tensor([decoder.embed_tokens.weight])
         self.final_norm = reader.tensor([decoder.norm.weight])
@@ -170,6 +179,12 @@ class LlamaFamilyModel:
         self.head = reader.projection([head.weight], [head.bias], self.forms["head"], getattr(self, "head", None))
         self._owned = reader.owned
         self._seen = self._versions()
+
+    def _rounding_keys(self) -> dict[int, int]:
+        """id(parameter) -> its rounding key, when float32 weights are copied to bfloat16 stochastically."""
+        if not (self.stochastic_rounding and self.dtype == torch.bfloat16):
+            return {}
+        return {id(parameter): parameter_key(name) for name, parameter in self.policy.named_parameters()}
 
     def refresh_if_changed(self) -> None:
         """`refresh()` if any weight's storage or autograd version changed since the last read, or after `release()`."""
@@ -242,11 +257,13 @@ class LlamaFamilyModel:
 class _Reader:
     """Reads parameters into this model's tensors: a view of the parameter when neither a cast, a fusion nor
     a transpose is needed, else a copy (into the previous buffer when its shape still fits), remembered in
-    `owned`."""
+    `owned`. A float32 parameter with a key in `rounding_keys` is cast to bfloat16 by `stochastic_bfloat16`
+    (the learner's rounding), any other cast rounds to nearest."""
 
-    def __init__(self, dtype: torch.dtype, previous: list[torch.Tensor]) -> None:
+    def __init__(self, dtype: torch.dtype, previous: list[torch.Tensor], rounding_keys: dict[int, int]) -> None:
         self.dtype = dtype
         self.previous = {id(tensor) for tensor in previous}
+        self.rounding_keys = rounding_keys
         self.owned: list[torch.Tensor] = []
 
     def tensor(self, parts: list[torch.Tensor], transpose: bool = False, reuse: torch.Tensor | None = None):
@@ -263,12 +280,25 @@ class _Reader:
             for part in parts:
                 end = start + part.shape[0]
                 if transpose:
-                    buffer[:, start:end].copy_(part.detach().t())
-                else:
+                    buffer[:, start:end].copy_(self._rounded(part).t())
+                elif not self._round_into(part, buffer[start:end]):
                     buffer[start:end].copy_(part.detach())
                 start = end
         self.owned.append(buffer)
         return buffer
+
+    def _rounded(self, part: torch.Tensor) -> torch.Tensor:
+        """The part, rounded stochastically to bfloat16 when it has a rounding key (else as copy_ casts it)."""
+        rounded = torch.empty(part.shape, dtype=self.dtype, device=part.device)
+        return rounded if self._round_into(part, rounded) else part.detach()
+
+    def _round_into(self, part: torch.Tensor, out: torch.Tensor) -> bool:
+        """Write the part's stochastically rounded bfloat16 copy into contiguous `out`, if it has a rounding key."""
+        key = self.rounding_keys.get(id(part))
+        if key is None or part.dtype != torch.float32:
+            return False
+        stochastic_bfloat16(part, key, out=out)
+        return True
 
     def projection(
         self, weights: list[torch.Tensor], biases: list, forms: tuple[str, ...], old: Projection | None

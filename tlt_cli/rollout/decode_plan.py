@@ -32,13 +32,15 @@ class DecodePlan:
     """dtype: the rollout dtype's name (DECODE_DTYPES); linear_plan: the forms of the linear layers (None: plain
     F.linear); pass_costs: the measured pass costs the cost-model schedule chooses with (None: not measured, SD
     by rule table or off); precision: the record of how the dtype was chosen (the trace's rollout_precision);
-    log_lines: the lines the run log shows about all of it."""
+    log_lines: the lines the run log shows about all of it; stochastic_rounding: bfloat16 copies of float32
+    weights rounded as the learner's are (tlt_cli/engine/rounding.py), else to nearest."""
 
     dtype: str = "float32"
     linear_plan: LinearFormPlan | None = None
     pass_costs: PassCosts | None = None
     precision: dict = field(default_factory=dict)
     log_lines: tuple[str, ...] = ()
+    stochastic_rounding: bool = True
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -52,6 +54,7 @@ class DecodePlan:
             "pass_costs": self.pass_costs.to_dict() if self.pass_costs is not None else None,
             "precision": self.precision,
             "log_lines": list(self.log_lines),
+            "stochastic_rounding": self.stochastic_rounding,
         }
 
     @classmethod
@@ -63,4 +66,5 @@ class DecodePlan:
             PassCosts.from_dict(pass_costs) if pass_costs is not None else None,
             dict(data.get("precision", {})),
             tuple(data.get("log_lines", ())),
+            bool(data.get("stochastic_rounding", True)),
         )

@@ -77,6 +77,7 @@ class EmbeddedRollout:
             speculative=decoder,
             linear_plan=self.decode.linear_plan,
             dtype=self.decode.torch_dtype,
+            stochastic_rounding=self.decode.stochastic_rounding,
         )
 
     def start(self) -> list[str]:

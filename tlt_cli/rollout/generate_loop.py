@@ -69,7 +69,8 @@ class EmbeddedEngine:
     (`SpeculativeDecoder.use_linear_plan`). `dtype`: the precision the target is decoded in (None: the model's
     own; tlt_cli/tuning/precision.py chooses it), its cache included; speculative decoding is exact against the
     model in that precision. `decode_model`: the model as the engine decodes it (default:
-    `decode_model_for(model, dtype)` with `linear_plan`); call its `refresh()` after the model's weights change."""
+    `decode_model_for(model, dtype)` with `linear_plan`); call its `refresh()` after the model's weights change.
+    `stochastic_rounding`: bfloat16 copies of float32 weights follow small updates (tlt_cli/engine/rounding.py)."""
 
     def __init__(
         self,
@@ -80,10 +81,11 @@ class EmbeddedEngine:
         linear_plan: LinearFormPlan | None = None,
         decode_model: DecodeModel | None = None,
         dtype: torch.dtype | None = None,
+        stochastic_rounding: bool = True,
     ) -> None:
         self.model = model
         if decode_model is None:
-            decode_model = decode_model_for(model, dtype=dtype, linear_plan=linear_plan)
+            decode_model = decode_model_for(model, dtype, linear_plan, stochastic_rounding)
         self.decode_model = decode_model
         self.target = DecodeTarget(self.decode_model, next(model.parameters()).device)
         self.eos_token_id = eos_token_id

@@ -30,13 +30,14 @@ import torch
 from transformers import PreTrainedModel
 
 from tlt_cli.checkpoint import load_checkpoint_file
-from tlt_cli.config import CPU_DEVICES, ActorConfig, Precision
+from tlt_cli.config import CPU_DEVICES, ActorConfig, Bfloat16Rounding, Precision
 from tlt_cli.errors import TrainingDiverged
 from tlt_cli.processes.distributed import import_deepspeed
 from tlt_cli.training.grpo import PolicyLoss, policy_loss
 from tlt_cli.training.logprobs import token_logprobs
 from tlt_cli.training.policy_batch import PolicyBatch, micro_batches
-from tlt_cli.training.rollout_correction import MismatchTotals, importance_weights
+from tlt_cli.training.rollout_correction import MismatchTotals, importance_weights, k3_total
+from tlt_cli.training.rounded_compute import RoundedLinearWeights
 
 ADAMW_BETAS = (0.9, 0.999)
 # what `actor.precision` is once `auto` is resolved (tlt_cli/training/update_precision.py)
@@ -60,11 +61,13 @@ class UpdateMetrics:
     ratio_mean: float
     grad_norm: float
     mismatch: dict[str, float] = field(default_factory=dict)
+    # bfloat16 on CPU: K3 KL of the bfloat16 learner from its float32 master weights, on the first micro-batch
+    precision_kl_k3: float | None = None
 
     def as_dict(self) -> dict[str, float]:
         """Every number under one flat name (the step record's actor_* fields)."""
         numbers = {item.name: getattr(self, item.name) for item in fields(self) if item.name != "mismatch"}
-        return {**numbers, **self.mismatch}
+        return {**{name: value for name, value in numbers.items() if value is not None}, **self.mismatch}
 
 
 class Actor:
@@ -93,6 +96,14 @@ class Actor:
             model=policy, optimizer=optimizer, config=deepspeed_config(config, self.accumulation_steps)
         )
         self.reference = reference.to(self.device, self.dtype) if reference is not None else None
+        # bfloat16 on CPU: the policy's linear layers compute with the rollout's rounding (rounded_compute.py)
+        self.rounded = None
+        if (
+            config.precision == Precision.bf16
+            and self.device.type == "cpu"
+            and config.bfloat16_rounding == Bfloat16Rounding.stochastic
+        ):
+            self.rounded = RoundedLinearWeights(policy, skip={policy.get_output_embeddings()})
 
     @property
     def device(self) -> torch.device:
@@ -113,9 +124,10 @@ class Actor:
     ) -> PolicyBatch:
         """The batch with old (and, with a reference model, reference) log-probs recomputed by the actor."""
         old_parts, reference_parts = [], []
+        self._forget_copies()
         for micro_batch in micro_batches(batch, self.config.micro_batch_size):
             if include_policy:
-                with self.precision():
+                with self.precision(rounded=True):
                     hidden, logprobs = forward_logprobs(self.policy, micro_batch)
                 if on_hidden_states is not None:
                     on_hidden_states(micro_batch, hidden)
@@ -128,9 +140,23 @@ class Actor:
         reference = torch.cat(reference_parts) if reference_parts else None
         return batch.with_logprobs(old, reference)
 
-    def precision(self) -> contextlib.AbstractContextManager:
-        """The context of the actor's forwards: bfloat16 autocast on CPU with `actor.precision: bf16`."""
-        return update_autocast(self.config.precision, self.device)
+    def precision(self, rounded: bool = False) -> contextlib.AbstractContextManager:
+        """The context of the actor's forwards: bfloat16 autocast on CPU with `actor.precision: bf16`; rounded:
+        the policy's forward, whose linear layers then use the rounded copies (rounded_compute.py)."""
+        context = contextlib.ExitStack()
+        if rounded:
+            context.enter_context(self._rounded_copies())
+        context.enter_context(update_autocast(self.config.precision, self.device))
+        return context
+
+    def _rounded_copies(self) -> contextlib.AbstractContextManager:
+        """Where the policy's linear layers use their rounded bfloat16 copies (nothing without them)."""
+        return self.rounded.active() if self.rounded is not None else contextlib.nullcontext()
+
+    def _forget_copies(self) -> None:
+        """The weights may have moved (or the update ended): drop the rounded copies."""
+        if self.rounded is not None:
+            self.rounded.forget()
 
     def update(self, batch: PolicyBatch, on_hidden_states: HiddenStatesCallback | None = None) -> UpdateMetrics:
         """ppo_epochs optimizer steps over the whole batch (one step = all its micro-batches).
@@ -147,9 +173,11 @@ class Actor:
         self.engine.train()
         totals = {"loss": 0.0, "clip_fraction": 0.0, "kl": 0.0, "ratio_mean": 0.0, "grad_norm": 0.0}
         parts = micro_batches(batch, self.config.micro_batch_size)
+        precision_kl = self._precision_kl(parts[0])
         total_tokens = max(batch.response_token_count, 1)
         mismatch = MismatchTotals(self.config.rollout_correction, self.config.rollout_correction_cap)
         for epoch in range(self.config.ppo_epochs):
+            self._forget_copies()  # one optimizer step an epoch: the copies follow it
             for micro_batch in parts:
                 result = self._micro_batch_loss(
                     micro_batch,
@@ -161,16 +189,37 @@ class Actor:
                 if not math.isfinite(loss):  # checked before the step, so the weights never take it
                     raise TrainingDiverged(f"the policy loss is {loss}")
                 # the loss is already normalised over the whole batch: no extra 1/accumulation scaling
-                self.engine.backward(result.loss, scale_wrt_gas=False)
+                with self._rounded_copies():  # recomputation in backward runs the forward again
+                    self.engine.backward(result.loss, scale_wrt_gas=False)
                 self.engine.step()
                 totals["loss"] += loss
                 totals["clip_fraction"] += result.clip_fraction / len(parts)
                 totals["kl"] += result.kl / len(parts)
                 totals["ratio_mean"] += result.ratio_mean / len(parts)
             totals["grad_norm"] += float(self.engine.get_global_grad_norm() or 0.0)
+        self._forget_copies()
         self.engine.eval()
         epochs = self.config.ppo_epochs
-        return UpdateMetrics(**{name: value / epochs for name, value in totals.items()}, mismatch=mismatch.metrics())
+        return UpdateMetrics(
+            **{name: value / epochs for name, value in totals.items()},
+            mismatch=mismatch.metrics(),
+            precision_kl_k3=precision_kl,
+        )
+
+    @torch.no_grad()
+    def _precision_kl(self, micro_batch: PolicyBatch) -> float | None:
+        """With bfloat16 compute on CPU: how far the learner's bfloat16 log-probs are from its float32 master
+        weights' on one micro-batch (K3 KL per response token); None otherwise. A round-to-nearest copy jumps
+        here after a small update (tlt_cli/engine/rounding.py), which the rollout/learner KL cannot show when
+        both sides round alike."""
+        if self.config.precision != Precision.bf16 or self.device.type != "cpu":
+            return None
+        self._forget_copies()
+        with self.precision(rounded=True):
+            _, learner = forward_logprobs(self.policy, micro_batch)
+        _, master = forward_logprobs(self.policy, micro_batch)
+        tokens = int(micro_batch.response_mask.sum())
+        return k3_total(master, learner, micro_batch.response_mask) / tokens if tokens else None
 
     def _micro_batch_loss(
         self,
@@ -181,7 +230,7 @@ class Actor:
     ) -> PolicyLoss:
         """The micro-batch's loss; with the rollout's log-probs, weighted for the mismatch (counted into
         `mismatch` when given: the first epoch, before any step, when old log-probs are the rollout's pi_old)."""
-        with self.precision():
+        with self.precision(rounded=True):
             hidden, logprobs = forward_logprobs(self.policy, micro_batch)
         old_logprobs = micro_batch.old_logprobs
         if old_logprobs is None:  # single pass: the policy has not moved yet

@@ -66,10 +66,8 @@ class MismatchTotals:
     @torch.no_grad()
     def add(self, old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, response_mask: torch.Tensor) -> None:
         """Count one micro-batch: [B,T] each."""
+        self.k3_sum += k3_total(old_logprobs, rollout_logprobs, response_mask)
         mask = response_mask.bool()
-        token_log_ratio = (old_logprobs.double() - rollout_logprobs.double())[mask]
-        # k3 = exp(x) - x - 1 >= 0, zero only where the two log-probs agree
-        self.k3_sum += float((torch.exp(token_log_ratio) - token_log_ratio - 1.0).sum())
         self.tokens += int(mask.sum())
         log_ratio = _log_ratios(old_logprobs.double(), rollout_logprobs.double(), response_mask, self.mode)
         ratios = torch.exp(log_ratio.flatten() if self.mode == RolloutCorrection.sequence else log_ratio[mask])
@@ -93,6 +91,14 @@ class MismatchTotals:
             "rollout_weight_max": self.weight_max,
             "rollout_weight_truncated": self.truncated / self.weights,
         }
+
+
+@torch.no_grad()
+def k3_total(reference_logprobs: torch.Tensor, sampled_logprobs: torch.Tensor, mask: torch.Tensor) -> float:
+    """The K3 estimate of KL(sampled || reference), summed over the masked tokens ([B,T] each): the tokens were
+    drawn from `sampled`; k3 = exp(x) - x - 1 >= 0 for x = log(reference / sampled), zero only where they agree."""
+    token_log_ratio = (reference_logprobs.double() - sampled_logprobs.double())[mask.bool()]
+    return float((torch.exp(token_log_ratio) - token_log_ratio - 1.0).sum())
 
 
 def _log_ratios(

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 from tlt_cli.config import (
     CPU_DEVICES,
     DEFAULT_RULES,
+    Bfloat16Rounding,
     LinearForms,
     Recipe,
     RolloutBackendName,
@@ -196,8 +197,10 @@ def decode_plan(
         return DecodePlan()
     mode = speculation_mode(recipe.speculative)
     costs = mode == SpeculationMode.auto and speculates is not False
+    stochastic_rounding = recipe.actor.bfloat16_rounding == Bfloat16Rounding.stochastic
     if recipe.rollout.dtype != RolloutDtype.auto and recipe.rollout.linear_forms == LinearForms.off and not costs:
-        return _given_decode_plan(recipe.rollout.dtype)  # nothing to measure: the model is not loaded here
+        # nothing to measure: the model is not loaded here
+        return _given_decode_plan(recipe.rollout.dtype, stochastic_rounding)
     import torch
 
     policy, _ = policy_and_tokenizer(recipe)
@@ -215,6 +218,7 @@ def decode_plan(
             rows=rows if rows is not None else recipe.samples_per_worker,
             speculates=mode != SpeculationMode.off if speculates is None else speculates,
             costs=costs,
+            stochastic_rounding=stochastic_rounding,
         )
     finally:
         torch.set_num_threads(threads)
@@ -230,11 +234,13 @@ def decode_plan_for(
     speculates: bool,
     costs: bool,
     correctable: bool = True,
+    stochastic_rounding: bool = True,
 ) -> DecodePlan:
     """`decode_plan` from plain values (a TRL script's rollout_func has no recipe): the linear-form plan for the
     policy and drafter, the dtype for a rollout of `rows` rows (its tail speculating or not) and, when `costs`,
     the pass costs in that dtype. correctable: whether the learner corrects the rollout/learner mismatch (False: a
-    user's own TRL GRPOTrainer; `auto` then keeps the policy's dtype)."""
+    user's own TRL GRPOTrainer; `auto` then keeps the policy's dtype); stochastic_rounding: how bfloat16 copies of
+    float32 weights round (actor.bfloat16_rounding)."""
     from tlt_cli.rollout.decode_plan import DecodePlan
     from tlt_cli.tuning.linear_forms import measured_linear_plan
     from tlt_cli.tuning.pass_costs import measured_pass_costs
@@ -252,16 +258,23 @@ def decode_plan_for(
         lines.append(describe_plan(linear_plan))
     if pass_costs is not None:
         lines.append(pass_costs.describe())
-    return DecodePlan(precision.dtype, linear_plan, pass_costs, precision.to_record(), tuple(lines))
+    return DecodePlan(
+        precision.dtype, linear_plan, pass_costs, precision.to_record(), tuple(lines), stochastic_rounding
+    )
 
 
-def _given_decode_plan(dtype: RolloutDtype) -> DecodePlan:
+def _given_decode_plan(dtype: RolloutDtype, stochastic_rounding: bool) -> DecodePlan:
     """The plan of a rollout whose dtype the recipe names, with plain linear forms and no pass costs."""
     from tlt_cli.rollout.decode_plan import DecodePlan
     from tlt_cli.tuning.precision import PrecisionChoice
 
     choice = PrecisionChoice(dtype.value, "given", {}, {})
-    return DecodePlan(dtype.value, precision=choice.to_record(), log_lines=(choice.describe(),))
+    return DecodePlan(
+        dtype.value,
+        precision=choice.to_record(),
+        log_lines=(choice.describe(),),
+        stochastic_rounding=stochastic_rounding,
+    )
 
 
 def _decode_device(recipe: Recipe):
