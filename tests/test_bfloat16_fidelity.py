@@ -135,9 +135,7 @@ def test_the_learners_linear_layers_compute_with_the_rollouts_very_copies():
             torch.testing.assert_close(computed, expected, rtol=0, atol=0)
             seen[name] = layer(inputs).dtype  # outside active(): the layer is plain nn.Linear again
     assert seen and set(seen.values()) == {torch.float32}
-    assert rounded.copy_bytes == 2 * sum(
-        layer.weight.numel() for name, layer in policy.named_modules() if name in seen
-    )
+    assert rounded.copy_bytes == 2 * sum(layer.weight.numel() for name, layer in policy.named_modules() if name in seen)
     rounded.forget()
     assert rounded.copy_bytes == 0
 

@@ -34,13 +34,14 @@ COLUMNS = (
     ("step s", "step_seconds", "{:.2f}"),
 )
 # shown once a run's records carry them (speculative decoding on; a worker's resident peak, GB; the rollout/
-# learner mismatch: K3 KL and the highest importance weight pi_old/pi_rollout, before truncation), then the
-# plugins' columns
+# learner mismatch: K3 KL and the highest importance weight pi_old/pi_rollout, before truncation; a bfloat16
+# learner's K3 KL from its float32 weights), then the plugins' columns
 OPTIONAL_COLUMNS = (
     ("accept len", "accept_length", "{:.2f}"),
     ("SD share", "sd_share", "{:.0%}"),
     ("peak GB/worker", "memory_peak_gb", "{:.2f}"),
     ("rollout KL", "actor_rollout_kl_k3", "{:.1e}"),
+    ("bf16 KL", "actor_precision_kl_k3", "{:.1e}"),
     ("IS w max", "actor_rollout_weight_max", "{:.3f}"),
 )
 

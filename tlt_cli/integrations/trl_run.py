@@ -32,7 +32,7 @@ import torch
 from transformers import TrainerCallback
 
 from tlt_cli.checkpoint import save_collectively
-from tlt_cli.config import RolloutBackendName
+from tlt_cli.config import Bfloat16Rounding, RolloutBackendName
 from tlt_cli.integrations.trl import RolloutRecord, tlt_rollout
 from tlt_cli.integrations.trl_recipe import (
     TaskReward,
@@ -120,6 +120,7 @@ class TrlRun:
             processing_class=tokenizer,
             rollout_func=self.rollout,
             callbacks=[StepReporter(self)],
+            stochastic_rounding=recipe.actor.bfloat16_rounding == Bfloat16Rounding.stochastic,
         )
 
     def train(self) -> None:

@@ -25,6 +25,7 @@ Only a TRL process imports this module (it imports TRL).
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,6 +35,7 @@ from trl import GRPOTrainer
 from trl.models.utils import disable_gradient_checkpointing
 
 from tlt_cli.training.rollout_correction import MismatchTotals, importance_weights
+from tlt_cli.training.rounded_compute import RoundedLinearWeights
 
 # TRL's vllm_importance_sampling_mode (as tlt_cli/integrations/trl_recipe.py sets it) -> tlt's correction mode
 CORRECTION_MODES = {"token_truncate": "token", "sequence_truncate": "sequence"}
@@ -62,9 +64,25 @@ class TimedGRPOTrainer(GRPOTrainer):
     # may be chosen
     corrects_rollout_mismatch = True
 
-    def __init__(self, *arguments: Any, **keywords: Any) -> None:
+    def __init__(self, *arguments: Any, stochastic_rounding: bool = True, **keywords: Any) -> None:
         super().__init__(*arguments, **keywords)
         self.generations: list[GenerationTimes] = []
+        # bfloat16 autocast on CPU: the policy's linear layers compute with the rollout's rounded copies
+        # (tlt_cli/training/rounded_compute.py) in every log-prob forward and the backward that recomputes them
+        self.rounded = None
+        if stochastic_rounding and self.args.bf16 and self.accelerator.device.type == "cpu":
+            self.rounded = RoundedLinearWeights(self.accelerator.unwrap_model(self.model), skip=set())
+
+    def _rounded_copies(self) -> contextlib.AbstractContextManager:
+        return self.rounded.active() if self.rounded is not None else contextlib.nullcontext()
+
+    def training_step(self, *arguments: Any, **keywords: Any) -> torch.Tensor:
+        with self._rounded_copies():
+            return super().training_step(*arguments, **keywords)
+
+    def _get_per_token_logps_and_entropies(self, *arguments: Any, **keywords: Any) -> tuple:
+        with self._rounded_copies():
+            return super()._get_per_token_logps_and_entropies(*arguments, **keywords)
 
     def take_generations(self) -> list[GenerationTimes]:
         """The generation batches since the last call, oldest first."""

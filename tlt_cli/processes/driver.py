@@ -51,6 +51,7 @@ from tlt_cli.models.loading import load_config_and_tokenizer
 from tlt_cli.models.tiny import cache_directory
 from tlt_cli.plugins import DriverPlugins, RunInfo, plugin_columns, plugin_idle_uses
 from tlt_cli.processes.distributed import remove_abandoned_rendezvous
+from tlt_cli.processes.fidelity_guard import FidelityGuard, fidelity_advice
 from tlt_cli.processes.hostfile import runs_on_this_machine
 from tlt_cli.processes.launched_workers import LaunchedWorkers
 from tlt_cli.processes.local_workers import LocalWorkers
@@ -77,7 +78,7 @@ from tlt_cli.rollout.decode_plan import DecodePlan
 from tlt_cli.sglang.registry import stop_recorded_servers
 from tlt_cli.sglang.server_files import remove_abandoned_server_files
 from tlt_cli.shared_memory import remove_abandoned_buffers
-from tlt_cli.trace import STEP_RECORD, TraceWriteError, TraceWriter, read_trace, truncate_trace
+from tlt_cli.trace import STEP_RECORD, TraceError, TraceWriteError, TraceWriter, read_trace, truncate_trace
 from tlt_cli.versions import installed_versions
 
 EVENT_POLL_SECONDS = 1.0
@@ -439,8 +440,9 @@ def _check_same_model(run_directory: Path, recipe: Recipe) -> None:
 def _run_workers(run_spec: RunSpec, body: WorkerBody, trace: RunTrace, display: TrainingDisplay) -> None:
     recipe = run_spec.recipe
     workers = _start_workers(run_spec, body)
+    guard = _fidelity_guard(run_spec)
     try:
-        _drain_events(workers, trace, display, StepDeadline(recipe.workers.step_timeout_s))
+        _drain_events(workers, trace, display, StepDeadline(recipe.workers.step_timeout_s), guard)
     finally:
         workers.stop()
         if recipe.workers.hostfile is None or runs_on_this_machine(recipe):
@@ -456,7 +458,27 @@ def _start_workers(run_spec: RunSpec, body: WorkerBody) -> WorkerGroup:
     return LocalWorkers(run_spec, recipe.workers.count, gpus, body)
 
 
-def _drain_events(workers: WorkerGroup, trace: RunTrace, display: TrainingDisplay, deadline: StepDeadline) -> None:
+def _fidelity_guard(run_spec: RunSpec) -> FidelityGuard:
+    """The run's fidelity guard, its baselines from the trace's steps before a resume (none readable: none)."""
+    dtype = run_spec.decode.dtype if run_spec.decode is not None else "float32"
+    earlier = []
+    path = run_spec.run_directory / TRACE_FILE
+    if run_spec.start_step > 0 and path.is_file():
+        try:
+            earlier = [
+                record
+                for record in read_trace(path)
+                if record.get("type") == "step" and isinstance(record.get("step"), int)
+                if record["step"] < run_spec.start_step
+            ]
+        except (TraceError, OSError):
+            earlier = []
+    return FidelityGuard(fidelity_advice(run_spec.recipe, dtype), earlier)
+
+
+def _drain_events(
+    workers: WorkerGroup, trace: RunTrace, display: TrainingDisplay, deadline: StepDeadline, guard: FidelityGuard
+) -> None:
     pending: dict[int, list[WorkerStepReport]] = {}
     finished: set[int] = set()
     while len(finished) < workers.size:
@@ -481,7 +503,7 @@ def _drain_events(workers: WorkerGroup, trace: RunTrace, display: TrainingDispla
         reports = pending.setdefault(event.step, [])
         reports.append(event)
         if len(reports) == workers.size:
-            _record_step(pending.pop(event.step), trace, display)
+            _record_step(pending.pop(event.step), trace, display, guard)
 
 
 def _first_failure(workers: WorkerGroup, first_report: WorkerFailed, finished: set[int]) -> Exception:
@@ -528,11 +550,16 @@ def _failure_message(event: WorkerFailed) -> str:
     return f"worker {event.worker} failed: {first_line}" + (f"\n{more}\n" if more else "")
 
 
-def _record_step(reports: list[WorkerStepReport], trace: RunTrace, display: TrainingDisplay) -> None:
+def _record_step(
+    reports: list[WorkerStepReport], trace: RunTrace, display: TrainingDisplay, guard: FidelityGuard
+) -> None:
     records = step_records(reports)
     for record in records:
         trace.write(record)
     display.add_step(records[-1])
+    for message in guard.check(records[-1]):
+        trace.write({"type": "warning", "kind": "fidelity", "step": records[-1]["step"], "message": message})
+        display.note(message)
     for report in reports:
         for warning in report.sd_warnings:
             _warn(report, f"worker {report.worker}: {warning}", trace, display)

@@ -26,7 +26,7 @@ import resource
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from tlt_cli.config import CPU_DEVICES, Precision, Recipe, RolloutDtype, Trainer
+from tlt_cli.config import CPU_DEVICES, Bfloat16Rounding, Precision, Recipe, RolloutDtype, Trainer
 from tlt_cli.training.logprobs import CHUNK_TOKENS
 
 GB = 1e9
@@ -136,6 +136,17 @@ class MemoryEstimate:
         return f"{self.total_bytes / GB:.1f} GB ({parts})"
 
 
+def _bfloat16_weight_copies(recipe: Recipe, shape: ModelShape, kept_layers: int) -> int:
+    """Bytes of the update's bfloat16 weight copies on CPU. Stochastically rounded: one of every linear
+    layer's weight for the whole update (tlt_cli/training/rounded_compute.py; not the embedding, nor the head
+    where it is the embedding, as in most small models; an untied head is counted). Rounded to nearest:
+    autocast's, saved for backward by every layer that keeps its activations (with recomputation only the
+    few layers recomputed at once hold theirs)."""
+    if recipe.actor.bfloat16_rounding == Bfloat16Rounding.stochastic:
+        return max(shape.parameters - shape.vocab_size * shape.hidden, 0) * BFLOAT16_BYTES
+    return shape.parameters * BFLOAT16_BYTES * min(kept_layers, shape.layers) // shape.layers
+
+
 def model_shape(recipe: Recipe) -> ModelShape:
     """The recipe's model shape from its config, the parameters counted on the meta device (no weights read)."""
     import torch
@@ -201,10 +212,7 @@ def worker_peak_estimate(recipe: Recipe, shape: ModelShape, prompt_tokens: int) 
     saved_per_token = inputs + kept_layers * saved_per_layer
     attention = micro_batch * sequence_tokens**2 * kept_layers * ATTENTION_PAIR_BYTES
     activations = micro_batch * sequence_tokens * saved_per_token * activation_bytes
-    # autocast's bfloat16 copies of the float32 weights, saved for backward by every layer that keeps its
-    # activations (with recomputation only the few layers recomputed at once hold theirs)
-    autocast_layers = min(kept_layers, shape.layers) if bf16 and on_cpu else 0
-    autocast_weights = parameters * BFLOAT16_BYTES * autocast_layers // shape.layers
+    autocast_weights = _bfloat16_weight_copies(recipe, shape, kept_layers) if bf16 and on_cpu else 0
     update = activations + attention + logprob_chunk + autocast_weights
     return MemoryEstimate(
         runtime=int(RUNTIME_BYTES),

@@ -8,9 +8,10 @@ weights that moved ~300x more than the policy did, and would not be the weights 
 `RoundedLinearWeights(policy, skip)` gives every nn.Linear of the policy (the modules in `skip` excepted:
 the head, which the log-prob pass runs in float32) a forward that multiplies by `stochastic_bfloat16` of
 its weight under the same key as the rollout's decode copy, so the learner computes with the very same
-bfloat16 values the rollout sampled from. The copy is made at a layer's first use after `forget()` and kept
-(one copy of every weight, 2 bytes a parameter, for the length of an update: one cast per weight per
-optimizer step instead of autocast's cast per use, and recomputation in backward reads the same copy).
+bfloat16 values the rollout sampled from. The copy is made at a layer's first use and kept until `forget()`
+or an in-place update of the weight (one copy of every weight, 2 bytes a parameter, for the length of an
+update: one cast per weight per optimizer step instead of autocast's cast per use, and recomputation in
+backward reads the same copy).
 Gradients flow to the float32 weight as autocast's cast passes them: the bfloat16 gradient cast to float32.
 The copies are used only inside `active()` (the learner's forwards and its backward, where recomputation
 runs the forward again); elsewhere, in a rollout through the transformers path say, a layer is plain
@@ -42,7 +43,8 @@ class RoundedLinearWeights:
     """Stochastically rounded bfloat16 weights for every nn.Linear of a module; see the module docstring."""
 
     def __init__(self, module: nn.Module, skip: set[nn.Module]) -> None:
-        self.copies: dict[int, torch.Tensor] = {}
+        # id(weight) -> (the weight's version when cast, its copy)
+        self.copies: dict[int, tuple[int, torch.Tensor]] = {}
         self.in_use = False
         skipped = {id(layer) for layer in skip}
         for name, layer in module.named_modules():
@@ -64,7 +66,7 @@ class RoundedLinearWeights:
 
     @property
     def copy_bytes(self) -> int:
-        return sum(copy.numel() * copy.element_size() for copy in self.copies.values())
+        return sum(copy.numel() * copy.element_size() for _, copy in self.copies.values())
 
     def _forward_of(self, layer: nn.Linear, key: int):
         def forward(inputs: torch.Tensor) -> torch.Tensor:
@@ -76,9 +78,11 @@ class RoundedLinearWeights:
         return forward
 
     def _copy(self, weight: torch.Tensor, key: int) -> torch.Tensor:
-        copy = self.copies.get(id(weight))
-        if copy is None:
-            copy = self.copies[id(weight)] = stochastic_bfloat16(weight, key)
+        """The weight's copy, cast again if an in-place update (an optimizer step) bumped its version since."""
+        version, copy = self.copies.get(id(weight), (None, None))
+        if copy is None or version != weight._version:
+            copy = stochastic_bfloat16(weight, key)
+            self.copies[id(weight)] = (weight._version, copy)
         return copy
 
 

@@ -1,0 +1,92 @@
+"""The run's fidelity guard: one warning when the rollout stops sampling the policy being trained.
+
+A fast rollout counts only while its samples are the policy's. The driver hands every step record to
+`FidelityGuard.check`, which compares two figures with the first step's (step 0's, or the first recorded
+step before a resume): the rollout/learner K3 KL (`actor_rollout_kl_k3`, the rollout's own log-probs
+against the learner's) and, with bfloat16 compute on CPU, the learner's K3 KL from its float32 master
+weights (`actor_precision_kl_k3`). A figure at least JUMP times its first value, and above FLOOR (a float32
+run's 1e-12 noise is no signal), gives one sentence naming the figure, both values, the likely cause and
+the setting that avoids it, once per figure per run; the driver shows it under the live table and keeps it
+in the trace as a warning record (`kind: fidelity`), which `tlt profile` lists.
+
+Example:
+    guard = FidelityGuard(fidelity_advice(recipe, decode_plan.dtype), earlier_step_records)
+    for message in guard.check(step_record):
+        warn(message)
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Any
+
+from tlt_cli.config import Bfloat16Rounding, Precision, Recipe, RolloutDtype
+
+# a step's KL this many times its first step's is a jump (the bfloat16 collapse measured 10-50x)
+JUMP = 10.0
+# below this a KL is rounding noise whatever its ratio (bfloat16 rollouts measure 7e-4 at step 0)
+FLOOR = 1e-3
+WATCHED = {
+    "actor_rollout_kl_k3": "the rollout/learner KL",
+    "actor_precision_kl_k3": "the bfloat16 learner's KL from its float32 weights",
+}
+
+
+def fidelity_advice(recipe: Recipe, rollout_dtype: str) -> str:
+    """The likely cause of a jump under this recipe (its precision resolved) and a rollout in `rollout_dtype`
+    (the decode plan's), and the setting that avoids it."""
+    bfloat16 = rollout_dtype == RolloutDtype.bfloat16.value or recipe.actor.precision == Precision.bf16
+    if bfloat16 and recipe.actor.bfloat16_rounding == Bfloat16Rounding.nearest:
+        return (
+            "likely cause: bfloat16 copies rounded to nearest, which a small update moves far more than the policy; "
+            "set actor.bfloat16_rounding=stochastic"
+        )
+    if bfloat16:
+        return (
+            "likely cause: bfloat16 where this update moves the weights less than its rounding can follow; "
+            "rollout.dtype=float32 actor.precision=fp32 avoids it"
+        )
+    return "likely cause: a rollout that decodes other weights than the learner's (a weight sync that did not land)"
+
+
+class FidelityGuard:
+    """See the module docstring. earlier: step records of this run before a resume (the first one's figures
+    stay the baseline)."""
+
+    def __init__(self, advice: str, earlier: Iterable[dict[str, Any]] = ()) -> None:
+        self.advice = advice
+        self.baselines: dict[str, float] = {}
+        self.warned: set[str] = set()
+        for record in sorted(earlier, key=lambda record: record.get("step", 0)):
+            self._note_baselines(record)
+
+    def check(self, record: dict[str, Any]) -> list[str]:
+        """The messages this step record calls for (none, or one per figure that jumped for the first time)."""
+        self._note_baselines(record)
+        messages = []
+        for key, description in WATCHED.items():
+            value, baseline = _figure(record, key), self.baselines.get(key)
+            if value is None or baseline is None or key in self.warned:
+                continue
+            if value >= FLOOR and value >= JUMP * baseline:
+                self.warned.add(key)
+                ratio = f"{value / baseline:.0f}x" if baseline > 0 else "up from 0"
+                messages.append(
+                    f"step {record.get('step')}: {description} is {value:.1e}, {ratio} the first step's "
+                    f"{baseline:.1e}: the rollout no longer samples the policy being trained ({self.advice})."
+                )
+        return messages
+
+    def _note_baselines(self, record: dict[str, Any]) -> None:
+        for key in WATCHED:
+            value = _figure(record, key)
+            if value is not None and key not in self.baselines:
+                self.baselines[key] = value
+
+
+def _figure(record: dict[str, Any], key: str) -> float | None:
+    value = record.get(key)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        return None
+    return float(value)
