@@ -173,11 +173,13 @@ class Actor:
         self.engine.train()
         totals = {"loss": 0.0, "clip_fraction": 0.0, "kl": 0.0, "ratio_mean": 0.0, "grad_norm": 0.0}
         parts = micro_batches(batch, self.config.micro_batch_size)
+        self._forget_copies()  # the weights moved since the last pass: the copies follow them
         precision_kl = self._precision_kl(parts[0])
         total_tokens = max(batch.response_token_count, 1)
         mismatch = MismatchTotals(self.config.rollout_correction, self.config.rollout_correction_cap)
         for epoch in range(self.config.ppo_epochs):
-            self._forget_copies()  # one optimizer step an epoch: the copies follow it
+            if epoch > 0:
+                self._forget_copies()  # one optimizer step an epoch: the copies follow it
             for micro_batch in parts:
                 result = self._micro_batch_loss(
                     micro_batch,
@@ -214,7 +216,6 @@ class Actor:
         both sides round alike."""
         if self.config.precision != Precision.bf16 or self.device.type != "cpu":
             return None
-        self._forget_copies()
         with self.precision(rounded=True):
             _, learner = forward_logprobs(self.policy, micro_batch)
         _, master = forward_logprobs(self.policy, micro_batch)

@@ -247,7 +247,8 @@ def decode_plan_for(
     from tlt_cli.tuning.precision import RolloutWorkload, rollout_precision
 
     linear_plan = measured_linear_plan(linear_forms, [policy, drafter], cache_dir)
-    precision = rollout_precision(dtype, policy, linear_plan, cache_dir, RolloutWorkload(rows, speculates), correctable)
+    workload = RolloutWorkload(rows, speculates)
+    precision = rollout_precision(dtype, policy, linear_plan, cache_dir, workload, correctable, stochastic_rounding)
     pass_costs = (
         measured_pass_costs(policy, drafter, precision.torch_dtype, linear_plan, cache_dir, rows) if costs else None
     )

@@ -16,19 +16,21 @@ run. On GPUs `auto` is bf16 where every actor GPU has compute capability 8.0 or 
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
 from transformers import PreTrainedModel
 
-from tlt_cli.config import CPU_DEVICES, ActorConfig, Precision, Recipe
+from tlt_cli.config import CPU_DEVICES, ActorConfig, Bfloat16Rounding, Precision, Recipe
 from tlt_cli.processes.machine_checks import BF16_MIN_CAPABILITY
 from tlt_cli.training import setup
 from tlt_cli.training.actor import RESOLVED_PRECISIONS, enable_recomputation, forward_logprobs, update_autocast
 from tlt_cli.training.grpo import policy_loss
 from tlt_cli.training.memory import model_shape
 from tlt_cli.training.policy_batch import PolicyBatch
+from tlt_cli.training.rounded_compute import RoundedLinearWeights
 from tlt_cli.tuning.cache import cached_record, machine_key, positive_figures
 
 CACHE_FOLDER = "update_precision"
@@ -67,6 +69,9 @@ def resolve_update_precision(recipe: Recipe, cache_dir: Path) -> tuple[Recipe, U
     actor = recipe.actor
     if actor.precision != Precision.auto:
         return recipe, UpdatePrecision(actor.precision, "as the recipe sets it")
+    if actor.bfloat16_rounding == Bfloat16Rounding.nearest:
+        reason = "auto: bfloat16 rounded to nearest does not follow small updates (actor.bfloat16_rounding)"
+        return replace(recipe, actor=replace(actor, precision=Precision.fp32)), UpdatePrecision(Precision.fp32, reason)
     if actor.devices == CPU_DEVICES:
         choice = measured_choice(recipe, cache_dir)
     else:
@@ -123,6 +128,7 @@ def measurement_key(recipe: Recipe, device: torch.device) -> dict:
         "micro_batch_size": recipe.actor.micro_batch_size,
         "tokens": MEASURED_TOKENS,
         "gradient_checkpointing": recipe.actor.gradient_checkpointing,
+        "bfloat16_rounding": recipe.actor.bfloat16_rounding.value,
         "rounds": ROUNDS,
     }
 
@@ -133,11 +139,18 @@ def measure_update_seconds(policy: PreTrainedModel, config: ActorConfig, rounds:
         enable_recomputation(policy)
     policy.train()
     batch = measured_micro_batch(policy.config.vocab_size, config.micro_batch_size, MEASURED_TOKENS)
+    # bf16 as the actor runs it: with its rounded copies, cast in the warm-up round (an update casts once for
+    # all its micro-batches), or autocast's per-use casts
+    rounded = None
+    if config.bfloat16_rounding == Bfloat16Rounding.stochastic:
+        rounded = RoundedLinearWeights(policy, skip={policy.get_output_embeddings()})
     best = dict.fromkeys(RESOLVED_PRECISIONS, float("inf"))
     for round_index in range(rounds + 1):  # round 0 warms each precision up and does not count
         order = RESOLVED_PRECISIONS if round_index % 2 == 0 else RESOLVED_PRECISIONS[::-1]
         for precision in order:
-            seconds = _forward_backward_seconds(policy, batch, replace(config, precision=precision))
+            copies = rounded.active() if rounded is not None and precision == Precision.bf16 else nullcontext()
+            with copies:
+                seconds = _forward_backward_seconds(policy, batch, replace(config, precision=precision))
             if round_index > 0:
                 best[precision] = min(best[precision], seconds)
     policy.zero_grad(set_to_none=True)

@@ -133,17 +133,21 @@ def rollout_precision(
     cache_dir: Path,
     workload: RolloutWorkload = RolloutWorkload(),
     correctable: bool = True,
+    follows_updates: bool = True,
 ) -> PrecisionChoice:
     """The dtype the rollout decodes `policy` in, for the recipe's `rollout.dtype` and the rollout's `workload`
     (see the module docstring). correctable: whether the learner corrects the rollout/learner mismatch; if not,
-    `auto` keeps the policy's own dtype (a trainer of another library that cannot reach its loss)."""
+    `auto` keeps the policy's own dtype (a trainer of another library that cannot reach its loss); and so it does
+    when bfloat16 copies would not follow the updates (`follows_updates=False`: rounded to nearest)."""
     setting = RolloutDtype.of(setting, "rollout.dtype")
     if setting != RolloutDtype.auto:
         return PrecisionChoice(setting.value, "given", {}, {})
     reason = refusal(policy)
-    if reason is not None or not correctable:
+    if reason is not None or not correctable or not follows_updates:
         own = str(policy.get_input_embeddings().weight.dtype).removeprefix("torch.")
         why = "model dtype: transformers path" if reason is not None else "model dtype: the trainer cannot correct"
+        if reason is None and correctable:
+            why = "model dtype: bfloat16 rounded to nearest does not follow small updates"
         return PrecisionChoice(own if own in ROLLOUT_DTYPES else "float32", why, {}, {})
     rows = workload.measured_rows
     key = {
