@@ -19,6 +19,7 @@ from tlt_cli.engine.sampling import SamplingParams
 from tlt_cli.rollout.generate_loop import EmbeddedEngine
 from tlt_cli.speculative.acceptance_estimates import AcceptanceEstimates
 from tlt_cli.speculative.adaptive import AdaptiveSpeculativeDecoder
+from tlt_cli.speculative.collapse import COLLAPSED, RECOVERED, RECOVERY_MARGIN, CollapseWatch
 from tlt_cli.speculative.cost_schedule import CostSchedule, candidate_configs
 from tlt_cli.speculative.costs import PassCosts, verified_tokens
 from tlt_cli.speculative.draft_counts import StepCounts
@@ -169,6 +170,39 @@ def test_a_collapsed_source_is_warned_about_once_and_re_probed():
     restored = CostSchedule(schedule.candidates, costs, seed=0)
     restored.load_state_dict(schedule.state_dict())
     assert [restored(1) for _ in range(30)] == [schedule(1) for _ in range(30)]
+
+
+def test_a_flapping_source_is_one_console_line_each_way_per_run_and_every_change_is_in_the_trace():
+    ngram4 = SpeculativeConfig(0, ngram_tokens=4)
+    costs = grid_costs(10.0, 0.2)
+    # reprobe_steps 1: every step runs the one candidate, so the source's figure is fed at every step
+    schedule = CostSchedule((ngram4,), costs, collapse_accept_length=1.15, reprobe_steps=1, seed=0)
+    warnings, usages = [], []
+    for _ in range(10):  # the index's acceptance swings between 1.0 and 2.0 tokens per pass, ten times
+        for accepted in (0,) * 12 + (1,) * 12:
+            assert schedule(1) == ngram4
+            counts = StepCounts({"drafter": 0, "ngram": 1}, {"drafter": 0, "ngram": accepted}, (accepted,))
+            schedule.observe_step(DecodeStep(1, 1 + accepted, 0.01), counts)
+        warnings += schedule.take_warnings()
+        usages.append(schedule.take_usage()[ngram4.label()])
+    assert len([warning for warning in warnings if "collapsed to" in warning]) == 1
+    assert len([warning for warning in warnings if "recovered to" in warning]) == 1 and len(warnings) == 2
+    collapses, recoveries = sum(usage.collapses for usage in usages), sum(usage.recoveries for usage in usages)
+    assert collapses == 10 and recoveries == 10  # the trace's sd_config records count every one
+    # a resumed run remembers what the console has heard
+    restored = CostSchedule((ngram4,), costs, collapse_accept_length=1.15, reprobe_steps=1, seed=0)
+    restored.load_state_dict(schedule.state_dict())
+    assert restored.watch.shown == schedule.watch.shown == {("ngram", "collapsed"), ("ngram", "recovered")}
+
+
+def test_a_collapsed_figure_recovers_only_a_margin_above_the_threshold():
+    watch = CollapseWatch(threshold=1.15)
+    assert watch.change("ngram", collapsed=False, accept_length=1.16) is None
+    assert watch.change("ngram", collapsed=False, accept_length=1.14) == COLLAPSED
+    assert watch.change("ngram", collapsed=True, accept_length=1.2) is None  # hovering at the threshold
+    assert watch.change("ngram", collapsed=True, accept_length=1.15 + RECOVERY_MARGIN) == RECOVERED
+    assert watch.is_first("ngram", COLLAPSED) and not watch.is_first("ngram", COLLAPSED)
+    assert watch.is_first("drafter", COLLAPSED)
 
 
 def auto_engine(target, drafter, eos: int, costs: PassCosts, seed: int = 0) -> tuple[EmbeddedEngine, CostSchedule]:

@@ -10,17 +10,17 @@ decoding and for each candidate configuration at the running batch size, and pic
     config = schedule(batch_size)          # None: a plain step
     schedule.observe_step(step, counts)    # the engine's timed step and the decoder's counts of its verify pass
 
-The candidates are sized by the costs (`candidate_configs`): model-free n-gram chains always, drafter chains and
-hybrids with a drafter, and trees only where verifying 16 tokens costs under TREE_VERIFY_RATIO plain steps (bfloat16
-on matrix units, GPUs). Exploration keeps every candidate's acceptance measured: a share EXPLORE_SHARE of steps runs
-the least recently run candidate among those predicted within PLAUSIBLE of the best, and every reprobe_steps steps
-the least recently run candidate of all (so a drafter whose acceptance collapsed, and which the costs therefore
-turned off, is tried again). A draft source whose recent tokens per verify pass (a moving average over the steps
-it drafted in) fall under the collapse threshold is warned about once, and again when it recovers; while it is
-collapsed, its configurations are predicted with that recent figure, so SD goes off at once. Each configuration's
-predicted seconds are corrected by the ratio of its measured to predicted step times (the Python around the
-passes), and the usage records keep the uncorrected prediction beside what was measured, so the cost model's error
-stays visible in the trace.
+The candidates are sized by the costs (`candidate_configs`): model-free n-gram chains always, drafter chains and hybrids
+with a drafter, and trees only where verifying 16 tokens costs under TREE_VERIFY_RATIO plain steps (bfloat16 on matrix
+units, GPUs). Exploration keeps every candidate's acceptance measured: a share EXPLORE_SHARE of steps runs the least
+recently run candidate among those predicted within PLAUSIBLE of the best, and every reprobe_steps steps the least
+recently run candidate of all (so a drafter whose acceptance collapsed, and which the costs therefore turned off, is
+tried again). A draft source whose recent tokens per verify pass (a moving average over the steps it drafted in) fall
+under the collapse threshold collapses, and recovers only a margin above it (tlt_cli/speculative/collapse.py: the
+console hears of its first collapse and first recovery of the run, the trace counts every one); while it is collapsed,
+its configurations are predicted with that recent figure, so SD goes off at once. Each configuration's predicted seconds
+are corrected by the ratio of its measured to predicted step times (the Python around the passes), and the usage records
+keep the uncorrected prediction beside what was measured, so the cost model's error stays visible in the trace.
 """
 
 from __future__ import annotations
@@ -28,11 +28,13 @@ from __future__ import annotations
 import random
 
 from tlt_cli.speculative.acceptance_estimates import AcceptanceEstimates
+from tlt_cli.speculative.collapse import COLLAPSED, RECOVERED, CollapseWatch
 from tlt_cli.speculative.costs import PassCosts
 from tlt_cli.speculative.draft_counts import StepCounts
 from tlt_cli.speculative.types import (
     DRAFT_SOURCES,
     OFF,
+    ConfigUsage,
     DecodeStep,
     ScheduleReports,
     SpeculativeConfig,
@@ -88,6 +90,7 @@ class CostSchedule(ScheduleReports):
         self.correction: dict[str, float] = {}
         self.last_run: dict[str, int] = {}
         self.collapsed: set[str] = set()
+        self.watch = CollapseWatch(collapse_accept_length)
         # per draft source: (SD steps it drafted in, moving average of tokens per verify pass over them)
         self.recent: dict[str, tuple[int, float]] = {}
         self.steps = 0
@@ -180,11 +183,12 @@ class CostSchedule(ScheduleReports):
             usage.ngram_verify_passes += counts.passes_by_source["ngram"]
             usage.ngram_accepted_tokens += counts.accepted_by_source["ngram"]
             self.acceptance.observe(config, counts.accepted_per_row)
-            self._check_collapse(counts)
+            self._check_collapse(counts, usage)
 
-    def _check_collapse(self, counts: StepCounts) -> None:
-        """Fold the step into each drafting source's recent tokens per pass; warn once when it falls under the
-        threshold, and once when it recovers."""
+    def _check_collapse(self, counts: StepCounts, usage: ConfigUsage) -> None:
+        """Fold the step into each drafting source's recent tokens per pass and judge collapse and recovery with
+        hysteresis (tlt_cli/speculative/collapse.py): the console hears of each source's first collapse and first
+        recovery of the run, `usage` counts every one."""
         for source in DRAFT_SOURCES:
             passes = counts.passes_by_source[source]
             if not passes:
@@ -195,21 +199,27 @@ class CostSchedule(ScheduleReports):
             self.recent[source] = (steps + 1, tokens)
             if steps + 1 < COLLAPSE_MIN_STEPS:
                 continue
-            if tokens < self.collapse_accept_length and source not in self.collapsed:
+            change = self.watch.change(source, source in self.collapsed, tokens)
+            if change == COLLAPSED:
                 self.collapsed.add(source)
-                self.warnings.append(
+                usage.collapses += 1
+                message = (
                     f"SD accept length of {source} drafts collapsed to {tokens:.2f}: the cost model keeps it off, "
-                    f"re-probed every {self.reprobe_steps} decode steps"
+                    f"re-probed every {self.reprobe_steps} decode steps (later collapses go to the trace only)"
                 )
-            elif tokens >= self.collapse_accept_length and source in self.collapsed:
+            elif change == RECOVERED:
                 self.collapsed.discard(source)
-                self.warnings.append(f"SD accept length of {source} drafts recovered to {tokens:.2f}")
+                usage.recoveries += 1
+                message = f"SD accept length of {source} drafts recovered to {tokens:.2f}"
+            if change is not None and self.watch.is_first(source, change):
+                self.warnings.append(message)
 
     def state_dict(self) -> dict:
         return {
             "acceptance": self.acceptance.state_dict(),
             "correction": dict(self.correction),
             "collapsed": sorted(self.collapsed),
+            "shown": self.watch.state_dict(),
             "recent": {source: list(value) for source, value in self.recent.items()},
             "steps": self.steps,
             "last_run": dict(self.last_run),
@@ -220,6 +230,7 @@ class CostSchedule(ScheduleReports):
         self.acceptance.load_state_dict(saved["acceptance"])
         self.correction = dict(saved["correction"])
         self.collapsed = set(saved["collapsed"])
+        self.watch.load_state_dict(saved.get("shown", []))
         self.recent = {source: (int(steps), float(tokens)) for source, (steps, tokens) in saved["recent"].items()}
         self.steps, self.last_run = saved["steps"], dict(saved["last_run"])
         self.random.setstate(saved["random"])
