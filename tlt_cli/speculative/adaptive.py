@@ -47,7 +47,11 @@ from tlt_cli.speculative.types import (
 )
 
 if TYPE_CHECKING:
+    import torch
     from torch import nn
+
+    from tlt_cli.engine.running_batch import DecodeTarget, RunningBatch
+    from tlt_cli.engine.sampling import SamplingParams
 
 NGRAM_PREFIX = "ngram"  # model-free labels: ngram<tokens>, alone or after a drafter shape and a +
 ACCEPT_SMOOTHING = 0.3  # weight of the newest step in the accept-length moving average
@@ -399,6 +403,14 @@ class AdaptiveSpeculativeDecoder(SpeculativeDecoder):
     def __init__(self, drafter: nn.Module | None, schedule: AdaptiveSchedule | CostSchedule) -> None:
         super().__init__(drafter, schedule, uses_ngram=schedule.uses_ngram)
         self.adaptive_schedule = schedule
+
+    def step(
+        self, target: DecodeTarget, batch: RunningBatch, sampling: SamplingParams, generator: torch.Generator
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """SpeculativeDecoder.step; the cost model first hears what the drafter's catch-up would cost now."""
+        if isinstance(self.adaptive_schedule, CostSchedule) and self.drafter_proposer is not None:
+            self.adaptive_schedule.drafter_lag_entries = self.drafter_proposer.lag_entries(batch)
+        return super().step(target, batch, sampling, generator)
 
     def observe_step(self, step: DecodeStep) -> None:
         self.adaptive_schedule.observe_step(step, self.last_step)
