@@ -56,12 +56,14 @@ TREE_VERIFY_RATIO = 1.6
 REFRESH_STEPS = 16
 # a step is never predicted faster than this share of its measured passes (an overhead fit gone negative)
 MIN_PASS_SHARE = 0.5
+# weight of the newest verify pass in a model-free label's average width
+WIDTH_SMOOTHING = 0.1
 # a source's recent tokens per verify pass: weight of the newest step (as the rule table's schedule weighs it), and
 # the steps it must have drafted in before it can count as collapsed
 RECENT_SMOOTHING = 0.3
 COLLAPSE_MIN_STEPS = 4
 
-NGRAM_CHAINS = (2, 4, 8)
+NGRAM_CHAINS = (2, 4, 8, 16, 32)
 DRAFTER_CHAINS = (1, 2, 3, 4, 6)
 HYBRIDS = ((2, 4), (4, 4))
 TREES = ((4, 4, 16), (6, 4, 24))
@@ -96,6 +98,8 @@ class CostSchedule(ScheduleReports):
         self.random = random.Random(seed)
         self.acceptance = AcceptanceEstimates()
         self.overheads = StepOverheads()
+        # a model-free label (and label@batch size) -> moving average of its verify passes' widths (_width)
+        self.widths: dict[str, float] = {}
         # entries (rows x the widest row's gap) the drafter has yet to read before it drafts: set by the decoder
         # before each step (AdaptiveSpeculativeDecoder), grown by every step that does not draft with the model
         self.drafter_lag_entries = 0
@@ -154,10 +158,26 @@ class CostSchedule(ScheduleReports):
         measured (costs.py), plus the seconds the run's own steps of this configuration took beyond their passes at
         about this many rows (step_overheads.py)."""
         tokens_per_pass = self._tokens_per_pass(config)
-        pass_seconds = self.costs.step_seconds(config, batch_size, tokens_per_pass)
+        pass_seconds = self.costs.step_seconds(config, batch_size, tokens_per_pass, self._width(config, batch_size))
         overhead = self.overheads.seconds(label_of(config), _family(config), batch_size)
         seconds = max(pass_seconds + overhead, MIN_PASS_SHARE * pass_seconds)
         return tokens_per_pass, seconds, pass_seconds, config is not None and config.uses_drafter
+
+    def _width(self, config: SpeculativeConfig | None, batch_size: int) -> float | None:
+        """Tokens per row a model-free verify pass of `config` is expected to run through the target: its rows draft
+        what their own matches support and are padded to the widest (tlt_cli/speculative/ngram.py), so the pass is
+        priced at the width its passes had at this batch size (else at any), and at all it may draft until then;
+        None for the others (their width is their shape)."""
+        if config is None or config.uses_drafter:
+            return None
+        label = config.label()
+        return self.widths.get(f"{label}@{batch_size}", self.widths.get(label))
+
+    def _observe_width(self, config: SpeculativeConfig, batch_size: int, width: int) -> None:
+        """Fold a model-free verify pass's width into its label's averages, at its batch size and over all."""
+        for key in (f"{config.label()}@{batch_size}", config.label()):
+            previous = self.widths.get(key)
+            self.widths[key] = width if previous is None else previous + WIDTH_SMOOTHING * (width - previous)
 
     def _catch_up_seconds(self) -> float:
         """The drafter's pass over the committed positions it has not read yet (`drafter_lag_entries`): what the next
@@ -211,6 +231,8 @@ class CostSchedule(ScheduleReports):
             usage.ngram_verify_passes += counts.passes_by_source["ngram"]
             usage.ngram_accepted_tokens += counts.accepted_by_source["ngram"]
             self.acceptance.observe(config, counts.accepted_per_row)
+            if not config.uses_drafter and counts.verified_width:
+                self._observe_width(config, step.batch_size, counts.verified_width)
             self._check_collapse(counts, usage)
             self._predictions.clear()
 
@@ -247,6 +269,7 @@ class CostSchedule(ScheduleReports):
         return {
             "acceptance": self.acceptance.state_dict(),
             "overheads": self.overheads.state_dict(),
+            "widths": dict(self.widths),
             "collapsed": sorted(self.collapsed),
             "shown": self.watch.state_dict(),
             "recent": {source: list(value) for source, value in self.recent.items()},
@@ -259,6 +282,7 @@ class CostSchedule(ScheduleReports):
         self.acceptance.load_state_dict(saved["acceptance"])
         # a checkpoint from before the overheads were learned starts them afresh (they are relearned in a few steps)
         self.overheads.load_state_dict(saved.get("overheads", {}))
+        self.widths = dict(saved.get("widths", {}))
         self._predictions.clear()
         self.collapsed = set(saved["collapsed"])
         self.watch.load_state_dict(saved.get("shown", []))
