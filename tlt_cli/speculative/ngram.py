@@ -108,9 +108,9 @@ class NgramIndex:
 
     def propose(self, sequence: int, max_tokens: int) -> list[int]:
         """Up to max_tokens tokens that followed the longest match of the sequence's suffix in its group, as many as
-        the match supports (`draft_limit`), stopping before a token under MIN_TOKEN_SHARE of the agreeing places."""
+        the match supports (`_draft_limit`), stopping before a token under MIN_TOKEN_SHARE of the agreeing places."""
         places, matched = self._places(sequence)
-        limit = self.draft_limit(sequence, places, matched, max_tokens)
+        limit = self._draft_limit(sequence, places, matched, max_tokens)
         proposal: list[int] = []
         while places and len(proposal) < limit:
             depth = len(proposal)
@@ -127,7 +127,7 @@ class NgramIndex:
             ]
         return proposal
 
-    def draft_limit(self, sequence: int, places: list[tuple[int, int]], matched: int, max_tokens: int) -> int:
+    def _draft_limit(self, sequence: int, places: list[tuple[int, int]], matched: int, max_tokens: int) -> int:
         """How many tokens a row may draft: SHORT_DRAFT (or max_tokens, if fewer) whatever its match, more where its
         suffix matches longer, MATCH_FACTOR tokens per matched token, up to max_tokens (SuffixDecoding's rule: a
         row in a repetition loop drafts the loop, a row with a one-token match a few tokens). The match is measured
