@@ -277,6 +277,7 @@ def test_a_flapping_source_is_one_console_line_each_way_per_run_and_every_change
     restored = CostSchedule((ngram4,), costs, collapse_accept_length=1.15, reprobe_steps=1, seed=0)
     restored.load_state_dict(schedule.state_dict())
     assert restored.watch.shown == schedule.watch.shown == {("ngram", "collapsed"), ("ngram", "recovered")}
+    assert restored.watch.healthy == {"ngram"}
 
 
 def test_a_collapsed_figure_recovers_only_a_margin_above_the_threshold():
@@ -285,8 +286,23 @@ def test_a_collapsed_figure_recovers_only_a_margin_above_the_threshold():
     assert watch.change("ngram", collapsed=False, accept_length=1.14) == COLLAPSED
     assert watch.change("ngram", collapsed=True, accept_length=1.2) is None  # hovering at the threshold
     assert watch.change("ngram", collapsed=True, accept_length=1.15 + RECOVERY_MARGIN) == RECOVERED
-    assert watch.is_first("ngram", COLLAPSED) and not watch.is_first("ngram", COLLAPSED)
-    assert watch.is_first("drafter", COLLAPSED)
+    assert watch.change("ngram", collapsed=False, accept_length=1.3) is None  # healthy from here on
+    assert watch.is_news("ngram", COLLAPSED) and not watch.is_news("ngram", COLLAPSED)
+    assert watch.is_news("ngram", RECOVERED) and not watch.is_news("ngram", RECOVERED)
+
+
+def test_a_source_that_never_paid_is_kept_off_without_a_console_line_until_it_pays_and_then_collapses():
+    # a fresh drafter trained online starts near 1.0 tokens per pass: not news, and no recovery to announce
+    watch = CollapseWatch(threshold=1.15)
+    assert watch.change("drafter", collapsed=False, accept_length=1.0) == COLLAPSED
+    assert not watch.is_news("drafter", COLLAPSED)
+    assert watch.change("drafter", collapsed=True, accept_length=1.5) == RECOVERED
+    assert not watch.is_news("drafter", RECOVERED)
+    # once it has paid, a collapse is news, and so is its recovery
+    assert watch.change("drafter", collapsed=False, accept_length=1.05) == COLLAPSED
+    assert watch.is_news("drafter", COLLAPSED)
+    assert watch.change("drafter", collapsed=True, accept_length=1.4) == RECOVERED
+    assert watch.is_news("drafter", RECOVERED)
 
 
 def auto_engine(target, drafter, eos: int, costs: PassCosts, seed: int = 0) -> tuple[EmbeddedEngine, CostSchedule]:

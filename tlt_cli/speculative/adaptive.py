@@ -265,7 +265,9 @@ class AdaptiveSchedule(ScheduleReports):
         self.random = random.Random(seed)
         self.edges = bucket_edges(rules)
         self.states = [BucketState() for _ in self.edges]
-        self.watch = CollapseWatch(collapse_accept_length)
+        self.watch = CollapseWatch(
+            collapse_accept_length, healthy=(self._range(bucket) for bucket in range(len(self.edges)))
+        )
         super().__init__()
         self._last: tuple[int, SpeculativeConfig | None] | None = None
 
@@ -355,7 +357,7 @@ class AdaptiveSchedule(ScheduleReports):
         else:
             return
         state.collapsed = change == COLLAPSED
-        if self.watch.is_first(key, change):
+        if self.watch.is_news(key, change):
             self.warnings.append(message)
 
     def _range(self, bucket: int) -> str:
@@ -379,7 +381,7 @@ class AdaptiveSchedule(ScheduleReports):
         }
 
     def load_state_dict(self, saved: dict) -> None:
-        self.watch.load_state_dict(saved.get("shown", []))
+        self.watch.load_state_dict(saved.get("shown", {"shown": [], "healthy": []}))
         for state, (accept_length, collapsed, steps_since_probe, rewards, *measured) in zip(
             self.states, saved["states"]
         ):

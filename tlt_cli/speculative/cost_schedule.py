@@ -262,7 +262,7 @@ class CostSchedule(ScheduleReports):
                 self.collapsed.discard(source)
                 usage.recoveries += 1
                 message = f"SD accept length of {source} drafts recovered to {tokens:.2f}"
-            if change is not None and self.watch.is_first(source, change):
+            if change is not None and self.watch.is_news(source, change):
                 self.warnings.append(message)
 
     def state_dict(self) -> dict:
@@ -285,7 +285,7 @@ class CostSchedule(ScheduleReports):
         self.widths = dict(saved.get("widths", {}))
         self._predictions.clear()
         self.collapsed = set(saved["collapsed"])
-        self.watch.load_state_dict(saved.get("shown", []))
+        self.watch.load_state_dict(saved.get("shown", {"shown": [], "healthy": []}))
         self.recent = {source: (int(steps), float(tokens)) for source, (steps, tokens) in saved["recent"].items()}
         self.steps, self.last_run = saved["steps"], dict(saved["last_run"])
         self.random.setstate(saved["random"])
