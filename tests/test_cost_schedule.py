@@ -328,6 +328,20 @@ def test_greedy_decoding_with_the_cost_model_is_token_identical_to_plain():
     assert sum(value.decode_steps for label, value in usage.items() if label != "off") > 0
 
 
+def test_the_decoder_tells_the_cost_model_what_the_drafters_catch_up_would_read(monkeypatch):
+    target = tiny_target()
+    requests = requests_for(4, seed=4)
+    lags = []
+    original = CostSchedule.__call__
+    monkeypatch.setattr(
+        CostSchedule, "__call__", lambda self, rows: lags.append(self.drafter_lag_entries) or original(self, rows)
+    )
+    engine, _ = auto_engine(target, TargetAsDrafter(target), 10_000, grid_costs(10.0, 0.5))
+    engine.generate(requests, SamplingParams(max_new_tokens=6, temperature=0.0), torch.Generator().manual_seed(0))
+    # before the first step the drafter has read nothing: every row's prompt, padded to the longest
+    assert lags[0] == len(requests) * max(len(request.prompt_ids) for request in requests)
+
+
 def test_sampled_decoding_with_the_cost_model_has_the_targets_distribution(monkeypatch):
     # the choice must not hang on this machine's timing (the overheads learned from measured step times): the
     # property under test is that whatever the schedule switches between, the samples keep the target's law
