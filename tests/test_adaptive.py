@@ -105,6 +105,21 @@ def test_collapse_turns_sd_off_warns_once_and_reprobes():
     assert "recovered" in schedule.take_warnings()[0]
 
 
+def test_a_flapping_bucket_is_one_console_line_each_way_per_run_and_every_change_is_in_the_trace():
+    table = [{"batch": [1, None], "use": "s4-k1"}]
+    schedule = AdaptiveSchedule(build_rules(table), collapse_accept_length=1.3, reprobe_steps=1)
+    warnings, usages = [], []
+    for _ in range(8):  # acceptance swings between 1.0 and 3.0 tokens per pass
+        for emitted in (2,) * 8 + (6,) * 8:
+            config = schedule(2)
+            schedule.observe(emitted_tokens=emitted if config else 2, verify_passes=2 if config else 0, seconds=0.01)
+        warnings += schedule.take_warnings()
+        usages.append(schedule.take_usage()["s4-k1-t5"])
+    assert [("collapsed" in warning, "recovered" in warning) for warning in warnings] == [(True, False), (False, True)]
+    collapses, recoveries = sum(usage.collapses for usage in usages), sum(usage.recoveries for usage in usages)
+    assert collapses == 8 and recoveries == 8
+
+
 def test_bandit_moves_to_the_candidate_with_more_tokens_per_second_and_its_state_round_trips():
     table = [{"batch": [1, None], "use": "s2-k1", "candidates": ["s6-k1", "off"]}]
     schedule = AdaptiveSchedule(build_rules(table), epsilon=0.1, seed=0)

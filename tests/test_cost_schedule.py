@@ -6,7 +6,9 @@ drafts are accepted), exploration and collapse warnings, and the engine with the
 token-identical to plain decoding, sampled output with plain decoding's distribution.
 """
 
+import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,9 +21,11 @@ from tlt_cli.engine.sampling import SamplingParams
 from tlt_cli.rollout.generate_loop import EmbeddedEngine
 from tlt_cli.speculative.acceptance_estimates import AcceptanceEstimates
 from tlt_cli.speculative.adaptive import AdaptiveSpeculativeDecoder
+from tlt_cli.speculative.collapse import COLLAPSED, RECOVERED, RECOVERY_MARGIN, CollapseWatch
 from tlt_cli.speculative.cost_schedule import CostSchedule, candidate_configs
 from tlt_cli.speculative.costs import PassCosts, verified_tokens
 from tlt_cli.speculative.draft_counts import StepCounts
+from tlt_cli.speculative.step_overheads import StepOverheads
 from tlt_cli.speculative.types import DecodeStep, SpeculativeConfig
 from tlt_cli.tuning.pass_costs import CACHE_FOLDER, DRAFTER_ENTRIES, measured_pass_costs
 
@@ -171,6 +175,136 @@ def test_a_collapsed_source_is_warned_about_once_and_re_probed():
     assert [restored(1) for _ in range(30)] == [schedule(1) for _ in range(30)]
 
 
+def test_overheads_learned_from_recorded_steps_predict_them_within_a_fifth_per_configuration_and_rows():
+    # steps mode auto ran on the tiny model, each with its passes' predicted seconds and its measured seconds: the
+    # passes alone predict a third to a half of a step; passes plus the learned overheads are within 20% per cell
+    recorded = json.loads((Path(__file__).parent / "data" / "auto_steps_tiny_cpu.json").read_text())["steps"]
+    overheads = StepOverheads()
+    cells: dict[tuple[str, int], list[float]] = {}
+    for label, family, rows, pass_seconds, measured_seconds in recorded:
+        predicted = pass_seconds + overheads.seconds(label, family, rows)
+        cell = cells.setdefault((label, rows), [0.0, 0.0, 0.0, 0])
+        cell[0], cell[1], cell[2], cell[3] = (
+            cell[0] + predicted,
+            cell[1] + pass_seconds,
+            cell[2] + measured_seconds,
+            cell[3] + 1,
+        )
+        overheads.observe(label, family, rows, pass_seconds, measured_seconds)
+    judged = {key: cell for key, cell in cells.items() if cell[3] >= 20}  # cells of 3-15 steps are load noise here
+    assert {("off", 1), ("off", 8), ("ngram2", 8), ("off", 16)} == set(judged)
+    for (label, rows), (predicted, passes, measured, _) in judged.items():
+        assert passes < measured / 1.5, (label, rows)
+        assert abs(predicted / measured - 1) < 0.2, (label, rows, predicted / measured)
+
+
+def test_the_trace_predicts_a_step_with_what_it_costs_beyond_its_passes_at_every_batch_size():
+    costs = grid_costs(10.0, 0.5)
+    schedule = CostSchedule(candidate_configs(costs, has_drafter=True), costs, seed=0)
+    for step in range(600):
+        batch_size = (8, 4, 2, 1)[step * 4 // 600]  # the batch shrinks as rows finish
+        config = schedule(batch_size)
+        emitted = 1 if config is None else 1 + min(2, max(config.steps, config.ngram_tokens))
+        # the Python around the passes: 3 ms a step and 2 ms a row
+        seconds = costs.step_seconds(config, batch_size, emitted) + 0.003 + 0.002 * batch_size
+        counts = None
+        if config is not None:
+            passes = {"drafter": batch_size * config.uses_drafter, "ngram": batch_size * config.uses_ngram}
+            counts = StepCounts(
+                passes, {source: (emitted - 1) * count for source, count in passes.items()}, (emitted - 1,) * batch_size
+            )
+        schedule.observe_step(DecodeStep(batch_size, emitted * batch_size, seconds), counts)
+    usage = schedule.take_usage()
+    often = [label for label, value in usage.items() if value.decode_steps >= 50]
+    assert often
+    for label in often:
+        assert usage[label].predicted_seconds == pytest.approx(usage[label].seconds, rel=0.2), label
+
+
+def test_plain_steps_reuse_the_prediction_until_an_sd_step_updates_the_acceptance(monkeypatch):
+    schedule = schedule_after(grid_costs(10.0, 10.0), accepted=0, steps=100, batch_size=4)
+    computed = []
+    original = CostSchedule._prediction
+    monkeypatch.setattr(
+        CostSchedule, "_prediction", lambda self, *arguments: computed.append(1) or original(self, *arguments)
+    )
+    schedule.steps = 0  # away from a refresh
+    choices = []
+    for _ in range(10):
+        choices.append(schedule(4))
+        schedule.observe_step(DecodeStep(4, 4, 0.01))
+    assert choices == [None] * 10 and len(computed) <= 1 + len(schedule.candidates)
+    ngram2 = SpeculativeConfig(0, ngram_tokens=2)
+    schedule._last = (ngram2, 4, 8.0, 0.01, 0.01)  # an SD step ran (the choice exploring)
+    schedule.observe_step(
+        DecodeStep(4, 8, 0.01), StepCounts({"drafter": 0, "ngram": 4}, {"drafter": 0, "ngram": 4}, (1,) * 4)
+    )
+    computed.clear()
+    schedule(4)
+    assert len(computed) == 1 + len(schedule.candidates)
+
+
+def test_the_drafters_catch_up_on_unread_positions_is_priced_before_it_drafts():
+    costs = grid_costs(10.0, 0.2)
+    schedule = schedule_after(costs, accepted=8, steps=300)
+    schedule.drafter_lag_entries = 0
+    assert schedule(1).uses_drafter
+    schedule._last = None
+    # a prompt of 2,000 positions not yet read: the drafter's catch-up costs more than its drafts gain
+    schedule.drafter_lag_entries = 2000
+    choice = schedule(1)
+    assert choice is None or not choice.uses_drafter
+
+
+def test_a_flapping_source_is_one_console_line_each_way_per_run_and_every_change_is_in_the_trace():
+    ngram4 = SpeculativeConfig(0, ngram_tokens=4)
+    costs = grid_costs(10.0, 0.2)
+    # reprobe_steps 1: every step runs the one candidate, so the source's figure is fed at every step
+    schedule = CostSchedule((ngram4,), costs, collapse_accept_length=1.15, reprobe_steps=1, seed=0)
+    warnings, usages = [], []
+    for _ in range(10):  # the index's acceptance swings between 1.0 and 2.0 tokens per pass, ten times
+        for accepted in (0,) * 12 + (1,) * 12:
+            assert schedule(1) == ngram4
+            counts = StepCounts({"drafter": 0, "ngram": 1}, {"drafter": 0, "ngram": accepted}, (accepted,))
+            schedule.observe_step(DecodeStep(1, 1 + accepted, 0.01), counts)
+        warnings += schedule.take_warnings()
+        usages.append(schedule.take_usage()[ngram4.label()])
+    assert len([warning for warning in warnings if "collapsed to" in warning]) == 1
+    assert len([warning for warning in warnings if "recovered to" in warning]) == 1 and len(warnings) == 2
+    collapses, recoveries = sum(usage.collapses for usage in usages), sum(usage.recoveries for usage in usages)
+    assert collapses == 10 and recoveries == 10  # the trace's sd_config records count every one
+    # a resumed run remembers what the console has heard
+    restored = CostSchedule((ngram4,), costs, collapse_accept_length=1.15, reprobe_steps=1, seed=0)
+    restored.load_state_dict(schedule.state_dict())
+    assert restored.watch.shown == schedule.watch.shown == {("ngram", "collapsed"), ("ngram", "recovered")}
+    assert restored.watch.healthy == {"ngram"}
+
+
+def test_a_collapsed_figure_recovers_only_a_margin_above_the_threshold():
+    watch = CollapseWatch(threshold=1.15)
+    assert watch.change("ngram", collapsed=False, accept_length=1.16) is None
+    assert watch.change("ngram", collapsed=False, accept_length=1.14) == COLLAPSED
+    assert watch.change("ngram", collapsed=True, accept_length=1.2) is None  # hovering at the threshold
+    assert watch.change("ngram", collapsed=True, accept_length=1.15 + RECOVERY_MARGIN) == RECOVERED
+    assert watch.change("ngram", collapsed=False, accept_length=1.3) is None  # healthy from here on
+    assert watch.is_news("ngram", COLLAPSED) and not watch.is_news("ngram", COLLAPSED)
+    assert watch.is_news("ngram", RECOVERED) and not watch.is_news("ngram", RECOVERED)
+
+
+def test_a_source_that_never_paid_is_kept_off_without_a_console_line_until_it_pays_and_then_collapses():
+    # a fresh drafter trained online starts near 1.0 tokens per pass: not news, and no recovery to announce
+    watch = CollapseWatch(threshold=1.15)
+    assert watch.change("drafter", collapsed=False, accept_length=1.0) == COLLAPSED
+    assert not watch.is_news("drafter", COLLAPSED)
+    assert watch.change("drafter", collapsed=True, accept_length=1.5) == RECOVERED
+    assert not watch.is_news("drafter", RECOVERED)
+    # once it has paid, a collapse is news, and so is its recovery
+    assert watch.change("drafter", collapsed=False, accept_length=1.05) == COLLAPSED
+    assert watch.is_news("drafter", COLLAPSED)
+    assert watch.change("drafter", collapsed=True, accept_length=1.4) == RECOVERED
+    assert watch.is_news("drafter", RECOVERED)
+
+
 def auto_engine(target, drafter, eos: int, costs: PassCosts, seed: int = 0) -> tuple[EmbeddedEngine, CostSchedule]:
     schedule = CostSchedule(candidate_configs(costs, has_drafter=True), costs, seed=seed)
     engine = EmbeddedEngine(target, eos, 0, speculative=AdaptiveSpeculativeDecoder(drafter, schedule))
@@ -194,10 +328,24 @@ def test_greedy_decoding_with_the_cost_model_is_token_identical_to_plain():
     assert sum(value.decode_steps for label, value in usage.items() if label != "off") > 0
 
 
+def test_the_decoder_tells_the_cost_model_what_the_drafters_catch_up_would_read(monkeypatch):
+    target = tiny_target()
+    requests = requests_for(4, seed=4)
+    lags = []
+    original = CostSchedule.__call__
+    monkeypatch.setattr(
+        CostSchedule, "__call__", lambda self, rows: lags.append(self.drafter_lag_entries) or original(self, rows)
+    )
+    engine, _ = auto_engine(target, TargetAsDrafter(target), 10_000, grid_costs(10.0, 0.5))
+    engine.generate(requests, SamplingParams(max_new_tokens=6, temperature=0.0), torch.Generator().manual_seed(0))
+    # before the first step the drafter has read nothing: every row's prompt, padded to the longest
+    assert lags[0] == len(requests) * max(len(request.prompt_ids) for request in requests)
+
+
 def test_sampled_decoding_with_the_cost_model_has_the_targets_distribution(monkeypatch):
-    # the choice must not hang on this machine's timing (the correction by measured step times): the property under
-    # test is that whatever the schedule switches between, the samples keep the target's law
-    monkeypatch.setattr(CostSchedule, "_correction", lambda self, config: 1.0)
+    # the choice must not hang on this machine's timing (the overheads learned from measured step times): the
+    # property under test is that whatever the schedule switches between, the samples keep the target's law
+    monkeypatch.setattr(StepOverheads, "seconds", lambda self, label, family, rows: 0.0)
     target = tiny_target(initializer_range=0.3)
     drafter = TargetAsDrafter(target, logit_noise=1.0)
     prompt = requests_for(1, seed=7)[0].prompt_ids

@@ -39,16 +39,19 @@ from tlt_cli.speculative.adaptive import (
     build_rules,
     parse_label,
 )
+from tlt_cli.speculative.cost_schedule import CostSchedule
+from tlt_cli.speculative.costs import PassCosts
 from tlt_cli.speculative.decoder import SpeculativeDecoder
+from tlt_cli.speculative.draft_counts import StepCounts
 from tlt_cli.speculative.ngram import NgramIndex
 from tlt_cli.speculative.shapes import shape_problem
 from tlt_cli.speculative.tree import DraftTree, ancestor_mask, with_chosen_chains, with_ngram_branch
-from tlt_cli.speculative.types import SpeculativeConfig
+from tlt_cli.speculative.types import DecodeStep, SpeculativeConfig
 from tlt_cli.training.setup import speculative_plan
 
 torch.set_num_threads(1)
 
-MODEL_FREE = [parse_label("ngram1"), parse_label("ngram4")]
+MODEL_FREE = [parse_label("ngram1"), parse_label("ngram4"), parse_label("ngram32")]
 HYBRID = [parse_label("s2-k1-t3+ngram4"), parse_label("s3-k2-t6+ngram3"), parse_label("s4-k4-t16+ngram2")]
 
 
@@ -107,6 +110,47 @@ def test_a_row_repeating_itself_is_proposed_its_own_text():
     sequence = index.add_sequence(0, [1])
     index.extend(sequence, [4, 5, 6, 4, 5])
     assert index.propose(sequence, 2) == [6, 4]
+
+
+def test_each_row_drafts_what_its_own_match_supports():
+    index = NgramIndex()
+    looping = index.add_sequence(0, [1])
+    index.extend(looping, [4, 5, 6, 7, 8] * 8)  # a repetition loop: its suffix matches 35 tokens back
+    other = index.add_sequence(1, [2, 9, 3, 9])
+    index.extend(other, [3, 9, 3])  # a short loop seen only twice: a match of 4 tokens, then the text ends
+    fresh = index.add_sequence(2, [2, 10, 11, 12, 13, 14, 15, 16, 17])
+    index.extend(fresh, [10])  # a one-token match, followed by 8 tokens
+    assert index.propose(looping, 32) == ([4, 5, 6, 7, 8] * 7)[:32]
+    assert index.propose(looping, 8) == [4, 5, 6, 7, 8, 4, 5, 6]
+    assert index.propose(other, 32) == [9, 3]  # all that followed its match
+    assert index.propose(fresh, 32) == [11, 12, 13, 14]  # SHORT_DRAFT
+    siblings = index.add_sequence(3, [20])
+    for continuation in range(12):  # 13 places continue 20, 21, each another way
+        index.extend(siblings, [20, 21, 30 + continuation])
+    index.extend(siblings, [20, 21, 99, 20, 21])
+    # the most recent place would win the tie at one vote each, but one vote of 13 is under the share drafted
+    assert index.propose(siblings, 32) == []
+    assert index.propose(siblings, 1) == []
+
+
+def test_a_ragged_model_free_pass_is_priced_at_the_width_its_passes_had():
+    costs = grid_costs_for_widths()
+    ngram32 = SpeculativeConfig(0, ngram_tokens=32)
+    schedule = CostSchedule((ngram32,), costs, reprobe_steps=1, seed=0)  # every step runs ngram32
+    assert schedule._prediction(ngram32, 4)[2] == pytest.approx(costs.target_seconds(4, 33))
+    for _ in range(60):  # its rows drafted 0 to 5 tokens: passes 6 wide
+        assert schedule(4) == ngram32
+        schedule.observe_step(
+            DecodeStep(4, 8, 0.01), StepCounts({"drafter": 0, "ngram": 4}, {"drafter": 0, "ngram": 4}, (0, 1, 2, 1), 6)
+        )
+    assert schedule._prediction(ngram32, 4)[2] == pytest.approx(costs.target_seconds(4, 6), rel=0.01)
+    # a batch size it never ran at takes the label's width
+    assert schedule._prediction(ngram32, 2)[2] == pytest.approx(costs.target_seconds(2, 6), rel=0.01)
+
+
+def grid_costs_for_widths() -> PassCosts:
+    rows, tokens = (1, 2, 4), (1, 2, 4, 8, 16, 32)
+    return PassCosts(rows, tokens, tuple(tuple(5.0 + row * token for token in tokens) for row in rows))
 
 
 def grouped_requests(groups: int, group_size: int, seed: int) -> list[RolloutRequest]:
@@ -214,7 +258,7 @@ SAMPLING = [SamplingParams(3, temperature=1.0), SamplingParams(3, temperature=0.
 
 
 @pytest.mark.parametrize(
-    "label", ["ngram2", "s2-k1-t3+ngram2", "s2-k3-t6+ngram2"], ids=lambda label: label.replace("+", "_")
+    "label", ["ngram2", "ngram32", "s2-k1-t3+ngram2", "s2-k3-t6+ngram2"], ids=lambda label: label.replace("+", "_")
 )
 @pytest.mark.parametrize("params", SAMPLING, ids=["plain", "top-k-top-p"])
 def test_sampled_model_free_and_hybrid_sd_keep_the_target_distribution(label, params):

@@ -4,8 +4,8 @@ recipes/real-cpu.yaml train.steps=3`, then `tlt profile` of it.
 The recipe names its model `cache:models/SmolLM2-135M-Instruct`, the folder under tlt's cache
 ($TLT_CACHE_DIR, else ~/.cache/tlt) that scripts/make_real_model.py writes. The slow test needs
 that folder in the user's cache (it skips without it) and passes it to the run by its full path,
-since the tests' own TLT_CACHE_DIR is a temporary folder. Its drafter warm-up is cached there for
-the test session (about 10 minutes on 2 cores); each RL step then takes minutes.
+since the tests' own TLT_CACHE_DIR is a temporary folder. Its drafter starts fresh (drafter.init online:
+no offline warm-up before step 0); each RL step takes minutes.
 """
 
 from __future__ import annotations

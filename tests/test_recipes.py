@@ -30,6 +30,7 @@ from tlt_cli.preflight import check_recipe
 from tlt_cli.recipe_checks import load_checked_recipe
 from tlt_cli.recipe_help import key_help
 from tlt_cli.recipes import resolve_recipe_path, shipped_recipes
+from tlt_cli.training import setup
 
 runner = CliRunner()
 
@@ -215,13 +216,14 @@ def draft_vocabulary_recipe(overrides: list[str]):
 def test_topk_is_checked_once_against_the_draft_vocabulary_of_the_drafter_the_run_starts_with(tmp_path):
     # the values alone do not know the vocabulary: no bound there
     draft_vocabulary_recipe(["speculative.topk=100"])
-    # a random drafter drafts over the target's 66 tokens
+    # a fresh drafter (random, or online: the default) drafts over the target's 66 tokens
     check_recipe(draft_vocabulary_recipe(["speculative.topk=20", "drafter.init=random"]))
+    check_recipe(draft_vocabulary_recipe(["speculative.topk=66"]))
     with pytest.raises(RecipeError, match="topk is 67; set it between 1 and the draft vocabulary size 66"):
         check_recipe(draft_vocabulary_recipe(["speculative.topk=67", "drafter.init=random"]))
     # the warm-up keeps drafter.vocab_size tokens: 20 branches fit the target, not 16 draft tokens
     with pytest.raises(RecipeError, match="^speculative: speculative topk is 20; .* draft vocabulary size 16[.]$"):
-        check_recipe(draft_vocabulary_recipe(["speculative.topk=20", "drafter.vocab_size=16"]))
+        check_recipe(draft_vocabulary_recipe(["speculative.topk=20", "drafter.vocab_size=16", "drafter.init=warmup"]))
     # a saved drafter keeps its own vocabulary, whatever drafter.vocab_size says
     target, _ = load_policy("builtin:tiny-arith")
     save_drafter(EagleDrafter(target, vocabulary=DraftVocabulary(torch.arange(8), 66)), tmp_path / "drafter")
@@ -233,3 +235,14 @@ def test_topk_is_checked_once_against_the_draft_vocabulary_of_the_drafter_the_ru
     rules = "speculative.rules=[{batch: [1, null], use: s1-k9-t10}]"
     with pytest.raises(RecipeError, match="^speculative.rules: rule 1: .*draft vocabulary size 8"):
         check_recipe(draft_vocabulary_recipe(["speculative.topk=1", "speculative.mode=adaptive", rules, *saved]))
+
+
+@pytest.mark.parametrize(
+    "path", [path for path in shipped_recipes() if path.name != "gpu-sglang.yaml"], ids=lambda path: path.name
+)
+def test_the_shipped_cpu_recipes_start_step_0_without_an_offline_warm_up(path, tmp_path):
+    # the warm-up took 5-35 minutes before step 0 on a 2-core CPU (issue 48); it runs only where a recipe asks
+    recipe = load_recipe(path)
+    assert recipe.drafter.init == "online"
+    assert setup.prepare_drafter(recipe, tmp_path) == (None, None)
+    assert list(tmp_path.iterdir()) == []

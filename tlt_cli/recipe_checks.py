@@ -47,7 +47,7 @@ from tlt_cli.training.setup import speculative_plan
 
 # a TRL run generates with tlt's embedded engine, or with TRL's own generation (rollout.backend trl, the baseline)
 TRL_BACKENDS = (RolloutBackendName.embedded, RolloutBackendName.trl)
-DRAFTER_STARTS = ("warmup", "random")
+DRAFTER_STARTS = ("online", "warmup", "random")
 BUILTIN_PREFIX = "builtin:"
 BUILTIN_MODELS = ("builtin:tiny-arith",)
 # the longest folder name Linux file systems take (NAME_MAX), in bytes
@@ -335,7 +335,7 @@ def _rule_shapes(plan: SpeculativePlan) -> list[tuple[str, SpeculativeConfig]]:
 def _check_drafter(drafter: DrafterConfig) -> None:
     _require(
         drafter.init in DRAFTER_STARTS or Path(drafter.init).is_dir(),
-        f"drafter.init must be warmup, random or a drafter folder, got '{drafter.init}'.",
+        f"drafter.init must be online, warmup, random or a drafter folder, got '{drafter.init}'.",
     )
 
 

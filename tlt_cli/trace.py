@@ -11,7 +11,8 @@ step_records.py; fields in docs/running.md, "The run directory"):
              in the step), and the numbers plugins added, each under its plugin's prefix (drafter_*, ...)
   sd_config  one per worker per step per SD configuration it decoded in ("off" = plain):
              config, and the decode steps, tokens and seconds spent in it, and per draft
-             source (drafter, ngram) its verify passes and accepted tokens
+             source (drafter, ngram) its verify passes and accepted tokens, and the collapses and
+             recoveries of a draft source or bucket at its steps (the console shows only each one's first)
   warning    one per warning shown under the live table (SD collapse, a plugin disabled, an
              SGLang sync): step, worker, message, and details (a failing plugin's traceback)
   step       one per step: timings (rollout, reward, update, step) and metrics, with

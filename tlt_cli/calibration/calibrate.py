@@ -223,9 +223,12 @@ def load_model_pair(recipe: Recipe) -> tuple[ModelPair, PreTrainedTokenizerBase,
     device = torch.device("cpu" if recipe.actor.devices == CPU_DEVICES else f"cuda:{recipe.actor.devices[0]}")
     target, tokenizer = setup.policy_and_tokenizer(recipe)
     target = target.to(device, dtype).eval()
-    # the drafter a run would start with, whatever the recipe's speculative mode is now
+    # the drafter a run would start with, whatever the recipe's speculative mode is now; an online start's fresh
+    # drafter says nothing of the drafter the run trains, so the offline warm-up's stands in for it
+    drafter_start = replace(recipe.drafter, init="warmup") if recipe.drafter.init == "online" else recipe.drafter
     folder, _ = setup.prepare_drafter(
-        replace(recipe, speculative=replace(recipe.speculative, mode=SpeculativeMode.fixed)), cache
+        replace(recipe, speculative=replace(recipe.speculative, mode=SpeculativeMode.fixed), drafter=drafter_start),
+        cache,
     )
     drafter = setup.starting_drafter(recipe, folder, target).to(device, dtype).eval()
     # the forms a worker's engine computes the pair's linear layers with (EmbeddedRollout), so calibrated costs are

@@ -36,6 +36,7 @@ from tlt_cli.config.ranges import RANGE, Range, range_problem
 from tlt_cli.config.schema import (
     CPU_DEVICES,
     DEFAULT_RULES,
+    FRESH_DRAFTER_STARTS,
     HELP,
     MAX_SEED,
     MAX_STEPS,
@@ -69,6 +70,7 @@ from tlt_cli.config.schema import (
 __all__ = [
     "CPU_DEVICES",
     "DEFAULT_RULES",
+    "FRESH_DRAFTER_STARTS",
     "FREE_FORM_SECTIONS",
     "HELP",
     "MAX_NESTING",

@@ -485,12 +485,17 @@ class SpeculativeSection:
     )
 
 
+# drafter.init values that start from a fresh drafter, with no offline warm-up before step 0
+FRESH_DRAFTER_STARTS = ("online", "random")
+
+
 @dataclass(frozen=True)
 class DrafterConfig:
     init: str = setting(
-        "warmup",
-        "where the drafter starts: warmup (trained offline on the target's generations, "
-        "cached), random, or a folder written by tlt (save_drafter)",
+        "online",
+        "where the drafter starts: online (a fresh drafter, no wait: mode auto drafts model-free n-grams until "
+        "the drafter, trained by drafter_sidecar from step 0's rollouts on, pays), warmup (trained offline on the "
+        "target's generations before step 0, cached), random, or a folder written by tlt (save_drafter)",
     )
     warmup_steps: int = setting(600, "offline warm-up: optimizer steps", minimum=1)
     warmup_lr: float = setting(1e-3, "offline warm-up: learning rate", minimum=0, exclusive_minimum=True)

@@ -358,7 +358,8 @@ def _remove_what_killed_runs_left(console: Console) -> None:
 
 
 def _prepare_drafter(trainer: TrainerEntry, recipe: Recipe, cache: Path, console: Console) -> Path | None:
-    console.print("preparing the drafter (an offline warm-up runs once per model and task, then is cached)")
+    if recipe.drafter.init == "warmup":  # the other starts cost nothing here (drafter.init online: trained online)
+        console.print("preparing the drafter (an offline warm-up runs once per model and task, then is cached)")
     with PhaseProgress(console, "drafter warm-up") as progress:
         folder, report = trainer.prepare_drafter(recipe, cache, progress)
     if report is not None:

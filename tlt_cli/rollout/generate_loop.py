@@ -189,7 +189,9 @@ class EmbeddedEngine:
             finished_by_eos=torch.zeros_like(prompt_lengths, dtype=torch.bool),
             tokens=tokens,
             cache=self.decode_model.new_cache(len(requests), capacity),
-            store_hidden=call.return_hidden or call.logprob_temperature is not None or self.speculative is not None,
+            store_hidden=call.return_hidden
+            or call.logprob_temperature is not None
+            or (self.speculative is not None and self.speculative.drafter is not None),
         )
         causal = torch.ones(longest, longest, dtype=torch.bool, device=self.device).tril()
         positions = torch.arange(longest, device=self.device).expand(len(requests), longest)

@@ -13,7 +13,9 @@ and seconds from its start to its finished rows retired). It
     rewarded by emitted tokens per second of the whole decode step (median over a window),
     state checkpointable;
   - turns SD off for a rule whose measured accept length has collapsed below a threshold (a stale
-    or broken drafter, a bad weight sync), warns once, and re-probes it every so many steps;
+    or broken drafter, a bad weight sync), and back on only a margin above it (hysteresis,
+    tlt_cli/speculative/collapse.py: the console hears of a bucket's first collapse and first
+    recovery of the run, the trace counts every one), and re-probes it every so many steps;
   - accounts decode steps, tokens and seconds per configuration for the trace.
 Accept length here is tokens emitted per verify pass (accepted drafts + the bonus token). The
 SGLang mapping (tlt_cli/sglang/adaptive.py) reads the same table; `tlt calibrate` writes one.
@@ -30,11 +32,13 @@ from enum import Enum
 from typing import TYPE_CHECKING
 
 from tlt_cli.errors import UserError
+from tlt_cli.speculative.collapse import COLLAPSED, RECOVERED, CollapseWatch
 from tlt_cli.speculative.cost_schedule import CostSchedule, candidate_configs
 from tlt_cli.speculative.costs import PassCosts
 from tlt_cli.speculative.decoder import SpeculativeDecoder, StepCounts
 from tlt_cli.speculative.types import (
     OFF,
+    ConfigUsage,
     DecodeStep,
     ScheduleReports,
     SpeculativeConfig,
@@ -43,7 +47,11 @@ from tlt_cli.speculative.types import (
 )
 
 if TYPE_CHECKING:
+    import torch
     from torch import nn
+
+    from tlt_cli.engine.running_batch import DecodeTarget, RunningBatch
+    from tlt_cli.engine.sampling import SamplingParams
 
 NGRAM_PREFIX = "ngram"  # model-free labels: ngram<tokens>, alone or after a drafter shape and a +
 ACCEPT_SMOOTHING = 0.3  # weight of the newest step in the accept-length moving average
@@ -257,6 +265,9 @@ class AdaptiveSchedule(ScheduleReports):
         self.random = random.Random(seed)
         self.edges = bucket_edges(rules)
         self.states = [BucketState() for _ in self.edges]
+        self.watch = CollapseWatch(
+            collapse_accept_length, healthy=(self._range(bucket) for bucket in range(len(self.edges)))
+        )
         super().__init__()
         self._last: tuple[int, SpeculativeConfig | None] | None = None
 
@@ -318,9 +329,9 @@ class AdaptiveSchedule(ScheduleReports):
         state = self.states[bucket]
         state.rewards.setdefault(label, deque(maxlen=self.reward_window)).append(emitted_tokens / max(seconds, 1e-9))
         if config is not None and verify_passes > 0:
-            self._measure(bucket, emitted_tokens / verify_passes)
+            self._measure(bucket, emitted_tokens / verify_passes, usage)
 
-    def _measure(self, bucket: int, accept_length: float) -> None:
+    def _measure(self, bucket: int, accept_length: float, usage: ConfigUsage) -> None:
         state = self.states[bucket]
         previous = state.accept_length
         state.accept_length = (
@@ -330,18 +341,24 @@ class AdaptiveSchedule(ScheduleReports):
         )
         state.measured_steps += 1
         # one unlucky first step is not a collapse: judge only a bucket measured a few times
-        collapsed = state.accept_length < self.collapse_accept_length and state.measured_steps >= COLLAPSE_MIN_STEPS
-        if collapsed and not state.collapsed:
-            self.warnings.append(
-                f"SD accept length collapsed to {state.accept_length:.2f} at batch sizes {self._range(bucket)}: "
-                f"SD off there, re-probed every {self.reprobe_steps} decode steps"
+        if state.measured_steps < COLLAPSE_MIN_STEPS:
+            return
+        key = self._range(bucket)
+        change = self.watch.change(key, state.collapsed, state.accept_length)
+        if change == COLLAPSED:
+            usage.collapses += 1
+            message = (
+                f"SD accept length collapsed to {state.accept_length:.2f} at batch sizes {key}: SD off there, "
+                f"re-probed every {self.reprobe_steps} decode steps (later collapses go to the trace only)"
             )
-        elif state.collapsed and not collapsed:
-            self.warnings.append(
-                f"SD accept length recovered to {state.accept_length:.2f} at batch sizes {self._range(bucket)}: "
-                "SD back on"
-            )
-        state.collapsed = collapsed
+        elif change == RECOVERED:
+            usage.recoveries += 1
+            message = f"SD accept length recovered to {state.accept_length:.2f} at batch sizes {key}: SD back on"
+        else:
+            return
+        state.collapsed = change == COLLAPSED
+        if self.watch.is_news(key, change):
+            self.warnings.append(message)
 
     def _range(self, bucket: int) -> str:
         upper = self.edges[bucket + 1] - 1 if bucket + 1 < len(self.edges) else None
@@ -360,9 +377,11 @@ class AdaptiveSchedule(ScheduleReports):
                 for state in self.states
             ],
             "random": self.random.getstate(),
+            "shown": self.watch.state_dict(),
         }
 
     def load_state_dict(self, saved: dict) -> None:
+        self.watch.load_state_dict(saved.get("shown", {"shown": [], "healthy": []}))
         for state, (accept_length, collapsed, steps_since_probe, rewards, *measured) in zip(
             self.states, saved["states"]
         ):
@@ -386,6 +405,14 @@ class AdaptiveSpeculativeDecoder(SpeculativeDecoder):
     def __init__(self, drafter: nn.Module | None, schedule: AdaptiveSchedule | CostSchedule) -> None:
         super().__init__(drafter, schedule, uses_ngram=schedule.uses_ngram)
         self.adaptive_schedule = schedule
+
+    def step(
+        self, target: DecodeTarget, batch: RunningBatch, sampling: SamplingParams, generator: torch.Generator
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """SpeculativeDecoder.step; the cost model first hears what the drafter's catch-up would cost now."""
+        if isinstance(self.adaptive_schedule, CostSchedule) and self.drafter_proposer is not None:
+            self.adaptive_schedule.drafter_lag_entries = self.drafter_proposer.lag_entries(batch)
+        return super().step(target, batch, sampling, generator)
 
     def observe_step(self, step: DecodeStep) -> None:
         self.adaptive_schedule.observe_step(step, self.last_step)

@@ -13,14 +13,19 @@ decoding and for each candidate configuration at the running batch size, and pic
 The candidates are sized by the costs (`candidate_configs`): model-free n-gram chains always, drafter chains and
 hybrids with a drafter, and trees only where verifying 16 tokens costs under TREE_VERIFY_RATIO plain steps (bfloat16
 on matrix units, GPUs). Exploration keeps every candidate's acceptance measured: a share EXPLORE_SHARE of steps runs
-the least recently run candidate among those predicted within PLAUSIBLE of the best, and every reprobe_steps steps
-the least recently run candidate of all (so a drafter whose acceptance collapsed, and which the costs therefore
-turned off, is tried again). A draft source whose recent tokens per verify pass (a moving average over the steps
-it drafted in) fall under the collapse threshold is warned about once, and again when it recovers; while it is
-collapsed, its configurations are predicted with that recent figure, so SD goes off at once. Each configuration's
-predicted seconds are corrected by the ratio of its measured to predicted step times (the Python around the
-passes), and the usage records keep the uncorrected prediction beside what was measured, so the cost model's error
-stays visible in the trace.
+the least recently run candidate among those predicted within PLAUSIBLE of the best, and every reprobe_steps steps the
+least recently run candidate of all (so a drafter whose acceptance collapsed, and which the costs therefore turned
+off, is tried again). A draft source whose recent tokens per verify pass (a moving average over the steps it drafted
+in) fall under the collapse threshold collapses, and recovers only a margin above it (tlt_cli/speculative/collapse.py:
+the console hears of its first collapse and first recovery of the run, the trace counts every one); while it is
+collapsed, its configurations are predicted with that recent figure, so SD goes off at once. A step's predicted
+seconds are its passes' (the drafter's catch-up on positions it has not read included: `drafter_lag_entries`, which
+the decoder sets before each step) plus what the run's own steps of that configuration took beyond their passes at
+about that many rows (tlt_cli/speculative/step_overheads.py: the Python around the passes, learned as a fixed part and
+a part per row); the usage records keep that prediction beside what was measured, so the cost model's error stays
+visible in the trace. The predictions at a batch size are kept until an SD step updates the acceptance estimates (or
+REFRESH_STEPS steps pass), so a run of plain steps pays a dictionary read for its choice, not a prediction per
+candidate.
 """
 
 from __future__ import annotations
@@ -28,11 +33,14 @@ from __future__ import annotations
 import random
 
 from tlt_cli.speculative.acceptance_estimates import AcceptanceEstimates
+from tlt_cli.speculative.collapse import COLLAPSED, RECOVERED, CollapseWatch
 from tlt_cli.speculative.costs import PassCosts
 from tlt_cli.speculative.draft_counts import StepCounts
+from tlt_cli.speculative.step_overheads import StepOverheads
 from tlt_cli.speculative.types import (
     DRAFT_SOURCES,
     OFF,
+    ConfigUsage,
     DecodeStep,
     ScheduleReports,
     SpeculativeConfig,
@@ -44,14 +52,18 @@ EXPLORE_SHARE = 0.05
 PLAUSIBLE = 0.7
 # trees are candidates only where a 16-token verify costs less than this many plain steps at one row
 TREE_VERIFY_RATIO = 1.6
-# weight of the newest step in a configuration's measured / predicted seconds
-CORRECTION_SMOOTHING = 0.1
+# decode steps between fresh predictions while the acceptance estimates stand still (the overheads drift slowly)
+REFRESH_STEPS = 16
+# a step is never predicted faster than this share of its measured passes (an overhead fit gone negative)
+MIN_PASS_SHARE = 0.5
+# weight of the newest verify pass in a model-free label's average width
+WIDTH_SMOOTHING = 0.1
 # a source's recent tokens per verify pass: weight of the newest step (as the rule table's schedule weighs it), and
 # the steps it must have drafted in before it can count as collapsed
 RECENT_SMOOTHING = 0.3
 COLLAPSE_MIN_STEPS = 4
 
-NGRAM_CHAINS = (2, 4, 8)
+NGRAM_CHAINS = (2, 4, 8, 16, 32)
 DRAFTER_CHAINS = (1, 2, 3, 4, 6)
 HYBRIDS = ((2, 4), (4, 4))
 TREES = ((4, 4, 16), (6, 4, 24))
@@ -85,14 +97,23 @@ class CostSchedule(ScheduleReports):
         self.reprobe_steps = reprobe_steps
         self.random = random.Random(seed)
         self.acceptance = AcceptanceEstimates()
-        self.correction: dict[str, float] = {}
+        self.overheads = StepOverheads()
+        # a model-free label (and label@batch size) -> moving average of its verify passes' widths (_width)
+        self.widths: dict[str, float] = {}
+        # entries (rows x the widest row's gap) the drafter has yet to read before it drafts: set by the decoder
+        # before each step (AdaptiveSpeculativeDecoder), grown by every step that does not draft with the model
+        self.drafter_lag_entries = 0
+        # batch size -> each configuration's prediction (_predictions_at)
+        self._predictions: dict[int, dict[SpeculativeConfig | None, tuple[float, float, float, bool]]] = {}
         self.last_run: dict[str, int] = {}
         self.collapsed: set[str] = set()
+        self.watch = CollapseWatch(collapse_accept_length)
         # per draft source: (SD steps it drafted in, moving average of tokens per verify pass over them)
         self.recent: dict[str, tuple[int, float]] = {}
         self.steps = 0
         super().__init__()
-        self._last: tuple[SpeculativeConfig | None, int, float, float] | None = None
+        # the last choice: (config, rows, predicted tokens, predicted seconds, its passes' seconds)
+        self._last: tuple[SpeculativeConfig | None, int, float, float, float] | None = None
 
     @property
     def uses_ngram(self) -> bool:
@@ -100,28 +121,68 @@ class CostSchedule(ScheduleReports):
 
     def __call__(self, batch_size: int) -> SpeculativeConfig | None:
         self.steps += 1
-        # per configuration: (tokens per pass, uncorrected step seconds), each computed once per decode step
-        predictions = {config: self._prediction(config, batch_size) for config in (None, *self.candidates)}
+        if self.steps % REFRESH_STEPS == 0:
+            self._predictions.clear()
+        predictions = self._predictions_at(batch_size)
+        catch_up = self._catch_up_seconds()
         rates = {
-            config: batch_size * tokens / (seconds * self._correction(config))
-            for config, (tokens, seconds) in predictions.items()
+            config: batch_size * tokens / (seconds + catch_up * drafts)
+            for config, (tokens, seconds, _, drafts) in predictions.items()
         }
         best = max(rates, key=rates.get)
         config = self._explored(rates, best) or best
-        tokens, seconds = predictions[config]
-        self._last = (config, batch_size, batch_size * tokens, seconds)
+        tokens, seconds, pass_seconds, drafts = predictions[config]
+        extra = catch_up * drafts
+        self._last = (config, batch_size, batch_size * tokens, seconds + extra, pass_seconds + extra)
         self.last_run[label_of(config)] = self.steps
         return config
 
     def predicted_rate(self, config: SpeculativeConfig | None, batch_size: int) -> float:
-        """Tokens per second predicted for a step of `config` at `batch_size` rows, corrected as measured."""
-        tokens_per_pass, seconds = self._prediction(config, batch_size)
-        return batch_size * tokens_per_pass / (seconds * self._correction(config))
+        """Tokens per second predicted for a step of `config` at `batch_size` rows (the drafter caught up)."""
+        tokens_per_pass, seconds, _, _ = self._prediction(config, batch_size)
+        return batch_size * tokens_per_pass / seconds
 
-    def _prediction(self, config: SpeculativeConfig | None, batch_size: int) -> tuple[float, float]:
-        """(tokens a verify pass emits per row, the cost model's uncorrected step seconds) for `config`."""
+    def _predictions_at(self, batch_size: int) -> dict[SpeculativeConfig | None, tuple[float, float, float, bool]]:
+        """Every candidate's and plain decoding's prediction at `batch_size` rows, computed once and kept until the
+        acceptance estimates change (an SD step) or REFRESH_STEPS steps pass (the overheads' drift), so a run of
+        plain steps costs a dictionary read per step, not a prediction per candidate."""
+        cached = self._predictions.get(batch_size)
+        if cached is None:
+            cached = {config: self._prediction(config, batch_size) for config in (None, *self.candidates)}
+            self._predictions[batch_size] = cached
+        return cached
+
+    def _prediction(self, config: SpeculativeConfig | None, batch_size: int) -> tuple[float, float, float, bool]:
+        """(tokens a verify pass emits per row, the step's predicted seconds, its passes' seconds, whether it drafts
+        with the model) for `config`, the drafter's catch-up on positions it has not read left out: the passes as
+        measured (costs.py), plus the seconds the run's own steps of this configuration took beyond their passes at
+        about this many rows (step_overheads.py)."""
         tokens_per_pass = self._tokens_per_pass(config)
-        return tokens_per_pass, self.costs.step_seconds(config, batch_size, tokens_per_pass)
+        pass_seconds = self.costs.step_seconds(config, batch_size, tokens_per_pass, self._width(config, batch_size))
+        overhead = self.overheads.seconds(label_of(config), _family(config), batch_size)
+        seconds = max(pass_seconds + overhead, MIN_PASS_SHARE * pass_seconds)
+        return tokens_per_pass, seconds, pass_seconds, config is not None and config.uses_drafter
+
+    def _width(self, config: SpeculativeConfig | None, batch_size: int) -> float | None:
+        """Tokens per row a model-free verify pass of `config` is expected to run through the target: its rows draft
+        what their own matches support and are padded to the widest (tlt_cli/speculative/ngram.py), so the pass is
+        priced at the width its passes had at this batch size (else at any), and at all it may draft until then;
+        None for the others (their width is their shape)."""
+        if config is None or config.uses_drafter:
+            return None
+        label = config.label()
+        return self.widths.get(f"{label}@{batch_size}", self.widths.get(label))
+
+    def _observe_width(self, config: SpeculativeConfig, batch_size: int, width: int) -> None:
+        """Fold a model-free verify pass's width into its label's averages, at its batch size and over all."""
+        for key in (f"{config.label()}@{batch_size}", config.label()):
+            previous = self.widths.get(key)
+            self.widths[key] = width if previous is None else previous + WIDTH_SMOOTHING * (width - previous)
+
+    def _catch_up_seconds(self) -> float:
+        """The drafter's pass over the committed positions it has not read yet (`drafter_lag_entries`): what the next
+        step that drafts with the model pays first."""
+        return self.costs.drafter_seconds(self.drafter_lag_entries) if self.drafter_lag_entries else 0.0
 
     def _tokens_per_pass(self, config: SpeculativeConfig | None) -> float:
         """Tokens per verify pass expected of `config`: the acceptance estimates', or where every source it drafts
@@ -133,14 +194,6 @@ class CostSchedule(ScheduleReports):
         if sources <= self.collapsed:
             return min(expected, max(self.recent[source][1] for source in sources))
         return expected
-
-    def _correction(self, config: SpeculativeConfig | None) -> float:
-        """Measured / predicted seconds of `config`'s steps; for one not run yet, the mean over the SD ones run."""
-        label = label_of(config)
-        if label in self.correction:
-            return self.correction[label]
-        speculative = [value for name, value in self.correction.items() if name != OFF]
-        return sum(speculative) / len(speculative) if speculative and config is not None else 1.0
 
     def _explored(
         self, rates: dict[SpeculativeConfig | None, float], best: SpeculativeConfig | None
@@ -161,7 +214,7 @@ class CostSchedule(ScheduleReports):
         """The engine's timed step the last choice was for, with the decoder's counts of its verify pass."""
         if self._last is None:
             return
-        config, _, predicted_tokens, predicted_seconds = self._last
+        config, _, predicted_tokens, predicted_seconds, pass_seconds = self._last
         self._last = None
         label = label_of(config)
         usage = self.usage[label]
@@ -171,20 +224,22 @@ class CostSchedule(ScheduleReports):
         usage.predicted_tokens += predicted_tokens
         usage.predicted_seconds += predicted_seconds
         usage.batch_sizes[str(step.batch_size)] = usage.batch_sizes.get(str(step.batch_size), 0) + 1
-        ratio = step.seconds / max(predicted_seconds, 1e-9)
-        previous = self.correction.get(label)
-        self.correction[label] = ratio if previous is None else previous + CORRECTION_SMOOTHING * (ratio - previous)
+        self.overheads.observe(label, _family(config), step.batch_size, pass_seconds, step.seconds)
         if config is not None and counts is not None:
             usage.drafter_verify_passes += counts.passes_by_source["drafter"]
             usage.drafter_accepted_tokens += counts.accepted_by_source["drafter"]
             usage.ngram_verify_passes += counts.passes_by_source["ngram"]
             usage.ngram_accepted_tokens += counts.accepted_by_source["ngram"]
             self.acceptance.observe(config, counts.accepted_per_row)
-            self._check_collapse(counts)
+            if not config.uses_drafter and counts.verified_width:
+                self._observe_width(config, step.batch_size, counts.verified_width)
+            self._check_collapse(counts, usage)
+            self._predictions.clear()
 
-    def _check_collapse(self, counts: StepCounts) -> None:
-        """Fold the step into each drafting source's recent tokens per pass; warn once when it falls under the
-        threshold, and once when it recovers."""
+    def _check_collapse(self, counts: StepCounts, usage: ConfigUsage) -> None:
+        """Fold the step into each drafting source's recent tokens per pass and judge collapse and recovery with
+        hysteresis (tlt_cli/speculative/collapse.py): the console hears of each source's first collapse and first
+        recovery of the run, `usage` counts every one."""
         for source in DRAFT_SOURCES:
             passes = counts.passes_by_source[source]
             if not passes:
@@ -195,21 +250,28 @@ class CostSchedule(ScheduleReports):
             self.recent[source] = (steps + 1, tokens)
             if steps + 1 < COLLAPSE_MIN_STEPS:
                 continue
-            if tokens < self.collapse_accept_length and source not in self.collapsed:
+            change = self.watch.change(source, source in self.collapsed, tokens)
+            if change == COLLAPSED:
                 self.collapsed.add(source)
-                self.warnings.append(
+                usage.collapses += 1
+                message = (
                     f"SD accept length of {source} drafts collapsed to {tokens:.2f}: the cost model keeps it off, "
-                    f"re-probed every {self.reprobe_steps} decode steps"
+                    f"re-probed every {self.reprobe_steps} decode steps (later collapses go to the trace only)"
                 )
-            elif tokens >= self.collapse_accept_length and source in self.collapsed:
+            elif change == RECOVERED:
                 self.collapsed.discard(source)
-                self.warnings.append(f"SD accept length of {source} drafts recovered to {tokens:.2f}")
+                usage.recoveries += 1
+                message = f"SD accept length of {source} drafts recovered to {tokens:.2f}"
+            if change is not None and self.watch.is_news(source, change):
+                self.warnings.append(message)
 
     def state_dict(self) -> dict:
         return {
             "acceptance": self.acceptance.state_dict(),
-            "correction": dict(self.correction),
+            "overheads": self.overheads.state_dict(),
+            "widths": dict(self.widths),
             "collapsed": sorted(self.collapsed),
+            "shown": self.watch.state_dict(),
             "recent": {source: list(value) for source, value in self.recent.items()},
             "steps": self.steps,
             "last_run": dict(self.last_run),
@@ -218,8 +280,18 @@ class CostSchedule(ScheduleReports):
 
     def load_state_dict(self, saved: dict) -> None:
         self.acceptance.load_state_dict(saved["acceptance"])
-        self.correction = dict(saved["correction"])
+        # a checkpoint from before the overheads were learned starts them afresh (they are relearned in a few steps)
+        self.overheads.load_state_dict(saved.get("overheads", {}))
+        self.widths = dict(saved.get("widths", {}))
+        self._predictions.clear()
         self.collapsed = set(saved["collapsed"])
+        self.watch.load_state_dict(saved.get("shown", {"shown": [], "healthy": []}))
         self.recent = {source: (int(steps), float(tokens)) for source, (steps, tokens) in saved["recent"].items()}
         self.steps, self.last_run = saved["steps"], dict(saved["last_run"])
         self.random.setstate(saved["random"])
+
+
+def _family(config: SpeculativeConfig | None) -> str:
+    """The draft sources of `config` as one name (`drafter`, `ngram`, `drafter+ngram`; `off` for plain decoding):
+    configurations of one family share their step overheads until each has its own."""
+    return "+".join(sorted(draft_sources((config,)))) or OFF

@@ -52,13 +52,16 @@ class PassCosts:
             return 0.0
         return _interpolate(self.drafter_entries, self.drafter_ms, entries) / 1e3
 
-    def step_seconds(self, config: SpeculativeConfig | None, rows: int, accept_length: float = 1.0) -> float:
+    def step_seconds(
+        self, config: SpeculativeConfig | None, rows: int, accept_length: float = 1.0, width: float | None = None
+    ) -> float:
         """A decode step of `rows` rows in `config` (None: plain): the target's pass over the tokens each row
-        verifies, and the drafter's passes: steps - 1 drafting passes of `topk` entries per row (the first drafted
-        token comes from the root's logits) and one catch-up over the kept tokens (about `accept_length`)."""
+        verifies (`width`, the widest row's, as rows are padded to it; None: all `config` may draft), and the
+        drafter's passes: steps - 1 drafting passes of `topk` entries per row (the first drafted token comes from
+        the root's logits) and one catch-up over the kept tokens (about `accept_length`)."""
         if config is None:
             return self.target_seconds(rows, 1)
-        seconds = self.target_seconds(rows, verified_tokens(config))
+        seconds = self.target_seconds(rows, verified_tokens(config) if width is None else width)
         if config.uses_drafter:
             drafting = (config.steps - 1) * self.drafter_seconds(rows * config.topk)
             seconds += drafting + self.drafter_seconds(max(1, round(rows * accept_length)))

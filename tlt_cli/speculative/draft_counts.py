@@ -33,6 +33,8 @@ class StepCounts:
     accepted_by_source: dict[str, int]
     # per verified row, the drafted tokens it accepted (the cost-model schedule's acceptance by depth reads them)
     accepted_per_row: tuple[int, ...] = ()
+    # tokens per row the verify pass ran through the target, root included: the widest row's (rows are padded)
+    verified_width: int = 0
 
 
 @dataclass
@@ -111,7 +113,10 @@ class DraftCounts:
         self.accepted_by_source += accepted
         totals, passes = accepted.sum(dim=0).tolist(), row_sources.long().sum(dim=0).tolist()
         return StepCounts(
-            dict(zip(DRAFT_SOURCES, passes)), dict(zip(DRAFT_SOURCES, totals)), tuple(verdict.accept_length.tolist())
+            dict(zip(DRAFT_SOURCES, passes)),
+            dict(zip(DRAFT_SOURCES, totals)),
+            tuple(verdict.accept_length.tolist()),
+            tree.tokens.shape[1],
         )
 
     def stats(self, row: int) -> SpeculativeStats:

@@ -131,6 +131,10 @@ class DrafterProposer:
     def keep_rows(self, batch: RunningBatch, rows: torch.Tensor) -> None:
         keep_rows_of(self.rows, rows)
 
+    def lag_entries(self, batch: RunningBatch) -> int:
+        """Entries the catch-up pass of the next model draft computes: rows x the widest row's unread positions."""
+        return batch.size * max(int((batch.lengths - self.rows.drafter_lengths).max()), 0) if batch.size else 0
+
     def _catch_up(self, batch: RunningBatch) -> None:
         """Feed the drafter every committed position it has not seen (the prompt, and whatever
         plain steps decoded): entry t pairs the stored target hidden state at t with token t+1."""

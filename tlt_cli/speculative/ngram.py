@@ -8,6 +8,9 @@ after its row has left the running batch. `propose(sequence, k)` matches the seq
 1..max_match tokens against every earlier place in its group where they occurred (longest match
 first) and returns up to k tokens that followed there: at each depth the token most of the
 matching places continue with (ties: the most recent place), then only the places that agree go on.
+Each row drafts what its own match supports (SuffixDecoding's rule): up to SHORT_DRAFT tokens whatever the
+match, MATCH_FACTOR tokens per matched token beyond (the match measured back past max_match, so a row in a
+repetition loop drafts the loop, up to k), and never a token under MIN_TOKEN_SHARE of the agreeing places.
 
 A lookup is a few dictionary reads and a walk over at most `max_places` places, far less than a
 drafter pass. The proposals are deterministic (point masses): verification keeps the output exact
@@ -30,6 +33,11 @@ from dataclasses import dataclass, field
 
 DEFAULT_MAX_MATCH = 4  # longest suffix matched (tokens)
 DEFAULT_MAX_PLACES = 32  # most recent places of a matched n-gram considered
+# per-row draft length: any match may draft SHORT_DRAFT tokens; a longer one MATCH_FACTOR tokens per matched token
+SHORT_DRAFT = 4
+MATCH_FACTOR = 2
+# a proposal stops before a token fewer than this share of the places still agreeing continue with
+MIN_TOKEN_SHARE = 0.1
 
 
 @dataclass
@@ -99,14 +107,18 @@ class NgramIndex:
         return self._group_of[sequence].finished - int(self._finished[sequence])
 
     def propose(self, sequence: int, max_tokens: int) -> list[int]:
-        """Up to max_tokens tokens that followed the longest match of the sequence's suffix in its group."""
-        places = self._places(sequence)
+        """Up to max_tokens tokens that followed the longest match of the sequence's suffix in its group, as many as
+        the match supports (`_draft_limit`), stopping before a token under MIN_TOKEN_SHARE of the agreeing places."""
+        places, matched = self._places(sequence)
+        limit = self._draft_limit(sequence, places, matched, max_tokens)
         proposal: list[int] = []
-        while places and len(proposal) < max_tokens:
+        while places and len(proposal) < limit:
             depth = len(proposal)
             # the token most places continue with; Counter keeps first-seen order, so ties go to the most recent
             following = Counter(self.sequences[place][start + depth] for place, start in places)
-            token = following.most_common(1)[0][0]
+            token, count = following.most_common(1)[0]
+            if count < MIN_TOKEN_SHARE * len(places):
+                break
             proposal.append(token)
             places = [
                 (place, start)
@@ -115,9 +127,24 @@ class NgramIndex:
             ]
         return proposal
 
-    def _places(self, sequence: int) -> list[tuple[int, int]]:
+    def _draft_limit(self, sequence: int, places: list[tuple[int, int]], matched: int, max_tokens: int) -> int:
+        """How many tokens a row may draft: SHORT_DRAFT (or max_tokens, if fewer) whatever its match, more where its
+        suffix matches longer, MATCH_FACTOR tokens per matched token, up to max_tokens (SuffixDecoding's rule: a
+        row in a repetition loop drafts the loop, a row with a one-token match a few tokens). The match is measured
+        back from the indexed n-gram, beyond max_match, at the most recent place, only when it could matter."""
+        if max_tokens <= SHORT_DRAFT or not places:
+            return max_tokens
+        text = self.sequences[sequence]
+        place, start = places[0]
+        earlier = self.sequences[place]
+        longest = (max_tokens + MATCH_FACTOR - 1) // MATCH_FACTOR
+        while matched < min(longest, start, len(text)) and earlier[start - matched - 1] == text[-matched - 1]:
+            matched += 1
+        return min(max_tokens, max(SHORT_DRAFT, MATCH_FACTOR * matched))
+
+    def _places(self, sequence: int) -> tuple[list[tuple[int, int]], int]:
         """Places (sequence, start) where the longest matched suffix was followed by at least one
-        token, most recent first."""
+        token, most recent first, and that suffix's length (0: no match)."""
         text = self.sequences[sequence]
         table = self._group_of[sequence].table
         for size in range(min(self.max_match, len(text)), 0, -1):
@@ -130,5 +157,5 @@ class NgramIndex:
                 if start < len(self.sequences[place])
             ]
             if places:
-                return places
-        return []
+                return places, size
+        return [], 0

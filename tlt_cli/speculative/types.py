@@ -62,6 +62,10 @@ class ConfigUsage:
     predicted_tokens: float = 0.0
     predicted_seconds: float = 0.0
     batch_sizes: dict[str, int] = field(default_factory=dict)
+    # a draft source (mode auto) or batch-size bucket (the rule table) collapsing or recovering at these steps:
+    # the console shows only each one's first of the run (tlt_cli/speculative/collapse.py), the trace counts all
+    collapses: int = 0
+    recoveries: int = 0
 
 
 class ScheduleReports:

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 from tlt_cli.config import (
     CPU_DEVICES,
     DEFAULT_RULES,
+    FRESH_DRAFTER_STARTS,
     Bfloat16Rounding,
     LinearForms,
     Recipe,
@@ -134,11 +135,12 @@ def prepare_drafter(
 ) -> tuple[Path | None, dict | None]:
     """(folder of the starting drafter or None for a random start, warm-up report if one ran now).
 
-    With drafter.init warmup the drafter is trained once on the target's own generations and cached
+    With drafter.init online or random the drafter starts fresh (no warm-up on the way to step 0). With
+    drafter.init warmup the drafter is trained once on the target's own generations and cached
     under `cache` (tlt_cli/drafter/initial.py keys it); a warm-up that runs reports its phases to
     `progress` (tlt_cli/drafter/warmup.py).
     """
-    if not drafter_needed(recipe) or recipe.drafter.init == "random":
+    if not drafter_needed(recipe) or recipe.drafter.init in FRESH_DRAFTER_STARTS:
         return None, None
     if recipe.drafter.init != "warmup":
         return Path(recipe.drafter.init), None
