@@ -36,7 +36,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from tlt_cli.config import PluginsConfig, Recipe, RecipeError, RolloutBackendName, RunConfig, Trainer
+from tlt_cli.config import DrafterStart, PluginsConfig, Recipe, RecipeError, RolloutBackendName, RunConfig, Trainer
 from tlt_cli.drafter.model import CONFIG_FILE, read_drafter_metadata
 from tlt_cli.drafter.vocabulary import resolve_draft_vocab_size
 from tlt_cli.errors import UserError, nearest_existing
@@ -138,9 +138,9 @@ def _check_drafter_start(recipe: Recipe, target_vocab_size: int) -> int:
     """N, the draft vocabulary of the drafter the run starts with: the warm-up's (drafter.vocab_size
     for this target), all of the target's (random), or a saved drafter's own, once its folder checks."""
     init = recipe.drafter.init
-    if init == "random":
+    if init == DrafterStart.random:
         return target_vocab_size
-    if init == "warmup":
+    if init == DrafterStart.warmup:
         return resolve_draft_vocab_size(recipe.drafter.vocab_size, target_vocab_size)
     if not (Path(init) / CONFIG_FILE).is_file():
         raise RecipeError(

@@ -135,6 +135,14 @@ class RolloutCorrection(RecipeChoice):
     off = "off"
 
 
+class DrafterStart(RecipeChoice):
+    """drafter.init's words; any other value is a folder tlt saved a drafter in (the key stays a string)."""
+
+    # trained offline on the target's generations, cached
+    warmup = "warmup"
+    random = "random"
+
+
 class ServedDtype(RecipeChoice):
     """rollout.sglang.dtype: the weight and activation dtype of the served model (SGLang's --dtype)."""
 
@@ -471,7 +479,7 @@ class SpeculativeSection:
 @dataclass(frozen=True)
 class DrafterConfig:
     init: str = setting(
-        "warmup",
+        DrafterStart.warmup.value,
         "where the drafter starts: warmup (trained offline on the target's generations, "
         "cached), random, or a folder written by tlt (save_drafter)",
     )

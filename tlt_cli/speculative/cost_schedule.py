@@ -175,10 +175,7 @@ class CostSchedule(ScheduleReports):
         previous = self.correction.get(label)
         self.correction[label] = ratio if previous is None else previous + CORRECTION_SMOOTHING * (ratio - previous)
         if config is not None and counts is not None:
-            usage.drafter_verify_passes += counts.passes_by_source["drafter"]
-            usage.drafter_accepted_tokens += counts.accepted_by_source["drafter"]
-            usage.ngram_verify_passes += counts.passes_by_source["ngram"]
-            usage.ngram_accepted_tokens += counts.accepted_by_source["ngram"]
+            usage.add_draft_counts(counts.passes_by_source, counts.accepted_by_source)
             self.acceptance.observe(config, counts.accepted_per_row)
             self._check_collapse(counts)
 

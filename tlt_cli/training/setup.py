@@ -12,12 +12,17 @@ worker (tlt_cli/integrations/trl_run.py), the driver's drafter preparation (tlt_
   starting_drafter                          trains one), its starting folder (a cached warm-up, whose
                                             draft vocabulary the warm-up chooses, or a saved folder)
                                             and the drafter itself over a policy
+  planned_run                               the run's plan (tuning/run_plan.py), made once by the driver before
+                                            the workers start: the actor's update precision (update_precision.py,
+                                            handed the policy's loader), the decode plan and the speculative plan;
+                                            every rank is handed it, so no worker resolves a recipe choice
   decode_plan, decode_plan_for              how the embedded rollout decodes (rollout/decode_plan.py): the
                                             rollout dtype, the linear-form plan and, in speculative.mode auto,
-                                            the pass costs; the one caller of tuning/'s measurements, run by
-                                            the driver before the workers start (and by profile, calibrate
-                                            and a TRL script's rollout_func, which have no driver)
-  rollout_backend                           the RolloutBackend `rollout.backend` names (BACKEND_FACTORIES)
+                                            the pass costs; the one caller of tuning/'s measurements, for the
+                                            run's plan (and for profile, calibrate and a TRL script's
+                                            rollout_func, which have no driver)
+  rollout_backend                           the RolloutBackend `rollout.backend` names (BACKEND_FACTORIES), built
+                                            with the run's plan (BackendPlace)
 Below this module nothing reads a recipe to build a part: the engines, backends and drafters
 take explicit arguments.
 """
@@ -32,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 from tlt_cli.config import (
     CPU_DEVICES,
     DEFAULT_RULES,
+    DrafterStart,
     LinearForms,
     Recipe,
     RolloutBackendName,
@@ -41,8 +47,11 @@ from tlt_cli.config import (
 from tlt_cli.engine.sampling import MIN_TEMPERATURE, SamplingParams
 from tlt_cli.models.tiny import cache_directory
 from tlt_cli.plugins import plugins_train_drafter
-from tlt_cli.speculative.adaptive import Rule, RuleTableError, SpeculationMode, SpeculativePlan, build_rules
+from tlt_cli.speculative.plan import SpeculationMode, SpeculativePlan
+from tlt_cli.speculative.rules import Rule, RuleTableError, build_rules
 from tlt_cli.speculative.types import SpeculativeConfig
+from tlt_cli.training.update_precision import resolve_update_precision
+from tlt_cli.tuning.run_plan import RunPlan
 
 if TYPE_CHECKING:
     from torch import nn
@@ -137,9 +146,9 @@ def prepare_drafter(
     under `cache` (tlt_cli/drafter/initial.py keys it); a warm-up that runs reports its phases to
     `progress` (tlt_cli/drafter/warmup.py).
     """
-    if not drafter_needed(recipe) or recipe.drafter.init == "random":
+    if not drafter_needed(recipe) or recipe.drafter.init == DrafterStart.random:
         return None, None
-    if recipe.drafter.init != "warmup":
+    if recipe.drafter.init != DrafterStart.warmup:
         return Path(recipe.drafter.init), None
     from tlt_cli.drafter.initial import cached_warmup, warmup_folder
     from tlt_cli.drafter.model import save_drafter
@@ -176,6 +185,14 @@ def starting_drafter(recipe: Recipe, folder: Path | None, policy: PreTrainedMode
     if folder is None:
         return EagleDrafter(policy, seed=recipe.run.seed)
     return load_drafter(folder, policy)
+
+
+def planned_run(recipe: Recipe, drafter_folder: Path | None) -> tuple[Recipe, RunPlan]:
+    """The run's plan (tlt_cli/tuning/run_plan.py), made once by the driver before any worker starts, and the
+    recipe with the choice it made written in (actor.precision concrete: what the workers and recipe.yaml hold);
+    `drafter_folder`: the starting drafter's (prepare_drafter)."""
+    recipe, update = resolve_update_precision(recipe, model_cache(recipe), lambda: policy_and_tokenizer(recipe)[0])
+    return recipe, RunPlan(update, decode_plan(recipe, drafter_folder), speculative_plan(recipe.speculative))
 
 
 def decode_plan(
@@ -276,13 +293,13 @@ def _decode_device(recipe: Recipe):
 
 @dataclass(frozen=True)
 class BackendPlace:
-    """Where a worker's rollout backend runs: its rank, its index on its node, the run directory, and how the
-    embedded rollout decodes there (`decode_plan`, resolved by the driver)."""
+    """Where a worker's rollout backend runs: its rank, its index on its node, the run directory, and the run's
+    plan (`planned_run`, made by the driver): how the rollout decodes and what it speculates with."""
 
     worker: int
     rank_on_node: int
     run_directory: Path
-    decode: DecodePlan | None = None
+    plan: RunPlan
 
 
 def _embedded(
@@ -294,10 +311,10 @@ def _embedded(
         policy,
         tokenizer.eos_token_id,
         tokenizer.pad_token_id,
-        speculative_plan(recipe.speculative),
+        place.plan.speculative,
         drafter,
         seed=recipe.run.seed,
-        decode=place.decode,
+        decode=place.plan.decode,
     )
 
 
@@ -315,7 +332,7 @@ def _sglang(
         # rollout.sglang.gpus are the GPUs of each node, shared among the ranks of that node
         servers_of_worker(recipe.rollout.sglang, place.rank_on_node, ranks_per_node(recipe)),
         str(model_folder(recipe.model.path)),
-        batch_rules(speculative_plan(recipe.speculative)),
+        batch_rules(place.plan.speculative),
         eos_token_id=tokenizer.eos_token_id,
         seed=recipe.run.seed,
         run_directory=place.run_directory,
