@@ -155,6 +155,11 @@ def test_the_decode_plan_is_resolved_once_in_setup_and_the_rollout_measures_noth
     assert type(plan).from_dict(plan.to_dict()) == plan  # as launched ranks read it
     off = setup.decode_plan(recipe, speculates=False)
     assert off.pass_costs is None and off.precision["speculates"] is False
+    # every measurement is cached now: the same plan is made again without reading the model's weights
+    loaded = setup.policy_and_tokenizer
+    monkeypatch.setattr(setup, "policy_and_tokenizer", lambda recipe: pytest.fail("the weights were read"))
+    assert setup.decode_plan(recipe) == plan
+    monkeypatch.setattr(setup, "policy_and_tokenizer", loaded)
     # the rollout takes the plan and measures nothing: every measurement of tuning/ fails now
     from tlt_cli.tuning import linear_forms, pass_costs, precision
 

@@ -202,7 +202,8 @@ def decode_plan(
     the device a worker decodes with; `drafter_folder`: the starting drafter's (prepare_drafter), whose shapes the
     linear forms and pass costs cover. speculates: whether the rollout's tail is weighed as verify passes (None:
     whether the recipe speculates); rows: the sequences one rollout call decodes (None: a worker's of one step).
-    An SGLang rollout decodes in its servers: nothing is measured."""
+    The measurements are keyed by the model's shapes (models/loading.py `unloaded_policy`): its weights are read
+    only when one is not cached yet. An SGLang rollout decodes in its servers: nothing is measured."""
     from tlt_cli.rollout.decode_plan import DecodePlan
 
     if recipe.rollout.backend == RolloutBackendName.sglang:
@@ -217,24 +218,41 @@ def decode_plan(
         return _given_decode_plan(recipe.rollout.dtype)  # nothing to measure: the model is not loaded here
     import torch
 
-    policy, _ = policy_and_tokenizer(recipe)
-    policy = policy.to(_decode_device(recipe)).eval()
-    drafter = starting_drafter(recipe, drafter_folder, policy) if drafter_needed(recipe) else None
+    from tlt_cli.models.loading import unloaded_policy
+    from tlt_cli.tuning.cache import RecordMissing, only_cached
+
+    device = _decode_device(recipe)
+    rows = rows if rows is not None else recipe.samples_per_worker
+    speculates = mode != SpeculationMode.off if speculates is None else speculates
     threads = torch.get_num_threads()
     torch.set_num_threads(recipe.workers.threads_per_worker)
     try:
-        return decode_plan_for(
-            policy,
-            drafter,
-            dtype=recipe.rollout.dtype,
-            linear_forms=recipe.rollout.linear_forms,
-            cache_dir=model_cache(recipe),
-            rows=rows if rows is not None else recipe.samples_per_worker,
-            speculates=mode != SpeculationMode.off if speculates is None else speculates,
-            costs=costs,
-        )
+        try:  # the model's shapes key the cached measurements: its weights are read only if one is missing
+            with only_cached():
+                unloaded = unloaded_policy(recipe.model.path, device, trust_remote_code=recipe.model.trust_remote_code)
+                return _measured_decode_plan(recipe, unloaded, drafter_folder, rows, speculates, costs)
+        except RecordMissing:
+            policy = policy_and_tokenizer(recipe)[0].to(device).eval()
+            return _measured_decode_plan(recipe, policy, drafter_folder, rows, speculates, costs)
     finally:
         torch.set_num_threads(threads)
+
+
+def _measured_decode_plan(
+    recipe: Recipe, policy: nn.Module, drafter_folder: Path | None, rows: int, speculates: bool, costs: bool
+) -> DecodePlan:
+    """`decode_plan_for` the recipe's settings, over `policy` and the starting drafter on it."""
+    drafter = starting_drafter(recipe, drafter_folder, policy) if drafter_needed(recipe) else None
+    return decode_plan_for(
+        policy,
+        drafter,
+        dtype=recipe.rollout.dtype,
+        linear_forms=recipe.rollout.linear_forms,
+        cache_dir=model_cache(recipe),
+        rows=rows,
+        speculates=speculates,
+        costs=costs,
+    )
 
 
 def decode_plan_for(
