@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 import torch
@@ -24,7 +25,8 @@ from tlt_cli.speculative.modes import AdaptiveSpeculativeDecoder, speculative_de
 from tlt_cli.speculative.plan import SpeculationMode
 from tlt_cli.speculative.rules import RuleTableError
 from tlt_cli.speculative.types import SpeculativeConfig
-from tlt_cli.training import setup
+from tlt_cli.training import setup, update_precision
+from tlt_cli.tuning.cache import record_path
 from tlt_cli.tuning.run_plan import RunPlan, UpdatePrecision
 
 
@@ -204,16 +206,28 @@ def test_a_workers_backend_speculates_as_the_run_plan_says_and_reads_no_choice_o
     )
 
 
-def test_the_run_plan_is_made_once_with_the_recipes_choices_concrete(tmp_path):
-    """setup.planned_run: actor.precision auto timed (the policy loaded only while no record is cached), the decode
-    plan and the speculative plan; the recipe it gives has the chosen precision, and the plan survives JSON."""
+def test_the_run_plan_is_made_once_with_the_recipes_choices_concrete(tmp_path, monkeypatch):
+    """setup.planned_run: actor.precision auto (here read from a cached record, so the policy is never loaded),
+    the decode plan and the speculative plan; the recipe it gives has the chosen precision, and the plan survives
+    JSON as launched ranks read it."""
     recipe = dataclasses.replace(
         recipe_with(SpeculativeMode.fixed, [], linear_forms=LinearForms.off, dtype=RolloutDtype.float32),
         model=dataclasses.replace(Recipe().model, cache_dir=str(tmp_path)),
         actor=dataclasses.replace(Recipe().actor, precision=Precision.auto),
     )
+    threads = torch.get_num_threads()
+    torch.set_num_threads(recipe.workers.threads_per_worker)  # the measurement's thread count, a worker's
+    try:
+        key = update_precision.measurement_key(recipe, torch.device("cpu"))
+    finally:
+        torch.set_num_threads(threads)
+    path = record_path(tmp_path, update_precision.CACHE_FOLDER, key)
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({"key": key, "seconds": {"fp32": 1.0, "bf16": 0.5}}))
+    monkeypatch.setattr(setup, "policy_and_tokenizer", lambda recipe: pytest.fail("the policy was loaded"))
     planned, plan = setup.planned_run(recipe, None)
-    assert planned.actor.precision == plan.update.precision in (Precision.fp32, Precision.bf16)
-    assert plan.update.seconds is not None and plan.speculative == setup.speculative_plan(recipe.speculative)
+    assert planned.actor.precision == plan.update.precision == Precision.bf16 and recipe.actor.precision == "auto"
+    assert plan.update.seconds == {"fp32": 1.0, "bf16": 0.5}
+    assert plan.speculative == setup.speculative_plan(recipe.speculative)
     assert plan.decode.dtype == "float32" and plan.log_lines[0] == plan.update.describe()
     assert RunPlan.from_dict(plan.to_dict()) == plan
