@@ -37,8 +37,10 @@ from tlt_cli.config import load_recipe
 from tlt_cli.engine.sampling import SamplingParams
 from tlt_cli.recipes import resolve_recipe_path
 from tlt_cli.rollout.types import RolloutRequest
-from tlt_cli.speculative.adaptive import OFF, parse_label, speculative_decoder
 from tlt_cli.speculative.decoder import SpeculativeDecoder
+from tlt_cli.speculative.modes import speculative_decoder
+from tlt_cli.speculative.rules import parse_label
+from tlt_cli.speculative.types import OFF
 from tlt_cli.tasks.prompts import encode_prompt
 from tlt_cli.tasks.registry import build_task
 from tlt_cli.training.setup import speculative_plan

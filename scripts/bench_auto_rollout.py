@@ -35,7 +35,8 @@ from tlt_cli.config import RolloutDtype, SpeculativeMode, load_recipe
 from tlt_cli.engine.sampling import SamplingParams
 from tlt_cli.recipes import resolve_recipe_path
 from tlt_cli.rollout.types import RolloutRequest
-from tlt_cli.speculative.adaptive import parse_label, speculative_decoder
+from tlt_cli.speculative.modes import speculative_decoder
+from tlt_cli.speculative.rules import parse_label
 from tlt_cli.tasks.prompts import encode_prompt
 from tlt_cli.tasks.registry import build_task
 from tlt_cli.training import setup

@@ -140,7 +140,9 @@ def worst_case_update(recipe_name: str, overrides: list[str]):
     import_deepspeed().init_distributed(dist_backend="gloo")
     torch.set_num_threads(recipe.workers.threads_per_worker)
     torch.manual_seed(recipe.run.seed)
-    recipe, precision = resolve_update_precision(recipe, setup.model_cache(recipe))
+    recipe, precision = resolve_update_precision(
+        recipe, setup.model_cache(recipe), lambda: setup.policy_and_tokenizer(recipe)[0]
+    )
     policy, tokenizer = setup.policy_and_tokenizer(recipe)
     task = setup.task(recipe)
     prompts = recipe.train.prompts_per_step // recipe.workers.count

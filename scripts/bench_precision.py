@@ -23,10 +23,11 @@ from rich.console import Console
 from rich.table import Table
 
 from tlt_cli.config import load_recipe
+from tlt_cli.rollout.decode_plan import DECODE_DTYPES
 from tlt_cli.training import setup
 from tlt_cli.tuning.cache import machine_key
 from tlt_cli.tuning.linear_forms import measured_linear_plan
-from tlt_cli.tuning.precision import ROLLOUT_DTYPES, RolloutWorkload, bfloat16_speedup, choose_dtype, measure_precision
+from tlt_cli.tuning.precision import RolloutWorkload, bfloat16_speedup, choose_dtype, measure_precision
 
 
 def parse_args() -> argparse.Namespace:
@@ -51,7 +52,7 @@ def main() -> None:
     table = Table(title=f"{recipe.model.path} on {machine['processor']} ({flags}), {machine['threads']} thread(s)")
     for column in ("dtype", "1-row step ms", f"{rows}-row step ms", "16-token verify ms", "verify in steps"):
         table.add_column(column, justify="right")
-    for name in ROLLOUT_DTYPES:
+    for name in DECODE_DTYPES:
         table.add_row(
             name,
             f"{step_ms[name]:.1f}",

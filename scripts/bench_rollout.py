@@ -33,7 +33,7 @@ With --dtypes float32,bfloat16 every engine method also runs decoding in bfloat1
 owned forward's weight copies and cache in bfloat16, tlt_cli/tuning/precision.py), checked token-identical to
 "off@bfloat16" (SD is exact against the model in the precision that decodes; ties are judged on bfloat16
 logits), and the ratios are reported per dtype (best SD vs plain in the same dtype, plain bfloat16 vs plain).
---configs also takes any SD configuration label (tlt_cli/speculative/adaptive.py parse_label): model-free
+--configs also takes any SD configuration label (tlt_cli/speculative/rules.py parse_label): model-free
 `ngram4` (n-gram proposals from the prompt and the sibling responses, no drafter pass), hybrid
 `s2-k1-t3+ngram4` and one source per row `'s2-k1-t3|ngram4'` (quote the |). With --group-size G each
 prompt is generated G times in one batch, as GRPO's group (use a batch size that is a multiple of G and
@@ -65,16 +65,16 @@ from tlt_cli.engine.linear_forms import describe_plan
 from tlt_cli.engine.sampling import SamplingParams
 from tlt_cli.models.loading import load_policy, model_fingerprint
 from tlt_cli.models.tiny import BUILTIN_TINY_MODEL, IGNORED_LABEL, pad_supervised_batch
+from tlt_cli.rollout.decode_plan import DECODE_DTYPES
 from tlt_cli.rollout.generate_loop import EmbeddedEngine
 from tlt_cli.rollout.types import RolloutRequest
-from tlt_cli.speculative.adaptive import RuleTableError, parse_label
 from tlt_cli.speculative.decoder import SpeculativeDecoder
+from tlt_cli.speculative.rules import RuleTableError, parse_label
 from tlt_cli.speculative.types import SpeculativeConfig
 from tlt_cli.tasks.arithmetic import ArithmeticTask
 from tlt_cli.tasks.prompts import encode_prompt
 from tlt_cli.tasks.registry import TASKS, TaskOptionError, build_task, check_options
 from tlt_cli.tuning.linear_forms import measured_linear_plan
-from tlt_cli.tuning.precision import ROLLOUT_DTYPES
 
 BATCH_SIZES = (1, 2, 4, 8, 16, 32)
 # a Hugging Face folder (--model): batch sizes, SD shapes and prompt pool unless given
@@ -602,7 +602,7 @@ def sequence_logits(target, ids: list[int], dtype: str) -> torch.Tensor:
     bfloat16 (the one the engine decodes with)."""
     if dtype == "float32":
         return target(torch.tensor([ids])).logits[0, -1]
-    decode_model = decode_model_for(target, dtype=ROLLOUT_DTYPES[dtype])
+    decode_model = decode_model_for(target, dtype=DECODE_DTYPES[dtype])
     length = len(ids)
     positions = torch.arange(length)[None]
     causal = torch.ones(length, length, dtype=torch.bool).tril()[None, None]
@@ -778,7 +778,7 @@ def main() -> None:
                     SD_CONFIGS[method],
                     sampling,
                     forms,
-                    ROLLOUT_DTYPES[dtype],
+                    DECODE_DTYPES[dtype],
                 )
         runners["hf-generate"] = transformers_runner(target, None, tokenizer, pool, batch_size, sampling)
         if batch_size == 1 and assistant is not None:

@@ -60,8 +60,8 @@ from tlt_cli.models.loading import load_policy
 from tlt_cli.models.tiny import BUILTIN_TINY_MODEL, tiny_tokenizer
 from tlt_cli.rollout.generate_loop import EmbeddedEngine
 from tlt_cli.rollout.types import RolloutRequest
-from tlt_cli.speculative.adaptive import parse_label
 from tlt_cli.speculative.decoder import SpeculativeDecoder
+from tlt_cli.speculative.rules import parse_label
 from tlt_cli.tasks.arithmetic import ArithmeticTask
 
 # Qwen2 shapes of the random target: Qwen2.5-0.5B's, and a small one for a CPU check

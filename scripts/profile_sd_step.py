@@ -29,8 +29,8 @@ from tlt_cli.engine.sampling import SamplingParams
 from tlt_cli.models.loading import load_policy
 from tlt_cli.rollout.generate_loop import EmbeddedEngine
 from tlt_cli.rollout.types import RolloutRequest
-from tlt_cli.speculative.adaptive import parse_label
 from tlt_cli.speculative.decoder import SpeculativeDecoder
+from tlt_cli.speculative.rules import parse_label
 from tlt_cli.tasks.registry import build_task
 from tlt_cli.tuning.linear_forms import measured_linear_plan
 

@@ -23,12 +23,12 @@ from rich.table import Table
 
 from tlt_cli.config import load_recipe
 from tlt_cli.engine.sampling import SamplingParams
+from tlt_cli.rollout.decode_plan import DECODE_DTYPES
 from tlt_cli.rollout.generate_loop import EmbeddedEngine
 from tlt_cli.rollout.types import Completion, RolloutRequest
 from tlt_cli.tasks.prompts import encode_prompt
 from tlt_cli.training import setup
 from tlt_cli.training.rollout_correction import MismatchTotals
-from tlt_cli.tuning.precision import ROLLOUT_DTYPES
 
 
 def learner_logprobs(policy: torch.nn.Module, completion: Completion, temperature: float) -> torch.Tensor:
@@ -48,7 +48,7 @@ def mismatch(recipe_path: Path, dtype: str, prompts: int, max_new_tokens: int, s
         RolloutRequest(index, tuple(encode_prompt(tokenizer, task.problem(index).prompt))) for index in range(prompts)
     ]
     temperature = recipe.rollout.temperature
-    engine = EmbeddedEngine(policy, tokenizer.eos_token_id, tokenizer.pad_token_id, dtype=ROLLOUT_DTYPES[dtype])
+    engine = EmbeddedEngine(policy, tokenizer.eos_token_id, tokenizer.pad_token_id, dtype=DECODE_DTYPES[dtype])
     sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature)
     completions = engine.generate(
         requests, sampling, torch.Generator().manual_seed(seed), logprob_temperature=temperature
@@ -63,7 +63,7 @@ def mismatch(recipe_path: Path, dtype: str, prompts: int, max_new_tokens: int, s
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--recipe", type=Path, default=Path("recipes/real-cpu.yaml"))
-    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=list(ROLLOUT_DTYPES))
+    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=list(DECODE_DTYPES))
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--seed", type=int, default=0)

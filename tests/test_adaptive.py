@@ -9,15 +9,10 @@ from tlt_cli.drafter.model import EagleDrafter
 from tlt_cli.engine.sampling import SamplingParams
 from tlt_cli.recipe_checks import checked_speculative_plan
 from tlt_cli.rollout.generate_loop import EmbeddedEngine
-from tlt_cli.speculative.adaptive import (
-    COLLAPSE_MIN_STEPS,
-    AdaptiveSchedule,
-    AdaptiveSpeculativeDecoder,
-    RuleTableError,
-    SpeculationMode,
-    build_rules,
-    parse_label,
-)
+from tlt_cli.speculative.modes import AdaptiveSpeculativeDecoder
+from tlt_cli.speculative.plan import SpeculationMode
+from tlt_cli.speculative.rule_schedule import COLLAPSE_MIN_STEPS, AdaptiveSchedule
+from tlt_cli.speculative.rules import RuleTableError, build_rules, parse_label
 from tlt_cli.speculative.types import SpeculativeConfig
 from tlt_cli.training.setup import speculative_plan
 

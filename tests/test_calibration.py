@@ -44,8 +44,8 @@ from tlt_cli.recipe_checks import load_checked_recipe
 from tlt_cli.recipes import RECIPES_DIRECTORY
 from tlt_cli.rollout.generate_loop import EmbeddedEngine
 from tlt_cli.rollout.types import RolloutRequest
-from tlt_cli.speculative.adaptive import build_rules
 from tlt_cli.speculative.decoder import SpeculativeDecoder
+from tlt_cli.speculative.rules import build_rules
 from tlt_cli.speculative.types import DecodeStep, SpeculativeConfig
 
 torch.set_num_threads(1)

@@ -20,11 +20,11 @@ from tlt_cli.drafter.model import EagleDrafter
 from tlt_cli.engine.sampling import SamplingParams
 from tlt_cli.rollout.generate_loop import EmbeddedEngine
 from tlt_cli.speculative.acceptance_estimates import AcceptanceEstimates
-from tlt_cli.speculative.adaptive import AdaptiveSpeculativeDecoder
 from tlt_cli.speculative.collapse import COLLAPSED, RECOVERED, RECOVERY_MARGIN, CollapseWatch
 from tlt_cli.speculative.cost_schedule import CostSchedule, candidate_configs
 from tlt_cli.speculative.costs import PassCosts, verified_tokens
 from tlt_cli.speculative.draft_counts import StepCounts
+from tlt_cli.speculative.modes import AdaptiveSpeculativeDecoder
 from tlt_cli.speculative.step_overheads import StepOverheads
 from tlt_cli.speculative.types import DecodeStep, SpeculativeConfig
 from tlt_cli.tuning.pass_costs import CACHE_FOLDER, DRAFTER_ENTRIES, measured_pass_costs

@@ -33,8 +33,8 @@ from tlt_cli.drafter.model import EagleDrafter, save_drafter
 from tlt_cli.export import is_previous_export
 from tlt_cli.models.loading import load_policy
 from tlt_cli.models.tiny import SHIPPED_TINY_MODEL
-from tlt_cli.processes.driver import TrainingFailed, _after_failure
 from tlt_cli.processes.run_directory import RunDirectory
+from tlt_cli.processes.run_failures import TrainingFailed, after_failure
 from tlt_cli.sglang.registry import REGISTRY_DIRECTORY, record_server_groups, stop_recorded_servers
 from tlt_cli.trace import read_trace
 
@@ -397,7 +397,7 @@ def test_a_failed_run_points_at_its_log_only_once_written_and_at_resume_only_wit
     held = RunDirectory.resume(run_directory)
     bug = TrainingFailed("worker 0 failed: RuntimeError: a bug")
     try:
-        assert str(_after_failure(bug, "Traceback: ...", held, discard=False, keep_log=False)) == (
+        assert str(after_failure(bug, "Traceback: ...", held, discard=False, keep_log=False)) == (
             f"worker 0 failed: RuntimeError: a bug (traceback in {run_directory / 'run.log'}; no checkpoint was "
             f"completed, so start the run again with another run.name or after removing {run_directory})."
         )
@@ -407,7 +407,7 @@ def test_a_failed_run_points_at_its_log_only_once_written_and_at_resume_only_wit
         prepare_staging(checkpoints, 2)  # the save the failure cut short
         (run_directory / "run.log").unlink()
         (run_directory / "run.log").mkdir()  # a log that cannot be written
-        assert str(_after_failure(bug, "Traceback: ...", held, discard=False, keep_log=False)) == (
+        assert str(after_failure(bug, "Traceback: ...", held, discard=False, keep_log=False)) == (
             f"worker 0 failed: RuntimeError: a bug (complete checkpoints are kept, continue with --resume "
             f"{run_directory})."
         )

@@ -28,14 +28,17 @@ from sglang_fakes import free_port_range, write_stand_in_sglang
 from typer.testing import CliRunner
 
 from tlt_cli.cli import app
-from tlt_cli.config import load_recipe
+from tlt_cli.config import Precision, SpeculativeMode, SpeculativeSection, load_recipe
 from tlt_cli.processes.distributed import WorkerAddress
 from tlt_cli.processes.event_channel import EventListener, connect_to_driver
 from tlt_cli.processes.hostfile import deepspeed_launch_command
 from tlt_cli.processes.launch_files import LaunchPlan, read_launch_files, write_launch_files
 from tlt_cli.processes.messages import RunSpec
+from tlt_cli.rollout.decode_plan import DecodePlan
 from tlt_cli.sglang.server import live_group_members
 from tlt_cli.shared_memory import DEEPSPEED_BUFFER_PREFIX, SHARED_MEMORY_DIRECTORY, rank_buffer
+from tlt_cli.training.setup import speculative_plan
+from tlt_cli.tuning.run_plan import RunPlan, UpdatePrecision
 
 TESTS = Path(__file__).resolve().parent
 # no test waits longer than this for tlt train to end
@@ -90,14 +93,21 @@ def test_one_host_launches_locally_without_ssh(hostfile, tmp_path):
 
 
 def test_a_launched_rank_reads_back_the_run_spec_the_driver_wrote(hostfile, tmp_path):
-    """launch_files.py carries the driver's RunSpec to a rank whole; its recipe names the launch's hostfile copy."""
+    """launch_files.py carries the driver's RunSpec to a rank whole, its run plan included (an adaptive rule table's
+    unbounded ranges too); its recipe names the launch's hostfile copy."""
     folder = tmp_path.resolve()
+    run_plan = RunPlan(
+        UpdatePrecision(Precision.bf16, "auto: measured on this machine", {"fp32": 0.5, "bf16": 0.25}),
+        DecodePlan("bfloat16", precision={"dtype": "bfloat16", "reason": "measured"}, log_lines=("rollout dtype",)),
+        speculative_plan(SpeculativeSection(mode=SpeculativeMode.adaptive)),
+    )
     run_spec = RunSpec(
         recipe=load_recipe(RECIPE, [f"workers.hostfile={hostfile}"]),
         run_directory=folder / "run",
         model_cache=folder / "cache",
         resume_from=folder / "run" / "checkpoints" / "step-2",
         start_step=2,
+        plan=run_plan,
     )
     plan = LaunchPlan("127.0.0.1", 29501, "00ff", "tlt_cli.training.worker_loop:worker_main", str(folder / "meet"))
     launch = write_launch_files(run_spec, plan)

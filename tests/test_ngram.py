@@ -32,18 +32,14 @@ from tlt_cli.sglang.adaptive import batch_rules, one_algorithm_problem, plan_for
 from tlt_cli.sglang.server_args import speculative_flags
 from tlt_cli.sglang.version import sglang_features
 from tlt_cli.speculative.acceptance import accept_tree
-from tlt_cli.speculative.adaptive import (
-    AdaptiveSchedule,
-    AdaptiveSpeculativeDecoder,
-    RuleTableError,
-    build_rules,
-    parse_label,
-)
 from tlt_cli.speculative.cost_schedule import CostSchedule
 from tlt_cli.speculative.costs import PassCosts
 from tlt_cli.speculative.decoder import SpeculativeDecoder
 from tlt_cli.speculative.draft_counts import StepCounts
+from tlt_cli.speculative.modes import AdaptiveSpeculativeDecoder
 from tlt_cli.speculative.ngram import NgramIndex
+from tlt_cli.speculative.rule_schedule import AdaptiveSchedule
+from tlt_cli.speculative.rules import RuleTableError, build_rules, parse_label
 from tlt_cli.speculative.shapes import shape_problem
 from tlt_cli.speculative.tree import DraftTree, ancestor_mask, with_chosen_chains, with_ngram_branch
 from tlt_cli.speculative.types import DecodeStep, SpeculativeConfig

@@ -23,8 +23,8 @@ from tlt_cli.engine.sampling import SamplingParams, apply_sampling
 from tlt_cli.rollout.embedded import EmbeddedRollout
 from tlt_cli.rollout.generate_loop import EmbeddedEngine
 from tlt_cli.rollout.types import RolloutRequest
-from tlt_cli.speculative.adaptive import parse_label
 from tlt_cli.speculative.decoder import SpeculativeDecoder
+from tlt_cli.speculative.rules import parse_label
 from tlt_cli.training.setup import decode_plan_for
 from tlt_cli.tuning import precision
 from tlt_cli.tuning.precision import CACHE_FOLDER, PrecisionChoice, RolloutWorkload, choose_dtype, rollout_precision

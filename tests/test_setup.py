@@ -3,22 +3,31 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 import torch
 from tiny_models import tiny_qwen2
 
-from tlt_cli.config import DEFAULT_RULES, Recipe, SpeculativeMode, SpeculativeSection
+from tlt_cli.config import (
+    DEFAULT_RULES,
+    LinearForms,
+    Precision,
+    Recipe,
+    RolloutDtype,
+    SpeculativeMode,
+    SpeculativeSection,
+)
+from tlt_cli.rollout.decode_plan import DecodePlan
 from tlt_cli.rollout.embedded import EmbeddedRollout
 from tlt_cli.rollout.types import RolloutRequest
-from tlt_cli.speculative.adaptive import (
-    AdaptiveSpeculativeDecoder,
-    RuleTableError,
-    SpeculationMode,
-    speculative_decoder,
-)
+from tlt_cli.speculative.modes import AdaptiveSpeculativeDecoder, speculative_decoder
+from tlt_cli.speculative.plan import SpeculationMode
+from tlt_cli.speculative.rules import RuleTableError
 from tlt_cli.speculative.types import SpeculativeConfig
-from tlt_cli.training import setup
+from tlt_cli.training import setup, update_precision
+from tlt_cli.tuning.cache import record_path
+from tlt_cli.tuning.run_plan import RunPlan, UpdatePrecision
 
 
 class DrafterTrainingPlugin:
@@ -71,10 +80,18 @@ class Tokens:
     eos_token_id, pad_token_id = 1, 0
 
 
+def run_plan(recipe: Recipe, decode: DecodePlan | None = None) -> RunPlan:
+    """The plan a driver hands the workers of `recipe`, with `decode` given (None: float32, plain forms)."""
+    update = UpdatePrecision(Precision.fp32, "as the recipe sets it")
+    return RunPlan(update, decode or DecodePlan(), setup.speculative_plan(recipe.speculative))
+
+
 def test_the_embedded_backend_generates_with_the_policy_it_is_given(tmp_path):
     recipe = recipe_with(SpeculativeMode.off, [], linear_forms="off", temperature=0.0, max_new_tokens=3)
     policy = tiny_qwen2(vocab_size=32, seed=3).eval()
-    backend = setup.rollout_backend(recipe, policy, Tokens(), None, setup.BackendPlace(0, 0, tmp_path))
+    backend = setup.rollout_backend(
+        recipe, policy, Tokens(), None, setup.BackendPlace(0, 0, tmp_path, run_plan(recipe))
+    )
     assert isinstance(backend, EmbeddedRollout)
     completions, _ = backend.generate([RolloutRequest(0, (2, 3, 4))], setup.sampling(recipe), seed=5)
     with torch.no_grad():
@@ -85,7 +102,7 @@ def test_the_embedded_backend_generates_with_the_policy_it_is_given(tmp_path):
 def test_an_unknown_rollout_backend_is_refused_in_one_sentence(tmp_path):
     recipe = recipe_with(SpeculativeMode.off, [], backend="vllm")
     with pytest.raises(ValueError, match="rollout.backend is 'vllm'; use one of embedded, sglang"):
-        setup.rollout_backend(recipe, None, Tokens(), None, setup.BackendPlace(0, 0, tmp_path))
+        setup.rollout_backend(recipe, None, Tokens(), None, setup.BackendPlace(0, 0, tmp_path, run_plan(recipe)))
 
 
 def test_the_speculative_plan_is_the_sections_values_with_its_rule_table_parsed_once():
@@ -140,6 +157,11 @@ def test_the_decode_plan_is_resolved_once_in_setup_and_the_rollout_measures_noth
     assert type(plan).from_dict(plan.to_dict()) == plan  # as launched ranks read it
     off = setup.decode_plan(recipe, speculates=False)
     assert off.pass_costs is None and off.precision["speculates"] is False
+    # every measurement is cached now: the same plan is made again without reading the model's weights
+    loaded = setup.policy_and_tokenizer
+    monkeypatch.setattr(setup, "policy_and_tokenizer", lambda recipe: pytest.fail("the weights were read"))
+    assert setup.decode_plan(recipe) == plan
+    monkeypatch.setattr(setup, "policy_and_tokenizer", loaded)
     # the rollout takes the plan and measures nothing: every measurement of tuning/ fails now
     from tlt_cli.tuning import linear_forms, pass_costs, precision
 
@@ -154,10 +176,58 @@ def test_the_decode_plan_is_resolved_once_in_setup_and_the_rollout_measures_noth
         monkeypatch.setattr(module, name, no_measurement)
     policy, tokenizer = setup.policy_and_tokenizer(recipe)
     drafter = setup.starting_drafter(recipe, None, policy)
-    backend = setup.rollout_backend(recipe, policy, tokenizer, drafter, setup.BackendPlace(0, 0, tmp_path, plan))
+    place = setup.BackendPlace(0, 0, tmp_path, run_plan(recipe, plan))
+    backend = setup.rollout_backend(recipe, policy, tokenizer, drafter, place)
     assert isinstance(backend, EmbeddedRollout) and backend.engine.decode_model.dtype == plan.torch_dtype
     completions, _ = backend.generate([RolloutRequest(0, (2, 3, 4), group=0)], setup.sampling(recipe), seed=1)
     assert completions[0].response_ids
     usage = backend.take_usage()
     assert sum(value.decode_steps for value in usage.values()) > 0
     assert all(value.predicted_seconds > 0 for value in usage.values())
+
+
+def test_a_workers_backend_speculates_as_the_run_plan_says_and_reads_no_choice_of_its_recipe(tmp_path):
+    """The worker's rollout takes the speculative plan the driver made (here fixed s2-k1-t3 although the recipe's
+    section says off): the recipe's `speculative` section is not read again in a worker."""
+    recipe = recipe_with(SpeculativeMode.off, [], linear_forms="off")
+    fixed = setup.speculative_plan(SpeculativeSection(mode=SpeculativeMode.fixed, steps=2, topk=1, draft_tokens=3))
+    plan = dataclasses.replace(run_plan(recipe), speculative=fixed)
+    policy = tiny_qwen2(vocab_size=32, seed=3).eval()
+    drafter = setup.starting_drafter(recipe, None, policy)
+    backend = setup.rollout_backend(recipe, policy, Tokens(), drafter, setup.BackendPlace(0, 0, tmp_path, plan))
+    assert backend.engine.speculative is not None and backend.engine.speculative.schedule(4) == SpeculativeConfig(
+        2, 1, 3
+    )
+    assert (
+        setup.rollout_backend(
+            recipe, policy, Tokens(), drafter, setup.BackendPlace(0, 0, tmp_path, run_plan(recipe))
+        ).engine.speculative
+        is None
+    )
+
+
+def test_the_run_plan_is_made_once_with_the_recipes_choices_concrete(tmp_path, monkeypatch):
+    """setup.planned_run: actor.precision auto (here read from a cached record, so the policy is never loaded),
+    the decode plan and the speculative plan; the recipe it gives has the chosen precision, and the plan survives
+    JSON as launched ranks read it."""
+    recipe = dataclasses.replace(
+        recipe_with(SpeculativeMode.fixed, [], linear_forms=LinearForms.off, dtype=RolloutDtype.float32),
+        model=dataclasses.replace(Recipe().model, cache_dir=str(tmp_path)),
+        actor=dataclasses.replace(Recipe().actor, precision=Precision.auto),
+    )
+    threads = torch.get_num_threads()
+    torch.set_num_threads(recipe.workers.threads_per_worker)  # the measurement's thread count, a worker's
+    try:
+        key = update_precision.measurement_key(recipe, torch.device("cpu"))
+    finally:
+        torch.set_num_threads(threads)
+    path = record_path(tmp_path, update_precision.CACHE_FOLDER, key)
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({"key": key, "seconds": {"fp32": 1.0, "bf16": 0.5}}))
+    monkeypatch.setattr(setup, "policy_and_tokenizer", lambda recipe: pytest.fail("the policy was loaded"))
+    planned, plan = setup.planned_run(recipe, None)
+    assert planned.actor.precision == plan.update.precision == Precision.bf16 and recipe.actor.precision == "auto"
+    assert plan.update.seconds == {"fp32": 1.0, "bf16": 0.5}
+    assert plan.speculative == setup.speculative_plan(recipe.speculative)
+    assert plan.decode.dtype == "float32" and plan.log_lines[0] == plan.update.describe()
+    assert RunPlan.from_dict(plan.to_dict()) == plan

@@ -21,7 +21,7 @@ from rich.console import Console
 from sglang_fakes import FAKE_SERVER, fake_launch, free_port, wait_for_first_generation
 
 from tlt_cli.process_status import process_running
-from tlt_cli.processes import driver
+from tlt_cli.processes import run_preparation
 from tlt_cli.sglang.registry import stop_recorded_servers
 from tlt_cli.sglang.server import ServerGroup, ServerStartError, live_group_members, log_tail
 from tlt_cli.sglang.transport import get_status
@@ -253,7 +253,7 @@ def test_a_tlt_train_of_any_backend_removes_the_server_files_a_killed_run_left(t
     kill_and_wait(killed, killed_server)
     assert all(path.exists() for path in abandoned)
     output = io.StringIO()
-    driver._remove_what_killed_runs_left(Console(file=output, width=200))
+    run_preparation.remove_what_killed_runs_left(Console(file=output, width=200))
     assert not [path for path in abandoned if path.exists()]
     assert "removed the files of 1 SGLang server(s) a killed run left" in output.getvalue()
     assert list(short_temporary_folder.iterdir()) == []

@@ -32,7 +32,7 @@ from tlt_cli.integrations.trl import tlt_rollout
 from tlt_cli.integrations.trl_support import UnsupportedTrlError, UnsupportedTrlSettingError
 from tlt_cli.integrations.trl_trainer import TimedGRPOTrainer
 from tlt_cli.models.tiny import build_tiny_model, tiny_model_config, tiny_tokenizer
-from tlt_cli.speculative.adaptive import SpeculationMode
+from tlt_cli.speculative.plan import SpeculationMode
 from tlt_cli.training.rollout_correction import importance_weights
 from tlt_cli.tuning import linear_forms as tuned_linear_forms
 from tlt_cli.versions import supported_ranges

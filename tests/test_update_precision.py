@@ -11,10 +11,11 @@ from tlt_cli.config import ActorConfig, load_recipe
 from tlt_cli.integrations.trl_recipe import grpo_config_arguments
 from tlt_cli.recipe_checks import load_checked_recipe
 from tlt_cli.recipes import resolve_recipe_path
-from tlt_cli.training import memory, update_precision
+from tlt_cli.training import memory, setup, update_precision
 from tlt_cli.training.actor import Actor
 from tlt_cli.training.logprobs import head_logprobs
-from tlt_cli.training.update_precision import UpdatePrecision, resolve_update_precision
+from tlt_cli.training.update_precision import resolve_update_precision
+from tlt_cli.tuning.run_plan import UpdatePrecision
 
 # bfloat16 keeps 8 bits of mantissa: a tiny model's loss and gradient norm in bf16 stay within 2% of float32
 BF16_RELATIVE_TOLERANCE = 2e-2
@@ -68,7 +69,7 @@ def test_log_probs_under_the_bf16_updates_autocast_stay_float32_from_float32_log
 
 def test_auto_measures_once_caches_per_machine_and_model_and_rereads_the_cache(tmp_path, monkeypatch):
     recipe = load_recipe(resolve_recipe_path("tiny-cpu"), ["actor.precision=auto"])
-    resolved, choice = resolve_update_precision(recipe, tmp_path)
+    resolved, choice = resolve_update_precision(recipe, tmp_path, lambda: setup.policy_and_tokenizer(recipe)[0])
     assert resolved.actor.precision == choice.precision in ("fp32", "bf16")
     (path,) = (tmp_path / update_precision.CACHE_FOLDER).glob("*.json")
     record = json.loads(path.read_text())
@@ -84,10 +85,13 @@ def test_auto_measures_once_caches_per_machine_and_model_and_rereads_the_cache(t
     def no_measuring(*_):
         raise AssertionError("measured again although the cache holds this machine and model")
 
+    def no_loading():
+        raise AssertionError("the policy was loaded although the cache holds this machine and model")
+
     monkeypatch.setattr(update_precision, "measure_update_seconds", no_measuring)
     for seconds, expected in (({"fp32": 1.0, "bf16": 0.5}, "bf16"), ({"fp32": 1.0, "bf16": 0.97}, "fp32")):
         path.write_text(json.dumps({**record, "seconds": seconds}))
-        resolved, choice = resolve_update_precision(recipe, tmp_path)
+        resolved, choice = resolve_update_precision(recipe, tmp_path, no_loading)
         assert (resolved.actor.precision, choice.seconds) == (expected, seconds)
         assert f"actor precision {expected} (auto: measured on this machine" in choice.describe()
 
@@ -95,7 +99,7 @@ def test_auto_measures_once_caches_per_machine_and_model_and_rereads_the_cache(t
 def test_explicit_precisions_are_kept_and_the_actor_refuses_an_unresolved_auto(tmp_path):
     for precision in ("fp32", "bf16"):
         recipe = load_recipe(resolve_recipe_path("tiny-cpu"), [f"actor.precision={precision}"])
-        assert resolve_update_precision(recipe, tmp_path) == (
+        assert resolve_update_precision(recipe, tmp_path, load_policy=None) == (
             recipe,
             UpdatePrecision(precision, "as the recipe sets it"),
         )

@@ -38,6 +38,7 @@ from typing import Any
 
 from tlt_cli.config import (
     FRESH_DRAFTER_STARTS,
+    DrafterStart,
     PluginsConfig,
     Recipe,
     RecipeError,
@@ -148,7 +149,7 @@ def _check_drafter_start(recipe: Recipe, target_vocab_size: int) -> int:
     init = recipe.drafter.init
     if init in FRESH_DRAFTER_STARTS:
         return target_vocab_size
-    if init == "warmup":
+    if init == DrafterStart.warmup:
         return resolve_draft_vocab_size(recipe.drafter.vocab_size, target_vocab_size)
     if not (Path(init) / CONFIG_FILE).is_file():
         raise RecipeError(

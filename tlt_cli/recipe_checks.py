@@ -26,6 +26,7 @@ from typing import Any
 from tlt_cli.config import (
     CPU_DEVICES,
     DrafterConfig,
+    DrafterStart,
     Recipe,
     RecipeError,
     RolloutBackendName,
@@ -40,14 +41,14 @@ from tlt_cli.engine.sampling import MIN_TEMPERATURE
 from tlt_cli.processes.hostfile import hostfile_problem, ranks_per_node, shell_paths
 from tlt_cli.sglang.adaptive import one_algorithm_problem
 from tlt_cli.sglang.config import sglang_config_problem
-from tlt_cli.speculative.adaptive import RuleTableError, SpeculationMode, SpeculativePlan
+from tlt_cli.speculative.plan import SpeculationMode, SpeculativePlan
+from tlt_cli.speculative.rules import RuleTableError
 from tlt_cli.speculative.shapes import shape_problem, topk_fit_problem
 from tlt_cli.speculative.types import SpeculativeConfig
 from tlt_cli.training.setup import speculative_plan
 
 # a TRL run generates with tlt's embedded engine, or with TRL's own generation (rollout.backend trl, the baseline)
 TRL_BACKENDS = (RolloutBackendName.embedded, RolloutBackendName.trl)
-DRAFTER_STARTS = ("online", "warmup", "random")
 BUILTIN_PREFIX = "builtin:"
 BUILTIN_MODELS = ("builtin:tiny-arith",)
 # the longest folder name Linux file systems take (NAME_MAX), in bytes
@@ -334,7 +335,7 @@ def _rule_shapes(plan: SpeculativePlan) -> list[tuple[str, SpeculativeConfig]]:
 
 def _check_drafter(drafter: DrafterConfig) -> None:
     _require(
-        drafter.init in DRAFTER_STARTS or Path(drafter.init).is_dir(),
+        drafter.init in DrafterStart.__members__ or Path(drafter.init).is_dir(),
         f"drafter.init must be online, warmup, random or a drafter folder, got '{drafter.init}'.",
     )
 

@@ -33,15 +33,15 @@ from tlt_cli.calibration.settings import (
     CalibrationSettings,
     check_settings,
 )
-from tlt_cli.config import CPU_DEVICES, Recipe, RolloutBackendName, SpeculativeMode
+from tlt_cli.config import CPU_DEVICES, DrafterStart, Recipe, RolloutBackendName, SpeculativeMode
 from tlt_cli.errors import nearest_existing
 from tlt_cli.recipe_checks import load_checked_recipe
 from tlt_cli.recipes import resolve_recipe_path
 from tlt_cli.rollout.types import RolloutRequest
-from tlt_cli.speculative.adaptive import OFF, RuleTableError, parse_label
 from tlt_cli.speculative.costs import PassCosts
+from tlt_cli.speculative.rules import RuleTableError, parse_label
 from tlt_cli.speculative.shapes import shape_problem, topk_fit_problem
-from tlt_cli.speculative.types import SpeculativeConfig
+from tlt_cli.speculative.types import OFF, SpeculativeConfig
 from tlt_cli.tasks.base import Task
 from tlt_cli.tasks.prompts import encode_prompt
 from tlt_cli.training import setup
@@ -156,7 +156,7 @@ def check_recipe(recipe: Recipe) -> None:
             f"rollout.backend is {recipe.rollout.backend}; tlt calibrate measures the embedded engine, "
             "so calibrate with rollout.backend=embedded."
         )
-    if recipe.drafter.init == "random":
+    if recipe.drafter.init == DrafterStart.random:
         raise CalibrationError(
             "drafter.init is random, so accept lengths would say nothing about the drafter a run trains; "
             "calibrate with drafter.init=warmup or a drafter folder."

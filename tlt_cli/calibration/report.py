@@ -23,7 +23,7 @@ from tlt_cli.calibration.measure import Cell
 from tlt_cli.calibration.rules import fragment_text
 from tlt_cli.calibration.settings import CalibrationError
 from tlt_cli.errors import writing
-from tlt_cli.speculative.adaptive import OFF
+from tlt_cli.speculative.types import OFF
 
 
 def cell_for(result: CalibrationResult, batch_size: int, label: str) -> Cell:

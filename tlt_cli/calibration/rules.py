@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from tlt_cli.config import Recipe, SpeculativeSection
 from tlt_cli.recipe_help import comment_lines, key_help
-from tlt_cli.speculative.adaptive import OFF
+from tlt_cli.speculative.types import OFF
 
 # the comment line under the rules' help that names the calibration (recipe_text.py replaces both on a rewrite)
 CALIBRATED_BY = "# calibrated by: "

@@ -144,6 +144,16 @@ class RolloutCorrection(RecipeChoice):
     off = "off"
 
 
+class DrafterStart(RecipeChoice):
+    """drafter.init's words; any other value is a folder tlt saved a drafter in (the key stays a string)."""
+
+    # a fresh drafter, no wait: trained online by the sidecar from step 0's rollouts
+    online = "online"
+    # trained offline on the target's generations, cached
+    warmup = "warmup"
+    random = "random"
+
+
 class ServedDtype(RecipeChoice):
     """rollout.sglang.dtype: the weight and activation dtype of the served model (SGLang's --dtype)."""
 
@@ -486,13 +496,13 @@ class SpeculativeSection:
 
 
 # drafter.init values that start from a fresh drafter, with no offline warm-up before step 0
-FRESH_DRAFTER_STARTS = ("online", "random")
+FRESH_DRAFTER_STARTS = (DrafterStart.online, DrafterStart.random)
 
 
 @dataclass(frozen=True)
 class DrafterConfig:
     init: str = setting(
-        "online",
+        DrafterStart.online.value,
         "where the drafter starts: online (a fresh drafter, no wait: mode auto drafts model-free n-grams until "
         "the drafter, trained by drafter_sidecar from step 0's rollouts on, pays), warmup (trained offline on the "
         "target's generations before step 0, cached), random, or a folder written by tlt (save_drafter)",

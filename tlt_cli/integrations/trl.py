@@ -22,7 +22,7 @@ The generate loop (tlt_cli/rollout/generate_loop.py) is built on the first call 
 rollout sees the weights of the latest optimizer step. It speculates with a drafter
 (tlt_cli/integrations/trl_drafter.py: warmed up on the trainer's own prompts and cached, random,
 a saved folder or an EagleDrafter), steered by the adaptive rule table, bandit and collapse
-auto-off of the `speculative` settings (tlt_cli/speculative/adaptive.py). With several data-parallel
+auto-off of the `speculative` settings (tlt_cli/speculative/rule_schedule.py). With several data-parallel
 processes the plugin that trains the drafter (found by its entry point like any plugin; the
 recipe's default plugins.enabled has one) does so while this process waits for the others,
 through its class's `trl_process_sidecar`. `take_records()` returns what each rollout did (timings,
@@ -67,8 +67,10 @@ from tlt_cli.rollout.backend import sampling_seed
 from tlt_cli.rollout.decode_plan import DecodePlan
 from tlt_cli.rollout.embedded import EmbeddedRollout
 from tlt_cli.rollout.types import Completion, RolloutRequest
-from tlt_cli.speculative.adaptive import OFF, SpeculationMode, SpeculativePlan
+from tlt_cli.speculative.plan import SpeculationMode, SpeculativePlan
+from tlt_cli.speculative.types import OFF
 from tlt_cli.training.setup import decode_plan_for, rollout_needs_drafter, speculative_plan
+from tlt_cli.tuning.run_plan import RunPlan
 
 if TYPE_CHECKING:
     from torch import nn
@@ -140,7 +142,7 @@ def tlt_rollout(
     linear_forms: LinearForms | str = LinearForms.auto,
     cache_dir: str | Path | None = None,
     dtype: RolloutDtype | str = RolloutDtype.auto,
-    decode: DecodePlan | None = None,
+    plan: RunPlan | None = None,
 ) -> TltRollout:
     """A `rollout_func` for `GRPOTrainer` (checked now: TRL's version, the settings).
 
@@ -155,16 +157,23 @@ def tlt_rollout(
     cache_dir: where its measured plan is cached (None: $TLT_CACHE_DIR or ~/.cache/tlt). dtype: the precision
     tlt decodes in, "auto" (measured per machine and model), "float32" or "bfloat16" (the recipe's
     `rollout.dtype`; TRL's loss computes in the trainer's own precision; under TRL's own GRPOTrainer, which cannot
-    correct a bfloat16 rollout's mismatch, "auto" keeps the policy's dtype). decode: how to decode, already resolved
-    (`tlt train` resolves it once in the driver: setup.py `decode_plan`); None: resolved from linear_forms and dtype
-    at the first rollout, measured once per machine and model.
+    correct a bfloat16 rollout's mismatch, "auto" keeps the policy's dtype). plan: the run's plan, made once by
+    `tlt train`'s driver (setup.py `planned_run`): its speculative and decode plans are used as they are, and
+    speculative, linear_forms and dtype are not read; None (a script of the user's): the speculative plan is made
+    from `speculative` now, the decode plan from linear_forms and dtype at the first rollout (measured once per
+    machine and model).
     """
     check_trl_version()
     linear_forms, dtype = LinearForms.of(linear_forms, "linear_forms"), RolloutDtype.of(dtype, "dtype")
-    section = _section(SpeculativeSection, speculative, "speculative")
-    return TltRollout(
+    if plan is not None:
+        speculating, decode = plan.speculative, plan.decode
+    else:
+        section = _section(SpeculativeSection, speculative, "speculative")
         # the rule table is checked now, not at the first rollout
-        speculative_plan(replace(section, mode=SpeculativeMode.of(section.mode, "speculative mode"))),
+        speculating = speculative_plan(replace(section, mode=SpeculativeMode.of(section.mode, "speculative mode")))
+        decode = None
+    return TltRollout(
+        speculating,
         drafter,
         process_sidecar_factory(sidecar),
         _section(DrafterConfig, drafter_config, "drafter_config"),

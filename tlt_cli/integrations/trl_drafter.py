@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from tlt_cli.checkpoint import DRAFTER_DIRECTORY
-from tlt_cli.config import DrafterConfig
+from tlt_cli.config import DrafterConfig, DrafterStart
 from tlt_cli.drafter.initial import cached_warmup
 from tlt_cli.drafter.model import CONFIG_FILE, DrafterLoadError, EagleDrafter, load_drafter, save_drafter
 from tlt_cli.errors import UserError
@@ -54,9 +54,9 @@ def starting_drafter(
         return _loaded(checkpoint / DRAFTER_DIRECTORY, policy)
     if isinstance(source, EagleDrafter):
         return _rebuilt(source, policy, seed)
-    if source == "random":
+    if source == DrafterStart.random:
         return EagleDrafter(policy, seed=seed)
-    if source == "warmup":
+    if source == DrafterStart.warmup:
         return _warmed_up(policy, trainer, settings, seed)
     return _loaded(Path(source), policy)
 

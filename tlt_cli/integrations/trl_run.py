@@ -1,13 +1,13 @@
 """The processes of `tlt train` when train.trainer is trl: TRL's GRPOTrainer, tlt's rollout, tlt's trace.
 
 The driver (tlt_cli/processes/driver.py) runs a TRL recipe as it runs a native one: it prepares
-the drafter, makes the run directory, starts workers.count processes on this machine and turns
-their per-step reports into trace.jsonl, the live display and the summary; only the body of each
-process differs. `trl_worker_main` joins the process group the way accelerate expects (gloo on
-CPU), builds a GRPOTrainer from the recipe (tlt_cli/integrations/trl_recipe.py) that generates
-with tlt's rollout (`tlt_rollout`: speculative decoding, the adaptive rule table, the drafter
-sidecar in the wait between processes) or, with rollout.backend trl, with TRL's own generation,
-and trains. TRL keeps its loss, advantages, reference model and optimizer step.
+the drafter and the run's plan (tlt_cli/tuning/run_plan.py), makes the run directory, starts workers.count
+processes on this machine and turns their per-step reports into trace.jsonl, the live display and the
+summary; only the body of each process differs. `trl_worker_main` joins the process group the way
+accelerate expects (gloo on CPU), builds a GRPOTrainer from the recipe (tlt_cli/integrations/trl_recipe.py)
+that generates with tlt's rollout (`tlt_rollout` handed the run's plan: speculative decoding, the adaptive
+rule table, the drafter sidecar in the wait between processes) or, with rollout.backend trl, with TRL's own
+generation, and trains. TRL keeps its loss, advantages, reference model and optimizer step.
 
 `StepReporter`, a TrainerCallback, turns each tlt step (one generation batch and its
 actor.ppo_epochs optimizer steps) into the `WorkerStepReport` a native worker sends: the rollout
@@ -101,15 +101,11 @@ class TrlRun:
             None
             if recipe.rollout.backend == RolloutBackendName.trl
             else tlt_rollout(
-                speculative=recipe.speculative,
                 drafter=str(spec.drafter_init) if spec.drafter_init else "random",
                 sidecar=list(recipe.plugins.enabled),
                 drafter_config=recipe.drafter,
                 seed=recipe.run.seed,
-                linear_forms=recipe.rollout.linear_forms,
-                cache_dir=spec.model_cache,
-                dtype=recipe.rollout.dtype,
-                decode=spec.decode,
+                plan=spec.plan,  # the driver's: how it decodes and speculates
             )
         )
         self.trainer = TimedGRPOTrainer(

@@ -77,6 +77,22 @@ def load_policy(
     return model, tokenizer
 
 
+def unloaded_policy(
+    model_path: str, device: torch.device, dtype: torch.dtype = torch.float32, trust_remote_code: bool = False
+) -> PreTrainedModel:
+    """The causal LM at `model_path` as `load_policy` builds it, on `device` in `dtype`, its weights allocated but
+    neither read nor initialised: for what needs only its shapes, dtypes and device (the keys of a cached
+    measurement, tlt_cli/tuning/cache.py), so that a run whose measurements are all cached never reads them."""
+    model_dir = model_folder(model_path)
+    check_remote_code(model_dir, trust_remote_code)
+    config = _check_causal_lm_config(model_dir, trust_remote_code)
+    with torch.device("meta"), _without_progress_bars():
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
+    model = model.to_empty(device=device)
+    model.tie_weights()  # to_empty unties what the config ties; a loaded model holds a tied weight once
+    return model.eval()
+
+
 def load_config_and_tokenizer(
     model_path: str, trust_remote_code: bool = False
 ) -> tuple[PretrainedConfig, PreTrainedTokenizerBase]:

@@ -2,7 +2,12 @@
 
 None of it is the algorithm (tlt_cli/training/); it is what runs the algorithm in several processes,
 whatever body each process runs (the caller hands the driver the trainer's):
-  driver.py            `train(recipe, trainer)`: starting the workers, the step deadline, trace and live display
+  driver.py            `train(recipe, trainer)`: the run from its preparation to its summary
+  run_preparation.py   what the driver does once first: clear what killed runs left, the drafter, the run's plan
+  resume_point.py      where a resumed run starts: its checkpoint, checked, and the settings it changes
+  worker_events.py     the event loop: workers started, their reports turned into trace records, a failure named
+  run_trace.py         the run's trace, opened at its first record
+  run_failures.py      the driver's errors and the clean-up after a failed run
   messages.py          what the driver and its workers send each other (RunSpec, WorkerSpec, WorkerStepReport, ...)
   run_directory.py     the run directory: made, locked while the run lives, removed if it fails at once
   step_deadline.py     which worker overran workers.step_timeout_s in its step

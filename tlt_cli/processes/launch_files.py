@@ -27,7 +27,7 @@ from typing import Any
 
 from tlt_cli.config import Recipe, load_recipe, recipe_to_yaml
 from tlt_cli.processes.messages import RunSpec, WorkerBody
-from tlt_cli.rollout.decode_plan import DecodePlan
+from tlt_cli.tuning.run_plan import RunPlan
 
 LAUNCH_DIRECTORY = "launch"
 RECIPE_FILE = "recipe.yaml"
@@ -82,7 +82,7 @@ def _run_fields(run_spec: RunSpec) -> dict[str, Any]:
         "resume_from": _absolute(run_spec.resume_from),
         "start_step": run_spec.start_step,
         "drafter_init": _absolute(run_spec.drafter_init),
-        "decode": run_spec.decode.to_dict() if run_spec.decode is not None else None,
+        "plan": run_spec.plan.to_dict(),
     }
 
 
@@ -95,7 +95,7 @@ def _run_spec(recipe: Recipe, run_directory: Path, run_fields: dict[str, Any]) -
         resume_from=_path_or_none(run_fields["resume_from"]),
         start_step=run_fields["start_step"],
         drafter_init=_path_or_none(run_fields["drafter_init"]),
-        decode=DecodePlan.from_dict(run_fields["decode"]) if run_fields.get("decode") is not None else None,
+        plan=RunPlan.from_dict(run_fields["plan"]),
     )
 
 

@@ -1,6 +1,7 @@
 """The messages between the driver and its worker processes, apart from any worker's body.
 
-The driver prepares one `RunSpec` per run (the recipe, the run directory, what it prepared once) and
+The driver prepares one `RunSpec` per run (the recipe, the run directory, what it prepared once: the
+starting drafter and the run's plan) and
 hands each process the `WorkerSpec` that `RunSpec.for_rank` makes of it with the process's place in
 the job (picklable: spawned processes get it as an argument; launched ranks rebuild the `RunSpec` from
 the run directory, launch_files.py, and add the place the DeepSpeed launcher gave them). A process,
@@ -23,7 +24,7 @@ from typing import Any
 from tlt_cli.config import Recipe
 from tlt_cli.errors import TrainingDiverged, UserError
 from tlt_cli.processes.distributed import WorkerAddress
-from tlt_cli.rollout.decode_plan import DecodePlan
+from tlt_cli.tuning.run_plan import RunPlan
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -39,8 +40,9 @@ class RunSpec:
     start_step: int = 0
     # folder of the starting drafter (None: random init); used only when the run needs a drafter
     drafter_init: Path | None = None
-    # how the embedded rollout decodes (dtype, linear forms, pass costs), resolved once by the driver
-    decode: DecodePlan | None = None
+    # the run's plan (the actor's precision, how the rollout decodes, what it speculates with), made once by the
+    # driver: no worker resolves a recipe choice (tlt_cli/tuning/run_plan.py)
+    plan: RunPlan
 
     def for_rank(self, address: WorkerAddress) -> WorkerSpec:
         """The spec of the worker at `address`: this run's fields, and that worker's place in the job."""

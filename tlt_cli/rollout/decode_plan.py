@@ -7,12 +7,13 @@ when the rollout chooses its SD configuration from costs (`speculative.mode: aut
 machine, model and dtype (tlt_cli/tuning/pass_costs.py). The embedded rollout (embedded.py), `tlt profile`,
 `tlt calibrate` and the TRL path take the plan and measure nothing themselves:
 
-    plan = setup.decode_plan(recipe, policy, drafter)
+    plan = setup.decode_plan(recipe, drafter_folder)        # or setup.decode_plan_for(policy, drafter, ...)
     rollout = EmbeddedRollout(policy, eos_id, pad_id, speculative_plan, drafter, decode=plan)
     print(*plan.log_lines)       # what was chosen and why, for the run log
     plan.precision               # the trace's rollout_precision record
 
-It is picklable: the driver hands it to every worker in the run's RunSpec (tlt_cli/processes/messages.py).
+It is picklable: under `tlt train` it is part of the run's plan (tlt_cli/tuning/run_plan.py), which the driver
+hands to every worker in the run's RunSpec (tlt_cli/processes/messages.py).
 """
 
 from __future__ import annotations

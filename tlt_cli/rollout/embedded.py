@@ -3,20 +3,21 @@
 `EmbeddedRollout` is tlt_cli/rollout/backend.py's RolloutBackend around tlt_cli/rollout/generate_loop.py's
 EmbeddedEngine (`rollout.backend: embedded`). It generates with the very module the trainer
 updates, so there is nothing to start, to push after an update, or to stop. It needs no recipe and
-no worker: a policy module, its EOS and pad ids, the speculative plan (tlt_cli/training/setup.py
-`speculative_plan` makes it from the recipe's `speculative` section) and, to speculate, a drafter over that
-policy, which is all a trainer of another library has in its own process:
+no worker: a policy module, its EOS and pad ids, the speculative plan (tlt_cli/speculative/plan.py, plain
+values: under `tlt train` the run's plan carries it, made once by the driver, tlt_cli/tuning/run_plan.py) and,
+to speculate, a drafter over that policy, which is all a trainer of another library has in its own process:
 
-    rollout = EmbeddedRollout(model, tokenizer.eos_token_id, tokenizer.pad_token_id,
-                              speculative_plan(SpeculativeSection(mode=SpeculativeMode.adaptive)), drafter, seed=0)
+    plan = SpeculativePlan(SpeculationMode.fixed, SpeculativeConfig(3, 1, 4), (), 1.3, 64, 0.0)  # s3-k1-t4
+    rollout = EmbeddedRollout(model, tokenizer.eos_token_id, tokenizer.pad_token_id, plan, drafter, seed=0)
     completions, busy_end = rollout.generate(requests, SamplingParams(max_new_tokens=128), seed=step)
     usage = rollout.take_usage()  # adaptive SD: decode steps, tokens and seconds per configuration
 
-`decode` is the `DecodePlan` (decode_plan.py) the composition root resolved from the recipe, measuring nothing
-here: the dtype the policy is decoded in, the linear-form plan (each linear layer of the policy and drafter
-computed, while decoding, in the form measured fastest on this machine for the pass's rows, carried out by
-tlt_cli/engine/linear_forms.py; its transposed copies are the decode model's, refreshed by `after_update`) and,
-for `speculative.mode: auto`, the pass costs the SD configuration is chosen with. None: float32, plain forms.
+`decode` is the `DecodePlan` (decode_plan.py) resolved above it (under `tlt train` part of the run's plan),
+measuring nothing here: the dtype the policy is decoded in, the linear-form plan (each linear layer of the
+policy and drafter computed, while decoding, in the form measured fastest on this machine for the pass's rows,
+carried out by tlt_cli/engine/linear_forms.py; its transposed copies are the decode model's, refreshed by
+`after_update`) and, for `speculative.mode: auto`, the pass costs the SD configuration is chosen with. None:
+float32, plain forms.
 `start()` puts the plan's lines in the run log.
 
 The owned decode forward's own weight copies (fused q/k/v and gate/up, transposed or cast: about 0.5 GB for
@@ -39,11 +40,8 @@ from tlt_cli.engine.sampling import SamplingParams
 from tlt_cli.rollout.decode_plan import DecodePlan
 from tlt_cli.rollout.generate_loop import EmbeddedEngine
 from tlt_cli.rollout.types import Completion, RolloutRequest
-from tlt_cli.speculative.adaptive import (
-    AdaptiveSpeculativeDecoder,
-    SpeculativePlan,
-    speculative_decoder,
-)
+from tlt_cli.speculative.modes import AdaptiveSpeculativeDecoder, speculative_decoder
+from tlt_cli.speculative.plan import SpeculativePlan
 from tlt_cli.speculative.types import ConfigUsage
 
 

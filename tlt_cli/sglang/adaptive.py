@@ -40,7 +40,8 @@ from enum import Enum
 from pathlib import Path
 
 from tlt_cli.sglang.version import SGLangFeatures
-from tlt_cli.speculative.adaptive import UNBOUNDED, Rule, SpeculationMode, SpeculativePlan, bucket_edges
+from tlt_cli.speculative.plan import SpeculationMode, SpeculativePlan
+from tlt_cli.speculative.rules import UNBOUNDED, Rule, bucket_edges
 from tlt_cli.speculative.types import SpeculativeConfig
 
 # batch sizes above SGLang's largest captured CUDA graph are not padded; range ends are checked up to this

@@ -226,10 +226,7 @@ class CostSchedule(ScheduleReports):
         usage.batch_sizes[str(step.batch_size)] = usage.batch_sizes.get(str(step.batch_size), 0) + 1
         self.overheads.observe(label, _family(config), step.batch_size, pass_seconds, step.seconds)
         if config is not None and counts is not None:
-            usage.drafter_verify_passes += counts.passes_by_source["drafter"]
-            usage.drafter_accepted_tokens += counts.accepted_by_source["drafter"]
-            usage.ngram_verify_passes += counts.passes_by_source["ngram"]
-            usage.ngram_accepted_tokens += counts.accepted_by_source["ngram"]
+            usage.add_draft_counts(counts.passes_by_source, counts.accepted_by_source)
             self.acceptance.observe(config, counts.accepted_per_row)
             if not config.uses_drafter and counts.verified_width:
                 self._observe_width(config, step.batch_size, counts.verified_width)

@@ -67,6 +67,13 @@ class ConfigUsage:
     collapses: int = 0
     recoveries: int = 0
 
+    def add_draft_counts(self, passes_by_source: Mapping[str, int], accepted_by_source: Mapping[str, int]) -> None:
+        """One verify pass's counts per draft source (draft_counts.py `StepCounts`), added to this configuration's."""
+        self.drafter_verify_passes += passes_by_source["drafter"]
+        self.drafter_accepted_tokens += accepted_by_source["drafter"]
+        self.ngram_verify_passes += passes_by_source["ngram"]
+        self.ngram_accepted_tokens += accepted_by_source["ngram"]
+
 
 class ScheduleReports:
     """What a schedule of SD configurations reports per rollout step, kept in one place for the rule table's and

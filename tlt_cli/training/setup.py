@@ -12,12 +12,17 @@ worker (tlt_cli/integrations/trl_run.py), the driver's drafter preparation (tlt_
   starting_drafter                          trains one), its starting folder (a cached warm-up, whose
                                             draft vocabulary the warm-up chooses, or a saved folder)
                                             and the drafter itself over a policy
+  planned_run                               the run's plan (tuning/run_plan.py), made once by the driver before
+                                            the workers start: the actor's update precision (update_precision.py,
+                                            handed the policy's loader), the decode plan and the speculative plan;
+                                            every rank is handed it, so no worker resolves a recipe choice
   decode_plan, decode_plan_for              how the embedded rollout decodes (rollout/decode_plan.py): the
                                             rollout dtype, the linear-form plan and, in speculative.mode auto,
-                                            the pass costs; the one caller of tuning/'s measurements, run by
-                                            the driver before the workers start (and by profile, calibrate
-                                            and a TRL script's rollout_func, which have no driver)
-  rollout_backend                           the RolloutBackend `rollout.backend` names (BACKEND_FACTORIES)
+                                            the pass costs; the one caller of tuning/'s measurements, for the
+                                            run's plan (and for profile, calibrate and a TRL script's
+                                            rollout_func, which have no driver)
+  rollout_backend                           the RolloutBackend `rollout.backend` names (BACKEND_FACTORIES), built
+                                            with the run's plan (BackendPlace)
 Below this module nothing reads a recipe to build a part: the engines, backends and drafters
 take explicit arguments.
 """
@@ -34,6 +39,7 @@ from tlt_cli.config import (
     DEFAULT_RULES,
     FRESH_DRAFTER_STARTS,
     Bfloat16Rounding,
+    DrafterStart,
     LinearForms,
     Recipe,
     RolloutBackendName,
@@ -43,8 +49,11 @@ from tlt_cli.config import (
 from tlt_cli.engine.sampling import MIN_TEMPERATURE, SamplingParams
 from tlt_cli.models.tiny import cache_directory
 from tlt_cli.plugins import plugins_train_drafter
-from tlt_cli.speculative.adaptive import Rule, RuleTableError, SpeculationMode, SpeculativePlan, build_rules
+from tlt_cli.speculative.plan import SpeculationMode, SpeculativePlan
+from tlt_cli.speculative.rules import Rule, RuleTableError, build_rules
 from tlt_cli.speculative.types import SpeculativeConfig
+from tlt_cli.training.update_precision import resolve_update_precision
+from tlt_cli.tuning.run_plan import RunPlan
 
 if TYPE_CHECKING:
     from torch import nn
@@ -142,7 +151,7 @@ def prepare_drafter(
     """
     if not drafter_needed(recipe) or recipe.drafter.init in FRESH_DRAFTER_STARTS:
         return None, None
-    if recipe.drafter.init != "warmup":
+    if recipe.drafter.init != DrafterStart.warmup:
         return Path(recipe.drafter.init), None
     from tlt_cli.drafter.initial import cached_warmup, warmup_folder
     from tlt_cli.drafter.model import save_drafter
@@ -181,6 +190,14 @@ def starting_drafter(recipe: Recipe, folder: Path | None, policy: PreTrainedMode
     return load_drafter(folder, policy)
 
 
+def planned_run(recipe: Recipe, drafter_folder: Path | None) -> tuple[Recipe, RunPlan]:
+    """The run's plan (tlt_cli/tuning/run_plan.py), made once by the driver before any worker starts, and the
+    recipe with the choice it made written in (actor.precision concrete: what the workers and recipe.yaml hold);
+    `drafter_folder`: the starting drafter's (prepare_drafter)."""
+    recipe, update = resolve_update_precision(recipe, model_cache(recipe), lambda: policy_and_tokenizer(recipe)[0])
+    return recipe, RunPlan(update, decode_plan(recipe, drafter_folder), speculative_plan(recipe.speculative))
+
+
 def decode_plan(
     recipe: Recipe, drafter_folder: Path | None = None, speculates: bool | None = None, rows: int | None = None
 ) -> DecodePlan:
@@ -188,7 +205,8 @@ def decode_plan(
     the device a worker decodes with; `drafter_folder`: the starting drafter's (prepare_drafter), whose shapes the
     linear forms and pass costs cover. speculates: whether the rollout's tail is weighed as verify passes (None:
     whether the recipe speculates); rows: the sequences one rollout call decodes (None: a worker's of one step).
-    An SGLang rollout decodes in its servers: nothing is measured."""
+    The measurements are keyed by the model's shapes (models/loading.py `unloaded_policy`): its weights are read
+    only when one is not cached yet. An SGLang rollout decodes in its servers: nothing is measured."""
     from tlt_cli.rollout.decode_plan import DecodePlan
 
     if recipe.rollout.backend == RolloutBackendName.sglang:
@@ -205,25 +223,42 @@ def decode_plan(
         return _given_decode_plan(recipe.rollout.dtype, stochastic_rounding)
     import torch
 
-    policy, _ = policy_and_tokenizer(recipe)
-    policy = policy.to(_decode_device(recipe)).eval()
-    drafter = starting_drafter(recipe, drafter_folder, policy) if drafter_needed(recipe) else None
+    from tlt_cli.models.loading import unloaded_policy
+    from tlt_cli.tuning.cache import RecordMissing, only_cached
+
+    device = _decode_device(recipe)
+    rows = rows if rows is not None else recipe.samples_per_worker
+    speculates = mode != SpeculationMode.off if speculates is None else speculates
     threads = torch.get_num_threads()
     torch.set_num_threads(recipe.workers.threads_per_worker)
     try:
-        return decode_plan_for(
-            policy,
-            drafter,
-            dtype=recipe.rollout.dtype,
-            linear_forms=recipe.rollout.linear_forms,
-            cache_dir=model_cache(recipe),
-            rows=rows if rows is not None else recipe.samples_per_worker,
-            speculates=mode != SpeculationMode.off if speculates is None else speculates,
-            costs=costs,
-            stochastic_rounding=stochastic_rounding,
-        )
+        try:  # the model's shapes key the cached measurements: its weights are read only if one is missing
+            with only_cached():
+                unloaded = unloaded_policy(recipe.model.path, device, trust_remote_code=recipe.model.trust_remote_code)
+                return _measured_decode_plan(recipe, unloaded, drafter_folder, rows, speculates, costs)
+        except RecordMissing:
+            policy = policy_and_tokenizer(recipe)[0].to(device).eval()
+            return _measured_decode_plan(recipe, policy, drafter_folder, rows, speculates, costs)
     finally:
         torch.set_num_threads(threads)
+
+
+def _measured_decode_plan(
+    recipe: Recipe, policy: nn.Module, drafter_folder: Path | None, rows: int, speculates: bool, costs: bool
+) -> DecodePlan:
+    """`decode_plan_for` the recipe's settings, over `policy` and the starting drafter on it."""
+    drafter = starting_drafter(recipe, drafter_folder, policy) if drafter_needed(recipe) else None
+    return decode_plan_for(
+        policy,
+        drafter,
+        dtype=recipe.rollout.dtype,
+        linear_forms=recipe.rollout.linear_forms,
+        cache_dir=model_cache(recipe),
+        rows=rows,
+        speculates=speculates,
+        costs=costs,
+        stochastic_rounding=recipe.actor.bfloat16_rounding == Bfloat16Rounding.stochastic,
+    )
 
 
 def decode_plan_for(
@@ -292,13 +327,13 @@ def _decode_device(recipe: Recipe):
 
 @dataclass(frozen=True)
 class BackendPlace:
-    """Where a worker's rollout backend runs: its rank, its index on its node, the run directory, and how the
-    embedded rollout decodes there (`decode_plan`, resolved by the driver)."""
+    """Where a worker's rollout backend runs: its rank, its index on its node, the run directory, and the run's
+    plan (`planned_run`, made by the driver): how the rollout decodes and what it speculates with."""
 
     worker: int
     rank_on_node: int
     run_directory: Path
-    decode: DecodePlan | None = None
+    plan: RunPlan
 
 
 def _embedded(
@@ -310,10 +345,10 @@ def _embedded(
         policy,
         tokenizer.eos_token_id,
         tokenizer.pad_token_id,
-        speculative_plan(recipe.speculative),
+        place.plan.speculative,
         drafter,
         seed=recipe.run.seed,
-        decode=place.decode,
+        decode=place.plan.decode,
     )
 
 
@@ -331,7 +366,7 @@ def _sglang(
         # rollout.sglang.gpus are the GPUs of each node, shared among the ranks of that node
         servers_of_worker(recipe.rollout.sglang, place.rank_on_node, ranks_per_node(recipe)),
         str(model_folder(recipe.model.path)),
-        batch_rules(speculative_plan(recipe.speculative)),
+        batch_rules(place.plan.speculative),
         eos_token_id=tokenizer.eos_token_id,
         seed=recipe.run.seed,
         run_directory=place.run_directory,

@@ -1,9 +1,10 @@
 """`actor.precision: auto` resolved by measurement: the actor's forward + backward timed in float32 and bfloat16.
 
-`resolve_update_precision(recipe, cache_dir)` is what `tlt train` calls before anything starts
-(tlt_cli/trainers.py); it gives the recipe with a concrete precision and the `UpdatePrecision`
-that the console and the trace's run record show. `fp32` and `bf16` are kept as written. For `auto`
-on CPU it loads the policy and times what one micro-batch of the update costs
+`resolve_update_precision(recipe, cache_dir, load_policy)` is what the run's plan is made with
+(tlt_cli/training/setup.py `planned_run`, in the driver before any worker starts); it gives the recipe with a
+concrete precision and the `UpdatePrecision` (tlt_cli/tuning/run_plan.py) that the console and the trace's run
+record show. `fp32` and `bf16` are kept as written. For `auto` on CPU it loads the policy (`load_policy`,
+only when no record is cached) and times what one micro-batch of the update costs
 (`measure_update_seconds`): the actor's own forward (`forward_logprobs` under `update_autocast`,
 recomputation as the recipe sets it) and backward, on a micro-batch of micro_batch_size random
 sequences of MEASURED_TOKENS tokens, ROUNDS interleaved rounds after a warm-up of each, the best time
@@ -16,8 +17,9 @@ run. On GPUs `auto` is bf16 where every actor GPU has compute capability 8.0 or 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
@@ -25,13 +27,13 @@ from transformers import PreTrainedModel
 
 from tlt_cli.config import CPU_DEVICES, ActorConfig, Bfloat16Rounding, Precision, Recipe
 from tlt_cli.processes.machine_checks import BF16_MIN_CAPABILITY
-from tlt_cli.training import setup
 from tlt_cli.training.actor import RESOLVED_PRECISIONS, enable_recomputation, forward_logprobs, update_autocast
 from tlt_cli.training.grpo import policy_loss
 from tlt_cli.training.memory import model_shape
 from tlt_cli.training.policy_batch import PolicyBatch
 from tlt_cli.training.rounded_compute import RoundedLinearWeights
 from tlt_cli.tuning.cache import cached_record, machine_key, positive_figures
+from tlt_cli.tuning.run_plan import UpdatePrecision
 
 CACHE_FOLDER = "update_precision"
 MEASUREMENT_FORMAT = 1
@@ -44,28 +46,11 @@ ROUNDS = 2
 MARGIN = 0.05
 
 
-@dataclass(frozen=True)
-class UpdatePrecision:
-    """The precision the actor runs in, how it was chosen, and the measured seconds per micro-batch."""
-
-    precision: Precision
-    reason: str
-    seconds: dict[str, float] | None = None
-
-    def describe(self) -> str:
-        figures = ""
-        if self.seconds:
-            figures = ": " + ", ".join(f"{name} {value:.3f} s" for name, value in self.seconds.items())
-            figures += " per micro-batch forward + backward"
-        return f"actor precision {self.precision} ({self.reason}{figures})"
-
-    def record(self) -> dict:
-        """The trace's run-record entry."""
-        return {"precision": str(self.precision), "reason": self.reason, "micro_batch_seconds": self.seconds}
-
-
-def resolve_update_precision(recipe: Recipe, cache_dir: Path) -> tuple[Recipe, UpdatePrecision]:
-    """The recipe with actor.precision concrete (fp32 or bf16), and how it was chosen (module docstring)."""
+def resolve_update_precision(
+    recipe: Recipe, cache_dir: Path, load_policy: Callable[[], PreTrainedModel]
+) -> tuple[Recipe, UpdatePrecision]:
+    """The recipe with actor.precision concrete (fp32 or bf16), and how it was chosen (module docstring);
+    `load_policy()` gives the recipe's model, called only when auto is measured (no record cached)."""
     actor = recipe.actor
     if actor.precision != Precision.auto:
         return recipe, UpdatePrecision(actor.precision, "as the recipe sets it")
@@ -73,7 +58,7 @@ def resolve_update_precision(recipe: Recipe, cache_dir: Path) -> tuple[Recipe, U
         reason = "auto: bfloat16 rounded to nearest does not follow small updates (actor.bfloat16_rounding)"
         return replace(recipe, actor=replace(actor, precision=Precision.fp32)), UpdatePrecision(Precision.fp32, reason)
     if actor.devices == CPU_DEVICES:
-        choice = measured_choice(recipe, cache_dir)
+        choice = measured_choice(recipe, cache_dir, load_policy)
     else:
         choice = gpu_choice(actor.devices)
     return replace(recipe, actor=replace(actor, precision=choice.precision)), choice
@@ -90,7 +75,7 @@ def gpu_choice(devices: list[int]) -> UpdatePrecision:
     return UpdatePrecision(Precision.fp32, "auto: not every actor GPU has compute capability 8.0")
 
 
-def measured_choice(recipe: Recipe, cache_dir: Path) -> UpdatePrecision:
+def measured_choice(recipe: Recipe, cache_dir: Path, load_policy: Callable[[], PreTrainedModel]) -> UpdatePrecision:
     """The cached (or now measured) seconds of both precisions on this machine and model, and the faster one."""
     threads = torch.get_num_threads()
     torch.set_num_threads(recipe.workers.threads_per_worker)  # as each worker runs the update
@@ -98,8 +83,7 @@ def measured_choice(recipe: Recipe, cache_dir: Path) -> UpdatePrecision:
         key = measurement_key(recipe, torch.device("cpu"))
 
         def measure() -> dict:
-            policy, _ = setup.policy_and_tokenizer(recipe)
-            return {"seconds": measure_update_seconds(policy, recipe.actor)}
+            return {"seconds": measure_update_seconds(load_policy(), recipe.actor)}
 
         record, path = cached_record(cache_dir, CACHE_FOLDER, key, measure, valid_record)
         seconds = record["seconds"]

@@ -113,7 +113,7 @@ class WorkerLoop:
             self.actor.policy,
             self.tokenizer,
             self.drafter,
-            setup.BackendPlace(self.rank, spec.address.rank_on_node, spec.run_directory, decode=spec.decode),
+            setup.BackendPlace(self.rank, spec.address.rank_on_node, spec.run_directory, spec.plan),
         )
         self.barrier = RolloutBarrier(spec.address, barrier_timeout(recipe.workers.step_timeout_s))
         plugins = build_plugins(recipe.plugins.enabled, dict(recipe.plugins.options), recipe)

@@ -29,7 +29,8 @@ import math
 import os
 import platform
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextvars import ContextVar
 from pathlib import Path
 
 import torch
@@ -37,6 +38,26 @@ import torch
 from tlt_cli.atomic_files import exclusive_lock, read_json_object, write_atomically
 
 LOGGER = logging.getLogger(__name__)
+
+
+# set within `only_cached`: a record that is not cached raises RecordMissing instead of being measured
+_ONLY_CACHED: ContextVar[bool] = ContextVar("only_cached", default=False)
+
+
+class RecordMissing(LookupError):
+    """Within `only_cached`: the record of a key is not cached (or is damaged), so it would be measured."""
+
+
+@contextlib.contextmanager
+def only_cached() -> Iterator[None]:
+    """Within it `cached_record` gives only cached records, and raises RecordMissing where it would measure: a
+    caller holding a model's shapes without its weights (models/loading.py `unloaded_policy`) learns whether it
+    must load them (tlt_cli/training/setup.py `decode_plan`)."""
+    token = _ONLY_CACHED.set(True)
+    try:
+        yield
+    finally:
+        _ONLY_CACHED.reset(token)
 
 
 # CPU flags that decide how fast low-precision products run (AMX, AVX-512 bfloat16)
@@ -147,7 +168,9 @@ def stored_record(path: Path, key: dict, valid: Callable[[dict], bool]) -> dict 
 
 
 def measured_record(folder: str, path: Path, key: dict, measure: Callable[[], dict]) -> dict:
-    """`{"key": key, **measure(), "measure_seconds": ...}`."""
+    """`{"key": key, **measure(), "measure_seconds": ...}`; RecordMissing within `only_cached`."""
+    if _ONLY_CACHED.get():
+        raise RecordMissing(f"{folder} record {path} is not cached")
     LOGGER.info("Measuring %s of this machine into %s (once).", folder, path)
     started = time.perf_counter()
     record = {"key": key, **measure()}

@@ -44,10 +44,10 @@ from tlt_cli.config import RolloutDtype
 from tlt_cli.engine import decode_model_for
 from tlt_cli.engine.linear_forms import LinearFormPlan
 from tlt_cli.engine.llama_family import refusal
+from tlt_cli.rollout.decode_plan import DECODE_DTYPES
 from tlt_cli.tuning.cache import cached_record, machine_key, positive_figures
 from tlt_cli.tuning.timing import block_pass, milliseconds, random_prefix, repeats_for
 
-ROLLOUT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 CACHE_FOLDER = "rollout_precision"
 MEASUREMENT_FORMAT = 2
 # the figures a measurement records, each in milliseconds per dtype name
@@ -94,7 +94,7 @@ class PrecisionChoice:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return ROLLOUT_DTYPES[self.dtype]
+        return DECODE_DTYPES[self.dtype]
 
     @property
     def workload(self) -> RolloutWorkload:
@@ -110,7 +110,7 @@ class PrecisionChoice:
             f"{name} step {self.step_ms[name]:.1f} ms, "
             + (f"{rows}-row step {self.batch_step_ms[name]:.1f} ms, " if with_batch else "")
             + f"16-token verify {self.verify_ms[name]:.1f} ms ({self.verify_ms[name] / self.step_ms[name]:.2f}x a step)"
-            for name in ROLLOUT_DTYPES
+            for name in DECODE_DTYPES
         )
         if not with_batch:  # a trace written before the batch step was measured
             return f"rollout dtype: {self.dtype} ({self.reason}: {figures})"
@@ -148,7 +148,7 @@ def rollout_precision(
         why = "model dtype: transformers path" if reason is not None else "model dtype: the trainer cannot correct"
         if reason is None and correctable:
             why = "model dtype: bfloat16 rounded to nearest does not follow small updates"
-        return PrecisionChoice(own if own in ROLLOUT_DTYPES else "float32", why, {}, {})
+        return PrecisionChoice(own if own in DECODE_DTYPES else "float32", why, {}, {})
     rows = workload.measured_rows
     key = {
         "format": MEASUREMENT_FORMAT,
@@ -189,7 +189,7 @@ def measure_precision(
 ) -> tuple[dict[str, float], dict[str, float], dict[str, float]]:
     """(1-row step ms, `rows`-row step ms, 16-token verify ms) per dtype name: the owned forward's best of `rounds`
     interleaved rounds (one row wide, the batch step is the 1-row step, timed once)."""
-    passes = {name: _timed_passes(policy, dtype, linear_plan, rows) for name, dtype in ROLLOUT_DTYPES.items()}
+    passes = {name: _timed_passes(policy, dtype, linear_plan, rows) for name, dtype in DECODE_DTYPES.items()}
     best: dict[str, dict[str, float]] = {}
     with torch.no_grad():
         device = _device_of(policy)
@@ -206,7 +206,7 @@ def measure_precision(
 
 def valid_record(record: dict) -> bool:
     """Whether a stored record holds a finite positive time per dtype for each figure (tlt_cli/tuning/cache.py)."""
-    return all(positive_figures(record.get(figure), ROLLOUT_DTYPES) for figure in FIGURES)
+    return all(positive_figures(record.get(figure), DECODE_DTYPES) for figure in FIGURES)
 
 
 def _measured_record(policy: nn.Module, linear_plan: LinearFormPlan | None, rows: int) -> dict:
@@ -243,7 +243,7 @@ def model_key(policy: nn.Module, linear_plan: LinearFormPlan | None) -> dict:
 
 def _complete(*figures: dict[str, float]) -> bool:
     """Whether each of `figures` has a positive time for every dtype (a trace may carry partial or zero ones)."""
-    return all(set(values) == set(ROLLOUT_DTYPES) and all(value > 0 for value in values.values()) for values in figures)
+    return all(set(values) == set(DECODE_DTYPES) and all(value > 0 for value in values.values()) for values in figures)
 
 
 def _device_of(policy: nn.Module) -> torch.device:

@@ -1,0 +1,83 @@
+"""What the driver does once before any worker starts: clear what killed runs left, prepare the drafter, plan.
+
+Each step prints one line of what it does (and what it found); the run's plan (tlt_cli/tuning/run_plan.py) is
+made here by the trainer's `plan_run` (setup.py `planned_run`), printed line by line, and its records go to the
+trace's run record (`plan_facts`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from tlt_cli.config import DrafterStart, Recipe
+from tlt_cli.display import PhaseProgress
+from tlt_cli.processes.distributed import remove_abandoned_rendezvous
+from tlt_cli.sglang.server_files import remove_abandoned_server_files
+from tlt_cli.shared_memory import remove_abandoned_buffers
+from tlt_cli.tuning.run_plan import RunPlan
+
+
+def remove_what_killed_runs_left(console: Console) -> None:
+    """Free the DeepSpeed /dev/shm segments (shared_memory.py) and remove the rendezvous folders (distributed.py)
+    and SGLang servers' files (sglang/server_files.py) that killed runs left, saying so in one line; whatever
+    backend this run uses."""
+    removed = remove_abandoned_buffers()
+    if removed:
+        console.print(
+            f"removed {len(removed)} DeepSpeed shared-memory segment(s) a killed run left in /dev/shm", markup=False
+        )
+    remove_abandoned_rendezvous()
+    servers = remove_abandoned_server_files()
+    if servers:
+        console.print(f"removed the files of {len(servers)} SGLang server(s) a killed run left", markup=False)
+
+
+def prepare_drafter(
+    prepare: Callable[[Recipe, Path, Any], tuple[Path | None, dict | None]],
+    recipe: Recipe,
+    cache: Path,
+    console: Console,
+) -> Path | None:
+    """The starting drafter's folder (None: random or none) that `prepare` (the trainer's `prepare_drafter`) gives,
+    its warm-up shown with a progress bar when it runs now."""
+    if recipe.drafter.init == DrafterStart.warmup:  # the other starts cost nothing here (online: trained online)
+        console.print("preparing the drafter (an offline warm-up runs once per model and task, then is cached)")
+    with PhaseProgress(console, "drafter warm-up") as progress:
+        folder, report = prepare(recipe, cache, progress)
+    if report is not None:
+        console.print(
+            f"drafter warmed up offline: top-1 agreement with the target {report['held_out_accuracy']:.1%} "
+            f"(from {report['held_out_accuracy_before']:.1%}), cached in {folder}",
+            markup=False,
+        )
+    return folder
+
+
+def plan_run(
+    plan: Callable[[Recipe, Path | None], tuple[Recipe, RunPlan]],
+    recipe: Recipe,
+    drafter_init: Path | None,
+    console: Console,
+) -> tuple[Recipe, RunPlan]:
+    """The run's plan, made here once (its measurements cached per machine and model) and printed, and the recipe
+    with its choices made concrete (`plan`: the trainer's `plan_run`)."""
+    console.print(
+        "planning the run: the actor's precision and how the rollout decodes (dtype, linear forms, SD pass costs: "
+        "measured once per machine and model)"
+    )
+    recipe, run_plan = plan(recipe, drafter_init)
+    for line in run_plan.log_lines:
+        console.print(line, markup=False)
+    return recipe, run_plan
+
+
+def plan_facts(recipe: Recipe, plan: RunPlan) -> dict[str, Any]:
+    """The trace's run-record entries of the plan: actor_precision, and rollout_precision by worker (one plan for
+    all of them; none under TRL's own generation, where tlt does not decode)."""
+    precision = plan.decode.precision
+    by_worker = {str(worker): precision for worker in range(recipe.workers.count)} if precision else {}
+    return {"actor_precision": plan.update.record(), "rollout_precision": by_worker}
