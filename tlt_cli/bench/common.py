@@ -28,6 +28,7 @@ from transformers import PreTrainedTokenizerBase
 from tlt_cli.calibration.calibrate import load_model_pair
 from tlt_cli.calibration.measure import ModelPair
 from tlt_cli.config import Recipe, RolloutDtype, SpeculativeMode
+from tlt_cli.engine.sampling import SamplingParams
 from tlt_cli.errors import UserError, writing
 from tlt_cli.recipe_checks import load_checked_recipe
 from tlt_cli.recipes import resolve_recipe_path
@@ -163,7 +164,7 @@ def auto_speculative_plan(recipe: Recipe) -> SpeculativePlan:
     return setup.speculative_plan(dataclasses.replace(recipe.speculative, mode=SpeculativeMode.auto, rules=[]))
 
 
-def task_and_sampling(recipe: Recipe) -> tuple[Task, object]:
+def task_and_sampling(recipe: Recipe) -> tuple[Task, SamplingParams]:
     """The recipe's task and its rollout sampling settings, as a run makes them."""
     return setup.task(recipe), setup.sampling(recipe)
 

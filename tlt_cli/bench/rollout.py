@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 from rich.console import Console
+from transformers import PreTrainedTokenizerBase
 
 from tlt_cli.bench.common import (
     BenchError,
@@ -54,7 +55,7 @@ from tlt_cli.speculative.adaptive import (
     speculative_decoder,
 )
 from tlt_cli.speculative.decoder import SpeculativeDecoder
-from tlt_cli.speculative.types import DecodeStep
+from tlt_cli.speculative.types import DecodeStep, SpeculativeConfig
 
 PLAIN = "plain"
 AUTO = "auto"
@@ -128,11 +129,13 @@ def variant_decoders(
 
 @dataclass(frozen=True)
 class RolloutGrid:
-    """The settings parsed: batch sizes, dtypes, fixed shapes (label -> SpeculativeConfig)."""
+    """The settings parsed: batch sizes, dtypes, fixed shapes (label -> configuration), repeats, first prompt."""
 
     batch_sizes: list[int]
     dtypes: list[str]
-    shapes: dict
+    shapes: dict[str, SpeculativeConfig]
+    repeats: int
+    first_prompt: int
 
 
 def rollout_grid(settings: RolloutSettings, recipe: Recipe) -> RolloutGrid:
@@ -143,48 +146,56 @@ def rollout_grid(settings: RolloutSettings, recipe: Recipe) -> RolloutGrid:
         parse_numbers("--batch-sizes", settings.batch_sizes),
         parse_dtypes(settings.dtypes, recipe),
         fixed_shapes(settings.fixed),
+        settings.repeats,
+        settings.first_prompt,
     )
 
 
 def bench_rollout(
-    recipe: Recipe, pair: ModelPair, tokenizer, grid: RolloutGrid, settings: RolloutSettings, report: BenchReport
+    recipe: Recipe, pair: ModelPair, tokenizer: PreTrainedTokenizerBase, grid: RolloutGrid, report: BenchReport
 ) -> dict:
-    """Every (dtype, batch size) cell: per variant its repeats and, for auto, the configurations it chose."""
-    task, sampling = task_and_sampling(recipe)
+    """Every (dtype, batch size) cell, each in the decode plan a run makes for it (recorded in `report`)."""
     cells = {}
     for dtype in grid.dtypes:
         for rows in grid.batch_sizes:
             plan = run_decode_plan(recipe, dtype, rows)
             key = f"{dtype_label(dtype, plan)} B={rows}"
             report.decode_plans[key] = plan.to_dict()
-            planned = pair_with_plan(pair, plan)
-            makers, auto = variant_decoders(recipe, planned, grid.shapes)
-            runs: dict[str, list[TimedRollout]] = {name: [] for name in makers}
-            divergences: dict[str, list[dict]] = {name: [] for name in makers}
-            for repeat in range(settings.repeats):
-                requests = grouped_requests(recipe, tokenizer, task, rows, settings.first_prompt + repeat * rows)
-                for name, make in makers.items():
-                    runs[name].append(timed_rollout(planned, make(), requests, sampling, recipe.run.seed + repeat))
-                    if sampling.greedy:
-                        divergences[name] += _divergences(
-                            planned, plan.dtype, requests, runs[PLAIN][-1], runs[name][-1]
-                        )
-            usage = auto.adaptive_schedule.take_usage() if auto is not None else {}
             cells[key] = {
                 "dtype": plan.dtype,
                 "batch_size": rows,
-                "runs": runs,
-                "divergences": divergences if sampling.greedy else None,
-                "auto_configs": {label: value.decode_steps for label, value in usage.items()},
+                **measure_cell(recipe, pair_with_plan(pair, plan), tokenizer, grid, rows),
             }
     return cells
 
 
-def _divergences(
-    pair: ModelPair, dtype: str, requests: list[RolloutRequest], plain: TimedRollout, run: TimedRollout
-) -> list[dict]:
+def measure_cell(
+    recipe: Recipe, pair: ModelPair, tokenizer: PreTrainedTokenizerBase, grid: RolloutGrid, rows: int
+) -> dict:
+    """One cell: per variant its repeats (each repeat's fresh prompts, the variants in turn), at temperature 0
+    where each variant's responses leave plain's, and the configurations auto chose."""
+    task, sampling = task_and_sampling(recipe)
+    makers, auto = variant_decoders(recipe, pair, grid.shapes)
+    runs: dict[str, list[TimedRollout]] = {name: [] for name in makers}
+    divergences: dict[str, list[dict]] = {name: [] for name in makers}
+    for repeat in range(grid.repeats):
+        requests = grouped_requests(recipe, tokenizer, task, rows, grid.first_prompt + repeat * rows)
+        for name, make in makers.items():
+            runs[name].append(timed_rollout(pair, make(), requests, sampling, recipe.run.seed + repeat))
+            if sampling.greedy:
+                divergences[name] += _divergences(pair, requests, runs[PLAIN][-1], runs[name][-1])
+    usage = auto.adaptive_schedule.take_usage() if auto is not None else {}
+    return {
+        "runs": runs,
+        "divergences": divergences if sampling.greedy else None,
+        "auto_configs": {label: value.decode_steps for label, value in usage.items()},
+    }
+
+
+def _divergences(pair: ModelPair, requests: list[RolloutRequest], plain: TimedRollout, run: TimedRollout) -> list[dict]:
     """Where `run`'s responses first leave plain's (identity.py), the target's logits in the decode dtype."""
     prompts = [request.prompt_ids for request in requests]
+    dtype = str(pair.dtype or torch.float32).removeprefix("torch.")
     return first_divergences(pair.target, prompts, plain.responses, run.responses, dtype)
 
 
@@ -285,7 +296,7 @@ def run_rollout_bench(
     torch.set_num_threads(recipe.workers.threads_per_worker)  # a worker's thread count, as the plan was measured
     try:
         with console.status("generating whole rollouts with every variant"):
-            cells = bench_rollout(recipe, pair, tokenizer, grid, settings, report)
+            cells = bench_rollout(recipe, pair, tokenizer, grid, report)
     finally:
         torch.set_num_threads(threads)
     summary = summarize(cells)
