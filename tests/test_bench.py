@@ -212,6 +212,7 @@ def test_runs_trains_each_variant_and_seed_and_reads_their_traces(tiny_pair_reci
         (["runs", "--recipe", "{recipe}", "--variants", "off,fast"], "--variants"),
         (["runs", "--recipe", "{recipe}", "--variant-override", "tlt:nothing"], "--variant-override"),
         (["runs", "--recipe", "{recipe}", "--seeds", "0,a"], "--seeds"),
+        (["runs", "--recipe", "{recipe}", "--variant-override", "tlt:rollout.temperature=-1"], "rollout.temperature"),
         (["runs", "--recipe", "{recipe}", "--from-runs", "--output-dir", "{empty}"], "no trace.jsonl"),
     ],
 )

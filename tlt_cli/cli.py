@@ -509,10 +509,12 @@ def bench_runs(
     out: Annotated[Path, _bench_out("runs")] = Path("bench-runs.json"),
 ) -> None:
     """End-to-end tlt train runs, variants x seeds: step, rollout and update seconds, lengths, reward, rollout KL."""
-    from tlt_cli.bench.runs import RunsSettings, run_runs_bench
+    from tlt_cli.bench.runs import RunsSettings, TrainingRunFailed, run_runs_bench
 
     settings = RunsSettings(variants, seeds, steps, skip, tuple(variant_override or ()), output_dir, from_runs)
     try:
         run_runs_bench(recipe, list(overrides or []), settings, out, console)
     except UserError as error:
         raise fail(str(error)) from None
+    except TrainingRunFailed as error:
+        raise fail(str(error), code=1) from None

@@ -52,6 +52,10 @@ FIGURES = (
 )
 
 
+class TrainingRunFailed(RuntimeError):
+    """A `tlt train` run of the benchmark failed (each variant's recipe was checked before any run)."""
+
+
 @dataclass(frozen=True)
 class RunsSettings:
     """What `tlt bench runs` trains: variants (the first is the baseline), seeds, steps, steps left out of the
@@ -68,13 +72,14 @@ class RunsSettings:
 
 @dataclass(frozen=True)
 class RunsPlan:
-    """The settings parsed: variant -> its overrides, and the seeds."""
+    """The settings parsed: variant -> its overrides (VARIANTS', the shared ones, then its own --variant-override:
+    the last of a key wins), and the seeds."""
 
     variants: dict[str, list[str]]
     seeds: list[int]
 
 
-def runs_plan(settings: RunsSettings) -> RunsPlan:
+def runs_plan(settings: RunsSettings, overrides: list[str]) -> RunsPlan:
     """The settings parsed and checked (a BenchError naming the option), before anything trains."""
     names = [name.strip() for name in settings.variants.split(",") if name.strip()]
     unknown = [name for name in names if name not in VARIANTS]
@@ -82,7 +87,7 @@ def runs_plan(settings: RunsSettings) -> RunsPlan:
         raise BenchError(f"--variants names '{settings.variants}'; use some of {', '.join(VARIANTS)}.")
     if settings.steps < 1 or not 0 <= settings.skip < settings.steps:
         raise BenchError(f"--steps {settings.steps} --skip {settings.skip}: train 1 step or more, skip fewer.")
-    variants = {name: list(VARIANTS[name]) for name in names}
+    variants = {name: [*VARIANTS[name], *overrides] for name in names}
     for text in settings.variant_overrides:
         name, _, override = text.partition(":")
         if name not in variants or "=" not in override:
@@ -117,7 +122,7 @@ def train(recipe_path: Path, name: str, overrides: list[str], steps: int, output
     finished = subprocess.run(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     if finished.returncode != 0:
         last = (finished.stderr.strip().splitlines() or ["no output"])[-1]
-        raise BenchError(f"tlt train of {name} failed ({last}); run it alone with: {' '.join(command)}")
+        raise TrainingRunFailed(f"tlt train of {name} failed ({last}); run it alone with: {' '.join(command)}")
 
 
 def step_records(run_directory: Path) -> list[dict]:
@@ -130,7 +135,7 @@ def step_records(run_directory: Path) -> list[dict]:
     return [record for record in map(json.loads, trace.read_text().splitlines()) if record["type"] == "step"]
 
 
-def run_all(recipe_path: Path, plan: RunsPlan, settings: RunsSettings, overrides: list[str], console: Console) -> dict:
+def run_all(recipe_path: Path, plan: RunsPlan, settings: RunsSettings, console: Console) -> dict:
     """variant -> seed -> its step records: trained in turn now, or read from the runs an earlier call left."""
     steps: dict[str, dict[int, list[dict]]] = {name: {} for name in plan.variants}
     for seed in plan.seeds:
@@ -141,7 +146,7 @@ def run_all(recipe_path: Path, plan: RunsPlan, settings: RunsSettings, overrides
                     train(
                         recipe_path,
                         folder,
-                        [*variant, f"run.seed={seed}", *overrides],
+                        [*variant, f"run.seed={seed}"],
                         settings.steps,
                         settings.output_dir,
                     )
@@ -244,10 +249,11 @@ def _figure(value: float | None) -> str:
 
 def run_runs_bench(recipe_name: str, overrides: list[str], settings: RunsSettings, out: Path, console: Console) -> dict:
     """`tlt bench runs`: train (or read) every run, print the table and the comparisons, write the JSON."""
-    bench_recipe(recipe_name, overrides)  # a recipe tlt train would refuse is refused here, before any run
-    plan = runs_plan(settings)
+    plan = runs_plan(settings, overrides)
+    for variant in plan.variants.values():  # a variant's recipe tlt train would refuse is refused before any run
+        bench_recipe(recipe_name, variant)
     report = BenchReport.start(f"tlt bench runs --recipe {recipe_name}", recipe_name, overrides, plan.seeds, 1)
-    steps = run_all(resolve_recipe_path(recipe_name), plan, settings, overrides, console)
+    steps = run_all(resolve_recipe_path(recipe_name), plan, settings, console)
     summary = summarize(steps, settings.skip)
     render(console, summary)
     written = report.write(out, {"variants": plan.variants, "steps": steps}, summary)
