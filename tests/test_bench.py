@@ -77,6 +77,7 @@ def test_rollout_compares_auto_plain_and_fixed_shapes_per_batch_size(tiny_pair_r
         for figures in cell.values():
             # greedy: every variant's responses are compared with plain's, row for row (lossless SD)
             assert figures["rows"] == 2 * rows and figures["identical_rows"] == figures["rows"]
+            assert figures["identity"] == "yes"
             assert 1 <= figures["response_tokens"] <= rows * 12 and figures["decode_steps"] >= 1
         runs = written["results"][key]["runs"]
         assert all(len(repeats) == 2 for repeats in runs.values())
@@ -93,7 +94,7 @@ def test_rollout_when_sampling_leaves_the_identity_check_out(tiny_pair_recipe, t
     (key,) = json.loads(out.read_text())["summary"]
     assert key in ("auto: float32 B=2", "auto: bfloat16 B=2")
     summary = json.loads(out.read_text())["summary"][key]
-    assert all(figures["identical_rows"] is None for figures in summary.values())
+    assert all(figures["identical_rows"] is None and figures["identity"] is None for figures in summary.values())
     assert "same" not in result.output
 
 
@@ -102,7 +103,7 @@ def test_costs_times_every_rows_and_tokens_point_in_the_runs_decode_plan(tiny_pa
     arguments = ["--rows", "1,2", "--tokens", "1,4", "--dtypes", "float32", "--repeats", "1", "--out", str(out)]
     result = runner.invoke(app, ["bench", "costs", "--recipe", str(tiny_pair_recipe), *arguments])
     assert result.exit_code == 0, result.output
-    for text in ("target forward per pass", "float32, 1 rows", "float32, 2 rows", "4 tokens/row", "drafter forward"):
+    for text in ("target forward per pass", "float32, rows 1", "float32, rows 2", "4 tokens/row", "drafter forward"):
         assert text in result.output, text
     written = json.loads(out.read_text())
     assert MACHINE_FIELDS <= set(written["machine"]) and set(written["decode_plans"]) == {"float32"}

@@ -2,14 +2,15 @@
 requests, the JSON report and the one table renderer.
 
     recipe = bench_recipe("recipes/real-cpu.yaml", ["rollout.max_new_tokens=256"])
-    report = BenchReport.start("tlt bench rollout ...", recipe_name, overrides, seeds=[0], repeats=2)
-    pair = model_pair(recipe)                            # target and starting drafter as `tlt train` loads them
-    plan = run_decode_plan(recipe, pair, "bfloat16", 4)  # the plan the driver makes (training/setup.py)
-    report.write(out, results, summary)                  # machine (load average at start and end) included
+    report = BenchReport.start("tlt bench rollout ...", "recipes/real-cpu.yaml", overrides, seeds=[0], repeats=2)
+    pair, tokenizer = model_pair(recipe)           # target and starting drafter as `tlt train` loads them
+    plan = run_decode_plan(recipe, "bfloat16", 4)  # the plan the driver makes for 4 rows (training/setup.py)
+    pair = pair_with_plan(pair, plan)              # decoding in its dtype, linear forms and pass costs
+    report.write(out, results, summary)            # the machine (load average at start and end) included
     render_table(console, "title", ["column", ...], [["cell", ...], ...])
 
 Every call into the composition root (training/setup.py) a benchmark makes is in this module, so the benchmarks
-decode as a run does and measure no linear form or pass cost themselves.
+decode as a run does; the only measurement a benchmark takes itself is its subject (whole rollouts, pass costs).
 """
 
 from __future__ import annotations

@@ -101,7 +101,7 @@ def render(console: Console, costs: dict[str, PassCosts], summary: dict) -> None
     grid = next(iter(costs.values()))
     rows = [
         [
-            f"{dtype}, {row_count} rows",
+            f"{dtype}, rows {row_count}",
             *(
                 f"{summary[dtype][f'{row_count}x{tokens}']['milliseconds']:.2f} ms "
                 f"({summary[dtype][f'{row_count}x{tokens}']['per_token_vs_plain']:.2f})"
