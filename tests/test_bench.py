@@ -173,7 +173,8 @@ def test_runs_trains_each_variant_and_seed_and_reads_their_traces(tiny_pair_reci
     folders = ["--output-dir", str(tmp_path / "runs"), "--out", str(out)]
     result = runner.invoke(app, ["bench", "runs", "--recipe", str(tiny_pair_recipe), *arguments, *folders])
     assert result.exit_code == 0, result.output
-    for text in ("end-to-end runs", "off-seed0", "auto-seed0", "rollout KL k3", "auto vs off", "Amdahl bound"):
+    # the table's title and the comparison line (its cells wrap in a narrow terminal: the JSON has them)
+    for text in ("end-to-end runs", "auto vs off: rollout", "Amdahl bound", "seed-to-seed std of nan"):
         assert text in result.output, text
     written = json.loads(out.read_text())
     assert MACHINE_FIELDS <= set(written["machine"]) and written["seeds"] == [0]

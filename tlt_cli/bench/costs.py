@@ -142,5 +142,5 @@ def run_costs_bench(
     summary = summarize(costs)
     render(console, costs, summary)
     written = report.write(out, {dtype: grid.to_dict() for dtype, grid in costs.items()}, summary)
-    console.print(f"wrote {out}", highlight=False)
+    console.print(f"wrote {out}", highlight=False, soft_wrap=True)
     return written

@@ -257,7 +257,7 @@ def render(console: Console, cells: dict, summary: dict) -> None:
     title = "whole rollouts: response tokens / seconds (tokens/s median, ratio to plain), last repeat"
     render_table(console, title, ["dtype, batch", *names, "auto's decode steps by configuration"], rows)
     for line in verdict(summary):
-        console.print(line, highlight=False)
+        console.print(line, highlight=False, soft_wrap=True)
 
 
 def json_results(cells: dict) -> dict:
@@ -302,5 +302,5 @@ def run_rollout_bench(
     summary = summarize(cells)
     render(console, cells, summary)
     written = report.write(out, json_results(cells), summary)
-    console.print(f"wrote {out}", highlight=False)
+    console.print(f"wrote {out}", highlight=False, soft_wrap=True)
     return written

@@ -238,6 +238,7 @@ def render(console: Console, summary: dict) -> None:
             f"{figures['amdahl_bound']:.2f}x and the step got {figures['step_ratio_of_bound']:.0%} of it; "
             f"reward gap {figures['gap']:+.3f} against a seed-to-seed std of {figures['seed_std']:.3f}",
             highlight=False,
+            soft_wrap=True,
         )
 
 
@@ -257,5 +258,5 @@ def run_runs_bench(recipe_name: str, overrides: list[str], settings: RunsSetting
     summary = summarize(steps, settings.skip)
     render(console, summary)
     written = report.write(out, {"variants": plan.variants, "steps": steps}, summary)
-    console.print(f"wrote {out}", highlight=False)
+    console.print(f"wrote {out}", highlight=False, soft_wrap=True)
     return written
