@@ -455,12 +455,15 @@ def bench_rollout(
     ] = "ngram4,s2-k1-t3,s4-k1-t5,s2-k1-t3+ngram4",
     repeats: RepeatsOption = 2,
     first_prompt: Annotated[int, typer.Option(help="The task problem the first rollout's prompts start at.")] = 100_000,
+    generate: Annotated[
+        bool, typer.Option("--generate", help="Also run transformers' generate on the same rows (no tlt engine).")
+    ] = False,
     out: Annotated[Path, _bench_out("rollout")] = Path("bench-rollout.json"),
 ) -> None:
     """Whole rollouts with SD auto vs plain decoding vs fixed shapes: whether and how much SD pays here."""
     from tlt_cli.bench.rollout import RolloutSettings, run_rollout_bench
 
-    settings = RolloutSettings(batch_sizes, dtypes, fixed, repeats, first_prompt)
+    settings = RolloutSettings(batch_sizes, dtypes, fixed, repeats, first_prompt, generate)
     try:
         run_rollout_bench(recipe, list(overrides or []), settings, out, console)
     except UserError as error:

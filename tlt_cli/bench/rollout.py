@@ -10,6 +10,8 @@ running batch shrinking as responses end, with each variant in turn (so machine 
   auto       mode auto's cost-model schedule over the plan's pass costs; one schedule per (dtype, B), kept across
              repeats as a worker keeps it across steps (repeat 1 starts from the priors)
   <shape>    one SD configuration at every step (--fixed: s<steps>-k<topk>-t<draft tokens>, ngram<N>, hybrids)
+  generate   with --generate: transformers' `generate` on the same rows in one left-padded batch, in the policy's
+             own dtype: what decoding costs without tlt's engine
 A variant's rate is its response tokens over the generate call's seconds (prefill included), the median over the
 repeats; variants sample different lengths, so both are shown. At temperature 0 each variant's responses are
 compared with plain's token for token (lossless SD gives the same tokens, up to floating-point ties).
@@ -59,6 +61,7 @@ from tlt_cli.speculative.types import DecodeStep, SpeculativeConfig
 
 PLAIN = "plain"
 AUTO = "auto"
+GENERATE = "generate"
 DEFAULT_FIXED = "ngram4,s2-k1-t3,s4-k1-t5,s2-k1-t3+ngram4"
 
 
@@ -72,6 +75,7 @@ class RolloutSettings:
     fixed: str = DEFAULT_FIXED
     repeats: int = 2
     first_prompt: int = 100_000
+    generate: bool = False
 
 
 @dataclass(frozen=True)
@@ -115,16 +119,54 @@ def timed_rollout(
     return TimedRollout(sum(map(len, responses)), seconds, len(steps), responses, by_siblings)
 
 
-def variant_decoders(
-    recipe: Recipe, pair: ModelPair, shapes: dict
-) -> tuple[dict[str, Callable[[], SpeculativeDecoder]], AdaptiveSpeculativeDecoder | None]:
-    """(name -> a maker of the decoder each repeat runs with, auto's decoder): auto is one schedule kept across
-    repeats (None where the plan has no pass costs, a model outside the owned forward: auto decodes plainly)."""
+def generate_rollout(
+    pair: ModelPair, requests: list[RolloutRequest], sampling: SamplingParams, seed: int
+) -> TimedRollout:
+    """transformers' `generate` over `requests` in one left-padded batch, in the target's own dtype and forward,
+    with the rollout's sampling, each response cut after its EOS; timed."""
+    longest = max(len(request.prompt_ids) for request in requests)
+    input_ids = torch.full((len(requests), longest), pair.pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros_like(input_ids)
+    for row, request in enumerate(requests):
+        input_ids[row, longest - len(request.prompt_ids) :] = torch.tensor(request.prompt_ids)
+        attention_mask[row, longest - len(request.prompt_ids) :] = 1
+    sampled = {"temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k}
+    torch.manual_seed(seed)
+    start = time.perf_counter()
+    with torch.no_grad():
+        output = pair.target.generate(
+            input_ids.to(pair.device),
+            attention_mask=attention_mask.to(pair.device),
+            max_new_tokens=sampling.max_new_tokens,
+            do_sample=not sampling.greedy,
+            eos_token_id=pair.eos_token_id,
+            pad_token_id=pair.pad_token_id,
+            **({} if sampling.greedy else sampled),
+        )
+    seconds = time.perf_counter() - start
+    eos = pair.eos_token_id
+    rows = output[:, longest:].tolist()
+    responses = tuple(tuple(row[: row.index(eos) + 1] if eos in row else row) for row in rows)
+    return TimedRollout(sum(map(len, responses)), seconds, output.shape[1] - longest, responses, {})
+
+
+def variant_runners(
+    recipe: Recipe, pair: ModelPair, grid: RolloutGrid
+) -> tuple[dict[str, Callable[..., TimedRollout]], AdaptiveSpeculativeDecoder | None]:
+    """(name -> runner(requests, sampling, seed) of one whole rollout, auto's decoder): auto is one schedule kept
+    across repeats (None where the plan has no pass costs, a model outside the owned forward: auto decodes plainly);
+    the other engine variants get a fresh decoder each rollout."""
     auto = speculative_decoder(auto_speculative_plan(recipe), pair.drafter, recipe.run.seed, pair.pass_costs)
-    makers = {PLAIN: lambda: fixed_decoder(pair, None), AUTO: lambda: auto or fixed_decoder(pair, None)}
-    for label, config in shapes.items():
-        makers[label] = lambda config=config: fixed_decoder(pair, config)
-    return makers, auto
+    decoders = {PLAIN: lambda: fixed_decoder(pair, None), AUTO: lambda: auto or fixed_decoder(pair, None)}
+    for label, config in grid.shapes.items():
+        decoders[label] = lambda config=config: fixed_decoder(pair, config)
+    runners = {
+        name: lambda requests, sampling, seed, make=make: timed_rollout(pair, make(), requests, sampling, seed)
+        for name, make in decoders.items()
+    }
+    if grid.generate:
+        runners[GENERATE] = lambda requests, sampling, seed: generate_rollout(pair, requests, sampling, seed)
+    return runners, auto
 
 
 @dataclass(frozen=True)
@@ -136,6 +178,7 @@ class RolloutGrid:
     shapes: dict[str, SpeculativeConfig]
     repeats: int
     first_prompt: int
+    generate: bool
 
 
 def rollout_grid(settings: RolloutSettings, recipe: Recipe) -> RolloutGrid:
@@ -148,6 +191,7 @@ def rollout_grid(settings: RolloutSettings, recipe: Recipe) -> RolloutGrid:
         fixed_shapes(settings.fixed),
         settings.repeats,
         settings.first_prompt,
+        settings.generate,
     )
 
 
@@ -175,13 +219,13 @@ def measure_cell(
     """One cell: per variant its repeats (each repeat's fresh prompts, the variants in turn), at temperature 0
     where each variant's responses leave plain's, and the configurations auto chose."""
     task, sampling = task_and_sampling(recipe)
-    makers, auto = variant_decoders(recipe, pair, grid.shapes)
-    runs: dict[str, list[TimedRollout]] = {name: [] for name in makers}
-    divergences: dict[str, list[dict]] = {name: [] for name in makers}
+    runners, auto = variant_runners(recipe, pair, grid)
+    runs: dict[str, list[TimedRollout]] = {name: [] for name in runners}
+    divergences: dict[str, list[dict]] = {name: [] for name in runners}
     for repeat in range(grid.repeats):
         requests = grouped_requests(recipe, tokenizer, task, rows, grid.first_prompt + repeat * rows)
-        for name, make in makers.items():
-            runs[name].append(timed_rollout(pair, make(), requests, sampling, recipe.run.seed + repeat))
+        for name, run in runners.items():
+            runs[name].append(run(requests, sampling, recipe.run.seed + repeat))
             if sampling.greedy:
                 divergences[name] += _divergences(pair, requests, runs[PLAIN][-1], runs[name][-1])
     usage = auto.adaptive_schedule.take_usage() if auto is not None else {}
@@ -230,12 +274,13 @@ def verdict(summary: dict) -> list[str]:
     lines = []
     for key, variants in summary.items():
         auto = variants[AUTO]["vs_plain"]
-        fixed = {name: figures["vs_plain"] for name, figures in variants.items() if name not in (PLAIN, AUTO)}
+        fixed = {name: figures["vs_plain"] for name, figures in variants.items() if name not in (PLAIN, AUTO, GENERATE)}
         best = max(fixed, key=fixed.get) if fixed else None
         fastest = max([auto, *fixed.values()])
         pays = f"SD pays here, up to {fastest:.2f}x" if fastest > 1.0 else "SD does not pay here"
         shape = f"; the best fixed shape, {best}, {fixed[best]:.2f}x" if best is not None else ""
-        lines.append(f"{key}: {pays}: auto {auto:.2f}x plain{shape}")
+        engine = f"; plain is {1 / variants[GENERATE]['vs_plain']:.2f}x generate" if GENERATE in variants else ""
+        lines.append(f"{key}: {pays}: auto {auto:.2f}x plain{shape}{engine}")
     return lines
 
 
