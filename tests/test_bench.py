@@ -77,7 +77,8 @@ def test_rollout_compares_auto_plain_and_fixed_shapes_per_batch_size(tiny_pair_r
         assert text in result.output, text
     written = json.loads(out.read_text())
     assert MACHINE_FIELDS <= set(written["machine"]) and "avx512_bf16" in written["machine"]["cpu_flags"]
-    assert written["repeats"] == 2 and written["seeds"] == [0] and written["recipe"] == str(tiny_pair_recipe)
+    assert written["repeats"] == 2 and written["seeds"] == [0, 1] and written["recipe"] == str(tiny_pair_recipe)
+    assert written["settings"]["batch_sizes"] == "1,2" and written["settings"]["generate"] is True
     # the decode plan setup made for each cell, pass costs included (mode auto chooses with them)
     assert set(written["decode_plans"]) == {"float32 B=1", "float32 B=2"}
     assert all(plan["pass_costs"] is not None for plan in written["decode_plans"].values())

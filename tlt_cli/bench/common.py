@@ -2,7 +2,7 @@
 requests, the JSON report and the one table renderer.
 
     recipe = bench_recipe("recipes/real-cpu.yaml", ["rollout.max_new_tokens=256"])
-    report = BenchReport.start("tlt bench rollout ...", "recipes/real-cpu.yaml", overrides, seeds=[0], repeats=2)
+    report = BenchReport.start("tlt bench rollout", "recipes/real-cpu.yaml", overrides, settings, seeds=[0], repeats=2)
     pair, tokenizer = model_pair(recipe)           # target and starting drafter as `tlt train` loads them
     plan = run_decode_plan(recipe, "bfloat16", 4)  # the plan the driver makes for 4 rows (training/setup.py)
     pair = pair_with_plan(pair, plan)              # decoding in its dtype, linear forms and pass costs
@@ -15,9 +15,11 @@ decode as a run does; the only measurement a benchmark takes itself is its subje
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -101,15 +103,20 @@ class BenchReport:
     command: str
     recipe: str
     overrides: list[str]
+    settings: dict
     seeds: list[int]
     repeats: int
     machine: dict
     decode_plans: dict[str, dict] = field(default_factory=dict)
 
     @classmethod
-    def start(cls, command: str, recipe: str, overrides: list[str], seeds: list[int], repeats: int) -> BenchReport:
+    def start(
+        cls, command: str, recipe: str, overrides: list[str], settings: object, seeds: list[int], repeats: int
+    ) -> BenchReport:
+        """The report of a benchmark starting now; `settings`: its options (a dataclass)."""
         machine = {**machine_description(), "load_average_start": list(os.getloadavg())}
-        return cls(command, recipe, list(overrides), list(seeds), repeats, machine)
+        options = json.loads(json.dumps(dataclasses.asdict(settings), default=str))
+        return cls(command, recipe, list(overrides), options, list(seeds), repeats, machine)
 
     def write(self, out: Path, results: dict, summary: dict) -> dict:
         """Write the JSON to `out` (its folder made); returns what it wrote."""
@@ -125,15 +132,22 @@ class BenchReport:
         return report
 
 
-def model_pair(recipe: Recipe) -> tuple[ModelPair, PreTrainedTokenizerBase]:
-    """The recipe's target and the drafter a run would start with, loaded as `tlt train` loads them (the one
-    loader tlt calibrate uses too), and the tokenizer."""
+@contextlib.contextmanager
+def worker_threads(recipe: Recipe) -> Iterator[None]:
+    """Inside: torch on a worker's thread count (workers.threads_per_worker), as a run decodes and measures."""
     threads = torch.get_num_threads()
     torch.set_num_threads(recipe.workers.threads_per_worker)
     try:
-        pair, tokenizer, _ = load_model_pair(recipe)
+        yield
     finally:
         torch.set_num_threads(threads)
+
+
+def model_pair(recipe: Recipe) -> tuple[ModelPair, PreTrainedTokenizerBase]:
+    """The recipe's target and the drafter a run would start with, loaded as `tlt train` loads them (the one
+    loader tlt calibrate uses too), and the tokenizer."""
+    with worker_threads(recipe):
+        pair, tokenizer, _ = load_model_pair(recipe)
     return pair, tokenizer
 
 

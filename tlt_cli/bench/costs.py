@@ -15,7 +15,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
 from rich.console import Console
 
 from tlt_cli.bench.common import (
@@ -28,6 +27,7 @@ from tlt_cli.bench.common import (
     parse_numbers,
     render_table,
     run_decode_plan,
+    worker_threads,
 )
 from tlt_cli.calibration.measure import ModelPair
 from tlt_cli.config import Recipe
@@ -127,18 +127,11 @@ def run_costs_bench(
     """`tlt bench costs`: load, measure every dtype's grid, print the tables, write the JSON."""
     recipe = bench_recipe(recipe_name, overrides)
     grid = cost_grid(settings, recipe)  # refused before the model loads, not after
-    report = BenchReport.start(
-        f"tlt bench costs --recipe {recipe_name}", recipe_name, overrides, [recipe.run.seed], settings.repeats
-    )
+    report = BenchReport.start("tlt bench costs", recipe_name, overrides, settings, [], grid.rounds)
     with console.status("loading the target and its starting drafter as tlt train does"):
         pair, _ = model_pair(recipe)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(recipe.workers.threads_per_worker)
-    try:
-        with console.status("timing the passes"):
-            costs = bench_costs(recipe, pair, grid, report)
-    finally:
-        torch.set_num_threads(threads)
+    with worker_threads(recipe), console.status("timing the passes"):
+        costs = bench_costs(recipe, pair, grid, report)
     summary = summarize(costs)
     render(console, costs, summary)
     written = report.write(out, {dtype: grid.to_dict() for dtype, grid in costs.items()}, summary)

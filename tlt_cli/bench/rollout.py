@@ -44,6 +44,7 @@ from tlt_cli.bench.common import (
     render_table,
     run_decode_plan,
     task_and_sampling,
+    worker_threads,
 )
 from tlt_cli.bench.identity import first_divergences, same_verdict
 from tlt_cli.calibration.measure import ModelPair, fixed_decoder, shard_engine
@@ -333,17 +334,17 @@ def run_rollout_bench(
     recipe = bench_recipe(recipe_name, overrides)
     grid = rollout_grid(settings, recipe)  # refused before minutes of loading, not after
     report = BenchReport.start(
-        f"tlt bench rollout --recipe {recipe_name}", recipe_name, overrides, [recipe.run.seed], settings.repeats
+        "tlt bench rollout",
+        recipe_name,
+        overrides,
+        settings,
+        [recipe.run.seed + repeat for repeat in range(grid.repeats)],
+        grid.repeats,
     )
     with console.status("loading the target and its starting drafter as tlt train does"):
         pair, tokenizer = model_pair(recipe)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(recipe.workers.threads_per_worker)  # a worker's thread count, as the plan was measured
-    try:
-        with console.status("generating whole rollouts with every variant"):
-            cells = bench_rollout(recipe, pair, tokenizer, grid, report)
-    finally:
-        torch.set_num_threads(threads)
+    with worker_threads(recipe), console.status("generating whole rollouts with every variant"):
+        cells = bench_rollout(recipe, pair, tokenizer, grid, report)
     summary = summarize(cells)
     render(console, cells, summary)
     written = report.write(out, json_results(cells), summary)

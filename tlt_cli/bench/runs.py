@@ -253,7 +253,7 @@ def run_runs_bench(recipe_name: str, overrides: list[str], settings: RunsSetting
     plan = runs_plan(settings, overrides)
     for variant in plan.variants.values():  # a variant's recipe tlt train would refuse is refused before any run
         bench_recipe(recipe_name, variant)
-    report = BenchReport.start(f"tlt bench runs --recipe {recipe_name}", recipe_name, overrides, plan.seeds, 1)
+    report = BenchReport.start("tlt bench runs", recipe_name, overrides, settings, plan.seeds, 1)
     steps = run_all(resolve_recipe_path(recipe_name), plan, settings, console)
     summary = summarize(steps, settings.skip)
     render(console, summary)
