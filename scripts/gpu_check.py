@@ -19,7 +19,7 @@ the tiny tokenizer; its responses rarely end, so they run to --max-new-tokens). 
      synchronised), engine vs generate, SD vs plain, SD's accept length, and identity: "yes" when
      every response is token-identical to the engine's with SD off, "tie" when each that differs
      first differs where the target's top two logits tie within float32 rounding (as
-     scripts/bench_rollout.py judges), else "NO".
+     tlt_cli/bench/identity.py judges), else "NO".
 The engine decodes the Qwen2 targets on its owned forward (tlt_cli/engine/llama_family.py): each target's
 `decode_path` says so, and the untimed first pass of the plain engine runs with a pre-hook on every module of
 the target that counts calls (`transformers_calls_in_owned_decode`, 0 when no transformers module ran).
@@ -41,11 +41,11 @@ from pathlib import Path
 
 import torch
 import transformers
-from bench_rollout import TIE_TOLERANCE, first_divergences, same_verdict
 from rich.console import Console
 from rich.table import Table
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
+from tlt_cli.bench.identity import TIE_TOLERANCE, first_divergences, same_verdict
 from tlt_cli.drafter.model import EagleDrafter
 from tlt_cli.drafter.trainer import DrafterTrainer
 from tlt_cli.drafter.vocabulary import choose_vocabulary
@@ -206,7 +206,7 @@ def generate_pass(target, tokenizer, prompts: list[list[int]], batch_size: int, 
 
 
 def identity(target, prompts, reference, responses) -> str:
-    """'yes', 'tie' or 'NO' against the reference responses (bench_rollout's verdict; its check builds
+    """'yes', 'tie' or 'NO' against the reference responses (tlt_cli/bench/identity.py's verdict; its check builds
     CPU inputs, so the target runs on them moved to its device)."""
     return same_verdict(first_divergences(lambda ids: target(ids.to(target.device)), prompts, reference, responses))
 

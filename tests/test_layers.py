@@ -62,6 +62,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "tlt_cli.profile",
             "tlt_cli.calibration",
             "tlt_cli.export",
+            "tlt_cli.bench",
         ),
     ),
     ("cli", ("tlt_cli.cli", "tlt_cli.__main__")),

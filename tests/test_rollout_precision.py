@@ -142,7 +142,7 @@ AMX_XEON = (
     {"float32": 64.0, "bfloat16": 66.0},
     {"float32": 158.0, "bfloat16": 80.0},
 )
-# an AMD EPYC with avx512_bf16, no AMX (scripts/bench_precision.py, 16 rows): slower at one row, faster at 16
+# an AMD EPYC with avx512_bf16, no AMX (the precision measurement, 16 rows): slower at one row, faster at 16
 EPYC = ({"float32": 48.0, "bfloat16": 54.1}, {"float32": 158.1, "bfloat16": 89.0}, {"float32": 145.0, "bfloat16": 86.4})
 EPYC_ONE_ROW = (EPYC[0], EPYC[0], EPYC[2])
 # bfloat16 emulated without matrix support: slower in every pass

@@ -6,6 +6,7 @@
     tlt profile runs/tiny-cpu | trace.jsonl | requests.csv | RECIPE [--json]
     tlt calibrate RECIPE [key=value ...] [--batch-sizes 1,2,4] [--write-recipe RECIPE]
     tlt export-drafter runs/tiny-cpu exported-drafter/
+    tlt bench rollout | costs | runs --recipe RECIPE [key=value ...] [--out bench.json]
     tlt --version
 
 Errors a user can cause print one line and exit with code 2; a failed run exits with 1.
@@ -425,3 +426,98 @@ def export_drafter(
         highlight=False,
         soft_wrap=True,
     )
+
+
+bench_app = typer.Typer(
+    help="Benchmarks on this machine, over a recipe: each prints a table and writes JSON naming the machine.",
+    no_args_is_help=True,
+)
+app.add_typer(bench_app, name="bench")
+RecipeOption = Annotated[str, typer.Option("--recipe", help="A YAML recipe or a shipped recipe name.")]
+OverridesArgument = Annotated[
+    list[str] | None, typer.Argument(help="key=value overrides of the recipe.", show_default=False)
+]
+RepeatsOption = Annotated[int, typer.Option(help="Times each measurement is repeated.")]
+
+
+def _bench_out(name: str) -> typer.Option:
+    return typer.Option("--out", help=f"The JSON file to write (default: bench-{name}.json).")
+
+
+@bench_app.command("rollout", context_settings={"allow_extra_args": False})
+def bench_rollout(
+    recipe: RecipeOption,
+    overrides: OverridesArgument = None,
+    batch_sizes: Annotated[str, typer.Option(help="Rows a rollout generates, comma-separated.")] = "1,4,16",
+    dtypes: Annotated[str, typer.Option(help="Rollout dtypes, comma-separated (default: the recipe's).")] = "",
+    fixed: Annotated[
+        str, typer.Option(help="Fixed SD shapes compared with auto and plain: s<steps>-k<topk>-t<tokens>, ngram<N>.")
+    ] = "ngram4,s2-k1-t3,s4-k1-t5,s2-k1-t3+ngram4",
+    repeats: RepeatsOption = 2,
+    first_prompt: Annotated[int, typer.Option(help="The task problem the first rollout's prompts start at.")] = 100_000,
+    generate: Annotated[
+        bool, typer.Option("--generate", help="Also run transformers' generate on the same rows (no tlt engine).")
+    ] = False,
+    out: Annotated[Path, _bench_out("rollout")] = Path("bench-rollout.json"),
+) -> None:
+    """Whole rollouts with SD auto vs plain decoding vs fixed shapes: whether and how much SD pays here."""
+    from tlt_cli.bench.rollout import RolloutSettings, run_rollout_bench
+
+    settings = RolloutSettings(batch_sizes, dtypes, fixed, repeats, first_prompt, generate)
+    try:
+        run_rollout_bench(recipe, list(overrides or []), settings, out, console)
+    except UserError as error:
+        raise fail(str(error)) from None
+
+
+@bench_app.command("costs", context_settings={"allow_extra_args": False})
+def bench_costs(
+    recipe: RecipeOption,
+    overrides: OverridesArgument = None,
+    rows: Annotated[str, typer.Option(help="Running rows of a pass, comma-separated.")] = "1,2,4,8,16",
+    tokens: Annotated[
+        str, typer.Option(help="Tokens per row of a pass (1: a plain step), comma-separated.")
+    ] = "1,2,4,8",
+    dtypes: Annotated[str, typer.Option(help="Rollout dtypes, comma-separated (default: the recipe's).")] = "",
+    repeats: RepeatsOption = 3,
+    out: Annotated[Path, _bench_out("costs")] = Path("bench-costs.json"),
+) -> None:
+    """What a plain step and a verify pass cost on this machine, per running rows x tokens per row."""
+    from tlt_cli.bench.costs import CostSettings, run_costs_bench
+
+    try:
+        run_costs_bench(recipe, list(overrides or []), CostSettings(rows, tokens, dtypes, repeats), out, console)
+    except UserError as error:
+        raise fail(str(error)) from None
+
+
+@bench_app.command("runs", context_settings={"allow_extra_args": False})
+def bench_runs(
+    recipe: RecipeOption,
+    overrides: OverridesArgument = None,
+    variants: Annotated[
+        str,
+        typer.Option(
+            help="Variants, comma-separated, the first the baseline: off, tlt, auto, adaptive, trl, embedded."
+        ),
+    ] = "off,tlt",
+    seeds: Annotated[str, typer.Option(help="run.seed of each run, comma-separated.")] = "0",
+    steps: Annotated[int, typer.Option(help="Training steps of each run.")] = 20,
+    skip: Annotated[int, typer.Option(help="First steps of each run left out of the time means.")] = 0,
+    variant_override: Annotated[
+        list[str] | None, typer.Option(help="VARIANT:key=value, an override of one variant only (repeatable).")
+    ] = None,
+    output_dir: Annotated[Path, typer.Option(help="Where the runs' folders go.")] = Path("runs/bench-runs"),
+    from_runs: Annotated[bool, typer.Option("--from-runs", help="Summarize the runs left in --output-dir.")] = False,
+    out: Annotated[Path, _bench_out("runs")] = Path("bench-runs.json"),
+) -> None:
+    """End-to-end tlt train runs, variants x seeds: step, rollout and update seconds, lengths, reward, rollout KL."""
+    from tlt_cli.bench.runs import RunsSettings, TrainingRunFailed, run_runs_bench
+
+    settings = RunsSettings(variants, seeds, steps, skip, tuple(variant_override or ()), output_dir, from_runs)
+    try:
+        run_runs_bench(recipe, list(overrides or []), settings, out, console)
+    except UserError as error:
+        raise fail(str(error)) from None
+    except TrainingRunFailed as error:
+        raise fail(str(error), code=1) from None

@@ -218,7 +218,7 @@ class WarmupData:
     """What phases 1 and 2 produce: the target's sampled responses to the training prompts and its
     greedy answers to the held-out prompts, each with its hidden states (the engine's for the
     response, `prompt_hidden_states` for the prompt), and how long each phase took. Any number of
-    drafters can be trained on the same data (scripts/bench_drafter_vocab.py compares vocabularies)."""
+    drafters can be trained on the same data (BENCHMARKS.md compares vocabularies this way)."""
 
     train: list[Completion]
     held_out: list[Completion]

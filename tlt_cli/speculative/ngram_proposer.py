@@ -8,7 +8,7 @@ at the next step that asks it (`propose`), and when a row finishes, before it le
 (`keep_rows`), so finished siblings stay in it. `propose` returns each row's proposal (target ids, up
 to the shape's ngram_tokens; a point mass per token, possibly none). After a step that verified n-gram
 drafts (`after_commit`) it counts, by the number of the row's finished siblings, the verify passes and
-accepted drafts: `by_finished_siblings`, which `scripts/bench_rollout.py --group-size G` reports.
+accepted drafts: `by_finished_siblings`, which `tlt bench rollout` writes to its JSON.
 """
 
 from __future__ import annotations

@@ -1,0 +1,240 @@
+"""`tlt bench`: each subcommand at a tiny size through the CLI on a tiny model pair the test builds (exit code, the
+table, the JSON's fields, never a timing value), the runs' arithmetic on made-up step records, and bad input
+refused in one sentence with exit 2."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from tlt_cli.bench.runs import amdahl_bound, reward_gap, side_by_side, summarize
+from tlt_cli.cli import app
+from tlt_cli.drafter.model import EagleDrafter, save_drafter
+from tlt_cli.models.tiny import build_tiny_model, save_model_folder, tiny_model_config, tiny_tokenizer
+
+runner = CliRunner()
+MACHINE_FIELDS = {
+    "processor",
+    "torch_cpu_capability",
+    "cpu_flags",
+    "cores",
+    "threads",
+    "torch",
+    "load_average_start",
+    "load_average_end",
+}
+
+
+@pytest.fixture(scope="module")
+def tiny_pair_recipe(tmp_path_factory) -> Path:
+    """A recipe over a tiny random model folder and a random drafter folder (no warm-up), greedy, short."""
+    folder = tmp_path_factory.mktemp("pair")
+    tokenizer = tiny_tokenizer()
+    config = tiny_model_config(
+        tokenizer, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64
+    )
+    target = build_tiny_model(0, config)
+    save_model_folder(target, tokenizer, folder / "model")
+    save_drafter(EagleDrafter(target, seed=0), folder / "drafter")
+    recipe = folder / "recipe.yaml"
+    recipe.write_text(
+        f"# tlt train {recipe}\nrun: {{name: probe, output_dir: {folder}}}\nmodel: {{path: {folder / 'model'}}}\n"
+        "train: {prompts_per_step: 2, group_size: 2}\nworkers: {count: 1}\n"
+        "rollout: {max_new_tokens: 12, temperature: 0.0}\n"
+        f"speculative: {{mode: off}}\ndrafter: {{init: {folder / 'drafter'}}}\n"
+    )
+    return recipe
+
+
+def test_bench_help_lists_its_subcommands():
+    result = runner.invoke(app, ["bench", "--help"])
+    assert result.exit_code == 0, result.output
+    for name in ("rollout", "costs", "runs"):
+        assert name in result.output
+
+
+def test_rollout_compares_auto_plain_and_fixed_shapes_per_batch_size(tiny_pair_recipe, tmp_path):
+    out = tmp_path / "rollout.json"
+    arguments = [
+        "--batch-sizes",
+        "1,2",
+        "--dtypes",
+        "float32",
+        "--fixed",
+        "s2-k1-t3,ngram2",
+        "--repeats",
+        "2",
+        "--generate",
+    ]
+    arguments += ["--out", str(out)]
+    result = runner.invoke(app, ["bench", "rollout", "--recipe", str(tiny_pair_recipe), *arguments])
+    assert result.exit_code == 0, result.output
+    texts = ("whole rollouts", "plain", "auto", "s2-k1-t3", "ngram2", "float32 B=1", "float32 B=2", "x generate")
+    for text in texts:
+        assert text in result.output, text
+    written = json.loads(out.read_text())
+    assert MACHINE_FIELDS <= set(written["machine"]) and "avx512_bf16" in written["machine"]["cpu_flags"]
+    assert written["repeats"] == 2 and written["seeds"] == [0, 1] and written["recipe"] == str(tiny_pair_recipe)
+    assert written["settings"]["batch_sizes"] == "1,2" and written["settings"]["generate"] is True
+    # the decode plan setup made for each cell, pass costs included (mode auto chooses with them)
+    assert set(written["decode_plans"]) == {"float32 B=1", "float32 B=2"}
+    assert all(plan["pass_costs"] is not None for plan in written["decode_plans"].values())
+    for key, rows in (("float32 B=1", 1), ("float32 B=2", 2)):
+        cell = written["summary"][key]
+        assert set(cell) == {"plain", "auto", "s2-k1-t3", "ngram2", "generate"}
+        assert cell["plain"]["vs_plain"] == 1.0
+        for figures in cell.values():
+            # greedy: every variant's responses are compared with plain's, row for row (lossless SD)
+            assert figures["rows"] == 2 * rows and figures["identical_rows"] == figures["rows"]
+            # transformers' generate decodes the same tokens as the engine (a float32 tie at most)
+            assert figures["identity"] == "yes" or (figures is cell["generate"] and figures["identity"] == "tie")
+            assert 1 <= figures["response_tokens"] <= rows * 12 and figures["decode_steps"] >= 1
+        runs = written["results"][key]["runs"]
+        assert all(len(repeats) == 2 for repeats in runs.values())
+
+
+def test_rollout_when_sampling_leaves_the_identity_check_out(tiny_pair_recipe, tmp_path):
+    out = tmp_path / "rollout.json"
+    arguments = ["--batch-sizes", "2", "--fixed", "s2-k1-t3", "--repeats", "1", "--out", str(out)]
+    result = runner.invoke(
+        app, ["bench", "rollout", "--recipe", str(tiny_pair_recipe), "rollout.temperature=1.0", *arguments]
+    )
+    assert result.exit_code == 0, result.output
+    # the recipe's rollout.dtype auto, resolved by the decode plan: the cell names both
+    (key,) = json.loads(out.read_text())["summary"]
+    assert key in ("auto: float32 B=2", "auto: bfloat16 B=2")
+    summary = json.loads(out.read_text())["summary"][key]
+    assert all(figures["identical_rows"] is None and figures["identity"] is None for figures in summary.values())
+    assert "same" not in result.output
+
+
+def test_costs_times_every_rows_and_tokens_point_in_the_runs_decode_plan(tiny_pair_recipe, tmp_path):
+    out = tmp_path / "costs.json"
+    arguments = ["--rows", "1,2", "--tokens", "1,4", "--dtypes", "float32", "--repeats", "1", "--out", str(out)]
+    result = runner.invoke(app, ["bench", "costs", "--recipe", str(tiny_pair_recipe), *arguments])
+    assert result.exit_code == 0, result.output
+    for text in ("target forward per pass", "float32, rows 1", "float32, rows 2", "4 tokens/row", "drafter forward"):
+        assert text in result.output, text
+    written = json.loads(out.read_text())
+    assert MACHINE_FIELDS <= set(written["machine"]) and set(written["decode_plans"]) == {"float32"}
+    grid = written["results"]["float32"]
+    assert grid["rows"] == [1, 2] and grid["tokens"] == [1, 4] and len(grid["drafter_ms"]) > 0
+    summary = written["summary"]["float32"]
+    assert set(summary) == {"1x1", "1x4", "2x1", "2x4"}
+    # a plain step against itself is 1.0 per token
+    assert summary["1x1"]["per_token_vs_plain"] == pytest.approx(1.0)
+    assert summary["2x1"]["per_token_vs_plain"] == pytest.approx(1.0)
+
+
+def step(rollout: float, step_seconds: float, reward: float, kl: float | None = None) -> dict:
+    """A step record with the figures `tlt bench runs` reads; everything but the rollout is the update."""
+    record = {
+        "type": "step",
+        "step_seconds": step_seconds,
+        "rollout_seconds": rollout,
+        "update_seconds": step_seconds - rollout,
+        "response_tokens": 100,
+        "response_length_p50": 20.0,
+        "mean_reward": reward,
+    }
+    return record if kl is None else {**record, "actor_rollout_kl_k3": kl}
+
+
+def test_amdahl_bound_is_one_over_the_unchanged_part_plus_the_sped_up_part():
+    assert amdahl_bound(0.5, 2.0) == pytest.approx(1 / (0.5 + 0.25))
+    assert amdahl_bound(1.0, 3.0) == pytest.approx(3.0)
+    assert amdahl_bound(0.0, 3.0) == pytest.approx(1.0)
+
+
+def test_side_by_side_gives_ratios_share_bound_and_the_step_ratios_fraction_of_it():
+    figures = side_by_side(
+        {"rollout_seconds": 20.0, "step_seconds": 40.0}, {"rollout_seconds": 10.0, "step_seconds": 32.0}
+    )
+    assert figures["rollout_ratio"] == pytest.approx(2.0) and figures["step_ratio"] == pytest.approx(1.25)
+    assert figures["baseline_rollout_share"] == pytest.approx(0.5)
+    assert figures["amdahl_bound"] == pytest.approx(4 / 3)
+    assert figures["step_ratio_of_bound"] == pytest.approx(1.25 * 3 / 4)
+
+
+def test_reward_gap_compares_per_seed_means_against_seed_noise():
+    gap = reward_gap({"off": [0.1, 0.3], "tlt": [0.2, 0.4]}, "off", "tlt")
+    assert gap["gap"] == pytest.approx(0.1)
+    assert gap["seed_std"] == pytest.approx(0.12909944)
+
+
+def test_runs_summary_leaves_skipped_steps_out_of_times_but_not_rewards_and_reads_the_rollout_kl():
+    steps = {
+        "off": {0: [step(100.0, 200.0, 0.0), step(20.0, 40.0, 0.5)]},
+        "tlt": {0: [step(100.0, 200.0, 1.0, kl=2e-3), step(10.0, 30.0, 0.5, kl=4e-3)]},
+    }
+    summary = summarize(steps, skip=1)
+    tlt = summary["per_run"]["tlt"][0]
+    assert tlt["step_seconds"] == 30.0 and tlt["rollout_seconds"] == 10.0
+    assert tlt["mean_reward"] == 0.75 and tlt["actor_rollout_kl_k3"] == pytest.approx(3e-3)
+    assert summary["per_run"]["off"][0]["actor_rollout_kl_k3"] is None
+    assert summary["baseline"] == "off"
+    assert summary["against_baseline"]["tlt"]["rollout_ratio"] == pytest.approx(2.0)
+
+
+@pytest.mark.slow
+def test_runs_trains_each_variant_and_seed_and_reads_their_traces(tiny_pair_recipe, tmp_path):
+    out = tmp_path / "runs.json"
+    arguments = ["--variants", "off,auto", "--seeds", "0", "--steps", "2", "--skip", "1"]
+    folders = ["--output-dir", str(tmp_path / "runs"), "--out", str(out)]
+    result = runner.invoke(app, ["bench", "runs", "--recipe", str(tiny_pair_recipe), *arguments, *folders])
+    assert result.exit_code == 0, result.output
+    # the table's title and the comparison line (its cells wrap in a narrow terminal: the JSON has them)
+    for text in ("end-to-end runs", "auto vs off: rollout", "Amdahl bound", "seed-to-seed std of nan"):
+        assert text in result.output, text
+    written = json.loads(out.read_text())
+    assert MACHINE_FIELDS <= set(written["machine"]) and written["seeds"] == [0]
+    assert written["results"]["variants"]["auto"] == ["speculative.mode=auto"]
+    assert [len(written["results"]["steps"][name]["0"]) for name in ("off", "auto")] == [2, 2]
+    per_run = written["summary"]["per_run"]
+    assert set(per_run["auto"]["0"]) >= {"step_seconds", "response_length_p50", "mean_reward", "actor_rollout_kl_k3"}
+    # read back without training: the same steps
+    again = runner.invoke(
+        app,
+        [
+            "bench",
+            "runs",
+            "--recipe",
+            str(tiny_pair_recipe),
+            *arguments,
+            *folders[:2],
+            "--from-runs",
+            "--out",
+            str(tmp_path / "again.json"),
+        ],
+    )
+    assert again.exit_code == 0, again.output
+    assert json.loads((tmp_path / "again.json").read_text())["results"]["steps"] == written["results"]["steps"]
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        (["rollout", "--recipe", "no-such-recipe.yaml"], "no-such-recipe"),
+        (["rollout", "--recipe", "{recipe}", "--batch-sizes", "1,x"], "--batch-sizes"),
+        (["rollout", "--recipe", "{recipe}", "--dtypes", "float8"], "--dtypes"),
+        (["rollout", "--recipe", "{recipe}", "--fixed", "s2-q1"], "--fixed"),
+        (["rollout", "--recipe", "{recipe}", "--repeats", "0"], "--repeats"),
+        (["costs", "--recipe", "{recipe}", "--rows", "0"], "--rows"),
+        (["costs", "--recipe", "{recipe}", "rollout.max_new_tokens=-3"], "rollout.max_new_tokens"),
+        (["runs", "--recipe", "{recipe}", "--variants", "off,fast"], "--variants"),
+        (["runs", "--recipe", "{recipe}", "--variant-override", "tlt:nothing"], "--variant-override"),
+        (["runs", "--recipe", "{recipe}", "--seeds", "0,a"], "--seeds"),
+        (["runs", "--recipe", "{recipe}", "--variant-override", "tlt:rollout.temperature=-1"], "rollout.temperature"),
+        (["runs", "--recipe", "{recipe}", "--from-runs", "--output-dir", "{empty}"], "no trace.jsonl"),
+    ],
+)
+def test_bad_input_is_one_sentence_and_exit_2(tiny_pair_recipe, tmp_path, arguments, message):
+    filled = [argument.format(recipe=tiny_pair_recipe, empty=tmp_path) for argument in arguments]
+    result = runner.invoke(app, ["bench", *filled, "--out", str(tmp_path / "out.json")])
+    assert result.exit_code == 2, result.output
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:") and message in lines[0], result.output
+    assert not (tmp_path / "out.json").exists()

@@ -1,0 +1,208 @@
+"""What every `tlt bench` subcommand shares: the recipe, the machine, the run's own decode plan, grouped GRPO
+requests, the JSON report and the one table renderer.
+
+    recipe = bench_recipe("recipes/real-cpu.yaml", ["rollout.max_new_tokens=256"])
+    report = BenchReport.start("tlt bench rollout", "recipes/real-cpu.yaml", overrides, settings, seeds=[0], repeats=2)
+    pair, tokenizer = model_pair(recipe)           # target and starting drafter as `tlt train` loads them
+    plan = run_decode_plan(recipe, "bfloat16", 4)  # the plan the driver makes for 4 rows (training/setup.py)
+    pair = pair_with_plan(pair, plan)              # decoding in its dtype, linear forms and pass costs
+    report.write(out, results, summary)            # the machine (load average at start and end) included
+    render_table(console, "title", ["column", ...], [["cell", ...], ...])
+
+Every call into the composition root (training/setup.py) a benchmark makes is in this module, so the benchmarks
+decode as a run does; the only measurement a benchmark takes itself is its subject (whole rollouts, pass costs).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.table import Table
+from transformers import PreTrainedTokenizerBase
+
+from tlt_cli.calibration.calibrate import load_model_pair
+from tlt_cli.calibration.measure import ModelPair
+from tlt_cli.config import Recipe, RolloutDtype, SpeculativeMode
+from tlt_cli.engine.sampling import SamplingParams
+from tlt_cli.errors import UserError, writing
+from tlt_cli.recipe_checks import load_checked_recipe
+from tlt_cli.recipes import resolve_recipe_path
+from tlt_cli.rollout.decode_plan import DecodePlan
+from tlt_cli.rollout.types import RolloutRequest
+from tlt_cli.speculative.plan import SpeculativePlan
+from tlt_cli.tasks.base import Task
+from tlt_cli.tasks.prompts import encode_prompt
+from tlt_cli.training import setup
+from tlt_cli.tuning.cache import machine_key
+
+# the CPU flags that decide whether bfloat16 pays (a matrix unit, or AVX-512 bf16 dot products)
+BFLOAT16_FLAGS = ("avx512_bf16", "amx_bf16", "amx_tile")
+
+
+class BenchError(UserError):
+    """A benchmark option a user gave that cannot run; the message names the option."""
+
+
+def bench_recipe(recipe_name: str, overrides: list[str]) -> Recipe:
+    """The recipe (a YAML path or a shipped name) with `key=value` overrides, checked as `tlt train` checks it."""
+    return load_checked_recipe(resolve_recipe_path(recipe_name), overrides)
+
+
+def parse_numbers(option: str, text: str) -> list[int]:
+    """'1,4,16' -> [1, 4, 16]: positive integers, or a BenchError naming the option."""
+    try:
+        numbers = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        numbers = []
+    if not numbers or min(numbers) < 1:
+        raise BenchError(f"{option} is '{text}'; give positive integers separated by commas, e.g. 1,4,16.")
+    return numbers
+
+
+def parse_dtypes(text: str, recipe: Recipe) -> list[str]:
+    """'float32,bfloat16' -> the rollout dtypes to measure (empty: the recipe's rollout.dtype)."""
+    names = [part.strip() for part in text.split(",") if part.strip()] or [recipe.rollout.dtype.value]
+    known = [dtype.value for dtype in RolloutDtype]
+    for name in names:
+        if name not in known:
+            raise BenchError(f"--dtypes names '{name}'; use {', '.join(known)}.")
+    return names
+
+
+def machine_description() -> dict:
+    """The machine a benchmark ran on: processor, torch's CPU capability, the bfloat16 flags of /proc/cpuinfo,
+    cores, threads, torch and the GPU if any (tuning/cache.py `machine_key`, which keys the measured plans)."""
+    device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    key = machine_key(torch.device("cpu"))
+    present = set(key["matrix_flags"])
+    return {
+        "processor": key["processor"],
+        "gpu": machine_key(device)["processor"] if device.type == "cuda" else None,
+        "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "cpu_flags": {flag: flag in present for flag in BFLOAT16_FLAGS},
+        "cores": key["cores"],
+        "usable_cores": key["usable_cores"],
+        "threads": key["threads"],
+        "torch": key["torch"],
+    }
+
+
+@dataclass
+class BenchReport:
+    """What a benchmark's JSON holds besides its results: the command, recipe, seeds, repeats, the machine (load
+    average at the start and the end: a loaded machine's timings say so) and the decode plans it ran with."""
+
+    command: str
+    recipe: str
+    overrides: list[str]
+    settings: dict
+    seeds: list[int]
+    repeats: int
+    machine: dict
+    decode_plans: dict[str, dict] = field(default_factory=dict)
+
+    @classmethod
+    def start(
+        cls, command: str, recipe: str, overrides: list[str], settings: object, seeds: list[int], repeats: int
+    ) -> BenchReport:
+        """The report of a benchmark starting now; `settings`: its options (a dataclass)."""
+        machine = {**machine_description(), "load_average_start": list(os.getloadavg())}
+        options = json.loads(json.dumps(dataclasses.asdict(settings), default=str))
+        return cls(command, recipe, list(overrides), options, list(seeds), repeats, machine)
+
+    def write(self, out: Path, results: dict, summary: dict) -> dict:
+        """Write the JSON to `out` (its folder made); returns what it wrote."""
+        report = {
+            **dataclasses.asdict(self),
+            "machine": {**self.machine, "load_average_end": list(os.getloadavg())},
+            "summary": summary,
+            "results": results,
+        }
+        with writing(out, "give --out a writable file."):
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(json.dumps(report, indent=1))
+        return report
+
+
+@contextlib.contextmanager
+def worker_threads(recipe: Recipe) -> Iterator[None]:
+    """Inside: torch on a worker's thread count (workers.threads_per_worker), as a run decodes and measures."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(recipe.workers.threads_per_worker)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def model_pair(recipe: Recipe) -> tuple[ModelPair, PreTrainedTokenizerBase]:
+    """The recipe's target and the drafter a run would start with, loaded as `tlt train` loads them (the one
+    loader tlt calibrate uses too), and the tokenizer."""
+    with worker_threads(recipe):
+        pair, tokenizer, _ = load_model_pair(recipe)
+    return pair, tokenizer
+
+
+def run_decode_plan(recipe: Recipe, dtype: str, rows: int) -> DecodePlan:
+    """The decode plan `tlt train` makes for `recipe` decoding in `dtype` with `rows` rows a call (setup.py
+    `decode_plan`, as the driver calls it), its tail weighed as speculating and the pass costs of mode auto
+    measured (read from the cache after the first time)."""
+    speculative = dataclasses.replace(recipe.speculative, mode=SpeculativeMode.auto, rules=[])
+    rollout = dataclasses.replace(recipe.rollout, dtype=RolloutDtype(dtype))
+    planned = dataclasses.replace(recipe, speculative=speculative, rollout=rollout)
+    drafter_folder, _ = setup.prepare_drafter(planned, setup.model_cache(planned))
+    return setup.decode_plan(planned, drafter_folder, speculates=True, rows=rows)
+
+
+def dtype_label(requested: str, plan: DecodePlan) -> str:
+    """The dtype asked for, and what the plan resolved it to when they differ ('auto: bfloat16')."""
+    return requested if requested == plan.dtype else f"{requested}: {plan.dtype}"
+
+
+def pair_with_plan(pair: ModelPair, plan: DecodePlan) -> ModelPair:
+    """`pair` decoding as `plan` says: its dtype, linear forms and pass costs."""
+    return dataclasses.replace(
+        pair, linear_plan=plan.linear_plan, dtype=plan.torch_dtype, precision=plan.precision, pass_costs=plan.pass_costs
+    )
+
+
+def auto_speculative_plan(recipe: Recipe) -> SpeculativePlan:
+    """The recipe's `speculative` section in mode auto (the cost model, no rule table), as setup makes it."""
+    return setup.speculative_plan(dataclasses.replace(recipe.speculative, mode=SpeculativeMode.auto, rules=[]))
+
+
+def task_and_sampling(recipe: Recipe) -> tuple[Task, SamplingParams]:
+    """The recipe's task and its rollout sampling settings, as a run makes them."""
+    return setup.task(recipe), setup.sampling(recipe)
+
+
+def grouped_requests(
+    recipe: Recipe, tokenizer: PreTrainedTokenizerBase, task: Task, rows: int, first_prompt: int
+) -> list[RolloutRequest]:
+    """`rows` requests grouped as a GRPO step groups them: ceil(rows / group_size) prompts of the task from
+    problem `first_prompt` on, group_size samples each (fewer when rows < group_size), the samples of a prompt
+    one group (n-gram drafts read the siblings)."""
+    group_size = min(recipe.train.group_size, rows)
+    prompts = [
+        tuple(encode_prompt(tokenizer, task.problem(first_prompt + number).prompt))
+        for number in range(-(-rows // group_size))
+    ]
+    return [RolloutRequest(row, prompts[row // group_size], group=row // group_size) for row in range(rows)]
+
+
+def render_table(console: Console, title: str, columns: list[str], rows: list[list[str]]) -> None:
+    """The one table every benchmark prints: the first column names the row, the others are right-aligned."""
+    table = Table(title=title, title_justify="left")
+    for index, column in enumerate(columns):
+        table.add_column(column, justify="left" if index == 0 else "right")
+    for row in rows:
+        table.add_row(*row)
+    console.print(table)

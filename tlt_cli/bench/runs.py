@@ -1,0 +1,262 @@
+"""`tlt bench runs`: end-to-end `tlt train` runs of a recipe, variants x seeds, side by side.
+
+    tlt bench runs --recipe recipes/tiny-cpu.yaml --variants off,tlt --seeds 0,1,2 --steps 60
+    tlt bench runs --recipe recipes/trl-real-cpu.yaml --variants trl,tlt --steps 6 --skip 1
+    tlt bench runs ... --variant-override tlt:rollout.dtype=bfloat16     # overrides of one variant only
+    tlt bench runs ... --from-runs                                        # summarize the runs left, train none
+
+Every variant (VARIANTS: a name and the overrides it adds to the recipe) of every seed trains `--steps` steps in
+turn, never two at once, as `python -m tlt_cli train` in a fresh run folder under --output-dir. From each run's
+trace it reads every step: step, rollout and update seconds, response tokens, the median response length, the
+mean reward and the rollout/learner mismatch `actor_rollout_kl_k3`. Per variant and seed it prints their means
+over the steps after the first --skip (rewards over all steps); against the first variant listed (the
+baseline): the rollout and step ratios, the Amdahl bound 1 / ((1 - r) + r / s) (r: the baseline's rollout share
+of a step, s: the rollout ratio) and the gap between mean rewards beside the seed-to-seed standard deviation.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import statistics
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from rich.console import Console
+
+from tlt_cli.bench.common import BenchError, BenchReport, bench_recipe, render_table
+from tlt_cli.recipes import resolve_recipe_path
+
+SD_OFF = ("speculative.mode=off", "plugins.enabled=[]")
+# variant -> the overrides it adds to the recipe (before --variant-override and the shared overrides)
+VARIANTS: dict[str, tuple[str, ...]] = {
+    "off": SD_OFF,  # plain decoding, no drafter trained
+    "tlt": (),  # the recipe as it is
+    "auto": ("speculative.mode=auto",),
+    "adaptive": ("speculative.mode=adaptive", "plugins.enabled=[drafter_sidecar]"),
+    "trl": ("rollout.backend=trl", *SD_OFF),  # TRL's own generation (a train.trainer trl recipe)
+    "embedded": ("rollout.backend=embedded", *SD_OFF),  # tlt's engine, SD off (under TRL: its fidelity)
+}
+# the step record's figures a run is judged on, each a mean over the timed steps
+FIGURES = (
+    "step_seconds",
+    "rollout_seconds",
+    "update_seconds",
+    "response_tokens",
+    "response_length_p50",
+    "mean_reward",
+    "actor_rollout_kl_k3",
+)
+
+
+class TrainingRunFailed(RuntimeError):
+    """A `tlt train` run of the benchmark failed (each variant's recipe was checked before any run)."""
+
+
+@dataclass(frozen=True)
+class RunsSettings:
+    """What `tlt bench runs` trains: variants (the first is the baseline), seeds, steps, steps left out of the
+    time means, overrides of single variants ('variant:key=value'), where the runs go, and whether to train."""
+
+    variants: str = "off,tlt"
+    seeds: str = "0"
+    steps: int = 20
+    skip: int = 0
+    variant_overrides: tuple[str, ...] = ()
+    output_dir: Path = Path("runs/bench-runs")
+    from_runs: bool = False
+
+
+@dataclass(frozen=True)
+class RunsPlan:
+    """The settings parsed: variant -> its overrides (VARIANTS', the shared ones, then its own --variant-override:
+    the last of a key wins), and the seeds."""
+
+    variants: dict[str, list[str]]
+    seeds: list[int]
+
+
+def runs_plan(settings: RunsSettings, overrides: list[str]) -> RunsPlan:
+    """The settings parsed and checked (a BenchError naming the option), before anything trains."""
+    names = [name.strip() for name in settings.variants.split(",") if name.strip()]
+    unknown = [name for name in names if name not in VARIANTS]
+    if not names or unknown:
+        raise BenchError(f"--variants names '{settings.variants}'; use some of {', '.join(VARIANTS)}.")
+    if settings.steps < 1 or not 0 <= settings.skip < settings.steps:
+        raise BenchError(f"--steps {settings.steps} --skip {settings.skip}: train 1 step or more, skip fewer.")
+    variants = {name: [*VARIANTS[name], *overrides] for name in names}
+    for text in settings.variant_overrides:
+        name, _, override = text.partition(":")
+        if name not in variants or "=" not in override:
+            raise BenchError(f"--variant-override is '{text}'; give VARIANT:key=value for one of {', '.join(names)}.")
+        variants[name].append(override)
+    seeds = [int(part) for part in settings.seeds.split(",") if part.strip().lstrip("-").isdigit()]
+    if not seeds or len(seeds) != len([part for part in settings.seeds.split(",") if part.strip()]):
+        raise BenchError(f"--seeds is '{settings.seeds}'; give integers separated by commas, e.g. 0,1,2.")
+    return RunsPlan(variants, seeds)
+
+
+def run_name(variant: str, seed: int) -> str:
+    """The run folder of one variant and seed under --output-dir."""
+    return f"{variant}-seed{seed}"
+
+
+def train(recipe_path: Path, name: str, overrides: list[str], steps: int, output: Path) -> None:
+    """`tlt train` of `recipe_path` for `steps` steps into output/name (a fresh folder), quietly."""
+    shutil.rmtree(output / name, ignore_errors=True)  # this benchmark's own scratch run from an earlier call
+    command = [
+        sys.executable,
+        "-m",
+        "tlt_cli",
+        "train",
+        str(recipe_path),
+        *overrides,
+        f"train.steps={steps}",
+        f"run.name={name}",
+        f"run.output_dir={output}",
+        f"checkpoint.every={steps}",
+    ]
+    finished = subprocess.run(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    if finished.returncode != 0:
+        last = (finished.stderr.strip().splitlines() or ["no output"])[-1]
+        raise TrainingRunFailed(f"tlt train of {name} failed ({last}); run it alone with: {' '.join(command)}")
+
+
+def step_records(run_directory: Path) -> list[dict]:
+    """The step records of a run's trace (a BenchError when the run left none)."""
+    trace = run_directory / "trace.jsonl"
+    if not trace.is_file():
+        raise BenchError(
+            f"no trace.jsonl in {run_directory}: give the --output-dir, --variants and --seeds of the runs."
+        )
+    return [record for record in map(json.loads, trace.read_text().splitlines()) if record["type"] == "step"]
+
+
+def run_all(recipe_path: Path, plan: RunsPlan, settings: RunsSettings, console: Console) -> dict:
+    """variant -> seed -> its step records: trained in turn now, or read from the runs an earlier call left."""
+    steps: dict[str, dict[int, list[dict]]] = {name: {} for name in plan.variants}
+    for seed in plan.seeds:
+        for name, variant in plan.variants.items():
+            folder = run_name(name, seed)
+            if not settings.from_runs:
+                with console.status(f"training {folder} ({settings.steps} steps)"):
+                    train(
+                        recipe_path,
+                        folder,
+                        [*variant, f"run.seed={seed}"],
+                        settings.steps,
+                        settings.output_dir,
+                    )
+            steps[name][seed] = step_records(settings.output_dir / folder)
+    return steps
+
+
+def mean(values: list[float]) -> float | None:
+    """The mean of the values that are there (None: no value, e.g. no KL logged)."""
+    present = [value for value in values if value is not None]
+    return statistics.fmean(present) if present else None
+
+
+def amdahl_bound(rollout_share: float, rollout_ratio: float) -> float:
+    """The most a step can speed up when only its rollout, `rollout_share` of the step, runs `rollout_ratio` times
+    faster: 1 / ((1 - r) + r / s)."""
+    return 1.0 / ((1.0 - rollout_share) + rollout_share / rollout_ratio)
+
+
+def side_by_side(baseline: dict, candidate: dict) -> dict:
+    """Speed of `candidate` against `baseline`, each given by its mean rollout_seconds and step_seconds: the rollout
+    and step ratios (baseline / candidate), the baseline's rollout share of a step, the Amdahl bound those allow and
+    the step ratio as a fraction of that bound."""
+    rollout_ratio = baseline["rollout_seconds"] / candidate["rollout_seconds"]
+    step_ratio = baseline["step_seconds"] / candidate["step_seconds"]
+    rollout_share = baseline["rollout_seconds"] / baseline["step_seconds"]
+    bound = amdahl_bound(rollout_share, rollout_ratio)
+    return {
+        "rollout_ratio": rollout_ratio,
+        "step_ratio": step_ratio,
+        "baseline_rollout_share": rollout_share,
+        "amdahl_bound": bound,
+        "step_ratio_of_bound": step_ratio / bound,
+    }
+
+
+def reward_gap(per_seed_rewards: dict[str, list[float]], baseline: str, candidate: str) -> dict:
+    """Mean rewards per seed of two variants compared as distributions: the gap candidate - baseline of their means
+    and the seed-to-seed standard deviation of the per-seed means (the noise a gap must stay within; nan with one
+    seed)."""
+    pooled = per_seed_rewards[baseline] + per_seed_rewards[candidate]
+    return {
+        "gap": statistics.fmean(per_seed_rewards[candidate]) - statistics.fmean(per_seed_rewards[baseline]),
+        "seed_std": statistics.stdev(pooled) if len(per_seed_rewards[baseline]) > 1 else math.nan,
+    }
+
+
+def summarize(steps: dict[str, dict[int, list[dict]]], skip: int) -> dict:
+    """Per variant and seed the FIGURES' means (times over the steps after `skip`, the rest over all); per variant
+    pooled over seeds; each later variant against the first."""
+    per_run = {
+        name: {seed: _run_means(records, skip) for seed, records in by_seed.items()} for name, by_seed in steps.items()
+    }
+    pooled = {
+        name: {figure: mean([means[figure] for means in by_seed.values()]) for figure in FIGURES}
+        for name, by_seed in per_run.items()
+    }
+    rewards = {name: [means["mean_reward"] for means in by_seed.values()] for name, by_seed in per_run.items()}
+    baseline, *candidates = list(steps)
+    comparisons = {
+        name: {**side_by_side(pooled[baseline], pooled[name]), **reward_gap(rewards, baseline, name)}
+        for name in candidates
+    }
+    return {"baseline": baseline, "per_run": per_run, "pooled": pooled, "against_baseline": comparisons}
+
+
+def _run_means(records: list[dict], skip: int) -> dict:
+    timed = records[skip:]
+    return {
+        figure: mean([record.get(figure) for record in (timed if figure.endswith("_seconds") else records)])
+        for figure in FIGURES
+    }
+
+
+def render(console: Console, summary: dict) -> None:
+    """One row per run, a column per figure; then a line per variant against the baseline."""
+    rows = [
+        [run_name(name, seed), *(_figure(means[figure]) for figure in FIGURES)]
+        for name, by_seed in summary["per_run"].items()
+        for seed, means in by_seed.items()
+    ]
+    columns = ["run", "step s", "rollout s", "update s", "response tokens", "median length", "reward", "rollout KL k3"]
+    render_table(console, "end-to-end runs (means per step; times after the skipped steps)", columns, rows)
+    baseline = summary["baseline"]
+    for name, figures in summary["against_baseline"].items():
+        console.print(
+            f"{name} vs {baseline}: rollout {figures['rollout_ratio']:.2f}x, step {figures['step_ratio']:.2f}x; "
+            f"{baseline}'s rollout is {figures['baseline_rollout_share']:.0%} of its step, so the Amdahl bound is "
+            f"{figures['amdahl_bound']:.2f}x and the step got {figures['step_ratio_of_bound']:.0%} of it; "
+            f"reward gap {figures['gap']:+.3f} against a seed-to-seed std of {figures['seed_std']:.3f}",
+            highlight=False,
+            soft_wrap=True,
+        )
+
+
+def _figure(value: float | None) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.2e}" if 0 < abs(value) < 1e-2 else f"{value:.3f}"
+
+
+def run_runs_bench(recipe_name: str, overrides: list[str], settings: RunsSettings, out: Path, console: Console) -> dict:
+    """`tlt bench runs`: train (or read) every run, print the table and the comparisons, write the JSON."""
+    plan = runs_plan(settings, overrides)
+    for variant in plan.variants.values():  # a variant's recipe tlt train would refuse is refused before any run
+        bench_recipe(recipe_name, variant)
+    report = BenchReport.start("tlt bench runs", recipe_name, overrides, settings, plan.seeds, 1)
+    steps = run_all(resolve_recipe_path(recipe_name), plan, settings, console)
+    summary = summarize(steps, settings.skip)
+    render(console, summary)
+    written = report.write(out, {"variants": plan.variants, "steps": steps}, summary)
+    console.print(f"wrote {out}", highlight=False, soft_wrap=True)
+    return written
