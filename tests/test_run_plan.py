@@ -35,6 +35,8 @@ ALLOWED_CALLERS: dict[tuple[str, str], str] = {
     ("recipe_checks.py", "checked_speculative_plan"): "the recipe gate checks the rule table before anything runs",
     ("profile/recording.py", "record_rollout"): "`tlt profile` decodes in its own process, without a driver",
     ("calibration/calibrate.py", "load_model_pair"): "`tlt calibrate` decodes in its own process, without a driver",
+    ("bench/common.py", "run_decode_plan"): "`tlt bench` decodes in its own process, as the driver would plan it",
+    ("bench/common.py", "auto_speculative_plan"): "`tlt bench rollout` builds mode auto's plan for its own decoding",
     ("integrations/trl.py", "tlt_rollout"): "a user's TRL script has no driver (under tlt train the plan is given)",
     ("integrations/trl.py", "TltRollout._build"): "a user's TRL script has no driver (under tlt train it is given)",
 }

@@ -8,7 +8,8 @@
 Every variant (VARIANTS: a name and the overrides it adds to the recipe) of every seed trains `--steps` steps in
 turn, never two at once, as `python -m tlt_cli train` in a fresh run folder under --output-dir. From each run's
 trace it reads every step: step, rollout and update seconds, response tokens, the median response length, the
-mean reward and the rollout/learner mismatch `actor_rollout_kl_k3`. Per variant and seed it prints their means
+mean reward, the rollout/learner mismatch `actor_rollout_kl_k3` and a bfloat16 learner's drift from its float32
+weights `actor_precision_kl_k3`. Per variant and seed it prints their means
 over the steps after the first --skip (rewards over all steps); against the first variant listed (the
 baseline): the rollout and step ratios, the Amdahl bound 1 / ((1 - r) + r / s) (r: the baseline's rollout share
 of a step, s: the rollout ratio) and the gap between mean rewards beside the seed-to-seed standard deviation.
@@ -49,6 +50,7 @@ FIGURES = (
     "response_length_p50",
     "mean_reward",
     "actor_rollout_kl_k3",
+    "actor_precision_kl_k3",
 )
 
 
@@ -228,7 +230,17 @@ def render(console: Console, summary: dict) -> None:
         for name, by_seed in summary["per_run"].items()
         for seed, means in by_seed.items()
     ]
-    columns = ["run", "step s", "rollout s", "update s", "response tokens", "median length", "reward", "rollout KL k3"]
+    columns = [
+        "run",
+        "step s",
+        "rollout s",
+        "update s",
+        "response tokens",
+        "median length",
+        "reward",
+        "rollout KL k3",
+        "bf16 KL k3",
+    ]
     render_table(console, "end-to-end runs (means per step; times after the skipped steps)", columns, rows)
     baseline = summary["baseline"]
     for name, figures in summary["against_baseline"].items():
