@@ -1,6 +1,7 @@
 """The arithmetic of the side-by-side benchmarks (scripts/bench_end_to_end.py, scripts/bench_trl.py and
 their shared scripts/training_runs.py): ratios, the Amdahl bound, reward curves, on made-up step records;
-scripts/profile_plain_step.py run end to end on the tiny recipe; scripts/profile_update.py's categories."""
+scripts/profile_plain_step.py run end to end on the tiny recipe (scripts/profile_update.py's categories and
+phases: tests/test_update_roofline.py)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,6 @@ from tests.conftest import REPOSITORY
 sys.path.insert(0, str(REPOSITORY / "scripts"))
 import bench_end_to_end  # noqa: E402
 import bench_trl  # noqa: E402
-import profile_update  # noqa: E402
 from training_runs import amdahl_bound, render_rewards, render_side_by_side, reward_gap, side_by_side  # noqa: E402
 
 
@@ -156,26 +156,3 @@ def test_bench_transformers_path_compares_generate_and_the_engine_on_models_outs
         assert all(split["matrix products"] > 0 for split in family["decode_breakdown"].values())
     assert list((tmp_path / "cache" / "linear_forms").glob("*.json"))
     assert "ratio vs generate" in result.stdout
-
-
-def test_profile_update_puts_each_operators_self_time_in_one_category_and_one_phase():
-    category, phase = profile_update.category, profile_update.phase
-    head_backward = {"autograd::engine::evaluate_function: ChunkedHeadLogprobsBackward", "ChunkedHeadLogprobsBackward"}
-    assert category("aten::mm", head_backward) == "log-prob head: products over the vocabulary"
-    assert category("aten::logsumexp", {"ChunkedHeadLogprobs"}) == "log-prob head: log-softmax over the vocabulary"
-    assert category("aten::addmm", {"aten::linear"}) == "matrix products"
-    assert category("aten::_to_copy", {"aten::to", "aten::linear"}) == "dtype casts and copies"
-    assert category("aten::addcdiv_", {"Optimizer.step#AdamW.step", profile_update.STEP_LABEL}) == (
-        "optimizer step (AdamW)"
-    )
-    assert category("aten::norm", {profile_update.STEP_LABEL}) == (
-        "DeepSpeed step (gradient norm, clipping, ZeRO copies)"
-    )
-    assert category("autograd::engine::evaluate_function: MmBackward0", set()) == "Python and dispatch"
-    assert category("aten::_scaled_dot_product_flash_attention_for_cpu", set()) == "attention"
-    assert set(profile_update.CATEGORIES) >= {"all-reduce", "other operators (norms, activations, elementwise)"}
-    recomputed = {profile_update.BACKWARD_LABEL, profile_update.LAYER_LABEL, "aten::mm"}
-    assert phase(recomputed) == "recomputation"
-    assert phase({profile_update.BACKWARD_LABEL, "aten::mm"}) == "backward"
-    assert phase({profile_update.LAYER_LABEL, "aten::mm"}) == "forward"
-    assert phase({profile_update.STEP_LABEL, "aten::add_"}) == "optimizer step"

@@ -109,6 +109,8 @@ class ModelShape:
     layers: int
     hidden: int
     intermediate: int
+    attention_heads: int
+    query_width: int
     key_value_width: int
     vocab_size: int
 
@@ -154,6 +156,8 @@ def model_shape(recipe: Recipe) -> ModelShape:
         layers=config.num_hidden_layers,
         hidden=config.hidden_size,
         intermediate=config.intermediate_size,
+        attention_heads=heads,
+        query_width=heads * head_dim,
         key_value_width=getattr(config, "num_key_value_heads", heads) * head_dim,
         vocab_size=config.vocab_size,
     )
