@@ -10,7 +10,8 @@ responses of max_new_tokens tokens). A first update warms up (AdamW's state is m
 the second, `actor.update` exactly as a worker calls it, runs under torch.profiler
 (tlt_cli/training/update_profile.py: self time by category and by phase). Then, in the same process, the
 products of the update's shapes are timed in each of --rate-dtypes and the roofline is built
-(tlt_cli/training/update_roofline.py). Prints, per precision, the categories, the roofline by phase (the
+(tlt_cli/training/update_roofline.py), both sides in CPU seconds (steadier than wall-clock on a shared
+machine). Prints, per precision, the categories, the roofline by phase (the
 CPU, its bfloat16/AMX flags and the load in the title), and writes JSON.
 """
 
@@ -85,8 +86,9 @@ def profile_one_update(recipe_name: str, overrides: list[str], rate_dtypes: list
         model_shape(recipe), parts, recipe.actor.gradient_checkpointing, ppo_epochs=recipe.actor.ppo_epochs
     )
     rates = update_roofline.measure_product_rates(operations.distinct_products(), rate_dtypes)
+    # both sides in CPU seconds: the products' timings and the phases' shares of the update's CPU time
     report = update_roofline.roofline(
-        operations, rates, profile.phases_seconds, profile.seconds, precision.precision.value
+        operations, rates, profile.phases_cpu_seconds(), profile.cpu_seconds, precision.precision.value
     )
     return {
         "precision": precision.precision.value,
@@ -126,8 +128,10 @@ def render(result: dict, precision: str, profile: dict) -> None:
 
 def roofline_table(precision: str, report: dict, where: str) -> Table:
     dtypes = list(report["bound_seconds"])
-    table = Table(title=f"{precision} update's roofline, GFLOP/s = 1e9 operations a second ({where})")
-    for name in ("phase", "GFLOP", "s", "achieved GFLOP/s"):
+    table = Table(
+        title=f"{precision} update's roofline in CPU seconds, GFLOP/s = 1e9 operations a CPU second ({where})"
+    )
+    for name in ("phase", "GFLOP", "CPU s", "achieved GFLOP/s"):
         table.add_column(name, justify="right")
     for dtype in dtypes:
         table.add_column(f"products {dtype} GFLOP/s", justify="right")
@@ -146,7 +150,7 @@ def roofline_table(precision: str, report: dict, where: str) -> Table:
     table.add_section()
     bounds = [report["operations"] / report["bound_seconds"][dtype] / GIGA for dtype in dtypes]
     table.add_row(
-        "whole update (wall)",
+        "whole update",
         f"{report['operations'] / GIGA:.2f}",
         f"{report['update_seconds']:.2f}",
         f"{report['achieved_rate'] / GIGA:.2f}",

@@ -124,3 +124,16 @@ def test_profile_puts_each_operators_self_time_in_one_category_and_one_phase():
     assert phase({"ChunkedHeadLogprobs", "aten::mm"}) == "log-prob head"
     assert phase({update_profile.BACKWARD_LABEL, "gloo:all_reduce"}) == "all-reduce"
     assert set(update_profile.CATEGORIES) >= {"all-reduce", "other operators (norms, activations, elementwise)"}
+
+
+def test_a_profiles_phases_in_cpu_seconds_are_their_wall_clock_shares_of_the_updates_cpu_time():
+    profile = update_profile.UpdateProfile(
+        seconds=10.0,
+        cpu_seconds=2.0,
+        metrics=None,
+        categories_seconds={},
+        phases_seconds={"forward": 4.0, "backward": 6.0},
+        outside_operators_seconds=0.0,
+        costliest_operators_seconds={},
+    )
+    assert profile.phases_cpu_seconds() == {"forward": pytest.approx(0.8), "backward": pytest.approx(1.2)}

@@ -61,6 +61,12 @@ class UpdateProfile:
     outside_operators_seconds: float
     costliest_operators_seconds: dict[str, float]
 
+    def phases_cpu_seconds(self) -> dict[str, float]:
+        """Each phase's share of the profiled wall-clock applied to the update's CPU seconds (one thread: its CPU
+        time; on a loaded machine the wall-clock also counts the time other processes held the core)."""
+        scale = self.cpu_seconds / self.seconds if self.seconds > 0 else 0.0
+        return {phase: seconds * scale for phase, seconds in self.phases_seconds.items()}
+
 
 def profile_update(actor: Actor, batch: PolicyBatch) -> UpdateProfile:
     """One `actor.update(batch)` under torch.profiler (label the actor first: `label_update_parts`)."""

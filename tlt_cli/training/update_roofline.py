@@ -8,14 +8,17 @@ backward (tlt_cli/training/logprobs.py: the backward recomputes each chunk's log
 counts, AdamW with the gradient norm over this rank's ZeRO partition and the gradients' all-reduce. Norms,
 activations and softmax are not counted (a few operations a value against a product's thousands).
 `measure_product_rates` times each distinct product in the form the update runs it (`x @ W.T` forward,
-`g @ W` and `g.T @ x` in backward, attention's two batched products) in each dtype asked for, best of a few
-runs, so `roofline(...)` can say per phase how long the products alone would take and what fraction of that
-rate the update reached in the seconds a profiled update spent in each phase
-(tlt_cli/training/update_profile.py). scripts/profile_update.py prints the report and writes it as JSON.
+`g @ W` and `g.T @ x` in backward, attention's two batched products) in each dtype asked for, in CPU seconds
+(best of a few samples), so `roofline(...)` can say per phase how long the products alone would take and what
+fraction of that rate the update reached in the seconds a profiled update spent in each phase
+(tlt_cli/training/update_profile.py; its wall-clock shares scaled to the update's CPU seconds, so both sides
+count CPU time: on a shared machine wall-clock says more about the load than about the code).
+scripts/profile_update.py prints the report and writes it as JSON.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass
@@ -33,6 +36,8 @@ PRODUCT_PHASES = ("forward", "recomputation", "backward", "log-prob head")
 # division and the step 5; the gradient norm 2 (square, add) and its clipping 1
 OPTIMIZER_OPERATIONS_PER_PARAMETER = 16
 FLOAT32_BYTES = 4
+# a timed sample of a product runs it this many CPU seconds at least (a tiny model's products take microseconds)
+SAMPLE_SECONDS = 0.02
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 # how the update runs each product: a linear layer's forward, its two backward products, attention's two
 FORMS = ("x @ W.T", "g @ W", "g.T @ x", "Q @ K.T", "P @ V")
@@ -181,13 +186,18 @@ def measure_product_rates(
 
 @torch.no_grad()
 def product_seconds(product: Product, dtype: torch.dtype, repeats: int) -> float:
+    """CPU seconds (all the process's threads: on a shared machine a product's wall-clock swings with the load,
+    its CPU time much less) of one run of `product`, best of `repeats` samples of at least SAMPLE_SECONDS each."""
     run = product_call(product, dtype)
+    started = time.process_time()
     run()
+    calls = max(1, math.ceil(SAMPLE_SECONDS / max(time.process_time() - started, 1e-6)))
     best = float("inf")
     for _ in range(repeats):
-        started = time.perf_counter()
-        run()
-        best = min(best, time.perf_counter() - started)
+        started = time.process_time()
+        for _ in range(calls):
+            run()
+        best = min(best, (time.process_time() - started) / calls)
     return best
 
 
