@@ -42,11 +42,11 @@ def main() -> None:
     parser.add_argument("--one", action="store_true", help=argparse.SUPPRESS)  # the child process: one precision
     parser.add_argument("overrides", nargs="*", help="key=value recipe overrides")
     arguments = parser.parse_intermixed_args()
-    overrides = [*arguments.overrides, f"rollout.max_new_tokens={arguments.max_new_tokens}"]
     rate_dtypes = arguments.rate_dtypes.split(",")
-    if arguments.one:
-        print(json.dumps(profile_one_update(arguments.recipe, overrides, rate_dtypes)))
+    if arguments.one:  # the parent's overrides, max_new_tokens among them (not this process's default again)
+        print(json.dumps(profile_one_update(arguments.recipe, arguments.overrides, rate_dtypes)))
         return
+    overrides = [*arguments.overrides, f"rollout.max_new_tokens={arguments.max_new_tokens}"]
     result = {"recipe": arguments.recipe, "overrides": overrides, **machine(), "profiles": {}}
     for precision in arguments.precisions.split(","):
         result["profiles"][precision] = profile_in_fresh_process(
