@@ -83,7 +83,11 @@ def profile_one_update(recipe_name: str, overrides: list[str], rate_dtypes: list
     profile = profile_update(actor, batch)
     parts = update_roofline.micro_batch_shapes(batch, recipe.actor.micro_batch_size)
     operations = update_roofline.update_operations(
-        model_shape(recipe), parts, recipe.actor.gradient_checkpointing, ppo_epochs=recipe.actor.ppo_epochs
+        model_shape(recipe),
+        parts,
+        recipe.actor.gradient_checkpointing,
+        ppo_epochs=recipe.actor.ppo_epochs,
+        reductions_per_epoch=update_roofline.gradient_reductions(recipe.actor.zero_stage, len(parts)),
     )
     rates = update_roofline.measure_product_rates(operations.distinct_products(), rate_dtypes)
     # both sides in CPU seconds: the products' timings and the phases' shares of the update's CPU time

@@ -68,6 +68,11 @@ def test_update_operations_counts_recomputation_only_with_it_and_the_head_over_i
     two_ranks = update_roofline.update_operations(shape, parts, recomputation=False, world_size=2)
     assert two_ranks.phase_operations("all-reduce") == shape.parameters // 2
     assert two_ranks.all_reduce_bytes == 4 * shape.parameters
+    zero_two = update_roofline.update_operations(
+        shape, parts, False, world_size=2, reductions_per_epoch=update_roofline.gradient_reductions(2, len(parts))
+    )
+    assert zero_two.all_reduce_bytes == 2 * 4 * shape.parameters  # each of the 2 micro-batches' gradients
+    assert update_roofline.gradient_reductions(1, len(parts)) == 1
 
 
 @pytest.mark.parametrize("form", update_roofline.FORMS)

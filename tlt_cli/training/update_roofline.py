@@ -97,9 +97,12 @@ def update_operations(
     recomputation: bool,
     world_size: int = 1,
     ppo_epochs: int = 1,
+    reductions_per_epoch: int = 1,
     chunk_tokens: int = CHUNK_TOKENS,
 ) -> UpdateOperations:
-    """The products and operations of one update of `ppo_epochs` passes over `parts` (module docstring)."""
+    """The products and operations of one update of `ppo_epochs` passes over `parts` (module docstring);
+    reductions_per_epoch: how often the gradients are all-reduced in a pass (ZeRO 2 reduces each micro-batch's,
+    `gradient_reductions`)."""
     products: dict[str, Counter[Product]] = {phase: Counter() for phase in PRODUCT_PHASES}
     for part in parts:
         for _ in range(ppo_epochs):
@@ -110,7 +113,7 @@ def update_operations(
             products["backward"].update(decoder_backward(shape, part))
             products["log-prob head"].update(head_products(shape, part.head_tokens, chunk_tokens))
     partition = shape.parameters // world_size
-    reductions = ppo_epochs
+    reductions = ppo_epochs * reductions_per_epoch
     elementwise = {
         "optimizer": OPTIMIZER_OPERATIONS_PER_PARAMETER * partition * ppo_epochs,
         # a ring all-reduce adds (world - 1) / world of the gradients on each rank
@@ -118,6 +121,12 @@ def update_operations(
     }
     all_reduce_bytes = shape.parameters * FLOAT32_BYTES * reductions if world_size > 1 else 0
     return UpdateOperations(products, elementwise, all_reduce_bytes)
+
+
+def gradient_reductions(zero_stage: int, micro_batches: int) -> int:
+    """How often a pass all-reduces the gradients: ZeRO 2 reduces each micro-batch's into its partitions, ZeRO 0-1
+    the accumulated gradients once at the step."""
+    return micro_batches if zero_stage >= 2 else 1
 
 
 def linear_layers(shape: ModelShape) -> list[tuple[int, int]]:
