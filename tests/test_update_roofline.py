@@ -142,3 +142,21 @@ def test_a_profiles_phases_in_cpu_seconds_are_their_wall_clock_shares_of_the_upd
         costliest_operators_seconds={},
     )
     assert profile.phases_cpu_seconds() == {"forward": pytest.approx(0.8), "backward": pytest.approx(1.2)}
+
+
+def test_a_decoder_layers_recomputation_in_backward_is_its_own_phase():
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from tlt_cli.training.actor import enable_recomputation
+
+    model = build_tiny_model(seed=0)
+    enable_recomputation(model)
+    model.train()
+    update_profile.label_decoder_layers(model)
+    input_ids = torch.randint(3, model.config.vocab_size, (2, 16))
+    with profile(activities=[ProfilerActivity.CPU]) as profiler:
+        hidden = model.get_decoder()(input_ids=input_ids, use_cache=False).last_hidden_state
+        with record_function(update_profile.BACKWARD_LABEL):
+            hidden.sum().backward()
+    phases = update_profile.categorise(profiler.events(), wall_seconds=0.0)["phases_seconds"]
+    assert phases["recomputation"] > 0 and phases["forward"] > 0 and phases["backward"] > 0

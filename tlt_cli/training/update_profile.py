@@ -2,7 +2,7 @@
 spent in the operators it calls) put in one category and one phase.
 
 `profile_update(actor, batch)` labels the actor's parts (`label_update_parts`: the engine's backward and step,
-each decoder layer's forward; instance attributes wrapped, so only for a process that profiles), runs one
+the forward of each decoder layer's parts; instance attributes wrapped, so only for a process that profiles), runs one
 update under the profiler and returns an `UpdateProfile`. Categories: AdamW's step, the rest of DeepSpeed's
 step (gradient norm, clipping, ZeRO's partition copies), all-reduce, the log-prob head's products over the
 vocabulary and its log-softmax (tlt_cli/training/logprobs.py), matrix products, attention, dtype casts and
@@ -80,13 +80,21 @@ def profile_update(actor: Actor, batch: PolicyBatch) -> UpdateProfile:
 
 
 def label_update_parts(actor: Actor) -> None:
-    """Wrap the engine's backward and step, and each decoder layer's forward, in profiler labels; a layer's
-    forward inside the engine's backward is its recomputation (gradient checkpointing)."""
+    """Wrap the engine's backward and step, and the forward of each decoder layer's parts, in profiler labels; a
+    layer's forward inside the engine's backward is its recomputation (gradient checkpointing)."""
     engine = actor.engine
     for name, label in (("backward", BACKWARD_LABEL), ("step", STEP_LABEL)):
         setattr(engine, name, labelled(getattr(engine, name), label))
-    for layer in actor.policy.get_decoder().layers:
-        layer.forward = labelled(layer.forward, LAYER_LABEL)
+    label_decoder_layers(actor.policy)
+
+
+def label_decoder_layers(policy) -> None:
+    """Wrap the forward of each decoder layer's parts in LAYER_LABEL."""
+    # each layer's parts, not the layer: transformers' checkpointing replays the layer class's own forward, which
+    # calls its parts (attention, MLP, norms) through their modules, so the parts' labels mark the recomputation
+    for layer in policy.get_decoder().layers:
+        for part in layer.children():
+            part.forward = labelled(part.forward, LAYER_LABEL)
 
 
 def labelled(function, label: str):
