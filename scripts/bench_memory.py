@@ -4,6 +4,8 @@
         --out benchmarks/memory_update.json
     python scripts/bench_memory.py run --recipe real-cpu --out benchmarks/memory_run.json \
         train.steps=1 speculative.mode=off plugins.enabled=[]
+    python scripts/bench_memory.py steps --recipe tiny-cpu --steps 30 --out benchmarks/memory_steps.json \
+        actor.precision=fp32 rollout.dtype=float32 rollout.linear_forms=off speculative.mode=off plugins.enabled=[]
 
 `update`: for each max_new_tokens, a fresh process builds the recipe's policy as one worker's DeepSpeed
 actor (one rank, so ZeRO keeps the whole optimizer state) and runs one GRPO update on the worst case
@@ -13,6 +15,12 @@ set before the update, the update's peak (VmHWM, reset just before) and its grow
 seconds (wall-clock, and CPU time of all the process's threads: steadier on a shared machine) and
 loss, and tlt's estimate of a worker's peak (tlt_cli/training/memory.py) for comparison.
 Growth linear in tokens, with no tokens x vocabulary term, is what the chunked log-probs promise.
+
+`steps`: one rank's rollout and update, step after step, in this process (the embedded rollout of one worker's
+prompts of each step through the task's reward, group advantages, `actor.update`, `after_update`): the
+resident peak of each step's rollout and of its update (VmHWM, reset before each), the resident set after it
+and the step's longest response, to tell a worker's growth from its batches' lengths without the driver and
+the other ranks.
 
 `run`: runs `tlt train` with the overrides in a fresh run directory and samples, every 0.2 s, the
 resident set of every process of the run (/proc); reports each process's peak (VmHWM, last read
@@ -41,7 +49,8 @@ SAMPLE_SECONDS = 0.2
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("mode", choices=("update", "run", "one-update"))
+    parser.add_argument("mode", choices=("update", "run", "steps", "one-update"))
+    parser.add_argument("--steps", type=int, default=30, help="steps of the rollout and update loop (steps)")
     parser.add_argument("--recipe", default="real-cpu")
     parser.add_argument("--max-new-tokens", default="512,2048", help="comma-separated lengths (update)")
     parser.add_argument("--out", type=Path, default=None, help="JSON file to write")
@@ -57,6 +66,11 @@ def main() -> None:
             result["rows"].append(update_in_fresh_process(arguments.recipe, arguments.overrides, length))
             print(json.dumps(result["rows"][-1]), flush=True)
         render_update(result["rows"])
+    elif arguments.mode == "steps":
+        result = {"mode": "steps", "recipe": arguments.recipe, "overrides": arguments.overrides, "steps": []}
+        for row in rollout_and_update_steps(arguments.recipe, arguments.overrides, arguments.steps):
+            result["steps"].append(row)
+            print(json.dumps(row), flush=True)
     else:
         result = measure_run(arguments.recipe, arguments.overrides)
         render_run(result)
@@ -157,6 +171,52 @@ def worst_case_update(recipe_name: str, overrides: list[str]):
         completions.append(Completion(index, prompt_ids, response, finished_by_eos=False, start=0.0, end=0.0))
     advantages = torch.randn(len(completions), generator=generator)
     return recipe, precision, actor, build_policy_batch(completions, advantages, tokenizer.pad_token_id)
+
+
+def rollout_and_update_steps(recipe_name: str, overrides: list[str], steps: int):
+    """Each step's rollout and update peaks of one rank in this process (module docstring), as it finishes."""
+    import torch
+
+    from tlt_cli.rollout.types import RolloutRequest
+    from tlt_cli.tasks.prompts import encode_prompt
+    from tlt_cli.training import memory, setup
+    from tlt_cli.training.grpo import group_advantages
+    from tlt_cli.training.policy_batch import build_policy_batch
+
+    recipe, _, actor, _ = worst_case_update(recipe_name, overrides)
+    _, tokenizer = setup.policy_and_tokenizer(recipe)
+    task = setup.task(recipe)
+    place = setup.BackendPlace(0, 0, Path(tempfile.mkdtemp(prefix="bench-memory-")), decode=setup.decode_plan(recipe))
+    backend = setup.rollout_backend(recipe, actor.policy, tokenizer, None, place)
+    list(backend.start())
+    group_size, prompts = recipe.train.group_size, recipe.train.prompts_per_step // recipe.workers.count
+    for step in range(steps):
+        problems = [task.problem(step * recipe.train.prompts_per_step + index) for index in range(prompts)]
+        requests = [
+            RolloutRequest(number * group_size + sample, tuple(encode_prompt(tokenizer, problem.prompt)), number)
+            for number, problem in enumerate(problems)
+            for sample in range(group_size)
+        ]
+        memory.reset_peak_resident()
+        completions, _ = backend.generate(requests, setup.sampling(recipe), recipe.run.seed + step, None)
+        rollout_peak = memory.peak_resident_bytes()
+        memory.reset_peak_resident()
+        responses = [tokenizer.decode(completion.response_ids, skip_special_tokens=True) for completion in completions]
+        rewards = torch.tensor(
+            [
+                task.reward(problems[completion.request_id // group_size], response)
+                for completion, response in zip(completions, responses)
+            ]
+        )
+        actor.update(build_policy_batch(completions, group_advantages(rewards, group_size), tokenizer.pad_token_id))
+        backend.after_update(f"step-{step + 1}", None, ())
+        yield {
+            "step": step,
+            "longest_response": max(len(completion.response_ids) for completion in completions),
+            "rollout_peak_gb": rollout_peak / GB,
+            "update_peak_gb": memory.peak_resident_bytes() / GB,
+            "resident_after_gb": memory.resident_bytes() / GB,
+        }
 
 
 def render_update(rows: list[dict]) -> None:

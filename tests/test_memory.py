@@ -83,3 +83,24 @@ def test_tlt_train_refuses_a_recipe_that_cannot_fit_in_one_sentence_with_exit_2(
     assert "2 workers would need about" in line and "GB available" in line
     assert "lower workers.count, train.prompts_per_step or rollout.max_new_tokens" in line
     assert not (tmp_path / "huge").exists()
+
+
+def test_the_estimate_itemizes_the_drafter_the_sidecar_and_the_decode_copies_only_where_a_run_has_them():
+    recipe = load_recipe(resolve_recipe_path("tiny-cpu"))
+    shape = memory.model_shape(recipe)
+
+    def estimate(*overrides):
+        return memory.worker_peak_estimate(load_recipe(resolve_recipe_path("tiny-cpu"), list(overrides)), shape, 50)
+
+    full, plain = estimate(), estimate("speculative.mode=off", "plugins.enabled=[]")
+    layer = memory.layer_linear_parameters(shape)
+    drafter_parameters = layer + 2 * shape.hidden * shape.hidden
+    # the sidecar trains it: weights, gradients and two AdamW moments, float32
+    assert full.drafter == drafter_parameters * 4 * 4 and plain.drafter == 0
+    sequence = 50 + recipe.rollout.max_new_tokens
+    window = recipe.drafter.window_steps * recipe.samples_per_worker * sequence
+    assert full.sidecar == window * (shape.hidden * 4 + 10) and plain.sidecar == 0
+    assert full.decode_copies == plain.decode_copies == shape.layers * layer * 4  # float32: rollout.dtype auto's worst
+    assert estimate("rollout.dtype=bfloat16").decode_copies == shape.layers * layer * 2
+    assert full.total_bytes - plain.total_bytes == full.drafter + full.sidecar
+    assert "decode copies" in full.describe() and "sidecar buffers" in full.describe()

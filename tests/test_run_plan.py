@@ -31,7 +31,10 @@ ALLOWED_CALLERS: dict[tuple[str, str], str] = {
     ("training/setup.py", "decode_plan"): "a part of the plan",
     ("training/setup.py", "_measured_decode_plan"): "decode_plan's measurement, over the model's shapes or weights",
     ("training/setup.py", "speculative_plan"): "a part of the plan",
-    ("training/setup.py", "drafter_needed"): "whether the run speculates at all (the driver prepares the drafter)",
+    (
+        "training/drafter_use.py",
+        "drafter_needed",
+    ): "whether the run speculates at all (the driver prepares the drafter)",
     ("recipe_checks.py", "checked_speculative_plan"): "the recipe gate checks the rule table before anything runs",
     ("profile/recording.py", "record_rollout"): "`tlt profile` decodes in its own process, without a driver",
     ("calibration/calibrate.py", "load_model_pair"): "`tlt calibrate` decodes in its own process, without a driver",

@@ -8,8 +8,10 @@ step's start and reports the step's peak (`memory_peak_gb` in the trace's worker
 Estimated: `worker_peak_estimate(recipe, parameter_count)` adds up what one native worker holds at
 its peak: the runtime (Python, torch, transformers, DeepSpeed), the policy's weights (and a
 reference copy with a KL term), gradients and AdamW state as the ZeRO stage splits them over the
-workers, the rollout's KV cache and hidden states (with the rollout log-probs' chunk; bfloat16 when
-`rollout.dtype` says so, float32 for `auto`, which may choose either), and the update's saved activations
+workers, the drafter (with its gradients and AdamW state when the sidecar trains it) and the sidecar's window of
+hidden states, the rollout's KV cache and hidden states (with the rollout log-probs' chunk; bfloat16 when
+`rollout.dtype` says so, float32 for `auto`, which may choose either) with the decode model's own weight copies
+(freed before the update, tlt_cli/rollout/embedded.py), or else the update's saved activations
 (with `actor.gradient_checkpointing`, each layer's input and a few layers' activations) and the log-prob chunk.
 With `actor.precision: bf16` on CPU the module, its gradients and AdamW state stay float32 (the master copy),
 the update's forward adds autocast's bfloat16 copy of the weights, and the saved activations are bfloat16; on
@@ -27,6 +29,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from tlt_cli.config import CPU_DEVICES, Bfloat16Rounding, Precision, Recipe, RolloutDtype, Trainer
+from tlt_cli.plugins import plugins_train_drafter
+from tlt_cli.training.drafter_use import drafter_needed
 from tlt_cli.training.logprobs import CHUNK_TOKENS
 
 GB = 1e9
@@ -49,6 +53,8 @@ RECOMPUTED_LAYERS = 7
 ATTENTION_PAIR_BYTES = 9
 # [chunk, V] float32 buffers alive at once in the chunked log-prob backward (logits, their gradient)
 LOGPROB_BUFFERS = 2
+# the drafter sidecar keeps, per token besides its hidden state, the token id (int64) and two boolean masks
+SIDECAR_TOKEN_BYTES = 8 + 2
 PROC_STATUS = Path("/proc/self/status")
 PROC_MEMINFO = Path("/proc/meminfo")
 PROC_CLEAR_REFS = Path("/proc/self/clear_refs")
@@ -109,41 +115,56 @@ class ModelShape:
     layers: int
     hidden: int
     intermediate: int
+    attention_heads: int
+    query_width: int
     key_value_width: int
     vocab_size: int
 
 
 @dataclass(frozen=True)
 class MemoryEstimate:
-    """One worker's resident peak, by part, in bytes; the rollout and the update do not overlap."""
+    """One worker's resident peak, by copy, in bytes. The rollout (its cache and the decode model's weight copies)
+    and the update (its activations and autocast's casts) do not overlap; the rest lives through both."""
 
     runtime: int
     weights: int
-    training_state: int
+    gradients: int
+    optimizer: int
+    drafter: int
+    sidecar: int
     rollout: int
+    decode_copies: int
     update: int
+    autocast_casts: int = 0
+
+    @property
+    def training_state(self) -> int:
+        """The policy's gradients and AdamW state (with ZeRO's master copy) on this worker."""
+        return self.gradients + self.optimizer
 
     @property
     def total_bytes(self) -> int:
-        return self.runtime + self.weights + self.training_state + max(self.rollout, self.update)
+        resident = self.runtime + self.weights + self.training_state + self.drafter + self.sidecar
+        return resident + max(self.rollout + self.decode_copies, self.update + self.autocast_casts)
 
     def describe(self) -> str:
         parts = (
-            f"runtime {self.runtime / GB:.1f}, weights {self.weights / GB:.1f}, gradients and optimizer "
-            f"{self.training_state / GB:.1f}, rollout cache {self.rollout / GB:.1f}, update activations "
-            f"{self.update / GB:.1f}"
+            f"runtime {self.runtime / GB:.2f}, weights {self.weights / GB:.2f}, gradients {self.gradients / GB:.2f}, "
+            f"optimizer {self.optimizer / GB:.2f}, drafter and its optimizer {self.drafter / GB:.2f}, sidecar buffers "
+            f"{self.sidecar / GB:.2f}; rollout cache {self.rollout / GB:.2f} and decode copies "
+            f"{self.decode_copies / GB:.2f}, or update activations {self.update / GB:.2f} and autocast casts "
+            f"{self.autocast_casts / GB:.2f}"
         )
         return f"{self.total_bytes / GB:.1f} GB ({parts})"
 
 
 def _bfloat16_weight_copies(recipe: Recipe, shape: ModelShape, kept_layers: int) -> int:
-    """Bytes of the update's bfloat16 weight copies on CPU. Stochastically rounded: one of every linear
-    layer's weight for the whole update (tlt_cli/training/rounded_compute.py; not the embedding, nor the head
-    where it is the embedding, as in most small models; an untied head is counted). Rounded to nearest:
-    autocast's, saved for backward by every layer that keeps its activations (with recomputation only the
-    few layers recomputed at once hold theirs)."""
+    """Bytes of the update's bfloat16 weight copies on CPU. Stochastically rounded: one of every decoder layer's
+    linear weights for the whole update (tlt_cli/training/rounded_compute.py). Rounded to nearest: autocast's,
+    saved for backward by every layer that keeps its activations (with recomputation only the few layers
+    recomputed at once hold theirs)."""
     if recipe.actor.bfloat16_rounding == Bfloat16Rounding.stochastic:
-        return max(shape.parameters - shape.vocab_size * shape.hidden, 0) * BFLOAT16_BYTES
+        return shape.layers * layer_linear_parameters(shape) * BFLOAT16_BYTES
     return shape.parameters * BFLOAT16_BYTES * min(kept_layers, shape.layers) // shape.layers
 
 
@@ -165,6 +186,8 @@ def model_shape(recipe: Recipe) -> ModelShape:
         layers=config.num_hidden_layers,
         hidden=config.hidden_size,
         intermediate=config.intermediate_size,
+        attention_heads=heads,
+        query_width=heads * head_dim,
         key_value_width=getattr(config, "num_key_value_heads", heads) * head_dim,
         vocab_size=config.vocab_size,
     )
@@ -213,14 +236,44 @@ def worker_peak_estimate(recipe: Recipe, shape: ModelShape, prompt_tokens: int) 
     attention = micro_batch * sequence_tokens**2 * kept_layers * ATTENTION_PAIR_BYTES
     activations = micro_batch * sequence_tokens * saved_per_token * activation_bytes
     autocast_weights = _bfloat16_weight_copies(recipe, shape, kept_layers) if bf16 and on_cpu else 0
-    update = activations + attention + logprob_chunk + autocast_weights
     return MemoryEstimate(
         runtime=int(RUNTIME_BYTES),
         weights=parameters * weight_bytes * copies,
-        training_state=optimizer + gradients,
+        gradients=gradients,
+        optimizer=optimizer,
+        drafter=drafter_bytes(recipe, shape),
+        sidecar=sidecar_bytes(recipe, shape, sequence_tokens),
         rollout=rollout,
-        update=update,
+        decode_copies=shape.layers * layer_linear_parameters(shape) * rollout_bytes,
+        update=activations + attention + logprob_chunk,
+        autocast_casts=autocast_weights,
     )
+
+
+def layer_linear_parameters(shape: ModelShape) -> int:
+    """Weights of one decoder layer's linear layers: q, k, v, o, gate, up and down."""
+    attention = 2 * shape.hidden * shape.query_width + 2 * shape.hidden * shape.key_value_width
+    return attention + 3 * shape.hidden * shape.intermediate
+
+
+def drafter_bytes(recipe: Recipe, shape: ModelShape) -> int:
+    """The drafter (one decoder layer of the policy's shape and its input projection from two hidden states; it
+    shares the policy's embedding and head) in float32, with gradients and AdamW's moments when a plugin trains
+    it online; nothing when the run needs no drafter."""
+    if not drafter_needed(recipe):
+        return 0
+    parameters = layer_linear_parameters(shape) + 2 * shape.hidden * shape.hidden
+    trained = plugins_train_drafter(recipe.plugins.enabled)
+    return parameters * FLOAT32_BYTES * (1 + (1 + ADAM_MOMENTS if trained else 0))
+
+
+def sidecar_bytes(recipe: Recipe, shape: ModelShape, sequence_tokens: int) -> int:
+    """The drafter sidecar's window: drafter.window_steps steps of the actor's float32 last hidden states with the
+    tokens and masks of each of the worker's sequences (plugins/drafter_sidecar.py); nothing without the plugin."""
+    if not plugins_train_drafter(recipe.plugins.enabled):
+        return 0
+    per_token = shape.hidden * FLOAT32_BYTES + SIDECAR_TOKEN_BYTES
+    return recipe.drafter.window_steps * recipe.samples_per_worker * sequence_tokens * per_token
 
 
 def memory_problem(recipe: Recipe) -> str | None:

@@ -48,10 +48,10 @@ from tlt_cli.config import (
 )
 from tlt_cli.engine.sampling import MIN_TEMPERATURE, SamplingParams
 from tlt_cli.models.tiny import cache_directory
-from tlt_cli.plugins import plugins_train_drafter
 from tlt_cli.speculative.plan import SpeculationMode, SpeculativePlan
 from tlt_cli.speculative.rules import Rule, RuleTableError, build_rules
 from tlt_cli.speculative.types import SpeculativeConfig
+from tlt_cli.training.drafter_use import drafter_needed, speculation_mode
 from tlt_cli.training.update_precision import resolve_update_precision
 from tlt_cli.tuning.run_plan import RunPlan
 
@@ -98,11 +98,6 @@ def sampling(recipe: Recipe) -> SamplingParams:
     )
 
 
-def speculation_mode(section: SpeculativeSection) -> SpeculationMode:
-    """The section's `mode` as a plan carries it."""
-    return SpeculationMode(section.mode.value)
-
-
 def speculative_plan(section: SpeculativeSection) -> SpeculativePlan:
     """The recipe's `speculative` section as plain values. The rule table is parsed and checked here, in mode
     adaptive (tlt's DEFAULT_RULES when the recipe gives none), and in mode auto when the recipe gives one (it then
@@ -127,16 +122,6 @@ def speculative_plan(section: SpeculativeSection) -> SpeculativePlan:
         section.reprobe_steps,
         section.bandit_epsilon,
     )
-
-
-def rollout_needs_drafter(mode: SpeculationMode, drafter_trained: bool) -> bool:
-    """The one rule: a rollout needs a drafter when it speculates, or when something trains one."""
-    return mode != SpeculationMode.off or drafter_trained
-
-
-def drafter_needed(recipe: Recipe) -> bool:
-    """Whether the recipe's run needs a drafter: it speculates, or a plugin it enables trains one."""
-    return rollout_needs_drafter(speculation_mode(recipe.speculative), plugins_train_drafter(recipe.plugins.enabled))
 
 
 def prepare_drafter(
