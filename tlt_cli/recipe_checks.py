@@ -307,6 +307,19 @@ def check_speculative_section(section: SpeculativeSection, plan: SpeculativePlan
         refuse(shape_problem(config), f"{where}: ")
 
 
+def checked_rollout_sections(speculative: SpeculativeSection, drafter: DrafterConfig) -> SpeculativePlan:
+    """The `speculative` and `drafter` sections a TRL script hands `tlt_rollout()` (tlt_cli/integrations/trl.py),
+    checked as a recipe's are: finite numbers, the declared ranges, drafter.init, the SD shapes and rule table;
+    RecipeError naming the first key out of range. Returns the speculative plan."""
+    for section, name in ((speculative, "speculative."), (drafter, "drafter.")):
+        _check_numbers(section, name)
+        refuse(range_problem(section, name))
+    _check_drafter(drafter)
+    plan = checked_speculative_plan(speculative)
+    check_speculative_section(speculative, plan)
+    return plan
+
+
 def checked_speculative_plan(section: SpeculativeSection) -> SpeculativePlan:
     """The section as a plan (tlt_cli/training/setup.py parses the rule table); RecipeError naming
     speculative.rules and the rule it cannot read."""

@@ -63,12 +63,14 @@ from tlt_cli.integrations.trl_support import (
 )
 from tlt_cli.models.tiny import default_cache_dir
 from tlt_cli.plugins import drafter_training_plugin
+from tlt_cli.recipe_checks import checked_rollout_sections
 from tlt_cli.rollout.backend import sampling_seed
 from tlt_cli.rollout.decode_plan import DecodePlan
 from tlt_cli.rollout.embedded import EmbeddedRollout
 from tlt_cli.rollout.types import Completion, RolloutRequest
 from tlt_cli.speculative.adaptive import OFF, SpeculationMode, SpeculativePlan
-from tlt_cli.training.setup import decode_plan_for, rollout_needs_drafter, speculative_plan
+from tlt_cli.speculative.schedule_state import missing_schedule_state, restored_schedule
+from tlt_cli.training.setup import decode_plan_for, rollout_needs_drafter
 
 if TYPE_CHECKING:
     from torch import nn
@@ -144,8 +146,9 @@ def tlt_rollout(
 ) -> TltRollout:
     """A `rollout_func` for `GRPOTrainer` (checked now: TRL's version, the settings).
 
-    speculative: the recipe's `speculative` section (None: its defaults, adaptive; {"mode": "off"}:
-    plain decoding). drafter: "warmup" (trained on the trainer's first prompts before the first
+    speculative: the recipe's `speculative` section (None: its defaults, mode auto; {"mode": "off"}:
+    plain decoding), checked as a recipe's is (its ranges, shapes and rule table: a RecipeError names the key).
+    drafter: "warmup" (trained on the trainer's first prompts before the first
     rollout, cached under $TLT_CACHE_DIR), "random", a folder written by save_drafter, or an
     EagleDrafter. sidecar: train the drafter in the wait between data-parallel processes, with the
     first of these plugin names whose class trains the drafter (True: the recipe's default
@@ -162,12 +165,14 @@ def tlt_rollout(
     check_trl_version()
     linear_forms, dtype = LinearForms.of(linear_forms, "linear_forms"), RolloutDtype.of(dtype, "dtype")
     section = _section(SpeculativeSection, speculative, "speculative")
+    section = replace(section, mode=SpeculativeMode.of(section.mode, "speculative mode"))
+    drafter_section = _section(DrafterConfig, drafter_config, "drafter_config")
     return TltRollout(
-        # the rule table is checked now, not at the first rollout
-        speculative_plan(replace(section, mode=SpeculativeMode.of(section.mode, "speculative mode"))),
+        # checked now as a recipe's sections are (ranges, shapes, the rule table), not at the first rollout
+        checked_rollout_sections(section, drafter_section),
         drafter,
         process_sidecar_factory(sidecar),
-        _section(DrafterConfig, drafter_config, "drafter_config"),
+        drafter_section,
         seed,
         linear_forms,
         None if cache_dir is None else Path(cache_dir),
@@ -368,9 +373,15 @@ class TltRollout:
         self.policy = None  # rebuild on the next call, from the checkpoint's drafter
 
     def _load_schedule(self, directory: Path, process: int) -> None:
-        state = load_checkpoint_file(directory / STATE_DIRECTORY / f"rank-{process}.pt")
-        if state["schedule"] is not None and self.backend.schedule is not None:
-            self.backend.schedule.load_state_dict(state["schedule"])
+        path = directory / STATE_DIRECTORY / f"rank-{process}.pt"
+        state = load_checkpoint_file(path)
+        schedule = self.backend.schedule
+        if schedule is None:
+            return
+        saved = state.get("schedule") if isinstance(state, dict) else None
+        warning = missing_schedule_state(path) if saved is None else restored_schedule(schedule, saved, path)
+        if warning is not None:
+            schedule.warnings.append(warning)
 
 
 class HiddenStateRollout(EmbeddedRollout):

@@ -81,6 +81,12 @@ class ScheduleReports:
         return warnings
 
 
+# the largest SD shape a drafter drafts: depth, branches per position, tokens a verify pass checks, n-gram tokens (a
+# deeper draft than any response is long only hangs the decoder building it; the recipe declares the same ranges)
+MAX_DRAFT_STEPS = 64
+MAX_DRAFT_TOPK = 64
+MAX_VERIFIED_TOKENS = 1024
+
 # where a drafted token came from: the trained drafter, or the model-free n-gram index
 DRAFT_SOURCES = ("drafter", "ngram")
 
