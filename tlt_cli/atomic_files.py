@@ -82,6 +82,16 @@ def read_bounded(path: Path, limit: int = RECORD_LIMIT_BYTES) -> bytes:
     return data
 
 
+def not_a_file(path: Path) -> str:
+    """Why `path`, given as a file, is not a regular file: "does not exist", "is a folder, not a file", or "is not a
+    regular file (a device, a FIFO or a socket)" (/dev/null exists: saying it does not would mislead)."""
+    if path.is_dir():
+        return "is a folder, not a file"
+    if path.exists():
+        return "is not a regular file (a device, a FIFO or a socket)"
+    return "does not exist"
+
+
 def read_valid_json(
     path: Path, valid: Callable[[dict], bool] = lambda record: True, limit: int = RECORD_LIMIT_BYTES
 ) -> dict | None:

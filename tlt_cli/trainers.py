@@ -56,14 +56,22 @@ def train(recipe: Recipe, console: Console, resume_directory: Path | None = None
     check_memory(recipe)
     if recipe.actor.precision == Precision.auto and recipe.actor.devices == CPU_DEVICES:
         console.print("choosing actor.precision auto (the update is timed in fp32 and bf16 once per machine and model)")
+    given = recipe  # what recipe.yaml keeps: a resume resolves `auto` again
     recipe, precision = resolve_update_precision(recipe, model_cache(recipe))
     console.print(precision.describe(), markup=False)
     facts: dict[str, Any] = {"actor_precision": precision.record()}
     if resume_directory is not None:
-        changes = changed_settings(load_recipe(resume_directory / RECIPE_FILE), recipe)
+        changes = changed_settings(load_recipe(resume_directory / RECIPE_FILE), given)
         if changes:
             console.print(describe_changes(changes), markup=False, highlight=False, soft_wrap=True)
             facts["changed_settings"] = {key: list(values) for key, values in changes.items()}
     return run_driver(
-        recipe, TRAINERS[recipe.train.trainer], console, resume_directory, keep_log, facts, check_machine=check_machine
+        recipe,
+        TRAINERS[recipe.train.trainer],
+        console,
+        resume_directory,
+        keep_log,
+        facts,
+        check_machine=check_machine,
+        given_recipe=given,
     )

@@ -23,7 +23,6 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from tlt_cli.config.ranges import RANGE, Range
 from tlt_cli.errors import UserError
-from tlt_cli.speculative.types import MAX_DRAFT_STEPS, MAX_DRAFT_TOPK, MAX_VERIFIED_TOKENS
 
 # the metadata key of a field's help text
 HELP = "help"
@@ -442,13 +441,9 @@ class SpeculativeSection:
         "measured on this machine and the acceptance measured in this run; off: plain decoding; fixed: the "
         "shape below at every decode step; adaptive: the rule table below",
     )
-    steps: int = setting(
-        4, "draft depth of mode fixed: tokens drafted in a row before a verify pass", maximum=MAX_DRAFT_STEPS
-    )
-    topk: int = setting(1, "branches per drafted position of mode fixed (1: a chain)", maximum=MAX_DRAFT_TOPK)
-    draft_tokens: int = setting(
-        0, "tokens verified per pass of mode fixed (0: steps + 1)", minimum=0, maximum=MAX_VERIFIED_TOKENS
-    )
+    steps: int = setting(4, "draft depth of mode fixed: tokens drafted in a row before a verify pass")
+    topk: int = setting(1, "branches per drafted position of mode fixed (1: a chain)")
+    draft_tokens: int = setting(0, "tokens verified per pass of mode fixed (0: steps + 1)")
     rules: list[dict[str, Any]] = setting(
         [],
         "a rule table: running batch size -> SD configuration (off or s<steps>-k<topk>-t<draft tokens>), "

@@ -51,6 +51,8 @@ from tlt_cli.config import (
     RolloutDtype,
     SpeculativeMode,
     SpeculativeSection,
+    number_problem,
+    range_problem,
 )
 from tlt_cli.errors import UserError
 from tlt_cli.integrations.trl_support import (
@@ -63,14 +65,15 @@ from tlt_cli.integrations.trl_support import (
 )
 from tlt_cli.models.tiny import default_cache_dir
 from tlt_cli.plugins import drafter_training_plugin
-from tlt_cli.recipe_checks import checked_rollout_sections
 from tlt_cli.rollout.backend import sampling_seed
 from tlt_cli.rollout.decode_plan import DecodePlan
 from tlt_cli.rollout.embedded import EmbeddedRollout
 from tlt_cli.rollout.types import Completion, RolloutRequest
-from tlt_cli.speculative.adaptive import OFF, SpeculationMode, SpeculativePlan
+from tlt_cli.speculative.adaptive import OFF, RuleTableError, SpeculationMode, SpeculativePlan
 from tlt_cli.speculative.schedule_state import missing_schedule_state, restored_schedule
-from tlt_cli.training.setup import decode_plan_for, rollout_needs_drafter
+from tlt_cli.speculative.shapes import shape_problem
+from tlt_cli.speculative.types import SpeculativeConfig
+from tlt_cli.training.setup import decode_plan_for, rollout_needs_drafter, speculative_plan
 
 if TYPE_CHECKING:
     from torch import nn
@@ -179,6 +182,25 @@ def tlt_rollout(
         dtype,
         decode,
     )
+
+
+def checked_rollout_sections(speculative: SpeculativeSection, drafter: DrafterConfig) -> SpeculativePlan:
+    """The sections a TRL script hands `tlt_rollout()`, checked as a recipe's are (tlt_cli/recipe_checks.py runs the
+    same checks): finite numbers, the ranges each key declares, the SD shapes and the rule table; UserError, one
+    sentence naming the key. Returns the speculative plan."""
+    for section, name in ((speculative, "speculative."), (drafter, "drafter.")):
+        problem = number_problem(section, name) or range_problem(section, name)
+        if problem is not None:
+            raise UserError(problem)
+    try:
+        plan = speculative_plan(speculative)
+    except RuleTableError as error:
+        raise UserError(str(error)) from None
+    for config in (SpeculativeConfig(speculative.steps, speculative.topk, speculative.draft_tokens), *plan.configs):
+        problem = shape_problem(config)
+        if problem is not None:
+            raise UserError(f"speculative: {problem}")
+    return plan
 
 
 def process_sidecar_factory(sidecar: bool | Sequence[str]) -> Callable[..., Any] | None:

@@ -206,12 +206,15 @@ def train(
     run_facts: dict[str, Any] | None = None,
     *,
     check_machine: Callable[[Recipe], None],
+    given_recipe: Recipe | None = None,
 ) -> RunSummary:
     """Run `trainer` with recipe.workers.count worker processes: a new run, or `resume_directory` resumed.
 
     run_facts: what the composition root chose for this run (e.g. the actor's precision), added to the
     trace's run record. check_machine: raises, in one sentence, when this machine lacks what the recipe asks
     for (run once the run to resume is known, before anything starts).
+    given_recipe: the recipe as given, before the composition root made its `auto` values concrete: what the run's
+    recipe.yaml keeps, so a resume chooses again as the user asked (None: `recipe`).
 
     The run directory is locked from when it is taken (a resumed one: once its checkpoint is
     found; a new one: once the drafter is ready) until this returns or raises.
@@ -224,7 +227,7 @@ def train(
         cache = cache_directory(recipe.model.cache_dir)
         drafter_init = _prepare_drafter(trainer, recipe, cache, console)
         decode = _prepare_decoding(trainer, recipe, drafter_init, console)
-        held = held or RunDirectory.create(recipe)
+        held = held or RunDirectory.create(given_recipe or recipe)
         run_spec = RunSpec(
             recipe=recipe,
             run_directory=held.path,
@@ -242,6 +245,7 @@ def train(
             resumed=resume_directory is not None,
             keep_log=keep_log,
             run_facts={**(run_facts or {}), "rollout_precision": _precision_by_worker(recipe, decode)},
+            given_recipe=given_recipe or recipe,
         )
     finally:
         if held is not None:
@@ -256,6 +260,7 @@ def _train_in(
     resumed: bool,
     keep_log: bool,
     run_facts: dict[str, Any],
+    given_recipe: Recipe,
 ) -> RunSummary:
     """The run in its (locked) run directory: workers, trace and display; the summary, or the error to show."""
     recipe = run_spec.recipe
@@ -284,7 +289,7 @@ def _train_in(
             **run_facts,
         },
         loggers,
-        recipe_to_yaml(recipe) if "changed_settings" in run_facts else None,
+        recipe_to_yaml(given_recipe) if "changed_settings" in run_facts else None,
     )
     columns = plugin_columns(recipe.plugins.enabled)
     try:

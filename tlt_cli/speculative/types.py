@@ -81,8 +81,8 @@ class ScheduleReports:
         return warnings
 
 
-# the largest SD shape a drafter drafts: depth, branches per position, tokens a verify pass checks, n-gram tokens (a
-# deeper draft than any response is long only hangs the decoder building it; the recipe declares the same ranges)
+# the largest SD shape a drafter drafts: depth (and n-gram tokens), branches per position, tokens a verify pass checks
+# (speculative/shapes.py refuses a larger one: a draft deeper than any response only hangs the decoder building it)
 MAX_DRAFT_STEPS = 64
 MAX_DRAFT_TOPK = 64
 MAX_VERIFIED_TOKENS = 1024
