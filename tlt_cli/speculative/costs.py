@@ -28,6 +28,9 @@ from tlt_cli.speculative.types import SpeculativeConfig
 # would make a plain step free and every ratio to it a division by zero)
 MIN_PASS_MS = 1e-6
 MAX_PASS_MS = 1e6
+TIME_OUT_OF_RANGE = (
+    f"the measured pass costs hold a time that is not a finite positive number in [{MIN_PASS_MS:g}, {MAX_PASS_MS:g}] ms"
+)
 # a grid axis has at most this many points, each at most MAX_AXIS_VALUE: choosing a configuration interpolates
 # over the grid at every decode step, so a record of 20,000 rows would make each step's choice take 80 ms
 MAX_AXIS_POINTS = 64
@@ -121,7 +124,7 @@ class PassCosts:
         if not shape_ok or len(self.drafter_ms) != len(self.drafter_entries):
             raise ValueError("the measured pass costs do not match their grid")
         if not all(MIN_PASS_MS <= value <= MAX_PASS_MS for row in self.target_ms for value in (*row, *self.drafter_ms)):
-            raise ValueError(f"the measured pass costs hold a time outside [{MIN_PASS_MS}, {MAX_PASS_MS}] ms")
+            raise ValueError(TIME_OUT_OF_RANGE)
 
 
 def verified_tokens(config: SpeculativeConfig) -> int:
@@ -156,7 +159,7 @@ def _times(values: object) -> tuple[float, ...]:
     if not all(math.isfinite(value) and value <= MAX_PASS_MS for value in values if isinstance(value, float)) or any(
         abs(value) > MAX_PASS_MS for value in values if isinstance(value, int)
     ):
-        raise ValueError(f"the measured pass costs hold a time outside [{MIN_PASS_MS}, {MAX_PASS_MS}] ms")
+        raise ValueError(TIME_OUT_OF_RANGE)
     return tuple(float(value) for value in values)
 
 
