@@ -86,6 +86,9 @@ def _render_in_limited_child(tokenizer: PreTrainedTokenizerBase, messages: list[
         code = 1
         try:
             os.close(reading)
+            silent = os.open(os.devnull, os.O_WRONLY)  # an allocator's abort report is not the user's to read
+            os.dup2(silent, 1)
+            os.dup2(silent, 2)
             seconds = int(CHAT_TEMPLATE_SECONDS) + 1
             resource.setrlimit(resource.RLIMIT_CPU, (seconds, seconds + 1))
             resource.setrlimit(resource.RLIMIT_AS, (address_space, address_space))
