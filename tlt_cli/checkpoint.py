@@ -33,11 +33,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tlt_cli.atomic_files import fsync_path, write_atomically
+from tlt_cli.atomic_files import fsync_path, read_bounded, write_atomically
 from tlt_cli.errors import UserError
 
 STATE_FILE = "state.json"
 LATEST_FILE = "latest"
+# `latest` holds one checkpoint's name: a larger file (or a link to one) is not a `latest`
+LATEST_LIMIT_BYTES = 256
 # the run's drafter in a checkpoint, in the save_drafter format: whoever trains or keeps the drafter
 # writes it there (a drafter-training plugin, TRL's rollout) and `tlt export-drafter` reads it
 DRAFTER_DIRECTORY = "drafter"
@@ -159,13 +161,14 @@ def latest_checkpoint(run_directory: Path) -> Checkpoint:
         raise CheckpointError(
             f"{run_directory} has no checkpoint to resume from (no {latest}); start a new run instead."
         )
-    name = latest.read_text(encoding="utf-8", errors="replace").strip()
+    name = _latest_name(latest)
     try:
-        if not CHECKPOINT_NAME.fullmatch(name):
-            raise CheckpointError(f"{latest} does not name a checkpoint (it holds {name[:40]!r}).")
+        if not CHECKPOINT_NAME.fullmatch(name or ""):
+            held = f"it holds {name[:40]!r}" if name is not None else "it is a link, or not a small file of one name"
+            raise CheckpointError(f"{latest} does not name a checkpoint ({held}).")
         return Checkpoint(checkpoints / name, checked_state(checkpoints / name))
     except CheckpointError as damage:
-        newest = checkpoint_number(checkpoints / name)
+        newest = checkpoint_number(checkpoints / name) if name else None
         for older in reversed(numbered_checkpoints(checkpoints)):
             if newest is None or checkpoint_number(older) < newest:
                 try:
@@ -176,28 +179,63 @@ def latest_checkpoint(run_directory: Path) -> Checkpoint:
         raise damage from None
 
 
+def _latest_name(latest: Path) -> str | None:
+    """The name `latest` holds; None when it is a symbolic link (tlt writes a file; a link's target is never shown)
+    or not a regular file of at most LATEST_LIMIT_BYTES."""
+    if latest.is_symlink():
+        return None
+    try:
+        return read_bounded(latest, LATEST_LIMIT_BYTES).decode("utf-8", errors="replace").strip()
+    except (OSError, ValueError):
+        return None
+
+
 def checked_state(directory: Path) -> dict[str, Any]:
     """A checkpoint's state.json, checked: a JSON object with next_step, and every file its recorded size."""
     state_path = directory / STATE_FILE
     if not state_path.is_file():
         raise CheckpointError(f"checkpoint {directory} is incomplete (no {STATE_FILE}).")
     try:
-        state = json.loads(state_path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        reason = getattr(error, "msg", None) or "not UTF-8"
+        state = json.loads(read_bounded(state_path))
+    except (json.JSONDecodeError, UnicodeDecodeError, ValueError, OSError, RecursionError) as error:
+        reason = getattr(error, "msg", None) or ("not UTF-8" if isinstance(error, UnicodeDecodeError) else str(error))
         raise CheckpointError(f"checkpoint state {state_path} is not valid JSON ({reason}).") from None
     next_step = state.get("next_step") if isinstance(state, dict) else None
-    if not isinstance(next_step, int) or isinstance(next_step, bool) or next_step < 0:
+    if not isinstance(next_step, int) or isinstance(next_step, bool) or not 0 <= next_step < 2**63:
         raise CheckpointError(
             f"checkpoint state {state_path} has no 'next_step' (a step count); it was not written by tlt or is damaged."
         )
-    for relative, size in (state.get(FILE_SIZES_KEY) or {}).items():
+    file_sizes = state.get(FILE_SIZES_KEY) or {}
+    if not isinstance(file_sizes, dict) or not all(
+        isinstance(size, int)
+        and not isinstance(size, bool)
+        and Path(relative).parts
+        and ".." not in Path(relative).parts
+        and not Path(relative).is_absolute()
+        for relative, size in file_sizes.items()
+    ):
+        raise CheckpointError(
+            f"checkpoint state {state_path} has no '{FILE_SIZES_KEY}' (file name -> bytes); it was not written by tlt "
+            "or is damaged."
+        )
+    for relative, size in file_sizes.items():
         path = directory / relative
         if not path.is_file() or path.stat().st_size != size:
             raise CheckpointError(
                 f"checkpoint file {path} is missing or truncated (expected {size} bytes); the checkpoint is damaged."
             )
     return state
+
+
+def unloadable_checkpoint(directory: Path, error: BaseException) -> str:
+    """One sentence for a checkpoint that passed its size check and still does not load (a tampered or emptied
+    shard, another model's shapes): what failed, and advice that does not repeat the failure (the folder removed,
+    `--resume` falls back to the checkpoint before it, latest_checkpoint)."""
+    detail = load_failure_reason(error) if str(error) else type(error).__name__
+    return (
+        f"checkpoint {directory} cannot be loaded ({type(error).__name__}: {detail}): it is damaged or holds another "
+        f"model; remove {directory} and --resume falls back to the checkpoint before it, or start a new run."
+    )
 
 
 def load_checkpoint_file(path: Path, allowed_classes: Iterable[type] = (), map_location: Any = None) -> Any:

@@ -58,11 +58,13 @@ from tlt_cli.sglang.drafter_format import (
     sglang_tensors,
 )
 from tlt_cli.speculative.decoder import SpeculativeDecoder
-from tlt_cli.speculative.types import SpeculativeConfig, accept_length
+from tlt_cli.speculative.types import MAX_DRAFT_STEPS, SpeculativeConfig, accept_length
 from tlt_cli.training import setup
 from tlt_cli.training.actor import ACTOR_WEIGHTS_FILE, CHECKPOINT_TAG
 
 SUMMARY_FILE = "tlt_export.json"
+# the most held-out prompts --prompts measures acceptance on (each is decoded alone)
+MAX_PROBE_PROMPTS = 10_000
 CARD_FILE = "README.md"
 # every file an export holds: a folder of these (with SUMMARY_FILE) is one --force may replace
 EXPORT_FILES = frozenset({EXPORT_CONFIG_FILE, WEIGHTS_FILE, CARD_FILE, SUMMARY_FILE, TOKEN_MAP_FILE})
@@ -282,9 +284,15 @@ def held_out_probe(
     recipe: Recipe, tokenizer: PreTrainedTokenizerBase, prompts: int, max_new_tokens: int | None, draft_steps: int
 ) -> HeldOutProbe:
     """`prompts` problems of the recipe's task that the run never drew (indexes after its last step's)."""
-    if prompts < 1 or draft_steps < 1:
+    if not 1 <= prompts <= MAX_PROBE_PROMPTS or not 1 <= draft_steps <= MAX_DRAFT_STEPS:
         raise ExportError(
-            f"need at least 1 prompt and 1 draft step to measure acceptance, got {prompts} and {draft_steps}."
+            f"--prompts must be in 1..{MAX_PROBE_PROMPTS} and --draft-steps in 1..{MAX_DRAFT_STEPS} to measure "
+            f"acceptance, got {prompts} and {draft_steps}."
+        )
+    if max_new_tokens is not None and max_new_tokens < 1:
+        raise ExportError(
+            f"--max-new-tokens must be at least 1 (leave it out for the recipe's rollout.max_new_tokens "
+            f"{recipe.rollout.max_new_tokens}), got {max_new_tokens}."
         )
     first_index = recipe.train.steps * recipe.train.prompts_per_step
     return HeldOutProbe(
@@ -292,7 +300,7 @@ def held_out_probe(
         first_problem_index=first_index,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
-        max_new_tokens=max_new_tokens or recipe.rollout.max_new_tokens,
+        max_new_tokens=max_new_tokens if max_new_tokens is not None else recipe.rollout.max_new_tokens,
         draft_steps=draft_steps,
     )
 

@@ -17,7 +17,6 @@ parses the rule table into it) and the SD shape problems (tlt_cli/speculative/sh
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import re
 from pathlib import Path
@@ -35,6 +34,7 @@ from tlt_cli.config import (
     Trainer,
     is_control_character,
     load_recipe,
+    number_problem,
     range_problem,
 )
 from tlt_cli.engine.sampling import MIN_TEMPERATURE
@@ -58,7 +58,6 @@ FOLDER_NAME_BYTES = 255
 SHELL_SAFE_PUNCTUATION = "@ % + = : , . / _ -"
 SHELL_UNSAFE = re.compile(r"[^\w@%+=:,./-]", re.ASCII)
 # what a recipe's integers must fit in: torch tensors and the trace's readers hold 64-bit integers
-INTEGER_BITS = 64
 # the most tokens one step may generate (train.prompts_per_step x train.group_size x rollout.max_new_tokens):
 # their token ids alone, 8 bytes each, would fill 8 TiB, beyond the memory of any machine a run starts on
 MAX_STEP_TOKENS = 2**40
@@ -113,19 +112,8 @@ def _check_temperature(temperature: float) -> None:
 
 
 def _check_numbers(section: Any, prefix: str = "") -> None:
-    """Every float key is a finite number (YAML reads .inf and .nan as floats), every integer key fits in 64 bits
-    (YAML integers have no bound; torch, NumPy and the trace's readers stop at 64 bits)."""
-    for key_field in dataclasses.fields(section):
-        value, key = getattr(section, key_field.name), f"{prefix}{key_field.name}"
-        if dataclasses.is_dataclass(value):
-            _check_numbers(value, f"{key}.")
-        elif isinstance(value, float):
-            _require(math.isfinite(value), f"{key} must be a finite number, got {value}.")
-        elif isinstance(value, int) and not isinstance(value, bool):
-            _require(
-                -(2 ** (INTEGER_BITS - 1)) <= value < 2 ** (INTEGER_BITS - 1),
-                f"{key} must fit in {INTEGER_BITS} bits (below 2^{INTEGER_BITS - 1} in size), got {value}.",
-            )
+    """Every float key is a finite number, every integer key fits in 64 bits (config/ranges.py `number_problem`)."""
+    refuse(number_problem(section, prefix))
 
 
 def _check_ranges(recipe: Recipe) -> None:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -35,6 +36,8 @@ from typing import Any, TextIO
 
 from tlt_cli.atomic_files import write_atomically
 from tlt_cli.errors import UserError, writing
+
+LOGGER = logging.getLogger(__name__)
 
 # the record that ends a step: the trace is fsynced after it
 STEP_RECORD = "step"
@@ -184,14 +187,42 @@ def truncate_trace(path: Path, first_dropped_step: int) -> None:
     """
     if not path.is_file():
         return
-    kept = []
-    with path.open(encoding="utf-8") as lines:
-        for line in lines:
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
+    kept, damaged = [], []
+    with path.open("rb") as lines:
+        for number, line in enumerate(lines, start=1):
+            record = lenient_record(line)
+            if record is None:
+                if line.endswith(b"\n") and line.strip():  # a last line cut short by a kill is no damage
+                    damaged.append(number)
                 continue
-            if record.get("step", -1) < first_dropped_step:
-                kept.append(line if line.endswith("\n") else line + "\n")
+            step = record.get("step", -1)
+            if step < first_dropped_step:
+                text = line.decode("utf-8")
+                kept.append(text if text.endswith("\n") else text + "\n")
+    if damaged:
+        LOGGER.warning(
+            "trace %s: line%s %s %s damaged (not a trace record) and %s dropped.",
+            path,
+            "s" if len(damaged) > 1 else "",
+            ", ".join(map(str, damaged[:5])) + (", ..." if len(damaged) > 5 else ""),
+            "are" if len(damaged) > 1 else "is",
+            "are" if len(damaged) > 1 else "is",
+        )
     with writing(path, WRITE_ADVICE, TraceWriteError):
         write_atomically(path, "".join(kept))
+
+
+def lenient_record(line: bytes | str) -> dict[str, Any] | None:
+    """The trace record on one line, or None when the line is not one (not UTF-8, not JSON, an integer past 64
+    bits, nesting past Python's stack, not an object, no string 'type', a 'step' that is not a 64-bit count):
+    what a resume reads the trace with, dropping damage instead of failing on it."""
+    try:
+        record = json.loads(line, parse_int=_record_integer)
+    except Exception:  # noqa: BLE001 - any damage of a line makes it no record
+        return None
+    if not isinstance(record, dict) or not isinstance(record.get("type"), str):
+        return None
+    step = record.get("step", 0)
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        return None
+    return record

@@ -32,7 +32,7 @@ from tlt_cli.config.loading import (
     recipe_to_dict,
     recipe_to_yaml,
 )
-from tlt_cli.config.ranges import RANGE, Range, range_problem
+from tlt_cli.config.ranges import RANGE, Range, number_problem, range_problem
 from tlt_cli.config.schema import (
     CPU_DEVICES,
     DEFAULT_RULES,
@@ -110,6 +110,7 @@ __all__ = [
     "read_yaml",
     "recipe_from_config",
     "recipe_to_dict",
+    "number_problem",
     "range_problem",
     "recipe_to_yaml",
     "setting",

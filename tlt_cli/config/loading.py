@@ -22,6 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from yaml import YAMLError
 
+from tlt_cli.atomic_files import not_a_file
 from tlt_cli.config.schema import Recipe, RecipeChoice, RecipeError
 
 # a recipe is a few KB of YAML; refusing bigger files keeps a mistaken path from hanging the parser
@@ -106,8 +107,10 @@ def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
 def _read_sections(recipe_path: Path) -> dict:
     """The recipe file's top-level mapping, or a RecipeError naming the file (and the line, for bad YAML)."""
     if not recipe_path.is_file():
-        kind = "is a folder, not a file" if recipe_path.is_dir() else "does not exist"
-        raise RecipeError(f"recipe file {recipe_path} {kind}; pass the path of a YAML recipe (see `tlt recipes list`).")
+        raise RecipeError(
+            f"recipe file {recipe_path} {not_a_file(recipe_path)}; pass the path of a YAML recipe (see `tlt recipes "
+            "list`)."
+        )
     if recipe_path.stat().st_size > MAX_RECIPE_BYTES:
         raise RecipeError(
             f"recipe file {recipe_path} is {recipe_path.stat().st_size} bytes; a recipe is a few KB of "

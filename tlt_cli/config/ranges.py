@@ -2,20 +2,26 @@
 
 `setting(default, help, minimum=..., maximum=...)` (schema.py) keeps the key's `Range` in its field's metadata
 and ends its help with the same range (`RL steps; in 1..999999999 (what checkpoint names hold)`).
-`range_problem(section, prefix)` reads a section's own keys against their ranges and returns the one sentence
-that refuses the first value outside one, naming the key, or None. The recipe gate (tlt_cli/recipe_checks.py)
-asks it for every section; tlt_cli/sglang/config.py asks it for `rollout.sglang`, which is checked only when
+`number_problem(section, prefix)` refuses a float that is not finite (YAML reads .inf and .nan as floats) and an
+integer past 64 bits (YAML integers have no bound; torch, NumPy and the trace's readers stop at 64 bits), nested
+sections included. `range_problem(section, prefix)` reads a section's own keys against their ranges and returns the
+one sentence that refuses the first value outside one, naming the key, or None. The recipe gate
+(tlt_cli/recipe_checks.py) and `tlt_rollout()` (tlt_cli/integrations/trl.py) ask both for every section;
+tlt_cli/sglang/config.py asks it for `rollout.sglang`, which is checked only when
 that backend runs.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any
 
 # the metadata key of a field's range
 RANGE = "range"
+# the bits every integer key fits in
+INTEGER_BITS = 64
 
 
 @dataclass(frozen=True)
@@ -67,4 +73,21 @@ def range_problem(section: Any, prefix: str = "") -> str | None:
         value = getattr(section, key_field.name)
         if declared is not None and not declared.admits(value):
             return declared.refusal(f"{prefix}{key_field.name}", value)
+    return None
+
+
+def number_problem(section: Any, prefix: str = "") -> str | None:
+    """The refusal of the first float key of `section` (nested sections included) that is not finite, or integer key
+    that does not fit in INTEGER_BITS bits; None when every number is one."""
+    for key_field in dataclasses.fields(section):
+        value, key = getattr(section, key_field.name), f"{prefix}{key_field.name}"
+        if dataclasses.is_dataclass(value):
+            problem = number_problem(value, f"{key}.")
+            if problem is not None:
+                return problem
+        elif isinstance(value, float) and not math.isfinite(value):
+            return f"{key} must be a finite number, got {value}."
+        elif isinstance(value, int) and not isinstance(value, bool):
+            if not -(2 ** (INTEGER_BITS - 1)) <= value < 2 ** (INTEGER_BITS - 1):
+                return f"{key} must fit in {INTEGER_BITS} bits (below 2^{INTEGER_BITS - 1} in size), got {value}."
     return None

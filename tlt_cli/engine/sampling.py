@@ -24,6 +24,11 @@ class NonFiniteLogits(ArithmeticError):
     """The logits sampled from are not finite, so the distribution has no mass to draw from."""
 
 
+class NonFiniteDrafts(NonFiniteLogits):
+    """The drafter's logits are not finite: the drafter diverged, not the policy (its drafts are sampled through
+    the same check; tlt_cli/speculative/decoder.py names them as the drafter's)."""
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How the next token is drawn. temperature 0 means greedy (argmax)."""

@@ -51,6 +51,8 @@ from tlt_cli.config import (
     RolloutDtype,
     SpeculativeMode,
     SpeculativeSection,
+    number_problem,
+    range_problem,
 )
 from tlt_cli.errors import UserError
 from tlt_cli.integrations.trl_support import (
@@ -68,8 +70,12 @@ from tlt_cli.rollout.decode_plan import DecodePlan
 from tlt_cli.rollout.embedded import EmbeddedRollout
 from tlt_cli.rollout.types import Completion, RolloutRequest
 from tlt_cli.speculative.plan import SpeculationMode, SpeculativePlan
-from tlt_cli.speculative.types import OFF
-from tlt_cli.training.setup import decode_plan_for, rollout_needs_drafter, speculative_plan
+from tlt_cli.speculative.rules import RuleTableError
+from tlt_cli.speculative.schedule_state import missing_schedule_state, restored_schedule
+from tlt_cli.speculative.shapes import shape_problem
+from tlt_cli.speculative.types import OFF, SpeculativeConfig
+from tlt_cli.training.drafter_use import rollout_needs_drafter
+from tlt_cli.training.setup import decode_plan_for, speculative_plan
 from tlt_cli.tuning.run_plan import RunPlan
 
 if TYPE_CHECKING:
@@ -146,8 +152,9 @@ def tlt_rollout(
 ) -> TltRollout:
     """A `rollout_func` for `GRPOTrainer` (checked now: TRL's version, the settings).
 
-    speculative: the recipe's `speculative` section (None: its defaults, adaptive; {"mode": "off"}:
-    plain decoding). drafter: "warmup" (trained on the trainer's first prompts before the first
+    speculative: the recipe's `speculative` section (None: its defaults, mode auto; {"mode": "off"}:
+    plain decoding), checked as a recipe's is (its ranges, shapes and rule table: a RecipeError names the key).
+    drafter: "warmup" (trained on the trainer's first prompts before the first
     rollout, cached under $TLT_CACHE_DIR), "random", a folder written by save_drafter, or an
     EagleDrafter. sidecar: train the drafter in the wait between data-parallel processes, with the
     first of these plugin names whose class trains the drafter (True: the recipe's default
@@ -165,24 +172,43 @@ def tlt_rollout(
     """
     check_trl_version()
     linear_forms, dtype = LinearForms.of(linear_forms, "linear_forms"), RolloutDtype.of(dtype, "dtype")
-    if plan is not None:
+    section = _section(SpeculativeSection, speculative, "speculative")
+    section = replace(section, mode=SpeculativeMode.of(section.mode, "speculative mode"))
+    drafter_section = _section(DrafterConfig, drafter_config, "drafter_config")
+    # checked now as a recipe's sections are (ranges, shapes, the rule table), not at the first rollout
+    speculating, decode = checked_rollout_sections(section, drafter_section), None
+    if plan is not None:  # `tlt train`'s driver made the run's plan: used as it is
         speculating, decode = plan.speculative, plan.decode
-    else:
-        section = _section(SpeculativeSection, speculative, "speculative")
-        # the rule table is checked now, not at the first rollout
-        speculating = speculative_plan(replace(section, mode=SpeculativeMode.of(section.mode, "speculative mode")))
-        decode = None
     return TltRollout(
         speculating,
         drafter,
         process_sidecar_factory(sidecar),
-        _section(DrafterConfig, drafter_config, "drafter_config"),
+        drafter_section,
         seed,
         linear_forms,
         None if cache_dir is None else Path(cache_dir),
         dtype,
         decode,
     )
+
+
+def checked_rollout_sections(speculative: SpeculativeSection, drafter: DrafterConfig) -> SpeculativePlan:
+    """The sections a TRL script hands `tlt_rollout()`, checked as a recipe's are (tlt_cli/recipe_checks.py runs the
+    same checks): finite numbers, the ranges each key declares, the SD shapes and the rule table; UserError, one
+    sentence naming the key. Returns the speculative plan."""
+    for section, name in ((speculative, "speculative."), (drafter, "drafter.")):
+        problem = number_problem(section, name) or range_problem(section, name)
+        if problem is not None:
+            raise UserError(problem)
+    try:
+        plan = speculative_plan(speculative)
+    except RuleTableError as error:
+        raise UserError(str(error)) from None
+    for config in (SpeculativeConfig(speculative.steps, speculative.topk, speculative.draft_tokens), *plan.configs):
+        problem = shape_problem(config)
+        if problem is not None:
+            raise UserError(f"speculative: {problem}")
+    return plan
 
 
 def process_sidecar_factory(sidecar: bool | Sequence[str]) -> Callable[..., Any] | None:
@@ -377,9 +403,15 @@ class TltRollout:
         self.policy = None  # rebuild on the next call, from the checkpoint's drafter
 
     def _load_schedule(self, directory: Path, process: int) -> None:
-        state = load_checkpoint_file(directory / STATE_DIRECTORY / f"rank-{process}.pt")
-        if state["schedule"] is not None and self.backend.schedule is not None:
-            self.backend.schedule.load_state_dict(state["schedule"])
+        path = directory / STATE_DIRECTORY / f"rank-{process}.pt"
+        state = load_checkpoint_file(path)
+        schedule = self.backend.schedule
+        if schedule is None:
+            return
+        saved = state.get("schedule") if isinstance(state, dict) else None
+        warning = missing_schedule_state(path) if saved is None else restored_schedule(schedule, saved, path)
+        if warning is not None:
+            schedule.warnings.append(warning)
 
 
 class HiddenStateRollout(EmbeddedRollout):

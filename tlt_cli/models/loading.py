@@ -53,6 +53,21 @@ CACHE_PREFIX = "cache:"
 WEIGHT_SUFFIXES = (".safetensors", ".bin")
 # the files whose `auto_map` points transformers at Python code in the model folder
 REMOTE_CODE_FILES = ("config.json", "tokenizer_config.json")
+# config.json's sizes, each checked to be a whole number in [1, bound] before any model is built from it (a million
+# layers would hang building even the meta-device model that checks weight shapes; 0 heads divides by zero)
+CONFIG_SIZE_BOUNDS = {
+    "num_hidden_layers": 1024,
+    "hidden_size": 1 << 17,
+    "intermediate_size": 1 << 20,
+    "num_attention_heads": 1024,
+    "num_key_value_heads": 1024,
+    "head_dim": 1 << 12,
+    "vocab_size": 1 << 23,
+    "max_position_embeddings": 1 << 24,
+}
+# safetensors dtypes of floating-point tensors (a model's weights are; an integer or bool tensor of the right
+# shape is damage, not weights)
+FLOAT_DTYPES = {"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2", "F8_E8M0", "F4", "F6_E2M3", "F6_E3M2"}
 
 
 class ModelLoadError(UserError):
@@ -154,34 +169,47 @@ def check_weight_shapes(model_dir: Path, config: PretrainedConfig, trust_remote_
     tensor the model has and the files lack (tied weights count once), then the first the files hold and
     the model has no place for. Without safetensors files, the .bin files are read the same way (`bin_weights`).
     """
-    with torch.device("meta"), _without_progress_bars():
-        model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
-    expected = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
+    try:
+        with torch.device("meta"), _without_progress_bars():
+            model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+    except Exception as error:  # noqa: BLE001 - sizes the bounds let through and transformers still refuses
+        reason = str(error).strip().splitlines()[0][:200] if str(error).strip() else type(error).__name__
+        raise ModelLoadError(f"Model at {model_dir} has a config.json no model can be built from ({reason}).") from None
+    state = model.state_dict()
+    expected = {name: tuple(tensor.shape) for name, tensor in state.items()}
     files = sorted(model_dir.glob("*.safetensors")) or sorted(model_dir.glob("*.bin"))
     present = set()
     for weights in files:
-        for name, shape in _weight_shapes(weights):
+        for name, shape, floating in _weight_shapes(weights):
             if name in expected and shape != expected[name]:
                 raise ModelLoadError(
                     f"Model weights in {weights} do not fit its config.json: {name} has shape "
                     f"{list(shape)}, the config makes it {list(expected[name])}; the weights belong to "
                     "another model."
                 )
+            if name in expected and state[name].is_floating_point() and not floating:
+                raise ModelLoadError(
+                    f"Model weights in {weights} hold {name} as integers or booleans, not floating-point numbers; "
+                    "the file is damaged or not a model's weights."
+                )
             present.add(name)
     if files:
         _check_weight_names(model_dir, model, present)
 
 
-def _weight_shapes(weights: Path) -> Iterator[tuple[str, tuple[int, ...]]]:
-    """(name, shape) of each tensor of a weight file: a safetensors file's header, or a .bin file read weights-only
-    and memory-mapped (bin_weights)."""
+def _weight_shapes(weights: Path) -> Iterator[tuple[str, tuple[int, ...], bool]]:
+    """(name, shape, whether floating-point) of each tensor of a weight file: a safetensors file's header, or a .bin
+    file read weights-only and memory-mapped (bin_weights)."""
     if weights.suffix == ".bin":
         for name, tensor in bin_weights(weights).items():
-            yield name, tuple(tensor.shape)
+            yield name, tuple(tensor.shape), tensor.is_floating_point()
         return
     try:
         with safe_open(str(weights), framework="pt") as tensors:
-            shapes = [(name, tuple(tensors.get_slice(name).get_shape())) for name in tensors.keys()]
+            shapes = [
+                (name, tuple(tensors.get_slice(name).get_shape()), tensors.get_slice(name).get_dtype() in FLOAT_DTYPES)
+                for name in tensors.keys()
+            ]
     except (SafetensorError, OSError) as error:
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise ModelLoadError(f"Model weights in {weights} cannot be read ({reason}).") from None
@@ -277,15 +305,42 @@ def _checked_model_dir(model_path: str) -> Path:
 def _check_causal_lm_config(model_dir: Path, trust_remote_code: bool) -> PretrainedConfig:
     try:
         config = AutoConfig.from_pretrained(model_dir, local_files_only=True, trust_remote_code=trust_remote_code)
-    except (OSError, ValueError, KeyError) as error:
-        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    except Exception as error:  # noqa: BLE001 - the folder's JSON: any failure to read it is the folder's
+        reason = str(error).strip().splitlines()[0][:200] if str(error).strip() else type(error).__name__
         raise ModelLoadError(f"Model at {model_dir} has a config transformers cannot read ({reason}).") from None
+    _check_config_sizes(model_dir, config)
     remote_causal_lm = trust_remote_code and "AutoModelForCausalLM" in (getattr(config, "auto_map", None) or {})
     if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING and not remote_causal_lm:
         raise ModelLoadError(
             f"Model at {model_dir} has architecture {config.model_type!r}, which is not a causal language model."
         )
     return config
+
+
+def _check_config_sizes(model_dir: Path, config: PretrainedConfig) -> None:
+    """ModelLoadError naming the first size of CONFIG_SIZE_BOUNDS that is not a whole number in [1, its bound], or
+    heads that do not divide the hidden size (without a head_dim) or key/value heads that do not divide the heads."""
+    sizes = {}
+    for key, bound in CONFIG_SIZE_BOUNDS.items():
+        value = getattr(config, key, None)
+        if value is None:
+            continue
+        if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= bound:
+            raise ModelLoadError(
+                f"Model at {model_dir} has {key} {value!r} in config.json; it must be a whole number from 1 to {bound}."
+            )
+        sizes[key] = value
+    heads, kv_heads = sizes.get("num_attention_heads"), sizes.get("num_key_value_heads")
+    if heads and "hidden_size" in sizes and "head_dim" not in sizes and sizes["hidden_size"] % heads:
+        raise ModelLoadError(
+            f"Model at {model_dir} has hidden_size {sizes['hidden_size']} in config.json, which its "
+            f"num_attention_heads {heads} do not divide."
+        )
+    if heads and kv_heads and heads % kv_heads:
+        raise ModelLoadError(
+            f"Model at {model_dir} has num_attention_heads {heads} in config.json, which its num_key_value_heads "
+            f"{kv_heads} do not divide."
+        )
 
 
 def _load_tokenizer(model_dir: Path, trust_remote_code: bool) -> PreTrainedTokenizerBase:

@@ -87,6 +87,8 @@ def train(
 
     check_machine: raises, in one sentence, when this machine lacks what the recipe asks
     for (run once the run to resume is known, before anything starts).
+    The run's recipe.yaml keeps the recipe as given, before the plan made its `auto` values concrete, so a resume
+    chooses again as the user asked.
 
     The run directory is locked from when it is taken (a resumed one: once its checkpoint is
     found; a new one: once the run is planned) until this returns or raises.
@@ -98,11 +100,12 @@ def train(
         remove_what_killed_runs_left(console)
         cache = cache_directory(recipe.model.cache_dir)
         drafter_init = prepare_drafter(trainer.prepare_drafter, recipe, cache, console)
+        given = recipe  # what recipe.yaml keeps: a resume resolves `auto` again
         recipe, plan = plan_run(trainer.plan_run, recipe, drafter_init, console)
         run_facts = plan_facts(recipe, plan)
         if resume_directory is not None:
-            run_facts.update(resumed_changes(resume_directory, recipe, console))
-        held = held or RunDirectory.create(recipe)
+            run_facts.update(resumed_changes(resume_directory, given, console))
+        held = held or RunDirectory.create(given)
         run_spec = RunSpec(
             recipe=recipe,
             run_directory=held.path,
@@ -120,6 +123,7 @@ def train(
             resumed=resume_directory is not None,
             keep_log=keep_log,
             run_facts=run_facts,
+            given_recipe=given,
         )
     finally:
         if held is not None:
@@ -134,6 +138,7 @@ def _train_in(
     resumed: bool,
     keep_log: bool,
     run_facts: dict[str, Any],
+    given_recipe: Recipe,
 ) -> RunSummary:
     """The run in its (locked) run directory: workers, trace and display; the summary, or the error to show."""
     recipe = run_spec.recipe
@@ -162,7 +167,7 @@ def _train_in(
             **run_facts,
         },
         loggers,
-        recipe_to_yaml(recipe) if "changed_settings" in run_facts else None,
+        recipe_to_yaml(given_recipe) if "changed_settings" in run_facts else None,
     )
     columns = plugin_columns(recipe.plugins.enabled)
     try:

@@ -25,6 +25,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from tlt_cli.atomic_files import not_a_file
 from tlt_cli.config import CPU_DEVICES, Recipe
 
 # the module every launched rank runs
@@ -47,7 +48,7 @@ class Host:
 def read_hostfile(path: Path) -> list[Host]:
     """Hosts in file order; HostfileError for a missing file, a bad line or a repeated host."""
     if not path.is_file():
-        raise HostfileError(f"{path} does not exist; write one line per node, e.g. 'node-a slots=8'.")
+        raise HostfileError(f"{path} {not_a_file(path)}; write one line per node, e.g. 'node-a slots=8'.")
     hosts: list[Host] = []
     for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
         content = line.split("#", 1)[0].strip()

@@ -19,6 +19,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from tlt_cli.atomic_files import not_a_file
 from tlt_cli.config import Recipe, load_recipe, recipe_to_dict
 from tlt_cli.errors import UserError
 from tlt_cli.processes.run_directory import RECIPE_FILE
@@ -39,6 +40,11 @@ def resumed_recipe(run_directory: Path, recipe_name: str | None, overrides: list
     """The run's recipe.yaml with `overrides` applied; UserError when `recipe_name` differs from it or an override
     changes a setting the checkpoint cannot honour."""
     own_path = run_directory / RECIPE_FILE
+    if not own_path.is_file():
+        raise UserError(
+            f"--resume {run_directory}: it has no {RECIPE_FILE} ({own_path} {not_a_file(own_path)}), so it is not a "
+            "tlt run directory or it was damaged; give the run directory tlt train made, or start a new run."
+        )
     own = load_recipe(own_path)
     if recipe_name is not None:
         differing = list(changed_settings(own, load_recipe(resolve_recipe_path(recipe_name))))
@@ -61,7 +67,16 @@ def resumed_recipe(run_directory: Path, recipe_name: str | None, overrides: list
 def changed_settings(before: Recipe, after: Recipe) -> dict[str, tuple[Any, Any]]:
     """Each dotted key whose value differs, with its old and new value, in the recipe's order."""
     old, new = _flattened(recipe_to_dict(before)), _flattened(recipe_to_dict(after))
-    return {key: (old.get(key), new.get(key)) for key in {**old, **new} if old.get(key) != new.get(key)}
+    # an empty mapping and no key are one setting (task.options {} -> {"path": ...} changes task.options.path only)
+    return {
+        key: (old.get(key), new.get(key))
+        for key in {**old, **new}
+        if old.get(key) != new.get(key) and not (_unset(old.get(key)) and _unset(new.get(key)))
+    }
+
+
+def _unset(value: Any) -> bool:
+    return value is None or value == {}
 
 
 def describe_changes(changes: dict[str, tuple[Any, Any]]) -> str:

@@ -24,10 +24,12 @@ import shutil
 from pathlib import Path
 from typing import TextIO
 
+from tlt_cli.atomic_files import read_valid_json
 from tlt_cli.checkpoint import Checkpoint, CheckpointError, checked_state, latest_checkpoint, numbered_checkpoints
 from tlt_cli.config import Recipe, recipe_to_yaml
 from tlt_cli.errors import UserError
 from tlt_cli.models.identity import model_identity
+from tlt_cli.trace import lenient_record
 
 RECIPE_FILE = "recipe.yaml"
 # the identity of the model a run was trained from (tlt_cli/models/identity.py), written when the run starts
@@ -87,13 +89,10 @@ def recorded_steps(trace_path: Path) -> int:
     if not trace_path.is_file():
         return 0
     recorded = 0
-    with trace_path.open(encoding="utf-8", errors="replace") as lines:
+    with trace_path.open("rb") as lines:
         for line in lines:
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if isinstance(record, dict) and record.get("type") == "step" and isinstance(record.get("step"), int):
+            record = lenient_record(line)  # a damaged line is no record (truncate_trace drops it, with a warning)
+            if record is not None and record["type"] == "step" and "step" in record:
                 recorded = max(recorded, record["step"] + 1)
     return recorded
 
@@ -113,11 +112,7 @@ def _newest_checkpoint_until(checkpoints: Path, next_step: int) -> Checkpoint | 
 def trained_from(run_directory: Path) -> dict | None:
     """The identity of the model the run was trained from, as recorded at its start; None for a run that recorded
     none (started by an older tlt) or whose record is unreadable."""
-    try:
-        recorded = json.loads((run_directory / MODEL_FILE).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    return recorded if isinstance(recorded, dict) else None
+    return read_valid_json(run_directory / MODEL_FILE)
 
 
 class RunDirectory:

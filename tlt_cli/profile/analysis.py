@@ -413,9 +413,9 @@ def _sd_speedup(records: ProfileRecords, accept_length: float | None, given: flo
         return given, "given with --sd-speedup"
     off = [record for record in records.sd_configs if record.config == SD_OFF_LABEL and record.decode_steps > 0]
     on = [record for record in records.sd_configs if record.config != SD_OFF_LABEL and record.decode_steps > 0]
-    if accept_length is not None and off and on:
-        off_step = sum(record.seconds for record in off) / sum(record.decode_steps for record in off)
-        on_step = sum(record.seconds for record in on) / sum(record.decode_steps for record in on)
+    off_step = sum(record.seconds for record in off) / sum(record.decode_steps for record in off) if off else 0.0
+    on_step = sum(record.seconds for record in on) / sum(record.decode_steps for record in on) if on else 0.0
+    if accept_length is not None and off_step > 0 and on_step > 0:  # a record of 0 seconds measures nothing
         # tokens per second with SD / without: accept_length tokens per SD step vs one per plain step
         measured = accept_length * off_step / on_step
         if measured >= 1.0:

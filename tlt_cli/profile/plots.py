@@ -10,13 +10,14 @@ picture (or none), never half of one, and is a `UserError` naming the file.
 
 from __future__ import annotations
 
-import os
+import io
 from pathlib import Path
 
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
+from tlt_cli.atomic_files import write_atomically
 from tlt_cli.errors import writing
 from tlt_cli.profile.analysis import Profile, Segment
 
@@ -108,11 +109,10 @@ def _plot_lengths(profile: Profile, lengths: list[int], path: Path) -> None:
 
 
 def _save(figure: Figure, path: Path) -> None:
+    """The picture, rendered in memory, written by the atomic layer (a new O_EXCL temporary file: a link planted
+    at a predictable staging name is never written through)."""
     FigureCanvasAgg(figure)
-    staging = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with writing(path, PLOT_ADVICE):
-            figure.savefig(staging, format="png")
-            os.replace(staging, path)
-    finally:
-        staging.unlink(missing_ok=True)
+    picture = io.BytesIO()
+    figure.savefig(picture, format="png")
+    with writing(path, PLOT_ADVICE):
+        write_atomically(path, picture.getvalue())

@@ -30,6 +30,12 @@ from tlt_cli.tuning.precision import PrecisionChoice
 
 TRACE_FILE = "trace.jsonl"
 REQUIRED_REQUEST_FIELDS = ("step", "worker", "start", "end", "tokens")
+# a record's counts (steps, workers, tokens, passes) are whole numbers in [0, MAX_COUNT]; its times (seconds of any
+# origin, milliseconds) within +-MAX_TIME, so no sum or span of them overflows a float; a per-depth list holds at most
+# MAX_DEPTHS counts (a draft is never that deep; a list of a million would take minutes to analyse)
+MAX_COUNT = 10**12
+MAX_TIME = 1e12
+MAX_DEPTHS = 1024
 
 
 class ProfileInputError(UserError):
@@ -261,16 +267,28 @@ def _sorted(records: ProfileRecords) -> ProfileRecords:
 def _csv_requests(path: Path) -> Iterator[RequestRecord]:
     with io.StringIO(utf8_text(path, ProfileInputError), newline="") as handle:
         reader = csv.DictReader(handle)
-        columns = [name.strip() for name in reader.fieldnames or []]
+        try:
+            columns = [name.strip() for name in reader.fieldnames or []]
+        except csv.Error as error:
+            raise ProfileInputError(f"{path} line 1 is not a CSV header ({error}).") from None
         missing = [name for name in REQUIRED_REQUEST_FIELDS if name not in columns]
         if missing:
             raise ProfileInputError(
                 f"{path} lacks the column(s) {', '.join(missing)}; "
                 f"the header must name {', '.join(REQUIRED_REQUEST_FIELDS)}."
             )
-        for row in reader:
+        rows = iter(reader)
+        while True:
+            try:
+                row = next(rows)
+            except StopIteration:
+                return
+            except csv.Error as error:  # a field past the csv module's 128 kB limit, a NUL byte
+                raise ProfileInputError(f"{path} line {reader.line_num} is not a CSV row ({error}).") from None
             cleaned = {
-                key.strip(): value.strip() for key, value in row.items() if key is not None and value not in (None, "")
+                key.strip(): value.strip()
+                for key, value in row.items()
+                if isinstance(key, str) and isinstance(value, str) and value
             }
             yield _plain_request(cleaned, f"{path} line {reader.line_num}")
 
@@ -421,20 +439,29 @@ def _number(record: dict[str, Any], name: str, kind: type, where: str, default: 
         number = float(value)
         if not math.isfinite(number) or (kind is int and not number.is_integer()):
             raise ValueError
+        if not (0 <= number <= MAX_COUNT if kind is int else abs(number) <= MAX_TIME):
+            raise ValueError
         return kind(number)
-    except (TypeError, ValueError):
-        expected = "an integer" if kind is int else "a finite number"
-        raise ProfileInputError(f"{where}: '{name}' is {value!r}, expected {expected}.") from None
+    except (TypeError, ValueError, OverflowError):
+        expected = f"an integer from 0 to {MAX_COUNT}" if kind is int else f"a finite number within +-{MAX_TIME:g}"
+        shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:40] + "..."
+        raise ProfileInputError(f"{where}: '{name}' is {shown}, expected {expected}.") from None
 
 
 def _counts(record: dict[str, Any], name: str, where: str) -> tuple[int, ...]:
     values = record.get(name)
     if values is None:
         return ()
-    if not isinstance(values, list) or not all(
-        isinstance(value, int) and not isinstance(value, bool) for value in values
+    if (
+        not isinstance(values, list)
+        or len(values) > MAX_DEPTHS
+        or not all(
+            isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_COUNT for value in values
+        )
     ):
+        shown = repr(values) if len(repr(values)) <= 40 else repr(values)[:40] + "..."
         raise ProfileInputError(
-            f"{where}: '{name}' is {values!r}, expected a list of integers (one count per draft depth)."
+            f"{where}: '{name}' is {shown}, expected a list of at most {MAX_DEPTHS} counts from 0 to {MAX_COUNT} (one "
+            "per draft depth)."
         )
     return tuple(values)

@@ -35,13 +35,14 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from tlt_cli.checkpoint import load_checkpoint_file
+from tlt_cli.checkpoint import CheckpointError, load_checkpoint_file
 from tlt_cli.engine.sampling import SamplingParams
 from tlt_cli.rollout.decode_plan import DecodePlan
 from tlt_cli.rollout.generate_loop import EmbeddedEngine
 from tlt_cli.rollout.types import Completion, RolloutRequest
 from tlt_cli.speculative.modes import AdaptiveSpeculativeDecoder, speculative_decoder
 from tlt_cli.speculative.plan import SpeculativePlan
+from tlt_cli.speculative.schedule_state import missing_schedule_state, restored_schedule
 from tlt_cli.speculative.types import ConfigUsage
 
 
@@ -133,8 +134,21 @@ class EmbeddedRollout:
             torch.save(self.schedule.state_dict(), path)
 
     def load_state(self, path: Path) -> None:
-        if self.schedule is not None:
-            self.schedule.load_state_dict(load_checkpoint_file(path))
+        """The adaptive schedule's state from a checkpoint; one that is missing (SD did not adapt when it was
+        written), of another schedule or damaged is a warning and a fresh schedule (speculative/schedule_state.py)."""
+        if self.schedule is None:
+            return
+        if not path.exists():
+            self.schedule.warnings.append(missing_schedule_state(path))
+            return
+        try:
+            saved = load_checkpoint_file(path)
+        except CheckpointError as error:
+            self.schedule.warnings.append(f"{str(error).rstrip('.')}; the SD schedule starts fresh.")
+            return
+        warning = restored_schedule(self.schedule, saved, path)
+        if warning is not None:
+            self.schedule.warnings.append(warning)
 
     def stop(self) -> None:
         """Nothing to release."""

@@ -24,6 +24,18 @@ from dataclasses import dataclass
 
 from tlt_cli.speculative.types import SpeculativeConfig
 
+# a measured pass takes between a nanosecond and a quarter of an hour: a time outside is damage (a time of 5e-324 ms
+# would make a plain step free and every ratio to it a division by zero)
+MIN_PASS_MS = 1e-6
+MAX_PASS_MS = 1e6
+TIME_OUT_OF_RANGE = (
+    f"the measured pass costs hold a time that is not a finite positive number in [{MIN_PASS_MS:g}, {MAX_PASS_MS:g}] ms"
+)
+# a grid axis has at most this many points, each at most MAX_AXIS_VALUE: choosing a configuration interpolates
+# over the grid at every decode step, so a record of 20,000 rows would make each step's choice take 80 ms
+MAX_AXIS_POINTS = 64
+MAX_AXIS_VALUE = 1 << 16
+
 
 @dataclass(frozen=True)
 class PassCosts:
@@ -93,14 +105,14 @@ class PassCosts:
 
     @classmethod
     def from_dict(cls, data: dict) -> PassCosts:
-        """The costs of a record; ValueError when its grid is not ascending positive integers with a finite
-        positive time at every point."""
+        """The costs of a record; ValueError when its grid is not ascending positive integers (at most
+        MAX_AXIS_POINTS of at most MAX_AXIS_VALUE) with a time in [MIN_PASS_MS, MAX_PASS_MS] at every point."""
         costs = cls(
-            tuple(int(value) for value in data["rows"]),
-            tuple(int(value) for value in data["tokens"]),
-            tuple(tuple(float(value) for value in row) for row in data["target_ms"]),
-            tuple(int(value) for value in data.get("drafter_entries", ())),
-            tuple(float(value) for value in data.get("drafter_ms", ())),
+            _integers(data["rows"]),
+            _integers(data["tokens"]),
+            tuple(_times(row) for row in _sequence(data["target_ms"])),
+            _integers(data.get("drafter_entries", ())),
+            _times(data.get("drafter_ms", ())),
             str(data.get("dtype", "float32")),
         )
         costs.check()
@@ -114,8 +126,8 @@ class PassCosts:
         shape_ok = len(self.target_ms) == len(self.rows) and all(len(row) == len(self.tokens) for row in self.target_ms)
         if not shape_ok or len(self.drafter_ms) != len(self.drafter_entries):
             raise ValueError("the measured pass costs do not match their grid")
-        if not all(math.isfinite(value) and value > 0 for row in self.target_ms for value in (*row, *self.drafter_ms)):
-            raise ValueError("the measured pass costs hold a time that is not a finite positive number")
+        if not all(MIN_PASS_MS <= value <= MAX_PASS_MS for row in self.target_ms for value in (*row, *self.drafter_ms)):
+            raise ValueError(TIME_OUT_OF_RANGE)
 
 
 def verified_tokens(config: SpeculativeConfig) -> int:
@@ -128,11 +140,46 @@ def verified_tokens(config: SpeculativeConfig) -> int:
     return config.verified_tokens + config.ngram_tokens
 
 
+def _sequence(values: object) -> Sequence:
+    if not isinstance(values, (list, tuple)) or len(values) > MAX_AXIS_POINTS:
+        raise ValueError(f"the measured pass costs hold a grid that is not a list of at most {MAX_AXIS_POINTS} points")
+    return values
+
+
+def _integers(values: object) -> tuple[int, ...]:
+    """A grid axis: integers (no bools, no floats such as Infinity)."""
+    values = _sequence(values)
+    if not all(isinstance(value, int) and not isinstance(value, bool) for value in values):
+        raise ValueError("the measured pass costs' grid holds a value that is not an integer")
+    return tuple(values)
+
+
+def _times(values: object) -> tuple[float, ...]:
+    """Measured milliseconds: numbers a float holds (an integer too large for one is refused, not an overflow)."""
+    values = _sequence(values)
+    if not all(isinstance(value, (int, float)) and not isinstance(value, bool) for value in values):
+        raise ValueError("the measured pass costs hold a time that is not a number")
+    if not all(math.isfinite(value) and value <= MAX_PASS_MS for value in values if isinstance(value, float)) or any(
+        abs(value) > MAX_PASS_MS for value in values if isinstance(value, int)
+    ):
+        raise ValueError(TIME_OUT_OF_RANGE)
+    return tuple(float(value) for value in values)
+
+
 def _check_axis(name: str, values: Sequence[int], allow_empty: bool = False) -> None:
     if not values and allow_empty:
         return
-    if not values or values[0] < 1 or any(later <= earlier for earlier, later in zip(values, values[1:])):
-        raise ValueError(f"the measured pass costs' {name} are not ascending positive numbers")
+    if (
+        not values
+        or len(values) > MAX_AXIS_POINTS
+        or values[0] < 1
+        or values[-1] > MAX_AXIS_VALUE
+        or any(later <= earlier for earlier, later in zip(values, values[1:]))
+    ):
+        raise ValueError(
+            f"the measured pass costs' {name} are not ascending positive numbers (at most {MAX_AXIS_POINTS} of at "
+            f"most {MAX_AXIS_VALUE})"
+        )
 
 
 def _interpolate(points: Sequence[int], values: Sequence[float], at: float) -> float:

@@ -43,7 +43,7 @@ from torch import nn
 from tlt_cli.engine.kv_cache import keep_rows_of
 from tlt_cli.engine.linear_forms import FormedCopy, LinearFormPlan
 from tlt_cli.engine.running_batch import DecodeTarget, RunningBatch
-from tlt_cli.engine.sampling import SamplingParams
+from tlt_cli.engine.sampling import NonFiniteDrafts, NonFiniteLogits, SamplingParams
 from tlt_cli.speculative.acceptance import Verdict, accept_chain, accept_tree
 from tlt_cli.speculative.draft_counts import DraftCounts, StepCounts
 from tlt_cli.speculative.drafter_proposer import DrafterProposer
@@ -55,6 +55,9 @@ from tlt_cli.speculative.types import DRAFT_SOURCES, DecodeStep, SpeculativeConf
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
+
+# what a decode step whose drafts could not be sampled says (the worker names drafter.lr: training/worker_loop.py)
+DRAFTS_NOT_FINITE = "the drafter's logits are not finite"
 
 
 @dataclass(frozen=True)
@@ -146,11 +149,21 @@ class SpeculativeDecoder:
         self.last_step = None
         if config is None:
             return target.decode_step(batch, sampling, generator)
-        draft = self._draft(batch, config, sampling, generator)
+        try:
+            draft = self._draft(batch, config, sampling, generator)
+        except NonFiniteLogits as error:  # sampled from the drafter's logits: the drafter diverged, not the policy
+            raise NonFiniteDrafts(DRAFTS_NOT_FINITE) from error
         tree = draft.tree
         hidden = target.forward_block(batch, tree.tokens, batch.lengths[:, None] + tree.depths, tree.ancestors)
         accept = accept_chain if config.is_chain and not config.uses_ngram else accept_tree
-        verdict = accept(tree, target.logits(hidden), sampling, generator)
+        logits = target.logits(hidden)
+        try:
+            verdict = accept(tree, logits, sampling, generator)
+        except NonFiniteLogits as error:
+            # the target's logits are finite: what was not is the drafter's distribution the acceptance drew with
+            if config.uses_drafter and bool(torch.isfinite(logits).all()):
+                raise NonFiniteDrafts(DRAFTS_NOT_FINITE) from error
+            raise
         self.last_step = self.counts.count(config, tree, verdict, draft.row_sources)
         emitted = self._commit(batch, config, draft, verdict, hidden)
         return emitted, verdict.accept_length + 1

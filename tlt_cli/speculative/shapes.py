@@ -9,7 +9,7 @@ the sentence, after the key or option that gave the shape.
 
 from __future__ import annotations
 
-from tlt_cli.speculative.types import SpeculativeConfig
+from tlt_cli.speculative.types import MAX_DRAFT_STEPS, MAX_DRAFT_TOPK, MAX_VERIFIED_TOKENS, SpeculativeConfig
 
 
 def shape_problem(config: SpeculativeConfig) -> str | None:
@@ -17,6 +17,14 @@ def shape_problem(config: SpeculativeConfig) -> str | None:
     its topk fits a given drafter's vocabulary: `topk_fit_problem`)."""
     if config.ngram_tokens < 0:
         return f"ngram tokens is {config.ngram_tokens}; set it to 0 (none) or more."
+    if config.ngram_tokens > MAX_DRAFT_STEPS:
+        return f"ngram tokens is {config.ngram_tokens}; set it to at most {MAX_DRAFT_STEPS}."
+    if config.steps > MAX_DRAFT_STEPS:
+        return f"speculative steps is {config.steps}; set it to at most {MAX_DRAFT_STEPS}."
+    if config.topk > MAX_DRAFT_TOPK:
+        return f"speculative topk is {config.topk}; set it to at most {MAX_DRAFT_TOPK}."
+    if config.draft_tokens > MAX_VERIFIED_TOKENS:
+        return f"speculative draft_tokens is {config.draft_tokens}; set it to at most {MAX_VERIFIED_TOKENS}."
     if config.steps == 0 and config.uses_ngram:
         if config.topk != 1 or config.draft_tokens != 0:
             return (

@@ -92,6 +92,12 @@ class ScheduleReports:
         return warnings
 
 
+# the largest SD shape a drafter drafts: depth (and n-gram tokens), branches per position, tokens a verify pass checks
+# (speculative/shapes.py refuses a larger one: a draft deeper than any response only hangs the decoder building it)
+MAX_DRAFT_STEPS = 64
+MAX_DRAFT_TOPK = 64
+MAX_VERIFIED_TOKENS = 1024
+
 # where a drafted token came from: the trained drafter, or the model-free n-gram index
 DRAFT_SOURCES = ("drafter", "ngram")
 

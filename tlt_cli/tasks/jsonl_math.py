@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
+from tlt_cli.atomic_files import not_a_file
 from tlt_cli.errors import UserError
 from tlt_cli.tasks.base import Problem, TaskOption
 
@@ -74,7 +75,9 @@ def last_number_reward(response: str, answer: str) -> float:
 def read_records(path: Path) -> list[tuple[str, str, str]]:
     """(question, answer text, final number) for every non-blank line of `path`."""
     if not path.is_file():
-        raise TaskDataError(f"task.options.path: the data file {path} does not exist; give the path of a JSONL file.")
+        raise TaskDataError(
+            f"task.options.path: the data file {path} {not_a_file(path)}; give the path of a JSONL file."
+        )
     records = []
     with path.open("rb") as lines:
         for line_number, raw_line in enumerate(lines, start=1):

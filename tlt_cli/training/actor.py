@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
-from tlt_cli.checkpoint import load_checkpoint_file
+from tlt_cli.checkpoint import CheckpointError, load_checkpoint_file, unloadable_checkpoint
 from tlt_cli.config import CPU_DEVICES, ActorConfig, Bfloat16Rounding, Precision
 from tlt_cli.errors import TrainingDiverged
 from tlt_cli.processes.distributed import import_deepspeed
@@ -269,11 +269,16 @@ class Actor:
         """Collective: restore weights and optimizer state saved by `save`, every file read weights-only."""
         if not isinstance(self.engine.checkpoint_engine, WeightsOnlyLoads):
             self.engine.checkpoint_engine = WeightsOnlyLoads(self.engine.checkpoint_engine)
-        load_path, _ = self.engine.load_checkpoint(
-            str(directory), tag=CHECKPOINT_TAG, load_optimizer_states=True, load_lr_scheduler_states=True
-        )
+        try:
+            load_path, _ = self.engine.load_checkpoint(
+                str(directory), tag=CHECKPOINT_TAG, load_optimizer_states=True, load_lr_scheduler_states=True
+            )
+        except CheckpointError:
+            raise
+        except Exception as error:  # noqa: BLE001 - an emptied shard, another model's shapes: one sentence
+            raise CheckpointError(unloadable_checkpoint(directory, error)) from error
         if load_path is None:
-            raise FileNotFoundError(f"no actor checkpoint under {directory}; the checkpoint is incomplete.")
+            raise CheckpointError(unloadable_checkpoint(directory, FileNotFoundError("no actor weights in it")))
 
 
 class WeightsOnlyLoads:

@@ -27,7 +27,7 @@ import torch
 
 from tlt_cli.checkpoint import save_collectively
 from tlt_cli.config import CPU_DEVICES
-from tlt_cli.engine.sampling import NonFiniteLogits
+from tlt_cli.engine.sampling import NonFiniteDrafts, NonFiniteLogits
 from tlt_cli.errors import TrainingDiverged
 from tlt_cli.plugins import PluginHost, StepContext, agree_across_workers, build_plugins
 from tlt_cli.processes.distributed import RolloutBarrier, barrier_timeout, init_worker_process
@@ -148,6 +148,12 @@ class WorkerLoop:
         """One sentence: what stopped being finite at `step`, and the likely cause (the model or the temperature
         before this run updated it; the learning rate after)."""
         recipe = self.recipe
+        if isinstance(error, NonFiniteDrafts):  # the policy may be fine: the drafter's drafts are not
+            drafter = recipe.drafter
+            return (
+                f"step {step}: {error}, so the drafter diverged, not the policy (most likely drafter.lr {drafter.lr} "
+                f"or drafter.warmup_lr {drafter.warmup_lr} is too high)"
+            )
         if step > self.spec.start_step:
             cause = f"most likely actor.lr {recipe.actor.lr} is too high"
         elif isinstance(error, NonFiniteLogits):

@@ -8,9 +8,11 @@ record). The record lives at `<cache_dir>/<folder>/<hash of key>.json`; the firs
 writes it (tlt_cli/atomic_files.py: an O_EXCL temporary file, fsynced, then renamed) while holding
 `<hash>.lock` (never followed if it is a symbolic link), so concurrent ranks measure once and never read
 half a file; a stored record whose key differs (a hash collision, or a file copied from elsewhere) is
-measured again. A damaged record (it does not parse, or `valid` finds its figures out of shape: missing,
-zero, not finite) counts as absent: a warning names the file and it is measured again. A record that
-cannot be written (a full disk, a lock file that is a link) is a warning; the run goes on with the
+measured again. A damaged record counts as absent: a warning names the file and it is measured again. Damaged
+is anything tlt_cli/atomic_files.py `read_valid_json` refuses: not a regular file of bounded size (a FIFO, a
+link to /dev/zero), not a JSON object, no `key` (a record that names no machine is never trusted), or `valid`
+finding its figures out of shape (missing, zero, not finite, outside PLAUSIBLE_FIGURES) or raising on them.
+A record that cannot be written (a full disk, a lock file that is a link) is a warning; the run goes on with the
 figures it measured. Deleting `<cache_dir>/<folder>/` takes every measurement of it again.
 
 Example:
@@ -25,7 +27,6 @@ import contextlib
 import hashlib
 import json
 import logging
-import math
 import os
 import platform
 import time
@@ -35,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from tlt_cli.atomic_files import exclusive_lock, read_json_object, write_atomically
+from tlt_cli.atomic_files import exclusive_lock, read_valid_json, write_atomically
 
 LOGGER = logging.getLogger(__name__)
 
@@ -62,6 +63,9 @@ def only_cached() -> Iterator[None]:
 
 # CPU flags that decide how fast low-precision products run (AMX, AVX-512 bfloat16)
 MATRIX_FLAGS = ("amx_bf16", "amx_tile", "amx_int8", "avx512_bf16", "avx512_vnni")
+# the range of a measured figure (seconds or milliseconds of a pass or an update): a time outside is damage, not a
+# measurement (5e-324 would be a free pass, and every ratio to it a division by zero)
+PLAUSIBLE_FIGURES = (1e-9, 1e9)
 # the CPU time a cgroup v2 may use per period: measurements made under another quota are taken again
 CGROUP_CPU_MAX = "/sys/fs/cgroup/cpu.max"
 
@@ -156,14 +160,14 @@ def _warn_uncached(path: Path, error: OSError) -> None:
 def stored_record(path: Path, key: dict, valid: Callable[[dict], bool]) -> dict | None:
     """The record at `path` if it was measured for `key`; None when there is none, it was measured for another key,
     or it is damaged (unparsable, or fields out of shape: a warning naming the file, it is measured again)."""
-    if not path.exists():
+    if not os.path.lexists(path):
         return None
-    record = read_json_object(path)
-    if record is not None and record.get("key") != key and isinstance(record.get("key"), dict):
+    record = read_valid_json(path, lambda record: isinstance(record.get("key"), dict) and record["key"] != key)
+    if record is not None:
         return None  # measured for another key (a hash collision, a file copied from elsewhere)
-    if record is None or not valid(record):
+    record = read_valid_json(path, lambda record: record.get("key") == key and valid(record))
+    if record is None:
         LOGGER.warning("measurement record %s is damaged (unparsable or out of shape); measuring again.", path)
-        return None
     return record
 
 
@@ -179,12 +183,14 @@ def measured_record(folder: str, path: Path, key: dict, measure: Callable[[], di
 
 
 def positive_figures(figures: object, names: Iterable[str]) -> bool:
-    """Whether `figures` maps exactly `names` to finite positive numbers (a measured record's timings)."""
+    """Whether `figures` maps exactly `names` to numbers within PLAUSIBLE_FIGURES (a measured record's timings; an
+    integer too large for a float is not one)."""
+    low, high = PLAUSIBLE_FIGURES
     return (
         isinstance(figures, dict)
         and set(figures) == set(names)
         and all(
-            isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+            isinstance(value, (int, float)) and not isinstance(value, bool) and low <= value <= high
             for value in figures.values()
         )
     )

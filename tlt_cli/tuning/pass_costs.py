@@ -68,13 +68,17 @@ def measured_pass_costs(
 
 
 def valid_record(record: dict) -> bool:
-    """Whether a stored record holds a usable grid (tlt_cli/tuning/cache.py): ascending positive rows, tokens and
-    drafter entries, a finite positive time at every point (PassCosts.from_dict's checks)."""
-    try:
-        PassCosts.from_dict(record)
-    except (KeyError, TypeError, ValueError):
-        return False
-    return True
+    """Whether a stored record holds the grid its key names, in its key's dtype, with a time in range at every
+    point (PassCosts.from_dict's checks); anything it raises on counts as damage too (tlt_cli/tuning/cache.py)."""
+    costs = PassCosts.from_dict(record)
+    key = record["key"]
+    drafter_entries = DRAFTER_ENTRIES if key.get("drafter") is not None else ()
+    return (
+        list(costs.rows) == key.get("rows")
+        and list(costs.tokens) == key.get("tokens")
+        and costs.drafter_entries == drafter_entries
+        and costs.dtype == key.get("dtype")
+    )
 
 
 def measure_pass_costs(
