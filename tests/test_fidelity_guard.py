@@ -34,7 +34,7 @@ def step(number: int, rollout_kl: float | None = None, precision_kl: float | Non
 def test_a_jump_from_the_first_steps_kl_is_one_sentence_once_per_figure():
     guard = FidelityGuard("likely cause: X; set Y")
     assert guard.check(step(0, 7e-4, 2e-4)) == []
-    assert guard.check(step(1, 6e-3, 1.9e-3)) == []  # 8.6x and 9.5x: under the jump
+    assert guard.check(step(1, 3.2e-3, 9e-4)) == []  # 4.6x and 4.5x: under the jump
     (message,) = guard.check(step(2, 2.3e-2, 2.1e-4))
     assert message.startswith("step 2: the rollout/learner KL is 2.3e-02, 33x the first step's 7.0e-04")
     assert message.endswith("(likely cause: X; set Y).") and message.count("\n") == 0

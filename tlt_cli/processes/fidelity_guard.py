@@ -4,7 +4,7 @@ A fast rollout counts only while its samples are the policy's. The driver hands 
 `FidelityGuard.check`, which compares two figures with the first step's (step 0's, or the first recorded
 step before a resume): the rollout/learner K3 KL (`actor_rollout_kl_k3`, the rollout's own log-probs
 against the learner's) and, with bfloat16 compute on CPU, the learner's K3 KL from its float32 master
-weights (`actor_precision_kl_k3`). A figure at least JUMP times its first value, and above FLOOR (a float32
+weights (`actor_precision_kl_k3`). A figure at least JUMP (5) times its first value, and above FLOOR (a float32
 run's 1e-12 noise is no signal), gives one sentence naming the figure, both values, the likely cause and
 the setting that avoids it, once per figure per run; the driver shows it under the live table and keeps it
 in the trace as a warning record (`kind: fidelity`), which `tlt profile` lists.
@@ -23,8 +23,9 @@ from typing import Any
 
 from tlt_cli.config import Bfloat16Rounding, Precision, Recipe, RolloutDtype
 
-# a step's KL this many times its first step's is a jump (the bfloat16 collapse measured 10-50x)
-JUMP = 10.0
+# a step's KL this many times its first step's is a jump: round-to-nearest bfloat16 copies measured 8x on a small
+# real-cpu run and 10-50x on a whole one, stochastically rounded copies 1.6-2.1x (BENCHMARKS.md, issue 47)
+JUMP = 5.0
 # below this a KL is rounding noise whatever its ratio (bfloat16 rollouts measure 7e-4 at step 0)
 FLOOR = 1e-3
 WATCHED = {
