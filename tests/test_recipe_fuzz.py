@@ -26,6 +26,7 @@ from typer.testing import CliRunner
 
 from tlt_cli.cli import app
 from tlt_cli.config import (
+    Bfloat16Rounding,
     LinearForms,
     Precision,
     Recipe,
@@ -59,6 +60,7 @@ WRONG_VALUES = {
     RolloutDtype: ["float16", "{a: 1}"],
     Precision: ["fp16", "[a, b]"],
     RolloutCorrection: ["tokens", "{a: 1}"],
+    Bfloat16Rounding: ["up", "[a, b]"],
     ServedDtype: ["int8", "[a, b]"],
 }
 OUT_OF_RANGE = [
