@@ -8,12 +8,11 @@ import json
 from pathlib import Path
 
 import pytest
+from tiny_models import save_tiny_pair
 from typer.testing import CliRunner
 
 from tlt_cli.bench.runs import amdahl_bound, reward_gap, side_by_side, summarize
 from tlt_cli.cli import app
-from tlt_cli.drafter.model import EagleDrafter, save_drafter
-from tlt_cli.models.tiny import build_tiny_model, save_model_folder, tiny_model_config, tiny_tokenizer
 
 runner = CliRunner()
 MACHINE_FIELDS = {
@@ -32,13 +31,7 @@ MACHINE_FIELDS = {
 def tiny_pair_recipe(tmp_path_factory) -> Path:
     """A recipe over a tiny random model folder and a random drafter folder (no warm-up), greedy, short."""
     folder = tmp_path_factory.mktemp("pair")
-    tokenizer = tiny_tokenizer()
-    config = tiny_model_config(
-        tokenizer, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64
-    )
-    target = build_tiny_model(0, config)
-    save_model_folder(target, tokenizer, folder / "model")
-    save_drafter(EagleDrafter(target, seed=0), folder / "drafter")
+    save_tiny_pair(folder)
     recipe = folder / "recipe.yaml"
     recipe.write_text(
         f"# tlt train {recipe}\nrun: {{name: probe, output_dir: {folder}}}\nmodel: {{path: {folder / 'model'}}}\n"

@@ -9,6 +9,7 @@ from unittest import mock
 import pytest
 import torch
 from omegaconf import OmegaConf
+from tiny_models import save_tiny_pair
 from typer.testing import CliRunner
 
 from tlt_cli.calibration.calibrate import batch_size_grid, load_model_pair
@@ -31,12 +32,11 @@ from tlt_cli.calibration.rules import (
 )
 from tlt_cli.cli import app
 from tlt_cli.config import load_recipe, recipe_from_config
-from tlt_cli.drafter.model import EagleDrafter, save_drafter
+from tlt_cli.drafter.model import EagleDrafter
 from tlt_cli.engine.linear_forms import linear_layers, shape_key
 from tlt_cli.engine.sampling import SamplingParams
 from tlt_cli.models.tiny import (
     build_tiny_model,
-    save_model_folder,
     tiny_model_config,
     tiny_tokenizer,
 )
@@ -170,13 +170,7 @@ def test_write_recipe_appends_a_missing_section_and_refuses_what_it_cannot_edit(
 def tiny_pair_recipe(tmp_path_factory) -> Path:
     """A recipe over a tiny random model folder and a random drafter folder (no warm-up)."""
     folder = tmp_path_factory.mktemp("pair")
-    tokenizer = tiny_tokenizer()
-    config = tiny_model_config(
-        tokenizer, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64
-    )
-    target = build_tiny_model(0, config)
-    save_model_folder(target, tokenizer, folder / "model")
-    save_drafter(EagleDrafter(target, seed=0), folder / "drafter")
+    save_tiny_pair(folder)
     recipe = folder / "recipe.yaml"
     recipe.write_text(
         f"# tlt train {recipe}\nrun: {{name: probe, output_dir: {folder}}}\nmodel: {{path: {folder / 'model'}}}\n"

@@ -1,6 +1,8 @@
 """The tiny random causal LMs the unit tests build: Qwen2, Llama, Qwen3 and Mistral of one shape (2 layers,
 hidden 32, grouped-query attention 4q/2kv unless a test overrides it), and a GPT-2 and a Phi of the same size."""
 
+from pathlib import Path
+
 import torch
 from transformers import (
     GPT2Config,
@@ -80,3 +82,19 @@ def tiny_phi(vocab_size: int, seed: int = 0, max_position_embeddings: int = 64) 
     torch.manual_seed(seed)
     shape = tiny_shape(vocab_size, max_position_embeddings)
     return PhiForCausalLM(PhiConfig(**shape, partial_rotary_factor=0.5)).eval()
+
+
+def save_tiny_pair(folder: Path) -> tuple[Path, Path]:
+    """A tiny random Qwen2 over the arithmetic tokenizer and a random drafter on it, saved as tlt reads them:
+    (folder/model, folder/drafter)."""
+    from tlt_cli.drafter.model import EagleDrafter, save_drafter
+    from tlt_cli.models.tiny import build_tiny_model, save_model_folder, tiny_model_config, tiny_tokenizer
+
+    tokenizer = tiny_tokenizer()
+    config = tiny_model_config(
+        tokenizer, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64
+    )
+    target = build_tiny_model(0, config)
+    save_model_folder(target, tokenizer, folder / "model")
+    save_drafter(EagleDrafter(target, seed=0), folder / "drafter")
+    return folder / "model", folder / "drafter"
