@@ -197,6 +197,7 @@ def test_a_damaged_drafter_warm_up_is_warmed_up_again_with_a_warning(tmp_path, c
     recipe = load_recipe(
         RECIPE,
         [
+            "drafter.init=warmup",
             "drafter.warmup_steps=2",
             "drafter.warmup_prompts=4",
             "drafter.warmup_batch_size=2",
