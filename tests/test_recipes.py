@@ -214,12 +214,12 @@ def draft_vocabulary_recipe(overrides: list[str]):
 
 
 def test_topk_is_checked_once_against_the_draft_vocabulary_of_the_drafter_the_run_starts_with(tmp_path):
-    # the values alone do not know the vocabulary: no bound there
-    draft_vocabulary_recipe(["speculative.topk=100"])
-    # a fresh drafter (random, or online: the default) drafts over the target's 66 tokens
+    # the values alone do not know the vocabulary: no bound there but the shapes' own (64 branches)
+    draft_vocabulary_recipe(["speculative.topk=64", "drafter.vocab_size=16", "drafter.init=warmup"])
+    # a fresh drafter (random, or online: the default) drafts over the target's 66 tokens: the shapes' cap binds
     check_recipe(draft_vocabulary_recipe(["speculative.topk=20", "drafter.init=random"]))
-    check_recipe(draft_vocabulary_recipe(["speculative.topk=66"]))
-    with pytest.raises(RecipeError, match="topk is 67; set it between 1 and the draft vocabulary size 66"):
+    check_recipe(draft_vocabulary_recipe(["speculative.topk=64"]))
+    with pytest.raises(RecipeError, match="topk is 67; set it to at most 64"):
         check_recipe(draft_vocabulary_recipe(["speculative.topk=67", "drafter.init=random"]))
     # the warm-up keeps drafter.vocab_size tokens: 20 branches fit the target, not 16 draft tokens
     with pytest.raises(RecipeError, match="^speculative: speculative topk is 20; .* draft vocabulary size 16[.]$"):
