@@ -75,8 +75,8 @@ def test_two_steps_write_trace_checkpoint_and_summary(small_model, tmp_path):
     assert actor_precision["precision"] in ("fp32", "bf16")
     assert set(actor_precision["micro_batch_seconds"]) == {"fp32", "bf16"}
     assert f"actor precision {actor_precision['precision']} (auto: measured on this machine" in result.stdout
-    # the run's recipe keeps what ran, so a resume runs in it too
-    assert f"precision: {actor_precision['precision']}" in (run_directory / "recipe.yaml").read_text()
+    # the run's recipe keeps the recipe as given (auto), so a resume chooses again; the run record keeps what ran
+    assert "precision: auto" in (run_directory / "recipe.yaml").read_text()
 
 
 def test_a_second_run_with_the_same_name_is_refused(small_model, tmp_path):

@@ -27,6 +27,7 @@ from trl import GRPOConfig, GRPOTrainer
 
 from tlt_cli.config import RecipeError
 from tlt_cli.engine.linear_forms import TRANSPOSED, LinearFormPlan, linear_layers, shape_key
+from tlt_cli.engine.rounding import parameter_key, stochastic_bfloat16
 from tlt_cli.integrations import trl_support
 from tlt_cli.integrations.trl import tlt_rollout
 from tlt_cli.integrations.trl_support import UnsupportedTrlError, UnsupportedTrlSettingError
@@ -147,12 +148,17 @@ def spread_policy(seed: int):
 
 
 def transformers_copy(model, dtype: torch.dtype):
-    """A new transformers module with `model`'s current weights, cast to `dtype` (a deepcopy of a module TRL
-    prepared would keep calling the original's forward through accelerate's wrapper)."""
+    """A new transformers module with `model`'s current weights, cast to `dtype` as the engine casts them (a
+    deepcopy of a module TRL prepared would keep calling the original's forward through accelerate's wrapper)."""
     copy = type(model)(model.config)
     copy.load_state_dict(model.state_dict())
     copy.generation_config = model.generation_config
-    return copy.to(dtype).eval()
+    copy = copy.to(dtype).eval()
+    if dtype == torch.bfloat16:  # as the engine's copies round: stochastically (tlt_cli/engine/rounding.py)
+        with torch.no_grad():
+            for (name, source), target in zip(model.named_parameters(), copy.parameters(), strict=True):
+                target.copy_(stochastic_bfloat16(source, parameter_key(name)))
+    return copy
 
 
 def transposed_plan(mode, modules, cache_dir):
@@ -186,11 +192,13 @@ def test_after_a_trl_optimizer_step_the_engine_decodes_as_transformers_on_the_up
     )
 
     def reward(completion_ids, **_):
-        return [float(sum(ids) % 7) for ids in completion_ids]
+        # position-weighted, so two different completions of a group almost never tie (every advantage 0: no step)
+        return [float(sum((index + 1) * token for index, token in enumerate(ids)) % 101) for ids in completion_ids]
 
     trainer = grpo_trainer(model, tokenizer, rollout, reward, PROMPTS * 2, tmp_path, max_steps=1)
     trainer.train()  # one sampled rollout, then TRL's optimizer step
-    assert all(not torch.equal(parameter, before[name]) for name, parameter in model.named_parameters())
+    unchanged = [name for name, parameter in model.named_parameters() if torch.equal(parameter, before[name])]
+    assert unchanged == []
 
     trainer.args.generation_kwargs = {"do_sample": False}
     output = rollout(PROMPTS, trainer)
