@@ -9,7 +9,7 @@ Runs each variant (a name, `=`, its overrides) for each seed, one run at a time,
 unless the overrides say otherwise, then reads each run's trace: per step its response tokens, median response
 length, mean reward, the rollout/learner K3 KL (`actor_rollout_kl_k3`), a bfloat16 learner's K3 KL from its float32
 weights (`actor_precision_kl_k3`), its seconds, and the fidelity guard's warnings. Prints a table and writes JSON
-(the CPU and its bfloat16 flags named). Overrides after `--` apply to every variant.
+(the machine named as `tlt bench` names it: tlt_cli/bench/common.py). Overrides after `--` apply to every variant.
 """
 
 from __future__ import annotations
@@ -26,6 +26,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from tlt_cli.bench.common import machine_description
+
 COMMON = ("speculative.mode=off", "plugins.enabled=[]")
 STEP_FIELDS = (
     "response_tokens",
@@ -37,14 +39,6 @@ STEP_FIELDS = (
     "update_seconds",
     "step_seconds",
 )
-
-
-def cpu_description() -> dict:
-    """The processor's name and the bfloat16 matrix flags it has (/proc/cpuinfo)."""
-    text = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    name = next((line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("model name")), "?")
-    flags = sorted({flag for flag in ("avx512_bf16", "amx_bf16") if flag in text.split()})
-    return {"cpu": name, "bfloat16_flags": flags, "cores": os.cpu_count(), "load_at_start": os.getloadavg()[0]}
 
 
 def run_variant(recipe: str, name: str, overrides: list[str], seed: int, steps: int, output: Path) -> dict:
@@ -105,7 +99,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("benchmarks/fidelity.json"))
     arguments, common = parser.parse_known_args()
     common = [item for item in common if item != "--"]
-    runs = []
+    runs, load_at_start = [], os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as folder:
         for variant in arguments.variant:
             name, _, overrides = variant.partition("=")
@@ -117,7 +111,8 @@ def main() -> None:
                 )
     render(runs)
     arguments.out.parent.mkdir(parents=True, exist_ok=True)
-    report = {**cpu_description(), "load_at_end": os.getloadavg()[0], "recipe": arguments.recipe, "common": common}
+    report = {"machine": machine_description(), "load_at_start": load_at_start, "load_at_end": os.getloadavg()[0]}
+    report |= {"recipe": arguments.recipe, "common": common}
     arguments.out.write_text(json.dumps({**report, "runs": runs}, indent=1))
     print(f"wrote {arguments.out}")
 
