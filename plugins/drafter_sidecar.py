@@ -1,16 +1,25 @@
 """The drafter sidecar: trains the run's drafter on workers that are idle in the rollout tail.
 
 Enable it with `plugins.enabled: [drafter_sidecar]`; its settings are the recipe's `drafter`
-section (lr, weight_decay, window_steps, batch_size). In every worker it:
+section (lr, weight_decay, window_steps, batch_size, update_share). In every worker it:
   - collects training data from what the run computes anyway: the last-layer hidden states and
-    tokens of the actor's log-prob forward (`on_hidden_states`), keeping the last window_steps
+    tokens of the actor's update forward (`on_hidden_states`), keeping the last window_steps
     RL steps;
+  - trains on each micro-batch's features as the update produces them, every response token of
+    the step first, then replays from the window, spending at most update_share of the update's
+    own time (measured as it goes, so the bound holds on any machine and model): the update
+    sees every token of every step, where the idle tail alone gave a real model 0-29 steps;
   - while its worker waits for the others (`on_worker_idle`), runs short drafter training steps
     (EAGLE losses, AdamW (0.9, 0.95), grad clip 1.0), checking between steps whether the rollout
     is over, so it never holds up the rollout or the actor update by more than one short step;
+  - counts the tokens of every finished response (`on_request_finished`) and, at rollout end, moves a reduced
+    draft vocabulary to the tokens the run's responses emit most, counted over all workers and steps
+    (drafter/vocabulary.py `follow_responses`: the same on every worker);
   - at rollout end (`on_rollout_end`, all workers together) averages the drafter copies, weighted
-    by the steps each worker did; the engines of the next step speculate with the result. An
-    average that is not finite is discarded and the last good drafter kept;
+    by the steps each worker did since the last average (the update's and the idle tail's); each
+    worker's next rollout speculates with its own copy, trained on through the update (an SGLang
+    server gets the average, a step later). An average that is not finite is discarded and the
+    last good drafter kept;
   - saves and restores its state with checkpoints: drafter weights, optimizer and buffer window.
 It ships with tlt but plugs in as a third party's plugin would (tlt_cli/plugins.py): the entry
 point `drafter_sidecar` of the `tlt.plugins` group names this class, and the core never names it.
@@ -47,6 +56,9 @@ STEPS_METRIC = "drafter_steps"
 TRAIN_SECONDS_METRIC = "drafter_train_seconds"
 # collection in the last update + averaging: the sidecar's direct cost on the critical path
 CRITICAL_SECONDS_METRIC = "drafter_critical_seconds"
+# drafter steps taken inside the update, and their seconds (on the critical path, bounded by drafter.update_share)
+UPDATE_STEPS_METRIC = "drafter_update_steps"
+UPDATE_SECONDS_METRIC = "drafter_update_seconds"
 # how many averages the drafter has taken (also context.drafter_version: SGLang servers reload it when it moves)
 VERSION_METRIC = "drafter_version"
 # mean training loss of the worker's steps (only when it took some)
@@ -71,10 +83,13 @@ class DrafterSidecar:
     metric_prefix = METRIC_PREFIX
     display_columns = (
         MetricColumn("drafter steps", STEPS_METRIC, "{:.0f}"),
+        MetricColumn("drafter update s", UPDATE_SECONDS_METRIC, "{:.2f}"),
         MetricColumn("drafter train s", TRAIN_SECONDS_METRIC, "{:.2f}"),
         MetricColumn("drafter loss", LOSS_METRIC, "{:.3f}"),
     )
     idle_seconds_used = ("training the drafter", TRAIN_SECONDS_METRIC)
+    # what the sidecar times its steps and the update's share with (tests move it by hand)
+    clock = staticmethod(time.perf_counter)
 
     @classmethod
     def trl_process_sidecar(cls, settings: DrafterConfig, seed: int, **arguments: Any) -> Any:
@@ -98,32 +113,51 @@ class DrafterSidecar:
         # time in hooks on the critical path (feature collection during the previous update, then
         # averaging): the sidecar's direct cost to a step, reported at rollout end and reset there
         self.critical_seconds = 0.0
+        # drafter steps since the last average (its weight in the next one), with their summed loss
+        self.steps_since_average = 0
+        self.loss_sum = 0.0
+        # self.clock() when this worker's update phase began (rollout end); None outside it
+        self.update_started: float | None = None
+        self.update_steps = 0
+        self.update_seconds = 0.0
+        # [V] float64: tokens emitted by this worker's responses since the last rollout end, and by every worker's
+        # over the run (what a reduced draft vocabulary follows); built when the drafter is attached
+        self.emitted_now: torch.Tensor | None = None
+        self.emitted_total: torch.Tensor | None = None
         self._reset_counters()
 
     def _reset_counters(self) -> None:
         self.steps_done = 0
         self.train_seconds = 0.0
-        self.loss_sum = 0.0
 
     def on_rollout_start(self, context: Any) -> None:
         if context.drafter is None:
             raise ValueError(f"{PLUGIN_NAME} needs a drafter; the worker did not build one.")
         if self.trainer is None:
             self._attach(context.drafter, context.worker)
+        self.update_started = None
         self._reset_counters()
 
     def _attach(self, drafter: torch.nn.Module, rank: int) -> None:
         self.drafter, self.rank = drafter, rank
         self.trainer = DrafterTrainer(drafter, lr=self.settings.lr, weight_decay=self.settings.weight_decay)
         self.generator.manual_seed(self.seed * 7919 + rank)
+        self.emitted_now = torch.zeros(drafter.target_vocab_size, dtype=torch.float64)
+        self.emitted_total = torch.zeros(drafter.target_vocab_size, dtype=torch.float64)
         if self.pending_state is not None:
             self._restore(self.pending_state)
             self.pending_state = None
         self.last_good = _copy_parameters(drafter)
 
+    def on_request_finished(self, context: Any, completion: Any) -> None:
+        """Count the response's tokens (the draft vocabulary follows them at rollout end)."""
+        if self.emitted_now is not None and completion.response_ids:
+            tokens = torch.as_tensor(completion.response_ids, dtype=torch.long)
+            self.emitted_now += torch.bincount(tokens, minlength=self.emitted_now.numel()).double()
+
     def on_hidden_states(self, context: Any, batch: Any, hidden_states: torch.Tensor) -> None:
-        """Keep this micro-batch's features; drop steps older than the window."""
-        started = time.perf_counter()
+        """Keep this micro-batch's features (dropping steps older than the window); in the update, train on them."""
+        started = self.clock()
         features = DrafterBatch.from_sequences(
             batch.input_ids, hidden_states.detach(), batch.response_mask.bool(), batch.attention_mask.bool()
         )
@@ -132,17 +166,45 @@ class DrafterSidecar:
         self.window[-1].batches.append(features)
         while self.window and self.window[0].step <= context.step - self.settings.window_steps:
             self.window.popleft()
-        self.critical_seconds += time.perf_counter() - started
+        self.critical_seconds += self.clock() - started
+        if self.update_started is not None and self.trainer is not None:
+            self._train_in_update(features)
+            context.metrics[UPDATE_STEPS_METRIC] = float(self.update_steps)
+            context.metrics[UPDATE_SECONDS_METRIC] = self.update_seconds
+
+    def _train_in_update(self, fresh: DrafterBatch) -> None:
+        """Steps on the fresh micro-batch's rows (batch_size at a time), then on rows replayed from the window,
+        while the update's drafter seconds stay within update_share of the rest of the update's time."""
+        fresh_rows = torch.arange(fresh.size).split(self.settings.batch_size)
+        taken = 0
+        while self._update_budget_left():
+            batch = fresh.rows(fresh_rows[taken]) if taken < len(fresh_rows) else self._sample_batch()
+            taken += 1
+            started = self.clock()
+            with torch.enable_grad():  # the actor may call from its no-grad log-prob pass
+                self._train_step(batch)
+            self.update_seconds += self.clock() - started
+            self.update_steps += 1
+
+    def _update_budget_left(self) -> bool:
+        """Whether the drafter's seconds in this update are below update_share x the update's other seconds."""
+        elapsed = self.clock() - self.update_started
+        return self.update_seconds < self.settings.update_share * (elapsed - self.update_seconds)
+
+    def _train_step(self, batch: DrafterBatch) -> None:
+        loss = self.trainer.train_step(batch)
+        if loss.is_finite:
+            self.steps_since_average += 1
+            self.loss_sum += float(loss.total)
 
     def on_worker_idle(self, context: Any, rollout_over: Any) -> None:
         """Train until the rollout is over, one short step at a time."""
         while self.window and not rollout_over():
-            started = time.perf_counter()
-            loss = self.trainer.train_step(self._sample_batch())
-            self.train_seconds += time.perf_counter() - started
-            if loss.is_finite:
-                self.steps_done += 1
-                self.loss_sum += float(loss.total)
+            started = self.clock()
+            steps_before = self.steps_since_average
+            self._train_step(self._sample_batch())
+            self.train_seconds += self.clock() - started
+            self.steps_done += self.steps_since_average - steps_before
 
     def _sample_batch(self) -> DrafterBatch:
         """Up to batch_size sequences of one stored actor micro-batch, drawn at random (seeded per worker).
@@ -159,10 +221,13 @@ class DrafterSidecar:
         return source.rows(order)
 
     def on_rollout_end(self, context: Any) -> None:
-        """Average the workers' drafters, weighted by steps done; keep the last good one if not finite."""
-        started = time.perf_counter()
+        """Average the workers' drafters, weighted by their steps since the last average; keep the last good one if
+        not finite; a reduced draft vocabulary follows the tokens emitted so far. The update phase (reward, update:
+        its drafter steps) begins here."""
+        started = self.clock()
+        self._follow_emitted_tokens(context.world_size)
         # on the drafter's device, the process group's (an NCCL group all-reduces only GPU tensors)
-        weight = torch.tensor([float(self.steps_done)], device=next(self.drafter.parameters()).device)
+        weight = torch.tensor([float(self.steps_since_average)], device=next(self.drafter.parameters()).device)
         total = _all_reduce(weight.clone(), context.world_size)
         if float(total) > 0:
             with torch.no_grad():  # one flat all_reduce instead of one per parameter tensor
@@ -176,7 +241,7 @@ class DrafterSidecar:
             else:
                 _load_parameters(self.drafter, self.last_good)
                 context.metrics[DISCARDED_STEPS_METRIC] = 1.0
-        self.critical_seconds += time.perf_counter() - started
+        self.critical_seconds += self.clock() - started
         context.metrics.update(
             {
                 STEPS_METRIC: float(self.steps_done),
@@ -187,8 +252,20 @@ class DrafterSidecar:
         )
         context.drafter_version = float(self.version)
         self.critical_seconds = 0.0
-        if self.steps_done:  # a worker that trained no step has no loss to average in
-            context.metrics[LOSS_METRIC] = self.loss_sum / self.steps_done
+        if self.steps_since_average:  # a worker that trained no step has no loss to average in
+            context.metrics[LOSS_METRIC] = self.loss_sum / self.steps_since_average
+        self.steps_since_average, self.loss_sum = 0, 0.0
+        self.update_steps, self.update_seconds = 0, 0.0
+        self.update_started = self.clock()
+
+    def _follow_emitted_tokens(self, world_size: int) -> None:
+        """Add every worker's tokens of this rollout to the run's counts; a reduced vocabulary follows them."""
+        emitted = _all_reduce(self.emitted_now.to(next(self.drafter.parameters()).device), world_size)
+        self.emitted_total += emitted.cpu()
+        self.emitted_now.zero_()
+        if self.drafter.vocabulary.is_reduced and self.emitted_total.any():
+            self.drafter.vocabulary.follow_responses(self.emitted_total)
+            self.drafter.refresh_draft_head()
 
     def on_checkpoint_save(self, directory: Path) -> None:
         state_directory = directory / STATE_DIRECTORY
@@ -211,6 +288,9 @@ class DrafterSidecar:
             "window": list(self.window),
             "version": self.version,
             "generator": self.generator.get_state(),
+            "steps_since_average": self.steps_since_average,
+            "emitted_total": self.emitted_total,
+            "vocabulary": self.drafter.vocabulary.target_ids if self.drafter is not None else None,
         }
 
     def _restore(self, state: dict) -> None:
@@ -219,6 +299,13 @@ class DrafterSidecar:
         self.window = deque(state["window"])
         self.version = state["version"]
         self.generator.set_state(state["generator"])
+        # checkpoints before drafter training in the update have no such count: their steps were all averaged
+        self.steps_since_average = state.get("steps_since_average", 0)
+        if state.get("emitted_total") is not None:  # checkpoints before the vocabulary followed responses: fresh
+            self.emitted_total = state["emitted_total"]
+        if state.get("vocabulary") is not None and self.drafter.vocabulary.is_reduced:
+            self.drafter.vocabulary.target_ids.copy_(state["vocabulary"])
+            self.drafter.refresh_draft_head()
 
 
 def _all_reduce(tensor: torch.Tensor, world_size: int) -> torch.Tensor:

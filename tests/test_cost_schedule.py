@@ -386,3 +386,51 @@ def test_pass_costs_are_measured_once_on_the_owned_forward_and_cached(tmp_path):
     bfloat16 = measured_pass_costs(target, None, torch.bfloat16, None, tmp_path, most_rows=1)
     assert bfloat16.dtype == "bfloat16" and bfloat16.rows == (1,)
     assert measured_pass_costs(tiny_gpt2(64), None, torch.float32, None, tmp_path, most_rows=1) is None
+
+
+def run_steps(schedule: CostSchedule, costs: PassCosts, steps: int, drafter_accepts: int) -> list[int]:
+    """`steps` decode steps at one row where the drafter's chains are accepted up to `drafter_accepts` tokens deep
+    and n-gram drafts never; returns the tokens each step emitted."""
+    emitted = []
+    for _ in range(steps):
+        config = schedule(1)
+        accepted = min(drafter_accepts, config.steps) if config is not None and config.uses_drafter else 0
+        counts = None
+        if config is not None:
+            passes = {"drafter": int(config.uses_drafter), "ngram": int(config.uses_ngram)}
+            counts = StepCounts(passes, {"drafter": accepted, "ngram": 0}, (accepted,))
+        schedule.observe_step(DecodeStep(1, 1 + accepted, costs.step_seconds(config, 1, 1 + accepted)), counts)
+        emitted.append(1 + accepted)
+    return emitted
+
+
+def test_a_drafter_that_trained_is_exploited_deeper_in_the_next_rollouts_first_steps_once_the_schedule_is_told():
+    costs = grid_costs(10.0, 0.5)
+    emitted = {}
+    for told in (True, False):
+        schedule = CostSchedule(candidate_configs(costs, has_drafter=True), costs, seed=0)
+        run_steps(schedule, costs, 600, drafter_accepts=1)  # the drafter so far: one token, never two
+        if told:
+            schedule.drafter_changed()
+        emitted[told] = sum(run_steps(schedule, costs, 80, drafter_accepts=6))  # trained: six tokens deep
+    # told, the schedule leaves the old drafter's hundreds of passes behind and drafts deeper at once
+    assert emitted[True] > 1.3 * emitted[False]
+
+
+def test_forgetting_a_source_keeps_its_share_of_the_passes_of_it_and_of_labels_drafting_from_it():
+    estimates = AcceptanceEstimates()
+    for _ in range(100):
+        estimates.observe(SpeculativeConfig(2), (0,))
+        estimates.observe(SpeculativeConfig(2, ngram_tokens=4), (1,))
+        estimates.observe(SpeculativeConfig(0, ngram_tokens=4), (1,))
+    drafter_offered = estimates.by_source["drafter"].offered[0]
+    ngram_offered = estimates.by_source["ngram"].offered[0]
+    hybrid = SpeculativeConfig(2, ngram_tokens=4).label()
+    hybrid_passes = estimates.by_label[hybrid].passes
+    estimates.forget("drafter", 0.1)
+    assert estimates.by_source["drafter"].offered[0] == pytest.approx(0.1 * drafter_offered)
+    assert estimates.by_source["ngram"].offered[0] == ngram_offered
+    assert estimates.by_label[hybrid].passes == pytest.approx(0.1 * hybrid_passes)
+    restored = AcceptanceEstimates()
+    restored.load_state_dict(estimates.state_dict())
+    assert restored.label_sources == estimates.label_sources

@@ -1,5 +1,7 @@
-"""The drafter sidecar plugin: data window, preemptible idle training, weighted averaging, checkpoints."""
+"""The drafter sidecar plugin: data window, training in the update and in the idle tail, weighted averaging,
+checkpoints."""
 
+import copy
 import os
 from types import SimpleNamespace
 
@@ -10,6 +12,7 @@ from tiny_models import tiny_qwen2
 
 from tlt_cli.config import DrafterConfig
 from tlt_cli.drafter.model import EagleDrafter
+from tlt_cli.drafter.vocabulary import DraftVocabulary
 from tlt_cli.plugins import StepContext
 from tlt_cli.processes.distributed import free_port
 from tlt_cli.rollout.types import Completion
@@ -23,9 +26,10 @@ def tiny_target():
     return tiny_qwen2(vocab_size=24)
 
 
-def recipe(window_steps=2, batch_size=4, lr=1e-2):
+def recipe(window_steps=2, batch_size=4, lr=1e-2, update_share=0.05):
     return SimpleNamespace(
-        drafter=DrafterConfig(lr=lr, window_steps=window_steps, batch_size=batch_size), run=SimpleNamespace(seed=0)
+        drafter=DrafterConfig(lr=lr, window_steps=window_steps, batch_size=batch_size, update_share=update_share),
+        run=SimpleNamespace(seed=0),
     )
 
 
@@ -35,6 +39,11 @@ def context(step, target, drafter, world_size=1, worker=0):
 
 def feed(sidecar, target, step, seed=0):
     """One actor micro-batch of 4 sequences and its hidden states, as the actor hands them over."""
+    sidecar.on_hidden_states(context(step, target, sidecar.drafter), *_micro_batch(target, step, seed))
+
+
+def _micro_batch(target, step, seed=0):
+    """(policy batch of 4 sequences, their hidden states)."""
     generator = torch.Generator().manual_seed(seed + step)
     completions = [
         Completion(
@@ -50,7 +59,7 @@ def feed(sidecar, target, step, seed=0):
     batch = build_policy_batch(completions, torch.zeros(4), pad_token_id=0)
     with torch.no_grad():
         hidden = target.get_decoder()(input_ids=batch.input_ids, attention_mask=batch.attention_mask).last_hidden_state
-    sidecar.on_hidden_states(context(step, target, sidecar.drafter), batch, hidden)
+    return batch, hidden
 
 
 def started_sidecar(target, **settings):
@@ -92,7 +101,7 @@ def test_a_non_finite_average_is_discarded_and_the_last_good_drafter_kept():
     target = tiny_target()
     sidecar, drafter = started_sidecar(target)
     good = {name: value.clone() for name, value in drafter.state_dict().items()}
-    sidecar.steps_done = 1
+    sidecar.steps_since_average = 1
     with torch.no_grad():
         drafter.fc.weight[0, 0] = float("nan")
     step_context = context(0, target, drafter)
@@ -126,6 +135,79 @@ def test_checkpoint_round_trip_restores_drafter_optimizer_and_window(tmp_path):
         assert torch.equal(value, fresh_drafter.state_dict()[name]), name
 
 
+class ManualClock:
+    """A clock the test moves: the actor's forward takes what the test says, each drafter step one second."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def sidecar_in_update(target, clock, **settings):
+    """A sidecar whose rollout just ended (its update phase began at clock 0), with each drafter step
+    lasting one second of `clock` and the rows of each step recorded."""
+    sidecar, drafter = started_sidecar(target, **settings)
+    sidecar.clock = clock
+    sidecar.on_rollout_end(context(0, target, drafter))
+    trained_rows = []
+    train_step = sidecar.trainer.train_step
+
+    def timed_step(batch):
+        trained_rows.append(batch.input_ids.clone())
+        clock.now += 1.0
+        return train_step(batch)
+
+    sidecar.trainer.train_step = timed_step
+    return sidecar, drafter, trained_rows
+
+
+def test_the_update_trains_on_every_fresh_row_first_then_replays_within_its_share():
+    target = tiny_target()
+    clock = ManualClock()
+    sidecar, drafter, trained_rows = sidecar_in_update(target, clock, batch_size=1, update_share=0.05)
+    before = {name: value.clone() for name, value in drafter.state_dict().items()}
+    clock.now = 100.0  # the update's first forward took 100 s: 5% of it is 5 drafter steps of 1 s
+    step_context = context(0, target, drafter)
+    sidecar.on_hidden_states(step_context, *_micro_batch(target, step=0))
+    fresh = sidecar.window[-1].batches[-1]
+    assert len(trained_rows) == 5
+    # one row each: the micro-batch's 4 rows in order, then one replayed from the window
+    for row, rows in enumerate(trained_rows[:4]):
+        assert torch.equal(rows, fresh.input_ids[row : row + 1])
+    assert step_context.metrics["drafter_update_steps"] == 5.0
+    assert step_context.metrics["drafter_update_seconds"] == 5.0
+    assert all(not torch.equal(before[name], value) for name, value in drafter.state_dict().items())
+    # the next average weighs them in
+    assert sidecar.steps_since_average == 5
+
+
+def test_the_update_share_bounds_the_drafter_seconds_over_many_micro_batches():
+    target = tiny_target()
+    clock = ManualClock()
+    sidecar, drafter, _ = sidecar_in_update(target, clock, batch_size=2, update_share=0.1)
+    step_context = context(0, target, drafter)
+    for micro_batch in range(6):
+        clock.now += 7.0  # each micro-batch's forward and backward
+        sidecar.on_hidden_states(step_context, *_micro_batch(target, step=0, seed=micro_batch))
+        drafter_seconds = step_context.metrics["drafter_update_seconds"]
+        assert drafter_seconds <= 0.1 * (clock.now - drafter_seconds) + 1.0  # at most one step past the bound
+    assert step_context.metrics["drafter_update_steps"] >= 4
+
+
+@pytest.mark.parametrize("update_share", [0.0, 0.05])
+def test_no_drafter_step_in_the_update_with_a_zero_share_or_outside_an_update(update_share):
+    target = tiny_target()
+    clock = ManualClock()
+    sidecar, drafter, trained_rows = sidecar_in_update(target, clock, update_share=update_share)
+    if update_share:  # a rollout started: hidden states handed over now (TRL's wait) are not the update's
+        sidecar.on_rollout_start(context(1, target, drafter))
+    clock.now = 100.0
+    sidecar.on_hidden_states(context(1, target, drafter), *_micro_batch(target, step=1))
+    assert trained_rows == [] and sidecar.steps_since_average == 0
+
+
 def _average_worker(rank, port, steps_by_rank, results):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -134,7 +216,7 @@ def _average_worker(rank, port, steps_by_rank, results):
     sidecar = DrafterSidecar(recipe())
     drafter = EagleDrafter(target, seed=10 + rank)  # each worker's copy differs
     sidecar.on_rollout_start(context(0, target, drafter, world_size=2, worker=rank))
-    sidecar.steps_done = steps_by_rank[rank]
+    sidecar.steps_since_average = steps_by_rank[rank]
     step_context = context(0, target, drafter, world_size=2, worker=rank)
     sidecar.on_rollout_end(step_context)
     results[rank] = ({name: value.clone() for name, value in drafter.state_dict().items()}, step_context.metrics)
@@ -155,3 +237,35 @@ def test_averaging_across_two_processes_is_weighted_by_steps(steps_by_rank):
         for name, value in state.items():
             expected = sum(copies[r][name] * steps_by_rank[r] for r in range(2)) / total
             assert torch.allclose(value, expected, atol=1e-6), (rank, name)
+
+
+def test_a_reduced_vocabulary_follows_the_tokens_responses_emit_and_survives_a_checkpoint(tmp_path):
+    target = tiny_target()
+    sidecar = DrafterSidecar(recipe())
+    drafter = EagleDrafter(target, seed=1, vocabulary=DraftVocabulary(torch.arange(8), 24))
+    formed_copy = copy.copy(drafter)  # the engine's formed copy shares the vocabulary object
+    step_context = context(0, target, drafter)
+    sidecar.on_rollout_start(step_context)
+    for response in ([20, 21, 20, 2], [21, 20, 3, 2]):
+        sidecar.on_request_finished(step_context, Completion(0, (1,), response, True, 0.0, 1.0))
+    sidecar.on_rollout_end(step_context)
+    # emitted tokens 20, 21, 2, 3 take places; of the others, the kept tokens 0-7 win the ties over unseen ones
+    assert drafter.vocabulary.target_ids.tolist() == [0, 1, 2, 3, 4, 5, 20, 21]
+    assert formed_copy.vocabulary.target_ids.tolist() == [0, 1, 2, 3, 4, 5, 20, 21]
+    assert torch.equal(drafter.draft_head_weight, target.lm_head.weight[drafter.vocabulary.target_ids])
+    sidecar.on_checkpoint_save(tmp_path)
+    restored = DrafterSidecar(recipe())
+    restored.on_checkpoint_load(tmp_path)
+    fresh = EagleDrafter(target, seed=2, vocabulary=DraftVocabulary(torch.arange(8), 24))
+    restored.on_rollout_start(context(1, target, fresh))
+    assert fresh.vocabulary.target_ids.tolist() == [0, 1, 2, 3, 4, 5, 20, 21]
+    assert torch.equal(restored.emitted_total, sidecar.emitted_total)
+
+
+def test_a_full_vocabulary_stays_full():
+    target = tiny_target()
+    sidecar, drafter = started_sidecar(target)
+    step_context = context(0, target, drafter)
+    sidecar.on_request_finished(step_context, Completion(0, (1,), [20, 21], True, 0.0, 1.0))
+    sidecar.on_rollout_end(step_context)
+    assert not drafter.vocabulary.is_reduced

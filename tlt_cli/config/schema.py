@@ -516,7 +516,8 @@ class DrafterConfig:
         "draft vocabulary: the warm-up keeps the N tokens the model emits most often in its "
         "responses, and the drafter's head and loss run over those N only (verification "
         "stays exact); 0: the whole vocabulary up to 4096 tokens, else 8192; a saved "
-        "drafter keeps its own, a random one drafts over the whole vocabulary",
+        "drafter keeps its own, an online one drafts over the N most frequent in the task's prompts, a random one "
+        "over the whole vocabulary",
         minimum=0,
         note="0: the default",
     )
@@ -533,6 +534,14 @@ class DrafterConfig:
         "online training: sequences per drafter step (drawn from one actor micro-batch, so "
         "a step is short and the sidecar yields to the rollout quickly)",
         minimum=1,
+    )
+    update_share: float = setting(
+        0.05,
+        "online training in the update: the drafter trains on each actor micro-batch's hidden states as the "
+        "update computes them (every response token of the step first), for at most this share of the update's "
+        "own time; 0: only on idle workers",
+        minimum=0,
+        maximum=1,
     )
 
 

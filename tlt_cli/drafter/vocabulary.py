@@ -7,6 +7,12 @@ head and loss run over those N tokens, and every drafted id is mapped back to th
 before verification. Verification stays over the full vocabulary, so decoding stays lossless; the
 draft distribution q is simply zero on the other V - N tokens.
 
+A run's responses are the best guide to what its drafter should propose: the drafter sidecar counts the tokens
+every response emits and, at each rollout end, moves the vocabulary to the N most emitted (`follow_responses`),
+in place, so every copy of the drafter (the engine's formed copy shares the object) drafts over the new tokens at
+its next head refresh. The drafter's trained weights do not depend on which N tokens are drafted: its head is the
+target's own rows.
+
 `DraftVocabulary.target_ids[i]` is the target id of draft token i, ascending (EAGLE-3 stores the
 same list as offsets, d2t[i] = target_ids[i] - i; SGLang reads the list itself, see
 tlt_cli/sglang/drafter_format.py `save_token_map`). The warm-ups (tlt's and the TRL integration's) pick the tokens with
@@ -92,6 +98,17 @@ class DraftVocabulary:
             return draft_probs
         target_probs = draft_probs.new_zeros(*draft_probs.shape[:-1], self.target_size)
         return target_probs.index_copy_(-1, self.target_ids, draft_probs)
+
+    def follow_responses(self, emitted_counts: torch.Tensor) -> None:
+        """Become, in place, the N tokens emitted most often (emitted_counts: [V], how often each target token was
+        emitted); a token kept now loses its place only to one emitted more often, so ties keep the vocabulary."""
+        if self.target_ids is None:
+            return
+        counts = emitted_counts.detach().to(device="cpu", dtype=torch.float64).clone()
+        counts[self.target_ids.cpu()] += 0.5
+        # a stable sort keeps equal counts in id order
+        ranked = counts.sort(descending=True, stable=True).indices[: self.size]
+        self.target_ids.copy_(ranked.sort().values.to(self.target_ids.device))
 
     def restrict(self, target_logits: torch.Tensor) -> torch.Tensor:
         """Target logits [..., V] -> their entries for the draft tokens [..., N]."""

@@ -40,6 +40,7 @@ from tlt_cli.engine.sampling import SamplingParams
 from tlt_cli.rollout.decode_plan import DecodePlan
 from tlt_cli.rollout.generate_loop import EmbeddedEngine
 from tlt_cli.rollout.types import Completion, RolloutRequest
+from tlt_cli.speculative.cost_schedule import CostSchedule
 from tlt_cli.speculative.modes import AdaptiveSpeculativeDecoder, speculative_decoder
 from tlt_cli.speculative.plan import SpeculativePlan
 from tlt_cli.speculative.schedule_state import missing_schedule_state, restored_schedule
@@ -69,6 +70,8 @@ class EmbeddedRollout:
             speculative_decoder(speculative, drafter, seed, self.decode.pass_costs) if speculative is not None else None
         )
         self.schedule = decoder.adaptive_schedule if isinstance(decoder, AdaptiveSpeculativeDecoder) else None
+        # the drafter version the schedule's measurements are of (StepContext.drafter_version; None: not trained)
+        self.drafter_version: float | None = None
         self.engine = EmbeddedEngine(
             policy,
             eos_token_id=eos_token_id,
@@ -106,8 +109,13 @@ class EmbeddedRollout:
         self, weight_version: str, drafter_version: float | None, probe_prompts: Sequence[Sequence[int]]
     ) -> dict[str, float]:
         """Nothing to push: the engine generates from the updated module's weights; only its decode model's
-        copies (freed by `generate` for the update) are rebuilt."""
+        copies (freed by `generate` for the update) are rebuilt. A drafter that trained since the last call (a new
+        drafter_version) has what the cost model measured of it discounted (speculative/cost_schedule.py)."""
         self.refresh_copies()
+        if drafter_version is not None and drafter_version != self.drafter_version:
+            self.drafter_version = drafter_version
+            if isinstance(self.schedule, CostSchedule):
+                self.schedule.drafter_changed()
         return {}
 
     def refresh_copies(self) -> None:

@@ -13,7 +13,9 @@ that moved, is followed:
   - per configuration label, for shapes that mix sources (hybrid `+`, a per-row choice `|`) or branch (trees):
     a moving average of tokens per pass once measured, until then the better of its sources' chains.
 A source never measured starts from a prior: PRIOR_THROUGH[source] at depth 1 and the same ratio per depth,
-weighed as PRIOR_PASSES passes (so the first real passes take over quickly).
+weighed as PRIOR_PASSES passes (so the first real passes take over quickly). When a source itself changes (the
+drafter after a round of training), `forget(source, keep)` scales what was measured of it, and of every label that
+drafts from it, by `keep`: the new drafter's first passes then outweigh the old one's hundreds.
 """
 
 from __future__ import annotations
@@ -83,6 +85,8 @@ class AcceptanceEstimates:
         self.prior_through = dict(PRIOR_THROUGH | (prior_through or {}))
         self.by_source = {source: DepthCounts() for source in DRAFT_SOURCES}
         self.by_label: dict[str, LabelAverage] = {}
+        # label -> the draft sources its configuration drafts from (for `forget`)
+        self.label_sources: dict[str, tuple[str, ...]] = {}
 
     def expected_tokens(self, config: SpeculativeConfig) -> float:
         """Tokens a verify pass of `config` is expected to emit per row: accepted drafts plus the bonus token."""
@@ -115,10 +119,18 @@ class AcceptanceEstimates:
                 self.by_source[source].add(depth, accepted)
             return
         average = self.by_label.setdefault(config.label(), LabelAverage())
+        self.label_sources[config.label()] = tuple(source for source, _ in _chains_of(config))
         tokens = sum(accepted_per_row) / rows + 1
         weight = 1.0 if average.passes == 0 else LABEL_SMOOTHING
         average.tokens_per_pass += weight * (tokens - average.tokens_per_pass)
         average.passes += rows
+
+    def forget(self, source: str, keep: float) -> None:
+        """`source` changed: keep only the share `keep` of what was measured of it and of the labels drafting from it."""
+        self.by_source[source].decay(keep)
+        for label, sources in self.label_sources.items():
+            if source in sources:
+                self.by_label[label].passes *= keep
 
     def describe(self) -> dict[str, float]:
         """Per source, the expected tokens per pass of its depth-1 to depth-4 chains (for logs and tests)."""
@@ -130,12 +142,17 @@ class AcceptanceEstimates:
         return {
             "by_source": {source: [counts.offered, counts.accepted] for source, counts in self.by_source.items()},
             "by_label": {label: [value.passes, value.tokens_per_pass] for label, value in self.by_label.items()},
+            "label_sources": {label: list(sources) for label, sources in self.label_sources.items()},
         }
 
     def load_state_dict(self, saved: dict) -> None:
         for source, (offered, accepted) in saved["by_source"].items():
             self.by_source[source] = DepthCounts(list(offered), list(accepted))
         self.by_label = {label: LabelAverage(*values) for label, values in saved["by_label"].items()}
+        # checkpoints written before `forget` existed do not name them: every source, to be safe
+        self.label_sources = {label: tuple(sources) for label, sources in saved.get("label_sources", {}).items()} | {
+            label: DRAFT_SOURCES for label in self.by_label if label not in saved.get("label_sources", {})
+        }
 
 
 def _chains_of(config: SpeculativeConfig) -> list[tuple[str, int]]:

@@ -25,7 +25,9 @@ about that many rows (tlt_cli/speculative/step_overheads.py: the Python around t
 a part per row); the usage records keep that prediction beside what was measured, so the cost model's error stays
 visible in the trace. The predictions at a batch size are kept until an SD step updates the acceptance estimates (or
 REFRESH_STEPS steps pass), so a run of plain steps pays a dictionary read for its choice, not a prediction per
-candidate.
+candidate. When the drafter has trained since its passes were measured (`drafter_changed`, called by the rollout
+backend before the next rollout), only DRAFTER_CHANGE_KEEP of what was measured of it counts and a collapse of the
+old drafter is lifted, so a drafter that learned is tried and exploited in the next rollout's first steps.
 """
 
 from __future__ import annotations
@@ -62,6 +64,8 @@ WIDTH_SMOOTHING = 0.1
 # the steps it must have drafted in before it can count as collapsed
 RECENT_SMOOTHING = 0.3
 COLLAPSE_MIN_STEPS = 4
+# share of the old drafter's measured passes that still count after it trained (a rollout re-measures the rest)
+DRAFTER_CHANGE_KEEP = 0.1
 
 NGRAM_CHAINS = (2, 4, 8, 16, 32)
 DRAFTER_CHAINS = (1, 2, 3, 4, 6)
@@ -261,6 +265,13 @@ class CostSchedule(ScheduleReports):
                 message = f"SD accept length of {source} drafts recovered to {tokens:.2f}"
             if change is not None and self.watch.is_news(source, change):
                 self.warnings.append(message)
+
+    def drafter_changed(self) -> None:
+        """The drafter trained since its passes were measured: discount them and lift its collapse (module docstring)."""
+        self.acceptance.forget("drafter", DRAFTER_CHANGE_KEEP)
+        self.collapsed.discard("drafter")
+        self.recent.pop("drafter", None)
+        self._predictions.clear()
 
     def state_dict(self) -> dict:
         return {

@@ -167,12 +167,19 @@ def prepare_drafter(
 
 def starting_drafter(recipe: Recipe, folder: Path | None, policy: PreTrainedModel) -> EagleDrafter:
     """A drafter over `policy` (it shares its embedding, norm and lm_head): loaded from `folder` (what
-    `prepare_drafter` gave), or freshly initialised from run.seed."""
+    `prepare_drafter` gave), or freshly initialised from run.seed: with drafter.init online over the task
+    prompts' vocabulary (drafter/online_start.py), with random over the whole vocabulary."""
     from tlt_cli.drafter.model import EagleDrafter, load_drafter
 
-    if folder is None:
+    if folder is not None:
+        return load_drafter(folder, policy)
+    if recipe.drafter.init != DrafterStart.online:
         return EagleDrafter(policy, seed=recipe.run.seed)
-    return load_drafter(folder, policy)
+    from tlt_cli.drafter.online_start import online_drafter
+    from tlt_cli.models.loading import load_config_and_tokenizer
+
+    _, tokenizer = load_config_and_tokenizer(recipe.model.path, trust_remote_code=recipe.model.trust_remote_code)
+    return online_drafter(policy, tokenizer, task(recipe), recipe.drafter.vocab_size, recipe.run.seed)
 
 
 def planned_run(recipe: Recipe, drafter_folder: Path | None) -> tuple[Recipe, RunPlan]:
