@@ -126,7 +126,7 @@ class AcceptanceEstimates:
         average.passes += rows
 
     def forget(self, source: str, keep: float) -> None:
-        """`source` changed: keep only the share `keep` of what was measured of it and of the labels drafting from it."""
+        """`source` changed: keep the share `keep` of what was measured of it and of the labels drafting from it."""
         self.by_source[source].decay(keep)
         for label, sources in self.label_sources.items():
             if source in sources:

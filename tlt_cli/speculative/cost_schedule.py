@@ -267,7 +267,7 @@ class CostSchedule(ScheduleReports):
                 self.warnings.append(message)
 
     def drafter_changed(self) -> None:
-        """The drafter trained since its passes were measured: discount them and lift its collapse (module docstring)."""
+        """The drafter trained since its passes were measured: discount them, lift its collapse (module docstring)."""
         self.acceptance.forget("drafter", DRAFTER_CHANGE_KEEP)
         self.collapsed.discard("drafter")
         self.recent.pop("drafter", None)
