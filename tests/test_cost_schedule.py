@@ -21,7 +21,7 @@ from tlt_cli.engine.sampling import SamplingParams
 from tlt_cli.rollout.generate_loop import EmbeddedEngine
 from tlt_cli.speculative.acceptance_estimates import AcceptanceEstimates
 from tlt_cli.speculative.collapse import COLLAPSED, RECOVERED, RECOVERY_MARGIN, CollapseWatch
-from tlt_cli.speculative.cost_schedule import CostSchedule, candidate_configs
+from tlt_cli.speculative.cost_schedule import EXPLORE_SHARE, CostSchedule, candidate_configs
 from tlt_cli.speculative.costs import PassCosts, verified_tokens
 from tlt_cli.speculative.draft_counts import StepCounts
 from tlt_cli.speculative.modes import AdaptiveSpeculativeDecoder
@@ -434,3 +434,19 @@ def test_forgetting_a_source_keeps_its_share_of_the_passes_of_it_and_of_labels_d
     restored = AcceptanceEstimates()
     restored.load_state_dict(estimates.state_dict())
     assert restored.label_sources == estimates.label_sources
+
+
+def test_a_fresh_drafter_is_kept_off_but_for_re_probes_until_it_has_trained():
+    costs = grid_costs(10.0, 0.5)
+    fresh = CostSchedule(candidate_configs(costs, has_drafter=True), costs, seed=0)
+    fresh.drafter_untrained()
+    prior_only = CostSchedule(candidate_configs(costs, has_drafter=True), costs, seed=0)
+    drafted = {}
+    for name, schedule in (("fresh", fresh), ("prior", prior_only)):
+        configs = [schedule(1) for _ in range(128)]  # nothing observed: the choice rests on the prior alone
+        drafted[name] = sum(config is not None and config.uses_drafter for config in configs)
+    # only re-probes and exploration's share try it
+    assert drafted["fresh"] <= 128 // fresh.reprobe_steps + 128 * EXPLORE_SHARE < 32 < drafted["prior"]
+    assert fresh.take_warnings() == []
+    fresh.drafter_changed()
+    assert any(config is not None and config.uses_drafter for config in (fresh(1) for _ in range(8)))

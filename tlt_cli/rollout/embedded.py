@@ -52,7 +52,8 @@ class EmbeddedRollout:
 
     speculative: the speculative plan (None: SD off); drafter: the drafter over
     `policy` to speculate with (None: SD off). seed: the adaptive schedule's draws. decode: how it decodes (see
-    the module docstring; None: float32, plain forms, no pass costs).
+    the module docstring; None: float32, plain forms, no pass costs). drafter_trained: False for a fresh drafter,
+    which mode auto keeps off until a drafter_version reaches `after_update`.
     """
 
     def __init__(
@@ -64,12 +65,15 @@ class EmbeddedRollout:
         drafter: nn.Module | None = None,
         seed: int = 0,
         decode: DecodePlan | None = None,
+        drafter_trained: bool = True,
     ) -> None:
         self.decode = decode if decode is not None else DecodePlan()
         decoder = (
             speculative_decoder(speculative, drafter, seed, self.decode.pass_costs) if speculative is not None else None
         )
         self.schedule = decoder.adaptive_schedule if isinstance(decoder, AdaptiveSpeculativeDecoder) else None
+        if not drafter_trained and isinstance(self.schedule, CostSchedule):
+            self.schedule.drafter_untrained()
         # the drafter version the schedule's measurements are of (StepContext.drafter_version; None: not trained)
         self.drafter_version: float | None = None
         self.engine = EmbeddedEngine(

@@ -27,14 +27,15 @@ visible in the trace. The predictions at a batch size are kept until an SD step 
 REFRESH_STEPS steps pass), so a run of plain steps pays a dictionary read for its choice, not a prediction per
 candidate. When the drafter has trained since its passes were measured (`drafter_changed`, called by the rollout
 backend before the next rollout), only DRAFTER_CHANGE_KEEP of what was measured of it counts and a collapse of the
-old drafter is lifted, so a drafter that learned is tried and exploited in the next rollout's first steps.
+old drafter is lifted, so a drafter that learned is tried and exploited in the next rollout's first steps; a fresh
+drafter starts so collapsed (`drafter_untrained`), so the first rollout does not explore random drafts.
 """
 
 from __future__ import annotations
 
 import random
 
-from tlt_cli.speculative.acceptance_estimates import AcceptanceEstimates
+from tlt_cli.speculative.acceptance_estimates import PRIOR_THROUGH, AcceptanceEstimates
 from tlt_cli.speculative.collapse import COLLAPSED, RECOVERED, CollapseWatch
 from tlt_cli.speculative.costs import PassCosts
 from tlt_cli.speculative.draft_counts import StepCounts
@@ -266,9 +267,18 @@ class CostSchedule(ScheduleReports):
             if change is not None and self.watch.is_news(source, change):
                 self.warnings.append(message)
 
+    def drafter_untrained(self) -> None:
+        """The drafter is fresh (random weights): keep it off, without a warning, but for re-probes, until it trains
+        (`drafter_changed`): its chains and the hybrids drafting from it are expected to accept nothing."""
+        self.collapsed.add("drafter")
+        self.recent["drafter"] = (0, 1.0)  # one token a pass (nothing accepted) until it has drafted
+        self.acceptance.prior_through["drafter"] = 0.0
+        self._predictions.clear()
+
     def drafter_changed(self) -> None:
         """The drafter trained since its passes were measured: discount them, lift its collapse (module docstring)."""
         self.acceptance.forget("drafter", DRAFTER_CHANGE_KEEP)
+        self.acceptance.prior_through["drafter"] = PRIOR_THROUGH["drafter"]
         self.collapsed.discard("drafter")
         self.recent.pop("drafter", None)
         self._predictions.clear()

@@ -320,12 +320,15 @@ def _decode_device(recipe: Recipe):
 @dataclass(frozen=True)
 class BackendPlace:
     """Where a worker's rollout backend runs: its rank, its index on its node, the run directory, and the run's
-    plan (`planned_run`, made by the driver): how the rollout decodes and what it speculates with."""
+    plan (`planned_run`, made by the driver): how the rollout decodes and what it speculates with;
+    drafter_trained: False for a fresh drafter (drafter.init online or random), which mode auto keeps off until
+    it has trained."""
 
     worker: int
     rank_on_node: int
     run_directory: Path
     plan: RunPlan
+    drafter_trained: bool = True
 
 
 def _embedded(
@@ -341,6 +344,7 @@ def _embedded(
         drafter,
         seed=recipe.run.seed,
         decode=place.plan.decode,
+        drafter_trained=place.drafter_trained,
     )
 
 

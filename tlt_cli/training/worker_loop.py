@@ -113,7 +113,13 @@ class WorkerLoop:
             self.actor.policy,
             self.tokenizer,
             self.drafter,
-            setup.BackendPlace(self.rank, spec.address.rank_on_node, spec.run_directory, spec.plan),
+            setup.BackendPlace(
+                self.rank,
+                spec.address.rank_on_node,
+                spec.run_directory,
+                spec.plan,
+                drafter_trained=spec.drafter_init is not None or spec.resume_from is not None,
+            ),
         )
         self.barrier = RolloutBarrier(spec.address, barrier_timeout(recipe.workers.step_timeout_s))
         plugins = build_plugins(recipe.plugins.enabled, dict(recipe.plugins.options), recipe)
