@@ -15,21 +15,25 @@ from rich.console import Console
 
 from tlt_cli.config import DrafterStart, Recipe
 from tlt_cli.display import PhaseProgress
-from tlt_cli.processes.distributed import remove_abandoned_rendezvous
+from tlt_cli.processes.distributed import (
+    EXTENSIONS_FOLDER,
+    remove_abandoned_build_locks,
+    remove_abandoned_rendezvous,
+)
 from tlt_cli.sglang.server_files import remove_abandoned_server_files
 from tlt_cli.shared_memory import remove_abandoned_buffers
 from tlt_cli.tuning.run_plan import RunPlan
 
 
-def remove_what_killed_runs_left(console: Console) -> None:
-    """Free the DeepSpeed /dev/shm segments (shared_memory.py) and remove the rendezvous folders (distributed.py)
-    and SGLang servers' files (sglang/server_files.py) that killed runs left, saying so in one line; whatever
-    backend this run uses."""
+def remove_what_killed_runs_left(console: Console, cache: Path) -> None:
+    """Free the DeepSpeed /dev/shm segments and multiprocessing semaphores (shared_memory.py) and remove the
+    rendezvous folders, the build locks of DeepSpeed's ops in `cache` (distributed.py) and SGLang servers' files
+    (sglang/server_files.py) that killed runs left, saying so in one line; whatever backend this run uses."""
+    for lock in remove_abandoned_build_locks(cache / EXTENSIONS_FOLDER):
+        console.print(f"removed the build lock {lock} a killed run left (its builder is gone)", markup=False)
     removed = remove_abandoned_buffers()
     if removed:
-        console.print(
-            f"removed {len(removed)} DeepSpeed shared-memory segment(s) a killed run left in /dev/shm", markup=False
-        )
+        console.print(f"removed {len(removed)} shared-memory file(s) a killed run left in /dev/shm", markup=False)
     remove_abandoned_rendezvous()
     servers = remove_abandoned_server_files()
     if servers:

@@ -1,0 +1,120 @@
+"""Faults, round 6 (issue 57): what a killed first run leaves never stops a later one.
+
+A build lock of DeepSpeed's CPU op whose builder was killed is removed by the next run's clean-up with one line (a
+lock a live builder holds stays); a worker whose driver died while the worker still imported exits; the
+multiprocessing semaphores a killed driver left in /dev/shm are removed by the next run. Each through real
+processes killed with SIGKILL.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+from pathlib import Path
+
+from rich.console import Console
+
+from tlt_cli.process_status import process_running
+from tlt_cli.processes import run_preparation
+from tlt_cli.shared_memory import SHARED_MEMORY_DIRECTORY
+
+# a builder as torch's extension builder takes its lock (torch/utils/cpp_extension.py `_jit_compile`), then builds
+BUILDER = """
+import sys, time
+from torch.utils.file_baton import FileBaton
+assert FileBaton(sys.argv[1]).try_acquire()
+print("building", flush=True)
+time.sleep(600)
+"""
+
+
+def start_builder(lock: Path) -> subprocess.Popen:
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    builder = subprocess.Popen([sys.executable, "-c", BUILDER, str(lock)], stdout=subprocess.PIPE, text=True)
+    assert builder.stdout.readline().strip() == "building"
+    return builder
+
+
+def cleared(cache: Path) -> str:
+    output = io.StringIO()
+    run_preparation.remove_what_killed_runs_left(Console(file=output, width=400), cache)
+    return output.getvalue()
+
+
+def test_a_killed_builders_lock_is_removed_with_one_line_and_a_live_builders_stays(tmp_path):
+    cache = tmp_path / "cache"
+    killed_lock = cache / "torch_extensions" / "deepspeed_shm_comm" / "lock"
+    live_lock = cache / "torch_extensions" / "another_op" / "lock"
+    killed, live = start_builder(killed_lock), start_builder(live_lock)
+    try:
+        killed.send_signal(signal.SIGKILL)  # kill -9 during the op build: the lock stays
+        killed.wait()
+        assert killed_lock.exists()
+        output = cleared(cache)
+        assert not killed_lock.exists() and live_lock.exists()
+        assert output.strip() == f"removed the build lock {killed_lock} a killed run left (its builder is gone)"
+    finally:
+        live.kill()
+        live.wait()
+    assert cleared(cache).count("build lock") == 1  # the live builder's, once it is gone too
+
+
+def test_a_cache_without_built_ops_is_cleared_without_a_word(tmp_path):
+    assert "build lock" not in cleared(tmp_path / "no-cache-yet")
+
+
+# a driver that spawns a worker as tlt train does (multiprocessing's spawn), then is killed while the worker imports
+DRIVER = """
+import multiprocessing, sys, time
+from tlt_cli.processes.worker_process import exit_with_parent
+
+def worker(ready):
+    time.sleep(float(sys.argv[1]))  # still importing torch and transformers when the driver dies
+    exit_with_parent(None)
+    print("watching", flush=True)
+    time.sleep(600)
+
+if __name__ == "__main__":
+    process = multiprocessing.get_context("spawn").Process(target=worker, args=(None,))
+    process.start()
+    print(process.pid, flush=True)
+    time.sleep(600)
+"""
+
+
+def test_a_worker_whose_driver_died_while_it_imported_exits(tmp_path):
+    script = tmp_path / "driver.py"
+    script.write_text(textwrap.dedent(DRIVER))
+    driver = subprocess.Popen([sys.executable, str(script), "3"], stdout=subprocess.PIPE, text=True)
+    worker = int(driver.stdout.readline())
+    driver.send_signal(signal.SIGKILL)
+    driver.wait()
+    deadline = time.monotonic() + 30
+    while process_running(worker) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    alive = process_running(worker)
+    if alive:
+        os.kill(worker, signal.SIGKILL)
+    assert not alive, "the worker outlived its killed driver by 27 s after its imports"
+
+
+def test_the_next_run_removes_the_semaphores_a_killed_driver_left_and_keeps_held_ones(tmp_path):
+    left = SHARED_MEMORY_DIRECTORY / f"sem.mp-tlt-test-{uuid.uuid4().hex[:8]}"
+    held = SHARED_MEMORY_DIRECTORY / f"sem.mp-tlt-test-{uuid.uuid4().hex[:8]}"
+    left.write_bytes(b"\0" * 32)
+    held.write_bytes(b"\0" * 32)
+    try:
+        with held.open("rb"):  # a live process holds it open: a running driver's queue
+            output = cleared(tmp_path / "cache")
+            assert held.exists()
+        assert not left.exists()
+        assert "shared-memory file(s) a killed run left in /dev/shm" in output
+    finally:
+        left.unlink(missing_ok=True)
+        held.unlink(missing_ok=True)
