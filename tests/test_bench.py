@@ -11,6 +11,9 @@ import pytest
 from tiny_models import save_tiny_pair
 from typer.testing import CliRunner
 
+from tlt_cli.bench import costs as bench_costs
+from tlt_cli.bench import rollout as bench_rollout
+from tlt_cli.bench import runs as bench_runs
 from tlt_cli.bench.runs import amdahl_bound, reward_gap, side_by_side, summarize
 from tlt_cli.cli import app
 
@@ -215,16 +218,31 @@ def test_runs_trains_each_variant_and_seed_and_reads_their_traces(tiny_pair_reci
         (["rollout", "--recipe", "{recipe}", "--dtypes", "float8"], "--dtypes"),
         (["rollout", "--recipe", "{recipe}", "--fixed", "s2-q1"], "--fixed"),
         (["rollout", "--recipe", "{recipe}", "--repeats", "0"], "--repeats"),
+        (["rollout", "--recipe", "{recipe}", "--fixed", "s100-k1"], "speculative steps is 100"),
+        (["rollout", "--recipe", "{recipe}", "--fixed", "s2-k1-t7"], "--fixed names 's2-k1-t7'"),
+        (["rollout", "--recipe", "{recipe}", "--fixed", "s2-k100-t8"], "speculative topk is 100"),
+        (["rollout", "--recipe", "{recipe}", "--first-prompt", "-3"], "--first-prompt"),
+        (["rollout", "--recipe", "{recipe}", "--batch-sizes", "200000"], "--batch-sizes"),
         (["costs", "--recipe", "{recipe}", "--rows", "0"], "--rows"),
+        (["costs", "--recipe", "{recipe}", "--tokens", "100000"], "--tokens"),
         (["costs", "--recipe", "{recipe}", "rollout.max_new_tokens=-3"], "rollout.max_new_tokens"),
         (["runs", "--recipe", "{recipe}", "--variants", "off,fast"], "--variants"),
         (["runs", "--recipe", "{recipe}", "--variant-override", "tlt:nothing"], "--variant-override"),
         (["runs", "--recipe", "{recipe}", "--seeds", "0,a"], "--seeds"),
+        (["runs", "--recipe", "{recipe}", "--seeds=--5"], "--seeds"),
+        (["runs", "--recipe", "{recipe}", "--seeds", "0,\u00b2"], "--seeds"),
+        (["runs", "--recipe", "{recipe}", "--seeds", "4294967296"], "--seeds"),
         (["runs", "--recipe", "{recipe}", "--variant-override", "tlt:rollout.temperature=-1"], "rollout.temperature"),
         (["runs", "--recipe", "{recipe}", "--from-runs", "--output-dir", "{empty}"], "no trace.jsonl"),
     ],
 )
-def test_bad_input_is_one_sentence_and_exit_2(tiny_pair_recipe, tmp_path, arguments, message):
+def test_bad_input_is_one_sentence_and_exit_2(tiny_pair_recipe, tmp_path, monkeypatch, arguments, message):
+    def no_loading(*_):
+        raise AssertionError("a model was loaded before the options were checked")
+
+    for command in (bench_rollout, bench_costs):  # every option is checked before anything loads
+        monkeypatch.setattr(command, "model_pair", no_loading)
+    monkeypatch.setattr(bench_runs, "train", no_loading)
     filled = [argument.format(recipe=tiny_pair_recipe, empty=tmp_path) for argument in arguments]
     result = runner.invoke(app, ["bench", *filled, "--out", str(tmp_path / "out.json")])
     assert result.exit_code == 2, result.output

@@ -29,6 +29,7 @@ from pathlib import Path
 from rich.console import Console
 
 from tlt_cli.bench.common import BenchError, BenchReport, bench_recipe, render_table
+from tlt_cli.config import MAX_SEED
 from tlt_cli.recipes import resolve_recipe_path
 
 SD_OFF = ("speculative.mode=off", "plugins.enabled=[]")
@@ -95,10 +96,16 @@ def runs_plan(settings: RunsSettings, overrides: list[str]) -> RunsPlan:
         if name not in variants or "=" not in override:
             raise BenchError(f"--variant-override is '{text}'; give VARIANT:key=value for one of {', '.join(names)}.")
         variants[name].append(override)
-    seeds = [int(part) for part in settings.seeds.split(",") if part.strip().lstrip("-").isdigit()]
-    if not seeds or len(seeds) != len([part for part in settings.seeds.split(",") if part.strip()]):
-        raise BenchError(f"--seeds is '{settings.seeds}'; give integers separated by commas, e.g. 0,1,2.")
-    return RunsPlan(variants, seeds)
+    return RunsPlan(variants, parse_seeds(settings.seeds))
+
+
+def parse_seeds(text: str) -> list[int]:
+    """'0,1,2' -> [0, 1, 2]: run.seed values (0..MAX_SEED), or a BenchError naming the option, before any run."""
+    parts = [part.strip() for part in text.split(",") if part.strip()]
+    seeds = [int(part) for part in parts if part.isascii() and part.isdigit()]
+    if not seeds or len(seeds) != len(parts) or max(seeds) > MAX_SEED:
+        raise BenchError(f"--seeds is '{text}'; give integers in 0..{MAX_SEED} separated by commas, e.g. 0,1,2.")
+    return seeds
 
 
 def run_name(variant: str, seed: int) -> str:
