@@ -28,6 +28,7 @@ from rich.console import Console
 from rich.table import Table
 from transformers import PreTrainedTokenizerBase
 
+from tlt_cli.atomic_files import write_atomically
 from tlt_cli.calibration.calibrate import load_model_pair
 from tlt_cli.calibration.measure import ModelPair
 from tlt_cli.config import Recipe, RolloutDtype, SpeculativeMode
@@ -133,7 +134,7 @@ class BenchReport:
         }
         with writing(out, "give --out a writable file."):
             out.parent.mkdir(parents=True, exist_ok=True)
-            out.write_text(json.dumps(report, indent=1))
+            write_atomically(out, json.dumps(report, indent=1))  # whole or not at all, never through a planted link
         return report
 
 
