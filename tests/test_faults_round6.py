@@ -8,6 +8,7 @@ processes killed with SIGKILL.
 
 from __future__ import annotations
 
+import glob
 import io
 import os
 import signal
@@ -18,11 +19,15 @@ import time
 import uuid
 from pathlib import Path
 
+import pytest
+import test_faults as faults
+from recipe_overrides import small_run
 from rich.console import Console
 
 from tlt_cli.process_status import process_running
 from tlt_cli.processes import run_preparation
 from tlt_cli.shared_memory import SHARED_MEMORY_DIRECTORY
+from tlt_cli.trace import read_trace
 
 # a builder as torch's extension builder takes its lock (torch/utils/cpp_extension.py `_jit_compile`), then builds
 BUILDER = """
@@ -118,3 +123,33 @@ def test_the_next_run_removes_the_semaphores_a_killed_driver_left_and_keeps_held
     finally:
         left.unlink(missing_ok=True)
         held.unlink(missing_ok=True)
+
+
+@pytest.mark.slow
+def test_a_first_run_killed_in_its_op_build_leaves_a_cache_the_next_run_trains_on(small_model, tmp_path):
+    """kill -9 of a first run (driver and workers) while DeepSpeed builds its CPU op on a cold cache; the next run
+    on that cache removes the lock in one line and reaches its step 0 (it waited forever on the lock before)."""
+    cache = tmp_path / "cold-cache"
+    locks = str(cache / "torch_extensions" / "**" / "lock")
+    environment = faults.environment_with_test_plugins()
+    first = small_run(small_model, tmp_path, "first", 1, f"model.cache_dir={cache}")
+    with open(tmp_path / "first.out", "w") as stdout, open(tmp_path / "first.err", "w") as stderr:
+        driver = subprocess.Popen(first, stdout=stdout, stderr=stderr, env=environment, start_new_session=True)
+    try:
+        faults.wait_until(lambda: glob.glob(locks, recursive=True), faults.HANG_GUARD_SECONDS, process=driver)
+    finally:
+        os.killpg(driver.pid, signal.SIGKILL)  # the whole run, the compiler included
+        driver.wait()
+    assert glob.glob(locks, recursive=True), "the build ended before the kill: the test killed late"
+    second = subprocess.run(
+        small_run(small_model, tmp_path, "second", 1, f"model.cache_dir={cache}"),
+        capture_output=True,
+        text=True,
+        env=environment,
+        timeout=faults.HANG_GUARD_SECONDS,
+    )
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "a killed run left (its builder is gone)" in second.stdout
+    assert [
+        record["step"] for record in read_trace(tmp_path / "second" / "trace.jsonl") if record["type"] == "step"
+    ] == [0]

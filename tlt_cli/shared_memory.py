@@ -87,13 +87,20 @@ def deepspeed_buffers_if_writable(environment: MutableMapping[str, str] = os.env
 
 def remove_unheld(paths: list[Path], directory: Path = SHARED_MEMORY_DIRECTORY) -> list[Path]:
     """Remove those of `paths` (files in `directory`) that exist and that no live process maps or holds open
-    (compared by inode, whatever name the process shows); the ones removed (one a read-only /dev/shm keeps is not)."""
-    held = held_inodes(directory=directory) if paths else set()
-    removed = []
+    (compared by inode, whatever name the process shows); the ones removed (one a read-only /dev/shm keeps is not).
+    Each file's inode is taken before the processes are read, and one whose name points at another inode by the
+    time it would be removed (made anew meanwhile: a new owner's) is kept."""
+    found = {}
     for path in paths:
+        with contextlib.suppress(OSError):  # gone already
+            status = path.lstat()
+            found[path] = (status.st_dev, status.st_ino)
+    held = held_inodes(directory=directory) if found else set()
+    removed = []
+    for path, inode in found.items():
         try:
             status = path.lstat()
-            if (status.st_dev, status.st_ino) in held:
+            if inode in held or (status.st_dev, status.st_ino) != inode:
                 continue
             path.unlink()
         except OSError:  # gone already, or kept by a read-only /dev/shm
