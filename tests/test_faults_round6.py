@@ -3,7 +3,8 @@
 A build lock of DeepSpeed's CPU op whose builder was killed is removed by the next run's clean-up with one line (a
 lock a live builder holds stays); a worker whose driver died while the worker still imported exits; the
 multiprocessing semaphores a killed driver left in /dev/shm are removed by the next run. Each through real
-processes killed with SIGKILL.
+processes killed with SIGKILL. `tlt_rollout()` refuses a sidecar that names no drafter-training plugin and a seed
+that is not run.seed's, in one sentence.
 """
 
 from __future__ import annotations
@@ -153,3 +154,24 @@ def test_a_first_run_killed_in_its_op_build_leaves_a_cache_the_next_run_trains_o
     assert [
         record["step"] for record in read_trace(tmp_path / "second" / "trace.jsonl") if record["type"] == "step"
     ] == [0]
+
+
+@pytest.mark.parametrize(
+    ("arguments", "said"),
+    [
+        ({"sidecar": ["os:system"]}, "sidecar names ['os:system'], none of them a plugin that trains the drafter"),
+        ({"sidecar": "drafter_sidecar"}, "sidecar is 'drafter_sidecar'; give True, False or a list of plugin names."),
+        ({"seed": "x"}, "seed is 'x'; give an integer in 0..4294967295"),
+        ({"seed": -1}, "seed is -1; give an integer in 0..4294967295"),
+        ({"seed": True}, "seed is True; give an integer"),
+    ],
+)
+def test_tlt_rollout_refuses_a_sidecar_that_is_no_drafter_plugin_and_a_bad_seed(arguments, said):
+    pytest.importorskip("trl")
+    from tlt_cli.errors import UserError
+    from tlt_cli.integrations.trl import tlt_rollout
+
+    with pytest.raises(UserError) as raised:
+        tlt_rollout(drafter="random", **arguments)
+    assert str(raised.value).startswith(said) and "\n" not in str(raised.value), raised.value
+    assert tlt_rollout(drafter="random", sidecar=["drafter_sidecar"], seed=7) is not None
