@@ -175,3 +175,32 @@ def test_tlt_rollout_refuses_a_sidecar_that_is_no_drafter_plugin_and_a_bad_seed(
         tlt_rollout(drafter="random", **arguments)
     assert str(raised.value).startswith(said) and "\n" not in str(raised.value), raised.value
     assert tlt_rollout(drafter="random", sidecar=["drafter_sidecar"], seed=7) is not None
+
+
+def test_launch_files_replace_links_planted_at_their_names_never_writing_through(tmp_path):
+    from recipe_overrides import RECIPE
+
+    from tlt_cli.config import Precision, SpeculativeSection, load_recipe
+    from tlt_cli.processes.launch_files import LaunchPlan, write_launch_files
+    from tlt_cli.processes.messages import RunSpec
+    from tlt_cli.rollout.decode_plan import DecodePlan
+    from tlt_cli.training.setup import speculative_plan
+    from tlt_cli.tuning.run_plan import RunPlan, UpdatePrecision
+
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("localhost slots=2\n")
+    launch = tmp_path / "run" / "launch"
+    launch.mkdir(parents=True)
+    targets = {name: tmp_path / f"a-users-{name}" for name in ("recipe.yaml", "hostfile")}
+    for name, target in targets.items():
+        target.write_text("a user's file\n")
+        (launch / name).symlink_to(target)
+    plan = RunPlan(
+        UpdatePrecision(Precision.fp32, "the recipe's"), DecodePlan("float32"), speculative_plan(SpeculativeSection())
+    )
+    recipe = load_recipe(RECIPE, [f"workers.hostfile={hostfile}"])
+    run_spec = RunSpec(recipe=recipe, run_directory=tmp_path / "run", model_cache=tmp_path / "cache", plan=plan)
+    write_launch_files(run_spec, LaunchPlan("127.0.0.1", 29501, "00ff", "module:body"))
+    for name, target in targets.items():
+        assert target.read_text() == "a user's file\n" and not (launch / name).is_symlink(), name
+    assert (launch / "hostfile").read_text() == "localhost slots=2\n"

@@ -20,11 +20,11 @@ import dataclasses
 import importlib
 import json
 import os
-import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from tlt_cli.atomic_files import write_atomically
 from tlt_cli.config import Recipe, load_recipe, recipe_to_yaml
 from tlt_cli.processes.messages import RunSpec, WorkerBody
 from tlt_cli.tuning.run_plan import RunPlan
@@ -55,9 +55,10 @@ def write_launch_files(run_spec: RunSpec, plan: LaunchPlan) -> Path:
     recipe = run_spec.recipe
     directory = (run_spec.run_directory / LAUNCH_DIRECTORY).resolve()
     directory.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(recipe.workers.hostfile, directory / HOSTFILE)
+    # written atomically: a link planted at either name is replaced, never written through
+    write_atomically(directory / HOSTFILE, Path(recipe.workers.hostfile).read_bytes())
     workers = dataclasses.replace(recipe.workers, hostfile=str(directory / HOSTFILE))
-    (directory / RECIPE_FILE).write_text(recipe_to_yaml(dataclasses.replace(recipe, workers=workers)), encoding="utf-8")
+    write_atomically(directory / RECIPE_FILE, recipe_to_yaml(dataclasses.replace(recipe, workers=workers)))
     plan_path = directory / PLAN_FILE
     plan_path.unlink(missing_ok=True)
     descriptor = os.open(plan_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, OWNER_ONLY)
