@@ -118,9 +118,14 @@ def remove_abandoned_build_locks(extensions_directory: Path) -> list[Path]:
     removed. torch's extension builder (torch/utils/file_baton.py) creates the lock and keeps its descriptor open
     until the build ends, and every other process waits, with no limit, until the file is gone: a lock no process
     holds open is a killed build's (Ctrl-C or kill -9 of a first run), and every later run would wait on it forever."""
+    return remove_unheld(build_locks(extensions_directory), extensions_directory)
+
+
+def build_locks(extensions_directory: Path) -> list[Path]:
+    """The build locks (`<op>/lock`) in TORCH_EXTENSIONS_DIR, held or not (none when it does not exist)."""
     if not extensions_directory.is_dir():
         return []
-    return remove_unheld(sorted(extensions_directory.glob(f"**/{BUILD_LOCK_NAME}")), extensions_directory)
+    return sorted(extensions_directory.glob(f"**/{BUILD_LOCK_NAME}"))
 
 
 def remove_abandoned_rendezvous() -> list[Path]:
