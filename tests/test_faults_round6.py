@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import glob
 import io
+import json
 import os
 import signal
 import subprocess
@@ -200,7 +201,8 @@ def test_tlt_rollout_refuses_a_sidecar_that_is_no_drafter_plugin_and_a_bad_seed(
     assert tlt_rollout(drafter="random", sidecar=["drafter_sidecar"], seed=7) is not None
 
 
-def test_launch_files_replace_links_planted_at_their_names_never_writing_through(tmp_path):
+def written_launch_files(tmp_path: Path, before_writing=lambda launch: None) -> Path:
+    """write_launch_files of a one-node run into tmp_path/run (after `before_writing(launch folder)`); the folder."""
     from recipe_overrides import RECIPE
 
     from tlt_cli.config import Precision, SpeculativeSection, load_recipe
@@ -214,16 +216,49 @@ def test_launch_files_replace_links_planted_at_their_names_never_writing_through
     hostfile.write_text("localhost slots=2\n")
     launch = tmp_path / "run" / "launch"
     launch.mkdir(parents=True)
-    targets = {name: tmp_path / f"a-users-{name}" for name in ("recipe.yaml", "hostfile")}
-    for name, target in targets.items():
-        target.write_text("a user's file\n")
-        (launch / name).symlink_to(target)
+    before_writing(launch)
     plan = RunPlan(
         UpdatePrecision(Precision.fp32, "the recipe's"), DecodePlan("float32"), speculative_plan(SpeculativeSection())
     )
     recipe = load_recipe(RECIPE, [f"workers.hostfile={hostfile}"])
     run_spec = RunSpec(recipe=recipe, run_directory=tmp_path / "run", model_cache=tmp_path / "cache", plan=plan)
-    write_launch_files(run_spec, LaunchPlan("127.0.0.1", 29501, "00ff", "module:body"))
+    return write_launch_files(run_spec, LaunchPlan("127.0.0.1", 29501, "00ff", "module:body"))
+
+
+def test_launch_files_replace_links_planted_at_their_names_never_writing_through(tmp_path):
+    targets = {name: tmp_path / f"a-users-{name}" for name in ("recipe.yaml", "hostfile")}
+
+    def plant_links(launch: Path) -> None:
+        for name, target in targets.items():
+            target.write_text("a user's file\n")
+            (launch / name).symlink_to(target)
+
+    launch = written_launch_files(tmp_path, plant_links)
     for name, target in targets.items():
         assert target.read_text() == "a user's file\n" and not (launch / name).is_symlink(), name
     assert (launch / "hostfile").read_text() == "localhost slots=2\n"
+
+
+@pytest.mark.parametrize(
+    ("damage", "said"),
+    [
+        (lambda written: "{not json", "is damaged or was written by another tlt version (format 1 expected)"),
+        (lambda written: {**written, "version": 0}, "is damaged or was written by another tlt version"),
+        (lambda written: {key: value for key, value in written.items() if key != "version"}, "another tlt version"),
+        (lambda written: {**written, "run": {**written["run"], "start_step": "false"}}, "run.start_step is 'false'"),
+        (lambda written: {**written, "run": {**written["run"], "start_step": True}}, "run.start_step is True"),
+        (lambda written: {**written, "plan": {**written["plan"], "rendezvous_directory": 5}}, "rendezvous_directory"),
+        (lambda written: {**written, "plan": {"driver_host": "x"}}, "'plan' does not hold exactly the fields"),
+        (lambda written: {**written, "run": {**written["run"], "plan": {"update": 1}}}, "its run plan does not read"),
+    ],
+)
+def test_a_damaged_or_other_version_driver_json_is_one_sentence_naming_it(tmp_path, damage, said):
+    from tlt_cli.processes.launch_files import LaunchFileError, read_launch_files
+
+    path = written_launch_files(tmp_path) / "driver.json"
+    damaged = damage(json.loads(path.read_text()))
+    path.write_text(damaged if isinstance(damaged, str) else json.dumps(damaged))
+    with pytest.raises(LaunchFileError) as raised:
+        read_launch_files(tmp_path / "run")
+    message = str(raised.value)
+    assert message.startswith(f"{path} is damaged") and said in message and "\n" not in message, message
