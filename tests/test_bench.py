@@ -11,6 +11,9 @@ import pytest
 from tiny_models import save_tiny_pair
 from typer.testing import CliRunner
 
+from tlt_cli.bench import costs as bench_costs
+from tlt_cli.bench import rollout as bench_rollout
+from tlt_cli.bench import runs as bench_runs
 from tlt_cli.bench.runs import amdahl_bound, reward_gap, side_by_side, summarize
 from tlt_cli.cli import app
 
@@ -215,19 +218,111 @@ def test_runs_trains_each_variant_and_seed_and_reads_their_traces(tiny_pair_reci
         (["rollout", "--recipe", "{recipe}", "--dtypes", "float8"], "--dtypes"),
         (["rollout", "--recipe", "{recipe}", "--fixed", "s2-q1"], "--fixed"),
         (["rollout", "--recipe", "{recipe}", "--repeats", "0"], "--repeats"),
+        (["rollout", "--recipe", "{recipe}", "--fixed", "s100-k1"], "speculative steps is 100"),
+        (["rollout", "--recipe", "{recipe}", "--fixed", "s2-k1-t7"], "--fixed names 's2-k1-t7'"),
+        (["rollout", "--recipe", "{recipe}", "--fixed", "s2-k100-t8"], "speculative topk is 100"),
+        (["rollout", "--recipe", "{recipe}", "--first-prompt", "-3"], "--first-prompt"),
+        (["rollout", "--recipe", "{recipe}", "--batch-sizes", "200000"], "--batch-sizes"),
         (["costs", "--recipe", "{recipe}", "--rows", "0"], "--rows"),
+        (["costs", "--recipe", "{recipe}", "--tokens", "100000"], "--tokens"),
         (["costs", "--recipe", "{recipe}", "rollout.max_new_tokens=-3"], "rollout.max_new_tokens"),
         (["runs", "--recipe", "{recipe}", "--variants", "off,fast"], "--variants"),
         (["runs", "--recipe", "{recipe}", "--variant-override", "tlt:nothing"], "--variant-override"),
         (["runs", "--recipe", "{recipe}", "--seeds", "0,a"], "--seeds"),
+        (["runs", "--recipe", "{recipe}", "--seeds=--5"], "--seeds"),
+        (["runs", "--recipe", "{recipe}", "--seeds", "0,\u00b2"], "--seeds"),
+        (["runs", "--recipe", "{recipe}", "--seeds", "4294967296"], "--seeds"),
         (["runs", "--recipe", "{recipe}", "--variant-override", "tlt:rollout.temperature=-1"], "rollout.temperature"),
         (["runs", "--recipe", "{recipe}", "--from-runs", "--output-dir", "{empty}"], "no trace.jsonl"),
     ],
 )
-def test_bad_input_is_one_sentence_and_exit_2(tiny_pair_recipe, tmp_path, arguments, message):
+def test_bad_input_is_one_sentence_and_exit_2(tiny_pair_recipe, tmp_path, monkeypatch, arguments, message):
+    def no_loading(*_):
+        raise AssertionError("a model was loaded before the options were checked")
+
+    for command in (bench_rollout, bench_costs):  # every option is checked before anything loads
+        monkeypatch.setattr(command, "model_pair", no_loading)
+    monkeypatch.setattr(bench_runs, "train", no_loading)
     filled = [argument.format(recipe=tiny_pair_recipe, empty=tmp_path) for argument in arguments]
     result = runner.invoke(app, ["bench", *filled, "--out", str(tmp_path / "out.json")])
     assert result.exit_code == 2, result.output
     lines = result.output.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error:") and message in lines[0], result.output
     assert not (tmp_path / "out.json").exists()
+
+
+def fake_run(folder: Path, steps: int, planned: int | None = None, **figures) -> Path:
+    """A run folder whose trace holds a run record of `planned` steps and `steps` step records (made up figures)."""
+    folder.mkdir(parents=True)
+    records = [{"type": "run", "name": folder.name, "steps": planned or steps}]
+    step = {"step_seconds": 2.0, "rollout_seconds": 1.0, "update_seconds": 1.0, "mean_reward": 0.5, **figures}
+    records += [{"type": "step", "step": number, **step} for number in range(steps)]
+    (folder / "trace.jsonl").write_text("".join(json.dumps(record) + "\n" for record in records))
+    return folder
+
+
+def runs_from(tiny_pair_recipe: Path, output: Path, out: Path, *arguments: str):
+    return runner.invoke(
+        app,
+        ["bench", "runs", "--recipe", str(tiny_pair_recipe), "--variants", "off", "--steps", "2"]
+        + ["--output-dir", str(output), "--out", str(out), *arguments],
+    )
+
+
+def test_runs_from_runs_reads_a_complete_run_and_writes_out_atomically_not_through_a_link(tiny_pair_recipe, tmp_path):
+    fake_run(tmp_path / "runs" / "off-seed0", steps=2)
+    elsewhere = tmp_path / "elsewhere.json"
+    elsewhere.write_text("a user's file\n")
+    out = tmp_path / "out.json"
+    out.symlink_to(elsewhere)  # planted at --out's name
+    result = runs_from(tiny_pair_recipe, tmp_path / "runs", out, "--from-runs")
+    assert result.exit_code == 0, result.output
+    assert not out.is_symlink() and json.loads(out.read_text())["results"]["steps"]["off"]["0"][0]["step"] == 0
+    assert elsewhere.read_text() == "a user's file\n"
+
+
+@pytest.mark.parametrize(
+    ("trace", "message"),
+    [
+        ("", "has no run record"),
+        ('{"type": "run", "steps": 2}\n', "is incomplete: its trace has 0 of its 2 steps"),
+        ('{"type": "run", "steps": 2}\n{"type": "step", "step": 0}\n', "is incomplete: its trace has 1 of its 2"),
+        ('{"type": "run", "steps": 2}\n{"type": "st', "is cut short"),
+        ('{"type": "run", "steps": 2}\n{"step": 0}\n', "line 2 has no 'type'"),
+        ('{"type": "run", "steps": 2}\n\xff\n', "is not UTF-8"),
+        ('{"type": "run", "steps": 1}\n{"type": "step", "step": 0, "rollout_seconds": 0}\n', "'rollout_seconds' is 0"),
+        ('{"type": "run", "steps": 1}\n{"type": "step", "step": [0]}\n', "is incomplete"),
+        ('{"type": "run", "steps": 1}\n{"type": "step", "step": 0, "mean_reward": "x"}\n', "'mean_reward' is 'x'"),
+    ],
+)
+def test_runs_from_damaged_or_interrupted_runs_names_them_in_one_sentence(tiny_pair_recipe, tmp_path, trace, message):
+    folder = tmp_path / "runs" / "off-seed0"
+    folder.mkdir(parents=True)
+    (folder / "trace.jsonl").write_bytes(trace.encode("latin-1"))
+    result = runs_from(tiny_pair_recipe, tmp_path / "runs", tmp_path / "out.json", "--from-runs")
+    assert result.exit_code == 2, result.output
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:") and message in lines[0], result.output
+    assert not (tmp_path / "out.json").exists()
+
+
+def test_runs_never_replaces_a_folder_it_did_not_make(tiny_pair_recipe, tmp_path, monkeypatch):
+    notes = tmp_path / "runs" / "off-seed0" / "notes.txt"
+    notes.parent.mkdir(parents=True)
+    notes.write_text("a user's notes\n")
+
+    def no_training(*_):
+        raise AssertionError("a run trained before the output folder was checked")
+
+    monkeypatch.setattr(bench_runs, "train", no_training)
+    result = runs_from(tiny_pair_recipe, tmp_path / "runs", tmp_path / "out.json")
+    assert result.exit_code == 2 and "holds off-seed0, which tlt bench runs did not make" in result.output
+    assert notes.read_text() == "a user's notes\n"
+    (notes.parent / bench_runs.BENCH_MARKER).write_text("")  # one this command made is replaced
+    trained = []
+    monkeypatch.setattr(bench_runs, "train", lambda *arguments: trained.append(arguments[1]))
+    monkeypatch.setattr(
+        bench_runs, "step_records", lambda _: [{"step": 0, "step_seconds": 2.0, "rollout_seconds": 1.0}]
+    )
+    result = runs_from(tiny_pair_recipe, tmp_path / "runs", tmp_path / "out.json")
+    assert result.exit_code == 0 and trained == ["off-seed0"], result.output

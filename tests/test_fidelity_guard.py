@@ -9,6 +9,7 @@ stored in bfloat16), trained at an RL learning rate (1e-6, far below a bfloat16 
 import json
 import subprocess
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ from test_bfloat16_fidelity import on_grid_and_halfway
 
 from tlt_cli.config import load_recipe
 from tlt_cli.models.loading import load_policy
+from tlt_cli.processes import worker_events
 from tlt_cli.processes.fidelity_guard import FLOOR, JUMP, FidelityGuard, fidelity_advice
 
 RECIPES = Path(__file__).resolve().parent.parent / "recipes"
@@ -47,9 +49,35 @@ def test_noise_below_the_floor_and_missing_or_bad_figures_say_nothing():
     guard = FidelityGuard("advice")
     assert guard.check(step(0, 4.6e-12)) == []
     assert guard.check(step(1, FLOOR / 2)) == []  # 1e11x a float32 run's noise, still noise
-    assert guard.check(step(2)) == [] and guard.check({**step(3), "actor_rollout_kl_k3": float("nan")}) == []
+    assert guard.check(step(2)) == [] and guard.check({**step(3), "actor_rollout_kl_k3": -1.0}) == []
     assert guard.check({**step(4), "actor_rollout_kl_k3": "a lot"}) == []
     assert len(guard.check(step(5, JUMP * FLOOR))) == 1
+
+
+@pytest.mark.parametrize("broken", [float("nan"), float("inf")])
+def test_a_kl_that_is_no_longer_a_number_is_a_jump(broken):
+    guard = FidelityGuard("advice")
+    assert guard.check(step(0, 7e-4)) == []
+    (message,) = guard.check(step(1, broken))
+    assert message.startswith(f"step 1: the rollout/learner KL is {broken:.1e}, up from the first step's 7.0e-04")
+    assert guard.check(step(2, broken)) == []
+
+
+def test_a_resumed_run_does_not_warn_again_about_a_figure_it_warned_about():
+    warned = {"type": "warning", "kind": "fidelity", "figure": "actor_rollout_kl_k3", "step": 2, "message": "..."}
+    guard = FidelityGuard("advice", [step(0, 7e-4), step(2, 2.3e-2), warned])
+    assert guard.check(step(3, 5e-2)) == []
+
+
+def test_a_damaged_trace_line_before_a_resume_keeps_the_first_steps_baseline(tmp_path):
+    lines = [{"type": "run"}, step(0, 7e-4), step(1, 9e-4)]
+    trace = "\n".join(json.dumps(record) for record in lines[:2]) + '\n{"type": "st\n' + json.dumps(lines[2]) + "\n"
+    (tmp_path / "trace.jsonl").write_text(trace)
+    recipe = load_recipe(RECIPES / "tiny-cpu.yaml", [])
+    run_spec = SimpleNamespace(plan=None, run_directory=tmp_path, start_step=2, recipe=recipe)
+    guard = worker_events._fidelity_guard(run_spec)
+    assert guard.baselines == {"actor_rollout_kl_k3": 7e-4}
+    assert len(guard.check(step(2, 7e-3))) == 1
 
 
 def test_a_resumed_run_keeps_its_first_steps_kl_as_the_baseline():

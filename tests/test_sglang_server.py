@@ -253,7 +253,7 @@ def test_a_tlt_train_of_any_backend_removes_the_server_files_a_killed_run_left(t
     kill_and_wait(killed, killed_server)
     assert all(path.exists() for path in abandoned)
     output = io.StringIO()
-    run_preparation.remove_what_killed_runs_left(Console(file=output, width=200))
+    run_preparation.remove_what_killed_runs_left(Console(file=output, width=200), tmp_path / "cache")
     assert not [path for path in abandoned if path.exists()]
     assert "removed the files of 1 SGLang server(s) a killed run left" in output.getvalue()
     assert list(short_temporary_folder.iterdir()) == []

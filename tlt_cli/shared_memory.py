@@ -29,6 +29,8 @@ from pathlib import Path
 
 SHARED_MEMORY_DIRECTORY = Path("/dev/shm")
 DEEPSPEED_BUFFER_PREFIX = "deepspeed_allreduce_buffer"
+# Python's named semaphores (multiprocessing/synchronize.py: `mp-` and a random suffix; glibc adds `sem.`)
+MULTIPROCESSING_SEMAPHORE_PATTERN = "sem.mp-*"
 
 
 def deepspeed_buffer(master_address: str, master_port: int | str, rank: int | str) -> Path:
@@ -83,15 +85,22 @@ def deepspeed_buffers_if_writable(environment: MutableMapping[str, str] = os.env
             environment["LOCAL_SIZE"] = local_size
 
 
-def remove_unheld(paths: list[Path]) -> list[Path]:
-    """Remove those of `paths` that exist and that no live process maps or holds open (compared by inode, whatever
-    name the process shows); the ones removed (one a read-only /dev/shm keeps is not)."""
-    held = held_inodes() if paths else set()
-    removed = []
+def remove_unheld(paths: list[Path], directory: Path = SHARED_MEMORY_DIRECTORY) -> list[Path]:
+    """Remove those of `paths` (files in `directory`) that exist and that no live process maps or holds open
+    (compared by inode, whatever name the process shows); the ones removed (one a read-only /dev/shm keeps is not).
+    Each file's inode is taken before the processes are read, and one whose name points at another inode by the
+    time it would be removed (made anew meanwhile: a new owner's) is kept."""
+    found = {}
     for path in paths:
+        with contextlib.suppress(OSError):  # gone already
+            status = path.lstat()
+            found[path] = (status.st_dev, status.st_ino)
+    held = held_inodes(directory=directory) if found else set()
+    removed = []
+    for path, inode in found.items():
         try:
             status = path.lstat()
-            if (status.st_dev, status.st_ino) in held:
+            if inode in held or (status.st_dev, status.st_ino) != inode:
                 continue
             path.unlink()
         except OSError:  # gone already, or kept by a read-only /dev/shm
@@ -101,8 +110,20 @@ def remove_unheld(paths: list[Path]) -> list[Path]:
 
 
 def remove_abandoned_buffers() -> list[Path]:
-    """Remove this user's DeepSpeed segments that no live process maps (a killed run's); the ones removed."""
-    return remove_unheld(sorted(SHARED_MEMORY_DIRECTORY.glob(f"{DEEPSPEED_BUFFER_PREFIX}_{os.getuid()}_*")))
+    """Remove this user's DeepSpeed segments and multiprocessing semaphores (`sem.mp-*`: the queue a killed
+    driver shared with its workers) that no live process maps (a killed run's); the ones removed."""
+    segments = SHARED_MEMORY_DIRECTORY.glob(f"{DEEPSPEED_BUFFER_PREFIX}_{os.getuid()}_*")
+    return remove_unheld(sorted([*segments, *own_entries(MULTIPROCESSING_SEMAPHORE_PATTERN)]))
+
+
+def own_entries(pattern: str) -> list[Path]:
+    """The /dev/shm entries matching `pattern` that this user owns."""
+    owned = []
+    for path in SHARED_MEMORY_DIRECTORY.glob(pattern):
+        with contextlib.suppress(OSError):
+            if path.lstat().st_uid == os.getuid():
+                owned.append(path)
+    return owned
 
 
 def shared_memory_entries() -> dict[Path, tuple[int, int]]:
@@ -117,12 +138,13 @@ def shared_memory_entries() -> dict[Path, tuple[int, int]]:
     return entries
 
 
-def held_inodes(pids: list[int] | None = None) -> set[tuple[int, int]]:
-    """(device, inode) of every /dev/shm file the processes `pids` (None: every live process) map or hold open,
-    whatever name they show: glibc makes a POSIX semaphore under a staging name (`sem.` and six random
+def held_inodes(pids: list[int] | None = None, directory: Path = SHARED_MEMORY_DIRECTORY) -> set[tuple[int, int]]:
+    """(device, inode) of every file under `directory` the processes `pids` (None: every live process) map or hold
+    open, whatever name they show: glibc makes a POSIX semaphore under a staging name (`sem.` and six random
     characters), maps it, then links it to its own name (`sem.mp-*`) and unlinks the staging one, so
     /proc/<pid>/maps names a deleted file for an entry that exists under another name."""
     inodes = set()
+    prefix = f"{directory.resolve()}/"
     for pid in _all_pids() if pids is None else pids:
         try:
             maps = Path(f"/proc/{pid}/maps").read_text().splitlines()
@@ -132,12 +154,12 @@ def held_inodes(pids: list[int] | None = None) -> set[tuple[int, int]]:
         for line in maps:
             # address, permissions, offset, device (major:minor in hex), inode, path
             fields = line.split(maxsplit=5)
-            if len(fields) == 6 and fields[5].startswith(f"{SHARED_MEMORY_DIRECTORY}/"):
+            if len(fields) == 6 and fields[5].startswith(prefix):
                 major, minor = (int(part, 16) for part in fields[3].split(":"))
                 inodes.add((os.makedev(major, minor), int(fields[4])))
         for descriptor in descriptors:
             try:
-                if os.readlink(descriptor).startswith(f"{SHARED_MEMORY_DIRECTORY}/"):
+                if os.readlink(descriptor).startswith(prefix):
                     status = os.stat(descriptor)
                     inodes.add((status.st_dev, status.st_ino))
             except OSError:

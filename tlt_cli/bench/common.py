@@ -28,6 +28,7 @@ from rich.console import Console
 from rich.table import Table
 from transformers import PreTrainedTokenizerBase
 
+from tlt_cli.atomic_files import write_atomically
 from tlt_cli.calibration.calibrate import load_model_pair
 from tlt_cli.calibration.measure import ModelPair
 from tlt_cli.config import Recipe, RolloutDtype, SpeculativeMode
@@ -47,6 +48,10 @@ from tlt_cli.tuning.cache import machine_key
 BFLOAT16_FLAGS = ("avx512_bf16", "amx_bf16", "amx_tile")
 
 
+# the most rows a benchmark decodes at once: a GRPO batch on one machine, far above what a CPU runs in reasonable time
+MAX_BENCH_ROWS = 1024
+
+
 class BenchError(UserError):
     """A benchmark option a user gave that cannot run; the message names the option."""
 
@@ -56,14 +61,15 @@ def bench_recipe(recipe_name: str, overrides: list[str]) -> Recipe:
     return load_checked_recipe(resolve_recipe_path(recipe_name), overrides)
 
 
-def parse_numbers(option: str, text: str) -> list[int]:
-    """'1,4,16' -> [1, 4, 16]: positive integers, or a BenchError naming the option."""
+def parse_numbers(option: str, text: str, maximum: int) -> list[int]:
+    """'1,4,16' -> [1, 4, 16]: integers in 1..maximum, or a BenchError naming the option (before anything loads,
+    so an absurd size is one sentence, not an allocation traceback)."""
     try:
         numbers = [int(part) for part in text.split(",") if part.strip()]
     except ValueError:
         numbers = []
-    if not numbers or min(numbers) < 1:
-        raise BenchError(f"{option} is '{text}'; give positive integers separated by commas, e.g. 1,4,16.")
+    if not numbers or min(numbers) < 1 or max(numbers) > maximum:
+        raise BenchError(f"{option} is '{text}'; give integers in 1..{maximum} separated by commas, e.g. 1,4,16.")
     return numbers
 
 
@@ -128,7 +134,7 @@ class BenchReport:
         }
         with writing(out, "give --out a writable file."):
             out.parent.mkdir(parents=True, exist_ok=True)
-            out.write_text(json.dumps(report, indent=1))
+            write_atomically(out, json.dumps(report, indent=1))  # whole or not at all, never through a planted link
         return report
 
 

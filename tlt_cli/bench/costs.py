@@ -18,6 +18,7 @@ from pathlib import Path
 from rich.console import Console
 
 from tlt_cli.bench.common import (
+    MAX_BENCH_ROWS,
     BenchError,
     BenchReport,
     bench_recipe,
@@ -32,6 +33,7 @@ from tlt_cli.bench.common import (
 from tlt_cli.calibration.measure import ModelPair
 from tlt_cli.config import Recipe
 from tlt_cli.speculative.costs import PassCosts
+from tlt_cli.speculative.types import MAX_VERIFIED_TOKENS
 from tlt_cli.tuning.pass_costs import measure_pass_costs
 
 
@@ -60,8 +62,8 @@ def cost_grid(settings: CostSettings, recipe: Recipe) -> CostGrid:
     if settings.repeats < 1:
         raise BenchError(f"--repeats is {settings.repeats}; give 1 or more.")
     return CostGrid(
-        tuple(sorted(set(parse_numbers("--rows", settings.rows)))),
-        tuple(sorted(set(parse_numbers("--tokens", settings.tokens)))),
+        tuple(sorted(set(parse_numbers("--rows", settings.rows, MAX_BENCH_ROWS)))),
+        tuple(sorted(set(parse_numbers("--tokens", settings.tokens, MAX_VERIFIED_TOKENS)))),
         parse_dtypes(settings.dtypes, recipe),
         settings.repeats,
     )

@@ -31,6 +31,7 @@ from rich.console import Console
 from transformers import PreTrainedTokenizerBase
 
 from tlt_cli.bench.common import (
+    MAX_BENCH_ROWS,
     BenchError,
     BenchReport,
     auto_speculative_plan,
@@ -54,12 +55,15 @@ from tlt_cli.rollout.types import RolloutRequest
 from tlt_cli.speculative.decoder import SpeculativeDecoder
 from tlt_cli.speculative.modes import AdaptiveSpeculativeDecoder, speculative_decoder
 from tlt_cli.speculative.rules import RuleTableError, parse_label
+from tlt_cli.speculative.shapes import shape_problem
 from tlt_cli.speculative.types import DecodeStep, SpeculativeConfig
 
 PLAIN = "plain"
 AUTO = "auto"
 GENERATE = "generate"
 DEFAULT_FIXED = "ngram4,s2-k1-t3,s4-k1-t5,s2-k1-t3+ngram4"
+# the last task problem a rollout may start at: the tasks' generators take any index below 2^63
+MAX_FIRST_PROMPT = 10**12
 
 
 @dataclass(frozen=True)
@@ -98,6 +102,9 @@ def fixed_shapes(text: str) -> dict:
             config = None
         if config is None:
             raise BenchError(f"--fixed names '{label}'; use s<steps>-k<topk>-t<draft tokens>, ngram<N> or a hybrid.")
+        problem = shape_problem(config)
+        if problem is not None:
+            raise BenchError(f"--fixed names '{label}': {problem}")
         shapes[label] = config
     return shapes
 
@@ -182,8 +189,10 @@ def rollout_grid(settings: RolloutSettings, recipe: Recipe) -> RolloutGrid:
     """The settings parsed and checked (a BenchError naming the option), before any model is loaded."""
     if settings.repeats < 1:
         raise BenchError(f"--repeats is {settings.repeats}; give 1 or more.")
+    if not 0 <= settings.first_prompt <= MAX_FIRST_PROMPT:
+        raise BenchError(f"--first-prompt is {settings.first_prompt}; give a problem number in 0..{MAX_FIRST_PROMPT}.")
     return RolloutGrid(
-        parse_numbers("--batch-sizes", settings.batch_sizes),
+        parse_numbers("--batch-sizes", settings.batch_sizes, MAX_BENCH_ROWS),
         parse_dtypes(settings.dtypes, recipe),
         fixed_shapes(settings.fixed),
         settings.repeats,

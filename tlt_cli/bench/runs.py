@@ -17,7 +17,6 @@ of a step, s: the rollout ratio) and the gap between mean rewards beside the see
 
 from __future__ import annotations
 
-import json
 import math
 import shutil
 import statistics
@@ -29,7 +28,10 @@ from pathlib import Path
 from rich.console import Console
 
 from tlt_cli.bench.common import BenchError, BenchReport, bench_recipe, render_table
+from tlt_cli.config import MAX_SEED
+from tlt_cli.processes.run_directory import TRACE_FILE
 from tlt_cli.recipes import resolve_recipe_path
+from tlt_cli.trace import numbered_records
 
 SD_OFF = ("speculative.mode=off", "plugins.enabled=[]")
 # variant -> the overrides it adds to the recipe (before --variant-override and the shared overrides)
@@ -41,6 +43,8 @@ VARIANTS: dict[str, tuple[str, ...]] = {
     "trl": ("rollout.backend=trl", *SD_OFF),  # TRL's own generation (a train.trainer trl recipe)
     "embedded": ("rollout.backend=embedded", *SD_OFF),  # tlt's engine, SD off (under TRL: its fidelity)
 }
+# the file each run folder this command made holds: the folders it may replace
+BENCH_MARKER = ".tlt-bench-run"
 # the step record's figures a run is judged on, each a mean over the timed steps
 FIGURES = (
     "step_seconds",
@@ -95,10 +99,16 @@ def runs_plan(settings: RunsSettings, overrides: list[str]) -> RunsPlan:
         if name not in variants or "=" not in override:
             raise BenchError(f"--variant-override is '{text}'; give VARIANT:key=value for one of {', '.join(names)}.")
         variants[name].append(override)
-    seeds = [int(part) for part in settings.seeds.split(",") if part.strip().lstrip("-").isdigit()]
-    if not seeds or len(seeds) != len([part for part in settings.seeds.split(",") if part.strip()]):
-        raise BenchError(f"--seeds is '{settings.seeds}'; give integers separated by commas, e.g. 0,1,2.")
-    return RunsPlan(variants, seeds)
+    return RunsPlan(variants, parse_seeds(settings.seeds))
+
+
+def parse_seeds(text: str) -> list[int]:
+    """'0,1,2' -> [0, 1, 2]: run.seed values (0..MAX_SEED), or a BenchError naming the option, before any run."""
+    parts = [part.strip() for part in text.split(",") if part.strip()]
+    seeds = [int(part) for part in parts if part.isascii() and part.isdigit()]
+    if not seeds or len(seeds) != len(parts) or max(seeds) > MAX_SEED:
+        raise BenchError(f"--seeds is '{text}'; give integers in 0..{MAX_SEED} separated by commas, e.g. 0,1,2.")
+    return seeds
 
 
 def run_name(variant: str, seed: int) -> str:
@@ -106,9 +116,23 @@ def run_name(variant: str, seed: int) -> str:
     return f"{variant}-seed{seed}"
 
 
+def check_output_folders(plan: RunsPlan, output: Path) -> None:
+    """Refuse, before anything trains, a run folder under --output-dir that this command did not make (no
+    BENCH_MARKER in it): training replaces its runs' folders, and never a user's."""
+    for seed in plan.seeds:
+        for name in plan.variants:
+            folder = output / run_name(name, seed)
+            if (folder.exists() or folder.is_symlink()) and not (folder / BENCH_MARKER).is_file():
+                raise BenchError(
+                    f"--output-dir {output} holds {folder.name}, which tlt bench runs did not make; move it or give "
+                    "another --output-dir."
+                )
+
+
 def train(recipe_path: Path, name: str, overrides: list[str], steps: int, output: Path) -> None:
-    """`tlt train` of `recipe_path` for `steps` steps into output/name (a fresh folder), quietly."""
-    shutil.rmtree(output / name, ignore_errors=True)  # this benchmark's own scratch run from an earlier call
+    """`tlt train` of `recipe_path` for `steps` steps into output/name (a fresh folder), quietly; the folder gets
+    BENCH_MARKER once made, so a later call replaces it (check_output_folders refused any other)."""
+    shutil.rmtree(output / name, ignore_errors=True)  # this benchmark's own run from an earlier call
     command = [
         sys.executable,
         "-m",
@@ -122,24 +146,57 @@ def train(recipe_path: Path, name: str, overrides: list[str], steps: int, output
         f"checkpoint.every={steps}",
     ]
     finished = subprocess.run(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    if (output / name).is_dir():
+        (output / name / BENCH_MARKER).write_text("made by tlt bench runs: a later call replaces this folder\n")
     if finished.returncode != 0:
         last = (finished.stderr.strip().splitlines() or ["no output"])[-1]
         raise TrainingRunFailed(f"tlt train of {name} failed ({last}); run it alone with: {' '.join(command)}")
 
 
 def step_records(run_directory: Path) -> list[dict]:
-    """The step records of a run's trace (a BenchError when the run left none)."""
-    trace = run_directory / "trace.jsonl"
+    """The step records of a complete run, read by the trace reader `tlt profile` uses (tlt_cli/trace.py); a
+    BenchError naming the run when it left no trace, a damaged one, or fewer steps than it was to train."""
+    trace = run_directory / TRACE_FILE
     if not trace.is_file():
         raise BenchError(
-            f"no trace.jsonl in {run_directory}: give the --output-dir, --variants and --seeds of the runs."
+            f"no {TRACE_FILE} in {run_directory}: give the --output-dir, --variants and --seeds of the runs."
         )
-    return [record for record in map(json.loads, trace.read_text().splitlines()) if record["type"] == "step"]
+    records = []
+    for number, record in numbered_records(trace, BenchError):
+        if not isinstance(record.get("type"), str):
+            raise BenchError(f"{trace} line {number} has no 'type'; a tlt trace has a type on every line.")
+        records.append(record)
+    planned = [record.get("steps") for record in records if record["type"] == "run"]
+    steps = [record for record in records if record["type"] == "step"]
+    if not planned or not isinstance(planned[-1], int) or isinstance(planned[-1], bool):
+        raise BenchError(f"{trace} has no run record with its steps; it is not a complete tlt trace.")
+    numbered = {record["step"] for record in steps if type(record.get("step")) is int}
+    if len(steps) != planned[-1] or numbered != set(range(planned[-1])):
+        raise BenchError(
+            f"{run_directory} is incomplete: its trace has {len(steps)} of its {planned[-1]} steps (the run was "
+            "stopped or failed); train it again without --from-runs."
+        )
+    for record in steps:
+        check_figures(record, f"{trace} step {record['step']}")
+    return steps
+
+
+def check_figures(record: dict, where: str) -> None:
+    """A step record's FIGURES are finite numbers (or absent), its step and rollout seconds above 0 (they divide)."""
+    for figure in FIGURES:
+        value = record.get(figure)
+        if value is None:
+            continue
+        number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        if not number or (figure in ("step_seconds", "rollout_seconds") and value <= 0):
+            raise BenchError(f"{where}: '{figure}' is {value!r}; the run's trace is damaged.")
 
 
 def run_all(recipe_path: Path, plan: RunsPlan, settings: RunsSettings, console: Console) -> dict:
     """variant -> seed -> its step records: trained in turn now, or read from the runs an earlier call left."""
     steps: dict[str, dict[int, list[dict]]] = {name: {} for name in plan.variants}
+    if not settings.from_runs:
+        check_output_folders(plan, settings.output_dir)
     for seed in plan.seeds:
         for name, variant in plan.variants.items():
             folder = run_name(name, seed)

@@ -45,6 +45,7 @@ import torch
 
 from tlt_cli.checkpoint import DRAFTER_DIRECTORY, load_checkpoint_file
 from tlt_cli.config import (
+    MAX_SEED,
     DrafterConfig,
     LinearForms,
     PluginsConfig,
@@ -184,7 +185,7 @@ def tlt_rollout(
         drafter,
         process_sidecar_factory(sidecar),
         drafter_section,
-        seed,
+        checked_seed(seed),
         linear_forms,
         None if cache_dir is None else Path(cache_dir),
         dtype,
@@ -213,10 +214,29 @@ def checked_rollout_sections(speculative: SpeculativeSection, drafter: DrafterCo
 
 def process_sidecar_factory(sidecar: bool | Sequence[str]) -> Callable[..., Any] | None:
     """What builds the drafter training between TRL's processes: the `trl_process_sidecar` of the first
-    named plugin that trains the drafter (True: the recipe schema's default plugins), or None."""
-    names = (PluginsConfig().enabled if sidecar else []) if isinstance(sidecar, bool) else list(sidecar)
+    named plugin that trains the drafter (True: the recipe schema's default plugins), or None (False). Names of
+    which none is a plugin that trains the drafter (`os:system`), or a `sidecar` that is not a bool or a list of
+    names, are a UserError in one sentence."""
+    if isinstance(sidecar, bool):
+        names = PluginsConfig().enabled if sidecar else []
+    elif isinstance(sidecar, (list, tuple)) and all(isinstance(name, str) and name.strip() for name in sidecar):
+        names = list(sidecar)
+    else:
+        raise UserError(f"sidecar is {sidecar!r}; give True, False or a list of plugin names.")
     plugin = drafter_training_plugin(names)
+    if not isinstance(sidecar, bool) and names and getattr(plugin, "trl_process_sidecar", None) is None:
+        raise UserError(
+            f"sidecar names {names}, none of them a plugin that trains the drafter between TRL's processes; "
+            "give drafter_sidecar (or a plugin class with trains_drafter and trl_process_sidecar), or False."
+        )
     return getattr(plugin, "trl_process_sidecar", None)
+
+
+def checked_seed(seed: Any) -> int:
+    """`seed` when it is a run.seed value (an integer in 0..MAX_SEED), else a UserError in one sentence."""
+    if type(seed) is not int or not 0 <= seed <= MAX_SEED:
+        raise UserError(f"seed is {seed!r}; give an integer in 0..{MAX_SEED} (as run.seed).")
+    return seed
 
 
 def _section(kind: type, given: Any, name: str) -> Any:

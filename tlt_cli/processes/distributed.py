@@ -41,13 +41,17 @@ import torch
 import torch.distributed
 
 from tlt_cli.process_status import process_running
-from tlt_cli.shared_memory import deepspeed_buffers_if_writable, rank_buffer, release_own_buffer
+from tlt_cli.shared_memory import deepspeed_buffers_if_writable, rank_buffer, release_own_buffer, remove_unheld
 
 POLL_SECONDS = 0.005
 STORE_TIMEOUT = timedelta(minutes=30)
 LOOPBACK_INTERFACE = "lo"
 RENDEZVOUS_PREFIX = "tlt-rendezvous-"
 PROCESS_GROUP_FILE = "process-group"
+# the file torch's extension builder (torch/utils/cpp_extension.py) holds in an op's build folder while it builds
+BUILD_LOCK_NAME = "lock"
+# where workers build DeepSpeed's CPU ops, under the model cache (TORCH_EXTENSIONS_DIR: worker_loop.py)
+EXTENSIONS_FOLDER = "torch_extensions"
 BARRIER_FILE = "rollout-barrier"
 # the rollout barrier's deadline runs this much past workers.step_timeout_s: the driver, which sees
 # every rank's progress, names the stuck rank first; the barrier is the backstop of a rank whose
@@ -107,6 +111,21 @@ def private_rendezvous_directory() -> Path:
     Its name carries the driver's pid: `remove_abandoned_rendezvous` finds the folders of killed drivers.
     """
     return Path(tempfile.mkdtemp(prefix=f"{RENDEZVOUS_PREFIX}{os.getpid()}-"))
+
+
+def remove_abandoned_build_locks(extensions_directory: Path) -> list[Path]:
+    """Remove the build locks (`<op>/lock`) in TORCH_EXTENSIONS_DIR that no live process holds open; the ones
+    removed. torch's extension builder (torch/utils/file_baton.py) creates the lock and keeps its descriptor open
+    until the build ends, and every other process waits, with no limit, until the file is gone: a lock no process
+    holds open is a killed build's (Ctrl-C or kill -9 of a first run), and every later run would wait on it forever."""
+    return remove_unheld(build_locks(extensions_directory), extensions_directory)
+
+
+def build_locks(extensions_directory: Path) -> list[Path]:
+    """The build locks (`<op>/lock`) in TORCH_EXTENSIONS_DIR, held or not (none when it does not exist)."""
+    if not extensions_directory.is_dir():
+        return []
+    return sorted(extensions_directory.glob(f"**/{BUILD_LOCK_NAME}"))
 
 
 def remove_abandoned_rendezvous() -> list[Path]:

@@ -97,8 +97,8 @@ def train(
     held = RunDirectory.resume(resume_directory) if resume_directory else None
     try:
         check_machine(recipe)
-        remove_what_killed_runs_left(console)
         cache = cache_directory(recipe.model.cache_dir)
+        remove_what_killed_runs_left(console, cache)
         drafter_init = prepare_drafter(trainer.prepare_drafter, recipe, cache, console)
         given = recipe  # what recipe.yaml keeps: a resume resolves `auto` again
         recipe, plan = plan_run(trainer.plan_run, recipe, drafter_init, console)

@@ -56,24 +56,34 @@ class FidelityGuard:
     stay the baseline)."""
 
     def __init__(self, advice: str, earlier: Iterable[dict[str, Any]] = ()) -> None:
+        """earlier: the trace's step records before a resume (their first figures are the baselines) and its
+        fidelity warnings (`figure`: a figure already warned about is not warned about again: once per run)."""
         self.advice = advice
         self.baselines: dict[str, float] = {}
         self.warned: set[str] = set()
         for record in sorted(earlier, key=lambda record: record.get("step", 0)):
-            self._note_baselines(record)
+            if record.get("type") == "warning" and record.get("kind") == "fidelity":
+                self.warned.add(record.get("figure"))
+            else:
+                self._note_baselines(record)
 
     def check(self, record: dict[str, Any]) -> list[str]:
         """The messages this step record calls for (none, or one per figure that jumped for the first time)."""
+        return list(self.check_figures(record).values())
+
+    def check_figures(self, record: dict[str, Any]) -> dict[str, str]:
+        """Figure -> message for each figure of this step record that jumped for the first time (a KL that is no
+        longer a number, nan or infinite, is a jump)."""
         self._note_baselines(record)
-        messages = []
+        messages = {}
         for key, description in WATCHED.items():
-            value, baseline = _figure(record, key), self.baselines.get(key)
+            value, baseline = _figure(record, key, broken=True), self.baselines.get(key)
             if value is None or baseline is None or key in self.warned:
                 continue
-            if value >= FLOOR and value >= JUMP * baseline:
+            if not math.isfinite(value) or (value >= FLOOR and value >= JUMP * baseline):
                 self.warned.add(key)
-                ratio = f"{value / baseline:.0f}x" if baseline > 0 else "up from 0"
-                messages.append(
+                ratio = f"{value / baseline:.0f}x" if baseline > 0 and math.isfinite(value) else "up from"
+                messages[key] = (
                     f"step {record.get('step')}: {description} is {value:.1e}, {ratio} the first step's "
                     f"{baseline:.1e}: the rollout no longer samples the policy being trained ({self.advice})."
                 )
@@ -86,8 +96,12 @@ class FidelityGuard:
                 self.baselines[key] = value
 
 
-def _figure(record: dict[str, Any], key: str) -> float | None:
+def _figure(record: dict[str, Any], key: str, broken: bool = False) -> float | None:
+    """The record's figure as a float; None when absent or not a KL (negative, not a number); nan and infinity
+    only when `broken` (a check's, not a baseline's)."""
     value = record.get(key)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
         return None
-    return float(value)
+    if not math.isfinite(value):
+        return float(value) if broken and value != -math.inf else None
+    return float(value) if value >= 0 else None

@@ -20,12 +20,13 @@ import dataclasses
 import importlib
 import json
 import os
-import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from tlt_cli.atomic_files import read_json_object, write_atomically
 from tlt_cli.config import Recipe, load_recipe, recipe_to_yaml
+from tlt_cli.errors import UserError
 from tlt_cli.processes.messages import RunSpec, WorkerBody
 from tlt_cli.tuning.run_plan import RunPlan
 
@@ -34,6 +35,24 @@ RECIPE_FILE = "recipe.yaml"
 HOSTFILE = "hostfile"
 PLAN_FILE = "driver.json"
 OWNER_ONLY = 0o600
+# driver.json's format: a rank refuses another (a driver and ranks of different tlt versions)
+FORMAT_VERSION = 1
+NONE = type(None)
+# driver.json's objects: each field and the JSON types it may hold
+PLAN_FIELDS = {
+    "driver_host": (str,),
+    "driver_port": (int,),
+    "authkey": (str,),
+    "worker_body": (str,),
+    "rendezvous_directory": (str, NONE),
+}
+RUN_FIELDS = {
+    "model_cache": (str,),
+    "resume_from": (str, NONE),
+    "start_step": (int,),
+    "drafter_init": (str, NONE),
+    "plan": (dict,),
+}
 
 
 @dataclass(frozen=True)
@@ -55,23 +74,56 @@ def write_launch_files(run_spec: RunSpec, plan: LaunchPlan) -> Path:
     recipe = run_spec.recipe
     directory = (run_spec.run_directory / LAUNCH_DIRECTORY).resolve()
     directory.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(recipe.workers.hostfile, directory / HOSTFILE)
+    # written atomically: a link planted at either name is replaced, never written through
+    write_atomically(directory / HOSTFILE, Path(recipe.workers.hostfile).read_bytes())
     workers = dataclasses.replace(recipe.workers, hostfile=str(directory / HOSTFILE))
-    (directory / RECIPE_FILE).write_text(recipe_to_yaml(dataclasses.replace(recipe, workers=workers)), encoding="utf-8")
+    write_atomically(directory / RECIPE_FILE, recipe_to_yaml(dataclasses.replace(recipe, workers=workers)))
     plan_path = directory / PLAN_FILE
     plan_path.unlink(missing_ok=True)
     descriptor = os.open(plan_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, OWNER_ONLY)
     with os.fdopen(descriptor, "w", encoding="utf-8") as plan_file:
-        json.dump({"plan": asdict(plan), "run": _run_fields(run_spec)}, plan_file, indent=2)
+        json.dump({"version": FORMAT_VERSION, "plan": asdict(plan), "run": _run_fields(run_spec)}, plan_file, indent=2)
     return directory
 
 
+class LaunchFileError(UserError):
+    """A driver.json a rank cannot run from (damaged, or written by another tlt); the message names the file."""
+
+
 def read_launch_files(run_directory: Path) -> tuple[RunSpec, LaunchPlan]:
-    """The run's spec (in this rank's `run_directory`, the recipe the driver wrote) and the driver's plan."""
+    """The run's spec (in this rank's `run_directory`, the recipe the driver wrote) and the driver's plan; a
+    LaunchFileError in one sentence when driver.json is damaged or of another version (every field is checked for
+    its type: a string "false" is no number, no path is read from a number)."""
     directory = run_directory / LAUNCH_DIRECTORY
-    written = json.loads((directory / PLAN_FILE).read_text(encoding="utf-8"))
-    run_spec = _run_spec(load_recipe(directory / RECIPE_FILE), run_directory, written["run"])
-    return run_spec, LaunchPlan(**written["plan"])
+    path = directory / PLAN_FILE
+    written = read_json_object(path)
+    if written is None or written.get("version") != FORMAT_VERSION:
+        raise LaunchFileError(
+            f"{path} is damaged or was written by another tlt version (format {FORMAT_VERSION} expected); start "
+            "the run again with this tlt."
+        )
+    plan, run = written.get("plan"), written.get("run")
+    problem = _fields_problem(plan, PLAN_FIELDS, "plan") or _fields_problem(run, RUN_FIELDS, "run")
+    if problem is not None:
+        raise LaunchFileError(f"{path} is damaged: {problem}; start the run again.")
+    try:
+        run_plan = RunPlan.from_dict(run["plan"])
+    except (AttributeError, KeyError, TypeError, ValueError) as error:
+        raise LaunchFileError(
+            f"{path} is damaged: its run plan does not read ({error!r}); start the run again."
+        ) from None
+    return _run_spec(load_recipe(directory / RECIPE_FILE), run_directory, run, run_plan), LaunchPlan(**plan)
+
+
+def _fields_problem(values: Any, kinds: dict[str, tuple[type, ...]], name: str) -> str | None:
+    """What is wrong with driver.json's object `name` (a field missing or of another type than `kinds` says)."""
+    if not isinstance(values, dict) or set(values) != set(kinds):
+        return f"'{name}' does not hold exactly the fields {sorted(kinds)}"
+    for field_name, kind in kinds.items():
+        value = values[field_name]
+        if isinstance(value, bool) or not isinstance(value, kind):
+            return f"{name}.{field_name} is {value!r}"
+    return None
 
 
 def _run_fields(run_spec: RunSpec) -> dict[str, Any]:
@@ -86,7 +138,7 @@ def _run_fields(run_spec: RunSpec) -> dict[str, Any]:
     }
 
 
-def _run_spec(recipe: Recipe, run_directory: Path, run_fields: dict[str, Any]) -> RunSpec:
+def _run_spec(recipe: Recipe, run_directory: Path, run_fields: dict[str, Any], plan: RunPlan) -> RunSpec:
     """The `RunSpec` that `_run_fields` wrote, with the recipe and run directory of this rank."""
     return RunSpec(
         recipe=recipe,
@@ -95,7 +147,7 @@ def _run_spec(recipe: Recipe, run_directory: Path, run_fields: dict[str, Any]) -
         resume_from=_path_or_none(run_fields["resume_from"]),
         start_step=run_fields["start_step"],
         drafter_init=_path_or_none(run_fields["drafter_init"]),
-        plan=RunPlan.from_dict(run_fields["plan"]),
+        plan=plan,
     )
 
 

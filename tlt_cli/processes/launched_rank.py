@@ -21,7 +21,7 @@ from pathlib import Path
 
 from tlt_cli.processes.distributed import WorkerAddress
 from tlt_cli.processes.event_channel import DriverUnreachable, connect_to_driver
-from tlt_cli.processes.launch_files import body_function, read_launch_files
+from tlt_cli.processes.launch_files import LaunchFileError, body_function, read_launch_files
 
 
 def launched_address() -> WorkerAddress:
@@ -38,7 +38,10 @@ def launched_address() -> WorkerAddress:
 
 def main(arguments: list[str]) -> None:
     run_directory = Path(arguments[0])
-    run_spec, plan = read_launch_files(run_directory)
+    try:
+        run_spec, plan = read_launch_files(run_directory)
+    except LaunchFileError as error:
+        sys.exit(f"launched rank: {error}")
     rendezvous = Path(plan.rendezvous_directory) if plan.rendezvous_directory is not None else None
     spec = run_spec.for_rank(dataclasses.replace(launched_address(), rendezvous_directory=rendezvous))
     try:

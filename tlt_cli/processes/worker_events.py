@@ -33,7 +33,7 @@ from tlt_cli.processes.run_trace import RunTrace
 from tlt_cli.processes.step_deadline import StepDeadline
 from tlt_cli.processes.step_records import step_records
 from tlt_cli.sglang.registry import stop_recorded_servers
-from tlt_cli.trace import TraceError, read_trace
+from tlt_cli.trace import lenient_record
 
 EVENT_POLL_SECONDS = 1.0
 # seconds the driver waits, after a worker reported a failure, for a peer's report or death that came first
@@ -79,20 +79,22 @@ def _start_workers(run_spec: RunSpec, body: WorkerBody) -> WorkerGroup:
 
 
 def _fidelity_guard(run_spec: RunSpec) -> FidelityGuard:
-    """The run's fidelity guard, its baselines from the trace's steps before a resume (none readable: none)."""
+    """The run's fidelity guard, its baselines and earlier warnings from the trace's records before a resume (read
+    leniently, as a resume reads the trace: a damaged line is dropped, the rest kept)."""
     decode = run_spec.plan.decode if run_spec.plan is not None else None
     earlier = []
     path = run_spec.run_directory / TRACE_FILE
     if run_spec.start_step > 0 and path.is_file():
         try:
-            earlier = [
-                record
-                for record in read_trace(path)
-                if record.get("type") == "step" and isinstance(record.get("step"), int)
-                if record["step"] < run_spec.start_step
-            ]
-        except (TraceError, OSError):
-            earlier = []
+            lines = path.read_bytes().splitlines()
+        except OSError:
+            lines = []
+        records = [record for record in map(lenient_record, lines) if record is not None]
+        earlier = [
+            record
+            for record in records
+            if record["type"] in ("step", "warning") and record.get("step", 0) < run_spec.start_step
+        ]
     return FidelityGuard(fidelity_advice(run_spec.recipe, decode.dtype if decode is not None else "float32"), earlier)
 
 
@@ -177,8 +179,9 @@ def _record_step(
     for record in records:
         trace.write(record)
     display.add_step(records[-1])
-    for message in guard.check(records[-1]):
-        trace.write({"type": "warning", "kind": "fidelity", "step": records[-1]["step"], "message": message})
+    for figure, message in guard.check_figures(records[-1]).items():
+        step = records[-1]["step"]
+        trace.write({"type": "warning", "kind": "fidelity", "figure": figure, "step": step, "message": message})
         display.note(message)
     for report in reports:
         for warning in report.sd_warnings:

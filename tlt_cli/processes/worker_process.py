@@ -6,6 +6,7 @@ Shared by the native GRPO worker (tlt_cli/training/worker_loop.py) and the TRL p
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import shutil
 import threading
@@ -15,8 +16,10 @@ from pathlib import Path
 
 def exit_with_parent(rendezvous_directory: Path | None) -> None:
     """A worker must not outlive `tlt train` (e.g. after SIGKILL of the driver); the first to notice removes the
-    folder where the ranks met (the driver that would have is gone)."""
-    parent = os.getppid()
+    folder where the ranks met (the driver that would have is gone). The parent is the process that spawned this
+    one (multiprocessing records its pid at the spawn), so a worker whose driver died while it still imported
+    (it is then init's child already) exits at once instead of watching init."""
+    parent = driver_pid()
 
     def watch() -> None:
         while os.getppid() == parent:
@@ -26,6 +29,13 @@ def exit_with_parent(rendezvous_directory: Path | None) -> None:
         os._exit(1)
 
     threading.Thread(target=watch, daemon=True).start()
+
+
+def driver_pid() -> int:
+    """The pid of the process that started this one: multiprocessing's record of the spawning process, else (a
+    rank the DeepSpeed launcher started) the current parent."""
+    spawner = multiprocessing.parent_process()
+    return spawner.pid if spawner is not None else os.getppid()
 
 
 def redirect_output(log_path: Path) -> None:
