@@ -82,11 +82,13 @@ def train(
     keep_log: bool = False,
     *,
     check_machine: Callable[[Recipe], None],
+    all_columns: bool = False,
 ) -> RunSummary:
     """Run `trainer` with recipe.workers.count worker processes: a new run, or `resume_directory` resumed.
 
     check_machine: raises, in one sentence, when this machine lacks what the recipe asks
-    for (run once the run to resume is known, before anything starts).
+    for (run once the run to resume is known, before anything starts). all_columns: the live table's columns
+    (tlt_cli/display.py).
     The run's recipe.yaml keeps the recipe as given, before the plan made its `auto` values concrete, so a resume
     chooses again as the user asked.
 
@@ -124,6 +126,7 @@ def train(
             keep_log=keep_log,
             run_facts=run_facts,
             given_recipe=given,
+            all_columns=all_columns,
         )
     finally:
         if held is not None:
@@ -139,6 +142,7 @@ def _train_in(
     keep_log: bool,
     run_facts: dict[str, Any],
     given_recipe: Recipe,
+    all_columns: bool = False,
 ) -> RunSummary:
     """The run in its (locked) run directory: workers, trace and display; the summary, or the error to show."""
     recipe = run_spec.recipe
@@ -172,7 +176,9 @@ def _train_in(
     columns = plugin_columns(recipe.plugins.enabled)
     try:
         with (
-            TrainingDisplay(console, f"tlt train {recipe.run.name}", recipe.train.steps, columns) as display,
+            TrainingDisplay(
+                console, f"tlt train {recipe.run.name}", recipe.train.steps, columns, all_columns
+            ) as display,
             loggers.running(run, warn=display.note),
         ):
             run_workers(run_spec, body, trace, display)
