@@ -44,6 +44,6 @@ def nearest_existing(path: Path) -> Path:
 
 
 def did_you_mean(word: str, choices: Iterable[str]) -> str:
-    """"did you mean 'train.steps'? " for the choice closest to a mistyped `word` (difflib), or "" for none close."""
+    """ "did you mean 'train.steps'? " for the choice closest to a mistyped `word` (difflib), or "" for none close."""
     close = difflib.get_close_matches(word, list(choices), n=1)
     return f"did you mean '{close[0]}'? " if close else ""

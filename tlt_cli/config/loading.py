@@ -261,7 +261,10 @@ def _suggest(key: str) -> str:
     section_types = typing.get_type_hints(Recipe)
     if section not in section_types:
         full_keys = [
-            f"{name}.{key_field.name}" for name, kind in section_types.items() for key_field in dataclasses.fields(kind)
+            f"{name}.{key_field.name}"
+            for name, kind in section_types.items()
+            if dataclasses.is_dataclass(kind)
+            for key_field in dataclasses.fields(kind)
         ]
         return f"{did_you_mean(key, [*section_types, *full_keys])}sections are: {', '.join(section_types)}."
     names = [key_field.name for key_field in dataclasses.fields(section_types[section])]
