@@ -68,7 +68,9 @@ def test_rollout_compares_auto_plain_and_fixed_shapes_per_batch_size(tiny_pair_r
     arguments += ["--out", str(out)]
     result = runner.invoke(app, ["bench", "rollout", "--recipe", str(tiny_pair_recipe), *arguments])
     assert result.exit_code == 0, result.output
-    texts = ("whole rollouts", "plain", "auto", "s2-k1-t3", "ngram2", "float32 B=1", "float32 B=2", "x generate")
+    # cells of 12-token responses are too short to time: no verdict, said so; the load is printed
+    texts = ("whole rollouts", "plain", "auto", "s2-k1-t3", "ngram2", "float32 B=1", "float32 B=2", "too short to time")
+    texts += ("load average",)
     for text in texts:
         assert text in result.output, text
     written = json.loads(out.read_text())

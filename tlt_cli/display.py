@@ -207,10 +207,12 @@ def render_summary(
     records: list[dict[str, Any]],
     run_directory: Path,
     idle_uses: tuple[tuple[str, str], ...] = (),
+    sd_effect: str | None = None,
 ) -> None:
-    """The end-of-run table: first vs last steps, totals, and where the run lives.
+    """The end-of-run table: first vs last steps, totals, and where the run lives; then SD's measured effect.
 
-    idle_uses: (what, record key) of the idle worker-seconds plugins used (`idle_seconds_used`).
+    idle_uses: (what, record key) of the idle worker-seconds plugins used (`idle_seconds_used`). sd_effect: the
+    sentence tlt_cli/sd_effect.py makes of the run's trace (None: the run did not speculate).
     """
     table = Table(title="run summary", title_justify="left", show_header=False)
     table.add_column("metric")
@@ -250,6 +252,8 @@ def render_summary(
         table.add_row("peak resident memory of a worker", f"{max(memory_peaks):.2f} GB")
     table.add_row("run directory", Text(str(run_directory)))
     console.print(table)
+    if sd_effect is not None:
+        console.print(Text(sd_effect))
 
 
 def mean_of(values: list[float]) -> float:

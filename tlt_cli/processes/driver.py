@@ -35,7 +35,7 @@ from typing import Any
 
 from rich.console import Console
 
-from tlt_cli.config import Recipe, recipe_to_dict, recipe_to_yaml
+from tlt_cli.config import Recipe, SpeculativeMode, recipe_to_dict, recipe_to_yaml
 from tlt_cli.display import TrainingDisplay, render_summary
 from tlt_cli.errors import UserError
 from tlt_cli.models.tiny import cache_directory
@@ -47,6 +47,7 @@ from tlt_cli.processes.run_failures import TrainingFailed, after_failure
 from tlt_cli.processes.run_preparation import plan_facts, plan_run, prepare_drafter, remove_what_killed_runs_left
 from tlt_cli.processes.run_trace import RunTrace
 from tlt_cli.processes.worker_events import run_workers
+from tlt_cli.sd_effect import sd_effect_sentence, trace_sd_effect
 from tlt_cli.trace import read_trace
 from tlt_cli.tuning.run_plan import RunPlan
 from tlt_cli.versions import installed_versions
@@ -189,6 +190,9 @@ def _train_in(
         raise after_failure(error, details, held, discard, keep_log) from None
     finally:
         trace.close()
-    steps = [record for record in read_trace(trace.path) if record["type"] == "step"]
-    render_summary(console, steps, run_directory, plugin_idle_uses(recipe.plugins.enabled))
+    records = read_trace(trace.path)
+    steps = [record for record in records if record["type"] == "step"]
+    speculated = recipe.speculative.mode != SpeculativeMode.off
+    sd_effect = sd_effect_sentence(trace_sd_effect(records)) if speculated else None
+    render_summary(console, steps, run_directory, plugin_idle_uses(recipe.plugins.enabled), sd_effect)
     return RunSummary(run_directory, steps)
