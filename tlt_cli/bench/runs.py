@@ -286,11 +286,13 @@ def run_runs_bench(recipe_name: str, overrides: list[str], settings: RunsSetting
     for variant in plan.variants.values():  # a variant's recipe tlt train would refuse is refused before any run
         bench_recipe(recipe_name, variant)
     report = BenchReport.start("tlt bench runs", recipe_name, overrides, settings, plan.seeds, 1)
-    print_load(console, report.machine["usable_cores"])
+    if not settings.from_runs:  # the load while training; runs read back were timed under another
+        print_load(console, report.machine["usable_cores"])
     steps = run_all(resolve_recipe_path(recipe_name), plan, settings, console)
     summary = summarize(steps, settings.skip)
     render(console, summary)
     written = report.write(out, {"variants": plan.variants, "steps": steps}, summary)
-    print_load(console, report.machine["usable_cores"])
+    if not settings.from_runs:
+        print_load(console, report.machine["usable_cores"])
     console.print(f"wrote {out}", highlight=False, soft_wrap=True)
     return written
