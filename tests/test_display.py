@@ -4,7 +4,9 @@ plugins' with --columns all, SD columns once a run reports them, a warning when 
 import io
 
 from rich.console import Console
+from typer.testing import CliRunner
 
+from tlt_cli.cli import app
 from tlt_cli.display import PROGRESS_SECONDS, TrainingDisplay, render_summary
 from tlt_cli.plugins import plugin_columns, plugin_idle_uses
 
@@ -133,3 +135,10 @@ def test_before_the_first_step_a_progress_line_names_what_the_workers_do():
     assert len(waiting) == 2
     assert waiting[0].endswith("workers starting (loading the model, DeepSpeed building its ops)")
     assert waiting[1].endswith("worker 0 at step 0: rollout")
+
+
+def test_train_help_carries_the_legend_and_the_columns_flag():
+    result = CliRunner().invoke(app, ["train", "--help"], env={"COLUMNS": "100"})
+    assert result.exit_code == 0, result.output
+    help_text = " ".join(result.output.replace("│", " ").split())
+    assert "--columns" in help_text and "resp tok: response tokens generated" in help_text
