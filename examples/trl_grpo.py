@@ -1,7 +1,8 @@
 """GRPO with Hugging Face TRL's own GRPOTrainer and tlt doing the rollouts: a TRL script plus one argument.
 
-Run it from the repository root with `pip install -e ".[trl]"` (CPU, about a minute with the defaults once
-the drafter warm-up is cached; the first run warms it up on the dataset's prompts, 1 to 3 minutes on 2 cores):
+Run it from the repository root with `pip install -e ".[trl]"` (CPU, minutes with the defaults on 2 cores; the
+drafter starts fresh and trains online, as `tlt train`'s; `--drafter warmup` trains it first on the dataset's
+prompts, 1 to 3 minutes once, then cached):
 
     python examples/trl_grpo.py                              # one process
     torchrun --nproc_per_node 2 examples/trl_grpo.py         # two data-parallel processes: the drafter
@@ -11,9 +12,9 @@ the drafter warm-up is cached; the first run warms it up on the dataset's prompt
 Everything except the `rollout_func=tlt_rollout(...)` argument is a plain TRL script: a model and
 tokenizer from a Hugging Face folder (default: tlt's built-in tiny arithmetic model), a dataset with
 a "prompt" column, a reward function, a GRPOConfig. TRL keeps its loss, advantages and optimizer
-step; tlt generates (speculative decoding with a drafter warmed up on the dataset's prompts, the
-adaptive rule table) and returns each token's log-probability. Each step prints TRL's mean reward
-and what tlt's rollout did (seconds, accept length, drafter sidecar steps in the wait).
+step; tlt generates (speculative decoding with a drafter trained online, the adaptive rule table) and
+returns each token's log-probability. Each step prints TRL's mean reward and what tlt's rollout did
+(seconds, accept length, drafter sidecar steps in the wait).
 """
 
 from __future__ import annotations
@@ -90,7 +91,7 @@ def main(arguments: argparse.Namespace) -> None:
             speculative={"mode": arguments.speculative},
             drafter=arguments.drafter,
             seed=arguments.seed,
-            drafter_config={"warmup_prompts": 128, "warmup_steps": 200},  # a quick warm-up, cached after the first run
+            drafter_config={"warmup_prompts": 128, "warmup_steps": 200},  # with --drafter warmup: quick, then cached
         )
     )
     trainer = GRPOTrainer(
@@ -115,7 +116,7 @@ if __name__ == "__main__":
     parser.add_argument("--batch-size", type=int, default=16, help="completions per process per step")
     parser.add_argument("--num-generations", type=int, default=8, help="completions per prompt (GRPO group)")
     parser.add_argument("--max-completion-length", type=int, default=128, help="longest completion in tokens")
-    parser.add_argument("--drafter", default="warmup", help="warmup, random, or a drafter folder")
+    parser.add_argument("--drafter", default="online", help="online, warmup, random, or a drafter folder")
     parser.add_argument("--speculative", default="adaptive", choices=["adaptive", "off"], help="speculative decoding")
     parser.add_argument("--trl-generation", action="store_true", help="leave out tlt: TRL generates")
     parser.add_argument("--seed", type=int, default=0)

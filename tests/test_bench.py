@@ -8,13 +8,16 @@ import json
 from pathlib import Path
 
 import pytest
+from rich.console import Console
 from tiny_models import save_tiny_pair
 from typer.testing import CliRunner
 
 from tlt_cli.bench import costs as bench_costs
 from tlt_cli.bench import rollout as bench_rollout
 from tlt_cli.bench import runs as bench_runs
-from tlt_cli.bench.runs import amdahl_bound, reward_gap, side_by_side, summarize
+from tlt_cli.bench.common import load_lines, speed_words
+from tlt_cli.bench.rollout import MIN_TIMED_SECONDS, verdict
+from tlt_cli.bench.runs import amdahl_bound, comparison_line, render, reward_gap, side_by_side, summarize
 from tlt_cli.cli import app
 
 runner = CliRunner()
@@ -68,7 +71,9 @@ def test_rollout_compares_auto_plain_and_fixed_shapes_per_batch_size(tiny_pair_r
     arguments += ["--out", str(out)]
     result = runner.invoke(app, ["bench", "rollout", "--recipe", str(tiny_pair_recipe), *arguments])
     assert result.exit_code == 0, result.output
-    texts = ("whole rollouts", "plain", "auto", "s2-k1-t3", "ngram2", "float32 B=1", "float32 B=2", "x generate")
+    # cells of 12-token responses are too short to time: no verdict, said so; the load is printed
+    texts = ("whole rollouts", "plain", "auto", "s2-k1-t3", "ngram2", "float32 B=1", "float32 B=2", "too short to time")
+    texts += ("load average",)
     for text in texts:
         assert text in result.output, text
     written = json.loads(out.read_text())
@@ -125,14 +130,19 @@ def test_costs_times_every_rows_and_tokens_point_in_the_runs_decode_plan(tiny_pa
     assert summary["2x1"]["per_token_vs_plain"] == pytest.approx(1.0)
 
 
-def step(rollout: float, step_seconds: float, reward: float, kl: float | None = None) -> dict:
+def times(rollout: float, step_seconds: float) -> dict:
+    """A variant's mean rollout and step seconds, as `side_by_side` reads them."""
+    return {"rollout_seconds": rollout, "step_seconds": step_seconds}
+
+
+def step(rollout: float, step_seconds: float, reward: float, kl: float | None = None, tokens: int = 100) -> dict:
     """A step record with the figures `tlt bench runs` reads; everything but the rollout is the update."""
     record = {
         "type": "step",
         "step_seconds": step_seconds,
         "rollout_seconds": rollout,
         "update_seconds": step_seconds - rollout,
-        "response_tokens": 100,
+        "response_tokens": tokens,
         "response_length_p50": 20.0,
         "mean_reward": reward,
     }
@@ -161,6 +171,55 @@ def test_reward_gap_compares_per_seed_means_against_seed_noise():
     assert gap["seed_std"] == pytest.approx(0.12909944)
 
 
+def test_one_seed_has_no_noise_estimate_and_says_so():
+    gap = reward_gap({"off": [0.5], "tlt": [0.55]}, "off", "tlt")
+    assert gap["seed_std"] is None
+    figures = {**side_by_side(times(10.0, 20.0), times(8.0, 18.0)), **gap}
+    line = comparison_line("tlt", "off", figures)
+    assert "one seed: no noise estimate" in line and "nan" not in line
+    assert "rollout 1.25x faster" in line and "Amdahl bound is" in line and "of it" in line
+
+
+def test_slowdowns_are_worded_as_slowdowns():
+    assert speed_words(1.25) == "1.25x faster" and speed_words(0.8) == "1.25x slower"
+    slower_rollout = {**side_by_side(times(10.0, 20.0), times(12.5, 22.5)), "gap": 0.0, "seed_std": 0.01}
+    line = comparison_line("tlt", "off", slower_rollout)
+    assert "rollout 1.25x slower, step 1.12x slower" in line and "no speed-up to bound" in line
+    assert "the step got" not in line
+    slower_step = {**side_by_side(times(10.0, 20.0), times(8.0, 21.0)), "gap": 0.0, "seed_std": 0.01}
+    assert "but the step got slower instead" in comparison_line("tlt", "off", slower_step)
+
+
+def test_token_counts_print_as_whole_numbers(capsys):
+    steps = {"off": {0: [step(10.0, 20.0, 0.5, tokens=2541), step(10.0, 20.0, 0.5, tokens=2542)]}}
+    render(Console(width=200), summarize(steps, skip=0))
+    output = capsys.readouterr().out
+    assert "2542 " in output and "2541.5" not in output and "2542.000" not in output
+
+
+def test_load_average_above_the_cores_is_a_warning():
+    assert load_lines(1.5, 2) == ["load average 1.5 (1 minute) on 2 usable cores"]
+    busy = load_lines(8.5, 2)
+    assert len(busy) == 2 and busy[1].startswith("warning: the load average 8.5 exceeds the 2 cores")
+
+
+def rollout_cell(plain_seconds, auto_ratio):
+    return {
+        "plain": {"vs_plain": 1.0, "seconds": plain_seconds},
+        "auto": {"vs_plain": auto_ratio, "seconds": plain_seconds / auto_ratio},
+    }
+
+
+def test_rollout_gives_no_verdict_from_cells_too_short_to_time():
+    short = MIN_TIMED_SECONDS / 10
+    (line,) = verdict({"float32 B=8": rollout_cell(short, 1.07)})
+    assert "no verdict" in line and "too short to time" in line and "pays" not in line
+    (paying,) = verdict({"float32 B=8": rollout_cell(5.0, 1.2)})
+    assert "SD pays here" in paying and "auto 1.20x faster than plain" in paying
+    (losing,) = verdict({"float32 B=8": rollout_cell(5.0, 0.8)})
+    assert "SD does not pay here" in losing and "auto 1.25x slower than plain" in losing
+
+
 def test_runs_summary_leaves_skipped_steps_out_of_times_but_not_rewards_and_reads_the_rollout_kl():
     steps = {
         "off": {0: [step(100.0, 200.0, 0.0), step(20.0, 40.0, 0.5)]},
@@ -183,7 +242,7 @@ def test_runs_trains_each_variant_and_seed_and_reads_their_traces(tiny_pair_reci
     result = runner.invoke(app, ["bench", "runs", "--recipe", str(tiny_pair_recipe), *arguments, *folders])
     assert result.exit_code == 0, result.output
     # the table's title and the comparison line (its cells wrap in a narrow terminal: the JSON has them)
-    for text in ("end-to-end runs", "auto vs off: rollout", "Amdahl bound", "seed-to-seed std of nan"):
+    for text in ("end-to-end runs", "auto vs off: rollout", "Amdahl bound", "one seed: no noise estimate"):
         assert text in result.output, text
     written = json.loads(out.read_text())
     assert MACHINE_FIELDS <= set(written["machine"]) and written["seeds"] == [0]

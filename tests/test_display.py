@@ -1,10 +1,13 @@
-"""The training display: base columns always, SD and plugin columns once a run reports them."""
+"""The training display: the watched columns under a legend by default (100 terminal columns), the rest and the
+plugins' with --columns all, SD columns once a run reports them, a warning when responses are cut."""
 
 import io
 
 from rich.console import Console
+from typer.testing import CliRunner
 
-from tlt_cli.display import TrainingDisplay, render_summary
+from tlt_cli.cli import app
+from tlt_cli.display import PROGRESS_SECONDS, TrainingDisplay, render_summary
 from tlt_cli.plugins import plugin_columns, plugin_idle_uses
 
 BASE = {
@@ -16,23 +19,65 @@ BASE = {
     "update_seconds": 0.5,
     "idle_worker_seconds": 0.4,
     "step_seconds": 1.6,
+    "response_tokens": 212,
+    "responses_cut_share": 0.0,
     "accept_length": None,
 }
 
 
-def printed_lines(records, plugins=()):
+def printed_lines(records, plugins=(), all_columns=True, width=400):
+    """The lines a non-terminal display prints for `records`, the legend line left out."""
     output = io.StringIO()
-    console = Console(file=output, width=400)
-    with TrainingDisplay(console, "run", total_steps=len(records), plugin_columns=plugin_columns(plugins)) as display:
+    console = Console(file=output, width=width)
+    columns = plugin_columns(plugins)
+    with TrainingDisplay(console, "run", len(records), columns, all_columns=all_columns) as display:
         for record in records:
             display.add_step(record)
-    return output.getvalue().splitlines()
+    printed = output.getvalue()
+    assert printed.startswith("reward: mean reward")
+    lines = printed.splitlines()
+    first_row = next((index for index, line in enumerate(lines) if line.startswith("step ")), len(lines))
+    return lines[first_row:]
 
 
 def test_plain_runs_show_only_the_base_columns():
     (line,) = printed_lines([BASE])
     assert "reward 0.500" in line and "idle worker-s 0.40" in line
     assert "accept len" not in line and "drafter" not in line
+
+
+def test_the_default_columns_are_the_watched_ones_and_fit_100_terminal_columns():
+    record = {**BASE, "accept_length": 2.5, "sd_share": 0.54, "actor_rollout_kl_k3": 1.5e-4, "drafter_steps": 7.0}
+    (line,) = printed_lines([record], plugins=["drafter_sidecar"], all_columns=False)
+    assert line.split("  ") == [
+        "step 0",
+        "reward 0.500",
+        "resp tok 212",
+        "step s 1.60",
+        "rollout s 1.00",
+        "SD share 54%",
+        "accept len 2.50",
+    ]
+    assert len(line) <= 100
+    output = io.StringIO()
+    terminal = Console(file=output, width=100, force_terminal=True)
+    with TrainingDisplay(terminal, "tlt train tiny-cpu", 3) as display:
+        display.add_step(record)
+    table = output.getvalue()
+    assert "…" not in table and "0.500" in table and "54%" in table and "--columns all" in table
+
+
+def test_a_step_that_cuts_more_than_a_fifth_of_its_responses_is_warned_about_once():
+    records = [
+        {**BASE, "step": 0, "responses_cut_share": 0.2},
+        *({**BASE, "step": step, "responses_cut_share": 0.6} for step in (1, 2)),
+    ]
+    lines = printed_lines(records, all_columns=False)
+    warnings = [line for line in lines if line.startswith("warning:")]
+    assert warnings == [
+        "warning: step 1: 60% of the responses ran to rollout.max_new_tokens without ending, so their rewards score "
+        "cut answers; raise rollout.max_new_tokens."
+    ]
 
 
 def test_sd_and_sidecar_metrics_appear_in_the_live_rows():
@@ -73,3 +118,27 @@ def test_the_rollout_learner_mismatch_shows_in_the_live_rows_once_measured():
     unmeasured, line = printed_lines([BASE, measured])
     assert "rollout KL" not in unmeasured
     assert "rollout KL 1.5e-04" in line and "IS w max 1.062" in line
+
+
+def test_before_the_first_step_a_progress_line_names_what_the_workers_do():
+    output = io.StringIO()
+    with TrainingDisplay(Console(file=output, width=100), "run", 2, all_columns=False) as display:
+        display.before_first_step(None)  # the first line comes PROGRESS_SECONDS after launch, not at once
+        display.last_progress -= PROGRESS_SECONDS
+        display.before_first_step(None)
+        display.last_progress -= PROGRESS_SECONDS
+        display.before_first_step("worker 0 at step 0: rollout")
+        display.add_step(BASE)
+        display.last_progress -= PROGRESS_SECONDS
+        display.before_first_step("worker 0 at step 1: rollout")  # a row is shown: no more progress lines
+    waiting = [line for line in output.getvalue().splitlines() if "waiting for the first step" in line]
+    assert len(waiting) == 2
+    assert waiting[0].endswith("workers starting (loading the model, DeepSpeed building its ops)")
+    assert waiting[1].endswith("worker 0 at step 0: rollout")
+
+
+def test_train_help_carries_the_legend_and_the_columns_flag():
+    result = CliRunner().invoke(app, ["train", "--help"], env={"COLUMNS": "100"})
+    assert result.exit_code == 0, result.output
+    help_text = " ".join(result.output.replace("│", " ").split())
+    assert "--columns" in help_text and "resp tok: response tokens generated" in help_text

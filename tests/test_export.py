@@ -208,7 +208,7 @@ def test_run_directory_exports_the_latest_checkpoint_against_the_actor_weights_o
     assert result.exit_code == 0, result.output
     assert "accept length" in result.output and "reload reproduces" in result.output
     card = (tmp_path / "out" / "README.md").read_text()
-    assert "after 3 RL steps" in card and "<the policy after RL step 3" in card
+    assert "after 3 RL steps" in card and "--model-path policy-step-3" in card
 
     again = runner.invoke(app, ["export-drafter", str(run), str(tmp_path / "out")])
     assert again.exit_code == 2 and "not empty" in again.output

@@ -183,7 +183,7 @@ def test_after_update_refreshes_copies_written_behind_autograds_back(tmp_path):
     [decode_path_line] = rollout.start()
     assert precision_line == "rollout dtype: float32 (given)"
     assert decode_path_line.startswith("decode path: owned llama-family")
-    assert forms_line.startswith("linear forms: ") and "1-64 transposed" in forms_line
+    assert forms_line.startswith("linear forms: ") and "weight shapes use a faster form than linear" in forms_line
     requests = ragged_requests(3)
     before, _ = rollout.generate(requests, SamplingParams(10, temperature=0.0), seed=0)
     with torch.no_grad():

@@ -82,4 +82,6 @@ def test_a_plain_install_finds_its_packages_model_and_recipes(tmp_path):
         path.stem for path in (ROOT / "recipes").glob("*.yaml")
     )
     validated = subprocess.run([*tlt, "recipes", "validate", "tiny-cpu"], capture_output=True, text=True, cwd=tmp_path)
-    assert validated.returncode == 0 and validated.stdout.strip() == "ok  tiny-cpu", validated.stdout + validated.stderr
+    assert validated.returncode == 0 and validated.stdout.strip() == "ok  tiny-cpu: valid", (
+        validated.stdout + validated.stderr
+    )

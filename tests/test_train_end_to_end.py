@@ -67,7 +67,9 @@ def test_two_steps_write_trace_checkpoint_and_summary(small_model, tmp_path):
             assert 1 - 1e-4 < step["actor_rollout_weight_min"] <= step["actor_rollout_weight_max"] < 1 + 1e-4
         else:
             assert 0.0 < step["actor_rollout_kl_k3"] < 1e-2 and step["actor_rollout_weight_truncated"] < 0.05
-    assert "rollout KL" in result.stdout
+    # the live rows hold the watched columns (the mismatch is behind --columns all); an SD-off run states no SD effect
+    assert "resp tok" in result.stdout and "More columns: tlt train --columns all." in result.stdout
+    assert "in this run" not in result.stdout
     profiled = subprocess.run([*TLT, "profile", str(run_directory), "--no-plots"], capture_output=True, text=True)
     assert profiled.returncode == 0 and f"rollout dtype: {precision['0']['dtype']} (measured" in profiled.stdout
     # actor.precision auto: measured on this machine, the choice and its figures in the run record and the log

@@ -29,7 +29,7 @@ from trl import GRPOConfig, GRPOTrainer
 from tlt_cli.config import RecipeError
 from tlt_cli.engine.linear_forms import TRANSPOSED, LinearFormPlan, linear_layers, shape_key
 from tlt_cli.engine.rounding import parameter_key, stochastic_bfloat16
-from tlt_cli.integrations import trl_support
+from tlt_cli.integrations import trl_drafter, trl_support
 from tlt_cli.integrations.trl import tlt_rollout
 from tlt_cli.integrations.trl_support import UnsupportedTrlError, UnsupportedTrlSettingError
 from tlt_cli.integrations.trl_trainer import TimedGRPOTrainer
@@ -473,3 +473,21 @@ def test_the_example_trains_with_two_processes_and_the_drafter_learns_in_their_w
     assert sum(int(drafter_steps) for *_, drafter_steps in steps) > 0
     checksums = re.findall(r"process \d: drafter checksum (\d+\.\d+)", result.stdout)
     assert len(checksums) == 2 and checksums[0] == checksums[1]  # the copies were averaged into one drafter
+
+
+def test_tlt_rollout_starts_without_a_warm_up_and_says_what_it_does(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("TLT_CACHE_DIR", str(tmp_path / "cache"))
+
+    def no_warm_up(*arguments, **settings):
+        raise AssertionError("tlt_rollout() warmed up a drafter it was not asked for")
+
+    monkeypatch.setattr(trl_drafter, "_warmed_up", no_warm_up)
+    model, tokenizer = tiny_policy()
+    rollout = tlt_rollout(dtype="float32", linear_forms="off")
+    assert rollout.drafter_source == "online"
+    reward = lambda completions, **_: [float(len(completion)) for completion in completions]  # noqa: E731
+    trainer = grpo_trainer(model, tokenizer, rollout, reward, ["a1b2", "a3b4"] * 2, tmp_path, max_steps=1)
+    trainer.train()
+    printed = capsys.readouterr().out
+    assert "tlt rollout: planning how to decode" in printed and "tlt rollout: ready in " in printed
+    assert "warming up" not in printed and rollout.drafter is not None

@@ -6,6 +6,7 @@
     tlt profile runs/tiny-cpu | trace.jsonl | requests.csv | RECIPE [--json]
     tlt calibrate RECIPE [key=value ...] [--batch-sizes 1,2,4] [--write-recipe RECIPE]
     tlt export-drafter runs/tiny-cpu exported-drafter/
+    tlt export-policy runs/tiny-cpu policy/ [--step N]
     tlt bench rollout | costs | runs --recipe RECIPE [key=value ...] [--out bench.json]
     tlt --version
 
@@ -15,6 +16,7 @@ Errors a user can cause print one line and exit with code 2; a failed run exits 
 from __future__ import annotations
 
 import dataclasses
+import enum
 import json
 import signal
 from pathlib import Path
@@ -31,8 +33,9 @@ from tlt_cli.calibration.settings import (
 )
 from tlt_cli.checkpoint import CheckpointError, next_run_advice
 from tlt_cli.config import Recipe, load_recipe
+from tlt_cli.display import LEGEND
 from tlt_cli.errors import UserError
-from tlt_cli.recipes import resolve_recipe_path, shipped_recipes
+from tlt_cli.recipes import recipe_file, resolve_recipe_path, shipped_recipes
 from tlt_cli.versions import out_of_range_warnings, version_table
 
 app = typer.Typer(
@@ -46,6 +49,15 @@ console = Console()
 error_console = Console(stderr=True)
 
 USAGE_ERROR = 2
+
+
+class ColumnSet(str, enum.Enum):
+    """`tlt train --columns`: the live table's columns."""
+
+    watched = "watched"
+    all = "all"
+
+
 # the shell's code for a process ended by SIGTERM (128 + 15), as Ctrl-C's is 130
 SIGTERM_EXIT = 143
 
@@ -99,17 +111,31 @@ def train(
             "directory.",
         ),
     ] = False,
+    columns: Annotated[
+        ColumnSet,
+        typer.Option(
+            "--columns",
+            help=f"The live table's columns: watched (fits 100 terminal columns) or all (every figure and plugin "
+            f"column; trace.jsonl keeps them all either way). {LEGEND}",
+        ),
+    ] = ColumnSet.watched,
 ) -> None:
     """Run GRPO training with the TLT machinery on."""
+    arguments = list(arguments or [])
+    if resume is None and arguments and "=" not in arguments[0]:
+        try:
+            recipe_file(arguments[0])  # a mistyped recipe is refused at once, before torch loads (seconds)
+        except UserError as error:
+            raise fail(str(error)) from None
     from tlt_cli.processes.driver import TrainingFailed
     from tlt_cli.trainers import train as run_training
 
     previous_sigterm = signal.signal(signal.SIGTERM, _interrupt_on_sigterm)
     run_directory: Path | None = None
     try:
-        recipe, resume_directory = _resolve_run(list(arguments or []), resume)
+        recipe, resume_directory = _resolve_run(arguments, resume)
         run_directory = resume_directory or Path(recipe.run.output_dir).expanduser() / recipe.run.name
-        summary = run_training(recipe, console, resume_directory, keep_log)
+        summary = run_training(recipe, console, resume_directory, keep_log, all_columns=columns == ColumnSet.all)
     except UserError as error:
         raise fail(str(error)) from None
     except TrainingFailed as error:
@@ -152,7 +178,7 @@ def _resolve_run(arguments: list[str], resume: Path | None) -> tuple[Recipe, Pat
             f"--resume {resume} is not a directory; pass the run directory printed when the run started."
         )
     if resume is None:
-        return _whole_checked_recipe(load_recipe(resolve_recipe_path(arguments[0]), overrides), new_run=True), None
+        return _whole_checked_recipe(load_recipe(recipe_file(arguments[0]), overrides), new_run=True), None
     from tlt_cli.processes.resume_settings import resumed_recipe
 
     recipe = resumed_recipe(resume, arguments[0] if has_recipe else None, overrides)
@@ -191,7 +217,7 @@ def recipes_show(name: Annotated[str, typer.Argument(help="A shipped recipe name
 
     try:
         console.print(
-            commented_yaml(load_checked_recipe(resolve_recipe_path(name))),
+            commented_yaml(load_checked_recipe(recipe_file(name))),
             highlight=False,
             markup=False,
             soft_wrap=True,
@@ -206,13 +232,23 @@ def recipes_validate(
         list[str], typer.Argument(help="Recipe names or YAML paths, and key=value overrides applied to each.")
     ],
 ) -> None:
-    """Check recipes as `tlt train` would before it starts; ok only when it would start. Exit 2 if any is invalid."""
+    """Check recipes as `tlt train` would before it starts (an existing run directory is noted, not refused). Exit 2
+    if any is invalid."""
+    from tlt_cli.processes.run_directory import holds_run
+
     names, overrides = _validate_arguments(arguments)
     invalid = 0
     for name in names:
         try:
-            _whole_checked_recipe(load_recipe(resolve_recipe_path(name), overrides), new_run=True)
-            console.print(f"ok  {name}", highlight=False, markup=False)
+            recipe = _whole_checked_recipe(load_recipe(recipe_file(name), overrides), new_run=False)
+            run_directory = Path(recipe.run.output_dir).expanduser() / recipe.run.name
+            existing = (
+                f" (note: {run_directory} already holds a run; `tlt train` of it needs --resume {run_directory} or "
+                "another run.name)"
+                if holds_run(run_directory)
+                else ""
+            )
+            console.print(f"ok  {name}: valid{existing}", highlight=False, markup=False, soft_wrap=True)
         except UserError as error:
             invalid += 1
             error_console.print(f"[bold red]invalid[/] {escape(str(error))}", highlight=False, soft_wrap=True)
@@ -423,6 +459,33 @@ def export_drafter(
         f"accept length {measurement.accept_length:.3f} "
         f"({measurement.verify_passes} verify passes on {measurement.prompts} held-out prompts; reload reproduces "
         f"{summary.reloaded_accept_length:.3f}); model card in README.md",
+        highlight=False,
+        soft_wrap=True,
+    )
+
+
+@app.command("export-policy")
+def export_policy(
+    run: Annotated[Path, typer.Argument(help="A run directory (runs/<run.name>) with checkpoints.")],
+    output: Annotated[
+        Path, typer.Argument(help="New folder to write: config.json, model.safetensors, tokenizer files.")
+    ],
+    step: Annotated[
+        int | None, typer.Option(help="The checkpoint written after this RL step (default: the latest).")
+    ] = None,
+) -> None:
+    """Export the trained policy at a checkpoint as a Hugging Face folder (AutoModelForCausalLM.from_pretrained)."""
+    from tlt_cli.export_policy import export_policy as run_export
+
+    try:
+        summary = run_export(run, output, step)
+    except UserError as error:  # a ModelLoadError or CheckpointError too
+        raise fail(str(error)) from None
+    for warning in summary.warnings:
+        error_console.print(f"warning: {warning}", markup=False, highlight=False, soft_wrap=True)
+    console.print(
+        f"exported the policy after RL step {summary.rl_step} ({summary.dtype}) to {summary.output_dir}; reloaded "
+        f"with transformers, its log-probs equal the checkpoint's on {summary.checked_prompts} held-out prompts",
         highlight=False,
         soft_wrap=True,
     )

@@ -1,9 +1,10 @@
 """What `tlt train` shows: progress bars while it prepares, a live table with one row per step, then a summary.
 
 The driver reports the drafter warm-up's phases to a `PhaseProgress` (one rich progress bar per
-phase), then calls `TrainingDisplay.add_step(step_record)` as steps complete. Plugin metrics show
-as the columns the run's plugins declare (tlt_cli/plugins.py `plugin_columns`), by key: the
-display knows no plugin by name. On a terminal the
+phase), then calls `TrainingDisplay.add_step(step_record)` as steps complete. By default the table
+holds the few columns a user watches (it reads at 100 terminal columns) under a one-line legend;
+`tlt train --columns all` adds the rest of the step record and the columns the run's plugins declare
+(tlt_cli/plugins.py `plugin_columns`), by key: the display knows no plugin by name. On a terminal the
 table redraws in place (rich Live); elsewhere (pipes, CI, tests) each step prints one line.
 Text that comes from the user or a plugin (notes, the run's name and folder) is shown as plain
 `Text`, never parsed as rich markup: a plugin error quoting gloo's `[/path/pair.cc:537]` is text.
@@ -11,8 +12,9 @@ Text that comes from the user or a plugin (notes, the run's name and folder) is 
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.live import Live
@@ -20,30 +22,54 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 from rich.text import Text
 
-from tlt_cli.plugins import MetricColumn
+if TYPE_CHECKING:
+    from tlt_cli.plugins import MetricColumn
 
 VISIBLE_STEPS = 20
-COLUMNS = (
+# the columns a user watches, in a table that fits 100 terminal columns; `tlt train --columns all` adds the rest
+WATCHED_COLUMNS = (
     ("step", "step", "{:d}"),
     ("reward", "mean_reward", "{:.3f}"),
+    ("resp tok", "response_tokens", "{:.0f}"),
+    ("step s", "step_seconds", "{:.2f}"),
+    ("rollout s", "rollout_seconds", "{:.2f}"),
+)
+# shown once a run's records carry them: speculative decoding on
+WATCHED_OPTIONAL_COLUMNS = (
+    ("SD share", "sd_share", "{:.0%}"),
+    ("accept len", "accept_length", "{:.2f}"),
+)
+# with --columns all: the rest of the step record (every figure is in trace.jsonl either way)
+MORE_COLUMNS = (
     ("len p50", "response_length_p50", "{:.0f}"),
     ("len max", "response_length_max", "{:.0f}"),
-    ("rollout s", "rollout_seconds", "{:.2f}"),
     ("update s", "update_seconds", "{:.2f}"),
     ("idle worker-s", "idle_worker_seconds", "{:.2f}"),
-    ("step s", "step_seconds", "{:.2f}"),
 )
-# shown once a run's records carry them (speculative decoding on; a worker's resident peak, GB; the rollout/
-# learner mismatch: K3 KL and the highest importance weight pi_old/pi_rollout, before truncation; a bfloat16
-# learner's K3 KL from its float32 weights), then the plugins' columns
-OPTIONAL_COLUMNS = (
-    ("accept len", "accept_length", "{:.2f}"),
-    ("SD share", "sd_share", "{:.0%}"),
+# with --columns all, once a run's records carry them (a worker's resident peak, GB; the rollout/learner
+# mismatch: K3 KL and the highest importance weight pi_old/pi_rollout, before truncation; a bfloat16 learner's
+# K3 KL from its float32 weights), then the plugins' columns
+MORE_OPTIONAL_COLUMNS = (
     ("peak GB/worker", "memory_peak_gb", "{:.2f}"),
     ("rollout KL", "actor_rollout_kl_k3", "{:.1e}"),
     ("bf16 KL", "actor_precision_kl_k3", "{:.1e}"),
     ("IS w max", "actor_rollout_weight_max", "{:.3f}"),
 )
+# what each column means: printed under the live table once, and in `tlt train --help`
+LEGEND = (
+    "reward: mean reward of the step's responses; resp tok: response tokens generated; step s / rollout s: "
+    "seconds of the step and of its rollout; SD share: share of decode time spent speculating; accept len: "
+    "tokens per verify pass while speculating."
+)
+MORE_LEGEND = (
+    "len p50/max: response length; idle worker-s: worker-seconds waiting for the slowest shard; rollout KL: "
+    "K3 KL between the rollout's and the learner's log-probs; bf16 KL: a bfloat16 learner's K3 KL from its "
+    "float32 weights; IS w max: the largest importance weight pi_old/pi_rollout."
+)
+# before the first step's row, a progress line at most this often (workers starting, DeepSpeed building its ops)
+PROGRESS_SECONDS = 10.0
+# a step where more than this share of responses ran to rollout.max_new_tokens is warned about (once a run)
+CUT_SHARE_WARNING = 0.2
 
 
 class PhaseProgress:
@@ -80,18 +106,31 @@ def _cell(record: dict[str, Any], key: str, template: str) -> str:
 
 
 class TrainingDisplay:
-    """Live per-step table for a run; a context manager. plugin_columns: what the run's plugins declare."""
+    """Live per-step table for a run; a context manager. plugin_columns: what the run's plugins declare, shown
+    with all_columns (`tlt train --columns all`) as the rest of the step record is; by default the watched
+    columns only, so the table reads at 100 terminal columns."""
 
-    def __init__(self, console: Console, title: str, total_steps: int, plugin_columns: tuple[MetricColumn, ...] = ()):
+    def __init__(
+        self,
+        console: Console,
+        title: str,
+        total_steps: int,
+        plugin_columns: tuple[MetricColumn, ...] = (),
+        all_columns: bool = False,
+    ):
         self.console, self.title, self.total_steps = console, title, total_steps
-        self.optional_columns = OPTIONAL_COLUMNS + tuple(
-            (column.title, column.key, column.template) for column in plugin_columns
-        )
+        plugin_cells = tuple((column.title, column.key, column.template) for column in plugin_columns)
+        self.base_columns = WATCHED_COLUMNS + (MORE_COLUMNS if all_columns else ())
+        self.optional_columns = WATCHED_OPTIONAL_COLUMNS + (MORE_OPTIONAL_COLUMNS + plugin_cells if all_columns else ())
+        self.legend = LEGEND + (f" {MORE_LEGEND}" if all_columns else " More columns: tlt train --columns all.")
         self.records: list[dict[str, Any]] = []
         self.notes: list[Text] = []
+        self.warned_cut = False
+        self.started = self.last_progress = time.monotonic()
         self._live = Live(self._table(), console=console, auto_refresh=False) if console.is_terminal else None
 
     def __enter__(self) -> TrainingDisplay:
+        self.console.print(Text(self.legend, style="dim"))
         if self._live is not None:
             self._live.__enter__()
         return self
@@ -108,6 +147,20 @@ class TrainingDisplay:
         else:
             self._live.update(self._table(), refresh=True)
 
+    def progress(self, message: str) -> None:
+        """A progress line of the run's preparation, printed above the table."""
+        self.console.print(Text(message), soft_wrap=True)
+
+    def before_first_step(self, activity: str | None) -> None:
+        """Until the first step's row, a line every PROGRESS_SECONDS: the seconds since launch and what the workers
+        last said they do (None: nothing yet, they are starting)."""
+        now = time.monotonic()
+        if self.records or now - self.last_progress < PROGRESS_SECONDS:
+            return
+        self.last_progress = now
+        doing = activity or "workers starting (loading the model, DeepSpeed building its ops)"
+        self.progress(f"{now - self.started:.0f} s, waiting for the first step: {doing}")
+
     def add_step(self, record: dict[str, Any]) -> None:
         self.records.append(record)
         if self._live is None:
@@ -115,6 +168,18 @@ class TrainingDisplay:
             self.console.print(cells, highlight=False, soft_wrap=True)
         else:
             self._live.update(self._table(), refresh=True)
+        self._warn_cut(record)
+
+    def _warn_cut(self, record: dict[str, Any]) -> None:
+        """Once a run: a note when more than CUT_SHARE_WARNING of a step's responses ran to max_new_tokens."""
+        share = record.get("responses_cut_share")
+        if self.warned_cut or share is None or share <= CUT_SHARE_WARNING:
+            return
+        self.warned_cut = True
+        self.note(
+            f"warning: step {record.get('step')}: {share:.0%} of the responses ran to rollout.max_new_tokens "
+            "without ending, so their rewards score cut answers; raise rollout.max_new_tokens."
+        )
 
     def _columns(self) -> tuple[tuple[str, str, str], ...]:
         """The base columns, then each optional one some record has a value for."""
@@ -123,7 +188,7 @@ class TrainingDisplay:
             for column in self.optional_columns
             if any(record.get(column[1]) is not None for record in self.records)
         )
-        return COLUMNS + present
+        return self.base_columns + present
 
     def _table(self) -> Table:
         table = Table(title=Text(f"{self.title}: step {len(self.records)}/{self.total_steps}"), title_justify="left")
@@ -142,10 +207,12 @@ def render_summary(
     records: list[dict[str, Any]],
     run_directory: Path,
     idle_uses: tuple[tuple[str, str], ...] = (),
+    sd_effect: str | None = None,
 ) -> None:
-    """The end-of-run table: first vs last steps, totals, and where the run lives.
+    """The end-of-run table: first vs last steps, totals, and where the run lives; then SD's measured effect.
 
-    idle_uses: (what, record key) of the idle worker-seconds plugins used (`idle_seconds_used`).
+    idle_uses: (what, record key) of the idle worker-seconds plugins used (`idle_seconds_used`). sd_effect: the
+    sentence tlt_cli/sd_effect.py makes of the run's trace (None: the run did not speculate).
     """
     table = Table(title="run summary", title_justify="left", show_header=False)
     table.add_column("metric")
@@ -185,6 +252,8 @@ def render_summary(
         table.add_row("peak resident memory of a worker", f"{max(memory_peaks):.2f} GB")
     table.add_row("run directory", Text(str(run_directory)))
     console.print(table)
+    if sd_effect is not None:
+        console.print(Text(sd_effect))
 
 
 def mean_of(values: list[float]) -> float:

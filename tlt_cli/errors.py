@@ -4,14 +4,16 @@ Its message is one sentence naming the key or file to fix. The CLI prints it and
 wherever it is raised: in the command itself, in the checks before a run, or in a worker process
 (the worker marks its failure as the user's, the driver re-raises it; tlt_cli/processes/driver.py).
 `writing(path, advice)` turns a write the disk refuses (full, read-only, no permission) into one;
-`nearest_existing(path)` is where the checks before a write look (the part of a path that exists).
+`nearest_existing(path)` is where the checks before a write look (the part of a path that exists);
+`did_you_mean(word, choices)` is the hint a refusal of a mistyped key or name starts with.
 """
 
 from __future__ import annotations
 
 import contextlib
+import difflib
 import os
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 
@@ -39,3 +41,9 @@ def nearest_existing(path: Path) -> Path:
     while not os.path.lexists(existing) and existing != existing.parent:
         existing = existing.parent
     return existing
+
+
+def did_you_mean(word: str, choices: Iterable[str]) -> str:
+    """ "did you mean 'train.steps'? " for the choice closest to a mistyped `word` (difflib), or "" for none close."""
+    close = difflib.get_close_matches(word, list(choices), n=1)
+    return f"did you mean '{close[0]}'? " if close else ""

@@ -35,13 +35,13 @@ from tlt_cli.checkpoint import (
     CheckpointError,
     checked_state,
     latest_checkpoint,
-    load_checkpoint_file,
 )
 from tlt_cli.config import Recipe
 from tlt_cli.drafter.model import CONFIG_FILE, DrafterLoadError, load_drafter
 from tlt_cli.drafter.warmup import encode_prompts
 from tlt_cli.engine.sampling import SamplingParams
 from tlt_cli.errors import UserError, writing
+from tlt_cli.export_policy import policy_at_checkpoint
 from tlt_cli.recipe_checks import load_checked_recipe
 from tlt_cli.rollout.generate_loop import EmbeddedEngine
 from tlt_cli.rollout.types import RolloutRequest
@@ -60,7 +60,7 @@ from tlt_cli.sglang.drafter_format import (
 from tlt_cli.speculative.decoder import SpeculativeDecoder
 from tlt_cli.speculative.types import MAX_DRAFT_STEPS, SpeculativeConfig, accept_length
 from tlt_cli.training import setup
-from tlt_cli.training.actor import ACTOR_WEIGHTS_FILE, CHECKPOINT_TAG
+from tlt_cli.training.actor import CHECKPOINT_TAG
 
 SUMMARY_FILE = "tlt_export.json"
 # the most held-out prompts --prompts measures acceptance on (each is decoded alone)
@@ -255,29 +255,12 @@ def _recipe(path: Path) -> Recipe:
 
 def load_target(source: DrafterSource) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """The recipe's model, with the checkpoint's actor weights when the source is a run checkpoint."""
-    target, tokenizer = setup.policy_and_tokenizer(source.recipe)
     if source.checkpoint_dir is None:
-        return target, tokenizer
-    weights_path = source.checkpoint_dir / CHECKPOINT_TAG / ACTOR_WEIGHTS_FILE
-    if not weights_path.is_file():
-        raise ExportError(
-            f"checkpoint {source.checkpoint_dir} has no actor weights ({weights_path}); it is incomplete."
-        )
+        return setup.policy_and_tokenizer(source.recipe)
     try:
-        saved = load_checkpoint_file(weights_path, map_location="cpu")
+        return policy_at_checkpoint(source.recipe, source.checkpoint_dir, advice="pass --recipe with the run's model")
     except CheckpointError as error:
         raise ExportError(str(error)) from None
-    state = saved.get("module") if isinstance(saved, dict) else None
-    try:
-        if not isinstance(state, dict):
-            raise RuntimeError("no module state")
-        target.load_state_dict(state, strict=True)
-    except RuntimeError:
-        raise ExportError(
-            f"actor weights in {weights_path} do not fit {source.recipe.model.path} (another model, or a ZeRO-3 "
-            "checkpoint whose module state is partitioned); pass --recipe with the run's model."
-        ) from None
-    return target.eval(), tokenizer
 
 
 def held_out_probe(
@@ -405,10 +388,11 @@ def model_card(summary: ExportSummary, source: DrafterSource, drafter_config: Pr
     """README.md of the export: what it is, how well it drafts, how to serve it, and what differs under SGLang."""
     measurement = summary.measurement
     steps = measurement.draft_steps
-    served_target = (
-        summary.target
-        if source.rl_step is None
-        else f"<the policy after RL step {source.rl_step}, as a Hugging Face folder>"
+    served_target = summary.target if source.rl_step is None else f"policy-step-{source.rl_step}"
+    export_target = (
+        ""
+        if source.checkpoint_dir is None
+        else f"tlt export-policy {source.checkpoint_dir.parent.parent} {served_target} --step {source.rl_step}\n"
     )
     shared_names = (
         "embed_tokens.weight" if drafter_config.tie_word_embeddings else "embed_tokens.weight, lm_head.weight"
@@ -463,11 +447,12 @@ tlt during GRPO, on the target's own hidden states.
 ## Serve with SGLang
 
 ```bash
-python -m sglang.launch_server --model-path {served_target} \\
+{export_target}python -m sglang.launch_server --model-path {served_target} \\
     --speculative-algorithm EAGLE --speculative-draft-model-path {summary.output_dir} \\
     --speculative-num-steps {steps} --speculative-eagle-topk 1 --speculative-num-draft-tokens {steps + 1}{token_map}
 ```
 
+`tlt export-policy` writes the target (the policy at the drafter's RL step) as a Hugging Face folder.
 The drafter belongs to the target named above: with another target (or the same model at
 another RL step) SD stays lossless but acceptance falls.
 

@@ -43,15 +43,28 @@ TRAINERS: dict[Trainer, TrainerEntry] = {
 }
 
 
-def train(recipe: Recipe, console: Console, resume_directory: Path | None = None, keep_log: bool = False) -> RunSummary:
+def train(
+    recipe: Recipe,
+    console: Console,
+    resume_directory: Path | None = None,
+    keep_log: bool = False,
+    all_columns: bool = False,
+) -> RunSummary:
     """Run the recipe's trainer (a new run, or `resume_directory` resumed); see tlt_cli/processes/driver.py.
 
     First a refusal, one sentence, when this machine's memory cannot hold the workers' estimated peak
     (tlt_cli/preflight.py `check_memory`; with actor.precision auto, that of the larger precision); the driver
     then plans the run (auto resolved) and a resume says which settings it changes
     (tlt_cli/processes/resume_point.py), records them in the trace's run record and writes the run's recipe.yaml.
+    all_columns: the live table shows every figure (`tlt train --columns all`), not only the watched ones.
     """
     check_memory(recipe)
     return run_driver(
-        recipe, TRAINERS[recipe.train.trainer], console, resume_directory, keep_log, check_machine=check_machine
+        recipe,
+        TRAINERS[recipe.train.trainer],
+        console,
+        resume_directory,
+        keep_log,
+        check_machine=check_machine,
+        all_columns=all_columns,
     )

@@ -6,6 +6,7 @@ requests, the JSON report and the one table renderer.
     pair, tokenizer = model_pair(recipe)           # target and starting drafter as `tlt train` loads them
     plan = run_decode_plan(recipe, "bfloat16", 4)  # the plan the driver makes for 4 rows (training/setup.py)
     pair = pair_with_plan(pair, plan)              # decoding in its dtype, linear forms and pass costs
+    print_load(console, report.machine["usable_cores"])  # the load average now, and a warning above the cores
     report.write(out, results, summary)            # the machine (load average at start and end) included
     render_table(console, "title", ["column", ...], [["cell", ...], ...])
 
@@ -136,6 +137,30 @@ class BenchReport:
             out.parent.mkdir(parents=True, exist_ok=True)
             write_atomically(out, json.dumps(report, indent=1))  # whole or not at all, never through a planted link
         return report
+
+
+def load_lines(load_average: float, cores: int) -> list[str]:
+    """The machine's 1-minute load average against its usable cores; a second line, a warning, when it exceeds
+    them (other work then shares the cores, and every timing is slower and noisier than on an idle machine)."""
+    lines = [f"load average {load_average:.1f} (1 minute) on {cores} usable cores"]
+    if load_average > cores:
+        lines.append(
+            f"warning: the load average {load_average:.1f} exceeds the {cores} cores: other work shares this machine, "
+            "so these timings are slower and noisier than on an idle one"
+        )
+    return lines
+
+
+def print_load(console: Console, cores: int) -> None:
+    """Print `load_lines` for the load average now."""
+    for line in load_lines(os.getloadavg()[0], cores):
+        console.print(line, highlight=False, soft_wrap=True)
+
+
+def speed_words(ratio: float) -> str:
+    """A speed ratio (baseline seconds / candidate seconds) in words: 1.25 -> '1.25x faster', 0.8 -> '1.25x
+    slower', so a slowdown reads as one."""
+    return f"{ratio:.2f}x faster" if ratio >= 1.0 else f"{1.0 / ratio:.2f}x slower"
 
 
 @contextlib.contextmanager

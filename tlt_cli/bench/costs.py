@@ -26,6 +26,7 @@ from tlt_cli.bench.common import (
     model_pair,
     parse_dtypes,
     parse_numbers,
+    print_load,
     render_table,
     run_decode_plan,
     worker_threads,
@@ -130,6 +131,7 @@ def run_costs_bench(
     recipe = bench_recipe(recipe_name, overrides)
     grid = cost_grid(settings, recipe)  # refused before the model loads, not after
     report = BenchReport.start("tlt bench costs", recipe_name, overrides, settings, [], grid.rounds)
+    print_load(console, report.machine["usable_cores"])
     with console.status("loading the target and its starting drafter as tlt train does"):
         pair, _ = model_pair(recipe)
     with worker_threads(recipe), console.status("timing the passes"):
@@ -137,5 +139,6 @@ def run_costs_bench(
     summary = summarize(costs)
     render(console, costs, summary)
     written = report.write(out, {dtype: grid.to_dict() for dtype, grid in costs.items()}, summary)
+    print_load(console, report.machine["usable_cores"])
     console.print(f"wrote {out}", highlight=False, soft_wrap=True)
     return written

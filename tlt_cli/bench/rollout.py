@@ -42,8 +42,10 @@ from tlt_cli.bench.common import (
     pair_with_plan,
     parse_dtypes,
     parse_numbers,
+    print_load,
     render_table,
     run_decode_plan,
+    speed_words,
     task_and_sampling,
     worker_threads,
 )
@@ -59,6 +61,8 @@ from tlt_cli.speculative.shapes import shape_problem
 from tlt_cli.speculative.types import DecodeStep, SpeculativeConfig
 
 PLAIN = "plain"
+# a cell whose shortest variant ran less than this gets no verdict: its ratios are timer and scheduler noise
+MIN_TIMED_SECONDS = 1.0
 AUTO = "auto"
 GENERATE = "generate"
 DEFAULT_FIXED = "ngram4,s2-k1-t3,s4-k1-t5,s2-k1-t3+ngram4"
@@ -276,17 +280,29 @@ def summarize(cells: dict) -> dict:
 
 
 def verdict(summary: dict) -> list[str]:
-    """One line per cell, in words: auto and the best fixed shape against plain, and whether SD pays."""
+    """One line per cell, in words: auto and the best fixed shape against plain, and whether SD pays; no verdict
+    for a cell whose shortest variant ran under MIN_TIMED_SECONDS (timer and scheduler noise would decide it)."""
     lines = []
     for key, variants in summary.items():
+        shortest = min(figures["seconds"] for figures in variants.values())
+        if shortest < MIN_TIMED_SECONDS:
+            lines.append(
+                f"{key}: no verdict: a variant ran {shortest:.2f} s, too short to time (under {MIN_TIMED_SECONDS:.0f} "
+                "s); give longer responses (rollout.max_new_tokens) or larger batches"
+            )
+            continue
         auto = variants[AUTO]["vs_plain"]
         fixed = {name: figures["vs_plain"] for name, figures in variants.items() if name not in (PLAIN, AUTO, GENERATE)}
         best = max(fixed, key=fixed.get) if fixed else None
         fastest = max([auto, *fixed.values()])
-        pays = f"SD pays here, up to {fastest:.2f}x" if fastest > 1.0 else "SD does not pay here"
-        shape = f"; the best fixed shape, {best}, {fixed[best]:.2f}x" if best is not None else ""
-        engine = f"; plain is {1 / variants[GENERATE]['vs_plain']:.2f}x generate" if GENERATE in variants else ""
-        lines.append(f"{key}: {pays}: auto {auto:.2f}x plain{shape}{engine}")
+        pays = f"SD pays here, up to {fastest:.2f}x plain's rate" if fastest > 1.0 else "SD does not pay here"
+        shape = f"; the best fixed shape, {best}, {speed_words(fixed[best])}" if best is not None else ""
+        engine = (
+            f"; plain is {speed_words(1 / variants[GENERATE]['vs_plain'])} than generate"
+            if GENERATE in variants
+            else ""
+        )
+        lines.append(f"{key}: {pays}: auto {speed_words(auto)} than plain{shape}{engine}")
     return lines
 
 
@@ -346,6 +362,7 @@ def run_rollout_bench(
         [recipe.run.seed + repeat for repeat in range(grid.repeats)],
         grid.repeats,
     )
+    print_load(console, report.machine["usable_cores"])
     with console.status("loading the target and its starting drafter as tlt train does"):
         pair, tokenizer = model_pair(recipe)
     with worker_threads(recipe), console.status("generating whole rollouts with every variant"):
@@ -353,5 +370,6 @@ def run_rollout_bench(
     summary = summarize(cells)
     render(console, cells, summary)
     written = report.write(out, json_results(cells), summary)
+    print_load(console, report.machine["usable_cores"])
     console.print(f"wrote {out}", highlight=False, soft_wrap=True)
     return written

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from tlt_cli.bench.common import BenchError, BenchReport, bench_recipe, render_table
+from tlt_cli.bench.common import BenchError, BenchReport, bench_recipe, print_load, render_table, speed_words
 from tlt_cli.config import MAX_SEED
 from tlt_cli.processes.run_directory import TRACE_FILE
 from tlt_cli.recipes import resolve_recipe_path
@@ -56,6 +56,9 @@ FIGURES = (
     "actor_rollout_kl_k3",
     "actor_precision_kl_k3",
 )
+
+# the figures that count tokens: printed as whole numbers (their means over steps are not)
+COUNT_FIGURES = ("response_tokens", "response_length_p50")
 
 
 class TrainingRunFailed(RuntimeError):
@@ -244,12 +247,12 @@ def side_by_side(baseline: dict, candidate: dict) -> dict:
 
 def reward_gap(per_seed_rewards: dict[str, list[float]], baseline: str, candidate: str) -> dict:
     """Mean rewards per seed of two variants compared as distributions: the gap candidate - baseline of their means
-    and the seed-to-seed standard deviation of the per-seed means (the noise a gap must stay within; nan with one
-    seed)."""
+    and the seed-to-seed standard deviation of the per-seed means (the noise a gap must stay within; None with one
+    seed: there is no noise estimate)."""
     pooled = per_seed_rewards[baseline] + per_seed_rewards[candidate]
     return {
         "gap": statistics.fmean(per_seed_rewards[candidate]) - statistics.fmean(per_seed_rewards[baseline]),
-        "seed_std": statistics.stdev(pooled) if len(per_seed_rewards[baseline]) > 1 else math.nan,
+        "seed_std": statistics.stdev(pooled) if len(per_seed_rewards[baseline]) > 1 else None,
     }
 
 
@@ -283,7 +286,7 @@ def _run_means(records: list[dict], skip: int) -> dict:
 def render(console: Console, summary: dict) -> None:
     """One row per run, a column per figure; then a line per variant against the baseline."""
     rows = [
-        [run_name(name, seed), *(_figure(means[figure]) for figure in FIGURES)]
+        [run_name(name, seed), *(_figure(means[figure], figure) for figure in FIGURES)]
         for name, by_seed in summary["per_run"].items()
         for seed, means in by_seed.items()
     ]
@@ -301,19 +304,37 @@ def render(console: Console, summary: dict) -> None:
     render_table(console, "end-to-end runs (means per step; times after the skipped steps)", columns, rows)
     baseline = summary["baseline"]
     for name, figures in summary["against_baseline"].items():
-        console.print(
-            f"{name} vs {baseline}: rollout {figures['rollout_ratio']:.2f}x, step {figures['step_ratio']:.2f}x; "
-            f"{baseline}'s rollout is {figures['baseline_rollout_share']:.0%} of its step, so the Amdahl bound is "
-            f"{figures['amdahl_bound']:.2f}x and the step got {figures['step_ratio_of_bound']:.0%} of it; "
-            f"reward gap {figures['gap']:+.3f} against a seed-to-seed std of {figures['seed_std']:.3f}",
-            highlight=False,
-            soft_wrap=True,
+        console.print(comparison_line(name, baseline, figures), highlight=False, soft_wrap=True)
+
+
+def comparison_line(name: str, baseline: str, figures: dict) -> str:
+    """One variant against the baseline in words: speeds as 'faster' or 'slower', the Amdahl bound only where the
+    rollout got faster, and the reward gap beside the seed-to-seed noise (or 'one seed: no noise estimate')."""
+    rollout, step = speed_words(figures["rollout_ratio"]), speed_words(figures["step_ratio"])
+    speeds = f"{name} vs {baseline}: rollout {rollout}, step {step}"
+    share = f"{baseline}'s rollout is {figures['baseline_rollout_share']:.0%} of its step"
+    if figures["rollout_ratio"] <= 1.0:
+        bound = f"; {share}, and SD did not speed it up, so there is no speed-up to bound"
+    elif figures["step_ratio"] <= 1.0:
+        bound = f"; {share}, so the Amdahl bound is {figures['amdahl_bound']:.2f}x, but the step got slower instead"
+    else:
+        bound = (
+            f"; {share}, so the Amdahl bound is {figures['amdahl_bound']:.2f}x and the step got "
+            f"{figures['step_ratio_of_bound']:.0%} of it"
         )
+    noise = (
+        "one seed: no noise estimate"
+        if figures["seed_std"] is None
+        else f"against a seed-to-seed std of {figures['seed_std']:.3f}"
+    )
+    return f"{speeds}{bound}; reward gap {figures['gap']:+.3f} ({noise})"
 
 
-def _figure(value: float | None) -> str:
+def _figure(value: float | None, figure: str) -> str:
     if value is None:
         return "-"
+    if figure in COUNT_FIGURES:
+        return f"{value:.0f}"
     return f"{value:.2e}" if 0 < abs(value) < 1e-2 else f"{value:.3f}"
 
 
@@ -323,9 +344,13 @@ def run_runs_bench(recipe_name: str, overrides: list[str], settings: RunsSetting
     for variant in plan.variants.values():  # a variant's recipe tlt train would refuse is refused before any run
         bench_recipe(recipe_name, variant)
     report = BenchReport.start("tlt bench runs", recipe_name, overrides, settings, plan.seeds, 1)
+    if not settings.from_runs:  # the load while training; runs read back were timed under another
+        print_load(console, report.machine["usable_cores"])
     steps = run_all(resolve_recipe_path(recipe_name), plan, settings, console)
     summary = summarize(steps, settings.skip)
     render(console, summary)
     written = report.write(out, {"variants": plan.variants, "steps": steps}, summary)
+    if not settings.from_runs:
+        print_load(console, report.machine["usable_cores"])
     console.print(f"wrote {out}", highlight=False, soft_wrap=True)
     return written

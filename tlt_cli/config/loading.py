@@ -24,6 +24,7 @@ from yaml import YAMLError
 
 from tlt_cli.atomic_files import not_a_file
 from tlt_cli.config.schema import Recipe, RecipeChoice, RecipeError
+from tlt_cli.errors import did_you_mean
 
 # a recipe is a few KB of YAML; refusing bigger files keeps a mistaken path from hanging the parser
 MAX_RECIPE_BYTES = 1 << 20
@@ -147,7 +148,8 @@ def _check_sections(loaded: DictConfig, origin: str) -> None:
     for section, value in loaded.items():
         _require(
             section in sections,
-            f"{origin}: section '{section}' is not a recipe section; sections are: {', '.join(sections)}.",
+            f"{origin}: section '{section}' is not a recipe section; {did_you_mean(str(section), sections)}"
+            f"sections are: {', '.join(sections)}.",
         )
         _require(
             isinstance(value, DictConfig), f"{origin}: section '{section}' must be a mapping of keys, got {value!r}."
@@ -254,12 +256,20 @@ def _key_type(key: str) -> Any:
 
 
 def _suggest(key: str) -> str:
+    """The keys to choose from, after a "did you mean" for the closest one to `key`."""
     section = key.split(".")[0]
     section_types = typing.get_type_hints(Recipe)
     if section not in section_types:
-        return f"sections are: {', '.join(section_types)}."
+        full_keys = [
+            f"{name}.{key_field.name}"
+            for name, kind in section_types.items()
+            if dataclasses.is_dataclass(kind)
+            for key_field in dataclasses.fields(kind)
+        ]
+        return f"{did_you_mean(key, [*section_types, *full_keys])}sections are: {', '.join(section_types)}."
     names = [key_field.name for key_field in dataclasses.fields(section_types[section])]
-    return f"keys of '{section}' are: {', '.join(names)}."
+    hint = did_you_mean(key, [f"{section}.{name}" for name in names])
+    return f"{hint}keys of '{section}' are: {', '.join(names)}."
 
 
 def _first_line(error: Exception) -> str:

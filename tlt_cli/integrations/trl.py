@@ -20,10 +20,10 @@ log-probs and corrects the loss by importance sampling only when it generates wi
 The generate loop (tlt_cli/rollout/generate_loop.py) is built on the first call on the very module TRL trains
 (unwrapped and, under ZeRO-3, gathered as TRL gathers it for its own generation), so every
 rollout sees the weights of the latest optimizer step. It speculates with a drafter
-(tlt_cli/integrations/trl_drafter.py: warmed up on the trainer's own prompts and cached, random,
-a saved folder or an EagleDrafter), steered by the adaptive rule table, bandit and collapse
-auto-off of the `speculative` settings (tlt_cli/speculative/rule_schedule.py). With several data-parallel
-processes the plugin that trains the drafter (found by its entry point like any plugin; the
+(tlt_cli/integrations/trl_drafter.py: fresh and trained online by default, as `tlt train`'s, or warmed up
+on the trainer's own prompts and cached, random, a saved folder or an EagleDrafter), steered by the adaptive
+rule table, bandit and collapse auto-off of the `speculative` settings (tlt_cli/speculative/rule_schedule.py).
+With several data-parallel processes the plugin that trains the drafter (found by its entry point like any plugin; the
 recipe's default plugins.enabled has one) does so while this process waits for the others,
 through its class's `trl_process_sidecar`. `take_records()` returns what each rollout did (timings,
 per-request lengths, SD usage and acceptance, sidecar metrics) for a trace;
@@ -47,6 +47,7 @@ from tlt_cli.checkpoint import DRAFTER_DIRECTORY, load_checkpoint_file
 from tlt_cli.config import (
     MAX_SEED,
     DrafterConfig,
+    DrafterStart,
     LinearForms,
     PluginsConfig,
     RolloutDtype,
@@ -142,7 +143,7 @@ class RolloutRecord:
 
 def tlt_rollout(
     speculative: SpeculativeSection | dict | None = None,
-    drafter: str | Path | EagleDrafter = "warmup",
+    drafter: str | Path | EagleDrafter = "online",
     sidecar: bool | Sequence[str] = True,
     drafter_config: DrafterConfig | dict | None = None,
     seed: int = 0,
@@ -155,8 +156,9 @@ def tlt_rollout(
 
     speculative: the recipe's `speculative` section (None: its defaults, mode auto; {"mode": "off"}:
     plain decoding), checked as a recipe's is (its ranges, shapes and rule table: a RecipeError names the key).
-    drafter: "warmup" (trained on the trainer's first prompts before the first
-    rollout, cached under $TLT_CACHE_DIR), "random", a folder written by save_drafter, or an
+    drafter: "online" (the default, as `tlt train`'s: a fresh drafter, no wait, trained online by the
+    sidecar), "warmup" (trained on the trainer's first prompts before the first rollout, minutes once, cached
+    under $TLT_CACHE_DIR), "random" (fresh and never trained), a folder written by save_drafter, or an
     EagleDrafter. sidecar: train the drafter in the wait between data-parallel processes, with the
     first of these plugin names whose class trains the drafter (True: the recipe's default
     plugins.enabled; False: no training).
@@ -191,6 +193,11 @@ def tlt_rollout(
         dtype,
         decode,
     )
+
+
+def _progress(line: str) -> None:
+    """A line of what tlt's rollout does before the first rollout, printed at once (TRL's bar shows nothing yet)."""
+    print(f"tlt rollout: {line}", flush=True)
 
 
 def checked_rollout_sections(speculative: SpeculativeSection, drafter: DrafterConfig) -> SpeculativePlan:
@@ -315,9 +322,12 @@ class TltRollout:
             return
         from tlt_cli.integrations.trl_drafter import starting_drafter
 
+        started = time.monotonic()
         processes = trainer.accelerator.num_processes
         # the sidecar trains the drafter only in the wait between processes: with one there is none
         trains_drafter = self.use_sidecar and processes > 1
+        if self.drafter_source == DrafterStart.warmup:
+            _progress("warming up the drafter offline before the first rollout (minutes once, then cached)")
         self.drafter = (
             starting_drafter(self.drafter_source, policy, trainer, self.drafter_config, self.seed, self.pending_state)
             if rollout_needs_drafter(self.speculative.mode, trains_drafter)
@@ -325,6 +335,9 @@ class TltRollout:
         )
         eos_ids, pad_token_id = eos_and_pad_ids(trainer)
         if self.decode is None:  # a script of the user's: no driver resolved it
+            _progress(
+                "planning how to decode: dtype, linear forms, SD pass costs (measured once per machine and model)"
+            )
             self.decode = decode_plan_for(
                 policy,
                 self.drafter,
@@ -338,7 +351,7 @@ class TltRollout:
                 correctable=getattr(trainer, "corrects_rollout_mismatch", False),
             )
             for line in self.decode.log_lines:
-                print(f"tlt rollout: {line}", flush=True)
+                _progress(line)
         self.backend = HiddenStateRollout(
             policy, eos_ids[0], pad_token_id, self.speculative, self.drafter, seed=self.seed, decode=self.decode
         )
@@ -358,6 +371,7 @@ class TltRollout:
             if self.pending_state is not None:
                 self.sidecar.load_state(self.pending_state)
         self.policy = policy
+        _progress(f"ready in {time.monotonic() - started:.0f} s; generating the first rollout")
 
     def _sampling_seed(self, process: int) -> int:
         """Sampling randomness from (seed, rollout number, process): a resumed run draws the same samples."""

@@ -9,7 +9,8 @@
     cached under $TLT_CACHE_DIR/drafters/, keyed by the policy's weights, the prompts and the
     settings, so the next run starts at once; with several processes, the main one warms up first
     and the others load its result;
-  - "random": a fresh drafter (seeded);
+  - "online" (tlt_rollout's default) or "random": a fresh drafter (seeded), no wait; the sidecar trains an
+    online one between data-parallel processes;
   - a folder written by `save_drafter`: loaded (checked against the policy);
   - an `EagleDrafter` the user built: its weights and vocabulary, rebuilt over `policy`;
 and, when resuming, the drafter of the checkpoint folder instead. Called by tlt_cli/integrations/trl.py.
@@ -54,7 +55,7 @@ def starting_drafter(
         return _loaded(checkpoint / DRAFTER_DIRECTORY, policy)
     if isinstance(source, EagleDrafter):
         return _rebuilt(source, policy, seed)
-    if source == DrafterStart.random:
+    if source in (DrafterStart.online, DrafterStart.random):  # online: the sidecar trains it from the first rollout
         return EagleDrafter(policy, seed=seed)
     if source == DrafterStart.warmup:
         return _warmed_up(policy, trainer, settings, seed)
@@ -64,7 +65,7 @@ def starting_drafter(
 def _loaded(folder: Path, policy: nn.Module) -> EagleDrafter:
     if not (folder / CONFIG_FILE).is_file():
         raise UserError(
-            f"drafter {str(folder)!r} is not a drafter folder (no {CONFIG_FILE}); give 'warmup', 'random' "
+            f"drafter {str(folder)!r} is not a drafter folder (no {CONFIG_FILE}); give 'online', 'warmup', 'random' "
             "or a folder written by save_drafter."
         )
     try:

@@ -35,7 +35,7 @@ from typing import Any
 
 from rich.console import Console
 
-from tlt_cli.config import Recipe, recipe_to_dict, recipe_to_yaml
+from tlt_cli.config import Recipe, SpeculativeMode, recipe_to_dict, recipe_to_yaml
 from tlt_cli.display import TrainingDisplay, render_summary
 from tlt_cli.errors import UserError
 from tlt_cli.models.tiny import cache_directory
@@ -47,6 +47,7 @@ from tlt_cli.processes.run_failures import TrainingFailed, after_failure
 from tlt_cli.processes.run_preparation import plan_facts, plan_run, prepare_drafter, remove_what_killed_runs_left
 from tlt_cli.processes.run_trace import RunTrace
 from tlt_cli.processes.worker_events import run_workers
+from tlt_cli.sd_effect import sd_effect_sentence, trace_sd_effect
 from tlt_cli.trace import read_trace
 from tlt_cli.tuning.run_plan import RunPlan
 from tlt_cli.versions import installed_versions
@@ -82,11 +83,13 @@ def train(
     keep_log: bool = False,
     *,
     check_machine: Callable[[Recipe], None],
+    all_columns: bool = False,
 ) -> RunSummary:
     """Run `trainer` with recipe.workers.count worker processes: a new run, or `resume_directory` resumed.
 
     check_machine: raises, in one sentence, when this machine lacks what the recipe asks
-    for (run once the run to resume is known, before anything starts).
+    for (run once the run to resume is known, before anything starts). all_columns: the live table's columns
+    (tlt_cli/display.py).
     The run's recipe.yaml keeps the recipe as given, before the plan made its `auto` values concrete, so a resume
     chooses again as the user asked.
 
@@ -124,6 +127,7 @@ def train(
             keep_log=keep_log,
             run_facts=run_facts,
             given_recipe=given,
+            all_columns=all_columns,
         )
     finally:
         if held is not None:
@@ -139,6 +143,7 @@ def _train_in(
     keep_log: bool,
     run_facts: dict[str, Any],
     given_recipe: Recipe,
+    all_columns: bool = False,
 ) -> RunSummary:
     """The run in its (locked) run directory: workers, trace and display; the summary, or the error to show."""
     recipe = run_spec.recipe
@@ -172,7 +177,9 @@ def _train_in(
     columns = plugin_columns(recipe.plugins.enabled)
     try:
         with (
-            TrainingDisplay(console, f"tlt train {recipe.run.name}", recipe.train.steps, columns) as display,
+            TrainingDisplay(
+                console, f"tlt train {recipe.run.name}", recipe.train.steps, columns, all_columns
+            ) as display,
             loggers.running(run, warn=display.note),
         ):
             run_workers(run_spec, body, trace, display)
@@ -183,6 +190,9 @@ def _train_in(
         raise after_failure(error, details, held, discard, keep_log) from None
     finally:
         trace.close()
-    steps = [record for record in read_trace(trace.path) if record["type"] == "step"]
-    render_summary(console, steps, run_directory, plugin_idle_uses(recipe.plugins.enabled))
+    records = read_trace(trace.path)
+    steps = [record for record in records if record["type"] == "step"]
+    speculated = recipe.speculative.mode != SpeculativeMode.off
+    sd_effect = sd_effect_sentence(trace_sd_effect(records)) if speculated else None
+    render_summary(console, steps, run_directory, plugin_idle_uses(recipe.plugins.enabled), sd_effect)
     return RunSummary(run_directory, steps)

@@ -80,6 +80,8 @@ def _step_record(
         "response_length_p99": float(numpy.percentile(lengths, 99)),
         "response_length_max": float(lengths.max()),
         "response_tokens": int(lengths.sum()),
+        # responses that ran to rollout.max_new_tokens (no EOS): their rewards score cut answers
+        "responses_cut_share": sum(not record.get("finished_by_eos", True) for record in requests) / len(requests),
         "accept_length": accept_length(accepted, verify_passes),
         **{f"actor_{name}": value for name, value in update.items()},
         **_speculation_totals(reports),

@@ -59,6 +59,10 @@ class WorkerGroup(Protocol):
 
 def run_workers(run_spec: RunSpec, body: WorkerBody, trace: RunTrace, display: TrainingDisplay) -> None:
     recipe = run_spec.recipe
+    display.progress(
+        f"starting {recipe.workers.count} worker(s): each loads the model, and DeepSpeed builds its ops on a "
+        "machine's first run (minutes, once)"
+    )
     workers = _start_workers(run_spec, body)
     guard = _fidelity_guard(run_spec)
     try:
@@ -103,7 +107,9 @@ def _drain_events(
 ) -> None:
     pending: dict[int, list[WorkerStepReport]] = {}
     finished: set[int] = set()
+    activity: str | None = None
     while len(finished) < workers.size:
+        display.before_first_step(activity)
         event = workers.next_event(EVENT_POLL_SECONDS)
         # the pause of a stopped driver is no rank's; reports that arrived meanwhile are read before any verdict
         deadline.watch(EVENT_POLL_SECONDS + PROCESSING_SLACK_SECONDS)
@@ -115,6 +121,7 @@ def _drain_events(
             continue
         if isinstance(event, WorkerProgress):
             deadline.progress(event)
+            activity = f"worker {event.worker} at step {event.step}: {event.activity}"
             continue
         if isinstance(event, WorkerFailed):
             raise _first_failure(workers, event, finished)

@@ -32,6 +32,7 @@ from tlt_cli.profile.records import (
     StepRecord,
     WorkerRecord,
 )
+from tlt_cli.sd_effect import SdEffect, measured_sd_effect, sd_effect_sentence
 from tlt_cli.speculative.types import accept_length, source_accept_lengths
 
 DEFAULT_TAIL_BATCH = 4
@@ -153,6 +154,8 @@ class Profile:
     drafter_steps: int
     # drafter training seconds / idle worker-seconds
     drafter_idle_share: float
+    # SD's measured effect in this run, one sentence (tlt_cli/sd_effect.py: the run summary says the same)
+    sd_effect: str
     projection: Projection
     warnings: list[str]
     # the precisions the run ran in: per distinct rollout precision of the workers, the dtype and the figures that
@@ -168,7 +171,8 @@ def analyse(records: ProfileRecords, tail_batch: int = DEFAULT_TAIL_BATCH, sd_sp
         raise ValueError(f"SD speedup is {sd_speedup}; give a factor of at least 1.0.")
     segments = worker_segments(records, tail_batch)
     accept_length = _accept_length(records.requests)
-    speedup, speedup_source = _sd_speedup(records, accept_length, sd_speedup)
+    effect = _sd_effect(records)
+    speedup, speedup_source = _sd_speedup(effect, sd_speedup)
     steps = [_step_profile(records, step, segments, speedup) for step in records.steps]
     rollout_seconds = sum(step.rollout_seconds for step in steps)
     capacity = records.world_size * rollout_seconds
@@ -196,6 +200,7 @@ def analyse(records: ProfileRecords, tail_batch: int = DEFAULT_TAIL_BATCH, sd_sp
         drafter_train_seconds=drafter_seconds,
         drafter_steps=sum(worker.drafter_steps for worker in records.workers),
         drafter_idle_share=drafter_seconds / idle_worker_seconds if idle_worker_seconds else 0.0,
+        sd_effect=sd_effect_sentence(effect),
         projection=_projection(steps, tail_batch, speedup, speedup_source, already_sd=accept_length is not None),
         warnings=list(records.warnings),
         precision=precision_lines(records.precision_segments, max((step.step for step in records.steps), default=0)),
@@ -407,23 +412,24 @@ def _source_counts(records: list[SdConfigRecord]) -> dict[str, int]:
     return totals
 
 
-def _sd_speedup(records: ProfileRecords, accept_length: float | None, given: float | None) -> tuple[float, str]:
+def _sd_effect(records: ProfileRecords) -> SdEffect | None:
+    """SD against the run's own plain decode steps (tlt_cli/sd_effect.py, as the run summary measures it)."""
+    configs = [(record.config, record.seconds, record.decode_steps) for record in records.sd_configs]
+    accepted = sum(request.accepted_tokens for request in records.requests)
+    return measured_sd_effect(configs, accepted, sum(request.verify_passes for request in records.requests))
+
+
+def _sd_speedup(effect: SdEffect | None, given: float | None) -> tuple[float, str]:
     """(s, where it comes from): given, measured from sd_config records, or assumed."""
     if given is not None:
         return given, "given with --sd-speedup"
-    off = [record for record in records.sd_configs if record.config == SD_OFF_LABEL and record.decode_steps > 0]
-    on = [record for record in records.sd_configs if record.config != SD_OFF_LABEL and record.decode_steps > 0]
-    off_step = sum(record.seconds for record in off) / sum(record.decode_steps for record in off) if off else 0.0
-    on_step = sum(record.seconds for record in on) / sum(record.decode_steps for record in on) if on else 0.0
-    if accept_length is not None and off_step > 0 and on_step > 0:  # a record of 0 seconds measures nothing
-        # tokens per second with SD / without: accept_length tokens per SD step vs one per plain step
-        measured = accept_length * off_step / on_step
-        if measured >= 1.0:
-            return measured, (
-                f"measured: accept length {accept_length:.2f} x {1000 * off_step:.1f} ms per plain decode step / "
-                f"{1000 * on_step:.1f} ms per SD decode step"
+    if effect is not None:
+        if effect.speedup >= 1.0:
+            return effect.speedup, (
+                f"measured: accept length {effect.accept_length:.2f} x {1000 * effect.plain_step_seconds:.1f} ms per "
+                f"plain decode step / {1000 * effect.sd_step_seconds:.1f} ms per SD decode step"
             )
-        return 1.0, f"measured {measured:.2f} (SD slower than plain decoding), so no gain is projected"
+        return 1.0, f"measured {effect.speedup:.2f} (SD slower than plain decoding), so no gain is projected"
     return ASSUMED_SD_SPEEDUP, "assumed: the input has no SD measurement (set --sd-speedup)"
 
 

@@ -206,6 +206,7 @@ def _render_speculative(console: Console, profile: Profile) -> None:
         console.print("accept length: SD did not run (no verify passes)")
         return
     console.print(f"accept length {profile.accept_length:.2f} tokens per verify pass", highlight=False)
+    console.print(profile.sd_effect, highlight=False, markup=False)
     if profile.accept_length_by_source:
         console.print(
             f"accept length by draft source (its own drafts only): {_by_source(profile.accept_length_by_source)}",

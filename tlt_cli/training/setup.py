@@ -61,6 +61,7 @@ if TYPE_CHECKING:
 
     from tlt_cli.drafter.model import EagleDrafter
     from tlt_cli.drafter.warmup import WarmupProgress
+    from tlt_cli.engine.linear_forms import LinearFormPlan
     from tlt_cli.rollout.backend import RolloutBackend
     from tlt_cli.rollout.decode_plan import DecodePlan
     from tlt_cli.tasks.base import Task
@@ -283,13 +284,25 @@ def decode_plan_for(
     )
     lines = [precision.describe()]
     if linear_plan is not None:
-        from tlt_cli.engine.linear_forms import describe_plan
-
-        lines.append(describe_plan(linear_plan))
+        lines.append(linear_forms_line(linear_plan))
     if pass_costs is not None:
         lines.append(pass_costs.describe())
     return DecodePlan(
         precision.dtype, linear_plan, pass_costs, precision.to_record(), tuple(lines), stochastic_rounding
+    )
+
+
+def linear_forms_line(linear_plan: LinearFormPlan) -> str:
+    """The linear-form plan in one short line for the console: how many weight shapes leave `linear` at some batch
+    size (engine/linear_forms.py `describe_plan` gives every shape's forms per batch size)."""
+    from tlt_cli.engine.linear_forms import LINEAR
+
+    changed = sum(any(name != LINEAR for name in names) for names in linear_plan.forms.values())
+    if not changed:
+        return f"linear forms: {LINEAR} for every weight shape (measured once per machine and model)"
+    return (
+        f"linear forms: {changed} of {len(linear_plan.forms)} weight shapes use a faster form than {LINEAR} at some "
+        "batch sizes (measured once per machine and model)"
     )
 
 

@@ -1,0 +1,109 @@
+"""`tlt export-policy`: a checkpoint's policy as a Hugging Face folder transformers loads with the same log-probs."""
+
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from typer.testing import CliRunner
+
+from tests.test_export import partly_right_drafter, tiny_target, write_recipe
+from tlt_cli.checkpoint import prepare_staging, publish
+from tlt_cli.cli import app
+from tlt_cli.config import ActorConfig
+from tlt_cli.drafter.model import save_drafter
+from tlt_cli.export_policy import held_out_prompt_ids, policy_at_checkpoint, token_log_probs
+from tlt_cli.models.tiny import build_tiny_model, save_model_folder
+from tlt_cli.recipe_checks import load_checked_recipe
+from tlt_cli.training.actor import Actor
+
+torch.set_num_threads(1)
+runner = CliRunner()
+
+
+def save_checkpoint(run, policy, step, drafter=False):
+    staging = prepare_staging(run / "checkpoints", step)
+    Actor(policy, ActorConfig(precision="fp32", micro_batch_size=2), sequences_per_update=2).save(staging)
+    if drafter:
+        save_drafter(partly_right_drafter(policy), staging / "drafter")
+    publish(run / "checkpoints", step, {"world_size": 1}, keep=3)
+
+
+@pytest.fixture
+def trained_run(single_process_group, tmp_path):
+    """A run directory with checkpoints after steps 2 and 3, whose policies differ from the model folder and
+    from each other."""
+    base, tokenizer = tiny_target()
+    save_model_folder(base, tokenizer, tmp_path / "model")
+    run = tmp_path / "run"
+    run.mkdir()
+    write_recipe(run / "recipe.yaml", tmp_path / "model")
+    policies = {}
+    for step, scale in ((2, 1.25), (3, 1.5)):
+        policy = build_tiny_model(0, base.config)
+        with torch.no_grad():
+            policy.model.norm.weight.mul_(scale)
+        save_checkpoint(run, policy, step, drafter=step == 3)
+        policies[step] = policy.eval()
+    return run, policies
+
+
+def test_export_loads_in_transformers_with_the_checkpoints_log_probs_exactly(tmp_path, trained_run):
+    run, policies = trained_run
+    out = tmp_path / "policy"
+    result = runner.invoke(app, ["export-policy", str(run), str(out)])
+    assert result.exit_code == 0, result.output
+    assert "after RL step 3" in result.output and "log-probs equal the checkpoint's" in result.output
+    assert {"config.json", "model.safetensors", "tlt_policy.json", "tokenizer_config.json"} <= {
+        path.name for path in out.iterdir()
+    }
+    assert not [path for path in tmp_path.iterdir() if path.name.startswith(".policy")]  # no staging left
+    assert json.loads((out / "tlt_policy.json").read_text())["rl_step"] == 3
+
+    loaded = AutoModelForCausalLM.from_pretrained(out).eval()
+    assert loaded.dtype == torch.float32
+    recipe = load_checked_recipe(run / "recipe.yaml")
+    checkpoint_policy, _ = policy_at_checkpoint(recipe, run / "checkpoints" / "step_000003")
+    prompts = held_out_prompt_ids(recipe, AutoTokenizer.from_pretrained(out), 3)
+    for prompt in prompts:
+        expected = token_log_probs(policies[3], prompt)
+        assert torch.equal(token_log_probs(loaded, prompt), expected)
+        assert torch.equal(token_log_probs(checkpoint_policy, prompt), expected)
+    # the probe can fail: the step-2 policy gives other log-probs
+    assert not torch.equal(token_log_probs(policies[2], prompts[0]), token_log_probs(loaded, prompts[0]))
+
+
+def test_step_picks_an_earlier_checkpoint_and_an_empty_output_folder_is_filled(tmp_path, trained_run):
+    run, policies = trained_run
+    out = tmp_path / "policy-2"
+    out.mkdir()
+    result = runner.invoke(app, ["export-policy", str(run), str(out), "--step", "2"])
+    assert result.exit_code == 0, result.output
+    loaded = AutoModelForCausalLM.from_pretrained(out).eval()
+    assert torch.equal(loaded.model.norm.weight, policies[2].model.norm.weight)
+
+
+def test_refusals_are_one_sentence_and_write_nothing(tmp_path, trained_run):
+    run, _ = trained_run
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "notes.txt").write_text("keep me")
+    cases = {
+        (str(run), str(tmp_path / "full")): "is not empty",
+        (str(run), str(tmp_path / "a"), "--step", "7"): "no checkpoint after step 7; its checkpoints: 2, 3",
+        (str(tmp_path / "nowhere"), str(tmp_path / "b")): "is not a run directory",
+    }
+    for arguments, message in cases.items():
+        result = runner.invoke(app, ["export-policy", *arguments])
+        assert result.exit_code == 2, result.output
+        assert message in result.output and "Traceback" not in result.output
+    assert (tmp_path / "full" / "notes.txt").read_text() == "keep me"
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_the_drafter_cards_serving_command_exports_the_policy_first(tmp_path, trained_run):
+    run, _ = trained_run
+    result = runner.invoke(app, ["export-drafter", str(run), str(tmp_path / "drafter"), "--prompts", "1"])
+    assert result.exit_code == 0, result.output
+    card = (tmp_path / "drafter" / "README.md").read_text()
+    assert f"tlt export-policy {run} policy-step-3 --step 3\n" in card
+    assert "--model-path policy-step-3 " in card

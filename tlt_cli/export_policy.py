@@ -1,0 +1,195 @@
+"""`tlt export-policy`: the trained policy at a run's checkpoint as a Hugging Face folder `transformers` loads.
+
+`export_policy(run_directory, output_dir, step)` reads the actor weights of a checkpoint (the run's latest,
+or the one after RL step `step`), loads them into the run recipe's model (`policy_at_checkpoint`, which
+`tlt export-drafter` uses for its target too) and writes, with `save_pretrained`,
+  config.json, generation_config.json   the model's config; float32, the dtype the actor trains in on CPU
+  model.safetensors                     the weights
+  tokenizer files                       the run's tokenizer, so the folder is complete on its own
+  tlt_policy.json                       the run, checkpoint and RL step it came from, and the check below
+into a temporary sibling folder, reloads that folder with `AutoModelForCausalLM.from_pretrained` and checks
+its log-probs on held-out prompts of the run's task equal the checkpoint's exactly, and only then renames
+it into place: a full disk or a failed check leaves no half-written output. An output folder that exists
+and is not empty is refused, never replaced.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
+
+from tlt_cli.checkpoint import (
+    LATEST_FILE,
+    Checkpoint,
+    CheckpointError,
+    checked_state,
+    checkpoint_name,
+    checkpoint_number,
+    latest_checkpoint,
+    load_checkpoint_file,
+    numbered_checkpoints,
+)
+from tlt_cli.config import Recipe
+from tlt_cli.errors import UserError, writing
+from tlt_cli.recipe_checks import load_checked_recipe
+from tlt_cli.tasks.prompts import encode_prompt
+from tlt_cli.training import setup
+from tlt_cli.training.actor import ACTOR_WEIGHTS_FILE, CHECKPOINT_TAG
+
+SUMMARY_FILE = "tlt_policy.json"
+# held-out prompts of the run's task whose log-probs the reloaded folder must reproduce exactly
+CHECK_PROMPTS = 4
+WRITE_ADVICE = "nothing was exported: free some space or choose another output folder."
+
+
+class PolicyExportError(UserError):
+    """A policy that cannot be exported as asked; the message says what to fix."""
+
+
+@dataclass(frozen=True)
+class PolicyExport:
+    """What `export_policy` wrote, for the terminal and tlt_policy.json."""
+
+    output_dir: str
+    run_directory: str
+    checkpoint: str
+    # RL steps completed when the checkpoint was written
+    rl_step: int
+    model: str
+    dtype: str
+    checked_prompts: int
+    # one line each (a damaged latest checkpoint replaced by the previous one)
+    warnings: list[str]
+
+
+def export_policy(run_directory: Path, output_dir: Path, step: int | None = None) -> PolicyExport:
+    """Export, check by reloading with transformers, then rename into place (see the module docstring)."""
+    run_directory, output_dir = Path(run_directory), Path(output_dir)
+    _check_output(output_dir)
+    checkpoint = run_checkpoint(run_directory, step)
+    recipe = _run_recipe(run_directory)
+    policy, tokenizer = _policy(recipe, checkpoint.directory)
+    prompt_ids = held_out_prompt_ids(recipe, tokenizer, CHECK_PROMPTS)
+    staging = output_dir.with_name(f".{output_dir.name}.tmp-{os.getpid()}")
+    shutil.rmtree(staging, ignore_errors=True)
+    try:
+        with writing(output_dir, WRITE_ADVICE, PolicyExportError):
+            staging.mkdir(parents=True)
+            policy.save_pretrained(staging, safe_serialization=True)
+            tokenizer.save_pretrained(staging)
+        _check_reload(policy, staging, prompt_ids, output_dir)
+        summary = PolicyExport(
+            output_dir=str(output_dir),
+            run_directory=str(run_directory),
+            checkpoint=str(checkpoint.directory),
+            rl_step=checkpoint.next_step,
+            model=recipe.model.path,
+            dtype=str(policy.dtype).removeprefix("torch."),
+            checked_prompts=len(prompt_ids),
+            warnings=[checkpoint.warning] if checkpoint.warning else [],
+        )
+        with writing(output_dir, WRITE_ADVICE, PolicyExportError):
+            (staging / SUMMARY_FILE).write_text(json.dumps(asdict(summary), indent=2) + "\n")
+            # rename(2) replaces an empty folder, so an empty OUT made in advance is filled atomically too
+            os.replace(staging, output_dir)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return summary
+
+
+def _check_output(output_dir: Path) -> None:
+    if output_dir.exists() and not output_dir.is_dir():
+        raise PolicyExportError(f"{output_dir} exists and is not a folder; choose another output folder.")
+    if output_dir.is_dir() and any(output_dir.iterdir()):
+        raise PolicyExportError(
+            f"{output_dir} is not empty; choose a new output folder (export-policy never replaces files)."
+        )
+
+
+def run_checkpoint(run_directory: Path, step: int | None) -> Checkpoint:
+    """The run's latest complete checkpoint, or the one written after RL step `step`."""
+    checkpoints = run_directory / "checkpoints"
+    if not run_directory.is_dir() or not checkpoints.is_dir():
+        raise PolicyExportError(f"{run_directory} is not a run directory with checkpoints; pass runs/<run.name>.")
+    try:
+        if step is None:
+            if not (checkpoints / LATEST_FILE).is_file():
+                raise PolicyExportError(f"{run_directory} has no complete checkpoint to export yet.")
+            return latest_checkpoint(run_directory)
+        folder = checkpoints / checkpoint_name(step)
+        if not folder.is_dir():
+            steps = ", ".join(str(checkpoint_number(path)) for path in numbered_checkpoints(checkpoints)) or "none"
+            raise PolicyExportError(f"{run_directory} has no checkpoint after step {step}; its checkpoints: {steps}.")
+        return Checkpoint(folder, checked_state(folder))
+    except CheckpointError as error:
+        raise PolicyExportError(str(error)) from None
+
+
+def _run_recipe(run_directory: Path) -> Recipe:
+    try:
+        return load_checked_recipe(run_directory / "recipe.yaml")
+    except UserError as error:
+        raise PolicyExportError(str(error)) from None
+
+
+def _policy(recipe: Recipe, checkpoint_dir: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    try:
+        return policy_at_checkpoint(recipe, checkpoint_dir)
+    except CheckpointError as error:
+        raise PolicyExportError(str(error)) from None
+
+
+def policy_at_checkpoint(
+    recipe: Recipe, checkpoint_dir: Path, advice: str = "export from the run directory that wrote it"
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """The recipe's model with the actor weights of `checkpoint_dir` (ZeRO 0-2 keep them whole), in eval mode, and
+    its tokenizer; CheckpointError names the file (and ends with `advice`) when the weights are missing or belong
+    to another model."""
+    policy, tokenizer = setup.policy_and_tokenizer(recipe)
+    weights_path = checkpoint_dir / CHECKPOINT_TAG / ACTOR_WEIGHTS_FILE
+    if not weights_path.is_file():
+        raise CheckpointError(f"checkpoint {checkpoint_dir} has no actor weights ({weights_path}); it is incomplete.")
+    saved = load_checkpoint_file(weights_path, map_location="cpu")
+    state = saved.get("module") if isinstance(saved, dict) else None
+    try:
+        if not isinstance(state, dict):
+            raise RuntimeError("no module state")
+        policy.load_state_dict(state, strict=True)
+    except RuntimeError:
+        raise CheckpointError(
+            f"actor weights in {weights_path} do not fit {recipe.model.path} (another model, or a ZeRO-3 "
+            f"checkpoint whose module state is partitioned); {advice}."
+        ) from None
+    return policy.eval(), tokenizer
+
+
+def held_out_prompt_ids(recipe: Recipe, tokenizer: PreTrainedTokenizerBase, count: int) -> list[list[int]]:
+    """Token ids of `count` problems of the recipe's task after every problem the run drew."""
+    task = setup.task(recipe)
+    first_index = recipe.train.steps * recipe.train.prompts_per_step
+    return [encode_prompt(tokenizer, task.problem(index).prompt) for index in range(first_index, first_index + count)]
+
+
+def token_log_probs(model: PreTrainedModel, prompt_ids: list[int]) -> torch.Tensor:
+    """log p(token_t | tokens_<t) for every token of one prompt after the first: [len(prompt_ids) - 1]."""
+    input_ids = torch.tensor([prompt_ids])
+    with torch.no_grad():
+        logits = model(input_ids=input_ids).logits[0, :-1].float()
+    return torch.log_softmax(logits, dim=-1).gather(-1, input_ids[0, 1:, None])[:, 0]
+
+
+def _check_reload(policy: PreTrainedModel, folder: Path, prompt_ids: list[list[int]], output_dir: Path) -> None:
+    """Reload `folder` as a user would (float32, as saved) and require the checkpoint's log-probs bit for bit."""
+    reloaded = AutoModelForCausalLM.from_pretrained(folder, dtype=policy.dtype).eval()
+    for prompt in prompt_ids:
+        if not torch.equal(token_log_probs(reloaded, prompt), token_log_probs(policy, prompt)):
+            raise PolicyExportError(
+                f"the exported policy reloaded with transformers does not reproduce the checkpoint's log-probs; "
+                f"nothing was written to {output_dir}."
+            )
