@@ -32,6 +32,7 @@ in the wait between TRL's processes, drafter_sidecar_trl.py); and it sets
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -45,6 +46,8 @@ from tlt_cli.config import DrafterConfig, Recipe, RunConfig
 from tlt_cli.drafter.model import save_drafter
 from tlt_cli.drafter.trainer import DrafterBatch, DrafterTrainer
 from tlt_cli.plugins import MetricColumn
+
+LOGGER = logging.getLogger(__name__)
 
 # what recipes enable it by (`plugins.enabled: [drafter_sidecar]`): its entry point in the tlt.plugins group
 PLUGIN_NAME = "drafter_sidecar"
@@ -277,8 +280,9 @@ class DrafterSidecar:
     def on_checkpoint_load(self, directory: Path) -> None:
         rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
         path = directory / STATE_DIRECTORY / f"rank-{rank}.pt"
-        if not path.is_file():
-            raise FileNotFoundError(f"checkpoint {directory} has no drafter sidecar state ({path}).")
+        if not path.is_file():  # the sidecar was off when it was written: start it fresh
+            LOGGER.warning("checkpoint %s has no drafter sidecar state (%s): the sidecar starts fresh.", directory, path)
+            return
         # the buffer window pickles as StepData of DrafterBatch tensors: the only classes it may hold
         self.pending_state = load_checkpoint_file(path, allowed_classes=(StepData, DrafterBatch))
 

@@ -269,3 +269,10 @@ def test_a_full_vocabulary_stays_full():
     sidecar.on_request_finished(step_context, Completion(0, (1,), [20, 21], True, 0.0, 1.0))
     sidecar.on_rollout_end(step_context)
     assert not drafter.vocabulary.is_reduced
+
+
+def test_a_checkpoint_written_without_the_sidecar_starts_it_fresh(tmp_path, caplog):
+    sidecar = DrafterSidecar(recipe())
+    sidecar.on_checkpoint_load(tmp_path)  # a plain run's checkpoint, resumed with TLT on
+    assert sidecar.pending_state is None
+    assert "starts fresh" in caplog.text
