@@ -198,9 +198,9 @@ def test_token_counts_print_as_whole_numbers(capsys):
 
 
 def test_load_average_above_the_cores_is_a_warning():
-    assert load_lines(1.5, 2) == ["load average 1.5 (1 minute) on 2 usable cores"]
+    assert load_lines(1.5, 2) == ["load average 1.50 (1 minute) on 2 usable cores"]
     busy = load_lines(8.5, 2)
-    assert len(busy) == 2 and busy[1].startswith("warning: the load average 8.5 exceeds the 2 cores")
+    assert len(busy) == 2 and busy[1].startswith("warning: the load average 8.50 exceeds the 2 cores")
 
 
 def rollout_cell(plain_seconds, auto_ratio):
@@ -385,3 +385,32 @@ def test_runs_never_replaces_a_folder_it_did_not_make(tiny_pair_recipe, tmp_path
     )
     result = runs_from(tiny_pair_recipe, tmp_path / "runs", tmp_path / "out.json")
     assert result.exit_code == 0 and trained == ["off-seed0"], result.output
+
+
+def test_runs_per_step_pools_seeds_into_a_rate_and_sets_it_beside_the_baselines_with_the_drafters_figures():
+    def with_drafter(record, accept, idle, update):
+        return {
+            **record,
+            "drafter_accept_length": accept,
+            "drafter_train_seconds": idle,
+            "drafter_update_seconds": update,
+        }
+
+    steps = {
+        "off": {
+            0: [step(10.0, 20.0, 0.5, tokens=100), step(10.0, 20.0, 0.5)],
+            1: [step(30.0, 40.0, 0.5, tokens=300)] * 2,
+        },
+        "tlt": {
+            0: [with_drafter(step(5.0, 15.0, 0.5, kl=1e-3), 1.5, 1.0, 0.5), step(5.0, 15.0, 0.5)],
+            1: [with_drafter(step(15.0, 25.0, 0.7, tokens=300, kl=3e-3), 2.5, 2.0, 1.0), step(10.0, 20.0, 0.5)],
+        },
+    }
+    table = summarize(steps, skip=0)["per_step"]
+    first = table["tlt"][0]
+    assert first["tokens_per_second"] == pytest.approx(400 / 20) and first["vs_baseline"] == pytest.approx(2.0)
+    assert first["drafter_accept_length"] == 2.0 and first["drafter_seconds"] == 2.25
+    assert first["response_tokens"] == 200 and first["mean_reward"] == pytest.approx(0.6)
+    assert first["actor_rollout_kl_k3"] == pytest.approx(2e-3)
+    assert table["off"][1]["vs_baseline"] == 1.0 and table["off"][0]["drafter_seconds"] is None
+    render(Console(width=200), summarize(steps, skip=0))

@@ -142,10 +142,10 @@ class BenchReport:
 def load_lines(load_average: float, cores: int) -> list[str]:
     """The machine's 1-minute load average against its usable cores; a second line, a warning, when it exceeds
     them (other work then shares the cores, and every timing is slower and noisier than on an idle machine)."""
-    lines = [f"load average {load_average:.1f} (1 minute) on {cores} usable cores"]
+    lines = [f"load average {load_average:.2f} (1 minute) on {cores} usable cores"]
     if load_average > cores:
         lines.append(
-            f"warning: the load average {load_average:.1f} exceeds the {cores} cores: other work shares this machine, "
+            f"warning: the load average {load_average:.2f} exceeds the {cores} cores: other work shares this machine, "
             "so these timings are slower and noisier than on an idle one"
         )
     return lines

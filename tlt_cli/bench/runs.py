@@ -59,6 +59,8 @@ FIGURES = (
 
 # the figures that count tokens: printed as whole numbers (their means over steps are not)
 COUNT_FIGURES = ("response_tokens", "response_length_p50")
+# per_step's figures printed after the rate and its ratio, in the table's order
+PER_STEP_FIGURES = ("drafter_accept_length", "drafter_seconds", "response_tokens", "mean_reward", "actor_rollout_kl_k3")
 
 
 class TrainingRunFailed(RuntimeError):
@@ -272,7 +274,53 @@ def summarize(steps: dict[str, dict[int, list[dict]]], skip: int) -> dict:
         name: {**side_by_side(pooled[baseline], pooled[name]), **reward_gap(rewards, baseline, name)}
         for name in candidates
     }
-    return {"baseline": baseline, "per_run": per_run, "pooled": pooled, "against_baseline": comparisons}
+    return {
+        "baseline": baseline,
+        "per_run": per_run,
+        "pooled": pooled,
+        "against_baseline": comparisons,
+        "per_step": per_step(steps),
+    }
+
+
+def per_step(steps: dict[str, dict[int, list[dict]]]) -> dict[str, list[dict]]:
+    """Per variant, step by step over the seeds: rollout tokens per second (tokens over seconds, pooled) and its
+    ratio to the baseline's at that step, the drafter's accept length, its training seconds (idle and in the
+    update), response tokens, reward and rollout KL (means over seeds)."""
+    baseline = next(iter(steps))
+    rates = {name: _step_rates(by_seed) for name, by_seed in steps.items()}
+    table = {}
+    for name, by_seed in steps.items():
+        rows = []
+        for step, records in enumerate(zip(*by_seed.values())):
+            rows.append(
+                {
+                    "step": step,
+                    "tokens_per_second": rates[name][step],
+                    "vs_baseline": rates[name][step] / rates[baseline][step],
+                    "drafter_accept_length": mean([record.get("drafter_accept_length") for record in records]),
+                    "drafter_seconds": mean([_drafter_seconds(record) for record in records]),
+                    "response_tokens": mean([record.get("response_tokens") for record in records]),
+                    "mean_reward": mean([record.get("mean_reward") for record in records]),
+                    "actor_rollout_kl_k3": mean([record.get("actor_rollout_kl_k3") for record in records]),
+                }
+            )
+        table[name] = rows
+    return table
+
+
+def _step_rates(by_seed: dict[int, list[dict]]) -> list[float]:
+    """Rollout response tokens per second at each step, pooled over the seeds (tokens over seconds)."""
+    return [
+        sum(record["response_tokens"] for record in records) / sum(record["rollout_seconds"] for record in records)
+        for records in zip(*by_seed.values())
+    ]
+
+
+def _drafter_seconds(record: dict) -> float | None:
+    """Seconds the workers spent training the drafter in a step (idle and in the update), None without a sidecar."""
+    parts = [record.get("drafter_train_seconds"), record.get("drafter_update_seconds")]
+    return sum(part for part in parts if part is not None) if any(part is not None for part in parts) else None
 
 
 def _run_means(records: list[dict], skip: int) -> dict:
@@ -302,6 +350,19 @@ def render(console: Console, summary: dict) -> None:
         "bf16 KL k3",
     ]
     render_table(console, "end-to-end runs (means per step; times after the skipped steps)", columns, rows)
+    step_columns = ["variant", "step", "tokens/s", "vs first", "drafter accept", "drafter s", "tokens", "reward", "KL"]
+    step_rows = [
+        [
+            name,
+            str(row["step"]),
+            f"{row['tokens_per_second']:.1f}",
+            f"{row['vs_baseline']:.2f}x",
+            *(_figure(row[figure], figure) for figure in PER_STEP_FIGURES),
+        ]
+        for name, rows_of_variant in summary["per_step"].items()
+        for row in rows_of_variant
+    ]
+    render_table(console, "rollout by step (over the seeds)", step_columns, step_rows)
     baseline = summary["baseline"]
     for name, figures in summary["against_baseline"].items():
         console.print(comparison_line(name, baseline, figures), highlight=False, soft_wrap=True)

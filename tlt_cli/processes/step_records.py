@@ -12,7 +12,7 @@ from typing import Any
 import numpy
 
 from tlt_cli.processes.messages import WorkerStepReport
-from tlt_cli.speculative.types import accept_length
+from tlt_cli.speculative.types import DRAFT_SOURCES, accept_length
 
 
 def step_records(reports: list[WorkerStepReport]) -> list[dict[str, Any]]:
@@ -90,7 +90,8 @@ def _step_record(
 
 
 def _speculation_totals(reports: list[WorkerStepReport]) -> dict[str, float | None]:
-    """Worker-seconds decoded with SD on and off, SD's share of them, and over the SD configurations the cost
+    """Per draft source its accept length, worker-seconds decoded with SD on and off, SD's share of them, and over
+    the SD configurations the cost
     model chose (mode auto), its predicted tokens per second beside the measured ones (None where nothing ran)."""
     usages = [(label, usage) for report in reports for label, usage in report.sd_usage.items()]
     on = [usage for label, usage in usages if label != "off"]
@@ -100,6 +101,14 @@ def _speculation_totals(reports: list[WorkerStepReport]) -> dict[str, float | No
     predicted_seconds = sum(usage["predicted_seconds"] for usage in predicted)
     measured_seconds = sum(usage["seconds"] for usage in predicted)
     return {
+        # per draft source: tokens per verify pass of the passes it drafted (the drafter's learning curve)
+        **{
+            f"{source}_accept_length": accept_length(
+                sum(usage.get(f"{source}_accepted_tokens", 0) for usage in on),
+                sum(usage.get(f"{source}_verify_passes", 0) for usage in on),
+            )
+            for source in DRAFT_SOURCES
+        },
         "sd_on_seconds": on_seconds,
         "sd_off_seconds": off_seconds,
         "sd_share": on_seconds / (on_seconds + off_seconds) if on_seconds + off_seconds > 0 else None,
