@@ -9,7 +9,8 @@ section (lr, weight_decay, window_steps, batch_size, update_share). In every wor
     the step first, then replays from the window, spending at most update_share of the update's
     own time (measured as it goes, so the bound holds on any machine and model): the update
     sees every token of every step, where the idle tail alone gave a real model 0-29 steps;
-  - while its worker waits for the others (`on_worker_idle`), runs short drafter training steps
+  - while its worker waits for the others (`on_worker_idle`), runs short drafter training steps for idle_duty of
+    the wait, pausing between them (a worker still decoding next door shares the memory bus with it)
     (EAGLE losses, AdamW (0.9, 0.95), grad clip 1.0), checking between steps whether the rollout
     is over, so it never holds up the rollout or the actor update by more than one short step;
   - counts the tokens of every finished response (`on_request_finished`) and, at rollout end, moves a reduced
@@ -48,6 +49,8 @@ from tlt_cli.drafter.trainer import DrafterBatch, DrafterTrainer
 from tlt_cli.plugins import MetricColumn
 
 LOGGER = logging.getLogger(__name__)
+# how often a paused idle worker checks whether the rollout is over (its delay to the step, at most)
+PAUSE_POLL_SECONDS = 0.01
 
 # what recipes enable it by (`plugins.enabled: [drafter_sidecar]`): its entry point in the tlt.plugins group
 PLUGIN_NAME = "drafter_sidecar"
@@ -91,8 +94,10 @@ class DrafterSidecar:
         MetricColumn("drafter loss", LOSS_METRIC, "{:.3f}"),
     )
     idle_seconds_used = ("training the drafter", TRAIN_SECONDS_METRIC)
-    # what the sidecar times its steps and the update's share with (tests move it by hand)
+    # what the sidecar times its steps and the update's share with, and waits with between idle steps (tests move
+    # them by hand)
     clock = staticmethod(time.perf_counter)
+    sleep = staticmethod(time.sleep)
 
     @classmethod
     def trl_process_sidecar(cls, settings: DrafterConfig, seed: int, **arguments: Any) -> Any:
@@ -201,13 +206,22 @@ class DrafterSidecar:
             self.loss_sum += float(loss.total)
 
     def on_worker_idle(self, context: Any, rollout_over: Any) -> None:
-        """Train until the rollout is over, one short step at a time."""
-        while self.window and not rollout_over():
+        """Train until the rollout is over, one short step at a time, for idle_duty of the wait (pausing between)."""
+        duty = self.settings.idle_duty
+        while duty > 0 and self.window and not rollout_over():
             started = self.clock()
             steps_before = self.steps_since_average
             self._train_step(self._sample_batch())
-            self.train_seconds += self.clock() - started
+            step_seconds = self.clock() - started
+            self.train_seconds += step_seconds
             self.steps_done += self.steps_since_average - steps_before
+            self._pause(step_seconds * (1 - duty) / duty, rollout_over)
+
+    def _pause(self, seconds: float, rollout_over: Any) -> None:
+        """Wait `seconds` (the memory bus left to a worker still decoding), or until the rollout is over."""
+        resume_at = self.clock() + seconds
+        while self.clock() < resume_at and not rollout_over():
+            self.sleep(min(PAUSE_POLL_SECONDS, resume_at - self.clock()))
 
     def _sample_batch(self) -> DrafterBatch:
         """Up to batch_size sequences of one stored actor micro-batch, drawn at random (seeded per worker).
@@ -281,7 +295,9 @@ class DrafterSidecar:
         rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
         path = directory / STATE_DIRECTORY / f"rank-{rank}.pt"
         if not path.is_file():  # the sidecar was off when it was written: start it fresh
-            LOGGER.warning("checkpoint %s has no drafter sidecar state (%s): the sidecar starts fresh.", directory, path)
+            LOGGER.warning(
+                "checkpoint %s has no drafter sidecar state (%s): the sidecar starts fresh.", directory, path
+            )
             return
         # the buffer window pickles as StepData of DrafterBatch tensors: the only classes it may hold
         self.pending_state = load_checkpoint_file(path, allowed_classes=(StepData, DrafterBatch))

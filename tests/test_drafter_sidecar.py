@@ -26,11 +26,11 @@ def tiny_target():
     return tiny_qwen2(vocab_size=24)
 
 
-def recipe(window_steps=2, batch_size=4, lr=1e-2, update_share=0.05):
-    return SimpleNamespace(
-        drafter=DrafterConfig(lr=lr, window_steps=window_steps, batch_size=batch_size, update_share=update_share),
-        run=SimpleNamespace(seed=0),
+def recipe(window_steps=2, batch_size=4, lr=1e-2, update_share=0.05, idle_duty=1.0):
+    drafter = DrafterConfig(
+        lr=lr, window_steps=window_steps, batch_size=batch_size, update_share=update_share, idle_duty=idle_duty
     )
+    return SimpleNamespace(drafter=drafter, run=SimpleNamespace(seed=0))
 
 
 def context(step, target, drafter, world_size=1, worker=0):
@@ -276,3 +276,23 @@ def test_a_checkpoint_written_without_the_sidecar_starts_it_fresh(tmp_path, capl
     sidecar.on_checkpoint_load(tmp_path)  # a plain run's checkpoint, resumed with TLT on
     assert sidecar.pending_state is None
     assert "starts fresh" in caplog.text
+
+
+@pytest.mark.parametrize(("idle_duty", "steps"), [(1.0, 20), (0.25, 5), (0.0, 0)])
+def test_idle_training_takes_its_duty_of_the_wait_and_pauses_for_the_rest(idle_duty, steps):
+    target = tiny_target()
+    clock = ManualClock()
+    sidecar, drafter = started_sidecar(target, idle_duty=idle_duty)
+    feed(sidecar, target, 0)
+    sidecar.clock = clock
+    sidecar.sleep = lambda seconds: setattr(clock, "now", clock.now + seconds)
+    train_step = sidecar.trainer.train_step
+
+    def one_second_step(batch):
+        clock.now += 1.0
+        return train_step(batch)
+
+    sidecar.trainer.train_step = one_second_step
+    sidecar.on_worker_idle(context(1, target, drafter), lambda: clock.now >= 20.0)  # a wait of 20 s
+    assert sidecar.steps_done == steps
+    assert clock.now == pytest.approx(20.0 if steps else 0.0)  # no step, and no pause, once the rollout is over
