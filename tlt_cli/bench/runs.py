@@ -297,7 +297,7 @@ def per_step(steps: dict[str, dict[int, list[dict]]]) -> dict[str, list[dict]]:
                 {
                     "step": step,
                     "tokens_per_second": rates[name][step],
-                    "vs_baseline": rates[name][step] / rates[baseline][step],
+                    "vs_baseline": _ratio(rates[name][step], rates[baseline][step]),
                     "drafter_accept_length": mean([record.get("drafter_accept_length") for record in records]),
                     "drafter_seconds": mean([_drafter_seconds(record) for record in records]),
                     "response_tokens": mean([record.get("response_tokens") for record in records]),
@@ -309,12 +309,19 @@ def per_step(steps: dict[str, dict[int, list[dict]]]) -> dict[str, list[dict]]:
     return table
 
 
-def _step_rates(by_seed: dict[int, list[dict]]) -> list[float]:
-    """Rollout response tokens per second at each step, pooled over the seeds (tokens over seconds)."""
-    return [
-        sum(record["response_tokens"] for record in records) / sum(record["rollout_seconds"] for record in records)
-        for records in zip(*by_seed.values())
-    ]
+def _step_rates(by_seed: dict[int, list[dict]]) -> list[float | None]:
+    """Rollout response tokens per second at each step, pooled over the seeds (tokens over seconds); None where a
+    record has no token count (a trace from before tlt counted them)."""
+    rates = []
+    for records in zip(*by_seed.values()):
+        tokens = [record.get("response_tokens") for record in records]
+        seconds = sum(record["rollout_seconds"] for record in records)
+        rates.append(None if None in tokens else sum(tokens) / seconds)
+    return rates
+
+
+def _ratio(value: float | None, baseline: float | None) -> float | None:
+    return None if value is None or baseline is None else value / baseline
 
 
 def _drafter_seconds(record: dict) -> float | None:
@@ -355,8 +362,8 @@ def render(console: Console, summary: dict) -> None:
         [
             name,
             str(row["step"]),
-            f"{row['tokens_per_second']:.1f}",
-            f"{row['vs_baseline']:.2f}x",
+            "-" if row["tokens_per_second"] is None else f"{row['tokens_per_second']:.1f}",
+            "-" if row["vs_baseline"] is None else f"{row['vs_baseline']:.2f}x",
             *(_figure(row[figure], figure) for figure in PER_STEP_FIGURES),
         ]
         for name, rows_of_variant in summary["per_step"].items()
