@@ -185,3 +185,12 @@ def test_stochastic_rounding_is_exact_on_the_grid_and_deterministic_per_key_acro
     grid = 1.0 + ulp * torch.randint(0, 128, (100_000,), generator=torch.Generator().manual_seed(3)).float()
     moved = stochastic_bfloat16(grid + 0.1 * ulp, 9).float() != grid
     assert 0.095 < float(moved.float().mean()) < 0.105
+
+
+def test_stochastic_rounding_keeps_every_nan_a_nan_and_infinities_infinite():
+    weights = torch.tensor([1.0, float("inf"), -float("inf"), float("nan"), 2.0, float("nan")])
+    weights.view(torch.int32)[5] = 0x7FFFFFFF  # a NaN whose payload is all ones: a carry would reach the sign bit
+    weights.view(torch.int32)[3] = -1  # the same with the sign bit set
+    copy = stochastic_bfloat16(weights, 11).float()
+    assert torch.isnan(copy[[3, 5]]).all()
+    assert copy[1] == float("inf") and copy[2] == -float("inf") and copy[0] == 1.0 and copy[4] == 2.0

@@ -61,6 +61,9 @@ def stochastic_bfloat16(weight: torch.Tensor, key: int, out: torch.Tensor | None
             bits = flat_source[start:end].view(torch.int32) + window
             bits.bitwise_and_(KEPT_MASK)
             flat_out[start:end].copy_(bits.view(torch.float32))
+            not_a_number = torch.isnan(flat_source[start:end])
+            if not_a_number.any():  # a NaN's payload may carry into the sign bit (all ones: -0.0): keep it NaN
+                flat_out[start:end][not_a_number] = flat_source[start:end][not_a_number].to(torch.bfloat16)
     return out
 
 
