@@ -30,7 +30,7 @@ from tlt_cli.config import CPU_DEVICES
 from tlt_cli.engine.sampling import NonFiniteDrafts, NonFiniteLogits
 from tlt_cli.errors import TrainingDiverged
 from tlt_cli.plugins import PluginHost, StepContext, agree_across_workers, build_plugins
-from tlt_cli.processes.distributed import RolloutBarrier, barrier_timeout, init_worker_process
+from tlt_cli.processes.distributed import EXTENSIONS_FOLDER, RolloutBarrier, barrier_timeout, init_worker_process
 from tlt_cli.processes.messages import WorkerFailed, WorkerFinished, WorkerProgress, WorkerSpec, WorkerStepReport
 from tlt_cli.processes.worker_process import exit_with_parent, redirect_output
 from tlt_cli.rollout.backend import sampling_seed
@@ -93,7 +93,7 @@ class WorkerLoop:
         init_worker_process(
             spec.address,
             recipe.workers.threads_per_worker,
-            spec.model_cache / "torch_extensions",
+            spec.model_cache / EXTENSIONS_FOLDER,
             on_gpus=recipe.actor.devices != CPU_DEVICES,
         )
         torch.manual_seed(recipe.run.seed)
