@@ -44,7 +44,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("tasks", ("tlt_cli.tasks",)),
     ("models", ("tlt_cli.models",)),
     ("engine", ("tlt_cli.engine",)),
-    ("speculative", ("tlt_cli.speculative",)),
+    # sd_effect.py: SD's measured effect in a run, read from its trace (the driver's summary and `tlt profile`)
+    ("speculative", ("tlt_cli.speculative", "tlt_cli.sd_effect")),
     ("rollout", ("tlt_cli.rollout",)),
     # measured per-machine choices: above the rollout, which takes them resolved (rollout/decode_plan.py)
     ("tuning", ("tlt_cli.tuning",)),
@@ -62,6 +63,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "tlt_cli.profile",
             "tlt_cli.calibration",
             "tlt_cli.export",
+            "tlt_cli.export_policy",
             "tlt_cli.bench",
         ),
     ),

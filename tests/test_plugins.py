@@ -226,6 +226,7 @@ def test_shipped_plugins_are_found_by_entry_point_and_declare_what_the_core_show
     assert plugins_train_drafter(["drafter_sidecar"]) and not plugins_train_drafter(["tensorboard", "wandb"])
     assert [column.key for column in plugin_columns(["tensorboard", "drafter_sidecar"])] == [
         "drafter_steps",
+        "drafter_update_seconds",
         "drafter_train_seconds",
         "drafter_loss",
     ]
