@@ -199,22 +199,22 @@ class DrafterSidecar:
         elapsed = self.clock() - self.update_started
         return self.update_seconds < self.settings.update_share * (elapsed - self.update_seconds)
 
-    def _train_step(self, batch: DrafterBatch) -> None:
+    def _train_step(self, batch: DrafterBatch) -> bool:
+        """One drafter step, counted toward the next average when it was finite (returned)."""
         loss = self.trainer.train_step(batch)
         if loss.is_finite:
             self.steps_since_average += 1
             self.loss_sum += float(loss.total)
+        return bool(loss.is_finite)
 
     def on_worker_idle(self, context: Any, rollout_over: Any) -> None:
         """Train until the rollout is over, one short step at a time, for idle_duty of the wait (pausing between)."""
         duty = self.settings.idle_duty
         while duty > 0 and self.window and not rollout_over():
             started = self.clock()
-            steps_before = self.steps_since_average
-            self._train_step(self._sample_batch())
+            self.steps_done += self._train_step(self._sample_batch())
             step_seconds = self.clock() - started
             self.train_seconds += step_seconds
-            self.steps_done += self.steps_since_average - steps_before
             self._pause(step_seconds * (1 - duty) / duty, rollout_over)
 
     def _pause(self, seconds: float, rollout_over: Any) -> None:
@@ -276,11 +276,14 @@ class DrafterSidecar:
         self.update_started = self.clock()
 
     def _follow_emitted_tokens(self, world_size: int) -> None:
-        """Add every worker's tokens of this rollout to the run's counts; a reduced vocabulary follows them."""
+        """Add every worker's tokens of this rollout to the run's counts; a reduced vocabulary follows them (a full one
+        has nothing to follow: no counts, no collective)."""
+        if not self.drafter.vocabulary.is_reduced:
+            return
         emitted = _all_reduce(self.emitted_now.to(next(self.drafter.parameters()).device), world_size)
         self.emitted_total += emitted.cpu()
         self.emitted_now.zero_()
-        if self.drafter.vocabulary.is_reduced and self.emitted_total.any():
+        if self.emitted_total.any():
             self.drafter.vocabulary.follow_responses(self.emitted_total)
             self.drafter.refresh_draft_head()
 

@@ -41,7 +41,7 @@ from tlt_cli.drafter.model import CONFIG_FILE, DrafterLoadError, load_drafter
 from tlt_cli.drafter.warmup import encode_prompts
 from tlt_cli.engine.sampling import SamplingParams
 from tlt_cli.errors import UserError, writing
-from tlt_cli.export_policy import policy_at_checkpoint
+from tlt_cli.export_policy import WRITE_ADVICE, policy_at_checkpoint
 from tlt_cli.recipe_checks import load_checked_recipe
 from tlt_cli.rollout.generate_loop import EmbeddedEngine
 from tlt_cli.rollout.types import RolloutRequest
@@ -68,7 +68,6 @@ MAX_PROBE_PROMPTS = 10_000
 CARD_FILE = "README.md"
 # every file an export holds: a folder of these (with SUMMARY_FILE) is one --force may replace
 EXPORT_FILES = frozenset({EXPORT_CONFIG_FILE, WEIGHTS_FILE, CARD_FILE, SUMMARY_FILE, TOKEN_MAP_FILE})
-WRITE_ADVICE = "nothing was exported: free some space or choose another output folder."
 
 
 class ExportError(DrafterFormatError):
