@@ -54,7 +54,9 @@ def test_logprobs_match_a_plain_forward_and_update_changes_every_parameter(singl
     policy = tiny_policy()
     before = copy.deepcopy(policy.state_dict())
     actor = Actor(
-        policy, ActorConfig(precision="fp32", lr=1e-2, micro_batch_size=4, zero_stage=2), sequences_per_update=6
+        policy,
+        ActorConfig(precision="fp32", lr=1e-2, micro_batch_size=4, micro_batch_tokens=0, zero_stage=2),
+        sequences_per_update=6,
     )
     batch = actor.logprobs(rollout_batch())
     with torch.no_grad():
@@ -72,14 +74,20 @@ def test_logprobs_match_a_plain_forward_and_update_changes_every_parameter(singl
 
 
 def test_save_then_load_restores_weights_and_optimizer_exactly(single_process_group, tmp_path):
-    first = Actor(tiny_policy(), ActorConfig(precision="fp32", lr=1e-2, micro_batch_size=4), sequences_per_update=6)
+    first = Actor(
+        tiny_policy(),
+        ActorConfig(precision="fp32", lr=1e-2, micro_batch_size=4, micro_batch_tokens=0),
+        sequences_per_update=6,
+    )
     first.update(first.logprobs(rollout_batch()))
     first.save(tmp_path)
     first.update(first.logprobs(rollout_batch()))
     continued = {name: value.clone() for name, value in first.policy.state_dict().items()}
 
     second = Actor(
-        tiny_policy(seed=1), ActorConfig(precision="fp32", lr=1e-2, micro_batch_size=4), sequences_per_update=6
+        tiny_policy(seed=1),
+        ActorConfig(precision="fp32", lr=1e-2, micro_batch_size=4, micro_batch_tokens=0),
+        sequences_per_update=6,
     )
     second.load(tmp_path)
     second.update(second.logprobs(rollout_batch()))
@@ -88,7 +96,7 @@ def test_save_then_load_restores_weights_and_optimizer_exactly(single_process_gr
 
 
 def test_single_pass_update_equals_recomputing_old_logprobs_first(single_process_group):
-    config = ActorConfig(precision="fp32", lr=1e-2, micro_batch_size=4)
+    config = ActorConfig(precision="fp32", lr=1e-2, micro_batch_size=4, micro_batch_tokens=0)
     fused = Actor(tiny_policy(), config, sequences_per_update=6)
     seen = []
     fused.update(
@@ -105,7 +113,7 @@ def test_single_pass_update_equals_recomputing_old_logprobs_first(single_process
 def test_an_update_through_chunked_logprobs_moves_the_weights_as_full_vocabulary_logprobs_did(
     single_process_group, monkeypatch
 ):
-    config = ActorConfig(precision="fp32", lr=1e-2, micro_batch_size=4, kl_coef=0.1)
+    config = ActorConfig(precision="fp32", lr=1e-2, micro_batch_size=4, micro_batch_tokens=0, kl_coef=0.1)
     chunked = Actor(tiny_policy(), config, sequences_per_update=6, reference=tiny_policy(seed=1))
     chunked_metrics = chunked.update(rollout_batch())
 
@@ -124,7 +132,7 @@ def test_an_update_through_chunked_logprobs_moves_the_weights_as_full_vocabulary
 
 
 def test_the_actors_adamw_is_fused_and_moves_the_weights_as_torchs_per_tensor_adamw(single_process_group, monkeypatch):
-    config = ActorConfig(precision="fp32", lr=1e-2, micro_batch_size=4, zero_stage=2)
+    config = ActorConfig(precision="fp32", lr=1e-2, micro_batch_size=4, micro_batch_tokens=0, zero_stage=2)
     fused = Actor(tiny_policy(), config, sequences_per_update=6)
     assert torch_optimizer(fused).defaults["fused"] is True
     per_tensor_adamw = torch.optim.AdamW
@@ -174,7 +182,9 @@ def test_gradient_checkpointing_gives_the_same_update_and_the_same_hidden_states
     for recompute in (False, True):
         actor = Actor(
             tiny_policy(),
-            ActorConfig(precision="fp32", lr=1e-2, micro_batch_size=4, gradient_checkpointing=recompute),
+            ActorConfig(
+                precision="fp32", lr=1e-2, micro_batch_size=4, micro_batch_tokens=0, gradient_checkpointing=recompute
+            ),
             sequences_per_update=6,
         )
         hidden_states = []
@@ -209,7 +219,7 @@ def test_gradient_checkpointing_lowers_the_updates_measured_peak(single_process_
         policy = tiny_qwen2(vocab_size=64, **shape)
         actor = Actor(
             policy,
-            ActorConfig(precision="fp32", micro_batch_size=4, gradient_checkpointing=recompute),
+            ActorConfig(precision="fp32", micro_batch_size=4, micro_batch_tokens=0, gradient_checkpointing=recompute),
             sequences_per_update=4,
         )
         before = memory.resident_bytes()
@@ -239,7 +249,9 @@ def test_the_update_weights_its_loss_by_the_truncated_importance_weights_and_rep
     single_process_group, mode, shift, weight, truncated
 ):
     def loss_and_mismatch(correction):
-        config = ActorConfig(lr=1e-2, micro_batch_size=4, precision="fp32", rollout_correction=correction)
+        config = ActorConfig(
+            lr=1e-2, micro_batch_size=4, micro_batch_tokens=0, precision="fp32", rollout_correction=correction
+        )
         actor = Actor(tiny_policy(), config, sequences_per_update=6)
         metrics = actor.update(with_rollout_logprobs(actor.logprobs(rollout_batch()), shift))
         return metrics.loss, metrics.as_dict()

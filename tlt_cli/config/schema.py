@@ -392,7 +392,20 @@ class ActorConfig:
     zero_stage: int = setting(
         2, "DeepSpeed ZeRO stage", minimum=0, maximum=2, note="the rollout needs the full policy on every rank"
     )
-    micro_batch_size: int = setting(4, "sequences per forward/backward", minimum=1)
+    micro_batch_size: int = setting(
+        4, "sequences per forward/backward when micro_batch_tokens is 0 (right-padded rows)", minimum=1
+    )
+    micro_batch_tokens: int = setting(
+        2048,
+        "tokens per forward/backward: whole GRPO groups laid back to back with no padding, up to this many (a "
+        "larger group alone); 0: micro_batch_size right-padded rows instead",
+        minimum=0,
+    )
+    share_prompt: bool = setting(
+        True,
+        "with micro_batch_tokens, compute each group's prompt once for all its responses in the update's forward "
+        "and backward (the same gradients, fewer tokens)",
+    )
     gradient_checkpointing: bool = setting(
         False,
         "recompute each decoder layer's activations in backward instead of keeping them (less memory in the "

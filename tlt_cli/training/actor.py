@@ -35,6 +35,7 @@ from tlt_cli.errors import TrainingDiverged
 from tlt_cli.processes.distributed import import_deepspeed
 from tlt_cli.training.grpo import PolicyLoss, policy_loss
 from tlt_cli.training.logprobs import token_logprobs
+from tlt_cli.training.packed_forward import micro_batch_count, packed_hidden, packed_micro_batches
 from tlt_cli.training.policy_batch import PolicyBatch, micro_batches
 from tlt_cli.training.rollout_correction import MismatchTotals, importance_weights, k3_total
 from tlt_cli.training.rounded_compute import RoundedLinearWeights
@@ -125,20 +126,36 @@ class Actor:
         """The batch with old (and, with a reference model, reference) log-probs recomputed by the actor."""
         old_parts, reference_parts = [], []
         self._forget_copies()
-        for micro_batch in micro_batches(batch, self.config.micro_batch_size):
+        for micro_batch in self.micro_batches(batch):
             if include_policy:
                 with self.precision(rounded=True):
-                    hidden, logprobs = forward_logprobs(self.policy, micro_batch)
+                    hidden, logprobs = self.forward_logprobs(self.policy, micro_batch)
                 if on_hidden_states is not None:
                     on_hidden_states(micro_batch, hidden)
                 old_parts.append(_pad_to(logprobs, batch))
             if self.reference is not None:
                 with self.precision():
-                    _, reference_logprobs = forward_logprobs(self.reference, micro_batch)
+                    _, reference_logprobs = self.forward_logprobs(self.reference, micro_batch)
                 reference_parts.append(_pad_to(reference_logprobs, batch))
         old = torch.cat(old_parts) if old_parts else None
         reference = torch.cat(reference_parts) if reference_parts else None
         return batch.with_logprobs(old, reference)
+
+    def micro_batches(self, batch: PolicyBatch) -> list[PolicyBatch]:
+        """The batch's micro-batches: packed whole groups up to actor.micro_batch_tokens (every rank the same count,
+        as ZeRO 2 reduces gradients at each micro-batch), or micro_batch_size right-padded rows."""
+        if not self.config.micro_batch_tokens:
+            return micro_batches(batch, self.config.micro_batch_size)
+        share = self.config.share_prompt
+        count = micro_batch_count(batch, self.config.micro_batch_tokens, share)
+        return packed_micro_batches(batch, self.config.micro_batch_tokens, share, count=_agreed_count(count, batch))
+
+    def forward_logprobs(self, model: PreTrainedModel, batch: PolicyBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward_logprobs` over the micro-batch's packed layout (packed_forward.py) when the actor packs."""
+        if not self.config.micro_batch_tokens:
+            return forward_logprobs(model, batch)
+        hidden = packed_hidden(model.get_decoder(), batch, self.config.share_prompt)
+        return hidden, _response_logprobs(model, hidden, batch)
 
     def precision(self, rounded: bool = False) -> contextlib.AbstractContextManager:
         """The context of the actor's forwards: bfloat16 autocast on CPU with `actor.precision: bf16`; rounded:
@@ -172,7 +189,7 @@ class Actor:
             batch = self.logprobs(batch, on_hidden_states, include_policy=not single_pass)
         self.engine.train()
         totals = {"loss": 0.0, "clip_fraction": 0.0, "kl": 0.0, "ratio_mean": 0.0, "grad_norm": 0.0}
-        parts = micro_batches(batch, self.config.micro_batch_size)
+        parts = self.micro_batches(batch)
         self._forget_copies()  # the weights moved since the last pass: the copies follow them
         precision_kl = self._precision_kl(parts[0])
         total_tokens = max(batch.response_token_count, 1)
@@ -180,7 +197,9 @@ class Actor:
         for epoch in range(self.config.ppo_epochs):
             if epoch > 0:
                 self._forget_copies()  # one optimizer step an epoch: the copies follow it
-            for micro_batch in parts:
+            for index, micro_batch in enumerate(parts):
+                # one optimizer step an epoch, after its last micro-batch (their count varies with packing)
+                self.engine.set_gradient_accumulation_boundary(index == len(parts) - 1)
                 result = self._micro_batch_loss(
                     micro_batch,
                     total_tokens,
@@ -217,8 +236,8 @@ class Actor:
         if self.config.precision != Precision.bf16 or self.device.type != "cpu":
             return None
         with self.precision(rounded=True):
-            _, learner = forward_logprobs(self.policy, micro_batch)
-        _, master = forward_logprobs(self.policy, micro_batch)
+            _, learner = self.forward_logprobs(self.policy, micro_batch)
+        _, master = self.forward_logprobs(self.policy, micro_batch)
         tokens = int(micro_batch.response_mask.sum())
         return k3_total(master, learner, micro_batch.response_mask) / tokens if tokens else None
 
@@ -232,7 +251,7 @@ class Actor:
         """The micro-batch's loss; with the rollout's log-probs, weighted for the mismatch (counted into
         `mismatch` when given: the first epoch, before any step, when old log-probs are the rollout's pi_old)."""
         with self.precision(rounded=True):
-            hidden, logprobs = forward_logprobs(self.policy, micro_batch)
+            hidden, logprobs = self.forward_logprobs(self.policy, micro_batch)
         old_logprobs = micro_batch.old_logprobs
         if old_logprobs is None:  # single pass: the policy has not moved yet
             old_logprobs = logprobs.detach()
@@ -356,6 +375,16 @@ def forward_logprobs(model: PreTrainedModel, batch: PolicyBatch) -> tuple[torch.
     output = model.get_decoder()(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False)
     hidden = output.last_hidden_state
     return hidden, _response_logprobs(model, hidden, batch)
+
+
+def _agreed_count(count: int, batch: PolicyBatch) -> int:
+    """The micro-batch count every rank of the update runs: the largest any rank wants, at most the fewest groups
+    any rank has."""
+    if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:
+        return count
+    wanted = torch.tensor([count, -len(batch.group_spans())], device=batch.input_ids.device)
+    torch.distributed.all_reduce(wanted, op=torch.distributed.ReduceOp.MAX)
+    return min(int(wanted[0]), -int(wanted[1]))
 
 
 def _to_device(batch: PolicyBatch, device: torch.device) -> PolicyBatch:

@@ -274,7 +274,9 @@ class WorkerLoop:
     def update(self, completions: list[Completion], rewards: torch.Tensor, on_hidden_states=None) -> dict[str, float]:
         """GRPO update on this rank's completions (sorted by request id, so groups are consecutive)."""
         advantages = group_advantages(rewards, self.recipe.train.group_size)
-        batch = build_policy_batch(completions, advantages, self.tokenizer.pad_token_id)
+        # packed micro-batches take whole groups: the batch keeps them together
+        group_size = self.recipe.train.group_size if self.recipe.actor.micro_batch_tokens else None
+        batch = build_policy_batch(completions, advantages, self.tokenizer.pad_token_id, group_size)
         return self.actor.update(batch, on_hidden_states).as_dict()
 
     def request_record(self, step: int, completion: Completion, reward: float) -> dict[str, Any]:
