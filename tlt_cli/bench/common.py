@@ -20,7 +20,6 @@ import contextlib
 import dataclasses
 import json
 import os
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -44,6 +43,7 @@ from tlt_cli.tasks.base import Task
 from tlt_cli.tasks.prompts import encode_prompt
 from tlt_cli.training import setup
 from tlt_cli.tuning.cache import machine_key
+from tlt_cli.tuning.threads import torch_threads
 
 # the CPU flags that decide whether bfloat16 pays (a matrix unit, or AVX-512 bf16 dot products)
 BFLOAT16_FLAGS = ("avx512_bf16", "amx_bf16", "amx_tile")
@@ -163,15 +163,9 @@ def speed_words(ratio: float) -> str:
     return f"{ratio:.2f}x faster" if ratio >= 1.0 else f"{1.0 / ratio:.2f}x slower"
 
 
-@contextlib.contextmanager
-def worker_threads(recipe: Recipe) -> Iterator[None]:
+def worker_threads(recipe: Recipe) -> contextlib.AbstractContextManager[None]:
     """Inside: torch on a worker's thread count (workers.threads_per_worker), as a run decodes and measures."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(recipe.workers.threads_per_worker)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
+    return torch_threads(recipe.workers.threads_per_worker)
 
 
 def model_pair(recipe: Recipe) -> tuple[ModelPair, PreTrainedTokenizerBase]:

@@ -46,6 +46,7 @@ from tlt_cli.tasks.base import Task
 from tlt_cli.tasks.prompts import encode_prompt
 from tlt_cli.training import setup
 from tlt_cli.training.actor import policy_dtype
+from tlt_cli.tuning.threads import torch_threads
 
 CALIBRATION_DIRECTORY_SUFFIX = "-calibration"
 OUTPUT_FILE = "calibration.json"
@@ -95,10 +96,8 @@ def calibrate(
     configs = parse_configs(settings.configs)
     task = setup.task(recipe)
     sampling = setup.sampling(recipe)
-    threads = torch.get_num_threads()
     # a worker's thread count from the start: the linear-form plan and the rollout precision are measured with it
-    torch.set_num_threads(recipe.workers.threads_per_worker)
-    try:
+    with torch_threads(recipe.workers.threads_per_worker):
         pair, tokenizer, drafter_source = load_model_pair(recipe)
         for config in configs.values():
             if config is not None:
@@ -107,8 +106,6 @@ def calibrate(
         cells = measure_shards(
             pair, batch_sizes, configs, requests_for, sampling, recipe.run.seed, settings.repeats, on_shard
         )
-    finally:
-        torch.set_num_threads(threads)
     _check_every_cell_ran(cells, settings.repeats)
     throughput = {
         size: {cell.label: cell.tokens_per_second for cell in cells if cell.batch_size == size} for size in batch_sizes

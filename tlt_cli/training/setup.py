@@ -214,17 +214,14 @@ def decode_plan(
     if recipe.rollout.dtype != RolloutDtype.auto and recipe.rollout.linear_forms == LinearForms.off and not costs:
         # nothing to measure: the model is not loaded here
         return _given_decode_plan(recipe.rollout.dtype, stochastic_rounding)
-    import torch
-
     from tlt_cli.models.loading import unloaded_policy
     from tlt_cli.tuning.cache import RecordMissing, only_cached
+    from tlt_cli.tuning.threads import torch_threads
 
     device = _decode_device(recipe)
     rows = rows if rows is not None else recipe.samples_per_worker
     speculates = mode != SpeculationMode.off if speculates is None else speculates
-    threads = torch.get_num_threads()
-    torch.set_num_threads(recipe.workers.threads_per_worker)
-    try:
+    with torch_threads(recipe.workers.threads_per_worker):
         try:  # the model's shapes key the cached measurements: its weights are read only if one is missing
             with only_cached():
                 unloaded = unloaded_policy(recipe.model.path, device, trust_remote_code=recipe.model.trust_remote_code)
@@ -232,8 +229,6 @@ def decode_plan(
         except RecordMissing:
             policy = policy_and_tokenizer(recipe)[0].to(device).eval()
             return _measured_decode_plan(recipe, policy, drafter_folder, rows, speculates, costs)
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _measured_decode_plan(
