@@ -156,7 +156,7 @@ def test_the_decode_plan_is_resolved_once_in_setup_and_the_rollout_measures_noth
     assert plan.precision["rows"] == recipe.samples_per_worker and plan.precision["speculates"] is True
     assert any(line.startswith("SD pass costs") for line in plan.log_lines)
     assert type(plan).from_dict(plan.to_dict()) == plan  # as launched ranks read it
-    off = setup.decode_plan(recipe, speculates=False)
+    off = setup.decode_plan(recipe, request=setup.PlanRequest(speculates=False))
     assert off.pass_costs is None and off.precision["speculates"] is False
     # every measurement is cached now: the same plan is made again without reading the model's weights
     loaded = setup.policy_and_tokenizer

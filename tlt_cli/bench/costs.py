@@ -29,10 +29,11 @@ from tlt_cli.bench.common import (
     print_load,
     render_table,
     run_decode_plan,
+    starting_drafter_folder,
     worker_threads,
 )
-from tlt_cli.calibration.measure import ModelPair
 from tlt_cli.config import Recipe
+from tlt_cli.rollout.model_pair import ModelPair
 from tlt_cli.speculative.costs import PassCosts
 from tlt_cli.speculative.types import MAX_VERIFIED_TOKENS
 from tlt_cli.tuning.pass_costs import measure_pass_costs
@@ -70,11 +71,13 @@ def cost_grid(settings: CostSettings, recipe: Recipe) -> CostGrid:
     )
 
 
-def bench_costs(recipe: Recipe, pair: ModelPair, grid: CostGrid, report: BenchReport) -> dict[str, PassCosts]:
+def bench_costs(
+    recipe: Recipe, drafter_folder: Path | None, pair: ModelPair, grid: CostGrid, report: BenchReport
+) -> dict[str, PassCosts]:
     """dtype (common.dtype_label) -> the pass costs measured in the decode plan of that dtype."""
     costs = {}
     for dtype in grid.dtypes:
-        plan = run_decode_plan(recipe, dtype, max(grid.rows))
+        plan = run_decode_plan(recipe, drafter_folder, dtype, max(grid.rows))
         label = dtype_label(dtype, plan)
         report.decode_plans[label] = plan.to_dict()
         costs[label] = measure_pass_costs(
@@ -132,10 +135,11 @@ def run_costs_bench(
     grid = cost_grid(settings, recipe)  # refused before the model loads, not after
     report = BenchReport.start("tlt bench costs", recipe_name, overrides, settings, [], grid.rounds)
     print_load(console, report.machine["usable_cores"])
+    folder = starting_drafter_folder(recipe, console)
     with console.status("loading the target and its starting drafter as tlt train does"):
-        pair, _ = model_pair(recipe)
+        pair, _ = model_pair(recipe, folder)
     with worker_threads(recipe), console.status("timing the passes"):
-        costs = bench_costs(recipe, pair, grid, report)
+        costs = bench_costs(recipe, folder, pair, grid, report)
     summary = summarize(costs)
     render(console, costs, summary)
     written = report.write(out, {dtype: grid.to_dict() for dtype, grid in costs.items()}, summary)

@@ -57,16 +57,7 @@ def record_rollout(
     with torch_threads(recipe.workers.threads_per_worker):
         try:
             # as a worker decodes: its thread count, batch, linear forms and dtype (SD off here)
-            decode = setup.decode_plan_for(
-                policy,
-                None,
-                recipe.rollout.dtype,
-                recipe.rollout.linear_forms,
-                setup.model_cache(recipe),
-                recipe.samples_per_worker,
-                speculates=False,
-                costs=False,
-            )
+            decode = setup.decode_plan(recipe, None, setup.PlanRequest(speculates=False, costs=False))
             engine = EmbeddedEngine(
                 policy,
                 eos_token_id=tokenizer.eos_token_id,
