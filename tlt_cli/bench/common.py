@@ -21,6 +21,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import re
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -51,6 +52,8 @@ from tlt_cli.tuning.threads import torch_threads
 BFLOAT16_FLAGS = ("avx512_bf16", "amx_bf16", "amx_tile")
 
 
+# a variant's overrides are separated by the commas before a key
+OVERRIDE_SEPARATOR = re.compile(r",(?=[A-Za-z_][\w.]*=)")
 # the most rows a benchmark decodes at once: a GRPO batch on one machine, far above what a CPU runs in reasonable time
 MAX_BENCH_ROWS = 1024
 
@@ -74,6 +77,22 @@ def parse_numbers(option: str, text: str, maximum: int) -> list[int]:
     if not numbers or min(numbers) < 1 or max(numbers) > maximum:
         raise BenchError(f"{option} is '{text}'; give integers in 1..{maximum} separated by commas, e.g. 1,4,16.")
     return numbers
+
+
+def named_variants(texts: tuple[str, ...]) -> dict[str, list[str]]:
+    """--variant 'NAME:key=value,key=value' (repeatable) -> name -> its overrides, or a BenchError naming the option;
+    the overrides are split at the commas before a key (a value may hold commas: plugins.enabled=[a,b])."""
+    variants: dict[str, list[str]] = {}
+    for text in texts:
+        name, colon, rest = text.partition(":")
+        own = [part.strip() for part in OVERRIDE_SEPARATOR.split(rest) if part.strip()]
+        keys = [part.partition("=")[0].strip() if "=" in part else "" for part in own]
+        if not colon or not name.strip() or name.strip() in variants or not all(keys):
+            raise BenchError(
+                f"--variant is '{text}'; give a new NAME:key=value,key=value, e.g. on:actor.precision=bf16."
+            )
+        variants[name.strip()] = own
+    return variants
 
 
 def parse_dtypes(text: str, recipe: Recipe) -> list[str]:
