@@ -34,6 +34,7 @@ from tlt_cli.bench.common import (
     MAX_BENCH_ROWS,
     BenchError,
     BenchReport,
+    Progress,
     auto_speculative_plan,
     bench_recipe,
     dtype_label,
@@ -213,19 +214,22 @@ def bench_rollout(
     tokenizer: PreTrainedTokenizerBase,
     grid: RolloutGrid,
     report: BenchReport,
+    progress: Progress,
 ) -> dict:
-    """Every (dtype, batch size) cell, each in the decode plan a run makes for it (recorded in `report`)."""
+    """Every (dtype, batch size) cell, each in the decode plan a run makes for it (recorded in `report`), each
+    announced to `progress` as it starts and ends."""
     cells = {}
     for dtype in grid.dtypes:
         for rows in grid.batch_sizes:
-            plan = run_decode_plan(recipe, drafter_folder, dtype, rows)
-            key = f"{dtype_label(dtype, plan)} B={rows}"
-            report.decode_plans[key] = plan.to_dict()
-            cells[key] = {
-                "dtype": plan.dtype,
-                "batch_size": rows,
-                **measure_cell(recipe, pair_with_plan(pair, plan), tokenizer, grid, rows),
-            }
+            with progress.measuring(f"{dtype} B={rows}, {grid.repeats} repeat(s) of every variant"):
+                plan = run_decode_plan(recipe, drafter_folder, dtype, rows)
+                key = f"{dtype_label(dtype, plan)} B={rows}"
+                report.decode_plans[key] = plan.to_dict()
+                cells[key] = {
+                    "dtype": plan.dtype,
+                    "batch_size": rows,
+                    **measure_cell(recipe, pair_with_plan(pair, plan), tokenizer, grid, rows),
+                }
     return cells
 
 
@@ -372,7 +376,8 @@ def run_rollout_bench(
     with console.status("loading the target and its starting drafter as tlt train does"):
         pair, tokenizer = model_pair(recipe, folder)
     with worker_threads(recipe), console.status("generating whole rollouts with every variant"):
-        cells = bench_rollout(recipe, folder, pair, tokenizer, grid, report)
+        progress = Progress(console, len(grid.dtypes) * len(grid.batch_sizes))
+        cells = bench_rollout(recipe, folder, pair, tokenizer, grid, report, progress)
     summary = summarize(cells)
     render(console, cells, summary)
     written = report.write(out, json_results(cells), summary)
