@@ -51,7 +51,7 @@ def tiny_pair_recipe(tmp_path_factory) -> Path:
 def test_bench_help_lists_its_subcommands():
     result = runner.invoke(app, ["bench", "--help"])
     assert result.exit_code == 0, result.output
-    for name in ("rollout", "costs", "runs"):
+    for name in ("rollout", "costs", "update", "runs"):
         assert name in result.output
 
 
@@ -414,3 +414,27 @@ def test_runs_per_step_pools_seeds_into_a_rate_and_sets_it_beside_the_baselines_
     assert first["actor_rollout_kl_k3"] == pytest.approx(2e-3)
     assert table["off"][1]["vs_baseline"] == 1.0 and table["off"][0]["drafter_seconds"] is None
     render(Console(width=200), summarize(steps, skip=0))
+
+
+def test_runs_fidelity_shows_every_step_and_the_guards_warnings_of_its_own_variants(tiny_pair_recipe, tmp_path):
+    """--fidelity over runs left by an earlier call: own variants (--variant) start with SD off, every step is a
+    row, and the fidelity guard's warnings in a trace are printed and written."""
+    output = tmp_path / "runs"
+    fake_run(output / "fp32-seed0", 2, response_tokens=40, response_length_p50=10, actor_rollout_kl_k3=1e-4)
+    warned = fake_run(output / "bf16-seed0", 2, response_tokens=38, response_length_p50=9, actor_rollout_kl_k3=2e-2)
+    with (warned / "trace.jsonl").open("a") as trace:
+        trace.write(json.dumps({"type": "event", "kind": "fidelity", "message": "the rollout drifts"}) + "\n")
+    out = tmp_path / "out.json"
+    arguments = ["--variants", "", "--fidelity", "--from-runs", "--steps", "2"]
+    arguments += ["--variant", "fp32:rollout.dtype=float32", "--variant", "bf16:rollout.dtype=bfloat16"]
+    command = ["bench", "runs", "--recipe", str(tiny_pair_recipe), "--output-dir", str(output), "--out", str(out)]
+    result = runner.invoke(app, [*command, *arguments])
+    assert result.exit_code == 0, result.output
+    assert "fidelity: does the rollout sample" in result.output and "bf16-seed0: the rollout drifts" in result.output
+    written = json.loads(out.read_text())
+    assert written["results"]["variants"]["bf16"] == [
+        "speculative.mode=off",
+        "plugins.enabled=[]",
+        "rollout.dtype=bfloat16",
+    ]
+    assert written["results"]["fidelity_warnings"] == {"fp32-seed0": [], "bf16-seed0": ["the rollout drifts"]}

@@ -13,14 +13,7 @@ from tiny_models import save_tiny_pair
 from typer.testing import CliRunner
 
 from tlt_cli.calibration.calibrate import batch_size_grid, load_model_pair
-from tlt_cli.calibration.measure import (
-    ModelPair,
-    bucket_of,
-    bucket_totals,
-    fixed_decoder,
-    shard_engine,
-    time_shard,
-)
+from tlt_cli.calibration.measure import bucket_of, bucket_totals, time_shard
 from tlt_cli.calibration.recipe_text import RecipeEditError, write_rules_into_recipe
 from tlt_cli.calibration.rules import (
     CALIBRATED_BY,
@@ -43,6 +36,7 @@ from tlt_cli.models.tiny import (
 from tlt_cli.recipe_checks import load_checked_recipe
 from tlt_cli.recipes import RECIPES_DIRECTORY
 from tlt_cli.rollout.generate_loop import EmbeddedEngine
+from tlt_cli.rollout.model_pair import ModelPair, fixed_decoder, shard_engine
 from tlt_cli.rollout.types import RolloutRequest
 from tlt_cli.speculative.decoder import SpeculativeDecoder
 from tlt_cli.speculative.rules import build_rules
@@ -259,13 +253,14 @@ def test_shards_are_timed_with_the_linear_forms_a_worker_uses(tiny_pair_recipe, 
     cache = tmp_path / "cache"
     recipe = load_checked_recipe(tiny_pair_recipe, ["rollout.linear_forms=auto", f"model.cache_dir={cache}"])
     pair, _, _ = load_model_pair(recipe)
-    assert pair.linear_plan is not None
+    assert pair.decode.linear_plan is not None
     shapes = {shape_key(layer.weight) for layer in linear_layers([pair.target, pair.drafter])}
-    assert shapes <= set(pair.linear_plan.forms) and list(cache.rglob("*.json"))
-    assert shard_engine(pair, fixed_decoder(pair, None)).speculative.drafter_forms.plan is pair.linear_plan
+    assert shapes <= set(pair.decode.linear_plan.forms) and list(cache.rglob("*.json"))
+    assert shard_engine(pair, fixed_decoder(pair, None)).speculative.drafter_forms.plan is pair.decode.linear_plan
     recipe = load_checked_recipe(tiny_pair_recipe, ["rollout.linear_forms=off", f"model.cache_dir={cache}"])
     pair, _, _ = load_model_pair(recipe)
-    assert pair.linear_plan is None and shard_engine(pair, fixed_decoder(pair, None)).speculative.drafter_forms is None
+    assert pair.decode.linear_plan is None
+    assert shard_engine(pair, fixed_decoder(pair, None)).speculative.drafter_forms is None
 
 
 @pytest.mark.parametrize(

@@ -309,3 +309,31 @@ def test_the_engine_is_pure_tensors():
         if name.split(".")[0] in INPUT_OUTPUT_MODULES
     }
     assert engine_files and found == set()
+
+
+# the commands' implementations that share the commands' floor; none imports another (a benchmark measures over the
+# composition root and the packages below it, as the commands it measures do)
+COMMAND_PACKAGES = ("tlt_cli.bench", "tlt_cli.calibration", "tlt_cli.profile")
+
+
+def command_crossings(modules: list[Path]) -> list[str]:
+    """'importer -> imported' for each import from one command package into another."""
+    found = []
+    for path in modules:
+        importer = module_name(path)
+        home = next((package for package in COMMAND_PACKAGES if importer.startswith(f"{package}.")), None)
+        for imported in sorted(imported_modules(path)):
+            other = next((package for package in COMMAND_PACKAGES if imported.startswith(package)), None)
+            if home is not None and other is not None and other != home:
+                found.append(f"{importer} -> {imported}")
+    return found
+
+
+def test_no_command_package_imports_another():
+    assert command_crossings(tlt_modules()) == []
+
+
+def test_a_command_crossing_is_found(monkeypatch):
+    module = PACKAGE_ROOT / "bench" / "layering_probe.py"
+    monkeypatch.setattr(Path, "read_text", lambda self, encoding=None: "from tlt_cli.calibration import measure\n")
+    assert command_crossings([module]) == ["tlt_cli.bench.layering_probe -> tlt_cli.calibration.measure"]

@@ -40,6 +40,7 @@ ALLOWED_CALLERS: dict[tuple[str, str], str] = {
     ("calibration/calibrate.py", "load_model_pair"): "`tlt calibrate` decodes in its own process, without a driver",
     ("bench/common.py", "run_decode_plan"): "`tlt bench` decodes in its own process, as the driver would plan it",
     ("bench/common.py", "auto_speculative_plan"): "`tlt bench rollout` builds mode auto's plan for its own decoding",
+    ("bench/update_worker.py", "measure"): "`tlt bench update` plans its one rank as the driver plans a run",
     ("integrations/trl.py", "checked_rollout_sections"): "a user's TRL script has no driver: its sections are "
     "checked and planned as a recipe's (under tlt train the plan is given)",
     ("integrations/trl.py", "TltRollout._build"): "a user's TRL script has no driver (under tlt train it is given)",

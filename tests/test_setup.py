@@ -28,6 +28,7 @@ from tlt_cli.speculative.types import SpeculativeConfig
 from tlt_cli.training import setup, update_precision
 from tlt_cli.tuning.cache import record_path
 from tlt_cli.tuning.run_plan import RunPlan, UpdatePrecision
+from tlt_cli.tuning.threads import torch_threads
 
 
 class DrafterTrainingPlugin:
@@ -155,7 +156,7 @@ def test_the_decode_plan_is_resolved_once_in_setup_and_the_rollout_measures_noth
     assert plan.precision["rows"] == recipe.samples_per_worker and plan.precision["speculates"] is True
     assert any(line.startswith("SD pass costs") for line in plan.log_lines)
     assert type(plan).from_dict(plan.to_dict()) == plan  # as launched ranks read it
-    off = setup.decode_plan(recipe, speculates=False)
+    off = setup.decode_plan(recipe, request=setup.PlanRequest(speculates=False))
     assert off.pass_costs is None and off.precision["speculates"] is False
     # every measurement is cached now: the same plan is made again without reading the model's weights
     loaded = setup.policy_and_tokenizer
@@ -215,12 +216,8 @@ def test_the_run_plan_is_made_once_with_the_recipes_choices_concrete(tmp_path, m
         model=dataclasses.replace(Recipe().model, cache_dir=str(tmp_path)),
         actor=dataclasses.replace(Recipe().actor, precision=Precision.auto),
     )
-    threads = torch.get_num_threads()
-    torch.set_num_threads(recipe.workers.threads_per_worker)  # the measurement's thread count, a worker's
-    try:
+    with torch_threads(recipe.workers.threads_per_worker):  # the measurement's thread count, a worker's
         key = update_precision.measurement_key(recipe, torch.device("cpu"))
-    finally:
-        torch.set_num_threads(threads)
     path = record_path(tmp_path, update_precision.CACHE_FOLDER, key)
     path.parent.mkdir(parents=True)
     path.write_text(json.dumps({"key": key, "seconds": {"fp32": 1.0, "bf16": 0.5}}))

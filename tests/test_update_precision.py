@@ -16,6 +16,7 @@ from tlt_cli.training.actor import Actor
 from tlt_cli.training.logprobs import head_logprobs
 from tlt_cli.training.update_precision import resolve_update_precision
 from tlt_cli.tuning.run_plan import UpdatePrecision
+from tlt_cli.tuning.threads import torch_threads
 
 # bfloat16 keeps 8 significant bits: rounding to nearest moves a value by at most 2^-8 of it (stochastic rounding,
 # the learner's copies: by less than one step of 2^-7)
@@ -100,12 +101,8 @@ def test_auto_measures_once_caches_per_machine_and_model_and_rereads_the_cache(t
     assert resolved.actor.precision == choice.precision in ("fp32", "bf16")
     (path,) = (tmp_path / update_precision.CACHE_FOLDER).glob("*.json")
     record = json.loads(path.read_text())
-    threads = torch.get_num_threads()
-    torch.set_num_threads(recipe.workers.threads_per_worker)  # the measurement's thread count, a worker's
-    try:
+    with torch_threads(recipe.workers.threads_per_worker):  # the measurement's thread count, a worker's
         assert record["key"] == update_precision.measurement_key(recipe, torch.device("cpu"))
-    finally:
-        torch.set_num_threads(threads)
     assert set(record["seconds"]) == {"fp32", "bf16"} and choice.seconds == record["seconds"]
     assert choice.precision == update_precision.faster_precision(record["seconds"])
 

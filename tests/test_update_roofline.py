@@ -1,5 +1,5 @@
-"""The update's roofline (tlt_cli/training/update_roofline.py) and its profile's phases
-(tlt_cli/training/update_profile.py): the operation counts against torch's own flop counter on the tiny
+"""The update's roofline (tlt_cli/bench/update_roofline.py) and its profile's phases
+(tlt_cli/bench/update_profile.py): the operation counts against torch's own flop counter on the tiny
 model, each product form timed as the update lays it out, the report's arithmetic on made-up seconds, and
 each operator's self time put in one category and one phase."""
 
@@ -11,10 +11,10 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from tlt_cli.bench import update_profile, update_roofline
+from tlt_cli.bench.update_roofline import MicroBatchShape, Product
 from tlt_cli.models.tiny import build_tiny_model
-from tlt_cli.training import update_profile, update_roofline
 from tlt_cli.training.memory import ModelShape
-from tlt_cli.training.update_roofline import MicroBatchShape, Product
 
 
 def tiny_shape(model) -> ModelShape:

@@ -7,7 +7,7 @@
     tlt calibrate RECIPE [key=value ...] [--batch-sizes 1,2,4] [--write-recipe RECIPE]
     tlt export-drafter runs/tiny-cpu exported-drafter/
     tlt export-policy runs/tiny-cpu policy/ [--step N]
-    tlt bench rollout | costs | runs --recipe RECIPE [key=value ...] [--out bench.json]
+    tlt bench rollout | costs | update | runs --recipe RECIPE [key=value ...] [--out bench.json]
     tlt --version
 
 Errors a user can cause print one line and exit with code 2; a failed run exits with 1.
@@ -554,6 +554,33 @@ def bench_costs(
         raise fail(str(error)) from None
 
 
+@bench_app.command("update", context_settings={"allow_extra_args": False})
+def bench_update(
+    recipe: RecipeOption,
+    overrides: OverridesArgument = None,
+    variant: Annotated[
+        list[str] | None,
+        typer.Option(help="NAME:key=value,key=value, a variant of the recipe (repeatable; the first is the baseline)."),
+    ] = None,
+    repeats: RepeatsOption = 2,
+    profile: Annotated[
+        bool, typer.Option("--profile", help="Also profile an update: by operator category, its roofline by phase.")
+    ] = False,
+    steps: Annotated[int, typer.Option(help="Rollout-and-update steps after the update, with their peaks.")] = 0,
+    out: Annotated[Path, _bench_out("update")] = Path("bench-update.json"),
+) -> None:
+    """One worker's GRPO update per variant, each in a fresh process: seconds, product-rate share, peak memory."""
+    from tlt_cli.bench.update import MeasurementFailed, UpdateSettings, run_update_bench
+
+    settings = UpdateSettings(tuple(variant or ()), repeats, profile, steps)
+    try:
+        run_update_bench(recipe, list(overrides or []), settings, out, console)
+    except UserError as error:
+        raise fail(str(error)) from None
+    except MeasurementFailed as error:
+        raise fail(str(error), code=1) from None
+
+
 @bench_app.command("runs", context_settings={"allow_extra_args": False})
 def bench_runs(
     recipe: RecipeOption,
@@ -572,12 +599,29 @@ def bench_runs(
     ] = None,
     output_dir: Annotated[Path, typer.Option(help="Where the runs' folders go.")] = Path("runs/bench-runs"),
     from_runs: Annotated[bool, typer.Option("--from-runs", help="Summarize the runs left in --output-dir.")] = False,
+    variant: Annotated[
+        list[str] | None, typer.Option(help="NAME:key=value,key=value, a variant of its own (repeatable).")
+    ] = None,
+    fidelity: Annotated[
+        bool,
+        typer.Option("--fidelity", help="Step by step: does the rollout sample the learner? (own variants: SD off)"),
+    ] = False,
     out: Annotated[Path, _bench_out("runs")] = Path("bench-runs.json"),
 ) -> None:
     """End-to-end tlt train runs, variants x seeds: step, rollout and update seconds, lengths, reward, rollout KL."""
     from tlt_cli.bench.runs import RunsSettings, TrainingRunFailed, run_runs_bench
 
-    settings = RunsSettings(variants, seeds, steps, skip, tuple(variant_override or ()), output_dir, from_runs)
+    settings = RunsSettings(
+        variants,
+        seeds,
+        steps,
+        skip,
+        tuple(variant_override or ()),
+        output_dir,
+        from_runs,
+        tuple(variant or ()),
+        fidelity,
+    )
     try:
         run_runs_bench(recipe, list(overrides or []), settings, out, console)
     except UserError as error:

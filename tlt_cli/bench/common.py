@@ -3,9 +3,10 @@ requests, the JSON report and the one table renderer.
 
     recipe = bench_recipe("recipes/real-cpu.yaml", ["rollout.max_new_tokens=256"])
     report = BenchReport.start("tlt bench rollout", "recipes/real-cpu.yaml", overrides, settings, seeds=[0], repeats=2)
-    pair, tokenizer = model_pair(recipe)           # target and starting drafter as `tlt train` loads them
-    plan = run_decode_plan(recipe, "bfloat16", 4)  # the plan the driver makes for 4 rows (training/setup.py)
-    pair = pair_with_plan(pair, plan)              # decoding in its dtype, linear forms and pass costs
+    folder = starting_drafter_folder(recipe, console)      # the recipe's drafter.init, said up front
+    pair, tokenizer = model_pair(recipe, folder)            # target and starting drafter as `tlt train` loads them
+    plan = run_decode_plan(recipe, folder, "bfloat16", 4)   # the plan setup makes for 4 rows (training/setup.py)
+    pair = pair_with_plan(pair, plan)                       # decoding in its dtype, linear forms and pass costs
     print_load(console, report.machine["usable_cores"])  # the load average now, and a warning above the cores
     report.write(out, results, summary)            # the machine (load average at start and end) included
     render_table(console, "title", ["column", ...], [["cell", ...], ...])
@@ -20,6 +21,8 @@ import contextlib
 import dataclasses
 import json
 import os
+import re
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,25 +33,27 @@ from rich.table import Table
 from transformers import PreTrainedTokenizerBase
 
 from tlt_cli.atomic_files import write_atomically
-from tlt_cli.calibration.calibrate import load_model_pair
-from tlt_cli.calibration.measure import ModelPair
-from tlt_cli.config import Recipe, RolloutDtype, SpeculativeMode
+from tlt_cli.config import FRESH_DRAFTER_STARTS, DrafterStart, Recipe, RolloutDtype, SpeculativeMode
 from tlt_cli.engine.sampling import SamplingParams
 from tlt_cli.errors import UserError, writing
 from tlt_cli.recipe_checks import load_checked_recipe
 from tlt_cli.recipes import resolve_recipe_path
 from tlt_cli.rollout.decode_plan import DecodePlan
+from tlt_cli.rollout.model_pair import ModelPair
 from tlt_cli.rollout.types import RolloutRequest
 from tlt_cli.speculative.plan import SpeculativePlan
 from tlt_cli.tasks.base import Task
 from tlt_cli.tasks.prompts import encode_prompt
 from tlt_cli.training import setup
 from tlt_cli.tuning.cache import machine_key
+from tlt_cli.tuning.threads import torch_threads
 
 # the CPU flags that decide whether bfloat16 pays (a matrix unit, or AVX-512 bf16 dot products)
 BFLOAT16_FLAGS = ("avx512_bf16", "amx_bf16", "amx_tile")
 
 
+# a variant's overrides are separated by the commas before a key
+OVERRIDE_SEPARATOR = re.compile(r",(?=[A-Za-z_][\w.]*=)")
 # the most rows a benchmark decodes at once: a GRPO batch on one machine, far above what a CPU runs in reasonable time
 MAX_BENCH_ROWS = 1024
 
@@ -72,6 +77,22 @@ def parse_numbers(option: str, text: str, maximum: int) -> list[int]:
     if not numbers or min(numbers) < 1 or max(numbers) > maximum:
         raise BenchError(f"{option} is '{text}'; give integers in 1..{maximum} separated by commas, e.g. 1,4,16.")
     return numbers
+
+
+def named_variants(texts: tuple[str, ...]) -> dict[str, list[str]]:
+    """--variant 'NAME:key=value,key=value' (repeatable) -> name -> its overrides, or a BenchError naming the option;
+    the overrides are split at the commas before a key (a value may hold commas: plugins.enabled=[a,b])."""
+    variants: dict[str, list[str]] = {}
+    for text in texts:
+        name, colon, rest = text.partition(":")
+        own = [part.strip() for part in OVERRIDE_SEPARATOR.split(rest) if part.strip()]
+        keys = [part.partition("=")[0].strip() if "=" in part else "" for part in own]
+        if not colon or not name.strip() or name.strip() in variants or not all(keys):
+            raise BenchError(
+                f"--variant is '{text}'; give a new NAME:key=value,key=value, e.g. on:actor.precision=bf16."
+            )
+        variants[name.strip()] = own
+    return variants
 
 
 def parse_dtypes(text: str, recipe: Recipe) -> list[str]:
@@ -157,40 +178,92 @@ def print_load(console: Console, cores: int) -> None:
         console.print(line, highlight=False, soft_wrap=True)
 
 
+def print_processor(console: Console, machine: dict) -> None:
+    """The CPU a benchmark runs on (its model name) and which bfloat16 flags it has (a matrix unit or AVX-512 bf16
+    decides whether bfloat16 pays)."""
+    flags = [flag for flag, present in machine["cpu_flags"].items() if present]
+    say(console, f"CPU: {machine['processor']}; bfloat16 flags: {', '.join(flags) or 'none'}")
+
+
+class Progress:
+    """Lines for a log, where no spinner shows: each measurement as it starts and ends, with an estimate of what is
+    left (the mean seconds of those ended, times those left). Silent on a terminal (console.status shows there).
+
+        progress = Progress(console, total=4)
+        with progress.measuring("bf16, repeat 1"):
+            ...
+    """
+
+    def __init__(self, console: Console, total: int):
+        self.console = console
+        self.total = total
+        self.ended = 0
+        self.seconds = 0.0
+
+    @contextlib.contextmanager
+    def measuring(self, name: str) -> Iterator[None]:
+        self._line(f"[{self.ended + 1}/{self.total}] {name}: started{self._left(self.total - self.ended)}")
+        started = time.perf_counter()
+        yield
+        elapsed = time.perf_counter() - started
+        self.ended += 1
+        self.seconds += elapsed
+        self._line(f"[{self.ended}/{self.total}] {name}: ended in {elapsed:.1f} s{self._left(self.total - self.ended)}")
+
+    def _left(self, measurements: int) -> str:
+        if measurements == 0:
+            return ""
+        if self.ended == 0:
+            return f"; {measurements} to go, an estimate once the first ends"
+        return f"; {measurements} to go, about {self.seconds / self.ended * measurements:.0f} s left"
+
+    def _line(self, line: str) -> None:
+        if not self.console.is_terminal:
+            say(self.console, line)
+
+
 def speed_words(ratio: float) -> str:
     """A speed ratio (baseline seconds / candidate seconds) in words: 1.25 -> '1.25x faster', 0.8 -> '1.25x
     slower', so a slowdown reads as one."""
     return f"{ratio:.2f}x faster" if ratio >= 1.0 else f"{1.0 / ratio:.2f}x slower"
 
 
-@contextlib.contextmanager
-def worker_threads(recipe: Recipe) -> Iterator[None]:
+def worker_threads(recipe: Recipe) -> contextlib.AbstractContextManager[None]:
     """Inside: torch on a worker's thread count (workers.threads_per_worker), as a run decodes and measures."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(recipe.workers.threads_per_worker)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
+    return torch_threads(recipe.workers.threads_per_worker)
 
 
-def model_pair(recipe: Recipe) -> tuple[ModelPair, PreTrainedTokenizerBase]:
-    """The recipe's target and the drafter a run would start with, loaded as `tlt train` loads them (the one
-    loader tlt calibrate uses too), and the tokenizer."""
+def starting_drafter_folder(recipe: Recipe, console: Console) -> Path | None:
+    """The folder of the drafter the recipe starts with (setup.py `prepare_drafter`; None: a fresh start), said up
+    front: a benchmark warms up a drafter only when the recipe's drafter.init asks for one, and says so before."""
+    init = recipe.drafter.init
+    if init in FRESH_DRAFTER_STARTS:
+        say(console, f"drafter: a fresh start (drafter.init {init}); no warm-up")
+        return None
+    if init == DrafterStart.warmup:
+        say(console, "drafter: the recipe's warm-up (drafter.init warmup), read from the cache or warmed up now")
+    folder, report = setup.prepare_drafter(recipe, setup.model_cache(recipe), needed=True)
+    if report is not None:
+        seconds = sum(value for name, value in report.items() if name.endswith("_seconds"))
+        say(console, f"drafter: warmed up now in {seconds:.0f} s, cached in {folder}")
+    else:
+        say(console, f"drafter: {folder}")
+    return folder
+
+
+def model_pair(recipe: Recipe, drafter_folder: Path | None) -> tuple[ModelPair, PreTrainedTokenizerBase]:
+    """The recipe's target and its starting drafter (from `drafter_folder`), loaded by the one loader `tlt train`'s
+    setup has (setup.py `model_pair`), and the tokenizer; each measurement gives it its own plan (pair_with_plan)."""
     with worker_threads(recipe):
-        pair, tokenizer, _ = load_model_pair(recipe)
-    return pair, tokenizer
+        return setup.model_pair(recipe, DecodePlan(), drafter_folder)
 
 
-def run_decode_plan(recipe: Recipe, dtype: str, rows: int) -> DecodePlan:
+def run_decode_plan(recipe: Recipe, drafter_folder: Path | None, dtype: str, rows: int) -> DecodePlan:
     """The decode plan `tlt train` makes for `recipe` decoding in `dtype` with `rows` rows a call (setup.py
-    `decode_plan`, as the driver calls it), its tail weighed as speculating and the pass costs of mode auto
-    measured (read from the cache after the first time)."""
-    speculative = dataclasses.replace(recipe.speculative, mode=SpeculativeMode.auto, rules=[])
-    rollout = dataclasses.replace(recipe.rollout, dtype=RolloutDtype(dtype))
-    planned = dataclasses.replace(recipe, speculative=speculative, rollout=rollout)
-    drafter_folder, _ = setup.prepare_drafter(planned, setup.model_cache(planned))
-    return setup.decode_plan(planned, drafter_folder, speculates=True, rows=rows)
+    `decode_plan`), its tail weighed as speculating and the pass costs measured (read from the cache after the
+    first time)."""
+    request = setup.PlanRequest(rows=rows, dtype=RolloutDtype(dtype), speculates=True, costs=True)
+    return setup.decode_plan(recipe, drafter_folder, request)
 
 
 def dtype_label(requested: str, plan: DecodePlan) -> str:
@@ -200,9 +273,12 @@ def dtype_label(requested: str, plan: DecodePlan) -> str:
 
 def pair_with_plan(pair: ModelPair, plan: DecodePlan) -> ModelPair:
     """`pair` decoding as `plan` says: its dtype, linear forms and pass costs."""
-    return dataclasses.replace(
-        pair, linear_plan=plan.linear_plan, dtype=plan.torch_dtype, precision=plan.precision, pass_costs=plan.pass_costs
-    )
+    return dataclasses.replace(pair, decode=plan)
+
+
+def say(console: Console, line: str) -> None:
+    """One line of a benchmark's own, printed as it is (no markup, no wrapping: a log keeps it whole)."""
+    console.print(line, markup=False, highlight=False, soft_wrap=True)
 
 
 def auto_speculative_plan(recipe: Recipe) -> SpeculativePlan:

@@ -21,6 +21,7 @@ from tlt_cli.bench.common import (
     MAX_BENCH_ROWS,
     BenchError,
     BenchReport,
+    Progress,
     bench_recipe,
     dtype_label,
     model_pair,
@@ -29,10 +30,11 @@ from tlt_cli.bench.common import (
     print_load,
     render_table,
     run_decode_plan,
+    starting_drafter_folder,
     worker_threads,
 )
-from tlt_cli.calibration.measure import ModelPair
 from tlt_cli.config import Recipe
+from tlt_cli.rollout.model_pair import ModelPair
 from tlt_cli.speculative.costs import PassCosts
 from tlt_cli.speculative.types import MAX_VERIFIED_TOKENS
 from tlt_cli.tuning.pass_costs import measure_pass_costs
@@ -70,16 +72,25 @@ def cost_grid(settings: CostSettings, recipe: Recipe) -> CostGrid:
     )
 
 
-def bench_costs(recipe: Recipe, pair: ModelPair, grid: CostGrid, report: BenchReport) -> dict[str, PassCosts]:
-    """dtype (common.dtype_label) -> the pass costs measured in the decode plan of that dtype."""
+def bench_costs(
+    recipe: Recipe,
+    drafter_folder: Path | None,
+    pair: ModelPair,
+    grid: CostGrid,
+    report: BenchReport,
+    progress: Progress,
+) -> dict[str, PassCosts]:
+    """dtype (common.dtype_label) -> the pass costs measured in the decode plan of that dtype, each dtype announced
+    to `progress` as it starts and ends."""
     costs = {}
     for dtype in grid.dtypes:
-        plan = run_decode_plan(recipe, dtype, max(grid.rows))
-        label = dtype_label(dtype, plan)
-        report.decode_plans[label] = plan.to_dict()
-        costs[label] = measure_pass_costs(
-            pair.target, pair.drafter, plan.torch_dtype, plan.linear_plan, grid.rows, grid.tokens, grid.rounds
-        )
+        with progress.measuring(f"{dtype}: {len(grid.rows)} rows x {len(grid.tokens)} tokens, {grid.rounds} round(s)"):
+            plan = run_decode_plan(recipe, drafter_folder, dtype, max(grid.rows))
+            label = dtype_label(dtype, plan)
+            report.decode_plans[label] = plan.to_dict()
+            costs[label] = measure_pass_costs(
+                pair.target, pair.drafter, plan.torch_dtype, plan.linear_plan, grid.rows, grid.tokens, grid.rounds
+            )
     return costs
 
 
@@ -132,10 +143,11 @@ def run_costs_bench(
     grid = cost_grid(settings, recipe)  # refused before the model loads, not after
     report = BenchReport.start("tlt bench costs", recipe_name, overrides, settings, [], grid.rounds)
     print_load(console, report.machine["usable_cores"])
+    folder = starting_drafter_folder(recipe, console)
     with console.status("loading the target and its starting drafter as tlt train does"):
-        pair, _ = model_pair(recipe)
+        pair, _ = model_pair(recipe, folder)
     with worker_threads(recipe), console.status("timing the passes"):
-        costs = bench_costs(recipe, pair, grid, report)
+        costs = bench_costs(recipe, folder, pair, grid, report, Progress(console, len(grid.dtypes)))
     summary = summarize(costs)
     render(console, costs, summary)
     written = report.write(out, {dtype: grid.to_dict() for dtype, grid in costs.items()}, summary)

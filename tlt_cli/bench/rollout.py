@@ -34,6 +34,7 @@ from tlt_cli.bench.common import (
     MAX_BENCH_ROWS,
     BenchError,
     BenchReport,
+    Progress,
     auto_speculative_plan,
     bench_recipe,
     dtype_label,
@@ -46,13 +47,14 @@ from tlt_cli.bench.common import (
     render_table,
     run_decode_plan,
     speed_words,
+    starting_drafter_folder,
     task_and_sampling,
     worker_threads,
 )
 from tlt_cli.bench.identity import first_divergences, same_verdict
-from tlt_cli.calibration.measure import ModelPair, fixed_decoder, shard_engine
 from tlt_cli.config import Recipe
 from tlt_cli.engine.sampling import SamplingParams
+from tlt_cli.rollout.model_pair import ModelPair, fixed_decoder, shard_engine
 from tlt_cli.rollout.types import RolloutRequest
 from tlt_cli.speculative.decoder import SpeculativeDecoder
 from tlt_cli.speculative.modes import AdaptiveSpeculativeDecoder, speculative_decoder
@@ -164,7 +166,7 @@ def variant_runners(
     """(name -> runner(requests, sampling, seed) of one whole rollout, auto's decoder): auto is one schedule kept
     across repeats (None where the plan has no pass costs, a model outside the owned forward: auto decodes plainly);
     the other engine variants get a fresh decoder each rollout."""
-    auto = speculative_decoder(auto_speculative_plan(recipe), pair.drafter, recipe.run.seed, pair.pass_costs)
+    auto = speculative_decoder(auto_speculative_plan(recipe), pair.drafter, recipe.run.seed, pair.decode.pass_costs)
     decoders = {PLAIN: lambda: fixed_decoder(pair, None), AUTO: lambda: auto or fixed_decoder(pair, None)}
     for label, config in grid.shapes.items():
         decoders[label] = lambda config=config: fixed_decoder(pair, config)
@@ -206,20 +208,28 @@ def rollout_grid(settings: RolloutSettings, recipe: Recipe) -> RolloutGrid:
 
 
 def bench_rollout(
-    recipe: Recipe, pair: ModelPair, tokenizer: PreTrainedTokenizerBase, grid: RolloutGrid, report: BenchReport
+    recipe: Recipe,
+    drafter_folder: Path | None,
+    pair: ModelPair,
+    tokenizer: PreTrainedTokenizerBase,
+    grid: RolloutGrid,
+    report: BenchReport,
+    progress: Progress,
 ) -> dict:
-    """Every (dtype, batch size) cell, each in the decode plan a run makes for it (recorded in `report`)."""
+    """Every (dtype, batch size) cell, each in the decode plan a run makes for it (recorded in `report`), each
+    announced to `progress` as it starts and ends."""
     cells = {}
     for dtype in grid.dtypes:
         for rows in grid.batch_sizes:
-            plan = run_decode_plan(recipe, dtype, rows)
-            key = f"{dtype_label(dtype, plan)} B={rows}"
-            report.decode_plans[key] = plan.to_dict()
-            cells[key] = {
-                "dtype": plan.dtype,
-                "batch_size": rows,
-                **measure_cell(recipe, pair_with_plan(pair, plan), tokenizer, grid, rows),
-            }
+            with progress.measuring(f"{dtype} B={rows}, {grid.repeats} repeat(s) of every variant"):
+                plan = run_decode_plan(recipe, drafter_folder, dtype, rows)
+                key = f"{dtype_label(dtype, plan)} B={rows}"
+                report.decode_plans[key] = plan.to_dict()
+                cells[key] = {
+                    "dtype": plan.dtype,
+                    "batch_size": rows,
+                    **measure_cell(recipe, pair_with_plan(pair, plan), tokenizer, grid, rows),
+                }
     return cells
 
 
@@ -249,8 +259,7 @@ def measure_cell(
 def _divergences(pair: ModelPair, requests: list[RolloutRequest], plain: TimedRollout, run: TimedRollout) -> list[dict]:
     """Where `run`'s responses first leave plain's (identity.py), the target's logits in the decode dtype."""
     prompts = [request.prompt_ids for request in requests]
-    dtype = str(pair.dtype or torch.float32).removeprefix("torch.")
-    return first_divergences(pair.target, prompts, plain.responses, run.responses, dtype)
+    return first_divergences(pair.target, prompts, plain.responses, run.responses, pair.decode.dtype)
 
 
 def summarize(cells: dict) -> dict:
@@ -363,10 +372,12 @@ def run_rollout_bench(
         grid.repeats,
     )
     print_load(console, report.machine["usable_cores"])
+    folder = starting_drafter_folder(recipe, console)
     with console.status("loading the target and its starting drafter as tlt train does"):
-        pair, tokenizer = model_pair(recipe)
+        pair, tokenizer = model_pair(recipe, folder)
     with worker_threads(recipe), console.status("generating whole rollouts with every variant"):
-        cells = bench_rollout(recipe, pair, tokenizer, grid, report)
+        progress = Progress(console, len(grid.dtypes) * len(grid.batch_sizes))
+        cells = bench_rollout(recipe, folder, pair, tokenizer, grid, report, progress)
     summary = summarize(cells)
     render(console, cells, summary)
     written = report.write(out, json_results(cells), summary)

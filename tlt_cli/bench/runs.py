@@ -4,6 +4,9 @@
     tlt bench runs --recipe recipes/trl-real-cpu.yaml --variants trl,tlt --steps 6 --skip 1
     tlt bench runs ... --variant-override tlt:rollout.dtype=bfloat16     # overrides of one variant only
     tlt bench runs ... --from-runs                                        # summarize the runs left, train none
+    tlt bench runs --recipe real-cpu --variants "" --fidelity --steps 3 \
+        --variant fp32:rollout.dtype=float32,actor.precision=fp32 \
+        --variant bf16-nearest:rollout.dtype=bfloat16,actor.bfloat16_rounding=nearest   # step by step: the learner?
 
 Every variant (VARIANTS: a name and the overrides it adds to the recipe) of every seed trains `--steps` steps in
 turn, never two at once, as `python -m tlt_cli train` in a fresh run folder under --output-dir. From each run's
@@ -13,6 +16,12 @@ weights `actor_precision_kl_k3`. Per variant and seed it prints their means
 over the steps after the first --skip (rewards over all steps); against the first variant listed (the
 baseline): the rollout and step ratios, the Amdahl bound 1 / ((1 - r) + r / s) (r: the baseline's rollout share
 of a step, s: the rollout ratio) and the gap between mean rewards beside the seed-to-seed standard deviation.
+
+--variant NAME:key=value,key=value adds a variant of its own after the --variants named. --fidelity asks whether
+the rollout samples the policy being trained: its own variants start with speculation and plugins off (SD_OFF,
+unless their overrides say otherwise), and it adds a table of every run's steps (response tokens, median length,
+reward, the rollout/learner K3 KL, a bfloat16 learner's K3 KL from its float32 weights, step seconds) and the
+fidelity guard's warnings each run's trace holds.
 """
 
 from __future__ import annotations
@@ -27,7 +36,17 @@ from pathlib import Path
 
 from rich.console import Console
 
-from tlt_cli.bench.common import BenchError, BenchReport, bench_recipe, print_load, render_table, speed_words
+from tlt_cli.bench.common import (
+    BenchError,
+    BenchReport,
+    Progress,
+    bench_recipe,
+    named_variants,
+    print_load,
+    render_table,
+    say,
+    speed_words,
+)
 from tlt_cli.config import MAX_SEED
 from tlt_cli.processes.run_directory import TRACE_FILE
 from tlt_cli.recipes import resolve_recipe_path
@@ -57,6 +76,15 @@ FIGURES = (
     "actor_precision_kl_k3",
 )
 
+# the step record's figures `--fidelity` shows step by step
+FIDELITY_FIGURES = (
+    "response_tokens",
+    "response_length_p50",
+    "mean_reward",
+    "actor_rollout_kl_k3",
+    "actor_precision_kl_k3",
+    "step_seconds",
+)
 # the figures that count tokens: printed as whole numbers (their means over steps are not)
 COUNT_FIGURES = ("response_tokens", "response_length_p50")
 # per_step's figures printed after the rate and its ratio, in the table's order
@@ -79,6 +107,8 @@ class RunsSettings:
     variant_overrides: tuple[str, ...] = ()
     output_dir: Path = Path("runs/bench-runs")
     from_runs: bool = False
+    own_variants: tuple[str, ...] = ()
+    fidelity: bool = False
 
 
 @dataclass(frozen=True)
@@ -94,11 +124,17 @@ def runs_plan(settings: RunsSettings, overrides: list[str]) -> RunsPlan:
     """The settings parsed and checked (a BenchError naming the option), before anything trains."""
     names = [name.strip() for name in settings.variants.split(",") if name.strip()]
     unknown = [name for name in names if name not in VARIANTS]
-    if not names or unknown:
-        raise BenchError(f"--variants names '{settings.variants}'; use some of {', '.join(VARIANTS)}.")
+    own = named_variants(settings.own_variants)
+    if not (names or own) or unknown or set(names) & set(own):
+        raise BenchError(
+            f"--variants names '{settings.variants}'; use some of {', '.join(VARIANTS)} (or --variant NAME:...), "
+            "each name once."
+        )
     if settings.steps < 1 or not 0 <= settings.skip < settings.steps:
         raise BenchError(f"--steps {settings.steps} --skip {settings.skip}: train 1 step or more, skip fewer.")
     variants = {name: [*VARIANTS[name], *overrides] for name in names}
+    start = SD_OFF if settings.fidelity else ()
+    variants |= {name: [*start, *overrides, *mine] for name, mine in own.items()}
     for text in settings.variant_overrides:
         name, _, override = text.partition(":")
         if name not in variants or "=" not in override:
@@ -202,11 +238,13 @@ def run_all(recipe_path: Path, plan: RunsPlan, settings: RunsSettings, console: 
     steps: dict[str, dict[int, list[dict]]] = {name: {} for name in plan.variants}
     if not settings.from_runs:
         check_output_folders(plan, settings.output_dir)
+    progress = Progress(console, len(plan.seeds) * len(plan.variants))
     for seed in plan.seeds:
         for name, variant in plan.variants.items():
             folder = run_name(name, seed)
             if not settings.from_runs:
-                with console.status(f"training {folder} ({settings.steps} steps)"):
+                training = f"training {folder} ({settings.steps} steps)"
+                with console.status(training), progress.measuring(training):
                     train(
                         recipe_path,
                         folder,
@@ -216,6 +254,32 @@ def run_all(recipe_path: Path, plan: RunsPlan, settings: RunsSettings, console: 
                     )
             steps[name][seed] = step_records(settings.output_dir / folder)
     return steps
+
+
+def fidelity_warnings(run_directory: Path) -> list[str]:
+    """The fidelity guard's warnings in a run's trace (records of kind 'fidelity'), in order."""
+    records = numbered_records(run_directory / TRACE_FILE, BenchError)
+    return [str(record.get("message")) for _, record in records if record.get("kind") == "fidelity"]
+
+
+def render_fidelity(console: Console, steps: dict[str, dict[int, list[dict]]], warnings: dict[str, list[str]]) -> None:
+    """Every run's steps: response tokens, median length, reward, both K3 KLs, step seconds; then the guard's
+    warnings by run."""
+    rows = [
+        [
+            run_name(name, seed),
+            str(record["step"]),
+            *(_figure(record.get(figure), figure) for figure in FIDELITY_FIGURES),
+        ]
+        for name, by_seed in steps.items()
+        for seed, records in by_seed.items()
+        for record in records
+    ]
+    columns = ["run", "step", "tokens", "median length", "reward", "rollout KL k3", "bf16 KL k3", "step s"]
+    render_table(console, "fidelity: does the rollout sample the policy being trained? (per step)", columns, rows)
+    for run, lines in warnings.items():
+        for line in lines:
+            say(console, f"{run}: {line}")
 
 
 def mean(values: list[float]) -> float | None:
@@ -417,7 +481,15 @@ def run_runs_bench(recipe_name: str, overrides: list[str], settings: RunsSetting
     steps = run_all(resolve_recipe_path(recipe_name), plan, settings, console)
     summary = summarize(steps, settings.skip)
     render(console, summary)
-    written = report.write(out, {"variants": plan.variants, "steps": steps}, summary)
+    results = {"variants": plan.variants, "steps": steps}
+    if settings.fidelity:
+        results["fidelity_warnings"] = {
+            run_name(name, seed): fidelity_warnings(settings.output_dir / run_name(name, seed))
+            for seed in plan.seeds
+            for name in plan.variants
+        }
+        render_fidelity(console, steps, results["fidelity_warnings"])
+    written = report.write(out, results, summary)
     if not settings.from_runs:
         print_load(console, report.machine["usable_cores"])
     console.print(f"wrote {out}", highlight=False, soft_wrap=True)

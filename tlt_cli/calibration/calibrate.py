@@ -23,20 +23,20 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-import torch
 from transformers import PreTrainedTokenizerBase
 
-from tlt_cli.calibration.measure import Cell, ModelPair, measure_shards
+from tlt_cli.calibration.measure import Cell, measure_shards
 from tlt_cli.calibration.rules import BatchChoice, calibrated_rules
 from tlt_cli.calibration.settings import (
     CalibrationError,
     CalibrationSettings,
     check_settings,
 )
-from tlt_cli.config import CPU_DEVICES, DrafterStart, Recipe, RolloutBackendName, SpeculativeMode
+from tlt_cli.config import DrafterStart, Recipe, RolloutBackendName
 from tlt_cli.errors import nearest_existing
 from tlt_cli.recipe_checks import load_checked_recipe
 from tlt_cli.recipes import resolve_recipe_path
+from tlt_cli.rollout.model_pair import ModelPair
 from tlt_cli.rollout.types import RolloutRequest
 from tlt_cli.speculative.costs import PassCosts
 from tlt_cli.speculative.rules import RuleTableError, parse_label
@@ -45,7 +45,7 @@ from tlt_cli.speculative.types import OFF, SpeculativeConfig
 from tlt_cli.tasks.base import Task
 from tlt_cli.tasks.prompts import encode_prompt
 from tlt_cli.training import setup
-from tlt_cli.training.actor import policy_dtype
+from tlt_cli.tuning.threads import torch_threads
 
 CALIBRATION_DIRECTORY_SUFFIX = "-calibration"
 OUTPUT_FILE = "calibration.json"
@@ -95,10 +95,8 @@ def calibrate(
     configs = parse_configs(settings.configs)
     task = setup.task(recipe)
     sampling = setup.sampling(recipe)
-    threads = torch.get_num_threads()
     # a worker's thread count from the start: the linear-form plan and the rollout precision are measured with it
-    torch.set_num_threads(recipe.workers.threads_per_worker)
-    try:
+    with torch_threads(recipe.workers.threads_per_worker):
         pair, tokenizer, drafter_source = load_model_pair(recipe)
         for config in configs.values():
             if config is not None:
@@ -107,14 +105,13 @@ def calibrate(
         cells = measure_shards(
             pair, batch_sizes, configs, requests_for, sampling, recipe.run.seed, settings.repeats, on_shard
         )
-    finally:
-        torch.set_num_threads(threads)
     _check_every_cell_ran(cells, settings.repeats)
     throughput = {
         size: {cell.label: cell.tokens_per_second for cell in cells if cell.batch_size == size} for size in batch_sizes
     }
     choices, rules = calibrated_rules(throughput, settings.margin, settings.candidates)
-    model_choices = cost_model_choices(cells, configs, pair.pass_costs) if pair.pass_costs is not None else {}
+    costs = pair.decode.pass_costs
+    model_choices = cost_model_choices(cells, configs, costs) if costs is not None else {}
     return CalibrationResult(
         recipe,
         command_line(recipe_name, overrides, settings),
@@ -127,7 +124,7 @@ def calibrate(
         recipe.workers.threads_per_worker,
         str(pair.device),
         drafter_source,
-        pair.precision,
+        pair.decode.precision,
         model_choices,
         output,
     )
@@ -217,45 +214,18 @@ def _check_topk(config: SpeculativeConfig, draft_vocab_size: int) -> None:
 
 def load_model_pair(recipe: Recipe) -> tuple[ModelPair, PreTrainedTokenizerBase, str]:
     """(the target and its initial drafter as a training run starts them, the tokenizer, where the drafter came
-    from)."""
-    cache = setup.model_cache(recipe)
-    dtype = policy_dtype(recipe.actor)
-    device = torch.device("cpu" if recipe.actor.devices == CPU_DEVICES else f"cuda:{recipe.actor.devices[0]}")
-    target, tokenizer = setup.policy_and_tokenizer(recipe)
-    target = target.to(device, dtype).eval()
+    from), decoding in the rollout's precision with the pass costs measured for a worker's rows
+    (setup.py `model_pair` and `decode_plan`)."""
     # the drafter a run would start with, whatever the recipe's speculative mode is now; an online start's fresh
     # drafter says nothing of the drafter the run trains, so the offline warm-up's stands in for it
     drafter_start = replace(recipe.drafter, init="warmup") if recipe.drafter.init == "online" else recipe.drafter
-    folder, _ = setup.prepare_drafter(
-        replace(recipe, speculative=replace(recipe.speculative, mode=SpeculativeMode.fixed), drafter=drafter_start),
-        cache,
-    )
-    drafter = setup.starting_drafter(recipe, folder, target).to(device, dtype).eval()
+    folder, _ = setup.prepare_drafter(replace(recipe, drafter=drafter_start), setup.model_cache(recipe), needed=True)
     # the forms a worker's engine computes the pair's linear layers with (EmbeddedRollout), so calibrated costs are
-    # the costs a run pays
-    # and the precision it decodes in: the SD economics (what a verify costs against a step) change with it; and the
-    # pass costs mode auto chooses with, for the table the cost model would choose
-    decode = setup.decode_plan_for(
-        target,
-        drafter,
-        recipe.rollout.dtype,
-        recipe.rollout.linear_forms,
-        cache,
-        recipe.samples_per_worker,
-        speculates=True,
-        costs=True,
-    )
-    pair = ModelPair(
-        target,
-        drafter,
-        tokenizer.pad_token_id,
-        tokenizer.eos_token_id,
-        device,
-        decode.linear_plan,
-        decode.torch_dtype,
-        decode.precision,
-        decode.pass_costs,
-    )
+    # the costs a run pays, and the precision it decodes in: the SD economics (what a verify costs against a step)
+    # change with it; and the pass costs mode auto chooses with, for the table the cost model would choose
+    request = setup.PlanRequest(rows=recipe.samples_per_worker, speculates=True, costs=True)
+    decode = setup.decode_plan(recipe, folder, request)
+    pair, tokenizer = setup.model_pair(recipe, decode, folder)
     return pair, tokenizer, str(folder)
 
 

@@ -19,33 +19,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 
-from tlt_cli.engine.linear_forms import LinearFormPlan
 from tlt_cli.engine.sampling import SamplingParams
-from tlt_cli.rollout.generate_loop import EmbeddedEngine
+from tlt_cli.rollout.model_pair import ModelPair, fixed_decoder, shard_engine
 from tlt_cli.rollout.types import RolloutRequest
-from tlt_cli.speculative.costs import PassCosts
 from tlt_cli.speculative.decoder import SpeculativeDecoder
 from tlt_cli.speculative.types import DecodeStep, SpeculativeConfig
-
-
-@dataclass(frozen=True)
-class ModelPair:
-    """The target and its drafter on one device, with the ids the engine needs and the linear-form plan a worker's
-    engine computes them with (None: plain F.linear, the recipe's rollout.linear_forms is off)."""
-
-    target: nn.Module
-    drafter: nn.Module
-    pad_token_id: int
-    eos_token_id: int
-    device: torch.device
-    linear_plan: LinearFormPlan | None = None
-    # the dtype the target is decoded in (None: its own) and how it was chosen (setup.py `decode_plan_for`)
-    dtype: torch.dtype | None = None
-    precision: dict | None = None
-    # the pass costs of this machine in that dtype (speculative.mode auto's cost model), None: not measured
-    pass_costs: PassCosts | None = None
 
 
 @dataclass(frozen=True)
@@ -105,26 +84,6 @@ def bucket_totals(steps: list[DecodeStep], grid: list[int]) -> dict[int, ShardTo
         totals[2] += step.tokens
         totals[3] += step.seconds
     return {size: ShardTotals(*totals) for size, totals in sums.items()}
-
-
-def fixed_decoder(pair: ModelPair, config: SpeculativeConfig | None) -> SpeculativeDecoder:
-    """A decoder with `config` at every step (None: plain decoding steps inside it, as the adaptive engine runs
-    them; an n-gram index only where the configuration drafts with it)."""
-    return SpeculativeDecoder(
-        pair.drafter, lambda batch_size: config, uses_ngram=config is not None and config.uses_ngram
-    )
-
-
-def shard_engine(pair: ModelPair, decoder: SpeculativeDecoder) -> EmbeddedEngine:
-    """The engine a shard is timed on: the pair's target with `decoder` and the pair's linear-form plan."""
-    return EmbeddedEngine(
-        pair.target,
-        eos_token_id=pair.eos_token_id,
-        pad_token_id=pair.pad_token_id,
-        speculative=decoder,
-        linear_plan=pair.linear_plan,
-        dtype=pair.dtype,
-    )
 
 
 def time_shard(

@@ -36,6 +36,7 @@ from tlt_cli.tasks.base import Task
 from tlt_cli.tasks.prompts import encode_prompt
 from tlt_cli.trace import TraceWriter
 from tlt_cli.training import memory, setup
+from tlt_cli.tuning.threads import torch_threads
 from tlt_cli.versions import installed_versions
 
 SIMPLIFICATION = "one process; worker shards generated one after another and re-timed to start together"
@@ -53,54 +54,43 @@ def record_rollout(
     trace_path.parent.mkdir(parents=True, exist_ok=True)
     trace_path.unlink(missing_ok=True)
     writer = TraceWriter(trace_path)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(recipe.workers.threads_per_worker)
-    try:
-        # as a worker decodes: its thread count, batch, linear forms and dtype (SD off here)
-        decode = setup.decode_plan_for(
-            policy,
-            None,
-            recipe.rollout.dtype,
-            recipe.rollout.linear_forms,
-            setup.model_cache(recipe),
-            recipe.samples_per_worker,
-            speculates=False,
-            costs=False,
-        )
-        engine = EmbeddedEngine(
-            policy,
-            eos_token_id=tokenizer.eos_token_id,
-            pad_token_id=tokenizer.pad_token_id,
-            linear_plan=decode.linear_plan,
-            dtype=decode.torch_dtype,
-        )
-        writer.write(
-            {
-                "type": "run",
-                "name": recipe.run.name,
-                "world_size": recipe.workers.count,
-                "steps": steps,
-                "resumed_from_step": None,
-                "recorded_by": "tlt profile",
-                "simplification": SIMPLIFICATION,
-                "versions": installed_versions(),
-                "rollout_precision": {"0": decode.precision},
-            }
-        )
-        step_start = time.time()
-        for step in range(steps):
-            memory.reset_peak_resident()
-            records = _record_step(recipe, task, tokenizer, engine, sampling, step, step_start)
-            # this one process generated every shard: its peak stands for a worker's rollout peak
-            records[-1]["memory_peak_gb"] = memory.peak_resident_bytes() / memory.GB
-            for record in records:
-                writer.write(record)
-            step_start = records[-1]["rollout_end"]
-            if on_step is not None:
-                on_step(step)
-    finally:
-        writer.close()
-        torch.set_num_threads(threads)
+    with torch_threads(recipe.workers.threads_per_worker):
+        try:
+            # as a worker decodes: its thread count, batch, linear forms and dtype (SD off here)
+            decode = setup.decode_plan(recipe, None, setup.PlanRequest(speculates=False, costs=False))
+            engine = EmbeddedEngine(
+                policy,
+                eos_token_id=tokenizer.eos_token_id,
+                pad_token_id=tokenizer.pad_token_id,
+                linear_plan=decode.linear_plan,
+                dtype=decode.torch_dtype,
+            )
+            writer.write(
+                {
+                    "type": "run",
+                    "name": recipe.run.name,
+                    "world_size": recipe.workers.count,
+                    "steps": steps,
+                    "resumed_from_step": None,
+                    "recorded_by": "tlt profile",
+                    "simplification": SIMPLIFICATION,
+                    "versions": installed_versions(),
+                    "rollout_precision": {"0": decode.precision},
+                }
+            )
+            step_start = time.time()
+            for step in range(steps):
+                memory.reset_peak_resident()
+                records = _record_step(recipe, task, tokenizer, engine, sampling, step, step_start)
+                # this one process generated every shard: its peak stands for a worker's rollout peak
+                records[-1]["memory_peak_gb"] = memory.peak_resident_bytes() / memory.GB
+                for record in records:
+                    writer.write(record)
+                step_start = records[-1]["rollout_end"]
+                if on_step is not None:
+                    on_step(step)
+        finally:
+            writer.close()
     records = read_trace_records(trace_path)
     records.kind = "recipe"
     return records

@@ -19,8 +19,11 @@ worker (tlt_cli/integrations/trl_run.py), the driver's drafter preparation (tlt_
   decode_plan, decode_plan_for              how the embedded rollout decodes (rollout/decode_plan.py): the
                                             rollout dtype, the linear-form plan and, in speculative.mode auto,
                                             the pass costs; the one caller of tuning/'s measurements, for the
-                                            run's plan (and for profile, calibrate and a TRL script's
-                                            rollout_func, which have no driver)
+                                            run's plan (and, asked by a PlanRequest, for profile, calibrate and
+                                            bench; decode_plan_for for a TRL script's rollout_func, which has
+                                            no recipe)
+  model_pair                                the one loader of a target and its starting drafter for every command
+                                            that measures (rollout/model_pair.py), decoding by a decode plan
   rollout_backend                           the RolloutBackend `rollout.backend` names (BACKEND_FACTORIES), built
                                             with the run's plan (BackendPlace)
 Below this module nothing reads a recipe to build a part: the engines, backends and drafters
@@ -64,6 +67,7 @@ if TYPE_CHECKING:
     from tlt_cli.engine.linear_forms import LinearFormPlan
     from tlt_cli.rollout.backend import RolloutBackend
     from tlt_cli.rollout.decode_plan import DecodePlan
+    from tlt_cli.rollout.model_pair import ModelPair
     from tlt_cli.tasks.base import Task
 
 
@@ -126,16 +130,18 @@ def speculative_plan(section: SpeculativeSection) -> SpeculativePlan:
 
 
 def prepare_drafter(
-    recipe: Recipe, cache: Path, progress: WarmupProgress | None = None
+    recipe: Recipe, cache: Path, progress: WarmupProgress | None = None, needed: bool | None = None
 ) -> tuple[Path | None, dict | None]:
     """(folder of the starting drafter or None for a random start, warm-up report if one ran now).
 
     With drafter.init online or random the drafter starts fresh (no warm-up on the way to step 0). With
     drafter.init warmup the drafter is trained once on the target's own generations and cached
     under `cache` (tlt_cli/drafter/initial.py keys it); a warm-up that runs reports its phases to
-    `progress` (tlt_cli/drafter/warmup.py).
+    `progress` (tlt_cli/drafter/warmup.py). needed: whether a drafter is wanted (None: whether the run needs one;
+    a benchmark of speculation wants one whatever the recipe's mode).
     """
-    if not drafter_needed(recipe) or recipe.drafter.init in FRESH_DRAFTER_STARTS:
+    needed = drafter_needed(recipe) if needed is None else needed
+    if not needed or recipe.drafter.init in FRESH_DRAFTER_STARTS:
         return None, None
     if recipe.drafter.init != DrafterStart.warmup:
         return Path(recipe.drafter.init), None
@@ -183,6 +189,25 @@ def starting_drafter(recipe: Recipe, folder: Path | None, policy: PreTrainedMode
     return online_drafter(policy, tokenizer, task(recipe), recipe.drafter.vocab_size, recipe.run.seed)
 
 
+def model_pair(
+    recipe: Recipe, decode: DecodePlan, drafter_folder: Path | None
+) -> tuple[ModelPair, PreTrainedTokenizerBase]:
+    """The one loader of a target and its starting drafter for every command that measures (`tlt calibrate`,
+    `tlt bench`): the recipe's model on the first actor device in the dtype of the actor's weights, the drafter
+    `starting_drafter` makes from `drafter_folder` (what prepare_drafter gave) over it, decoding by `decode`
+    (`decode_plan`); and the tokenizer."""
+    from tlt_cli.rollout.model_pair import ModelPair
+    from tlt_cli.training.actor import policy_dtype
+
+    dtype = policy_dtype(recipe.actor)
+    device = _decode_device(recipe)
+    target, tokenizer = policy_and_tokenizer(recipe)
+    target = target.to(device, dtype).eval()
+    drafter = starting_drafter(recipe, drafter_folder, target).to(device, dtype).eval()
+    pair = ModelPair(target, drafter, tokenizer.pad_token_id, tokenizer.eos_token_id, device, decode)
+    return pair, tokenizer
+
+
 def planned_run(recipe: Recipe, drafter_folder: Path | None) -> tuple[Recipe, RunPlan]:
     """The run's plan (tlt_cli/tuning/run_plan.py), made once by the driver before any worker starts, and the
     recipe with the choice it made written in (actor.precision concrete: what the workers and recipe.yaml hold);
@@ -191,13 +216,24 @@ def planned_run(recipe: Recipe, drafter_folder: Path | None) -> tuple[Recipe, Ru
     return recipe, RunPlan(update, decode_plan(recipe, drafter_folder), speculative_plan(recipe.speculative))
 
 
-def decode_plan(
-    recipe: Recipe, drafter_folder: Path | None = None, speculates: bool | None = None, rows: int | None = None
-) -> DecodePlan:
+@dataclass(frozen=True)
+class PlanRequest:
+    """What a command that measures asks of the decode plan beyond the recipe; each None: as `tlt train` plans it.
+    rows: the sequences one rollout call decodes (None: a worker's of one step); dtype: the rollout dtype (None:
+    rollout.dtype); speculates: whether the rollout's tail is weighed as verify passes, with the drafter's shapes
+    (None: whether the recipe speculates); costs: whether the pass costs are measured (None: in speculative.mode
+    auto, when the rollout speculates)."""
+
+    rows: int | None = None
+    dtype: RolloutDtype | None = None
+    speculates: bool | None = None
+    costs: bool | None = None
+
+
+def decode_plan(recipe: Recipe, drafter_folder: Path | None = None, request: PlanRequest = PlanRequest()) -> DecodePlan:
     """How the recipe's embedded rollout decodes (rollout/decode_plan.py), measured with the thread count and on
     the device a worker decodes with; `drafter_folder`: the starting drafter's (prepare_drafter), whose shapes the
-    linear forms and pass costs cover. speculates: whether the rollout's tail is weighed as verify passes (None:
-    whether the recipe speculates); rows: the sequences one rollout call decodes (None: a worker's of one step).
+    linear forms and pass costs cover; `request`: what a measuring command asks beyond the recipe (PlanRequest).
     The measurements are keyed by the model's shapes (models/loading.py `unloaded_policy`): its weights are read
     only when one is not cached yet. An SGLang rollout decodes in its servers: nothing is measured."""
     from tlt_cli.rollout.decode_plan import DecodePlan
@@ -209,47 +245,55 @@ def decode_plan(
     if recipe.rollout.backend != RolloutBackendName.embedded:  # TRL's own generation, in the trainer's dtype
         return DecodePlan()
     mode = speculation_mode(recipe.speculative)
-    costs = mode == SpeculationMode.auto and speculates is not False
+    speculates = mode != SpeculationMode.off if request.speculates is None else request.speculates
+    costs = mode == SpeculationMode.auto and speculates if request.costs is None else request.costs
+    dtype = request.dtype or recipe.rollout.dtype
     stochastic_rounding = recipe.actor.bfloat16_rounding == Bfloat16Rounding.stochastic
-    if recipe.rollout.dtype != RolloutDtype.auto and recipe.rollout.linear_forms == LinearForms.off and not costs:
+    if dtype != RolloutDtype.auto and recipe.rollout.linear_forms == LinearForms.off and not costs:
         # nothing to measure: the model is not loaded here
-        return _given_decode_plan(recipe.rollout.dtype, stochastic_rounding)
-    import torch
-
+        return _given_decode_plan(dtype, stochastic_rounding)
     from tlt_cli.models.loading import unloaded_policy
     from tlt_cli.tuning.cache import RecordMissing, only_cached
+    from tlt_cli.tuning.threads import torch_threads
 
     device = _decode_device(recipe)
-    rows = rows if rows is not None else recipe.samples_per_worker
-    speculates = mode != SpeculationMode.off if speculates is None else speculates
-    threads = torch.get_num_threads()
-    torch.set_num_threads(recipe.workers.threads_per_worker)
-    try:
+    measured = _Measured(request.rows or recipe.samples_per_worker, dtype, speculates, costs)
+    with torch_threads(recipe.workers.threads_per_worker):
         try:  # the model's shapes key the cached measurements: its weights are read only if one is missing
             with only_cached():
                 unloaded = unloaded_policy(recipe.model.path, device, trust_remote_code=recipe.model.trust_remote_code)
-                return _measured_decode_plan(recipe, unloaded, drafter_folder, rows, speculates, costs)
+                return _measured_decode_plan(recipe, unloaded, drafter_folder, measured)
         except RecordMissing:
             policy = policy_and_tokenizer(recipe)[0].to(device).eval()
-            return _measured_decode_plan(recipe, policy, drafter_folder, rows, speculates, costs)
-    finally:
-        torch.set_num_threads(threads)
+            return _measured_decode_plan(recipe, policy, drafter_folder, measured)
+
+
+@dataclass(frozen=True)
+class _Measured:
+    """A PlanRequest resolved against the recipe: what `_measured_decode_plan` measures for."""
+
+    rows: int
+    dtype: RolloutDtype
+    speculates: bool
+    costs: bool
 
 
 def _measured_decode_plan(
-    recipe: Recipe, policy: nn.Module, drafter_folder: Path | None, rows: int, speculates: bool, costs: bool
+    recipe: Recipe, policy: nn.Module, drafter_folder: Path | None, measured: _Measured
 ) -> DecodePlan:
-    """`decode_plan_for` the recipe's settings, over `policy` and the starting drafter on it."""
-    drafter = starting_drafter(recipe, drafter_folder, policy) if drafter_needed(recipe) else None
+    """`decode_plan_for` the recipe's settings, over `policy` and the starting drafter on it (when the rollout
+    speculates, or a plugin trains one)."""
+    needs_drafter = measured.speculates or drafter_needed(recipe)
+    drafter = starting_drafter(recipe, drafter_folder, policy) if needs_drafter else None
     return decode_plan_for(
         policy,
         drafter,
-        dtype=recipe.rollout.dtype,
+        dtype=measured.dtype,
         linear_forms=recipe.rollout.linear_forms,
         cache_dir=model_cache(recipe),
-        rows=rows,
-        speculates=speculates,
-        costs=costs,
+        rows=measured.rows,
+        speculates=measured.speculates,
+        costs=measured.costs,
         stochastic_rounding=recipe.actor.bfloat16_rounding == Bfloat16Rounding.stochastic,
     )
 

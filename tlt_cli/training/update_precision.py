@@ -34,6 +34,7 @@ from tlt_cli.training.policy_batch import PolicyBatch
 from tlt_cli.training.rounded_compute import RoundedLinearWeights
 from tlt_cli.tuning.cache import cached_record, machine_key, positive_figures
 from tlt_cli.tuning.run_plan import UpdatePrecision
+from tlt_cli.tuning.threads import torch_threads
 
 CACHE_FOLDER = "update_precision"
 MEASUREMENT_FORMAT = 1
@@ -77,9 +78,7 @@ def gpu_choice(devices: list[int]) -> UpdatePrecision:
 
 def measured_choice(recipe: Recipe, cache_dir: Path, load_policy: Callable[[], PreTrainedModel]) -> UpdatePrecision:
     """The cached (or now measured) seconds of both precisions on this machine and model, and the faster one."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(recipe.workers.threads_per_worker)  # as each worker runs the update
-    try:
+    with torch_threads(recipe.workers.threads_per_worker):  # as each worker runs the update
         key = measurement_key(recipe, torch.device("cpu"))
 
         def measure() -> dict:
@@ -87,8 +86,6 @@ def measured_choice(recipe: Recipe, cache_dir: Path, load_policy: Callable[[], P
 
         record, path = cached_record(cache_dir, CACHE_FOLDER, key, measure, valid_record)
         seconds = record["seconds"]
-    finally:
-        torch.set_num_threads(threads)
     where = f"cached in {path}" if path is not None else "not cached"
     return UpdatePrecision(faster_precision(seconds), f"auto: measured on this machine, {where}", seconds)
 

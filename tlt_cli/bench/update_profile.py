@@ -8,10 +8,10 @@ step (gradient norm, clipping, ZeRO's partition copies), all-reduce, the log-pro
 vocabulary and its log-softmax (tlt_cli/training/logprobs.py), matrix products, attention, dtype casts and
 copies, the other operators (norms, activations, elementwise), and Python and dispatch (self time of the
 autograd engine's nodes and of the labels, and the update's wall-clock outside every operator). Phases, as
-the roofline takes them (tlt_cli/training/update_roofline.py PHASES): the decoder's forward, its
+the roofline takes them (tlt_cli/bench/update_roofline.py PHASES): the decoder's forward, its
 recomputation (a decoder layer's forward inside the engine's backward: gradient checkpointing), its backward,
-the log-prob head (forward and backward), the optimizer step and the all-reduce. scripts/profile_update.py
-calls it after a warm-up update.
+the log-prob head (forward and backward), the optimizer step and the all-reduce. `tlt bench update
+--profile` (tlt_cli/bench/update_worker.py) calls it after a first, warm-up update.
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass
 
+from tlt_cli.bench.update_roofline import PHASES
 from tlt_cli.training.actor import Actor, UpdateMetrics
 from tlt_cli.training.policy_batch import PolicyBatch
-from tlt_cli.training.update_roofline import PHASES
 
 CATEGORIES = (
     "matrix products",

@@ -11,9 +11,9 @@ activations and softmax are not counted (a few operations a value against a prod
 `g @ W` and `g.T @ x` in backward, attention's two batched products) in each dtype asked for, in CPU seconds
 (best of a few samples), so `roofline(...)` can say per phase how long the products alone would take and what
 fraction of that rate the update reached in the seconds a profiled update spent in each phase
-(tlt_cli/training/update_profile.py; its wall-clock shares scaled to the update's CPU seconds, so both sides
+(tlt_cli/bench/update_profile.py; its wall-clock shares scaled to the update's CPU seconds, so both sides
 count CPU time: on a shared machine wall-clock says more about the load than about the code).
-scripts/profile_update.py prints the report and writes it as JSON.
+`tlt bench update` (tlt_cli/bench/update_worker.py) measures it; `--profile` gives the phases.
 """
 
 from __future__ import annotations

@@ -1,0 +1,224 @@
+"""One measurement of `tlt bench update`, in a fresh process: one worker's GRPO update on its worst-case batch, and,
+when asked, that update profiled against its roofline and a few steps of rollout and update.
+
+    python -m tlt_cli.bench.update_worker '{"recipe": "tiny-cpu", "overrides": [], "profile": false, "steps": 0}'
+
+tlt_cli/bench/update.py starts it once per variant and repeat, so each measurement has its own peak memory,
+allocator and process group, and reads the JSON line it prints last. The process is one rank holding the whole
+optimizer state, planned as the driver plans a run (setup.py `planned_run`: actor.precision resolved, the decode
+plan), with one worker's actor as the worker loop builds it. Its worst-case batch: prompts_per_step /
+workers.count prompts of the task x group_size random responses, every one max_new_tokens long, with random
+advantages, all from the recipe's seed. Measured: the first update's wall-clock and CPU seconds (CPU time of all
+the process's threads: steadier on a shared machine), its peak resident memory (VmHWM, reset before) against
+tlt's estimate (training/memory.py), and the share of torch's product rate it reached (update_roofline.py: the
+products of the update's own shapes timed in this process). With profile: a second update under torch.profiler,
+by category and by phase (update_profile.py). With steps N: N steps of the task's rollout (the recipe's embedded
+backend), reward, group advantages and update, each step's rollout and update peaks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+
+import torch
+
+from tlt_cli.bench import update_roofline
+from tlt_cli.bench.update_profile import label_update_parts, profile_update
+from tlt_cli.config import Recipe, load_recipe
+from tlt_cli.recipes import resolve_recipe_path
+from tlt_cli.rollout.types import Completion, RolloutRequest
+from tlt_cli.tasks.prompts import encode_prompt
+from tlt_cli.training import memory, setup
+from tlt_cli.training.actor import Actor
+from tlt_cli.training.grpo import group_advantages
+from tlt_cli.training.policy_batch import PolicyBatch, build_policy_batch
+from tlt_cli.tuning.run_plan import RunPlan
+from tlt_cli.tuning.threads import torch_threads
+
+# the dtypes of update_roofline's product rates, by actor precision (the log-prob head runs in float32 always); a
+# profile times both, so its roofline shows what the other precision's products would reach
+RATE_DTYPES = {"fp32": ["fp32"], "bf16": ["fp32", "bf16"]}
+PROFILE_RATE_DTYPES = ["fp32", "bf16"]
+
+
+def main() -> None:
+    """The process entry point: the request (JSON) in argv[1], the result as the last line of stdout."""
+    request = json.loads(sys.argv[1])
+    print(json.dumps(measure(request["recipe"], request["overrides"], request["profile"], request["steps"])))
+
+
+def measure(recipe_name: str, overrides: list[str], profile: bool, steps: int) -> dict:
+    """One worker's first update on its worst-case batch (module docstring); the profile and steps when asked."""
+    recipe = load_recipe(resolve_recipe_path(recipe_name), overrides)
+    join_one_rank(recipe)
+    torch.manual_seed(recipe.run.seed)
+    with torch_threads(recipe.workers.threads_per_worker):
+        drafter_folder, _ = setup.prepare_drafter(recipe, setup.model_cache(recipe))
+        recipe, plan = setup.planned_run(recipe, drafter_folder)
+        policy, tokenizer = setup.policy_and_tokenizer(recipe)
+        actor = Actor(policy, recipe.actor, recipe.samples_per_worker, setup.reference_policy(recipe))
+        batch = worst_case_batch(recipe, tokenizer, policy.config.vocab_size)
+        result = {"precision": str(plan.update.precision), **timed_update(recipe, actor, batch)}
+        result["roofline"] = roofline_report(recipe, batch, plan, result["update_cpu_seconds"])
+        if profile:
+            result["profile"] = profiled_update(recipe, actor, batch, plan)
+        if steps:
+            result["steps"] = list(rollout_and_update_steps(recipe, plan, actor, tokenizer, drafter_folder, steps))
+    return result
+
+
+def join_one_rank(recipe: Recipe) -> None:
+    """This process as the one rank of a CPU process group, DeepSpeed's compiled ops where a worker keeps them."""
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", DS_ACCELERATOR="cpu")
+    os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+    os.environ["TORCH_EXTENSIONS_DIR"] = str(setup.model_cache(recipe) / "torch_extensions")
+    from tlt_cli.processes.distributed import import_deepspeed
+
+    import_deepspeed().init_distributed(dist_backend="gloo")
+
+
+def worst_case_batch(recipe: Recipe, tokenizer, vocab_size: int) -> PolicyBatch:
+    """One worker's prompts of the task x group_size random responses, each max_new_tokens long, random advantages."""
+    task, group_size, length = setup.task(recipe), recipe.train.group_size, recipe.rollout.max_new_tokens
+    generator = torch.Generator().manual_seed(recipe.run.seed)
+    completions = []
+    for index in range(recipe.samples_per_worker):
+        prompt_ids = tuple(encode_prompt(tokenizer, task.problem(index // group_size).prompt))
+        response = torch.randint(0, vocab_size, (length,), generator=generator).tolist()
+        completions.append(Completion(index, prompt_ids, response, finished_by_eos=False, start=0.0, end=0.0))
+    advantages = torch.randn(len(completions), generator=generator)
+    return build_policy_batch(completions, advantages, tokenizer.pad_token_id)
+
+
+def timed_update(recipe: Recipe, actor: Actor, batch: PolicyBatch) -> dict:
+    """The first `actor.update(batch)`: seconds, CPU seconds, resident memory before and at its peak, the estimate."""
+    before = memory.resident_bytes()
+    memory.reset_peak_resident()
+    started, started_cpu = time.perf_counter(), time.process_time()
+    metrics = actor.update(batch)
+    seconds, cpu_seconds = time.perf_counter() - started, time.process_time() - started_cpu
+    peak = memory.peak_resident_bytes()
+    # the estimate for what this process is: one rank holding the whole optimizer state, with one worker's prompts
+    one_rank = replace(
+        recipe,
+        workers=replace(recipe.workers, count=1),
+        train=replace(recipe.train, prompts_per_step=recipe.prompts_per_worker),
+    )
+    estimate = memory.worker_peak_estimate(one_rank, memory.model_shape(recipe), memory.longest_prompt_tokens(recipe))
+    return {
+        "sequences": batch.size,
+        "sequence_tokens": int(batch.input_ids.shape[1]),
+        "response_tokens": int(batch.response_mask.sum()),
+        "threads": recipe.workers.threads_per_worker,
+        "update_seconds": seconds,
+        "update_cpu_seconds": cpu_seconds,
+        "resident_before_gb": before / memory.GB,
+        "update_peak_gb": peak / memory.GB,
+        "update_growth_gb": (peak - before) / memory.GB,
+        "estimate_gb": estimate.total_bytes / memory.GB,
+        "loss": metrics.loss,
+        "grad_norm": metrics.grad_norm,
+    }
+
+
+def roofline_report(recipe: Recipe, batch: PolicyBatch, plan: RunPlan, cpu_seconds: float) -> dict:
+    """The update's products at its own shapes timed in this process, against the update's CPU seconds (both sides
+    CPU time); without a profile every second counts as the whole update's, not a phase's."""
+    parts, operations = counted_operations(recipe, batch)
+    precision = str(plan.update.precision)
+    rates = update_roofline.measure_product_rates(operations.distinct_products(), RATE_DTYPES[precision])
+    report = update_roofline.roofline(operations, rates, {}, cpu_seconds, precision)
+    return {**report.as_dict(), "micro_batches": [asdict(part) for part in parts]}
+
+
+def counted_operations(
+    recipe: Recipe, batch: PolicyBatch
+) -> tuple[list[update_roofline.MicroBatchShape], update_roofline.UpdateOperations]:
+    """The actor's micro-batches of `batch` and the operations of one update over them (update_roofline.py)."""
+    parts = update_roofline.micro_batch_shapes(batch, recipe.actor.micro_batch_size)
+    operations = update_roofline.update_operations(
+        memory.model_shape(recipe),
+        parts,
+        recipe.actor.gradient_checkpointing,
+        ppo_epochs=recipe.actor.ppo_epochs,
+        reductions_per_epoch=update_roofline.gradient_reductions(recipe.actor.zero_stage, len(parts)),
+    )
+    return parts, operations
+
+
+def profiled_update(recipe: Recipe, actor: Actor, batch: PolicyBatch, plan: RunPlan) -> dict:
+    """A second update (the first warmed up AdamW's state and the allocator) under torch.profiler, and its
+    roofline by phase, both sides in CPU seconds."""
+    label_update_parts(actor)
+    profile = profile_update(actor, batch)
+    _, operations = counted_operations(recipe, batch)
+    precision = str(plan.update.precision)
+    rates = update_roofline.measure_product_rates(operations.distinct_products(), PROFILE_RATE_DTYPES)
+    report = update_roofline.roofline(operations, rates, profile.phases_cpu_seconds(), profile.cpu_seconds, precision)
+    return {
+        "update_seconds_profiled": profile.seconds,
+        "update_cpu_seconds_profiled": profile.cpu_seconds,
+        "loss": profile.metrics.loss,
+        "categories_seconds": profile.categories_seconds,
+        "phases_seconds": profile.phases_seconds,
+        "outside_operators_seconds": profile.outside_operators_seconds,
+        "costliest_operators_seconds": profile.costliest_operators_seconds,
+        "roofline": report.as_dict(),
+    }
+
+
+def rollout_and_update_steps(
+    recipe: Recipe, plan: RunPlan, actor: Actor, tokenizer, drafter_folder: Path | None, steps: int
+):
+    """Each step's rollout and update peaks of this one rank (module docstring), as it finishes."""
+    task, sampling, group_size = setup.task(recipe), setup.sampling(recipe), recipe.train.group_size
+    drafter = None
+    if setup.drafter_needed(recipe):
+        drafter = setup.starting_drafter(recipe, drafter_folder, actor.policy)
+    place = setup.BackendPlace(0, 0, Path(tempfile.mkdtemp(prefix="tlt-bench-update-")), plan)
+    backend = setup.rollout_backend(recipe, actor.policy, tokenizer, drafter, place)
+    backend.start()
+    for step in range(steps):
+        first = step * recipe.train.prompts_per_step
+        problems = [task.problem(first + index) for index in range(recipe.prompts_per_worker)]
+        requests = [
+            RolloutRequest(number * group_size + sample, tuple(encode_prompt(tokenizer, problem.prompt)), number)
+            for number, problem in enumerate(problems)
+            for sample in range(group_size)
+        ]
+        memory.reset_peak_resident()
+        completions, _ = backend.generate(requests, sampling, recipe.run.seed + step, None)
+        rollout_peak = memory.peak_resident_bytes()
+        memory.reset_peak_resident()
+        rewards = torch.tensor(
+            [
+                task.reward(
+                    problems[completion.request_id // group_size],
+                    tokenizer.decode(completion.response_ids, skip_special_tokens=True),
+                )
+                for completion in completions
+            ]
+        )
+        started = time.perf_counter()
+        actor.update(build_policy_batch(completions, group_advantages(rewards, group_size), tokenizer.pad_token_id))
+        update_seconds = time.perf_counter() - started
+        backend.after_update(f"step-{step + 1}", None, ())
+        yield {
+            "step": step,
+            "response_tokens": sum(len(completion.response_ids) for completion in completions),
+            "longest_response": max(len(completion.response_ids) for completion in completions),
+            "update_seconds": update_seconds,
+            "rollout_peak_gb": rollout_peak / memory.GB,
+            "update_peak_gb": memory.peak_resident_bytes() / memory.GB,
+            "resident_after_gb": memory.resident_bytes() / memory.GB,
+        }
+
+
+if __name__ == "__main__":
+    main()
