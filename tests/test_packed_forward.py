@@ -191,7 +191,9 @@ def test_a_packed_update_moves_the_weights_as_the_padded_one(single_process_grou
             tiny_qwen2(vocab_size=VOCAB), config, sequences_per_update=12, reference=tiny_qwen2(VOCAB, seed=1)
         )
         seen = []
-        metrics = actor.update(grouped_batch(), on_hidden_states=lambda part, hidden: seen.append((part, hidden)))
+        metrics = actor.update(
+            grouped_batch(), on_hidden_states=lambda part, hidden, seen=seen: seen.append((part, hidden))
+        )
         results[name] = (metrics, seen, actor.policy.state_dict())
     (padded, _, _), (packed, packed_seen, packed_weights) = results.values()
     assert packed.loss == pytest.approx(padded.loss, rel=1e-5)

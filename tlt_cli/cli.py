@@ -567,12 +567,19 @@ def bench_update(
         bool, typer.Option("--profile", help="Also profile an update: by operator category, its roofline by phase.")
     ] = False,
     steps: Annotated[int, typer.Option(help="Rollout-and-update steps after the update, with their peaks.")] = 0,
+    response_tokens: Annotated[
+        int,
+        typer.Option(
+            help="Mean response length of the measured batch, lengths drawn long-tailed (0: every response "
+            "rollout.max_new_tokens long, the worst case)."
+        ),
+    ] = 0,
     out: Annotated[Path, _bench_out("update")] = Path("bench-update.json"),
 ) -> None:
     """One worker's GRPO update per variant, each in a fresh process: seconds, product-rate share, peak memory."""
     from tlt_cli.bench.update import MeasurementFailed, UpdateSettings, run_update_bench
 
-    settings = UpdateSettings(tuple(variant or ()), repeats, profile, steps)
+    settings = UpdateSettings(tuple(variant or ()), repeats, profile, steps, response_tokens)
     try:
         run_update_bench(recipe, list(overrides or []), settings, out, console)
     except UserError as error:

@@ -10,10 +10,10 @@ A variant is a name and the overrides it adds to the recipe (NAME:key=value,key=
 overrides; no --variant: the recipe as it is, named 'recipe'), so a lever is measured on and off in one run
 whatever keys it has. Every repeat runs each variant once, the order alternating (A B, B A, ...) so a machine's
 load drifts over all alike, each as its own process (update_worker.py: one rank, one worker's actor and its
-worst-case batch, every response max_new_tokens long). Per variant, the best of its repeats: the update's seconds
-beside its response tokens, seconds per 1,000 response tokens, the share of torch's product rate it reached (the
-roofline, update_roofline.py: the update's matrix products at its own shapes timed in its dtype, against its CPU
-seconds), the worker's peak memory in the update (the highest of the repeats) against tlt's estimate, and each
+batch: every response max_new_tokens long, the worst case, or --response-tokens long on average, long-tailed).
+Per variant, the best of its repeats: the update's seconds beside its response tokens, seconds per 1,000 response
+tokens, the share of torch's product rate it reached (the roofline, update_roofline.py: the update's matrix
+products at its own shapes timed in its dtype, against its CPU seconds), the worker's peak memory in the update (the highest of the repeats) against tlt's estimate, and each
 later variant's speed against the first. The CPU (its model name and bfloat16/AMX flags) and the load average
 are named; the JSON holds every repeat.
 """
@@ -61,6 +61,8 @@ class UpdateSettings:
     repeats: int = 2
     profile: bool = False
     steps: int = 0
+    # mean response length of the measured batch (update_worker.py `measured_batch`); 0: the worst case
+    response_tokens: int = 0
 
 
 def parse_variants(texts: tuple[str, ...], overrides: list[str]) -> dict[str, list[str]]:
@@ -75,6 +77,10 @@ def check_settings(settings: UpdateSettings) -> None:
         raise BenchError(f"--repeats is {settings.repeats}; give 1 or more.")
     if not 0 <= settings.steps <= MAX_STEPS:
         raise BenchError(f"--steps is {settings.steps}; give 0..{MAX_STEPS} rollout-and-update steps.")
+    if settings.response_tokens < 0:
+        raise BenchError(
+            f"--response-tokens is {settings.response_tokens}; give a mean length, or 0 for the worst case."
+        )
 
 
 def schedule(variants: list[str], repeats: int) -> list[tuple[int, str]]:
@@ -84,7 +90,13 @@ def schedule(variants: list[str], repeats: int) -> list[tuple[int, str]]:
 
 def measure_in_fresh_process(recipe_name: str, overrides: list[str], settings: UpdateSettings) -> dict:
     """One measurement (update_worker.py) in its own process; its JSON result."""
-    request = {"recipe": recipe_name, "overrides": overrides, "profile": settings.profile, "steps": settings.steps}
+    request = {
+        "recipe": recipe_name,
+        "overrides": overrides,
+        "profile": settings.profile,
+        "steps": settings.steps,
+        "response_tokens": settings.response_tokens,
+    }
     command = [sys.executable, "-m", "tlt_cli.bench.update_worker", json.dumps(request)]
     finished = subprocess.run(command, capture_output=True, text=True, check=False)
     if finished.returncode != 0:
@@ -137,7 +149,7 @@ def step_peak(runs: list[dict]) -> float | None:
     return max(peaks) if peaks else None
 
 
-def render(console: Console, runs: list[dict], summary: dict) -> None:
+def render(console: Console, runs: list[dict], summary: dict, settings: UpdateSettings) -> None:
     """The table of variants, the speed lines; the steps' and the profiles' tables when they ran."""
     rows = [
         [
@@ -166,7 +178,10 @@ def render(console: Console, runs: list[dict], summary: dict) -> None:
         "step peak GB",
         "loss",
     ]
-    render_table(console, "one worker's GRPO update, worst-case batch (GB = 1e9 bytes)", columns, rows)
+    batch = (
+        f"responses {settings.response_tokens} tokens on average" if settings.response_tokens else "worst-case batch"
+    )
+    render_table(console, f"one worker's GRPO update, {batch} (GB = 1e9 bytes)", columns, rows)
     for name, ratio in summary["speed_against_first"].items():
         say(console, f"{name} vs {summary['first']}: update {speed_words(ratio)}")
     if any(run.get("steps") for run in runs):
@@ -246,7 +261,7 @@ def run_update_bench(
     print_load(console, report.machine["usable_cores"])
     runs = measure_all(recipe_name, variants, settings, console)
     summary = summarize(runs, list(variants))
-    render(console, runs, summary)
+    render(console, runs, summary, settings)
     written = report.write(out, {"variants": variants, "runs": runs}, summary)
     print_load(console, report.machine["usable_cores"])
     say(console, f"wrote {out}")

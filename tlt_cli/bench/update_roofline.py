@@ -27,7 +27,7 @@ import torch
 
 from tlt_cli.engine.logprobs import CHUNK_TOKENS
 from tlt_cli.training.memory import ModelShape
-from tlt_cli.training.policy_batch import PolicyBatch, micro_batches
+from tlt_cli.training.policy_batch import PolicyBatch
 
 PHASES = ("forward", "recomputation", "backward", "log-prob head", "optimizer", "all-reduce")
 # phases whose work is matrix products (the others are elementwise: the roofline's rate does not bound them)
@@ -83,11 +83,16 @@ class UpdateOperations:
         return sorted({product for counted in self.products.values() for product in counted}, key=repr)
 
 
-def micro_batch_shapes(batch: PolicyBatch, micro_batch_size: int) -> list[MicroBatchShape]:
-    """The actor's micro-batches of `batch` (policy_batch.micro_batches), as the update computes them."""
+def micro_batch_shapes(parts: list[PolicyBatch], packed_lengths: list[int] | None) -> list[MicroBatchShape]:
+    """The actor's micro-batches (`Actor.micro_batches`) as the update computes them: right-padded rows, or each one
+    packed sequence of packed_lengths tokens (`Actor.packed_lengths`)."""
+    if packed_lengths is None:
+        return [
+            MicroBatchShape(part.size, int(part.input_ids.shape[1]), int(part.response_mask[:, 1:].sum()))
+            for part in parts
+        ]
     return [
-        MicroBatchShape(part.size, int(part.input_ids.shape[1]), int(part.response_mask[:, 1:].sum()))
-        for part in micro_batches(batch, micro_batch_size)
+        MicroBatchShape(1, length, int(part.response_mask[:, 1:].sum())) for part, length in zip(parts, packed_lengths)
     ]
 
 

@@ -1,14 +1,16 @@
-"""One measurement of `tlt bench update`, in a fresh process: one worker's GRPO update on its worst-case batch, and,
+"""One measurement of `tlt bench update`, in a fresh process: one worker's GRPO update on its measured batch, and,
 when asked, that update profiled against its roofline and a few steps of rollout and update.
 
-    python -m tlt_cli.bench.update_worker '{"recipe": "tiny-cpu", "overrides": [], "profile": false, "steps": 0}'
+    python -m tlt_cli.bench.update_worker \
+        '{"recipe": "tiny-cpu", "overrides": [], "profile": false, "steps": 0, "response_tokens": 0}'
 
 tlt_cli/bench/update.py starts it once per variant and repeat, so each measurement has its own peak memory,
 allocator and process group, and reads the JSON line it prints last. The process is one rank holding the whole
 optimizer state, planned as the driver plans a run (setup.py `planned_run`: actor.precision resolved, the decode
-plan), with one worker's actor as the worker loop builds it. Its worst-case batch: prompts_per_step /
-workers.count prompts of the task x group_size random responses, every one max_new_tokens long, with random
-advantages, all from the recipe's seed. Measured: the first update's wall-clock and CPU seconds (CPU time of all
+plan), with one worker's actor as the worker loop builds it. Its measured batch: prompts_per_step /
+workers.count prompts of the task x group_size random responses, every one max_new_tokens long (the worst case)
+or drawn long-tailed around a mean length, with random advantages, all from the recipe's seed, batched by the
+actor (packed by groups when it packs). Measured: the first update's wall-clock and CPU seconds (CPU time of all
 the process's threads: steadier on a shared machine), its peak resident memory (VmHWM, reset before) against
 tlt's estimate (training/memory.py), and the share of torch's product rate it reached (update_roofline.py: the
 products of the update's own shapes timed in this process). With profile: a second update under torch.profiler,
@@ -37,7 +39,7 @@ from tlt_cli.tasks.prompts import encode_prompt
 from tlt_cli.training import memory, setup
 from tlt_cli.training.actor import Actor
 from tlt_cli.training.grpo import group_advantages
-from tlt_cli.training.policy_batch import PolicyBatch, build_policy_batch
+from tlt_cli.training.policy_batch import PolicyBatch
 from tlt_cli.tuning.run_plan import RunPlan
 from tlt_cli.tuning.threads import torch_threads
 
@@ -50,11 +52,12 @@ PROFILE_RATE_DTYPES = ["fp32", "bf16"]
 def main() -> None:
     """The process entry point: the request (JSON) in argv[1], the result as the last line of stdout."""
     request = json.loads(sys.argv[1])
-    print(json.dumps(measure(request["recipe"], request["overrides"], request["profile"], request["steps"])))
+    arguments = (request["recipe"], request["overrides"], request["profile"], request["steps"])
+    print(json.dumps(measure(*arguments, request["response_tokens"])))
 
 
-def measure(recipe_name: str, overrides: list[str], profile: bool, steps: int) -> dict:
-    """One worker's first update on its worst-case batch (module docstring); the profile and steps when asked."""
+def measure(recipe_name: str, overrides: list[str], profile: bool, steps: int, response_tokens: int) -> dict:
+    """One worker's first update on its measured batch (module docstring); the profile and steps when asked."""
     recipe = load_recipe(resolve_recipe_path(recipe_name), overrides)
     join_one_rank(recipe)
     torch.manual_seed(recipe.run.seed)
@@ -63,9 +66,9 @@ def measure(recipe_name: str, overrides: list[str], profile: bool, steps: int) -
         recipe, plan = setup.planned_run(recipe, drafter_folder)
         policy, tokenizer = setup.policy_and_tokenizer(recipe)
         actor = Actor(policy, recipe.actor, recipe.samples_per_worker, setup.reference_policy(recipe))
-        batch = worst_case_batch(recipe, tokenizer, policy.config.vocab_size)
+        batch = measured_batch(recipe, actor, tokenizer, response_tokens)
         result = {"precision": str(plan.update.precision), **timed_update(recipe, actor, batch)}
-        result["roofline"] = roofline_report(recipe, batch, plan, result["update_cpu_seconds"])
+        result["roofline"] = roofline_report(recipe, actor, batch, plan, result["update_cpu_seconds"])
         if profile:
             result["profile"] = profiled_update(recipe, actor, batch, plan)
         if steps:
@@ -83,17 +86,24 @@ def join_one_rank(recipe: Recipe) -> None:
     import_deepspeed().init_distributed(dist_backend="gloo")
 
 
-def worst_case_batch(recipe: Recipe, tokenizer, vocab_size: int) -> PolicyBatch:
-    """One worker's prompts of the task x group_size random responses, each max_new_tokens long, random advantages."""
-    task, group_size, length = setup.task(recipe), recipe.train.group_size, recipe.rollout.max_new_tokens
+def measured_batch(recipe: Recipe, actor: Actor, tokenizer, response_tokens: int) -> PolicyBatch:
+    """One worker's prompts of the task x group_size random responses with random advantages, as the actor batches
+    them: each response max_new_tokens long (response_tokens 0, the worst case), or lengths drawn from an
+    exponential of mean response_tokens (a rollout's long tail), clipped to 1..max_new_tokens."""
+    task, group_size, longest = setup.task(recipe), recipe.train.group_size, recipe.rollout.max_new_tokens
+    vocab_size = actor.policy.config.vocab_size
     generator = torch.Generator().manual_seed(recipe.run.seed)
     completions = []
     for index in range(recipe.samples_per_worker):
         prompt_ids = tuple(encode_prompt(tokenizer, task.problem(index // group_size).prompt))
+        length = longest
+        if response_tokens:
+            drawn = -response_tokens * torch.log1p(-torch.rand((), generator=generator))
+            length = int(drawn.clamp(1, longest))
         response = torch.randint(0, vocab_size, (length,), generator=generator).tolist()
         completions.append(Completion(index, prompt_ids, response, finished_by_eos=False, start=0.0, end=0.0))
     advantages = torch.randn(len(completions), generator=generator)
-    return build_policy_batch(completions, advantages, tokenizer.pad_token_id)
+    return actor.policy_batch(completions, advantages, tokenizer.pad_token_id, group_size)
 
 
 def timed_update(recipe: Recipe, actor: Actor, batch: PolicyBatch) -> dict:
@@ -127,10 +137,10 @@ def timed_update(recipe: Recipe, actor: Actor, batch: PolicyBatch) -> dict:
     }
 
 
-def roofline_report(recipe: Recipe, batch: PolicyBatch, plan: RunPlan, cpu_seconds: float) -> dict:
+def roofline_report(recipe: Recipe, actor: Actor, batch: PolicyBatch, plan: RunPlan, cpu_seconds: float) -> dict:
     """The update's products at its own shapes timed in this process, against the update's CPU seconds (both sides
     CPU time); without a profile every second counts as the whole update's, not a phase's."""
-    parts, operations = counted_operations(recipe, batch)
+    parts, operations = counted_operations(recipe, actor, batch)
     precision = str(plan.update.precision)
     rates = update_roofline.measure_product_rates(operations.distinct_products(), RATE_DTYPES[precision])
     report = update_roofline.roofline(operations, rates, {}, cpu_seconds, precision)
@@ -138,10 +148,11 @@ def roofline_report(recipe: Recipe, batch: PolicyBatch, plan: RunPlan, cpu_secon
 
 
 def counted_operations(
-    recipe: Recipe, batch: PolicyBatch
+    recipe: Recipe, actor: Actor, batch: PolicyBatch
 ) -> tuple[list[update_roofline.MicroBatchShape], update_roofline.UpdateOperations]:
     """The actor's micro-batches of `batch` and the operations of one update over them (update_roofline.py)."""
-    parts = update_roofline.micro_batch_shapes(batch, recipe.actor.micro_batch_size)
+    micro_batches = actor.micro_batches(batch)
+    parts = update_roofline.micro_batch_shapes(micro_batches, actor.packed_lengths(micro_batches))
     operations = update_roofline.update_operations(
         memory.model_shape(recipe),
         parts,
@@ -157,7 +168,7 @@ def profiled_update(recipe: Recipe, actor: Actor, batch: PolicyBatch, plan: RunP
     roofline by phase, both sides in CPU seconds."""
     label_update_parts(actor)
     profile = profile_update(actor, batch)
-    _, operations = counted_operations(recipe, batch)
+    _, operations = counted_operations(recipe, actor, batch)
     precision = str(plan.update.precision)
     rates = update_roofline.measure_product_rates(operations.distinct_products(), PROFILE_RATE_DTYPES)
     report = update_roofline.roofline(operations, rates, profile.phases_cpu_seconds(), profile.cpu_seconds, precision)
@@ -206,7 +217,8 @@ def rollout_and_update_steps(
             ]
         )
         started = time.perf_counter()
-        actor.update(build_policy_batch(completions, group_advantages(rewards, group_size), tokenizer.pad_token_id))
+        advantages = group_advantages(rewards, group_size)
+        actor.update(actor.policy_batch(completions, advantages, tokenizer.pad_token_id, group_size))
         update_seconds = time.perf_counter() - started
         backend.after_update(f"step-{step + 1}", None, ())
         yield {

@@ -33,10 +33,11 @@ from tlt_cli.checkpoint import CheckpointError, load_checkpoint_file, unloadable
 from tlt_cli.config import CPU_DEVICES, ActorConfig, Bfloat16Rounding, Precision
 from tlt_cli.errors import TrainingDiverged
 from tlt_cli.processes.distributed import import_deepspeed
+from tlt_cli.rollout.types import Completion
 from tlt_cli.training.grpo import PolicyLoss, policy_loss
 from tlt_cli.training.logprobs import token_logprobs
-from tlt_cli.training.packed_forward import micro_batch_count, packed_hidden, packed_micro_batches
-from tlt_cli.training.policy_batch import PolicyBatch, micro_batches
+from tlt_cli.training.packed_forward import micro_batch_count, packed_hidden, packed_length, packed_micro_batches
+from tlt_cli.training.policy_batch import PolicyBatch, build_policy_batch, micro_batches
 from tlt_cli.training.rollout_correction import MismatchTotals, importance_weights, k3_total
 from tlt_cli.training.rounded_compute import RoundedLinearWeights
 
@@ -140,6 +141,20 @@ class Actor:
         old = torch.cat(old_parts) if old_parts else None
         reference = torch.cat(reference_parts) if reference_parts else None
         return batch.with_logprobs(old, reference)
+
+    def policy_batch(
+        self, completions: list[Completion], advantages: torch.Tensor, pad_token_id: int, group_size: int
+    ) -> PolicyBatch:
+        """The completions as this actor's batch: by groups when it packs micro-batches (they take whole groups),
+        else rows by length (policy_batch.py `build_policy_batch`)."""
+        by_group = group_size if self.config.micro_batch_tokens else None
+        return build_policy_batch(completions, advantages, pad_token_id, by_group)
+
+    def packed_lengths(self, parts: list[PolicyBatch]) -> list[int] | None:
+        """The tokens each micro-batch runs the decoder over when the actor packs them; None when it pads rows."""
+        if not self.config.micro_batch_tokens:
+            return None
+        return [packed_length(part, self.config.share_prompt) for part in parts]
 
     def micro_batches(self, batch: PolicyBatch) -> list[PolicyBatch]:
         """The batch's micro-batches: packed whole groups up to actor.micro_batch_tokens (every rank the same count,

@@ -41,7 +41,6 @@ from tlt_cli.trace import request_record
 from tlt_cli.training import memory, setup
 from tlt_cli.training.actor import Actor
 from tlt_cli.training.grpo import group_advantages
-from tlt_cli.training.policy_batch import build_policy_batch
 
 # prompts of the step (one per group) a rollout backend that pushes weights probes acceptance on
 PROBE_PROMPTS = 2
@@ -274,9 +273,9 @@ class WorkerLoop:
     def update(self, completions: list[Completion], rewards: torch.Tensor, on_hidden_states=None) -> dict[str, float]:
         """GRPO update on this rank's completions (sorted by request id, so groups are consecutive)."""
         advantages = group_advantages(rewards, self.recipe.train.group_size)
-        # packed micro-batches take whole groups: the batch keeps them together
-        group_size = self.recipe.train.group_size if self.recipe.actor.micro_batch_tokens else None
-        batch = build_policy_batch(completions, advantages, self.tokenizer.pad_token_id, group_size)
+        batch = self.actor.policy_batch(
+            completions, advantages, self.tokenizer.pad_token_id, self.recipe.train.group_size
+        )
         return self.actor.update(batch, on_hidden_states).as_dict()
 
     def request_record(self, step: int, completion: Completion, reward: float) -> dict[str, Any]:
