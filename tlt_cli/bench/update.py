@@ -6,16 +6,16 @@
     tlt bench update --recipe tiny-cpu --profile        # the update by operator category and its roofline by phase
     tlt bench update --recipe tiny-cpu --steps 30 speculative.mode=off   # a worker's peaks, step after step
 
-A variant is a name and the overrides it adds to the recipe (NAME:key=value,key=value, after the shared
-overrides; no --variant: the recipe as it is, named 'recipe'), so a lever is measured on and off in one run
-whatever keys it has. Every repeat runs each variant once, the order alternating (A B, B A, ...) so a machine's
-load drifts over all alike, each as its own process (update_worker.py: one rank, one worker's actor and its
-batch: every response max_new_tokens long, the worst case, or --response-tokens long on average, long-tailed).
-Per variant, the best of its repeats: the update's seconds beside its response tokens, seconds per 1,000 response
-tokens, the share of torch's product rate it reached (the roofline, update_roofline.py: the update's matrix
-products at its own shapes timed in its dtype, against its CPU seconds), the worker's peak memory in the update (the highest of the repeats) against tlt's estimate, and each
-later variant's speed against the first. The CPU (its model name and bfloat16/AMX flags) and the load average
-are named; the JSON holds every repeat.
+A variant is a name and the overrides it adds to the recipe (NAME:key=value,key=value, after the shared overrides; no
+--variant: the recipe as it is, named 'recipe'), so a lever is measured on and off in one run whatever keys it has.
+Every repeat runs each variant once, the order alternating (A B, B A, ...) so a machine's load drifts over all alike,
+each as its own process (update_worker.py: one rank, one worker's actor and its batch: every response max_new_tokens
+long, the worst case, or --response-tokens long on average, long-tailed). Per variant, the best of its repeats: the
+update's seconds beside its response tokens, seconds per 1,000 response tokens, the share of torch's product rate it
+reached (the roofline, update_roofline.py: the update's matrix products at its own shapes timed in its dtype, against
+its CPU seconds), the worker's peak memory in the update (the highest of the repeats) against tlt's estimate, and each
+later variant's speed against the first. The CPU (its model name and bfloat16/AMX flags) and the load average are
+named; the JSON holds every repeat.
 """
 
 from __future__ import annotations
