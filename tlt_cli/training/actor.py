@@ -36,7 +36,13 @@ from tlt_cli.processes.distributed import import_deepspeed
 from tlt_cli.rollout.types import Completion
 from tlt_cli.training.grpo import PolicyLoss, policy_loss
 from tlt_cli.training.logprobs import token_logprobs
-from tlt_cli.training.packed_forward import micro_batch_count, packed_hidden, packed_length, packed_micro_batches
+from tlt_cli.training.packed_forward import (
+    micro_batch_count,
+    packed_attention,
+    packed_hidden,
+    packed_length,
+    packed_micro_batches,
+)
 from tlt_cli.training.policy_batch import PolicyBatch, build_policy_batch, micro_batches
 from tlt_cli.training.rollout_correction import MismatchTotals, importance_weights, k3_total
 from tlt_cli.training.rounded_compute import RoundedLinearWeights
@@ -185,6 +191,10 @@ class Actor:
         """Where the policy's linear layers use their rounded bfloat16 copies (nothing without them)."""
         return self.rounded.active() if self.rounded is not None else contextlib.nullcontext()
 
+    def _packed_attention(self) -> contextlib.AbstractContextManager:
+        """Where packed micro-batches attend by segments (packed_forward.py); nothing when the actor pads rows."""
+        return packed_attention(self.policy) if self.config.micro_batch_tokens else contextlib.nullcontext()
+
     def _forget_copies(self) -> None:
         """The weights may have moved (or the update ended): drop the rounded copies."""
         if self.rounded is not None:
@@ -225,7 +235,8 @@ class Actor:
                 if not math.isfinite(loss):  # checked before the step, so the weights never take it
                     raise TrainingDiverged(f"the policy loss is {loss}")
                 # the loss is already normalised over the whole batch: no extra 1/accumulation scaling
-                with self._rounded_copies():  # recomputation in backward runs the forward again
+                # recomputation in backward runs the forward again: with the same copies and attention
+                with self._rounded_copies(), self._packed_attention():
                     self.engine.backward(result.loss, scale_wrt_gas=False)
                 self.engine.step()
                 totals["loss"] += loss

@@ -20,12 +20,14 @@ positions hold some packed state the response mask never reads.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from tlt_cli.training.policy_batch import PolicyBatch
+from tlt_cli.training.segmented_attention import ATTENTION_NAME, PackedGroup, segmented_attention, segmented_mask
 
 # the segment id of a group's prompt in the packed layout (responses count 0, 1, ...)
 PROMPT_SEGMENT = -1
@@ -57,10 +59,11 @@ def packed_length(batch: PolicyBatch, share_prompt: bool) -> int:
 def packed_layout(batch: PolicyBatch, share_prompt: bool) -> PackedLayout:
     """Pack the batch's rows (see the module docstring); groups share their prompt when share_prompt."""
     device = batch.input_ids.device
-    tokens, positions, groups, segments = [], [], [], []
+    tokens, positions, groups, segments, packed_groups = [], [], [], [], []
     gather_index = torch.zeros_like(batch.input_ids)
     offset = 0
     for group, rows, prompt_length in _groups(batch, share_prompt):
+        prompt, responses = (offset, offset + prompt_length), []
         if prompt_length:
             tokens.append(batch.input_ids[rows[0], :prompt_length])
             positions.append(torch.arange(prompt_length, device=device))
@@ -77,12 +80,14 @@ def packed_layout(batch: PolicyBatch, share_prompt: bool) -> PackedLayout:
             gather_index[row, prompt_length:length] = torch.arange(
                 offset, offset + length - prompt_length, device=device
             )
+            responses.append((offset, offset + length - prompt_length))
             offset += length - prompt_length
+        packed_groups.append(PackedGroup(prompt, tuple(responses)))
     group_of, segment_of = torch.cat(groups), torch.cat(segments)
     return PackedLayout(
         input_ids=torch.cat(tokens)[None],
         position_ids=torch.cat(positions)[None],
-        attention_mask=_attention_mask(group_of, segment_of)[None, None],
+        attention_mask=segmented_mask(_attention_mask(group_of, segment_of)[None, None], packed_groups),
         gather_index=gather_index,
     )
 
@@ -92,13 +97,24 @@ def packed_hidden(decoder: nn.Module, batch: PolicyBatch, share_prompt: bool) ->
     layout (equal to running the decoder on the rows, within floating-point rounding)."""
     layout = packed_layout(batch, share_prompt)
     mask = layout.attention_mask
-    if getattr(decoder.config, "_attn_implementation", "sdpa") != "sdpa":
+    if decoder.config._attn_implementation not in ("sdpa", ATTENTION_NAME):
         # eager and other kernels add the mask to the scores: 0 where allowed, the dtype's lowest elsewhere
         mask = torch.zeros(mask.shape, dtype=decoder.dtype, device=mask.device).masked_fill_(
             ~mask, torch.finfo(decoder.dtype).min
         )
-    output = decoder(input_ids=layout.input_ids, attention_mask=mask, position_ids=layout.position_ids, use_cache=False)
+    with packed_attention(decoder):
+        output = decoder(
+            input_ids=layout.input_ids, attention_mask=mask, position_ids=layout.position_ids, use_cache=False
+        )
     return output.last_hidden_state[0, layout.gather_index]
+
+
+def packed_attention(model: nn.Module) -> contextlib.AbstractContextManager:
+    """Where a packed forward, or the backward that recomputes it, runs: the model attends by segments
+    (segmented_attention.py) when it uses sdpa, the fused kernel that function calls; as it is otherwise."""
+    if model.config._attn_implementation in ("sdpa", ATTENTION_NAME):
+        return segmented_attention(model.config)
+    return contextlib.nullcontext()
 
 
 def _attention_mask(group_of: torch.Tensor, segment_of: torch.Tensor) -> torch.Tensor:
