@@ -5,12 +5,14 @@ import pytest
 import torch
 from tiny_models import tiny_llama, tiny_qwen2
 
+from tlt_cli.bench import update_roofline
 from tlt_cli.config import ActorConfig
 from tlt_cli.rollout.types import Completion
 from tlt_cli.training.actor import Actor
 from tlt_cli.training.grpo import policy_loss
 from tlt_cli.training.logprobs import token_logprobs
 from tlt_cli.training.packed_forward import (
+    attention_segments,
     micro_batch_count,
     packed_hidden,
     packed_layout,
@@ -206,3 +208,17 @@ def test_a_packed_update_moves_the_weights_as_the_padded_one(single_process_grou
     # first step, about lr * sign(g), would magnify float32 rounding in near-zero gradients here)
     changed = [name for name, value in packed_weights.items() if not torch.equal(value, before[name])]
     assert len(changed) == len(before)
+
+
+def test_the_roofline_counts_a_packed_micro_batchs_attention_by_its_segments():
+    batch = grouped_batch(groups=1)
+    prompt_length = int(batch.attention_mask[0].sum() - batch.response_mask[0].sum())
+    responses = batch.response_mask.sum(dim=1).tolist()
+    segments = attention_segments(batch, share_prompt=True)
+    assert segments == [(prompt_length, prompt_length), *[(length, prompt_length + length) for length in responses]]
+    (part,) = update_roofline.micro_batch_shapes([batch], [segments])
+    assert part.rows == 1 and part.tokens == packed_length(batch, share_prompt=True)
+    # against the padded rows' squares, the packed attention's pairs are the segments' only
+    pairs = sum(queries * keys for queries, keys, _ in part.attention_shapes())
+    assert pairs == prompt_length**2 + sum(length * (prompt_length + length) for length in responses)
+    assert pairs < part.tokens**2

@@ -45,11 +45,19 @@ FORMS = ("x @ W.T", "g @ W", "g.T @ x", "Q @ K.T", "P @ V")
 
 @dataclass(frozen=True)
 class MicroBatchShape:
-    """One micro-batch as the update computes it: rows x tokens (padded), and the tokens the head scores."""
+    """One micro-batch as the update computes it: rows x tokens (padded), and the tokens the head scores; a packed
+    one is a row whose attention runs segment by segment: (queries, keys) of each (packed_forward.py)."""
 
     rows: int
     tokens: int
     head_tokens: int
+    attention_segments: tuple[tuple[int, int], ...] | None = None
+
+    def attention_shapes(self) -> list[tuple[int, int, int]]:
+        """(queries, keys, rows) of each attention product: every row's square, or each packed segment's."""
+        if self.attention_segments is None:
+            return [(self.tokens, self.tokens, self.rows)]
+        return [(queries, keys, 1) for queries, keys in self.attention_segments]
 
 
 @dataclass(frozen=True)
@@ -83,16 +91,21 @@ class UpdateOperations:
         return sorted({product for counted in self.products.values() for product in counted}, key=repr)
 
 
-def micro_batch_shapes(parts: list[PolicyBatch], packed_lengths: list[int] | None) -> list[MicroBatchShape]:
+def micro_batch_shapes(
+    parts: list[PolicyBatch], packed_segments: list[list[tuple[int, int]]] | None
+) -> list[MicroBatchShape]:
     """The actor's micro-batches (`Actor.micro_batches`) as the update computes them: right-padded rows, or each one
-    packed sequence of packed_lengths tokens (`Actor.packed_lengths`)."""
-    if packed_lengths is None:
+    packed sequence attending by the segments `Actor.packed_segments` gives."""
+    if packed_segments is None:
         return [
             MicroBatchShape(part.size, int(part.input_ids.shape[1]), int(part.response_mask[:, 1:].sum()))
             for part in parts
         ]
     return [
-        MicroBatchShape(1, length, int(part.response_mask[:, 1:].sum())) for part, length in zip(parts, packed_lengths)
+        MicroBatchShape(
+            1, sum(queries for queries, _ in segments), int(part.response_mask[:, 1:].sum()), tuple(segments)
+        )
+        for part, segments in zip(parts, packed_segments)
     ]
 
 
@@ -154,9 +167,9 @@ def decoder_forward(shape: ModelShape, part: MicroBatchShape) -> Counter[Product
     tokens = part.rows * part.tokens
     layer = Counter(Product("x @ W.T", tokens, inputs, outputs) for inputs, outputs in linear_layers(shape))
     head_dim = shape.query_width // shape.attention_heads
-    heads = part.rows * shape.attention_heads
-    layer[Product("Q @ K.T", part.tokens, head_dim, part.tokens, heads)] += 1
-    layer[Product("P @ V", part.tokens, part.tokens, head_dim, heads)] += 1
+    for queries, keys, rows in part.attention_shapes():
+        layer[Product("Q @ K.T", queries, head_dim, keys, rows * shape.attention_heads)] += 1
+        layer[Product("P @ V", queries, keys, head_dim, rows * shape.attention_heads)] += 1
     return Counter({product: times * shape.layers for product, times in layer.items()})
 
 
@@ -169,9 +182,9 @@ def decoder_backward(shape: ModelShape, part: MicroBatchShape) -> Counter[Produc
         layer[Product("g @ W", tokens, outputs, inputs)] += 1
         layer[Product("g.T @ x", outputs, tokens, inputs)] += 1
     head_dim = shape.query_width // shape.attention_heads
-    heads = part.rows * shape.attention_heads
-    layer[Product("Q @ K.T", part.tokens, head_dim, part.tokens, heads)] += 1
-    layer[Product("P @ V", part.tokens, part.tokens, head_dim, heads)] += 3
+    for queries, keys, rows in part.attention_shapes():
+        layer[Product("Q @ K.T", queries, head_dim, keys, rows * shape.attention_heads)] += 1
+        layer[Product("P @ V", queries, keys, head_dim, rows * shape.attention_heads)] += 3
     return Counter({product: times * shape.layers for product, times in layer.items()})
 
 

@@ -152,7 +152,7 @@ def counted_operations(
 ) -> tuple[list[update_roofline.MicroBatchShape], update_roofline.UpdateOperations]:
     """The actor's micro-batches of `batch` and the operations of one update over them (update_roofline.py)."""
     micro_batches = actor.micro_batches(batch)
-    parts = update_roofline.micro_batch_shapes(micro_batches, actor.packed_lengths(micro_batches))
+    parts = update_roofline.micro_batch_shapes(micro_batches, actor.packed_segments(micro_batches))
     operations = update_roofline.update_operations(
         memory.model_shape(recipe),
         parts,

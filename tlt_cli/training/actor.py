@@ -37,10 +37,10 @@ from tlt_cli.rollout.types import Completion
 from tlt_cli.training.grpo import PolicyLoss, policy_loss
 from tlt_cli.training.logprobs import token_logprobs
 from tlt_cli.training.packed_forward import (
+    attention_segments,
     micro_batch_count,
     packed_attention,
     packed_hidden,
-    packed_length,
     packed_micro_batches,
 )
 from tlt_cli.training.policy_batch import PolicyBatch, build_policy_batch, micro_batches
@@ -156,11 +156,12 @@ class Actor:
         by_group = group_size if self.config.micro_batch_tokens else None
         return build_policy_batch(completions, advantages, pad_token_id, by_group)
 
-    def packed_lengths(self, parts: list[PolicyBatch]) -> list[int] | None:
-        """The tokens each micro-batch runs the decoder over when the actor packs them; None when it pads rows."""
+    def packed_segments(self, parts: list[PolicyBatch]) -> list[list[tuple[int, int]]] | None:
+        """The (queries, keys) of each micro-batch's attention segments when the actor packs them
+        (packed_forward.py `attention_segments`); None when it pads rows."""
         if not self.config.micro_batch_tokens:
             return None
-        return [packed_length(part, self.config.share_prompt) for part in parts]
+        return [attention_segments(part, self.config.share_prompt) for part in parts]
 
     def micro_batches(self, batch: PolicyBatch) -> list[PolicyBatch]:
         """The batch's micro-batches: packed whole groups up to actor.micro_batch_tokens (every rank the same count,

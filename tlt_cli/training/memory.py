@@ -11,8 +11,9 @@ reference copy with a KL term), gradients and AdamW state as the ZeRO stage spli
 workers, the drafter (with its gradients and AdamW state when the sidecar trains it) and the sidecar's window of
 hidden states, the rollout's KV cache and hidden states (with the rollout log-probs' chunk; bfloat16 when
 `rollout.dtype` says so, float32 for `auto`, which may choose either) with the decode model's own weight copies
-(freed before the update, tlt_cli/rollout/embedded.py), or else the update's saved activations
-(with `actor.gradient_checkpointing`, each layer's input and a few layers' activations) and the log-prob chunk.
+(freed before the update, tlt_cli/rollout/embedded.py), or else the update's saved activations for its largest
+micro-batch (`micro_batch_extent`: padded rows, or packed groups; with `actor.gradient_checkpointing`, each layer's
+input and a few layers' activations) and the log-prob chunk.
 With `actor.precision: bf16` on CPU the module, its gradients and AdamW state stay float32 (the master copy),
 the update's forward adds autocast's bfloat16 copy of the weights, and the saved activations are bfloat16; on
 GPUs DeepSpeed's bf16 mode makes the module itself bfloat16. The
@@ -227,14 +228,14 @@ def worker_peak_estimate(recipe: Recipe, shape: ModelShape, prompt_tokens: int) 
     rollout_bytes = BFLOAT16_BYTES if recipe.rollout.dtype == RolloutDtype.bfloat16 else FLOAT32_BYTES
     per_token = shape.layers * 2 * shape.key_value_width + shape.hidden
     rollout = samples * sequence_tokens * per_token * rollout_bytes + logprob_chunk
-    micro_batch = min(recipe.actor.micro_batch_size, samples)
+    micro_batch_tokens, attention_pairs = micro_batch_extent(recipe, prompt_tokens)
     saved_per_layer = SAVED_PER_HIDDEN * shape.hidden + SAVED_PER_INTERMEDIATE * shape.intermediate
     # recomputation keeps each layer's input, and in backward a few layers' activations at a time
     kept_layers = RECOMPUTED_LAYERS if recipe.actor.gradient_checkpointing else shape.layers
     inputs = shape.layers * shape.hidden if recipe.actor.gradient_checkpointing else 0
     saved_per_token = inputs + kept_layers * saved_per_layer
-    attention = micro_batch * sequence_tokens**2 * kept_layers * ATTENTION_PAIR_BYTES
-    activations = micro_batch * sequence_tokens * saved_per_token * activation_bytes
+    attention = attention_pairs * kept_layers * ATTENTION_PAIR_BYTES
+    activations = micro_batch_tokens * saved_per_token * activation_bytes
     autocast_weights = _bfloat16_weight_copies(recipe, shape, kept_layers) if bf16 and on_cpu else 0
     return MemoryEstimate(
         runtime=int(RUNTIME_BYTES),
@@ -248,6 +249,24 @@ def worker_peak_estimate(recipe: Recipe, shape: ModelShape, prompt_tokens: int) 
         update=activations + attention + logprob_chunk,
         autocast_casts=autocast_weights,
     )
+
+
+def micro_batch_extent(recipe: Recipe, prompt_tokens: int) -> tuple[int, int]:
+    """The tokens and (query, key) pairs of the update's largest micro-batch, every response max_new_tokens long:
+    micro_batch_size padded rows, or as many whole groups as micro_batch_tokens holds (one at least), packed
+    with each prompt once under share_prompt and attending by segments (tlt_cli/training/packed_forward.py)."""
+    response, group_size = recipe.rollout.max_new_tokens, recipe.train.group_size
+    sequence = prompt_tokens + response
+    if not recipe.actor.micro_batch_tokens:
+        rows = min(recipe.actor.micro_batch_size, recipe.samples_per_worker)
+        return rows * sequence, rows * sequence**2
+    if recipe.actor.share_prompt:
+        group_tokens = prompt_tokens + group_size * response
+        group_pairs = prompt_tokens**2 + group_size * response * sequence
+    else:
+        group_tokens, group_pairs = group_size * sequence, group_size * sequence**2
+    groups = min(max(1, recipe.actor.micro_batch_tokens // group_tokens), recipe.prompts_per_worker)
+    return groups * group_tokens, groups * group_pairs
 
 
 def layer_linear_parameters(shape: ModelShape) -> int:

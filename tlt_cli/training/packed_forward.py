@@ -53,7 +53,18 @@ class PackedLayout:
 
 def packed_length(batch: PolicyBatch, share_prompt: bool) -> int:
     """How many tokens the packed sequence of `batch` holds (its prompts once per group with share_prompt)."""
-    return sum(len(segment) for segment in _segments(batch, share_prompt))
+    return sum(queries for queries, _ in attention_segments(batch, share_prompt))
+
+
+def attention_segments(batch: PolicyBatch, share_prompt: bool) -> list[tuple[int, int]]:
+    """(queries, keys) of each attention segment of the packed layout (segmented_attention.py): a group's shared
+    prompt over itself, each response over its prompt and itself."""
+    segments = []
+    for _, rows, prompt_length in _groups(batch, share_prompt):
+        if prompt_length:
+            segments.append((prompt_length, prompt_length))
+        segments.extend((_row_length(batch, row) - prompt_length, _row_length(batch, row)) for row in rows)
+    return segments
 
 
 def packed_layout(batch: PolicyBatch, share_prompt: bool) -> PackedLayout:
@@ -125,16 +136,6 @@ def _attention_mask(group_of: torch.Tensor, segment_of: torch.Tensor) -> torch.T
     same_group = group_of[:, None] == group_of[None, :]
     visible = (segment_of[None, :] == PROMPT_SEGMENT) | (segment_of[:, None] == segment_of[None, :])
     return causal & same_group & visible
-
-
-def _segments(batch: PolicyBatch, share_prompt: bool) -> list[range]:
-    """The packed layout's runs of tokens, as ranges over one row each: shared prompts, then responses."""
-    segments = []
-    for _, rows, prompt_length in _groups(batch, share_prompt):
-        if prompt_length:
-            segments.append(range(prompt_length))
-        segments.extend(range(prompt_length, _row_length(batch, row)) for row in rows)
-    return segments
 
 
 def _groups(batch: PolicyBatch, share_prompt: bool) -> list[tuple[int, list[int], int]]:
