@@ -393,7 +393,10 @@ class ActorConfig:
         2, "DeepSpeed ZeRO stage", minimum=0, maximum=2, note="the rollout needs the full policy on every rank"
     )
     micro_batch_size: int = setting(
-        4, "sequences per forward/backward when micro_batch_tokens is 0 (right-padded rows)", minimum=1
+        4,
+        "sequences per forward/backward: right-padded rows when micro_batch_tokens is 0, and TRL's per-device batch "
+        "under train.trainer trl",
+        minimum=1,
     )
     micro_batch_tokens: int = setting(
         2048,
