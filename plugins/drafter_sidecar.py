@@ -43,7 +43,8 @@ from typing import Any
 import torch
 
 from tlt_cli.checkpoint import DRAFTER_DIRECTORY, load_checkpoint_file
-from tlt_cli.config import DrafterConfig, Recipe, RunConfig
+from tlt_cli.config import DrafterConfig, Recipe, RolloutConfig, RunConfig
+from tlt_cli.drafter.loss import token_objective
 from tlt_cli.drafter.model import save_drafter
 from tlt_cli.drafter.trainer import DrafterBatch, DrafterTrainer
 from tlt_cli.plugins import MetricColumn
@@ -100,16 +101,21 @@ class DrafterSidecar:
     sleep = staticmethod(time.sleep)
 
     @classmethod
-    def trl_process_sidecar(cls, settings: DrafterConfig, seed: int, **arguments: Any) -> Any:
+    def trl_process_sidecar(
+        cls, settings: DrafterConfig, seed: int, temperature: float = 1.0, **arguments: Any
+    ) -> Any:
         """The sidecar driven from TRL's rollout_func in a data-parallel TRL run (drafter_sidecar_trl.py), around an
-        instance of this class with the `drafter` settings and seed it is given."""
+        instance of this class with the `drafter` settings, seed and sampling temperature it is given."""
         from tlt_plugins.drafter_sidecar_trl import TrlSidecar
 
-        return TrlSidecar(plugin=cls(Recipe(run=RunConfig(seed=seed), drafter=settings)), **arguments)
+        recipe = Recipe(run=RunConfig(seed=seed), drafter=settings, rollout=RolloutConfig(temperature=temperature))
+        return TrlSidecar(plugin=cls(recipe), **arguments)
 
     def __init__(self, recipe: Any):
         self.settings = recipe.drafter
         self.seed = recipe.run.seed
+        # the next-token objective at the rollout's sampling temperature (drafter.loss)
+        self.objective = token_objective(recipe.drafter.loss, recipe.rollout.temperature)
         self.window: deque[StepData] = deque()
         self.trainer: DrafterTrainer | None = None
         self.drafter: torch.nn.Module | None = None
@@ -148,7 +154,9 @@ class DrafterSidecar:
 
     def _attach(self, drafter: torch.nn.Module, rank: int) -> None:
         self.drafter, self.rank = drafter, rank
-        self.trainer = DrafterTrainer(drafter, lr=self.settings.lr, weight_decay=self.settings.weight_decay)
+        self.trainer = DrafterTrainer(
+            drafter, lr=self.settings.lr, weight_decay=self.settings.weight_decay, objective=self.objective
+        )
         self.generator.manual_seed(self.seed * 7919 + rank)
         self.emitted_now = torch.zeros(drafter.target_vocab_size, dtype=torch.float64)
         self.emitted_total = torch.zeros(drafter.target_vocab_size, dtype=torch.float64)

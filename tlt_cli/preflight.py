@@ -145,16 +145,17 @@ def check_cache_folder(recipe: Recipe) -> None:
 
 def _check_drafter_start(recipe: Recipe, target_vocab_size: int) -> int:
     """N, the draft vocabulary of the drafter the run starts with: the warm-up's (drafter.vocab_size
-    for this target), all of the target's (random), or a saved drafter's own, once its folder checks."""
+    for this target), all of the target's (random; and auto's bound, whichever drafter tlt holds), or a saved
+    drafter's own, once its folder checks."""
     init = recipe.drafter.init
-    if init in FRESH_DRAFTER_STARTS:
+    if init in FRESH_DRAFTER_STARTS or init == DrafterStart.auto:
         return target_vocab_size
     if init == DrafterStart.warmup:
         return resolve_draft_vocab_size(recipe.drafter.vocab_size, target_vocab_size)
     if not (Path(init) / CONFIG_FILE).is_file():
         raise RecipeError(
-            f"drafter.init: {init} is not a drafter folder (it has no {CONFIG_FILE}); give online, warmup, random "
-            "or a folder tlt saved a drafter in."
+            f"drafter.init: {init} is not a drafter folder (it has no {CONFIG_FILE}); give auto, online, warmup, "
+            "random or a folder tlt saved a drafter in."
         )
     try:
         return read_drafter_metadata(Path(init))["draft_vocab_size"]

@@ -324,7 +324,7 @@ def _rule_shapes(plan: SpeculativePlan) -> list[tuple[str, SpeculativeConfig]]:
 def _check_drafter(drafter: DrafterConfig) -> None:
     _require(
         drafter.init in DrafterStart.__members__ or Path(drafter.init).is_dir(),
-        f"drafter.init must be online, warmup, random or a drafter folder, got '{drafter.init}'.",
+        f"drafter.init must be auto, online, warmup, random or a drafter folder, got '{drafter.init}'.",
     )
 
 

@@ -26,7 +26,7 @@ from tlt_cli.preflight import check_machine, check_memory
 from tlt_cli.processes.driver import RunSummary, TrainerEntry
 from tlt_cli.processes.driver import train as run_driver
 from tlt_cli.processes.messages import WorkerSpec
-from tlt_cli.training.setup import planned_run, prepare_drafter
+from tlt_cli.training.setup import describe_drafter_start, planned_run, prepare_drafter
 from tlt_cli.training.worker_loop import worker_main
 
 
@@ -38,8 +38,8 @@ def trl_worker_main(spec: WorkerSpec, events: Any) -> None:
 
 
 TRAINERS: dict[Trainer, TrainerEntry] = {
-    Trainer.native: TrainerEntry(worker_main, prepare_drafter, planned_run),
-    Trainer.trl: TrainerEntry(trl_worker_main, prepare_drafter, planned_run),
+    Trainer.native: TrainerEntry(worker_main, prepare_drafter, describe_drafter_start, planned_run),
+    Trainer.trl: TrainerEntry(trl_worker_main, prepare_drafter, describe_drafter_start, planned_run),
 }
 
 

@@ -147,11 +147,22 @@ class RolloutCorrection(RecipeChoice):
 class DrafterStart(RecipeChoice):
     """drafter.init's words; any other value is a folder tlt saved a drafter in (the key stays a string)."""
 
+    # the newest drafter tlt holds for this model (written by an earlier run or warm-up), else as online
+    auto = "auto"
     # a fresh drafter, no wait: trained online by the sidecar from step 0's rollouts
     online = "online"
     # trained offline on the target's generations, cached
     warmup = "warmup"
     random = "random"
+
+
+class DrafterLossKind(RecipeChoice):
+    """drafter.loss: the drafter's next-token objective (tlt_cli/drafter/loss.py)."""
+
+    # soft cross-entropy and total variation at the rollout's temperature: what lossless sampling accepts
+    acceptance = "acceptance"
+    # EAGLE's: soft cross-entropy at temperature 1, weight 0.1
+    eagle = "eagle"
 
 
 class ServedDtype(RecipeChoice):
@@ -518,10 +529,18 @@ FRESH_DRAFTER_STARTS = (DrafterStart.online, DrafterStart.random)
 @dataclass(frozen=True)
 class DrafterConfig:
     init: str = setting(
-        DrafterStart.online.value,
-        "where the drafter starts: online (a fresh drafter, no wait: mode auto drafts model-free n-grams until "
-        "the drafter, trained by drafter_sidecar from step 0's rollouts on, pays), warmup (trained offline on the "
-        "target's generations before step 0, cached), random, or a folder written by tlt (save_drafter)",
+        DrafterStart.auto.value,
+        "where the drafter starts: auto (the newest drafter tlt holds for this model on this machine, written by "
+        "an earlier run or warm-up, else as online), online (a fresh drafter, no wait: mode auto drafts model-free "
+        "n-grams until the drafter, trained by drafter_sidecar from step 0's rollouts on, pays), warmup (trained "
+        "offline on the target's generations before step 0, cached), random, or a folder written by tlt "
+        "(save_drafter)",
+    )
+    loss: DrafterLossKind = setting(
+        DrafterLossKind.acceptance,
+        "the drafter's next-token objective, offline and online: acceptance (soft cross-entropy and total "
+        "variation at the rollout's temperature, what lossless sampling accepts) or eagle (soft cross-entropy "
+        "at temperature 1, weight 0.1)",
     )
     warmup_steps: int = setting(600, "offline warm-up: optimizer steps", minimum=1)
     warmup_lr: float = setting(1e-3, "offline warm-up: learning rate", minimum=0, exclusive_minimum=True)

@@ -21,7 +21,7 @@ from dataclasses import dataclass, fields
 import torch
 from transformers import PreTrainedModel
 
-from tlt_cli.drafter.loss import DrafterLoss, drafter_loss
+from tlt_cli.drafter.loss import EAGLE_OBJECTIVE, DrafterLoss, TokenObjective, drafter_loss
 from tlt_cli.drafter.model import EagleDrafter
 
 logger = logging.getLogger(__name__)
@@ -131,33 +131,55 @@ def collect_drafter_batch(
 
 
 def drafter_forward_loss(
-    drafter: EagleDrafter, batch: DrafterBatch, target_tokens_next: torch.Tensor | None = None
+    drafter: EagleDrafter,
+    batch: DrafterBatch,
+    objective: TokenObjective = EAGLE_OBJECTIVE,
+    target_tokens_next: torch.Tensor | None = None,
+    target_log_normalizer: torch.Tensor | None = None,
 ) -> DrafterLoss:
     """The drafter's loss on a batch; the target's next-token logits over the draft tokens come
-    from the same rows of its lm_head the drafter uses. target_tokens_next: see `drafter_loss`."""
+    from the same rows of its lm_head the drafter uses. target_tokens_next, target_log_normalizer: see
+    `drafter_loss`."""
     with torch.no_grad():
         target_logits_next = drafter.draft_logits(batch.target_hidden_next)
     output = drafter(batch.input_ids, batch.target_hidden, batch.position_ids, batch.attention_mask(), None)
     return drafter_loss(
-        output, batch.target_hidden_next, target_logits_next, batch.loss_mask, drafter.vocabulary, target_tokens_next
+        output,
+        batch.target_hidden_next,
+        target_logits_next,
+        batch.loss_mask,
+        drafter.vocabulary,
+        target_tokens_next,
+        objective,
+        target_log_normalizer,
     )
 
 
 @torch.no_grad()
-def target_argmax(lm_head: torch.nn.Module, hidden: torch.Tensor, chunk_positions: int = 256) -> torch.Tensor:
-    """argmax over the whole vocabulary of lm_head(hidden) [..., H] -> [...], a few positions at
-    a time so a 150k-token vocabulary never holds more than chunk_positions rows of logits."""
+def target_argmax_and_normalizer(
+    lm_head: torch.nn.Module, hidden: torch.Tensor, temperature: float, chunk_positions: int = 256
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(argmax, logsumexp(logits / temperature)) over the whole vocabulary of lm_head(hidden) [..., H], each
+    [...], a few positions at a time so a 150k-token vocabulary never holds more than chunk_positions rows of
+    logits."""
     flat = hidden.reshape(-1, hidden.shape[-1])
-    starts = range(0, flat.shape[0], chunk_positions)
-    tokens = [lm_head(flat[start : start + chunk_positions]).argmax(-1) for start in starts]
-    return torch.cat(tokens).view(hidden.shape[:-1])
+    tokens, normalizers = [], []
+    for start in range(0, flat.shape[0], chunk_positions):
+        logits = lm_head(flat[start : start + chunk_positions]).float()
+        tokens.append(logits.argmax(-1))
+        normalizers.append(torch.logsumexp(logits / temperature, dim=-1))
+    return torch.cat(tokens).view(hidden.shape[:-1]), torch.cat(normalizers).view(hidden.shape[:-1])
 
 
 @torch.no_grad()
 def evaluate_drafter(
-    drafter: EagleDrafter, batch: DrafterBatch, target_tokens_next: torch.Tensor | None = None
+    drafter: EagleDrafter,
+    batch: DrafterBatch,
+    target_tokens_next: torch.Tensor | None = None,
+    objective: TokenObjective = EAGLE_OBJECTIVE,
 ) -> DrafterLoss:
-    """Loss and top-1 agreement with the target's next token, without training (eval mode).
+    """Loss, top-1 agreement with the target's next token and the sampled acceptance at the objective's
+    temperature against the target's whole-vocabulary distribution, without training (eval mode).
 
     target_tokens_next: [B,T] the token the target chose after each position (for greedy
     generations, the sequence's own next token: `batch.next_token_ids()`); None: the target's
@@ -165,9 +187,11 @@ def evaluate_drafter(
     """
     was_training = drafter.training
     drafter.eval()
-    if target_tokens_next is None:
-        target_tokens_next = target_argmax(drafter.shared.lm_head, batch.target_hidden_next)
-    loss = drafter_forward_loss(drafter, batch, target_tokens_next)
+    argmax, normalizer = target_argmax_and_normalizer(
+        drafter.shared.lm_head, batch.target_hidden_next, objective.temperature
+    )
+    target_tokens_next = argmax if target_tokens_next is None else target_tokens_next
+    loss = drafter_forward_loss(drafter, batch, objective, target_tokens_next, normalizer)
     drafter.train(was_training)
     return loss.detached()
 
@@ -176,7 +200,7 @@ class DrafterTrainer:
     """AdamW on the drafter's own parameters (the shared target modules are not among them).
 
     Example:
-        trainer = DrafterTrainer(drafter, lr=3e-4, weight_decay=0.0)
+        trainer = DrafterTrainer(drafter, lr=3e-4, weight_decay=0.0, objective=acceptance_objective(0.7))
         loss = trainer.train_step(collect_drafter_batch(target, sequences, response_mask))
     """
 
@@ -187,8 +211,10 @@ class DrafterTrainer:
         weight_decay: float = 0.0,
         betas: tuple[float, float] = (0.9, 0.95),
         grad_clip: float = 1.0,
+        objective: TokenObjective = EAGLE_OBJECTIVE,
     ):
         self.drafter = drafter
+        self.objective = objective
         self.grad_clip = grad_clip
         self.optimizer = torch.optim.AdamW(drafter.parameters(), lr=lr, weight_decay=weight_decay, betas=betas)
         self.steps_taken = 0
@@ -198,7 +224,7 @@ class DrafterTrainer:
         """One optimiser step; a non-finite loss or gradient skips it (parameters untouched, step_skipped set)."""
         self.drafter.train()
         self.optimizer.zero_grad(set_to_none=True)
-        loss = drafter_forward_loss(self.drafter, batch)
+        loss = drafter_forward_loss(self.drafter, batch, self.objective)
         if not loss.is_finite:
             return self.skip(loss, "loss")
         loss.total.backward()

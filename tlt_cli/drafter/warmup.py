@@ -10,14 +10,15 @@
      training responses (tlt_cli/drafter/vocabulary.py; N from `draft_vocab_size`), and a fresh
      `EagleDrafter` over it takes `steps` optimizer steps on length buckets of the training
      sequences, the hidden states computed once and reused every step;
-  4. evaluate: top-1 agreement with the target on the held-out greedy answers, before and after.
+  4. evaluate: on held-out responses sampled as the rollout samples, before and after, the chance a
+     draft token sampled at the rollout's temperature is accepted (sum_v min(p_v, q_v), what lossless
+     sampling accepts: tlt_cli/drafter/loss.py) and top-1 agreement with the target.
 `collect_warmup_data` (phases 1-2) and `train_warmup_drafter` (phases 3-4) are its two halves,
 so several drafters can be trained on one collection. Prompts are encoded as the rollout encodes
 them, through the model's chat template when it has one (tlt_cli/tasks/prompts.py).
-That agreement is the teacher-forced greedy acceptance rate at draft depth 1: the fraction of
-response tokens where the drafter, given the target's true hidden state, proposes exactly the
-token the target emitted. Called by the training setup before the first RL step
-(tlt_cli/drafter/initial.py) and by the benchmark scripts.
+Both are teacher-forced at draft depth 1 (the drafter given the target's true hidden state): the
+agreement is greedy decoding's acceptance rate, the acceptance sampled decoding's. Called by the training
+setup before the first RL step (tlt_cli/drafter/initial.py), `tlt drafter warmup` and the benchmarks.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from tlt_cli.drafter.loss import EAGLE_OBJECTIVE, TokenObjective
 from tlt_cli.drafter.model import EagleDrafter
 from tlt_cli.drafter.trainer import DrafterBatch, DrafterTrainer, evaluate_drafter
 from tlt_cli.drafter.vocabulary import choose_vocabulary, token_coverage
@@ -52,8 +54,9 @@ class WarmupReport:
     """What the warm-up did and how well the drafter agrees with the target afterwards.
 
     train_tokens / held_out_tokens: drafter positions counted by the loss (response tokens);
-    held_out_accuracy_before / held_out_accuracy: top-1 agreement with the target's greedy answers
-    on held-out prompts before and after training; final_train_loss: mean total loss of the last
+    held_out_accuracy_before / held_out_accuracy: top-1 agreement with the target's next token on held-out
+    responses before and after training; held_out_acceptance_before / held_out_acceptance: the chance a draft
+    token sampled at the objective's temperature is accepted there; final_train_loss: mean total loss of the last
     10 steps; draft_vocab_size: N; draft_vocab_coverage: the share of held-out response tokens in
     the draft vocabulary (a ceiling on the agreement); generate_seconds: sampling the responses;
     prompt_seconds: the prompts' hidden states; train_seconds: the steps; evaluate_seconds: both
@@ -68,6 +71,8 @@ class WarmupReport:
     held_out_tokens: int
     held_out_accuracy_before: float
     held_out_accuracy: float
+    held_out_acceptance_before: float
+    held_out_acceptance: float
     held_out_loss: float
     final_train_loss: float
     draft_vocab_size: int
@@ -181,14 +186,27 @@ def length_buckets(
     ]
 
 
-def held_out_metrics(drafter: EagleDrafter, buckets: list[DrafterBatch]) -> tuple[float, float]:
-    """Token-weighted (accuracy, loss) over held-out buckets of greedy answers: accuracy is the
-    agreement with the token the target emitted next."""
-    losses = [evaluate_drafter(drafter, bucket, bucket.next_token_ids()) for bucket in buckets]
-    tokens = sum(loss.token_count for loss in losses)
-    accuracy = sum(float(loss.accuracy) * loss.token_count for loss in losses) / max(tokens, 1)
-    total = sum(float(loss.total) * loss.token_count for loss in losses) / max(tokens, 1)
-    return accuracy, total
+@dataclass(frozen=True)
+class HeldOutMetrics:
+    """Token-weighted means over held-out buckets: accuracy (top-1 agreement with the target's argmax),
+    acceptance (the chance a sampled draft token is accepted at the objective's temperature), loss (total)."""
+
+    accuracy: float
+    acceptance: float
+    loss: float
+
+
+def held_out_metrics(
+    drafter: EagleDrafter, buckets: list[DrafterBatch], objective: TokenObjective = EAGLE_OBJECTIVE
+) -> HeldOutMetrics:
+    """HeldOutMetrics of `drafter` over held-out buckets, against the target's whole-vocabulary distribution."""
+    losses = [evaluate_drafter(drafter, bucket, None, objective) for bucket in buckets]
+    tokens = max(sum(loss.token_count for loss in losses), 1)
+
+    def mean(name: str) -> float:
+        return sum(float(getattr(loss, name)) * loss.token_count for loss in losses) / tokens
+
+    return HeldOutMetrics(mean("accuracy"), mean("acceptance"), mean("total"))
 
 
 def train_on_buckets(
@@ -238,8 +256,8 @@ def collect_warmup_data(
     seed: int,
     progress: WarmupProgress | None = None,
 ) -> WarmupData:
-    """Phases 1 and 2: sampled training responses (task prompts 0..train_prompts-1) and greedy
-    held-out answers (the next held_out_prompts prompts), with their hidden states."""
+    """Phases 1 and 2: sampled training responses (task prompts 0..train_prompts-1) and held-out responses
+    sampled alike (the next held_out_prompts prompts, their own seed), with their hidden states."""
     start = time.perf_counter()
     prompts = encode_prompts(tokenizer, task, range(train_prompts + held_out_prompts))
     report = (lambda done: progress("generate", done, len(prompts))) if progress is not None else None
@@ -247,9 +265,8 @@ def collect_warmup_data(
         # the bar (and its clock) starts now, not when the first response ends
         report(0)
     train = sample_completions(target, tokenizer, prompts[:train_prompts], sampling, seed, True, report)
-    greedy = SamplingParams(max_new_tokens=sampling.max_new_tokens, temperature=0.0)
     held_out_report = (lambda done: report(train_prompts + done)) if report is not None else None
-    held_out = sample_completions(target, tokenizer, prompts[train_prompts:], greedy, seed, True, held_out_report)
+    held_out = sample_completions(target, tokenizer, prompts[train_prompts:], sampling, seed + 1, True, held_out_report)
     generate_seconds = time.perf_counter() - start
     start = time.perf_counter()
     if progress is not None:
@@ -271,10 +288,12 @@ def train_warmup_drafter(
     seed: int,
     weight_decay: float = 0.1,
     draft_vocab_size: int = 0,
+    objective: TokenObjective = EAGLE_OBJECTIVE,
     progress: WarmupProgress | None = None,
 ) -> tuple[EagleDrafter, WarmupReport]:
     """Phases 3 and 4 on collected data: a fresh drafter over the chosen vocabulary, trained
-    `steps` steps on length buckets of `batch_size` sequences, evaluated on the held-out answers."""
+    `steps` steps with `objective` on length buckets of `batch_size` sequences, evaluated on the held-out
+    responses."""
     vocabulary = choose_vocabulary(
         [completion.response_ids for completion in data.train],
         draft_vocab_size,
@@ -285,9 +304,9 @@ def train_warmup_drafter(
     train_buckets = length_buckets(data.train, data.train_prompt_states, batch_size, pad_token_id)
     held_out_buckets = length_buckets(data.held_out, data.held_out_prompt_states, EVALUATION_BUCKET_SIZE, pad_token_id)
     drafter = EagleDrafter(target, seed=seed, vocabulary=vocabulary)
-    trainer = DrafterTrainer(drafter, lr=lr, weight_decay=weight_decay)
+    trainer = DrafterTrainer(drafter, lr=lr, weight_decay=weight_decay, objective=objective)
     evaluate_start = time.perf_counter()
-    accuracy_before, _ = held_out_metrics(drafter, held_out_buckets)
+    before = held_out_metrics(drafter, held_out_buckets, objective)
     evaluate_seconds = time.perf_counter() - evaluate_start
     train_start = time.perf_counter()
     step_losses = train_on_buckets(trainer, train_buckets, steps, seed, progress)
@@ -295,7 +314,7 @@ def train_warmup_drafter(
     evaluate_start = time.perf_counter()
     if progress is not None:
         progress("evaluate", 0, 1)
-    accuracy_after, held_out_loss = held_out_metrics(drafter, held_out_buckets)
+    after = held_out_metrics(drafter, held_out_buckets, objective)
     if progress is not None:
         progress("evaluate", 1, 1)
     evaluate_seconds += time.perf_counter() - evaluate_start
@@ -308,9 +327,11 @@ def train_warmup_drafter(
         train_tokens=counted_tokens(train_buckets),
         held_out_sequences=len(data.held_out),
         held_out_tokens=counted_tokens(held_out_buckets),
-        held_out_accuracy_before=accuracy_before,
-        held_out_accuracy=accuracy_after,
-        held_out_loss=held_out_loss,
+        held_out_accuracy_before=before.accuracy,
+        held_out_accuracy=after.accuracy,
+        held_out_acceptance_before=before.acceptance,
+        held_out_acceptance=after.acceptance,
+        held_out_loss=after.loss,
         final_train_loss=sum(last_losses) / max(len(last_losses), 1),
         draft_vocab_size=vocabulary.size,
         draft_vocab_coverage=token_coverage([completion.response_ids for completion in data.held_out], vocabulary),
@@ -335,6 +356,7 @@ def warm_up_drafter(
     temperature: float = 1.0,
     weight_decay: float = 0.1,
     draft_vocab_size: int = 0,
+    objective: TokenObjective = EAGLE_OBJECTIVE,
     progress: WarmupProgress | None = None,
 ) -> tuple[EagleDrafter, WarmupReport]:
     """Train a fresh drafter on the target's own sampled responses to `task` (temperature given).
@@ -349,5 +371,5 @@ def warm_up_drafter(
     sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature)
     data = collect_warmup_data(target, tokenizer, task, train_prompts, held_out_prompts, sampling, seed, progress)
     return train_warmup_drafter(
-        target, tokenizer, data, steps, batch_size, lr, seed, weight_decay, draft_vocab_size, progress
+        target, tokenizer, data, steps, batch_size, lr, seed, weight_decay, draft_vocab_size, objective, progress
     )

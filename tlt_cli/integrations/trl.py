@@ -363,6 +363,7 @@ class TltRollout:
                 drafter=self.drafter,
                 settings=self.drafter_config,
                 seed=self.seed,
+                temperature=trainer.temperature,
                 process=trainer.accelerator.process_index,
                 processes=processes,
                 device=trainer.accelerator.device,

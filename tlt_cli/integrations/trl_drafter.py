@@ -9,7 +9,8 @@
     cached under $TLT_CACHE_DIR/drafters/, keyed by the policy's weights, the prompts and the
     settings, so the next run starts at once; with several processes, the main one warms up first
     and the others load its result;
-  - "online" (tlt_rollout's default) or "random": a fresh drafter (seeded), no wait; the sidecar trains an
+  - "online" (tlt_rollout's default), "auto" (`tlt train` resolves it to the drafter tlt holds before a script
+    sees it) or "random": a fresh drafter (seeded), no wait; the sidecar trains an
     online one between data-parallel processes;
   - a folder written by `save_drafter`: loaded (checked against the policy);
   - an `EagleDrafter` the user built: its weights and vocabulary, rebuilt over `policy`;
@@ -55,7 +56,9 @@ def starting_drafter(
         return _loaded(checkpoint / DRAFTER_DIRECTORY, policy)
     if isinstance(source, EagleDrafter):
         return _rebuilt(source, policy, seed)
-    if source in (DrafterStart.online, DrafterStart.random):  # online: the sidecar trains it from the first rollout
+    # online (and auto, which `tlt train` resolves to a held drafter's folder before a script sees it): the sidecar
+    # trains it from the first rollout
+    if source in (DrafterStart.auto, DrafterStart.online, DrafterStart.random):
         return EagleDrafter(policy, seed=seed)
     if source == DrafterStart.warmup:
         return _warmed_up(policy, trainer, settings, seed)

@@ -40,6 +40,7 @@ from tlt_cli.display import TrainingDisplay, render_summary
 from tlt_cli.errors import UserError
 from tlt_cli.models.tiny import cache_directory
 from tlt_cli.plugins import DriverPlugins, RunInfo, plugin_columns, plugin_idle_uses
+from tlt_cli.processes.drafter_publish import publish_run_drafter
 from tlt_cli.processes.messages import RunSpec, WorkerBody
 from tlt_cli.processes.resume_point import resume_point, resumed_changes
 from tlt_cli.processes.run_directory import CHECKPOINTS, TRACE_FILE, RunDirectory
@@ -48,7 +49,7 @@ from tlt_cli.processes.run_preparation import plan_facts, plan_run, prepare_draf
 from tlt_cli.processes.run_trace import RunTrace
 from tlt_cli.processes.worker_events import run_workers
 from tlt_cli.sd_effect import sd_effect_sentence, trace_sd_effect
-from tlt_cli.trace import read_trace
+from tlt_cli.trace import TraceError, read_trace
 from tlt_cli.tuning.run_plan import RunPlan
 from tlt_cli.versions import installed_versions
 
@@ -65,13 +66,15 @@ class TrainerEntry:
 
     worker_body: each process's body (a module-level function: spawned processes and launched ranks
     import it); prepare_drafter(recipe, model cache, progress): the starting drafter's folder (None:
-    random or none) and the report of a warm-up that ran now (None: cached or none); plan_run(recipe,
+    random or none) and the report of a warm-up that ran now (None: cached or none); describe_drafter(recipe,
+    that folder): the console's one line on where the drafter starts (None: the run needs none); plan_run(recipe,
     starting drafter's folder): the recipe with its choices made concrete and the run's plan (setup.py
     `planned_run`: measured once per machine and model, before any worker starts).
     """
 
     worker_body: WorkerBody
     prepare_drafter: Callable[[Recipe, Path, Any], tuple[Path | None, dict | None]]
+    describe_drafter: Callable[[Recipe, Path | None], str | None]
     plan_run: Callable[[Recipe, Path | None], tuple[Recipe, RunPlan]]
 
 
@@ -102,7 +105,7 @@ def train(
         check_machine(recipe)
         cache = cache_directory(recipe.model.cache_dir)
         remove_what_killed_runs_left(console, cache)
-        drafter_init = prepare_drafter(trainer.prepare_drafter, recipe, cache, console)
+        drafter_init = prepare_drafter(trainer.prepare_drafter, trainer.describe_drafter, recipe, cache, console)
         given = recipe  # what recipe.yaml keeps: a resume resolves `auto` again
         recipe, plan = plan_run(trainer.plan_run, recipe, drafter_init, console)
         run_facts = plan_facts(recipe, plan)
@@ -132,6 +135,19 @@ def train(
     finally:
         if held is not None:
             held.release()
+
+
+def _keep_drafter(run_spec: RunSpec, console: Console, trace_path: Path) -> None:
+    """Publish the run's checkpointed drafter for the next run on the model (drafter_publish.py), and say so; the
+    accept length it reached is read from the trace (none when a stopped run left its last line torn)."""
+    try:
+        records = read_trace(trace_path)
+    except TraceError:
+        records = []
+    steps = [record for record in records if record.get("type") == "step"]
+    sentence = publish_run_drafter(run_spec.recipe, run_spec.run_directory, run_spec.model_cache, steps)
+    if sentence is not None:
+        console.print(sentence, markup=False)
 
 
 def _train_in(
@@ -185,13 +201,19 @@ def _train_in(
             run_workers(run_spec, body, trace, display)
     except (TrainingFailed, UserError) as error:
         trace.close()
+        _keep_drafter(run_spec, console, trace.path)
         details = getattr(error, "details", "") or traceback.format_exc()
         discard = held.made_by_this_run and not trace.started and not (run_directory / CHECKPOINTS).exists()
         raise after_failure(error, details, held, discard, keep_log) from None
+    except KeyboardInterrupt:  # stopped: what the last checkpoint holds still carries to the next run
+        trace.close()
+        _keep_drafter(run_spec, console, trace.path)
+        raise
     finally:
         trace.close()
     records = read_trace(trace.path)
     steps = [record for record in records if record["type"] == "step"]
+    _keep_drafter(run_spec, console, trace.path)
     speculated = recipe.speculative.mode != SpeculativeMode.off
     sd_effect = sd_effect_sentence(trace_sd_effect(records)) if speculated else None
     render_summary(console, steps, run_directory, plugin_idle_uses(recipe.plugins.enabled), sd_effect)

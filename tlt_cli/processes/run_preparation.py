@@ -73,22 +73,27 @@ def wait_for_op_builds(console: Console, extensions_directory: Path, seconds: fl
 
 def prepare_drafter(
     prepare: Callable[[Recipe, Path, Any], tuple[Path | None, dict | None]],
+    describe: Callable[[Recipe, Path | None], str | None],
     recipe: Recipe,
     cache: Path,
     console: Console,
 ) -> Path | None:
-    """The starting drafter's folder (None: random or none) that `prepare` (the trainer's `prepare_drafter`) gives,
-    its warm-up shown with a progress bar when it runs now."""
+    """The starting drafter's folder (None: a fresh start or none) that `prepare` (the trainer's `prepare_drafter`)
+    gives, its warm-up shown with a progress bar when it runs now, and the one line `describe` gives of it."""
     if recipe.drafter.init == DrafterStart.warmup:  # the other starts cost nothing here (online: trained online)
         console.print("preparing the drafter (an offline warm-up runs once per model and task, then is cached)")
     with PhaseProgress(console, "drafter warm-up") as progress:
         folder, report = prepare(recipe, cache, progress)
     if report is not None:
         console.print(
-            f"drafter warmed up offline: top-1 agreement with the target {report['held_out_accuracy']:.1%} "
-            f"(from {report['held_out_accuracy_before']:.1%}), cached in {folder}",
+            f"drafter warmed up offline: a sampled draft token accepted {report['held_out_acceptance']:.1%} of the "
+            f"time on held-out responses (from {report['held_out_acceptance_before']:.1%}), top-1 agreement "
+            f"{report['held_out_accuracy']:.1%}, cached in {folder}",
             markup=False,
         )
+    sentence = describe(recipe, folder)
+    if sentence is not None:
+        console.print(sentence, markup=False)
     return folder
 
 

@@ -62,6 +62,7 @@ if TYPE_CHECKING:
     from torch import nn
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+    from tlt_cli.drafter.loss import TokenObjective
     from tlt_cli.drafter.model import EagleDrafter
     from tlt_cli.drafter.warmup import WarmupProgress
     from tlt_cli.engine.linear_forms import LinearFormPlan
@@ -132,26 +133,93 @@ def speculative_plan(section: SpeculativeSection) -> SpeculativePlan:
 def prepare_drafter(
     recipe: Recipe, cache: Path, progress: WarmupProgress | None = None, needed: bool | None = None
 ) -> tuple[Path | None, dict | None]:
-    """(folder of the starting drafter or None for a random start, warm-up report if one ran now).
+    """(folder of the starting drafter or None for a fresh start, warm-up report if one ran now).
 
-    With drafter.init online or random the drafter starts fresh (no warm-up on the way to step 0). With
+    With drafter.init auto the newest drafter tlt holds for the model (tlt_cli/drafter/library.py) when there is
+    one, else a fresh start; online or random: a fresh start (no warm-up on the way to step 0). With
     drafter.init warmup the drafter is trained once on the target's own generations and cached
-    under `cache` (tlt_cli/drafter/initial.py keys it); a warm-up that runs reports its phases to
-    `progress` (tlt_cli/drafter/warmup.py). needed: whether a drafter is wanted (None: whether the run needs one;
-    a benchmark of speculation wants one whatever the recipe's mode).
+    under `cache` (tlt_cli/drafter/initial.py keys it), and published to the library; a warm-up that runs
+    reports its phases to `progress` (tlt_cli/drafter/warmup.py). needed: whether a drafter is wanted (None:
+    whether the run needs one; a benchmark of speculation wants one whatever the recipe's mode).
     """
     needed = drafter_needed(recipe) if needed is None else needed
     if not needed or recipe.drafter.init in FRESH_DRAFTER_STARTS:
         return None, None
+    if recipe.drafter.init == DrafterStart.auto:
+        return held_drafter(recipe, cache), None
     if recipe.drafter.init != DrafterStart.warmup:
         return Path(recipe.drafter.init), None
     from tlt_cli.drafter.initial import cached_warmup, warmup_folder
-    from tlt_cli.drafter.model import save_drafter
-    from tlt_cli.drafter.warmup import warm_up_drafter
 
     folder = warmup_folder(recipe, cache)
     if cached_warmup(folder):
         return folder, None
+    report = warm_up_into(recipe, folder, progress)
+    publish_drafter(
+        recipe, cache, folder, f"the warm-up of {recipe.run.name}", acceptance=report["held_out_acceptance"]
+    )
+    return folder, report
+
+
+def describe_drafter_start(recipe: Recipe, folder: Path | None) -> str | None:
+    """The console's one line on where the run's drafter starts (`folder`: what prepare_drafter gave), with the
+    accept length it was last measured at when tlt holds it; None when the run needs no drafter."""
+    from tlt_cli.drafter.library import record_of
+
+    if not drafter_needed(recipe):
+        return None
+    init = recipe.drafter.init
+    if folder is None and init in (DrafterStart.auto, DrafterStart.online):
+        held = "none held for this model yet: " if init == DrafterStart.auto else ""
+        return (
+            f"drafter: {held}a fresh one, drafting model-free n-grams until it pays, trained online; tlt keeps it for "
+            "the next run on this model (drafter.init=warmup trains one before step 0)"
+        )
+    if folder is None:
+        return f"drafter: a fresh one (drafter.init {init})"
+    record = record_of(folder)
+    kind = "the newest drafter tlt holds for this model" if init == DrafterStart.auto else f"drafter.init {init}"
+    return f"drafter: {kind}, {record.describe() if record else 'never measured in a run'} ({folder})"
+
+
+def held_drafter(recipe: Recipe, cache: Path) -> Path | None:
+    """The folder of the newest drafter tlt holds for the recipe's model (drafter/library.py), or None."""
+    from tlt_cli.drafter import library
+    from tlt_cli.models.loading import model_folder
+
+    held = library.newest(cache, model_folder(recipe.model.path))
+    return held[0] if held is not None else None
+
+
+def publish_drafter(
+    recipe: Recipe,
+    cache: Path,
+    drafter_folder: Path,
+    source: str,
+    accept_length: float | None = None,
+    acceptance: float | None = None,
+    model_path: str | None = None,
+) -> Path:
+    """Make the drafter saved in `drafter_folder` the newest one held for the recipe's model (or `model_path`'s:
+    an exported policy), recording its source and how well it drafted at the rollout's temperature."""
+    from tlt_cli.drafter import library
+    from tlt_cli.models.loading import model_folder
+
+    record = library.DrafterRecord(
+        source=source,
+        model=model_path or recipe.model.path,
+        accept_length=accept_length,
+        acceptance=acceptance,
+        temperature=recipe.rollout.temperature,
+    )
+    return library.publish(cache, model_folder(model_path or recipe.model.path), drafter_folder, record)
+
+
+def warm_up_into(recipe: Recipe, folder: Path, progress: WarmupProgress | None) -> dict:
+    """Run the recipe's offline warm-up (drafter/warmup.py) and save its drafter in `folder`; its report."""
+    from tlt_cli.drafter.model import save_drafter
+    from tlt_cli.drafter.warmup import warm_up_drafter
+
     target, tokenizer = policy_and_tokenizer(recipe)
     drafter, report = warm_up_drafter(
         target,
@@ -165,11 +233,19 @@ def prepare_drafter(
         max_new_tokens=recipe.rollout.max_new_tokens,
         temperature=max(recipe.rollout.temperature, MIN_TEMPERATURE),  # greedy runs warm up sampling
         draft_vocab_size=recipe.drafter.vocab_size,
+        objective=drafter_objective(recipe),
         progress=progress,
     )
     folder.parent.mkdir(parents=True, exist_ok=True)
     save_drafter(drafter, folder)
-    return folder, asdict(report)
+    return asdict(report)
+
+
+def drafter_objective(recipe: Recipe) -> TokenObjective:
+    """The drafter's next-token objective (drafter.loss) at the rollout's sampling temperature."""
+    from tlt_cli.drafter.loss import token_objective
+
+    return token_objective(recipe.drafter.loss, recipe.rollout.temperature)
 
 
 def starting_drafter(recipe: Recipe, folder: Path | None, policy: PreTrainedModel) -> EagleDrafter:
@@ -180,7 +256,7 @@ def starting_drafter(recipe: Recipe, folder: Path | None, policy: PreTrainedMode
 
     if folder is not None:
         return load_drafter(folder, policy)
-    if recipe.drafter.init != DrafterStart.online:
+    if recipe.drafter.init == DrafterStart.random:
         return EagleDrafter(policy, seed=recipe.run.seed)
     from tlt_cli.drafter.online_start import online_drafter
     from tlt_cli.models.loading import load_config_and_tokenizer
