@@ -491,6 +491,43 @@ def export_policy(
     )
 
 
+drafter_app = typer.Typer(help="The drafter tlt holds for a model: warm one up.", no_args_is_help=True)
+app.add_typer(drafter_app, name="drafter")
+
+
+@drafter_app.command("warmup", context_settings={"allow_extra_args": False})
+def drafter_warmup(
+    arguments: Annotated[
+        list[str],
+        typer.Argument(
+            help="RECIPE (a YAML file or a shipped recipe name) then key=value overrides.", show_default=False
+        ),
+    ],
+) -> None:
+    """Warm up the recipe's drafter offline (as drafter.init=warmup does), cache it and make it the one tlt holds for
+    the model, so every later run on the model starts with it. Stopped after its generation, it resumes there."""
+    from tlt_cli.display import PhaseProgress
+    from tlt_cli.training.setup import model_cache, warmed_up_drafter
+
+    try:
+        recipe = load_recipe(resolve_recipe_path(arguments[0]), arguments[1:])
+        with PhaseProgress(console, "drafter warm-up") as progress:
+            folder, report = warmed_up_drafter(recipe, model_cache(recipe), progress)
+    except UserError as error:
+        raise fail(str(error)) from None
+    except KeyboardInterrupt:
+        raise fail("interrupted; run the same command again to continue from what was sampled.", 130) from None
+    if report is None:
+        console.print(f"the recipe's warm-up is already cached in {folder}; tlt holds it for the model", markup=False)
+        return
+    console.print(
+        f"drafter warmed up: a sampled draft token is accepted {report['held_out_acceptance']:.1%} of the time on "
+        f"held-out responses at T={recipe.rollout.temperature:g} (from {report['held_out_acceptance_before']:.1%}), "
+        f"top-1 agreement {report['held_out_accuracy']:.1%}; cached in {folder}, held for the model",
+        markup=False,
+    )
+
+
 bench_app = typer.Typer(
     help="Benchmarks on this machine, over a recipe: each prints a table and writes JSON naming the machine.",
     no_args_is_help=True,

@@ -12,6 +12,7 @@ Text that comes from the user or a plugin (notes, the run's name and folder) is 
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -26,6 +27,8 @@ if TYPE_CHECKING:
     from tlt_cli.plugins import MetricColumn
 
 VISIBLE_STEPS = 20
+# where the console is a log: a preparation's progress line at least this often (PhaseProgress)
+LOG_INTERVAL_SECONDS = 10.0
 # the columns a user watches, in a table that fits 100 terminal columns; `tlt train --columns all` adds the rest
 WATCHED_COLUMNS = (
     ("step", "step", "{:d}"),
@@ -75,29 +78,74 @@ CUT_SHARE_WARNING = 0.2
 class PhaseProgress:
     """A progress bar per phase of a long preparation, fed as a (phase, done, total) callback.
 
+    In a terminal, rich's bars. Where the console is a log (not a terminal), one plain line at least every
+    `LOG_INTERVAL_SECONDS` (a ticker thread, so a phase whose callback is quiet, such as a long tail of
+    generation, still reports): the phase, done of total, seconds so far and an estimate of what is left.
+
     Example:
         with PhaseProgress(console, "drafter warm-up") as progress:
             warm_up_drafter(..., progress=progress)
     """
 
-    def __init__(self, console: Console, title: str):
+    def __init__(self, console: Console, title: str, interval: float = LOG_INTERVAL_SECONDS):
         self.title = title
-        self.bars = Progress(
-            TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console
+        self.console = console
+        self.bars = (
+            Progress(
+                TextColumn("{task.description}"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TimeElapsedColumn(),
+                console=console,
+            )
+            if console.is_terminal
+            else None
         )
         self.phases: dict[str, Any] = {}
+        self.interval = interval
+        # the newest (phase, done, total) and when its phase began, for the log's lines
+        self.latest: tuple[str, int, int] | None = None
+        self.phase_started = time.monotonic()
+        self.lock = threading.Lock()
+        self.stopped = threading.Event()
 
     def __enter__(self) -> PhaseProgress:
-        self.bars.start()
+        if self.bars is not None:
+            self.bars.start()
+        else:
+            threading.Thread(target=self._tick, name="tlt-phase-progress", daemon=True).start()
         return self
 
     def __exit__(self, *exception: object) -> None:
-        self.bars.stop()
+        self.stopped.set()
+        if self.bars is not None:
+            self.bars.stop()
 
     def __call__(self, phase: str, done: int, total: int) -> None:
+        with self.lock:
+            if self.latest is None or self.latest[0] != phase:
+                self.phase_started = time.monotonic()
+            self.latest = (phase, done, total)
+        if self.bars is None:
+            return
         if phase not in self.phases:
             self.phases[phase] = self.bars.add_task(f"{self.title}: {phase}", total=total)
         self.bars.update(self.phases[phase], completed=done, total=total)
+
+    def _tick(self) -> None:
+        while not self.stopped.wait(self.interval):
+            line = self.line()
+            if line is not None:
+                self.console.print(line, markup=False)
+
+    def line(self) -> str | None:
+        """The log's line for the newest report (None before the first)."""
+        with self.lock:
+            if self.latest is None:
+                return None
+            (phase, done, total), elapsed = self.latest, time.monotonic() - self.phase_started
+        left = f", about {elapsed * (total - done) / done:.0f} s left" if 0 < done < total else ""
+        return f"{self.title}: {phase} {done}/{total}, {elapsed:.0f} s{left}"
 
 
 def _cell(record: dict[str, Any], key: str, template: str) -> str:
