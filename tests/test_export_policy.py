@@ -100,6 +100,17 @@ def test_refusals_are_one_sentence_and_write_nothing(tmp_path, trained_run):
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
 
 
+def test_the_current_folder_or_one_above_it_is_refused_in_one_sentence(tmp_path, trained_run, monkeypatch):
+    run, _ = trained_run
+    (tmp_path / "empty").mkdir()
+    monkeypatch.chdir(tmp_path / "empty")  # empty: the not-empty refusal does not apply
+    for output in (".", "..", "/", "policy/.."):
+        result = runner.invoke(app, ["export-policy", str(run), output])
+        assert result.exit_code == 2, result.output
+        assert "is the current folder or holds it" in result.output and "Traceback" not in result.output
+    assert list((tmp_path / "empty").iterdir()) == []
+
+
 def test_the_drafter_cards_serving_command_exports_the_policy_first(tmp_path, trained_run):
     run, _ = trained_run
     result = runner.invoke(app, ["export-drafter", str(run), str(tmp_path / "drafter"), "--prompts", "1"])

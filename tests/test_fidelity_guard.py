@@ -19,7 +19,14 @@ from test_bfloat16_fidelity import on_grid_and_halfway
 from tlt_cli.config import load_recipe
 from tlt_cli.models.loading import load_policy
 from tlt_cli.processes import worker_events
-from tlt_cli.processes.fidelity_guard import FLOOR, JUMP, FidelityGuard, fidelity_advice
+from tlt_cli.processes.fidelity_guard import (
+    FLOAT32_CEILING,
+    FLOOR,
+    JUMP,
+    FidelityGuard,
+    fidelity_advice,
+    rounding_ceiling,
+)
 
 RECIPES = Path(__file__).resolve().parent.parent / "recipes"
 
@@ -91,6 +98,28 @@ def test_the_advice_names_the_setting_that_avoids_the_cause():
     assert "a weight sync that did not land" in fidelity_advice(recipe, "float32")
     stochastic = load_recipe(RECIPES / "tiny-cpu.yaml", ["actor.precision=bf16"])
     assert "rollout.dtype=float32 actor.precision=fp32" in fidelity_advice(stochastic, "float32")
+
+
+def test_a_float32_run_whose_first_step_is_already_off_the_policy_warns_at_step_0():
+    """A learner that computes another model from the start (issue 65: 3.5e-3 where float32 measures 1e-14) is its
+    own first step's baseline, so no jump shows it; the dtype's rounding bound does, once."""
+    guard = FidelityGuard("advice", ceiling=FLOAT32_CEILING)
+    (message,) = guard.check(step(0, 3.5e-3))
+    assert message.startswith("step 0: the rollout/learner KL is 3.5e-03, above the 1e-06 that float32 rounding")
+    assert message.endswith("(advice).") and guard.check(step(1, 3.6e-3)) == []
+    quiet = FidelityGuard("advice", ceiling=FLOAT32_CEILING)
+    assert quiet.check(step(0, 1e-14)) == [] and quiet.check(step(1, FLOAT32_CEILING)) == []
+    assert quiet.check(step(2, 0.0, precision_kl=1e-4)) == []  # the bound is the rollout/learner KL's alone
+    assert FidelityGuard("advice").check(step(0, 3.5e-3)) == []  # no bound: the first step is the baseline
+
+
+def test_only_a_float32_rollout_and_learner_on_cpu_have_a_rounding_bound():
+    fp32 = load_recipe(RECIPES / "tiny-cpu.yaml", ["actor.precision=fp32"])
+    assert rounding_ceiling(fp32, "float32") == FLOAT32_CEILING
+    assert rounding_ceiling(fp32, "bfloat16") is None
+    assert rounding_ceiling(load_recipe(RECIPES / "tiny-cpu.yaml", ["actor.precision=bf16"]), "float32") is None
+    on_gpu = load_recipe(RECIPES / "tiny-cpu.yaml", ["actor.precision=fp32", "actor.devices=[0]"])
+    assert rounding_ceiling(on_gpu, "float32") is None
 
 
 @pytest.fixture(scope="module")

@@ -2,6 +2,7 @@
 whose estimated peak this machine cannot hold."""
 
 import mmap
+from dataclasses import replace
 
 import pytest
 from typer.testing import CliRunner
@@ -104,3 +105,19 @@ def test_the_estimate_itemizes_the_drafter_the_sidecar_and_the_decode_copies_onl
     assert estimate("rollout.dtype=bfloat16").decode_copies == shape.layers * layer * 2
     assert full.total_bytes - plain.total_bytes == full.drafter + full.sidecar
     assert "decode copies" in full.describe() and "sidecar buffers" in full.describe()
+
+
+def test_the_estimate_counts_padded_rows_where_the_model_cannot_pack():
+    recipe = load_recipe(resolve_recipe_path("tiny-cpu"), ["actor.micro_batch_tokens=4096", "actor.micro_batch_size=2"])
+    shape = memory.model_shape(recipe)
+    assert shape.packs
+    padded = memory.micro_batch_extent(replace(recipe, actor=replace(recipe.actor, micro_batch_tokens=0)), 50)
+    assert memory.micro_batch_extent(recipe, 50) != padded
+    assert memory.micro_batch_extent(recipe, 50, packs=False) == padded
+    unpacked = memory.worker_peak_estimate(recipe, replace(shape, packs=False), 50)
+    assert (
+        unpacked.update
+        == memory.worker_peak_estimate(
+            replace(recipe, actor=replace(recipe.actor, micro_batch_tokens=0)), shape, 50
+        ).update
+    )

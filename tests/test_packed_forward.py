@@ -1,14 +1,17 @@
 """The update's packed micro-batches (tlt_cli/training/packed_forward.py): each group's prompt once, no padding,
 and the same hidden states, log-probs and gradients as the right-padded rows."""
 
+from dataclasses import replace
+
 import pytest
 import torch
-from tiny_models import tiny_llama, tiny_qwen2
+from tiny_models import tiny_llama, tiny_mistral, tiny_qwen2, tiny_qwen3
+from transformers import Qwen2Config
 
 from tlt_cli.bench import update_roofline
 from tlt_cli.config import ActorConfig
 from tlt_cli.rollout.types import Completion
-from tlt_cli.training.actor import Actor
+from tlt_cli.training.actor import Actor, packs
 from tlt_cli.training.grpo import policy_loss
 from tlt_cli.training.logprobs import token_logprobs
 from tlt_cli.training.packed_forward import (
@@ -18,6 +21,7 @@ from tlt_cli.training.packed_forward import (
     packed_layout,
     packed_length,
     packed_micro_batches,
+    packing_supported,
 )
 from tlt_cli.training.policy_batch import build_policy_batch
 
@@ -222,3 +226,64 @@ def test_the_roofline_counts_a_packed_micro_batchs_attention_by_its_segments():
     pairs = sum(queries * keys for queries, keys, _ in part.attention_shapes())
     assert pairs == prompt_length**2 + sum(length * (prompt_length + length) for length in responses)
     assert pairs < part.tokens**2
+
+
+# a window of 3 tokens, shorter than every row of grouped_batch (prompts of 4-8 tokens, responses of 1-6), so it
+# changes every row's attention: Mistral's on every layer, Qwen2's above max_window_layers, Qwen3's by layer_types
+WINDOW = 3
+WINDOWED_MODELS = {
+    "mistral": lambda: tiny_mistral(VOCAB, sliding_window=WINDOW),
+    "qwen2": lambda: tiny_qwen2(VOCAB, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1),
+    "qwen3": lambda: tiny_qwen3(
+        VOCAB, use_sliding_window=True, sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"]
+    ),
+}
+
+
+@pytest.mark.parametrize("family", WINDOWED_MODELS)
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+@pytest.mark.parametrize("share_prompt", [True, False])
+def test_packed_hidden_states_equal_the_padded_rows_within_a_sliding_window(family, attention, share_prompt):
+    model = WINDOWED_MODELS[family]().float()
+    model.config._attn_implementation = attention
+    batch = grouped_batch()
+    real = batch.attention_mask.bool()
+    with torch.no_grad():
+        expected = padded_hidden(model.get_decoder(), batch)
+        packed = packed_hidden(model.get_decoder(), batch, share_prompt)
+    assert torch.allclose(packed[real], expected[real], atol=1e-5)
+
+
+@pytest.mark.parametrize("family", WINDOWED_MODELS)
+def test_sharing_the_prompt_gives_the_padded_updates_gradient_within_a_sliding_window(family):
+    model = WINDOWED_MODELS[family]().float()
+    batch = grouped_batch()
+    padded = group_loss_gradients(model, batch, share_prompt=None)
+    shared = group_loss_gradients(model, batch, share_prompt=True)
+    for name, gradient in padded.items():
+        scale = float(gradient.abs().max()) or 1.0
+        assert torch.allclose(shared[name], gradient, atol=1e-5 * scale, rtol=1e-4), name
+
+
+def test_the_window_is_what_the_comparison_sees():
+    """The probe: the same Mistral without its window gives other hidden states, so the tests above can fail."""
+    windowed, unlimited = tiny_mistral(VOCAB, sliding_window=WINDOW), tiny_mistral(VOCAB)
+    batch = grouped_batch()
+    real = batch.attention_mask.bool()
+    with torch.no_grad():
+        expected = padded_hidden(windowed.get_decoder(), batch)
+        without_window = padded_hidden(unlimited.get_decoder(), batch)
+    assert not torch.allclose(without_window[real], expected[real], atol=1e-3)
+
+
+def test_a_model_with_layers_the_layout_does_not_reproduce_trains_padded_rows_and_says_so_once(capsys):
+    chunked = Qwen2Config(num_hidden_layers=2, layer_types=["full_attention", "chunked_attention"])
+    windowed = WINDOWED_MODELS["qwen2"]().config
+    assert packing_supported(windowed) is None and packing_supported(Qwen2Config()) is None
+    assert "chunked_attention" in packing_supported(chunked)
+    config = ActorConfig(micro_batch_tokens=64)
+    assert packs(config, windowed) and not packs(replace(config, micro_batch_tokens=0), chunked)
+    assert capsys.readouterr().out == ""
+    assert not packs(config, chunked)
+    (line,) = capsys.readouterr().out.splitlines()
+    assert "right-padded rows" in line and "chunked_attention" in line

@@ -10,7 +10,8 @@ or the one after RL step `step`), loads them into the run recipe's model (`polic
 into a temporary sibling folder, reloads that folder with `AutoModelForCausalLM.from_pretrained` and checks
 its log-probs on held-out prompts of the run's task equal the checkpoint's exactly, and only then renames
 it into place: a full disk or a failed check leaves no half-written output. An output folder that exists
-and is not empty is refused, never replaced.
+and is not empty is refused, never replaced, and so is the current folder or one above it (`.`, `..`): the
+export renames a new folder into OUT's place, which would pull the folder out from under the shell.
 """
 
 from __future__ import annotations
@@ -70,8 +71,10 @@ class PolicyExport:
 
 def export_policy(run_directory: Path, output_dir: Path, step: int | None = None) -> PolicyExport:
     """Export, check by reloading with transformers, then rename into place (see the module docstring)."""
-    run_directory, output_dir = Path(run_directory), Path(output_dir)
-    _check_output(output_dir)
+    run_directory = Path(run_directory)
+    _check_output(Path(output_dir))
+    # lexically absolute (`policy/..` is its parent), so the staging folder is OUT's sibling whatever OUT's spelling
+    output_dir = Path(os.path.abspath(output_dir))
     checkpoint = run_checkpoint(run_directory, step)
     recipe = _run_recipe(run_directory)
     policy, tokenizer = _policy(recipe, checkpoint.directory)
@@ -104,6 +107,11 @@ def export_policy(run_directory: Path, output_dir: Path, step: int | None = None
 
 
 def _check_output(output_dir: Path) -> None:
+    where, here = Path(os.path.abspath(output_dir)), Path.cwd()
+    if where == here or where in here.parents:
+        raise PolicyExportError(
+            f"{output_dir} is the current folder or holds it; name a new folder to export into, such as policy/."
+        )
     if output_dir.exists() and not output_dir.is_dir():
         raise PolicyExportError(f"{output_dir} exists and is not a folder; choose another output folder.")
     if output_dir.is_dir() and any(output_dir.iterdir()):

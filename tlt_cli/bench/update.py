@@ -21,6 +21,7 @@ named; the JSON holds every repeat.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -96,6 +97,8 @@ def measure_in_fresh_process(recipe_name: str, overrides: list[str], settings: U
         "profile": settings.profile,
         "steps": settings.steps,
         "response_tokens": settings.response_tokens,
+        # the measuring process exits with this one (killed or stopped), as tlt train's workers do
+        "parent": os.getpid(),
     }
     command = [sys.executable, "-m", "tlt_cli.bench.update_worker", json.dumps(request)]
     finished = subprocess.run(command, capture_output=True, text=True, check=False)

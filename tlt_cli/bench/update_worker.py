@@ -33,6 +33,7 @@ import torch
 from tlt_cli.bench import update_roofline
 from tlt_cli.bench.update_profile import label_update_parts, profile_update
 from tlt_cli.config import Recipe, load_recipe
+from tlt_cli.processes.worker_process import exit_with_parent
 from tlt_cli.recipes import resolve_recipe_path
 from tlt_cli.rollout.types import Completion, RolloutRequest
 from tlt_cli.tasks.prompts import encode_prompt
@@ -52,6 +53,7 @@ PROFILE_RATE_DTYPES = ["fp32", "bf16"]
 def main() -> None:
     """The process entry point: the request (JSON) in argv[1], the result as the last line of stdout."""
     request = json.loads(sys.argv[1])
+    exit_with_parent(None, request.get("parent"))  # without one (run by hand): its parent
     arguments = (request["recipe"], request["overrides"], request["profile"], request["steps"])
     print(json.dumps(measure(*arguments, request["response_tokens"])))
 

@@ -15,7 +15,7 @@ from typing import Any, Protocol
 
 from tlt_cli.config import CPU_DEVICES
 from tlt_cli.display import TrainingDisplay
-from tlt_cli.processes.fidelity_guard import FidelityGuard, fidelity_advice
+from tlt_cli.processes.fidelity_guard import FidelityGuard, fidelity_advice, rounding_ceiling
 from tlt_cli.processes.hostfile import runs_on_this_machine
 from tlt_cli.processes.launched_workers import LaunchedWorkers
 from tlt_cli.processes.local_workers import LocalWorkers
@@ -99,7 +99,9 @@ def _fidelity_guard(run_spec: RunSpec) -> FidelityGuard:
             for record in records
             if record["type"] in ("step", "warning") and record.get("step", 0) < run_spec.start_step
         ]
-    return FidelityGuard(fidelity_advice(run_spec.recipe, decode.dtype if decode is not None else "float32"), earlier)
+    rollout_dtype = decode.dtype if decode is not None else "float32"
+    advice = fidelity_advice(run_spec.recipe, rollout_dtype)
+    return FidelityGuard(advice, earlier, rounding_ceiling(run_spec.recipe, rollout_dtype))
 
 
 def _drain_events(

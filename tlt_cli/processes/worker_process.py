@@ -1,7 +1,7 @@
 """What every worker process does first: die with `tlt train`, and write its output to its own log file.
 
-Shared by the native GRPO worker (tlt_cli/training/worker_loop.py) and the TRL process
-(tlt_cli/integrations/trl_run.py).
+Shared by the native GRPO worker (tlt_cli/training/worker_loop.py), the TRL process
+(tlt_cli/integrations/trl_run.py) and `tlt bench update`'s measuring process (tlt_cli/bench/update_worker.py).
 """
 
 from __future__ import annotations
@@ -14,12 +14,13 @@ import time
 from pathlib import Path
 
 
-def exit_with_parent(rendezvous_directory: Path | None) -> None:
+def exit_with_parent(rendezvous_directory: Path | None, parent: int | None = None) -> None:
     """A worker must not outlive `tlt train` (e.g. after SIGKILL of the driver); the first to notice removes the
     folder where the ranks met (the driver that would have is gone). The parent is the process that spawned this
-    one (multiprocessing records its pid at the spawn), so a worker whose driver died while it still imported
-    (it is then init's child already) exits at once instead of watching init."""
-    parent = driver_pid()
+    one (multiprocessing records its pid at the spawn; `parent` where the spawner passed its own pid along), so a
+    worker whose driver died while it still imported (it is then init's child already) exits at once instead of
+    watching init."""
+    parent = driver_pid() if parent is None else parent
 
     def watch() -> None:
         while os.getppid() == parent:

@@ -42,6 +42,7 @@ from tlt_cli.training.packed_forward import (
     packed_attention,
     packed_hidden,
     packed_micro_batches,
+    packing_supported,
 )
 from tlt_cli.training.policy_batch import PolicyBatch, build_policy_batch, micro_batches
 from tlt_cli.training.rollout_correction import MismatchTotals, importance_weights, k3_total
@@ -91,6 +92,7 @@ class Actor:
         if config.precision == Precision.auto:
             raise ValueError(f"the actor runs in fp32 or bf16, not '{config.precision}' (resolve auto first).")
         self.config = config
+        self.packs = packs(config, policy.config)
         self.accumulation_steps = math.ceil(sequences_per_update / config.micro_batch_size)
         if config.gradient_checkpointing:
             enable_recomputation(policy)
@@ -153,20 +155,20 @@ class Actor:
     ) -> PolicyBatch:
         """The completions as this actor's batch: by groups when it packs micro-batches (they take whole groups),
         else rows by length (policy_batch.py `build_policy_batch`)."""
-        by_group = group_size if self.config.micro_batch_tokens else None
+        by_group = group_size if self.packs else None
         return build_policy_batch(completions, advantages, pad_token_id, by_group)
 
     def packed_segments(self, parts: list[PolicyBatch]) -> list[list[tuple[int, int]]] | None:
         """The (queries, keys) of each micro-batch's attention segments when the actor packs them
         (packed_forward.py `attention_segments`); None when it pads rows."""
-        if not self.config.micro_batch_tokens:
+        if not self.packs:
             return None
         return [attention_segments(part, self.config.share_prompt) for part in parts]
 
     def micro_batches(self, batch: PolicyBatch) -> list[PolicyBatch]:
         """The batch's micro-batches: packed whole groups up to actor.micro_batch_tokens (every rank the same count,
         as ZeRO 2 reduces gradients at each micro-batch), or micro_batch_size right-padded rows."""
-        if not self.config.micro_batch_tokens:
+        if not self.packs:
             return micro_batches(batch, self.config.micro_batch_size)
         share = self.config.share_prompt
         count = micro_batch_count(batch, self.config.micro_batch_tokens, share)
@@ -174,7 +176,7 @@ class Actor:
 
     def forward_logprobs(self, model: PreTrainedModel, batch: PolicyBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """`forward_logprobs` over the micro-batch's packed layout (packed_forward.py) when the actor packs."""
-        if not self.config.micro_batch_tokens:
+        if not self.packs:
             return forward_logprobs(model, batch)
         hidden = packed_hidden(model.get_decoder(), batch, self.config.share_prompt)
         return hidden, _response_logprobs(model, hidden, batch)
@@ -194,7 +196,7 @@ class Actor:
 
     def _packed_attention(self) -> contextlib.AbstractContextManager:
         """Where packed micro-batches attend by segments (packed_forward.py); nothing when the actor pads rows."""
-        return packed_attention(self.policy) if self.config.micro_batch_tokens else contextlib.nullcontext()
+        return packed_attention(self.policy) if self.packs else contextlib.nullcontext()
 
     def _forget_copies(self) -> None:
         """The weights may have moved (or the update ended): drop the rounded copies."""
@@ -363,6 +365,21 @@ def enable_recomputation(policy: PreTrainedModel) -> None:
         policy.activation_checkpointing_enable(activation_checkpointing_kwargs=settings)
     else:
         policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs=settings)
+
+
+def packs(config: ActorConfig, model_config) -> bool:
+    """Whether the actor packs its micro-batches: actor.micro_batch_tokens set and a model that can pack
+    (packed_forward.py `packing_supported`); when it cannot, one line says so and the update pads rows."""
+    if not config.micro_batch_tokens:
+        return False
+    reason = packing_supported(model_config)
+    if reason is not None:
+        print(
+            f"actor: training right-padded rows of actor.micro_batch_size, not packed micro-batches: "
+            f"{model_config.model_type} cannot pack ({reason})",
+            flush=True,
+        )
+    return reason is None
 
 
 def deepspeed_config(config: ActorConfig, accumulation_steps: int) -> dict:

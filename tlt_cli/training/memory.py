@@ -12,8 +12,8 @@ workers, the drafter (with its gradients and AdamW state when the sidecar trains
 hidden states, the rollout's KV cache and hidden states (with the rollout log-probs' chunk; bfloat16 when
 `rollout.dtype` says so, float32 for `auto`, which may choose either) with the decode model's own weight copies
 (freed before the update, tlt_cli/rollout/embedded.py), or else the update's saved activations for its largest
-micro-batch (`micro_batch_extent`: padded rows, or packed groups; with `actor.gradient_checkpointing`, each layer's
-input and a few layers' activations) and the log-prob chunk.
+micro-batch (`micro_batch_extent`: padded rows, or packed groups where the model packs; with
+`actor.gradient_checkpointing`, each layer's input and a few layers' activations) and the log-prob chunk.
 With `actor.precision: bf16` on CPU the module, its gradients and AdamW state stay float32 (the master copy),
 the update's forward adds autocast's bfloat16 copy of the weights, and the saved activations are bfloat16; on
 GPUs DeepSpeed's bf16 mode makes the module itself bfloat16. The
@@ -120,6 +120,8 @@ class ModelShape:
     query_width: int
     key_value_width: int
     vocab_size: int
+    # whether the actor can pack the model's micro-batches (packed_forward.py `packing_supported`); else it pads rows
+    packs: bool = True
 
 
 @dataclass(frozen=True)
@@ -175,6 +177,7 @@ def model_shape(recipe: Recipe) -> ModelShape:
     from transformers import AutoModelForCausalLM
 
     from tlt_cli.models.loading import load_config_and_tokenizer
+    from tlt_cli.training.packed_forward import packing_supported
 
     config, _ = load_config_and_tokenizer(recipe.model.path, trust_remote_code=recipe.model.trust_remote_code)
     with torch.device("meta"):
@@ -191,6 +194,7 @@ def model_shape(recipe: Recipe) -> ModelShape:
         query_width=heads * head_dim,
         key_value_width=getattr(config, "num_key_value_heads", heads) * head_dim,
         vocab_size=config.vocab_size,
+        packs=packing_supported(config) is None,
     )
 
 
@@ -228,7 +232,7 @@ def worker_peak_estimate(recipe: Recipe, shape: ModelShape, prompt_tokens: int) 
     rollout_bytes = BFLOAT16_BYTES if recipe.rollout.dtype == RolloutDtype.bfloat16 else FLOAT32_BYTES
     per_token = shape.layers * 2 * shape.key_value_width + shape.hidden
     rollout = samples * sequence_tokens * per_token * rollout_bytes + logprob_chunk
-    micro_batch_tokens, attention_pairs = micro_batch_extent(recipe, prompt_tokens)
+    micro_batch_tokens, attention_pairs = micro_batch_extent(recipe, prompt_tokens, shape.packs)
     saved_per_layer = SAVED_PER_HIDDEN * shape.hidden + SAVED_PER_INTERMEDIATE * shape.intermediate
     # recomputation keeps each layer's input, and in backward a few layers' activations at a time
     kept_layers = RECOMPUTED_LAYERS if recipe.actor.gradient_checkpointing else shape.layers
@@ -251,13 +255,14 @@ def worker_peak_estimate(recipe: Recipe, shape: ModelShape, prompt_tokens: int) 
     )
 
 
-def micro_batch_extent(recipe: Recipe, prompt_tokens: int) -> tuple[int, int]:
+def micro_batch_extent(recipe: Recipe, prompt_tokens: int, packs: bool = True) -> tuple[int, int]:
     """The tokens and (query, key) pairs of the update's largest micro-batch, every response max_new_tokens long:
     micro_batch_size padded rows, or as many whole groups as micro_batch_tokens holds (one at least), packed
-    with each prompt once under share_prompt and attending by segments (tlt_cli/training/packed_forward.py)."""
+    with each prompt once under share_prompt and attending by segments (tlt_cli/training/packed_forward.py);
+    padded rows also when the model cannot pack (`packs` False, as the actor decides)."""
     response, group_size = recipe.rollout.max_new_tokens, recipe.train.group_size
     sequence = prompt_tokens + response
-    if not recipe.actor.micro_batch_tokens:
+    if not recipe.actor.micro_batch_tokens or not packs:
         rows = min(recipe.actor.micro_batch_size, recipe.samples_per_worker)
         return rows * sequence, rows * sequence**2
     if recipe.actor.share_prompt:

@@ -16,6 +16,13 @@ that layout: the prompt's states are shared by the group's rows, and in backward
 over the group, which is the padded update's gradient (Prefix Grouper, arXiv 2506.05433). Log-probs,
 the loss and the drafter's features read the gathered states exactly as before; the rows' padding
 positions hold some packed state the response mask never reads.
+
+A sliding window (Mistral's `sliding_window`, Qwen2's and Qwen3's `use_sliding_window` above
+`max_window_layers`, any `layer_types` of "sliding_attention") limits the layers that have it to the keys of the
+last W row positions: those layers get a second mask, the first one within the window, and the decoder takes a
+mask per layer type as the rollout's transformers path does (tlt_cli/engine/transformers_path.py).
+`packing_supported(config)` is the one place that says when a model cannot pack (another kind of layer, such as
+chunked or linear attention); the actor then trains padded rows and says so.
 """
 
 from __future__ import annotations
@@ -31,6 +38,31 @@ from tlt_cli.training.segmented_attention import ATTENTION_NAME, PackedGroup, se
 
 # the segment id of a group's prompt in the packed layout (responses count 0, 1, ...)
 PROMPT_SEGMENT = -1
+# the layer types (a config's `layer_types`) whose attention the packed layout reproduces
+FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"
+
+
+def packing_supported(config) -> str | None:
+    """Why a model of `config` cannot run the packed update (its layers attend in a way the layout does not
+    reproduce), or None when it can."""
+    others = sorted(set(getattr(config, "layer_types", None) or ()) - {FULL_ATTENTION, SLIDING_ATTENTION})
+    if others:
+        return f"layer type {', '.join(others)} is not {FULL_ATTENTION} or {SLIDING_ATTENTION}"
+    return None
+
+
+def attention_window(config) -> int | None:
+    """The sliding window (in tokens) of the model's windowed layers, or None when every layer sees all keys."""
+    window = getattr(config, "sliding_window", None)
+    if window is None or _layer_types(config) == {FULL_ATTENTION}:
+        return None
+    return window
+
+
+def _layer_types(config) -> set[str]:
+    """The config's layer types; a windowed config without them (Mistral) windows every layer."""
+    default = SLIDING_ATTENTION if getattr(config, "sliding_window", None) is not None else FULL_ATTENTION
+    return set(getattr(config, "layer_types", None) or [default])
 
 
 @dataclass(frozen=True)
@@ -38,6 +70,7 @@ class PackedLayout:
     """One micro-batch packed into a single sequence of L tokens.
 
     input_ids, position_ids: [1,L]; attention_mask: [1,1,L,L] bool (True: query may attend to key);
+    window_mask: [1,1,L,L] bool, attention_mask within the sliding window (None without one);
     gather_index: [B,T] the packed position of each row's token (0 on padding).
     """
 
@@ -45,6 +78,7 @@ class PackedLayout:
     position_ids: torch.Tensor
     attention_mask: torch.Tensor
     gather_index: torch.Tensor
+    window_mask: torch.Tensor | None = None
 
     @property
     def length(self) -> int:
@@ -67,8 +101,9 @@ def attention_segments(batch: PolicyBatch, share_prompt: bool) -> list[tuple[int
     return segments
 
 
-def packed_layout(batch: PolicyBatch, share_prompt: bool) -> PackedLayout:
-    """Pack the batch's rows (see the module docstring); groups share their prompt when share_prompt."""
+def packed_layout(batch: PolicyBatch, share_prompt: bool, window: int | None = None) -> PackedLayout:
+    """Pack the batch's rows (see the module docstring); groups share their prompt when share_prompt; with a
+    sliding window, a second mask within it."""
     device = batch.input_ids.device
     tokens, positions, groups, segments, packed_groups = [], [], [], [], []
     gather_index = torch.zeros_like(batch.input_ids)
@@ -94,30 +129,50 @@ def packed_layout(batch: PolicyBatch, share_prompt: bool) -> PackedLayout:
             responses.append((offset, offset + length - prompt_length))
             offset += length - prompt_length
         packed_groups.append(PackedGroup(prompt, tuple(responses)))
-    group_of, segment_of = torch.cat(groups), torch.cat(segments)
+    group_of, segment_of, position_of = torch.cat(groups), torch.cat(segments), torch.cat(positions)
+    mask = _attention_mask(group_of, segment_of)
+    window_mask = None
+    if window is not None:
+        # a query sees the keys of its own row only, so row positions compare: key position > query position - W
+        near = position_of[None, :] > position_of[:, None] - window
+        window_mask = segmented_mask((mask & near)[None, None], packed_groups, window)
     return PackedLayout(
         input_ids=torch.cat(tokens)[None],
-        position_ids=torch.cat(positions)[None],
-        attention_mask=segmented_mask(_attention_mask(group_of, segment_of)[None, None], packed_groups),
+        position_ids=position_of[None],
+        attention_mask=segmented_mask(mask[None, None], packed_groups),
         gather_index=gather_index,
+        window_mask=window_mask,
     )
 
 
 def packed_hidden(decoder: nn.Module, batch: PolicyBatch, share_prompt: bool) -> torch.Tensor:
     """The decoder's last hidden states [B,T,H] for the batch's right-padded rows, computed over its packed
     layout (equal to running the decoder on the rows, within floating-point rounding)."""
-    layout = packed_layout(batch, share_prompt)
-    mask = layout.attention_mask
+    layout = packed_layout(batch, share_prompt, attention_window(decoder.config))
+    window_mask = layout.attention_mask if layout.window_mask is None else layout.window_mask
+    masks = {FULL_ATTENTION: layout.attention_mask, SLIDING_ATTENTION: window_mask}
     if decoder.config._attn_implementation not in ("sdpa", ATTENTION_NAME):
         # eager and other kernels add the mask to the scores: 0 where allowed, the dtype's lowest elsewhere
-        mask = torch.zeros(mask.shape, dtype=decoder.dtype, device=mask.device).masked_fill_(
-            ~mask, torch.finfo(decoder.dtype).min
-        )
+        masks = {kind: _additive(mask, decoder.dtype) for kind, mask in masks.items()}
     with packed_attention(decoder):
         output = decoder(
-            input_ids=layout.input_ids, attention_mask=mask, position_ids=layout.position_ids, use_cache=False
+            input_ids=layout.input_ids,
+            attention_mask=_decoder_mask(masks, _layer_types(decoder.config)),
+            position_ids=layout.position_ids,
+            use_cache=False,
         )
     return output.last_hidden_state[0, layout.gather_index]
+
+
+def _decoder_mask(masks: dict[str, torch.Tensor], layer_types: set[str]) -> torch.Tensor | dict[str, torch.Tensor]:
+    """What the decoder takes: the one mask all its layers use, or a mask per layer type (when they differ)."""
+    if len(layer_types) == 1:
+        return masks[next(iter(layer_types))]
+    return masks
+
+
+def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, torch.finfo(dtype).min)
 
 
 def packed_attention(model: nn.Module) -> contextlib.AbstractContextManager:
