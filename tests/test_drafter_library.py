@@ -240,3 +240,85 @@ def test_the_recipe_chooses_the_objective_at_the_rollout_temperature(model_folde
     assert setup.drafter_objective(recipe_for(model_folder, "drafter.loss=eagle")) == EAGLE_OBJECTIVE
     assert acceptance_objective(0.0).temperature == 1.0, "greedy runs train at temperature 1 (the same argmax)"
     assert json.dumps(acceptance_objective(0.7).__dict__)
+
+
+# ---------------------------------------------------------------- the warm-up: resumable, trained until it stops rising
+
+
+def test_the_warm_up_data_reads_back_whole_and_a_damaged_file_counts_as_absent(tmp_path):
+    from tlt_cli.drafter.warmup import WarmupData, load_warmup_data, save_warmup_data
+    from tlt_cli.rollout.types import Completion
+
+    def completion(length):
+        return Completion(
+            0, (1, 2, 3), list(range(4, 4 + length)), True, 0.0, 0.0, target_hidden=torch.randn(length, 8)
+        )
+
+    data = WarmupData(
+        [completion(3), completion(5)], [completion(2)], [torch.randn(3, 8)] * 2, [torch.randn(3, 8)], 4.0, 1.0
+    )
+    path = tmp_path / "samples.pt"
+    save_warmup_data(data, path)
+    loaded = load_warmup_data(path)
+    assert [c.response_ids for c in loaded.train] == [c.response_ids for c in data.train]
+    assert loaded.held_out[0].prompt_ids == (1, 2, 3) and loaded.generate_seconds == 4.0
+    torch.testing.assert_close(loaded.train[1].target_hidden, data.train[1].target_hidden)
+    torch.testing.assert_close(loaded.held_out_prompt_states[0], data.held_out_prompt_states[0])
+    assert not list(tmp_path.glob(".*tmp*"))
+    path.write_bytes(path.read_bytes()[:100])
+    assert load_warmup_data(path) is None
+    assert load_warmup_data(tmp_path / "none.pt") is None
+
+
+def test_training_stops_once_held_out_acceptance_stops_rising_and_keeps_the_best(monkeypatch):
+    from tlt_cli.drafter import warmup
+
+    target = tiny_qwen2(VOCAB_SIZE, 0, 64, hidden_size=32, tie_word_embeddings=True)
+    sequences = torch.randint(0, VOCAB_SIZE, (2, 12), generator=torch.Generator().manual_seed(3))
+    hidden = target.get_decoder()(input_ids=sequences).last_hidden_state.detach()
+    batch = DrafterBatch.from_sequences(sequences, hidden, torch.ones_like(sequences, dtype=torch.bool))
+    drafter = EagleDrafter(target, seed=0)
+    trainer = DrafterTrainer(drafter, lr=1e-3)
+    monkeypatch.setattr(warmup, "EVALUATE_EVERY", 2)
+    scores = iter([0.1, 0.5, 0.502, 0.501, 0.503, 0.9])  # flat after the second evaluation
+    saved = []
+
+    def evaluate():
+        saved.append({name: value.clone() for name, value in drafter.state_dict().items()})
+        return next(scores)
+
+    losses = warmup.train_on_buckets(trainer, [batch], steps=100, seed=0, evaluate=evaluate)
+    assert len(losses) == 10, "stopped at the fifth evaluation: no gain of PLATEAU_GAIN over three"
+    best = saved[4]  # 0.503, the highest score seen
+    for name, value in drafter.state_dict().items():
+        torch.testing.assert_close(value, best[name])
+
+
+def test_the_warm_up_samples_in_bfloat16_where_the_machine_has_it(model_folder, monkeypatch):
+    from tlt_cli.tuning import cache
+
+    recipe = recipe_for(model_folder)
+    monkeypatch.setattr(cache, "matrix_flags", lambda: ("avx512_bf16",))
+    assert setup.warmup_dtype(recipe, torch.device("cpu")) == torch.bfloat16
+    monkeypatch.setattr(cache, "matrix_flags", lambda: ())
+    assert setup.warmup_dtype(recipe, torch.device("cpu")) == torch.float32
+    assert setup.warmup_dtype(recipe_for(model_folder, "rollout.dtype=bfloat16"), torch.device("cpu")) == torch.bfloat16
+
+
+def test_a_log_gets_a_progress_line_with_what_is_left():
+    import io
+
+    from rich.console import Console
+
+    from tlt_cli.display import PhaseProgress
+
+    log = io.StringIO()
+    with PhaseProgress(Console(file=log), "drafter warm-up", interval=0.01) as progress:
+        assert progress.line() is None
+        progress("generate", 4, 16)
+        for _ in range(500):
+            if "generate 4/16" in log.getvalue():
+                break
+            time.sleep(0.01)
+    assert "drafter warm-up: generate 4/16, " in log.getvalue()
+    assert "s left" in progress.line()

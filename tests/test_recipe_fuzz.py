@@ -27,6 +27,7 @@ from typer.testing import CliRunner
 from tlt_cli.cli import app
 from tlt_cli.config import (
     Bfloat16Rounding,
+    DrafterLossKind,
     LinearForms,
     Precision,
     Recipe,
@@ -62,6 +63,7 @@ WRONG_VALUES = {
     RolloutCorrection: ["tokens", "{a: 1}"],
     Bfloat16Rounding: ["up", "[a, b]"],
     ServedDtype: ["int8", "[a, b]"],
+    DrafterLossKind: ["distill", "[a, b]"],
 }
 OUT_OF_RANGE = [
     "train.steps=0",

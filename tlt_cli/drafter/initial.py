@@ -21,8 +21,10 @@ from tlt_cli.drafter.model import DrafterLoadError, read_drafter_metadata
 
 LOGGER = logging.getLogger(__name__)
 
-# 2: hidden states from the engine, a draft vocabulary (drafter.vocab_size); 3: prompts through the chat template
-WARMUP_FORMAT = 3
+# 2: hidden states from the engine, a draft vocabulary (drafter.vocab_size); 3: prompts through the chat template;
+# 4: sampled in bfloat16 where the machine has it, held-out responses sampled, trained until held-out acceptance
+# stops rising
+WARMUP_FORMAT = 4
 
 
 def warmup_key(recipe: Recipe, cache: Path) -> str:
@@ -38,10 +40,11 @@ def warmup_key(recipe: Recipe, cache: Path) -> str:
         "seed": recipe.run.seed,
         "max_new_tokens": recipe.rollout.max_new_tokens,
         "temperature": recipe.rollout.temperature,
+        "rollout_dtype": str(recipe.rollout.dtype),
         "drafter": {
             key: value
             for key, value in asdict(recipe.drafter).items()
-            if key.startswith("warmup") or key == "vocab_size"
+            if key.startswith("warmup") or key in ("vocab_size", "loss")
         },
     }
     return hashlib.sha256(json.dumps(description, sort_keys=True, default=str).encode()).hexdigest()[:16]
