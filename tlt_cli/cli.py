@@ -526,6 +526,8 @@ def drafter_warmup(
         f"top-1 agreement {report['held_out_accuracy']:.1%}; cached in {folder}, held for the model",
         markup=False,
     )
+    curve = ", ".join(f"{step}: {acceptance:.1%}" for step, acceptance in report["learning_curve"])
+    console.print(f"held-out acceptance by step ({report['steps']} steps taken): {curve}", markup=False)
 
 
 bench_app = typer.Typer(

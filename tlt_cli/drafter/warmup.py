@@ -27,7 +27,7 @@ import copy
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -75,8 +75,9 @@ class WarmupReport:
     token sampled at the objective's temperature is accepted there; final_train_loss: mean total loss of the last
     10 steps; draft_vocab_size: N; draft_vocab_coverage: the share of held-out response tokens in
     the draft vocabulary (a ceiling on the agreement); generate_seconds: sampling the responses;
-    prompt_seconds: the prompts' hidden states; train_seconds: the steps; evaluate_seconds: both
-    held-out evaluations.
+    prompt_seconds: the prompts' hidden states; train_seconds: the steps and the evaluations among them;
+    evaluate_seconds: the held-out evaluations before and after; learning_curve: (step, held-out acceptance) at
+    each evaluation during training; steps: the steps taken (fewer than asked when acceptance stopped rising).
     """
 
     steps: int
@@ -97,6 +98,7 @@ class WarmupReport:
     prompt_seconds: float
     train_seconds: float
     evaluate_seconds: float
+    learning_curve: list[tuple[int, float]] = field(default_factory=list)
 
 
 def encode_prompts(tokenizer: PreTrainedTokenizerBase, task: Task, indices: range) -> list[list[int]]:
@@ -428,8 +430,12 @@ def train_warmup_drafter(
     evaluate_seconds = time.perf_counter() - evaluate_start
     train_start = time.perf_counter()
 
+    learning_curve: list[tuple[int, float]] = []
+
     def held_out_acceptance() -> float:
-        return held_out_metrics(drafter, held_out_buckets, objective).acceptance
+        acceptance = held_out_metrics(drafter, held_out_buckets, objective).acceptance
+        learning_curve.append((trainer.steps_taken + trainer.steps_skipped, acceptance))
+        return acceptance
 
     step_losses = train_on_buckets(trainer, train_buckets, steps, seed, progress, held_out_acceptance)
     train_seconds = time.perf_counter() - train_start
@@ -461,6 +467,7 @@ def train_warmup_drafter(
         prompt_seconds=data.prompt_seconds,
         train_seconds=train_seconds,
         evaluate_seconds=evaluate_seconds,
+        learning_curve=learning_curve,
     )
 
 
