@@ -17,6 +17,7 @@ from tlt_cli.checkpoint import DRAFTER_DIRECTORY, CheckpointError, latest_checkp
 from tlt_cli.config import Recipe
 from tlt_cli.drafter import library
 from tlt_cli.drafter.model import CONFIG_FILE, DrafterLoadError
+from tlt_cli.errors import UserError
 from tlt_cli.models.loading import model_folder
 
 LOGGER = logging.getLogger(__name__)
@@ -34,7 +35,11 @@ def publish_run_drafter(recipe: Recipe, run_directory: Path, cache: Path, steps:
         return None
     last_step = checkpoint.next_step - 1
     accept_length = last_accept_length(steps, last_step)
-    model = model_folder(recipe.model.path)
+    try:
+        model = model_folder(recipe.model.path)
+    except UserError as error:  # the model folder went away during the run: nothing to key the drafter by
+        LOGGER.warning("the run's drafter was not kept for the next run (%s)", error)
+        return None
     held = library.newest(cache, model)
     if held is not None and _held_drafts_better(held[1], accept_length):
         return (
