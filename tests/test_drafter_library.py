@@ -170,14 +170,8 @@ def test_total_variation_is_one_minus_the_acceptance_of_lossless_sampling():
     generator = torch.Generator().manual_seed(0)
     target_logits, drafter_logits = torch.randn(1, 3, 6, generator=generator), torch.randn(1, 3, 6, generator=generator)
     objective = TokenObjective(temperature=0.7, cross_entropy_weight=0.0, total_variation_weight=1.0)
-    hidden = torch.zeros(1, 3, 4)
-    loss = drafter_loss(
-        DrafterOutput(hidden, drafter_logits),
-        hidden,
-        target_logits,
-        torch.ones(1, 3, dtype=torch.bool),
-        objective=objective,
-    )
+    hidden, mask = torch.zeros(1, 3, 4), torch.ones(1, 3, dtype=torch.bool)
+    loss = drafter_loss(DrafterOutput(hidden, drafter_logits), hidden, target_logits, mask, objective=objective)
     p, q = torch.softmax(target_logits / 0.7, -1), torch.softmax(drafter_logits / 0.7, -1)
     # lossless sampling: draw x ~ q, keep it with probability min(1, p(x)/q(x))
     draws = torch.multinomial(q[0], 200_000, replacement=True, generator=generator)
@@ -185,13 +179,7 @@ def test_total_variation_is_one_minus_the_acceptance_of_lossless_sampling():
     empirical = kept.float().mean()
     torch.testing.assert_close(loss.acceptance, empirical, atol=4e-3, rtol=0)
     torch.testing.assert_close(loss.total, 1 - torch.minimum(p, q).sum(-1).mean())
-    same = drafter_loss(
-        DrafterOutput(hidden, target_logits),
-        hidden,
-        target_logits,
-        torch.ones(1, 3, dtype=torch.bool),
-        objective=objective,
-    )
+    same = drafter_loss(DrafterOutput(hidden, target_logits), hidden, target_logits, mask, objective=objective)
     torch.testing.assert_close(same.acceptance, torch.tensor(1.0))
 
 

@@ -30,7 +30,7 @@ def recipe(window_steps=2, batch_size=4, lr=1e-2, update_share=0.05, idle_duty=1
     drafter = DrafterConfig(
         lr=lr, window_steps=window_steps, batch_size=batch_size, update_share=update_share, idle_duty=idle_duty
     )
-    return SimpleNamespace(drafter=drafter, run=SimpleNamespace(seed=0))
+    return SimpleNamespace(drafter=drafter, run=SimpleNamespace(seed=0), rollout=SimpleNamespace(temperature=1.0))
 
 
 def context(step, target, drafter, world_size=1, worker=0):
