@@ -11,10 +11,12 @@ from tests.test_export import partly_right_drafter, tiny_target, write_recipe
 from tlt_cli.checkpoint import prepare_staging, publish
 from tlt_cli.cli import app
 from tlt_cli.config import ActorConfig
+from tlt_cli.drafter import library
 from tlt_cli.drafter.model import save_drafter
 from tlt_cli.export_policy import held_out_prompt_ids, policy_at_checkpoint, token_log_probs
 from tlt_cli.models.tiny import build_tiny_model, save_model_folder
 from tlt_cli.recipe_checks import load_checked_recipe
+from tlt_cli.training import setup
 from tlt_cli.training.actor import Actor
 
 torch.set_num_threads(1)
@@ -59,6 +61,14 @@ def test_export_loads_in_transformers_with_the_checkpoints_log_probs_exactly(tmp
     }
     assert not [path for path in tmp_path.iterdir() if path.name.startswith(".policy")]  # no staging left
     assert json.loads((out / "tlt_policy.json").read_text())["rl_step"] == 3
+    # the run's drafter is held for the exported policy, so a run on `out` starts with it (drafter.init auto)
+    assert "the run's drafter is held for the exported policy" in result.output
+    held, record = library.newest(setup.model_cache(load_checked_recipe(run / "recipe.yaml")), out)
+    assert str(held) == json.loads((out / "tlt_policy.json").read_text())["held_drafter"]
+    assert record.source.startswith("run ") and record.source.endswith("(its exported policy)")
+    assert (held / "drafter.safetensors").read_bytes() == (
+        run / "checkpoints" / "step_000003" / "drafter" / "drafter.safetensors"
+    ).read_bytes()
 
     loaded = AutoModelForCausalLM.from_pretrained(out).eval()
     assert loaded.dtype == torch.float32

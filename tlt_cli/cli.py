@@ -489,6 +489,12 @@ def export_policy(
         highlight=False,
         soft_wrap=True,
     )
+    if summary.held_drafter is not None:
+        console.print(
+            "the run's drafter is held for the exported policy: a run on it starts with that drafter",
+            highlight=False,
+            soft_wrap=True,
+        )
 
 
 drafter_app = typer.Typer(help="The drafter tlt holds for a model: warm one up.", no_args_is_help=True)

@@ -26,6 +26,7 @@ import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 
 from tlt_cli.checkpoint import (
+    DRAFTER_DIRECTORY,
     LATEST_FILE,
     Checkpoint,
     CheckpointError,
@@ -37,6 +38,8 @@ from tlt_cli.checkpoint import (
     numbered_checkpoints,
 )
 from tlt_cli.config import Recipe
+from tlt_cli.drafter import library
+from tlt_cli.drafter.model import CONFIG_FILE
 from tlt_cli.errors import UserError, writing
 from tlt_cli.recipe_checks import load_checked_recipe
 from tlt_cli.tasks.prompts import encode_prompt
@@ -67,6 +70,9 @@ class PolicyExport:
     checked_prompts: int
     # one line each (a damaged latest checkpoint replaced by the previous one)
     warnings: list[str]
+    # the library version holding the run's drafter for the exported policy (drafter/library.py); None: the
+    # checkpoint had no drafter
+    held_drafter: str | None = None
 
 
 def export_policy(run_directory: Path, output_dir: Path, step: int | None = None) -> PolicyExport:
@@ -87,6 +93,7 @@ def export_policy(run_directory: Path, output_dir: Path, step: int | None = None
             policy.save_pretrained(staging, safe_serialization=True)
             tokenizer.save_pretrained(staging)
         _check_reload(policy, staging, prompt_ids, output_dir)
+        held = _hold_drafter(recipe, checkpoint, staging)
         summary = PolicyExport(
             output_dir=str(output_dir),
             run_directory=str(run_directory),
@@ -96,6 +103,7 @@ def export_policy(run_directory: Path, output_dir: Path, step: int | None = None
             dtype=str(policy.dtype).removeprefix("torch."),
             checked_prompts=len(prompt_ids),
             warnings=[checkpoint.warning] if checkpoint.warning else [],
+            held_drafter=str(held) if held is not None else None,
         )
         with writing(output_dir, WRITE_ADVICE, PolicyExportError):
             (staging / SUMMARY_FILE).write_text(json.dumps(asdict(summary), indent=2) + "\n")
@@ -104,6 +112,20 @@ def export_policy(run_directory: Path, output_dir: Path, step: int | None = None
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return summary
+
+
+def _hold_drafter(recipe: Recipe, checkpoint: Checkpoint, policy_folder: Path) -> Path | None:
+    """Make the checkpoint's drafter the one tlt holds for the exported policy (keyed by its files, which the
+    rename into place keeps), so a run on the exported folder starts with the drafter its run trained."""
+    drafter_folder = checkpoint.directory / DRAFTER_DIRECTORY
+    if not (drafter_folder / CONFIG_FILE).is_file():
+        return None
+    record = library.DrafterRecord(
+        source=f"run {recipe.run.name}, step {checkpoint.next_step - 1} (its exported policy)",
+        model=recipe.model.path,
+        temperature=recipe.rollout.temperature,
+    )
+    return library.publish(setup.model_cache(recipe), policy_folder, drafter_folder, record)
 
 
 def _check_output(output_dir: Path) -> None:
