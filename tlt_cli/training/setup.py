@@ -191,11 +191,16 @@ def describe_drafter_start(recipe: Recipe, folder: Path | None) -> str | None:
 
 
 def held_drafter(recipe: Recipe, cache: Path) -> Path | None:
-    """The folder of the newest drafter tlt holds for the recipe's model (drafter/library.py), or None."""
+    """The folder of the newest drafter tlt holds for the recipe's model (drafter/library.py), or None (none held,
+    or no model folder yet: loading the model refuses that in one sentence, where it is needed)."""
     from tlt_cli.drafter import library
-    from tlt_cli.models.loading import model_folder
+    from tlt_cli.models.loading import ModelLoadError, model_folder
 
-    held = library.newest(cache, model_folder(recipe.model.path))
+    try:
+        folder = model_folder(recipe.model.path)
+    except ModelLoadError:
+        return None
+    held = library.newest(cache, folder)
     return held[0] if held is not None else None
 
 
