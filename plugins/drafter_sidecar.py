@@ -101,9 +101,7 @@ class DrafterSidecar:
     sleep = staticmethod(time.sleep)
 
     @classmethod
-    def trl_process_sidecar(
-        cls, settings: DrafterConfig, seed: int, temperature: float = 1.0, **arguments: Any
-    ) -> Any:
+    def trl_process_sidecar(cls, settings: DrafterConfig, seed: int, temperature: float = 1.0, **arguments: Any) -> Any:
         """The sidecar driven from TRL's rollout_func in a data-parallel TRL run (drafter_sidecar_trl.py), around an
         instance of this class with the `drafter` settings, seed and sampling temperature it is given."""
         from tlt_plugins.drafter_sidecar_trl import TrlSidecar
