@@ -44,7 +44,7 @@ import torch
 
 from tlt_cli.checkpoint import DRAFTER_DIRECTORY, load_checkpoint_file
 from tlt_cli.config import DrafterConfig, Recipe, RolloutConfig, RunConfig
-from tlt_cli.drafter.loss import token_objective
+from tlt_cli.drafter.loss import objective_named
 from tlt_cli.drafter.model import save_drafter
 from tlt_cli.drafter.trainer import DrafterBatch, DrafterTrainer
 from tlt_cli.plugins import MetricColumn
@@ -112,8 +112,8 @@ class DrafterSidecar:
     def __init__(self, recipe: Any):
         self.settings = recipe.drafter
         self.seed = recipe.run.seed
-        # the next-token objective at the rollout's sampling temperature (drafter.loss)
-        self.objective = token_objective(recipe.drafter.loss, recipe.rollout.temperature)
+        # the objective at the rollout's sampling temperature (drafter.loss), over drafter.train_depths
+        self.objective = objective_named(self.settings.loss, recipe.rollout.temperature, self.settings.train_depths)
         self.window: deque[StepData] = deque()
         self.trainer: DrafterTrainer | None = None
         self.drafter: torch.nn.Module | None = None

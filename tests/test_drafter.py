@@ -357,9 +357,10 @@ def test_warm_up_teaches_the_drafter_to_agree_with_the_target():
     assert report.train_tokens > 0 and report.held_out_tokens > 0
     assert report.held_out_accuracy > report.held_out_accuracy_before + 0.3
     assert report.held_out_acceptance > report.held_out_acceptance_before + 0.3
-    assert [step for step, _ in report.learning_curve] == [50, 60], "scored every 50 steps and at the last"
-    best_scored = max(acceptance for _, acceptance in report.learning_curve)
-    assert abs(report.held_out_acceptance - best_scored) < 1e-6, "the best scored drafter is kept"
+    assert [step for step, _, _ in report.learning_curve] == [50, 60], "scored every 50 steps and at the last"
+    best_scored = max(accept_length for _, _, accept_length in report.learning_curve)
+    assert abs(report.held_out_accept_length - best_scored) < 1e-6, "the best scored drafter is kept"
+    assert len(report.held_out_acceptance_by_depth) == 1, "warm_up_drafter's default objective is one depth"
     assert not drafter.training
     for name, value in target.state_dict().items():
         assert torch.equal(value, target_before[name]), name

@@ -16,7 +16,7 @@ from tlt_cli.checkpoint import DRAFTER_DIRECTORY, prepare_staging
 from tlt_cli.checkpoint import publish as publish_checkpoint
 from tlt_cli.config.loading import load_recipe
 from tlt_cli.drafter import library
-from tlt_cli.drafter.loss import EAGLE_OBJECTIVE, TokenObjective, acceptance_objective, drafter_loss
+from tlt_cli.drafter.loss import EAGLE_OBJECTIVE, DrafterObjective, acceptance_objective, drafter_loss
 from tlt_cli.drafter.model import DrafterOutput, EagleDrafter, load_drafter, save_drafter
 from tlt_cli.drafter.trainer import DrafterBatch, DrafterTrainer, evaluate_drafter
 from tlt_cli.drafter.vocabulary import DraftVocabulary
@@ -169,7 +169,7 @@ def test_a_run_without_a_checkpointed_drafter_publishes_nothing(tmp_path, model_
 def test_total_variation_is_one_minus_the_acceptance_of_lossless_sampling():
     generator = torch.Generator().manual_seed(0)
     target_logits, drafter_logits = torch.randn(1, 3, 6, generator=generator), torch.randn(1, 3, 6, generator=generator)
-    objective = TokenObjective(temperature=0.7, cross_entropy_weight=0.0, total_variation_weight=1.0)
+    objective = DrafterObjective(temperature=0.7, cross_entropy_weight=0.0, total_variation_weight=1.0)
     hidden, mask = torch.zeros(1, 3, 4), torch.ones(1, 3, dtype=torch.bool)
     loss = drafter_loss(DrafterOutput(hidden, drafter_logits), hidden, target_logits, mask, objective=objective)
     p, q = torch.softmax(target_logits / 0.7, -1), torch.softmax(drafter_logits / 0.7, -1)
@@ -224,8 +224,9 @@ def test_training_for_acceptance_raises_it_more_than_eagles_loss():
 
 
 def test_the_recipe_chooses_the_objective_at_the_rollout_temperature(model_folder):
-    assert setup.drafter_objective(recipe_for(model_folder, "rollout.temperature=0.7")) == acceptance_objective(0.7)
-    assert setup.drafter_objective(recipe_for(model_folder, "drafter.loss=eagle")) == EAGLE_OBJECTIVE
+    assert setup.drafter_objective(recipe_for(model_folder, "rollout.temperature=0.7")) == acceptance_objective(0.7, 3)
+    eagle = setup.drafter_objective(recipe_for(model_folder, "drafter.loss=eagle", "drafter.train_depths=1"))
+    assert eagle == EAGLE_OBJECTIVE
     assert acceptance_objective(0.0).temperature == 1.0, "greedy runs train at temperature 1 (the same argmax)"
     assert json.dumps(acceptance_objective(0.7).__dict__)
 

@@ -513,6 +513,7 @@ def drafter_warmup(
     """Warm up the recipe's drafter offline (as drafter.init=warmup does), cache it and make it the one tlt holds for
     the model, so every later run on the model starts with it. Stopped after its generation, it resumes there."""
     from tlt_cli.display import PhaseProgress
+    from tlt_cli.drafter.warmup import report_lines
     from tlt_cli.training.setup import model_cache, warmed_up_drafter
 
     try:
@@ -526,14 +527,9 @@ def drafter_warmup(
     if report is None:
         console.print(f"the recipe's warm-up is already cached in {folder}; tlt holds it for the model", markup=False)
         return
-    console.print(
-        f"drafter warmed up: a sampled draft token is accepted {report['held_out_acceptance']:.1%} of the time on "
-        f"held-out responses at T={recipe.rollout.temperature:g} (from {report['held_out_acceptance_before']:.1%}), "
-        f"top-1 agreement {report['held_out_accuracy']:.1%}; cached in {folder}, held for the model",
-        markup=False,
-    )
-    curve = ", ".join(f"{step}: {acceptance:.1%}" for step, acceptance in report["learning_curve"])
-    console.print(f"held-out acceptance by step ({report['steps']} steps taken): {curve}", markup=False)
+    for line in report_lines(report, recipe.rollout.temperature):
+        console.print(line, markup=False)
+    console.print(f"cached in {folder}, held for the model", markup=False)
 
 
 bench_app = typer.Typer(

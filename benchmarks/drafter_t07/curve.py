@@ -9,7 +9,7 @@ import time
 import torch
 
 from tlt_cli.config.loading import load_recipe
-from tlt_cli.drafter.loss import TokenObjective
+from tlt_cli.drafter.loss import DrafterObjective
 from tlt_cli.drafter.model import EagleDrafter
 from tlt_cli.drafter.trainer import DrafterTrainer, evaluate_drafter
 from tlt_cli.drafter.vocabulary import choose_vocabulary
@@ -19,14 +19,14 @@ from tlt_cli.training import setup
 torch.set_num_threads(int(sys.argv[4]) if len(sys.argv) > 4 else 2)
 name, steps, lr = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
 objectives = {
-    "eagle": TokenObjective(1.0, 0.1, 0.0),
-    "ce07": TokenObjective(0.7, 1.0, 0.0),
-    "ce07tv": TokenObjective(0.7, 1.0, 1.0),
-    "tv07": TokenObjective(0.7, 0.0, 1.0),
-    "ce07tv_x": TokenObjective(0.7, 0.3, 3.0),
+    "eagle": DrafterObjective(1.0, 0.1, 0.0),
+    "ce07": DrafterObjective(0.7, 1.0, 0.0),
+    "ce07tv": DrafterObjective(0.7, 1.0, 1.0),
+    "tv07": DrafterObjective(0.7, 0.0, 1.0),
+    "ce07tv_x": DrafterObjective(0.7, 0.3, 3.0),
 }
 objective = objectives[name]
-evaluation = TokenObjective(0.7, 0.1, 0.0)
+evaluation = DrafterObjective(0.7, 0.1, 0.0)
 recipe = load_recipe("recipes/real-cpu.yaml", [])
 target, tokenizer = setup.policy_and_tokenizer(recipe)
 target.eval()

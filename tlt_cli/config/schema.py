@@ -542,6 +542,13 @@ class DrafterConfig:
         "variation at the rollout's temperature, what lossless sampling accepts) or eagle (soft cross-entropy "
         "at temperature 1, weight 0.1)",
     )
+    train_depths: int = setting(
+        3,
+        "draft depths the drafter trains at, offline and online: depth d reads its own prediction from depth d-1, "
+        "as it does while drafting its d-th token (training-time test; 1: the target's states only, EAGLE-1)",
+        minimum=1,
+        maximum=8,
+    )
     warmup_steps: int = setting(600, "offline warm-up: optimizer steps", minimum=1)
     warmup_lr: float = setting(1e-3, "offline warm-up: learning rate", minimum=0, exclusive_minimum=True)
     warmup_prompts: int = setting(1024, "offline warm-up: prompts sampled", minimum=1)

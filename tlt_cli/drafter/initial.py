@@ -23,8 +23,9 @@ LOGGER = logging.getLogger(__name__)
 
 # 2: hidden states from the engine, a draft vocabulary (drafter.vocab_size); 3: prompts through the chat template;
 # 4: sampled in bfloat16 where the machine has it, held-out responses sampled, trained until held-out acceptance
-# stops rising
-WARMUP_FORMAT = 4
+# stops rising; 5: trained over draft depths (drafter.train_depths), stopped when the held-out accept length stops
+# rising
+WARMUP_FORMAT = 5
 
 
 def warmup_key(recipe: Recipe, cache: Path) -> str:
@@ -44,7 +45,7 @@ def warmup_key(recipe: Recipe, cache: Path) -> str:
         "drafter": {
             key: value
             for key, value in asdict(recipe.drafter).items()
-            if key.startswith("warmup") or key in ("vocab_size", "loss")
+            if key.startswith("warmup") or key in ("vocab_size", "loss", "train_depths")
         },
     }
     return hashlib.sha256(json.dumps(description, sort_keys=True, default=str).encode()).hexdigest()[:16]

@@ -2,13 +2,15 @@
 
 `drafter_loss` compares a `DrafterOutput` with the target's own next hidden state and logits at
 the same positions: SmoothL1(predicted hidden, target_hidden[t+1]) with weight 1.0, plus the token
-terms of a `TokenObjective` over the two distributions at the run's sampling temperature T,
+terms of a `DrafterObjective` over the two distributions at the run's sampling temperature T,
 p = softmax(target_logits / T) and q = softmax(drafter_logits / T):
   - soft cross-entropy -sum_v p_v log q_v (EAGLE's term, which EAGLE computes at T = 1, weight 0.1);
   - total variation 1 - sum_v min(p_v, q_v): lossless sampling accepts a draft token with probability
     min(1, p/q), so sum_v min(p_v, q_v) is the chance a sampled draft token is accepted, and this term
     is one minus it (DistillSpec's observation: train the quantity verification rewards).
 `EAGLE_OBJECTIVE` is the paper's loss; `acceptance_objective(T)` the default, matched to sampling at T.
+An objective also says over how many draft depths the drafter trains (`depths`, tlt_cli/drafter/unrolled.py):
+`combined_loss` weighs depth d's loss by DEPTH_WEIGHT_DECAY ** (d - 1), as EAGLE-3 weighs its steps.
 Only positions in `loss_mask` (response tokens) count. The drafter trainer and the warm-up call it;
 its top-1 accuracy (drafter argmax == target argmax) is the greedy acceptance rate at depth 1, and its
 `acceptance` (sum_v min(p_v, q_v)) the sampled one at T.
@@ -24,6 +26,7 @@ over the draft tokens (training steps, where the full head is not computed).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -36,35 +39,42 @@ HIDDEN_LOSS_WEIGHT = 1.0
 
 
 @dataclass(frozen=True)
-class TokenObjective:
-    """The next-token terms of the loss: both distributions at `temperature`, the soft cross-entropy
-    weighted `cross_entropy_weight`, the total variation `total_variation_weight` (module docstring)."""
+class DrafterObjective:
+    """What the drafter trains for: the next-token terms (both distributions at `temperature`, the soft
+    cross-entropy weighted `cross_entropy_weight`, the total variation `total_variation_weight`; module
+    docstring) at each of `depths` draft depths (1: the target's states only)."""
 
     temperature: float = 1.0
     cross_entropy_weight: float = 0.1
     total_variation_weight: float = 0.0
+    depths: int = 1
 
 
 # EAGLE's loss: soft cross-entropy at T = 1, weight 0.1, no acceptance term
-EAGLE_OBJECTIVE = TokenObjective()
+EAGLE_OBJECTIVE = DrafterObjective()
 # the acceptance objective's weights, chosen, not tuned: on SmolLM2-135M at T=0.7 it matched EAGLE's loss (38.7% vs
 # 39.0% held-out acceptance after 300 steps; BENCHMARKS.md, "A drafter that pays at T=0.7"); on a peaked tiny target
 # it trained faster (tests/test_drafter_library.py)
 ACCEPTANCE_CROSS_ENTROPY_WEIGHT = 1.0
 ACCEPTANCE_TOTAL_VARIATION_WEIGHT = 1.0
+# depth d's share of the unrolled loss, relative to depth 1's (EAGLE-3's 0.8 per step)
+DEPTH_WEIGHT_DECAY = 0.8
 
 
-def token_objective(kind: str, temperature: float) -> TokenObjective:
-    """drafter.loss's objective for a rollout sampled at `temperature`: "eagle" or "acceptance"."""
-    return EAGLE_OBJECTIVE if kind == "eagle" else acceptance_objective(temperature)
+def objective_named(kind: str, temperature: float, depths: int = 1) -> DrafterObjective:
+    """drafter.loss's objective for a rollout sampled at `temperature`: "eagle" or "acceptance", trained over
+    `depths` draft depths (drafter.train_depths)."""
+    objective = EAGLE_OBJECTIVE if kind == "eagle" else acceptance_objective(temperature)
+    return dataclasses.replace(objective, depths=depths)
 
 
-def acceptance_objective(temperature: float) -> TokenObjective:
+def acceptance_objective(temperature: float, depths: int = 1) -> DrafterObjective:
     """The token terms matched to lossless sampling at `temperature` (greedy runs: 1.0, whose argmax is the same)."""
-    return TokenObjective(
+    return DrafterObjective(
         temperature=temperature if temperature > 0 else 1.0,
         cross_entropy_weight=ACCEPTANCE_CROSS_ENTROPY_WEIGHT,
         total_variation_weight=ACCEPTANCE_TOTAL_VARIATION_WEIGHT,
+        depths=depths,
     )
 
 
@@ -77,7 +87,8 @@ class DrafterLoss:
     temperature is accepted (1 - total_variation); accuracy: fraction of counted tokens where the drafter's
     argmax equals the target's argmax;
     token_count: how many tokens were counted; step_skipped: set by the trainer when it refused
-    to apply this step (non-finite loss or gradient).
+    to apply this step (non-finite loss or gradient); later_depths: the losses of draft depths 2, 3, ... of an
+    unrolled forward (`combined_loss`: then total weighs every depth, and the other fields are depth 1's).
     """
 
     total: torch.Tensor
@@ -87,10 +98,16 @@ class DrafterLoss:
     accuracy: torch.Tensor
     token_count: int
     step_skipped: bool = False
+    later_depths: tuple[DrafterLoss, ...] = ()
 
     @property
     def acceptance(self) -> torch.Tensor:
         return 1.0 - self.total_variation
+
+    @property
+    def by_depth(self) -> tuple[DrafterLoss, ...]:
+        """Depth 1's loss (this one's own fields), then each later depth's."""
+        return (self, *self.later_depths)
 
     @property
     def is_finite(self) -> bool:
@@ -105,7 +122,18 @@ class DrafterLoss:
             accuracy=self.accuracy.detach(),
             token_count=self.token_count,
             step_skipped=self.step_skipped,
+            later_depths=tuple(loss.detached() for loss in self.later_depths),
         )
+
+
+def combined_loss(losses: list[DrafterLoss]) -> DrafterLoss:
+    """One DrafterLoss of an unrolled forward's per-depth losses (depth 1 first): its total is their mean
+    weighted DEPTH_WEIGHT_DECAY ** (d - 1), its other fields are depth 1's, and later_depths holds the rest."""
+    if len(losses) == 1:
+        return losses[0]
+    weights = [DEPTH_WEIGHT_DECAY**depth for depth in range(len(losses))]
+    total = sum(weight * loss.total for weight, loss in zip(weights, losses, strict=True)) / sum(weights)
+    return dataclasses.replace(losses[0], total=total, later_depths=tuple(losses[1:]))
 
 
 def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -124,7 +152,7 @@ def drafter_loss(
     loss_mask: torch.Tensor,
     vocabulary: DraftVocabulary | None = None,
     target_tokens_next: torch.Tensor | None = None,
-    objective: TokenObjective = EAGLE_OBJECTIVE,
+    objective: DrafterObjective = EAGLE_OBJECTIVE,
     target_log_normalizer: torch.Tensor | None = None,
 ) -> DrafterLoss:
     """Loss of a drafter forward against the target.

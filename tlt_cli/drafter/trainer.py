@@ -21,8 +21,9 @@ from dataclasses import dataclass, fields
 import torch
 from transformers import PreTrainedModel
 
-from tlt_cli.drafter.loss import EAGLE_OBJECTIVE, DrafterLoss, TokenObjective, drafter_loss
+from tlt_cli.drafter.loss import EAGLE_OBJECTIVE, DrafterLoss, DrafterObjective, combined_loss, drafter_loss
 from tlt_cli.drafter.model import EagleDrafter
+from tlt_cli.drafter.unrolled import unrolled_loss_mask, unrolled_outputs
 
 logger = logging.getLogger(__name__)
 
@@ -133,26 +134,38 @@ def collect_drafter_batch(
 def drafter_forward_loss(
     drafter: EagleDrafter,
     batch: DrafterBatch,
-    objective: TokenObjective = EAGLE_OBJECTIVE,
+    objective: DrafterObjective = EAGLE_OBJECTIVE,
     target_tokens_next: torch.Tensor | None = None,
     target_log_normalizer: torch.Tensor | None = None,
 ) -> DrafterLoss:
-    """The drafter's loss on a batch; the target's next-token logits over the draft tokens come
-    from the same rows of its lm_head the drafter uses. target_tokens_next, target_log_normalizer: see
-    `drafter_loss`."""
+    """The drafter's loss on a batch, unrolled over the objective's draft depths (tlt_cli/drafter/unrolled.py);
+    the target's next-token logits over the draft tokens come from the same rows of its lm_head the drafter
+    uses. target_tokens_next, target_log_normalizer: see `drafter_loss`."""
     with torch.no_grad():
         target_logits_next = drafter.draft_logits(batch.target_hidden_next)
-    output = drafter(batch.input_ids, batch.target_hidden, batch.position_ids, batch.attention_mask(), None)
-    return drafter_loss(
-        output,
-        batch.target_hidden_next,
-        target_logits_next,
-        batch.loss_mask,
-        drafter.vocabulary,
-        target_tokens_next,
-        objective,
-        target_log_normalizer,
+    outputs = unrolled_outputs(
+        drafter,
+        batch.input_ids,
+        batch.target_hidden,
+        batch.position_ids,
+        batch.valid_mask,
+        batch.attention_mask(),
+        objective.depths,
     )
+    losses = [
+        drafter_loss(
+            output,
+            batch.target_hidden_next,
+            target_logits_next,
+            unrolled_loss_mask(batch.loss_mask, depth),
+            drafter.vocabulary,
+            target_tokens_next,
+            objective,
+            target_log_normalizer,
+        )
+        for depth, output in enumerate(outputs, start=1)
+    ]
+    return combined_loss(losses)
 
 
 @torch.no_grad()
@@ -176,7 +189,7 @@ def evaluate_drafter(
     drafter: EagleDrafter,
     batch: DrafterBatch,
     target_tokens_next: torch.Tensor | None = None,
-    objective: TokenObjective = EAGLE_OBJECTIVE,
+    objective: DrafterObjective = EAGLE_OBJECTIVE,
 ) -> DrafterLoss:
     """Loss, top-1 agreement with the target's next token and the sampled acceptance at the objective's
     temperature against the target's whole-vocabulary distribution, without training (eval mode).
@@ -211,7 +224,7 @@ class DrafterTrainer:
         weight_decay: float = 0.0,
         betas: tuple[float, float] = (0.9, 0.95),
         grad_clip: float = 1.0,
-        objective: TokenObjective = EAGLE_OBJECTIVE,
+        objective: DrafterObjective = EAGLE_OBJECTIVE,
     ):
         self.drafter = drafter
         self.objective = objective

@@ -24,6 +24,7 @@ setup before the first RL step (tlt_cli/drafter/initial.py), `tlt drafter warmup
 from __future__ import annotations
 
 import copy
+import math
 import os
 import time
 from collections.abc import Callable
@@ -34,7 +35,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from tlt_cli.checkpoint import CheckpointError, load_checkpoint_file
-from tlt_cli.drafter.loss import EAGLE_OBJECTIVE, TokenObjective
+from tlt_cli.drafter.loss import EAGLE_OBJECTIVE, DrafterObjective
 from tlt_cli.drafter.model import EagleDrafter
 from tlt_cli.drafter.trainer import DrafterBatch, DrafterTrainer, evaluate_drafter
 from tlt_cli.drafter.vocabulary import choose_vocabulary, token_coverage
@@ -55,7 +56,7 @@ GENERATION_ROWS = 32
 HELD_OUT_PROMPTS = 32
 # the layout save_warmup_data writes (a file of another is sampled again)
 WARMUP_DATA_FORMAT = 1
-# held-out evaluations during training: every this many steps; training stops once the held-out acceptance rose
+# held-out evaluations during training: every this many steps; training stops once the held-out accept length rose
 # less than PLATEAU_GAIN over PLATEAU_EVALUATIONS evaluations, and the best drafter evaluated is kept
 EVALUATE_EVERY = 50
 PLATEAU_GAIN = 0.005
@@ -72,12 +73,15 @@ class WarmupReport:
     train_tokens / held_out_tokens: drafter positions counted by the loss (response tokens);
     held_out_accuracy_before / held_out_accuracy: top-1 agreement with the target's next token on held-out
     responses before and after training; held_out_acceptance_before / held_out_acceptance: the chance a draft
-    token sampled at the objective's temperature is accepted there; final_train_loss: mean total loss of the last
+    token sampled at the objective's temperature is accepted there; held_out_acceptance_by_depth: that chance for
+    each draft token of a chain of the objective's depths, and held_out_accept_length the tokens a verify pass
+    keeps from it (`HeldOutMetrics.accept_length`); final_train_loss: mean total loss of the last
     10 steps; draft_vocab_size: N; draft_vocab_coverage: the share of held-out response tokens in
     the draft vocabulary (a ceiling on the agreement); generate_seconds: sampling the responses;
     prompt_seconds: the prompts' hidden states; train_seconds: the steps and the evaluations among them;
-    evaluate_seconds: the held-out evaluations before and after; learning_curve: (step, held-out acceptance) at
-    each evaluation during training; steps: the steps taken (fewer than asked when acceptance stopped rising).
+    evaluate_seconds: the held-out evaluations before and after; learning_curve: (step, held-out acceptance, held-out
+    accept length) at each evaluation during training; steps: the steps taken (fewer than asked when the accept
+    length stopped rising).
     """
 
     steps: int
@@ -90,6 +94,8 @@ class WarmupReport:
     held_out_accuracy: float
     held_out_acceptance_before: float
     held_out_acceptance: float
+    held_out_acceptance_by_depth: list[float]
+    held_out_accept_length: float
     held_out_loss: float
     final_train_loss: float
     draft_vocab_size: int
@@ -98,7 +104,21 @@ class WarmupReport:
     prompt_seconds: float
     train_seconds: float
     evaluate_seconds: float
-    learning_curve: list[tuple[int, float]] = field(default_factory=list)
+    learning_curve: list[tuple[int, float, float]] = field(default_factory=list)
+
+
+def report_lines(report: dict, temperature: float) -> list[str]:
+    """The console's lines on a finished warm-up (a `WarmupReport` as a dict), sampled at `temperature`."""
+    by_depth = ", ".join(f"{acceptance:.1%}" for acceptance in report["held_out_acceptance_by_depth"])
+    curve = ", ".join(f"{step}: {accept_length:.2f}" for step, _, accept_length in report["learning_curve"])
+    return [
+        f"drafter warmed up: a sampled draft token is accepted {report['held_out_acceptance']:.1%} of the time on "
+        f"held-out responses at T={temperature:g} (from {report['held_out_acceptance_before']:.1%}), top-1 "
+        f"agreement {report['held_out_accuracy']:.1%}",
+        f"draft tokens 1, 2, ... of a chain accepted {by_depth}: about {report['held_out_accept_length']:.2f} tokens "
+        "a verify pass",
+        f"held-out accept length by step ({report['steps']} steps taken): {curve}",
+    ]
 
 
 def encode_prompts(tokenizer: PreTrainedTokenizerBase, task: Task, indices: range) -> list[list[int]]:
@@ -220,24 +240,36 @@ def length_buckets(
 @dataclass(frozen=True)
 class HeldOutMetrics:
     """Token-weighted means over held-out buckets: accuracy (top-1 agreement with the target's argmax),
-    acceptance (the chance a sampled draft token is accepted at the objective's temperature), loss (total)."""
+    acceptance (the chance a sampled draft token is accepted at the objective's temperature), loss (total), and
+    acceptance_by_depth: the acceptance of the 1st, 2nd, ... draft token of a chain (the objective's depths)."""
 
     accuracy: float
     acceptance: float
     loss: float
+    acceptance_by_depth: tuple[float, ...]
+
+    @property
+    def accept_length(self) -> float:
+        """Tokens a verify pass keeps from a chain of len(acceptance_by_depth) drafts, taking each depth's
+        acceptance as independent of the others: 1 + a1 + a1*a2 + ..."""
+        return 1.0 + sum(
+            math.prod(self.acceptance_by_depth[:depth]) for depth in range(1, len(self.acceptance_by_depth) + 1)
+        )
 
 
 def held_out_metrics(
-    drafter: EagleDrafter, buckets: list[DrafterBatch], objective: TokenObjective = EAGLE_OBJECTIVE
+    drafter: EagleDrafter, buckets: list[DrafterBatch], objective: DrafterObjective = EAGLE_OBJECTIVE
 ) -> HeldOutMetrics:
     """HeldOutMetrics of `drafter` over held-out buckets, against the target's whole-vocabulary distribution."""
     losses = [evaluate_drafter(drafter, bucket, None, objective) for bucket in buckets]
-    tokens = max(sum(loss.token_count for loss in losses), 1)
 
-    def mean(name: str) -> float:
-        return sum(float(getattr(loss, name)) * loss.token_count for loss in losses) / tokens
+    def mean(name: str, depth: int = 0) -> float:
+        at_depth = [loss.by_depth[depth] for loss in losses]
+        tokens = max(sum(loss.token_count for loss in at_depth), 1)
+        return sum(float(getattr(loss, name)) * loss.token_count for loss in at_depth) / tokens
 
-    return HeldOutMetrics(mean("accuracy"), mean("acceptance"), mean("total"))
+    by_depth = tuple(mean("acceptance", depth) for depth in range(objective.depths))
+    return HeldOutMetrics(mean("accuracy"), by_depth[0], mean("total"), by_depth)
 
 
 def train_on_buckets(
@@ -408,7 +440,7 @@ def train_warmup_drafter(
     seed: int,
     weight_decay: float = 0.1,
     draft_vocab_size: int = 0,
-    objective: TokenObjective = EAGLE_OBJECTIVE,
+    objective: DrafterObjective = EAGLE_OBJECTIVE,
     progress: WarmupProgress | None = None,
 ) -> tuple[EagleDrafter, WarmupReport]:
     """Phases 3 and 4 on collected data: a fresh drafter over the chosen vocabulary, trained
@@ -430,14 +462,14 @@ def train_warmup_drafter(
     evaluate_seconds = time.perf_counter() - evaluate_start
     train_start = time.perf_counter()
 
-    learning_curve: list[tuple[int, float]] = []
+    learning_curve: list[tuple[int, float, float]] = []
 
-    def held_out_acceptance() -> float:
-        acceptance = held_out_metrics(drafter, held_out_buckets, objective).acceptance
-        learning_curve.append((trainer.steps_taken + trainer.steps_skipped, acceptance))
-        return acceptance
+    def held_out_accept_length() -> float:
+        metrics = held_out_metrics(drafter, held_out_buckets, objective)
+        learning_curve.append((trainer.steps_taken + trainer.steps_skipped, metrics.acceptance, metrics.accept_length))
+        return metrics.accept_length
 
-    step_losses = train_on_buckets(trainer, train_buckets, steps, seed, progress, held_out_acceptance)
+    step_losses = train_on_buckets(trainer, train_buckets, steps, seed, progress, held_out_accept_length)
     train_seconds = time.perf_counter() - train_start
     evaluate_start = time.perf_counter()
     if progress is not None:
@@ -459,6 +491,8 @@ def train_warmup_drafter(
         held_out_accuracy=after.accuracy,
         held_out_acceptance_before=before.acceptance,
         held_out_acceptance=after.acceptance,
+        held_out_acceptance_by_depth=list(after.acceptance_by_depth),
+        held_out_accept_length=after.accept_length,
         held_out_loss=after.loss,
         final_train_loss=sum(last_losses) / max(len(last_losses), 1),
         draft_vocab_size=vocabulary.size,
@@ -485,7 +519,7 @@ def warm_up_drafter(
     temperature: float = 1.0,
     weight_decay: float = 0.1,
     draft_vocab_size: int = 0,
-    objective: TokenObjective = EAGLE_OBJECTIVE,
+    objective: DrafterObjective = EAGLE_OBJECTIVE,
     progress: WarmupProgress | None = None,
 ) -> tuple[EagleDrafter, WarmupReport]:
     """Train a fresh drafter on the target's own sampled responses to `task` (temperature given).

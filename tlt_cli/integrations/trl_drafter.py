@@ -37,8 +37,9 @@ from tlt_cli.errors import UserError
 from tlt_cli.integrations.trl_support import policy_in_eval_mode, prompt_token_ids, trl_sampling
 from tlt_cli.models.tiny import default_cache_dir
 
-# bump when the TRL warm-up's data or recipe changes, so old cached drafters are not reused
-TRL_WARMUP_FORMAT = 1
+# bump when the TRL warm-up's data or recipe changes, so old cached drafters are not reused (2: the run's
+# objective, over draft depths)
+TRL_WARMUP_FORMAT = 2
 # AdamW weight decay of the offline warm-up (as tlt_cli/drafter/warmup.py's default)
 WARMUP_WEIGHT_DECAY = 0.1
 
@@ -118,7 +119,9 @@ def _warmup_key(policy: nn.Module, trainer: Any, prompts: list[list[int]], setti
         "seed": seed,
         "sampling": asdict(trl_sampling(trainer)),
         "drafter": {
-            key: value for key, value in asdict(settings).items() if key.startswith("warmup") or key == "vocab_size"
+            key: value
+            for key, value in asdict(settings).items()
+            if key.startswith("warmup") or key in ("vocab_size", "loss", "train_depths")
         },
     }
     return hashlib.sha256(json.dumps(description, sort_keys=True).encode()).hexdigest()[:16]
@@ -128,6 +131,7 @@ def _warm_up(
     policy: nn.Module, trainer: Any, prompts: list[list[int]], settings: DrafterConfig, seed: int
 ) -> EagleDrafter:
     """tlt_cli/drafter/warmup.py's phases 1-3 on these prompts: sample, choose the vocabulary, train."""
+    from tlt_cli.drafter.loss import objective_named
     from tlt_cli.drafter.trainer import DrafterTrainer
     from tlt_cli.drafter.vocabulary import choose_vocabulary
     from tlt_cli.drafter.warmup import length_buckets, prompt_hidden_states, sample_completions, train_on_buckets
@@ -145,7 +149,12 @@ def _warm_up(
     drafter = EagleDrafter(policy, seed=seed, vocabulary=vocabulary)
     buckets = length_buckets(completions, prompt_states, settings.warmup_batch_size, tokenizer.pad_token_id)
     train_on_buckets(
-        DrafterTrainer(drafter, lr=settings.warmup_lr, weight_decay=WARMUP_WEIGHT_DECAY),
+        DrafterTrainer(
+            drafter,
+            lr=settings.warmup_lr,
+            weight_decay=WARMUP_WEIGHT_DECAY,
+            objective=objective_named(settings.loss, trl_sampling(trainer).temperature, settings.train_depths),
+        ),
         buckets,
         settings.warmup_steps,
         seed,

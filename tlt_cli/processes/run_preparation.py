@@ -85,12 +85,10 @@ def prepare_drafter(
     with PhaseProgress(console, "drafter warm-up") as progress:
         folder, report = prepare(recipe, cache, progress)
     if report is not None:
-        console.print(
-            f"drafter warmed up offline: a sampled draft token accepted {report['held_out_acceptance']:.1%} of the "
-            f"time on held-out responses (from {report['held_out_acceptance_before']:.1%}), top-1 agreement "
-            f"{report['held_out_accuracy']:.1%}, cached in {folder}",
-            markup=False,
-        )
+        from tlt_cli.drafter.warmup import report_lines
+
+        for line in [*report_lines(report, recipe.rollout.temperature), f"cached in {folder}"]:
+            console.print(line, markup=False)
     sentence = describe(recipe, folder)
     if sentence is not None:
         console.print(sentence, markup=False)

@@ -63,7 +63,7 @@ if TYPE_CHECKING:
     from torch import nn
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-    from tlt_cli.drafter.loss import TokenObjective
+    from tlt_cli.drafter.loss import DrafterObjective
     from tlt_cli.drafter.model import EagleDrafter
     from tlt_cli.drafter.warmup import WarmupProgress
     from tlt_cli.engine.linear_forms import LinearFormPlan
@@ -164,7 +164,12 @@ def warmed_up_drafter(recipe: Recipe, cache: Path, progress: WarmupProgress | No
         return folder, None
     report = warm_up_into(recipe, folder, progress)
     publish_drafter(
-        recipe, cache, folder, f"the warm-up of {recipe.run.name}", acceptance=report["held_out_acceptance"]
+        recipe,
+        cache,
+        folder,
+        f"the warm-up of {recipe.run.name}",
+        accept_length=report["held_out_accept_length"],
+        acceptance=report["held_out_acceptance"],
     )
     return folder, report
 
@@ -293,11 +298,11 @@ def warmup_dtype(recipe: Recipe, device: torch.device) -> torch.dtype:
     return torch.float32
 
 
-def drafter_objective(recipe: Recipe) -> TokenObjective:
-    """The drafter's next-token objective (drafter.loss) at the rollout's sampling temperature."""
-    from tlt_cli.drafter.loss import token_objective
+def drafter_objective(recipe: Recipe) -> DrafterObjective:
+    """The drafter's objective (drafter.loss) at the rollout's sampling temperature, over drafter.train_depths."""
+    from tlt_cli.drafter.loss import objective_named
 
-    return token_objective(recipe.drafter.loss, recipe.rollout.temperature)
+    return objective_named(recipe.drafter.loss, recipe.rollout.temperature, recipe.drafter.train_depths)
 
 
 def starting_drafter(recipe: Recipe, folder: Path | None, policy: PreTrainedModel) -> EagleDrafter:
