@@ -151,6 +151,11 @@ def test_switching_configurations_mid_rollout_is_lossless(drafter_kind):
     assert [completion.response_ids for completion in adaptive] == [completion.response_ids for completion in plain]
     usage = schedule.take_usage()
     assert usage["off"].decode_steps > 0 and sum(usage[label].decode_steps for label in usage if label != "off") > 0
+    # each configuration's steps by the batch size they ran at, adding up to its totals (tlt_cli/sd_effect.py)
+    for label, value in usage.items():
+        assert sum(value.batch_sizes.values()) == value.decode_steps, label
+        assert sum(value.batch_seconds.values()) == pytest.approx(value.seconds), label
+        assert sum(value.batch_tokens.values()) == value.tokens, label
 
 
 def test_schedule_state_from_before_measured_steps_loads():

@@ -340,6 +340,40 @@ def test_runs_from_runs_reads_a_complete_run_and_writes_out_atomically_not_throu
     assert elsewhere.read_text() == "a user's file\n"
 
 
+def test_runs_sets_each_runs_own_verdict_beside_the_ab_and_says_when_they_disagree(tiny_pair_recipe, tmp_path):
+    """A run whose own measure says SD paid (1.5x at the same batch size) but whose rollout was slower than the
+    baseline's: the bench prints both and that they disagree."""
+    fake_run(tmp_path / "runs" / "off-seed0", steps=2)
+    tlt = fake_run(tmp_path / "runs" / "tlt-seed0", steps=2, rollout_seconds=1.25, step_seconds=2.25)
+    timing = {"step": 0, "worker": 0, "type": "sd_config"}
+    plain = {"config": "off", "batch_sizes": {"4": 400}, "batch_seconds": {"4": 4.0}, "batch_tokens": {"4": 1600}}
+    speculated = {
+        "config": "s4-k1-t5",
+        "batch_sizes": {"1": 100},
+        "batch_seconds": {"1": 2.0},
+        "batch_tokens": {"1": 300},
+    }
+    records = [
+        {**timing, **plain},
+        {**timing, **speculated},
+        {"type": "request", "accepted_tokens": 200, "verify_passes": 100},
+    ]
+    with open(tlt / "trace.jsonl", "a") as trace:
+        trace.write("".join(json.dumps(record) + "\n" for record in records))
+    out = tmp_path / "out.json"
+    result = runner.invoke(
+        app,
+        ["bench", "runs", "--recipe", str(tiny_pair_recipe), "--variants", "off,tlt", "--steps", "2"]
+        + ["--output-dir", str(tmp_path / "runs"), "--out", str(out), "--from-runs"],
+    )
+    assert result.exit_code == 0, result.output
+    output = " ".join(result.output.split())
+    assert "tlt-seed0 by its own measure: SD paid in this run: its steps decoded 1.50x" in output
+    assert "does NOT agree with the rollout against off (0.80x)" in output
+    verdict = json.loads(out.read_text())["summary"]["own_verdicts"]["tlt-seed0"]
+    assert verdict["agrees"] is False and verdict["rollout_ratio"] == pytest.approx(0.8)
+
+
 @pytest.mark.parametrize(
     ("trace", "message"),
     [

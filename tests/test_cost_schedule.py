@@ -139,6 +139,9 @@ def test_where_a_verify_is_cheap_and_drafts_are_accepted_deep_chains_win_and_eve
     assert {config.label() for config in schedule.candidates} <= set(usage)
     # the prediction it made for what ran is in the usage, beside what was measured
     assert usage[chosen].predicted_seconds > 0 and usage[chosen].batch_sizes == {"1": usage[chosen].decode_steps}
+    # seconds and tokens by batch size too (tlt_cli/sd_effect.py compares SD with plain at the same size)
+    assert usage[chosen].batch_seconds == {"1": pytest.approx(usage[chosen].seconds)}
+    assert usage[chosen].batch_tokens == {"1": usage[chosen].tokens}
 
 
 def test_larger_batches_make_verifying_cost_more_and_turn_sd_off():

@@ -1,8 +1,10 @@
-"""SD's measured effect in one sentence: the same function for the run summary and `tlt profile`, which agree on
+"""SD's measured effect in one sentence, like for like: SD's steps against the run's own plain steps at the same
+batch sizes, with its spread over steps; the same function for the run summary and `tlt profile`, which agree on
 one run; a run where SD lost says so and names speculative.mode=off."""
 
 import io
 
+import pytest
 from rich.console import Console
 from typer.testing import CliRunner
 
@@ -12,28 +14,55 @@ from tlt_cli.cli import app
 from tlt_cli.display import render_summary
 from tlt_cli.profile.analysis import analyse
 from tlt_cli.profile.records import load_records
-from tlt_cli.sd_effect import measured_sd_effect, sd_effect_sentence, trace_sd_effect
+from tlt_cli.sd_effect import RowsTiming, measured_sd_effect, sd_effect_sentence, trace_sd_effect
 
 
-def test_sd_that_paid_is_a_speedup_over_the_runs_own_plain_steps():
-    # accept length (120 + 60) / 60 = 3 tokens per 20 ms SD step against one per 10 ms plain step: 1.5x
-    effect = measured_sd_effect([("off", 4.0, 400), ("s4-k1-t5", 2.0, 100), ("s2-k1-t3", 1.0, 0)], 120, 60)
-    assert effect.accept_length == 3.0 and effect.speedup == 1.5
+def plain(rows: int, steps: int, seconds: float, step: int = 0) -> RowsTiming:
+    return RowsTiming("off", step, rows, steps, seconds, rows * steps)
+
+
+def speculated(rows: int, steps: int, seconds: float, tokens: int, step: int = 0) -> RowsTiming:
+    return RowsTiming("s4-k1-t5", step, rows, steps, seconds, tokens)
+
+
+def test_sd_is_compared_with_plain_at_the_same_batch_size_not_with_plains_pooled_rate():
+    # plain: 10 ms a step at 1 row, 40 ms at 32 rows (most of its steps); SD at 1 row: 2 tokens a 25 ms step.
+    # Pooled, plain's step is ~38 ms and SD looks 3x as fast; at 1 row it is 2 x 10 / 25 = 0.8x
+    timings = [plain(1, 10, 0.1), plain(32, 400, 16.0), speculated(1, 100, 2.5, 200)]
+    effect = measured_sd_effect(timings, accepted_tokens=100, verify_passes=100)
+    assert effect.speedup == pytest.approx(0.8)
     sentence = sd_effect_sentence(effect)
-    assert sentence.startswith("SD paid in this run: it decoded 1.50x as fast as plain decoding")
-    assert "speculative.mode=off" not in sentence
-
-
-def test_sd_that_lost_says_so_and_names_the_setting():
-    # accept length 1.2 per 30 ms SD step against one per 10 ms plain step: 0.4x, a 2.5x slowdown
-    sentence = sd_effect_sentence(measured_sd_effect([("off", 1.0, 100), ("s4-k1-t5", 3.0, 100)], 20, 100))
-    assert sentence.startswith("SD did not pay in this run: it decoded 2.50x slower than plain decoding")
+    assert sentence.startswith("SD did not pay in this run: its steps decoded 1.25x slower than plain decoding")
     assert sentence.endswith("speculative.mode=off decodes plain.")
 
 
+def test_plain_between_its_batch_sizes_is_interpolated_and_below_them_taken_at_the_smallest():
+    timings = [plain(2, 10, 0.1), plain(6, 10, 0.3), speculated(4, 10, 0.1, 80), speculated(1, 10, 0.1, 20)]
+    effect = measured_sd_effect(timings, accepted_tokens=60, verify_passes=40)
+    # 4 rows: plain 20 ms a step, 80 tokens = 20 steps = 0.4 s; 1 row: plain at 2 rows' 10 ms, 20 steps = 0.2 s
+    assert effect.plain_seconds == pytest.approx(0.6) and effect.sd_seconds == pytest.approx(0.2)
+    assert effect.speedup == pytest.approx(3.0)
+    # SD saved 0.4 s of 0.6 s decoding: all of it plain would have taken 1.0 s
+    assert effect.decode_speedup == pytest.approx(1.0 / 0.6)
+
+
+def test_the_spread_is_each_steps_effect():
+    timings = [
+        plain(1, 100, 1.0),
+        speculated(1, 10, 0.1, 20, step=0),
+        speculated(1, 10, 0.1, 10, step=1),
+        plain(1, 1, 0.01, step=1),
+    ]
+    effect = measured_sd_effect(timings, accepted_tokens=20, verify_passes=20)
+    assert effect.step_speedups == pytest.approx((2.0, 1.0))
+    assert "1.00x to 2.00x over 2 steps" in sd_effect_sentence(effect)
+    one_step = measured_sd_effect(timings[:2], accepted_tokens=10, verify_passes=10)
+    assert "one step: no spread" in sd_effect_sentence(one_step)
+
+
 def test_without_both_kinds_of_steps_there_is_nothing_to_compare():
-    assert measured_sd_effect([("s4-k1-t5", 2.0, 100)], 120, 60) is None
-    assert measured_sd_effect([("off", 2.0, 100)], 0, 0) is None
+    assert measured_sd_effect([speculated(1, 100, 2.0, 300)], 120, 60) is None
+    assert measured_sd_effect([plain(1, 100, 2.0)], 0, 0) is None
     assert "not measured" in sd_effect_sentence(None)
 
 
@@ -42,10 +71,18 @@ def test_the_run_summary_and_tlt_profile_say_the_same_of_one_run(tmp_path):
     write_jsonl(tmp_path / "trace.jsonl", records)
     profiled = analyse(load_records(tmp_path)).sd_effect
     summarised = sd_effect_sentence(trace_sd_effect(records))
-    assert profiled == summarised and summarised.startswith("SD paid in this run: it decoded 1.50x")
+    assert profiled == summarised and summarised.startswith("SD paid in this run: its steps decoded 1.50x")
     output = io.StringIO()
     render_summary(Console(file=output, width=100), [BASE], tmp_path, sd_effect=summarised)
     assert " ".join(output.getvalue().split()).endswith(" ".join(summarised.split()))
     profile = CliRunner().invoke(app, ["profile", str(tmp_path)])
     assert profile.exit_code == 0, profile.output
     assert " ".join(summarised.split()) in " ".join(profile.output.split())
+
+
+def test_a_trace_without_timing_by_batch_size_says_it_is_not_measured():
+    records = hand_made_trace()
+    for record in records:
+        if record["type"] == "sd_config":
+            del record["batch_seconds"]
+    assert "not measured" in sd_effect_sentence(trace_sd_effect(records))

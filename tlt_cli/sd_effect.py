@@ -1,21 +1,28 @@
-"""SD's measured effect in one run, as one sentence: what the run summary and `tlt profile` both say.
+"""SD's measured effect in one run, like for like, as one sentence: what the run summary and `tlt profile` say.
 
-    effect = measured_sd_effect(configs, accepted_tokens, verify_passes)   # configs: (label, seconds, decode steps)
+    effect = measured_sd_effect(timings, accepted_tokens, verify_passes)   # timings: RowsTiming per config, step, rows
     print(sd_effect_sentence(effect))
 
-It compares the run's own decode steps, nothing assumed: a row gains `accept length` tokens per SD decode step
-and one token per plain decode step (configuration "off"), so SD decodes accept_length x (seconds per plain
-step / seconds per SD step) times the plain rate. SD runs in the tail of a rollout (few rows in flight), plain
-decoding mostly at larger batches, so the comparison is the one the run itself made. tlt_cli/display.py's
-`render_summary` (through `trace_sd_effect`) and tlt_cli/profile/analysis.py both call `measured_sd_effect`,
-so the two say the same of the same run. Where SD did not pay, the sentence names the setting that turns it off.
+SD runs in the tail of a rollout (few rows in flight), plain decoding mostly at large batches, so pooling the
+two over every row count compares different work. Here SD's decode steps at each running batch size are set
+against plain decoding's at the same size, from the run's own plain ("off") steps: plain's seconds per step at
+that size, pooled over the run, interpolated linearly between the sizes it ran at, and below its smallest size
+taken at that size's seconds (a step is never cheaper with more rows, so this favours plain). SD's tokens at a
+size would have taken plain (tokens / rows) steps there; the effect is that time over SD's own, for the run and
+for each step (the spread). What it saved, against the run's whole decode time, is its effect on the rollout.
+tlt_cli/display.py's `render_summary` (through `trace_sd_effect`) and tlt_cli/profile/analysis.py both call
+`measured_sd_effect`, so the two say the same of the same run. Where SD did not pay, the sentence names the
+setting that turns it off.
 """
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
+
+import numpy
 
 from tlt_cli.speculative.types import accept_length
 
@@ -24,64 +31,138 @@ PLAIN_LABEL = "off"
 
 
 @dataclass(frozen=True)
+class RowsTiming:
+    """One worker's decode steps of one configuration in one RL step at one running batch size (`rows`)."""
+
+    config: str
+    step: int
+    rows: int
+    decode_steps: int
+    seconds: float
+    tokens: int
+
+
+@dataclass(frozen=True)
 class SdEffect:
-    """One run's SD against its own plain decode steps."""
+    """One run's SD against its own plain decoding at the same batch sizes (module docstring).
+
+    sd_seconds: the SD decode steps' seconds; plain_seconds: what plain decoding would have taken for their tokens
+    at the same batch sizes; decode_seconds: every decode step's seconds (SD and plain); step_speedups: each RL
+    step's plain_seconds / sd_seconds, in step order; plain_sizes: the batch sizes plain decoding ran at."""
 
     accept_length: float
-    # seconds per decode step, over the run's workers and steps: plain decoding, and with SD on
-    plain_step_seconds: float
-    sd_step_seconds: float
+    sd_seconds: float
+    plain_seconds: float
+    decode_seconds: float
+    step_speedups: tuple[float, ...]
+    plain_sizes: tuple[int, ...]
 
     @property
     def speedup(self) -> float:
-        # tokens per second per row with SD / without: accept_length tokens per SD step vs one per plain step
-        return self.accept_length * self.plain_step_seconds / self.sd_step_seconds
+        """SD's decode steps against plain decoding of the same tokens at the same batch sizes."""
+        return self.plain_seconds / self.sd_seconds
+
+    @property
+    def decode_speedup(self) -> float:
+        """The whole decode against all of it plain: what SD saved, over the run's decode seconds."""
+        return (self.decode_seconds + self.plain_seconds - self.sd_seconds) / self.decode_seconds
 
 
-def measured_sd_effect(
-    configs: Iterable[tuple[str, float, int]], accepted_tokens: int, verify_passes: int
-) -> SdEffect | None:
-    """The effect from (configuration label, seconds, decode steps) of the run's sd_config records and its requests'
-    accepted draft tokens and verify passes; None when the run lacks SD steps or plain steps to compare."""
-    seconds = {True: 0.0, False: 0.0}
-    steps = {True: 0, False: 0}
-    for label, config_seconds, decode_steps in configs:
-        if decode_steps <= 0:  # a record without decode steps times nothing to compare
-            continue
-        speculating = label != PLAIN_LABEL
-        seconds[speculating] += config_seconds
-        steps[speculating] += decode_steps
-    length = accept_length(accepted_tokens, verify_passes)
-    if length is None or not all(steps.values()) or not all(seconds.values()):  # a 0-second record measures nothing
+def plain_step_seconds(timings: Iterable[RowsTiming]) -> tuple[numpy.ndarray, numpy.ndarray] | None:
+    """(batch sizes, seconds per plain step at each), pooled over the run's plain steps; None: no plain step."""
+    seconds: dict[int, float] = defaultdict(float)
+    steps: dict[int, int] = defaultdict(int)
+    for timing in timings:
+        if timing.config == PLAIN_LABEL and timing.decode_steps > 0 and timing.seconds > 0:
+            seconds[timing.rows] += timing.seconds
+            steps[timing.rows] += timing.decode_steps
+    if not steps:
         return None
-    return SdEffect(length, seconds[False] / steps[False], seconds[True] / steps[True])
+    sizes = sorted(steps)
+    return numpy.array(sizes, dtype=float), numpy.array([seconds[size] / steps[size] for size in sizes])
+
+
+def measured_sd_effect(timings: Iterable[RowsTiming], accepted_tokens: int, verify_passes: int) -> SdEffect | None:
+    """The effect from the run's decode steps by configuration, step and batch size, and its requests' accepted
+    draft tokens and verify passes; None when the run lacks SD steps or plain steps to compare."""
+    timings = [timing for timing in timings if timing.decode_steps > 0 and timing.seconds > 0]
+    plain = plain_step_seconds(timings)
+    length = accept_length(accepted_tokens, verify_passes)
+    speculated = [timing for timing in timings if timing.config != PLAIN_LABEL]
+    if plain is None or length is None or not speculated:
+        return None
+    sizes, seconds_per_step = plain
+    sd_seconds: dict[int, float] = defaultdict(float)
+    plain_seconds: dict[int, float] = defaultdict(float)
+    for timing in speculated:
+        # plain decoding emits one token a row a step: SD's tokens at these rows took tokens / rows plain steps
+        plain_step = float(numpy.interp(timing.rows, sizes, seconds_per_step))
+        plain_seconds[timing.step] += timing.tokens / timing.rows * plain_step
+        sd_seconds[timing.step] += timing.seconds
+    steps = sorted(sd_seconds)
+    return SdEffect(
+        accept_length=length,
+        sd_seconds=sum(sd_seconds.values()),
+        plain_seconds=sum(plain_seconds.values()),
+        decode_seconds=sum(timing.seconds for timing in timings),
+        step_speedups=tuple(plain_seconds[step] / sd_seconds[step] for step in steps),
+        plain_sizes=tuple(int(size) for size in sizes),
+    )
+
+
+def record_timings(record: dict[str, Any]) -> list[RowsTiming]:
+    """The RowsTiming of one sd_config trace record, one per batch size it ran at (none in traces written before
+    its seconds were kept by batch size)."""
+    seconds, tokens = record.get("batch_seconds", {}), record.get("batch_tokens", {})
+    return [
+        RowsTiming(
+            config=str(record.get("config")),
+            step=int(record.get("step", 0)),
+            rows=int(size),
+            decode_steps=int(decode_steps),
+            seconds=float(seconds.get(size, 0.0)),
+            tokens=int(tokens.get(size, 0)),
+        )
+        for size, decode_steps in record.get("batch_sizes", {}).items()
+        if size in seconds
+    ]
 
 
 def trace_sd_effect(records: Iterable[dict[str, Any]]) -> SdEffect | None:
     """`measured_sd_effect` over a trace's records (its sd_config and request records)."""
-    configs, accepted, passes = [], 0, 0
+    timings, accepted, passes = [], 0, 0
     for record in records:
         if record.get("type") == "sd_config":
-            configs.append(
-                (str(record.get("config")), float(record.get("seconds", 0.0)), record.get("decode_steps", 0))
-            )
+            timings.extend(record_timings(record))
         elif record.get("type") == "request":
             accepted += record.get("accepted_tokens", 0)
             passes += record.get("verify_passes", 0)
-    return measured_sd_effect(configs, accepted, passes)
+    return measured_sd_effect(timings, accepted, passes)
+
+
+def spread(effect: SdEffect) -> str:
+    """The per-step range of the effect, or that one step is one sample."""
+    if len(effect.step_speedups) == 1:
+        return "one step: no spread"
+    return (
+        f"{min(effect.step_speedups):.2f}x to {max(effect.step_speedups):.2f}x over {len(effect.step_speedups)} steps"
+    )
 
 
 def sd_effect_sentence(effect: SdEffect | None) -> str:
     """The effect as one sentence; where SD did not pay, it says so and names speculative.mode=off."""
     if effect is None:
-        return "SD's effect in this run: not measured (it decoded no steps both with SD and without)."
+        return (
+            "SD's effect in this run: not measured (it decoded no steps both with SD and without, or its trace "
+            "predates timing by batch size)."
+        )
     how = (
-        f"accept length {effect.accept_length:.2f} tokens per {1000 * effect.sd_step_seconds:.1f} ms SD decode step "
-        f"against one per {1000 * effect.plain_step_seconds:.1f} ms plain decode step of this run"
+        f"accept length {effect.accept_length:.2f}, against this run's plain steps at the same batch sizes; "
+        f"{spread(effect)}; the whole decode {effect.decode_speedup:.2f}x"
     )
     if effect.speedup >= 1.0:
-        return f"SD paid in this run: it decoded {effect.speedup:.2f}x as fast as plain decoding ({how})."
+        return f"SD paid in this run: its steps decoded {effect.speedup:.2f}x as fast as plain decoding ({how})."
     return (
-        f"SD did not pay in this run: it decoded {1 / effect.speedup:.2f}x slower than plain decoding ({how}); "
+        f"SD did not pay in this run: its steps decoded {1 / effect.speedup:.2f}x slower than plain decoding ({how}); "
         "speculative.mode=off decodes plain."
     )

@@ -50,6 +50,7 @@ from tlt_cli.bench.common import (
 from tlt_cli.config import MAX_SEED
 from tlt_cli.processes.run_directory import TRACE_FILE
 from tlt_cli.recipes import resolve_recipe_path
+from tlt_cli.sd_effect import sd_effect_sentence, trace_sd_effect
 from tlt_cli.trace import numbered_records
 
 SD_OFF = ("speculative.mode=off", "plugins.enabled=[]")
@@ -194,9 +195,9 @@ def train(recipe_path: Path, name: str, overrides: list[str], steps: int, output
         raise TrainingRunFailed(f"tlt train of {name} failed ({last}); run it alone with: {' '.join(command)}")
 
 
-def step_records(run_directory: Path) -> list[dict]:
-    """The step records of a complete run, read by the trace reader `tlt profile` uses (tlt_cli/trace.py); a
-    BenchError naming the run when it left no trace, a damaged one, or fewer steps than it was to train."""
+def trace_records(run_directory: Path) -> list[dict]:
+    """Every record of a run's trace, read by the trace reader `tlt profile` uses (tlt_cli/trace.py); a BenchError
+    naming the run when it left no trace or a damaged one."""
     trace = run_directory / TRACE_FILE
     if not trace.is_file():
         raise BenchError(
@@ -207,6 +208,14 @@ def step_records(run_directory: Path) -> list[dict]:
         if not isinstance(record.get("type"), str):
             raise BenchError(f"{trace} line {number} has no 'type'; a tlt trace has a type on every line.")
         records.append(record)
+    return records
+
+
+def step_records(run_directory: Path) -> list[dict]:
+    """The step records of a complete run (`trace_records`); a BenchError naming the run when it has fewer steps
+    than it was to train."""
+    trace = run_directory / TRACE_FILE
+    records = trace_records(run_directory)
     planned = [record.get("steps") for record in records if record["type"] == "run"]
     steps = [record for record in records if record["type"] == "step"]
     if not planned or not isinstance(planned[-1], int) or isinstance(planned[-1], bool):
@@ -402,6 +411,34 @@ def _run_means(records: list[dict], skip: int) -> dict:
     }
 
 
+def own_verdicts(plan: RunsPlan, output: Path, summary: dict) -> dict[str, dict]:
+    """Run name -> what each later variant's run says of SD by its own measure (tlt_cli/sd_effect.py, the sentence
+    its summary printed) and whether that agrees in direction with the A/B: SD's decode against all of it plain,
+    beside the variant's rollout ratio to the baseline. Runs that did not speculate are left out."""
+    verdicts = {}
+    for name, figures in summary["against_baseline"].items():
+        for seed in plan.seeds:
+            effect = trace_sd_effect(trace_records(output / run_name(name, seed)))
+            if effect is None:
+                continue
+            verdicts[run_name(name, seed)] = {
+                "sentence": sd_effect_sentence(effect),
+                "decode_speedup": effect.decode_speedup,
+                "rollout_ratio": figures["rollout_ratio"],
+                "agrees": (effect.decode_speedup >= 1.0) == (figures["rollout_ratio"] >= 1.0),
+            }
+    return verdicts
+
+
+def verdict_line(run: str, baseline: str, verdict: dict) -> str:
+    """A run's own verdict beside the A/B's rollout ratio, and whether the two point the same way."""
+    agreement = "agrees with" if verdict["agrees"] else "does NOT agree with"
+    return (
+        f"{run} by its own measure: {verdict['sentence']} Its whole decode at {verdict['decode_speedup']:.2f}x "
+        f"{agreement} the rollout against {baseline} ({verdict['rollout_ratio']:.2f}x)."
+    )
+
+
 def render(console: Console, summary: dict) -> None:
     """One row per run, a column per figure; then a line per variant against the baseline."""
     rows = [
@@ -481,6 +518,9 @@ def run_runs_bench(recipe_name: str, overrides: list[str], settings: RunsSetting
     steps = run_all(resolve_recipe_path(recipe_name), plan, settings, console)
     summary = summarize(steps, settings.skip)
     render(console, summary)
+    summary["own_verdicts"] = own_verdicts(plan, settings.output_dir, summary)
+    for run, verdict in summary["own_verdicts"].items():
+        console.print(verdict_line(run, summary["baseline"], verdict), highlight=False, soft_wrap=True)
     results = {"variants": plan.variants, "steps": steps}
     if settings.fidelity:
         results["fidelity_warnings"] = {

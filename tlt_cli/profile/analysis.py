@@ -32,7 +32,7 @@ from tlt_cli.profile.records import (
     StepRecord,
     WorkerRecord,
 )
-from tlt_cli.sd_effect import SdEffect, measured_sd_effect, sd_effect_sentence
+from tlt_cli.sd_effect import RowsTiming, SdEffect, measured_sd_effect, sd_effect_sentence
 from tlt_cli.speculative.types import accept_length, source_accept_lengths
 
 DEFAULT_TAIL_BATCH = 4
@@ -414,9 +414,16 @@ def _source_counts(records: list[SdConfigRecord]) -> dict[str, int]:
 
 def _sd_effect(records: ProfileRecords) -> SdEffect | None:
     """SD against the run's own plain decode steps (tlt_cli/sd_effect.py, as the run summary measures it)."""
-    configs = [(record.config, record.seconds, record.decode_steps) for record in records.sd_configs]
+    timings = [
+        RowsTiming(
+            record.config, record.step, rows, steps, record.batch_seconds[rows], record.batch_tokens.get(rows, 0)
+        )
+        for record in records.sd_configs
+        for rows, steps in record.batch_sizes.items()
+        if rows in record.batch_seconds
+    ]
     accepted = sum(request.accepted_tokens for request in records.requests)
-    return measured_sd_effect(configs, accepted, sum(request.verify_passes for request in records.requests))
+    return measured_sd_effect(timings, accepted, sum(request.verify_passes for request in records.requests))
 
 
 def _sd_speedup(effect: SdEffect | None, given: float | None) -> tuple[float, str]:
@@ -426,8 +433,8 @@ def _sd_speedup(effect: SdEffect | None, given: float | None) -> tuple[float, st
     if effect is not None:
         if effect.speedup >= 1.0:
             return effect.speedup, (
-                f"measured: accept length {effect.accept_length:.2f} x {1000 * effect.plain_step_seconds:.1f} ms per "
-                f"plain decode step / {1000 * effect.sd_step_seconds:.1f} ms per SD decode step"
+                f"measured: SD's steps against this run's plain steps at the same batch sizes (accept length "
+                f"{effect.accept_length:.2f})"
             )
         return 1.0, f"measured {effect.speedup:.2f} (SD slower than plain decoding), so no gain is projected"
     return ASSUMED_SD_SPEEDUP, "assumed: the input has no SD measurement (set --sd-speedup)"

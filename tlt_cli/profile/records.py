@@ -126,11 +126,13 @@ class SdConfigRecord:
     # <source>_verify_passes and <source>_accepted_tokens per draft source (older traces: none)
     source_counts: dict[str, int] = field(default_factory=dict)
     # response tokens emitted; mode auto's predicted tokens and seconds for the same steps (0: not predicted, or an
-    # older trace); running batch size -> decode steps
+    # older trace); running batch size -> decode steps, and their seconds and tokens (older traces: none)
     tokens: int = 0
     predicted_tokens: float = 0.0
     predicted_seconds: float = 0.0
     batch_sizes: dict[int, int] = field(default_factory=dict)
+    batch_seconds: dict[int, float] = field(default_factory=dict)
+    batch_tokens: dict[int, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -368,18 +370,22 @@ def _sd_config(record: dict[str, Any], where: str) -> SdConfigRecord:
         tokens=_number(record, "tokens", int, where, default=0),
         predicted_tokens=_number(record, "predicted_tokens", float, where, default=0.0),
         predicted_seconds=_number(record, "predicted_seconds", float, where, default=0.0),
-        batch_sizes=_batch_sizes(record, where),
+        batch_sizes=_by_batch_size(record, "batch_sizes", int, "decode-step counts", where),
+        batch_seconds=_by_batch_size(record, "batch_seconds", float, "seconds", where),
+        batch_tokens=_by_batch_size(record, "batch_tokens", int, "token counts", where),
     )
 
 
-def _batch_sizes(record: dict[str, Any], where: str) -> dict[int, int]:
-    """The record's running batch size -> decode steps (absent in older traces)."""
-    sizes = record.get("batch_sizes", {})
-    if not isinstance(sizes, dict) or not all(
-        str(size).isdigit() and isinstance(steps, int) and steps >= 0 for size, steps in sizes.items()
+def _by_batch_size(record: dict[str, Any], key: str, kind: type, what: str, where: str) -> dict:
+    """The record's running batch size -> a count or seconds under `key` (absent in older traces)."""
+    values = record.get(key, {})
+    kinds = (int, float) if kind is float else (int,)
+    if not isinstance(values, dict) or not all(
+        str(size).isdigit() and isinstance(value, kinds) and not isinstance(value, bool) and value >= 0
+        for size, value in values.items()
     ):
-        raise ProfileInputError(f"{where}: 'batch_sizes' must map running batch sizes to decode-step counts.")
-    return {int(size): steps for size, steps in sizes.items()}
+        raise ProfileInputError(f"{where}: '{key}' must map running batch sizes to {what}.")
+    return {int(size): kind(value) for size, value in values.items()}
 
 
 def _actor_precision(record: dict[str, Any], where: str) -> str | None:

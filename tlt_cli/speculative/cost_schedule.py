@@ -228,7 +228,7 @@ class CostSchedule(ScheduleReports):
         usage.seconds += step.seconds
         usage.predicted_tokens += predicted_tokens
         usage.predicted_seconds += predicted_seconds
-        usage.batch_sizes[str(step.batch_size)] = usage.batch_sizes.get(str(step.batch_size), 0) + 1
+        usage.add_step_at(step.batch_size, step.seconds, step.tokens)
         self.overheads.observe(label, _family(config), step.batch_size, pass_seconds, step.seconds)
         if config is not None and counts is not None:
             usage.add_draft_counts(counts.passes_by_source, counts.accepted_by_source)

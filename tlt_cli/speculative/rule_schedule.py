@@ -119,6 +119,8 @@ class AdaptiveSchedule(ScheduleReports):
         """The engine's record of the decode step the last choice was for (every row verified if SD
         ran), with the decoder's counts of its verify pass (None: a plain step)."""
         speculated = self._last is not None and self._last[1] is not None
+        if self._last is not None:
+            self.usage[label_of(self._last[1])].add_step_at(step.batch_size, step.seconds, step.tokens)
         self.observe(step.tokens, step.batch_size if speculated else 0, step.seconds)
         if counts is not None and speculated:
             self.usage[label_of(self._last[1])].add_draft_counts(counts.passes_by_source, counts.accepted_by_source)

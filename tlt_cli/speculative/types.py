@@ -58,14 +58,25 @@ class ConfigUsage:
     ngram_verify_passes: int = 0
     ngram_accepted_tokens: int = 0
     # mode auto (tlt_cli/speculative/cost_schedule.py): the cost model's tokens and seconds predicted for these
-    # steps before they ran, and the running batch sizes they ran at (batch size -> decode steps)
+    # steps before they ran
     predicted_tokens: float = 0.0
     predicted_seconds: float = 0.0
+    # the running batch sizes they ran at: batch size -> decode steps, their seconds and the tokens they emitted
+    # (tlt_cli/sd_effect.py compares SD with plain decoding at the same batch sizes from these)
     batch_sizes: dict[str, int] = field(default_factory=dict)
+    batch_seconds: dict[str, float] = field(default_factory=dict)
+    batch_tokens: dict[str, int] = field(default_factory=dict)
     # a draft source (mode auto) or batch-size bucket (the rule table) collapsing or recovering at these steps:
     # the console shows only each one's first of the run (tlt_cli/speculative/collapse.py), the trace counts all
     collapses: int = 0
     recoveries: int = 0
+
+    def add_step_at(self, batch_size: int, seconds: float, tokens: int) -> None:
+        """One decode step of these at `batch_size` running rows: its count, seconds and tokens by batch size."""
+        key = str(batch_size)
+        self.batch_sizes[key] = self.batch_sizes.get(key, 0) + 1
+        self.batch_seconds[key] = self.batch_seconds.get(key, 0.0) + seconds
+        self.batch_tokens[key] = self.batch_tokens.get(key, 0) + tokens
 
     def add_draft_counts(self, passes_by_source: Mapping[str, int], accepted_by_source: Mapping[str, int]) -> None:
         """One verify pass's counts per draft source (draft_counts.py `StepCounts`), added to this configuration's."""
