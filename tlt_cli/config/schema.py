@@ -533,8 +533,9 @@ class DrafterConfig:
         "where the drafter starts: auto (the newest drafter tlt holds for this model on this machine, written by "
         "an earlier run or warm-up, else as online), online (a fresh drafter, no wait: mode auto drafts model-free "
         "n-grams until the drafter, trained by drafter_sidecar from step 0's rollouts on, pays), warmup (trained "
-        "offline on the target's generations before step 0, cached), random, or a folder written by tlt "
-        "(save_drafter)",
+        "offline on the target's generations before step 0, cached), random, or a drafter folder: tlt's own "
+        "(save_drafter, a run checkpoint's drafter/) or an EAGLE folder `tlt export-drafter` wrote (EAGLE-3 "
+        "drafters are refused: they read three of the target's layers)",
     )
     loss: DrafterLossKind = setting(
         DrafterLossKind.acceptance,

@@ -32,10 +32,11 @@ from torch import nn
 from tlt_cli.checkpoint import DRAFTER_DIRECTORY
 from tlt_cli.config import DrafterConfig, DrafterStart
 from tlt_cli.drafter.initial import cached_warmup
-from tlt_cli.drafter.model import CONFIG_FILE, DrafterLoadError, EagleDrafter, load_drafter, save_drafter
+from tlt_cli.drafter.model import CONFIG_FILE, EagleDrafter, load_drafter, save_drafter
 from tlt_cli.errors import UserError
 from tlt_cli.integrations.trl_support import policy_in_eval_mode, prompt_token_ids, trl_sampling
 from tlt_cli.models.tiny import default_cache_dir
+from tlt_cli.training.drafter_folder import load_named_drafter
 
 # bump when the TRL warm-up's data or recipe changes, so old cached drafters are not reused (2: the run's
 # objective, over draft depths)
@@ -67,15 +68,12 @@ def starting_drafter(
 
 
 def _loaded(folder: Path, policy: nn.Module) -> EagleDrafter:
-    if not (folder / CONFIG_FILE).is_file():
+    if not folder.is_dir():
         raise UserError(
-            f"drafter {str(folder)!r} is not a drafter folder (no {CONFIG_FILE}); give 'online', 'warmup', 'random' "
-            "or a folder written by save_drafter."
+            f"drafter {str(folder)!r} is not a drafter folder; give 'online', 'warmup', 'random' or a folder written "
+            "by save_drafter or `tlt export-drafter`."
         )
-    try:
-        return load_drafter(folder, policy)
-    except DrafterLoadError as error:
-        raise UserError(str(error)) from None
+    return load_named_drafter(folder, policy)
 
 
 def _rebuilt(given: EagleDrafter, policy: nn.Module, seed: int) -> EagleDrafter:

@@ -307,12 +307,14 @@ def drafter_objective(recipe: Recipe) -> DrafterObjective:
 
 def starting_drafter(recipe: Recipe, folder: Path | None, policy: PreTrainedModel) -> EagleDrafter:
     """A drafter over `policy` (it shares its embedding, norm and lm_head): loaded from `folder` (what
-    `prepare_drafter` gave), or freshly initialised from run.seed: with drafter.init online over the task
+    `prepare_drafter` gave: tlt's layout or an EAGLE folder `tlt export-drafter` wrote, training/drafter_folder.py), or
+    freshly initialised from run.seed: with drafter.init online over the task
     prompts' vocabulary (drafter/online_start.py), with random over the whole vocabulary."""
-    from tlt_cli.drafter.model import EagleDrafter, load_drafter
+    from tlt_cli.drafter.model import EagleDrafter
+    from tlt_cli.training.drafter_folder import load_named_drafter
 
     if folder is not None:
-        return load_drafter(folder, policy)
+        return load_named_drafter(folder, policy)
     if recipe.drafter.init == DrafterStart.random:
         return EagleDrafter(policy, seed=recipe.run.seed)
     from tlt_cli.drafter.online_start import online_drafter
