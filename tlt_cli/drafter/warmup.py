@@ -49,9 +49,12 @@ from tlt_cli.tasks.prompts import encode_prompt
 EVALUATION_BUCKET_SIZE = 8
 # prompts per target forward when completing the prompts' hidden states
 PROMPT_BUCKET_SIZE = 16
-# prompts the warm-up decodes at once: SmolLM2-135M on a 2-core avx512_bf16 EPYC sampled 96 tokens/s at 32 rows in
-# bfloat16 against 46 in float32 (BENCHMARKS.md, "A drafter that pays at T=0.7")
-GENERATION_ROWS = 32
+# prompts the warm-up decodes at once. Every batch ends in a long tail of a few rows decoding up to max_new_tokens:
+# batches of 32 on real-cpu (a loaded 2-core AMX Xeon) spent 180 of 250 s on their last 4 rows, and over 850 s on
+# their last 10, so a warm-up's prompts (192 + 32 on real-cpu) go in one batch and pay one tail. (SmolLM2-135M on a
+# 2-core avx512_bf16 EPYC sampled 96 tokens/s at 32 rows in bfloat16 against 46 in float32: BENCHMARKS.md, "A drafter
+# that pays at T=0.7".)
+GENERATION_ROWS = 256
 # held-out prompts the warm-up samples and scores its drafter on
 HELD_OUT_PROMPTS = 32
 # the layout save_warmup_data writes (a file of another is sampled again)
@@ -402,7 +405,7 @@ def collect_warmup_data(
     dtype: torch.dtype | None = None,
 ) -> WarmupData:
     """Phases 1 and 2: sampled training responses (task prompts 0..train_prompts-1) and held-out responses
-    sampled alike (the next held_out_prompts prompts, their own seed), with their hidden states (float32).
+    sampled alike (the next held_out_prompts prompts, in the same batch), with their hidden states (float32).
     dtype: what the engine decodes in (None: the model's own), GENERATION_ROWS prompts at a time."""
     start = time.perf_counter()
     prompts = encode_prompts(tokenizer, task, range(train_prompts + held_out_prompts))
@@ -410,13 +413,10 @@ def collect_warmup_data(
     if report is not None:
         # the bar (and its clock) starts now, not when the first response ends
         report(0)
-    train = sample_completions(
-        target, tokenizer, prompts[:train_prompts], sampling, seed, True, report, dtype, GENERATION_ROWS
-    )
-    held_out_report = (lambda done: report(train_prompts + done)) if report is not None else None
-    held_out = sample_completions(
-        target, tokenizer, prompts[train_prompts:], sampling, seed + 1, True, held_out_report, dtype, GENERATION_ROWS
-    )
+    # one batch for both (up to GENERATION_ROWS rows in flight): each batch ends with its own long tail of a few
+    # rows decoding to max_new_tokens, so fewer batches is fewer tails
+    completions = sample_completions(target, tokenizer, prompts, sampling, seed, True, report, dtype, GENERATION_ROWS)
+    train, held_out = completions[:train_prompts], completions[train_prompts:]
     for completion in train + held_out:
         completion.target_hidden = completion.target_hidden.float()
     generate_seconds = time.perf_counter() - start
