@@ -33,6 +33,7 @@ import torch
 from tlt_cli.bench import update_roofline
 from tlt_cli.bench.update_profile import label_update_parts, profile_update
 from tlt_cli.config import Recipe, load_recipe
+from tlt_cli.processes.op_build import EXTENSIONS_FOLDER, built_deepspeed_ops
 from tlt_cli.processes.worker_process import exit_with_parent
 from tlt_cli.recipes import resolve_recipe_path
 from tlt_cli.rollout.types import Completion, RolloutRequest
@@ -79,12 +80,15 @@ def measure(recipe_name: str, overrides: list[str], profile: bool, steps: int, r
 
 
 def join_one_rank(recipe: Recipe) -> None:
-    """This process as the one rank of a CPU process group, DeepSpeed's compiled ops where a worker keeps them."""
+    """This process as the one rank of a CPU process group, DeepSpeed's compiled ops where a worker keeps them (built
+    under tlt's build lock, op_build.py)."""
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", DS_ACCELERATOR="cpu")
     os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
-    os.environ["TORCH_EXTENSIONS_DIR"] = str(setup.model_cache(recipe) / "torch_extensions")
+    extensions_directory = setup.model_cache(recipe) / EXTENSIONS_FOLDER
+    os.environ["TORCH_EXTENSIONS_DIR"] = str(extensions_directory)
     from tlt_cli.processes.distributed import import_deepspeed
 
+    built_deepspeed_ops(extensions_directory, tell=print)
     import_deepspeed().init_distributed(dist_backend="gloo")
 
 
