@@ -17,16 +17,15 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 import uuid
 from pathlib import Path
 
 import pytest
 import test_faults as faults
+from process_checks import outlived
 from recipe_overrides import small_run
 from rich.console import Console
 
-from tlt_cli.process_status import process_running
 from tlt_cli.processes import run_preparation
 from tlt_cli.shared_memory import SHARED_MEMORY_DIRECTORY
 from tlt_cli.trace import read_trace
@@ -102,13 +101,7 @@ def test_a_worker_whose_driver_died_while_it_imported_exits(tmp_path):
     worker = int(driver.stdout.readline())
     driver.send_signal(signal.SIGKILL)
     driver.wait()
-    deadline = time.monotonic() + 30
-    while process_running(worker) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    alive = process_running(worker)
-    if alive:
-        os.kill(worker, signal.SIGKILL)
-    assert not alive, "the worker outlived its killed driver by 27 s after its imports"
+    assert not outlived(worker, 30), "the worker outlived its killed driver by 27 s after its imports"
 
 
 def test_the_next_run_removes_the_semaphores_a_killed_driver_left_and_keeps_held_ones(tmp_path):

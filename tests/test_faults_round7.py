@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 import test_faults as faults
+from process_checks import outlived
 from recipe_overrides import small_run
 
-from tlt_cli.process_status import process_running
 from tlt_cli.processes.op_build import OP_BUILD_LOCK, OpBuildTimeout, op_build_lock
 from tlt_cli.trace import read_trace
 
@@ -50,13 +50,7 @@ def test_the_measuring_process_exits_with_a_killed_bench(tmp_path):
     bench.send_signal(signal.SIGKILL)
     bench.wait()
     # it may still import torch when the bench dies: it exits as its imports end and it first looks
-    deadline = time.monotonic() + 30
-    while process_running(measuring) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    alive = process_running(measuring)
-    if alive:
-        os.kill(measuring, signal.SIGKILL)
-    assert not alive, "the measuring process outlived the killed bench by 30 s"
+    assert not outlived(measuring, 30), "the measuring process outlived the killed bench by 30 s"
 
 
 # a rank that holds tlt's build lock while it builds (the build faked: torch's baton held, and a long sleep)
