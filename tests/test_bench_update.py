@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import json
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -59,6 +60,8 @@ def test_update_measures_each_variant_in_its_own_process_with_its_profile_and_st
     assert 1 <= step["longest_response"] <= 4 and step["update_peak_gb"] > 0
     figures = written["summary"]["variants"]["short"]
     assert figures["response_tokens"] == 16 and figures["seconds_per_1000_tokens"] > 0
+    # the steps' rollout ran in a run folder of its own, removed with them
+    assert not list(Path(tempfile.gettempdir()).glob("tlt-bench-update-*"))
 
 
 def test_variants_split_at_the_commas_before_a_key_and_follow_the_shared_overrides():
@@ -136,6 +139,9 @@ def test_progress_prints_each_measurement_and_what_is_left_only_in_a_log():
         (["--repeats", "0"], "--repeats is 0"),
         (["--steps", "-1"], "--steps is -1"),
         (["--variant", "on:actor.nope=1"], "actor.nope"),
+        (["--repeats", "1000000000"], "--repeats is 1000000000; give 1..100 repeats of each variant."),
+        (["--out", "{tmp}"], "is a folder; give the JSON file to write"),
+        (["--out", "{tmp}/a_file/out.json"], "a_file, which is a file; give a file in a folder."),
     ],
 )
 def test_bad_input_is_one_sentence_and_exit_2(tiny_pair_recipe, tmp_path, monkeypatch, arguments, message):
@@ -143,7 +149,10 @@ def test_bad_input_is_one_sentence_and_exit_2(tiny_pair_recipe, tmp_path, monkey
         raise AssertionError("a measurement ran before the options were checked")
 
     monkeypatch.setattr(bench_update, "measure_in_fresh_process", no_measuring)
-    command = ["bench", "update", "--recipe", str(tiny_pair_recipe), *arguments, "--out", str(tmp_path / "out.json")]
+    (tmp_path / "a_file").write_text("")
+    given = [argument.replace("{tmp}", str(tmp_path)) for argument in arguments]
+    # a later --out wins: the one of the case, where it gives one
+    command = ["bench", "update", "--recipe", str(tiny_pair_recipe), "--out", str(tmp_path / "out.json"), *given]
     result = runner.invoke(app, command)
     assert result.exit_code == 2, result.output
     lines = result.output.strip().splitlines()

@@ -1,6 +1,9 @@
 """`tlt export-policy`: a checkpoint's policy as a Hugging Face folder transformers loads with the same log-probs."""
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -128,3 +131,64 @@ def test_the_drafter_cards_serving_command_exports_the_policy_first(tmp_path, tr
     card = (tmp_path / "drafter" / "README.md").read_text()
     assert f"tlt export-policy {run} policy-step-3 --step 3\n" in card
     assert "--model-path policy-step-3 " in card
+
+
+def test_a_link_and_a_folder_in_the_runs_checkpoints_are_refused_in_one_sentence(tmp_path, trained_run):
+    run, _ = trained_run
+    (tmp_path / "target").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "target")
+    cases = {
+        tmp_path / "link": "is a symbolic link; name a new folder to export into",
+        run / "checkpoints" / "policy": "is inside the run's checkpoints/, which the run's later checkpoints replace",
+    }
+    for output, message in cases.items():
+        result = runner.invoke(app, ["export-policy", str(run), str(output)])
+        assert result.exit_code == 2, result.output
+        assert message in result.output and len(result.output.strip().splitlines()) == 1, result.output
+    assert list((tmp_path / "target").iterdir()) == [] and not (run / "checkpoints" / "policy").exists()
+
+
+def test_the_next_export_removes_the_staging_folder_a_killed_export_left_and_keeps_a_live_ones(tmp_path, trained_run):
+    run, _ = trained_run
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    left, live = tmp_path / f".policy.tmp-{gone.pid}", tmp_path / f".policy.tmp-{os.getppid()}"
+    for folder in (left, live):
+        folder.mkdir()
+        (folder / "model.safetensors").write_bytes(b"\0" * 64)
+    result = runner.invoke(app, ["export-policy", str(run), str(tmp_path / "policy")])
+    assert result.exit_code == 0, result.output
+    assert not left.exists() and live.exists()
+
+
+# an export that SIGTERM reaches while its staging folder holds the written model (the reload check)
+TERMINATED_EXPORT = """
+import os, signal, sys, time
+from tlt_cli import export_policy
+from tlt_cli.cli import app
+
+def check_reload(*arguments):
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(30)
+
+export_policy._check_reload = check_reload
+app(["export-policy", sys.argv[1], sys.argv[2]])
+"""
+
+
+def test_sigterm_during_an_export_removes_its_staging_folder_in_one_line(tmp_path, trained_run):
+    run, _ = trained_run
+    stopped = subprocess.run(
+        [sys.executable, "-c", TERMINATED_EXPORT, str(run), str(tmp_path / "policy")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert stopped.returncode == 143, stopped.stderr
+    assert (
+        stopped.stderr.strip()
+        .splitlines()[-1]
+        .endswith("terminated; nothing was exported (its staging folder is removed).")
+    )
+    assert "Traceback" not in stopped.stderr
+    assert [path.name for path in tmp_path.iterdir() if path.name.startswith(".policy")] == []

@@ -121,3 +121,14 @@ def test_the_estimate_counts_padded_rows_where_the_model_cannot_pack():
             replace(recipe, actor=replace(recipe.actor, micro_batch_tokens=0)), shape, 50
         ).update
     )
+
+
+def test_the_estimate_counts_the_dense_masks_only_where_the_decoder_does_not_attend_by_segments():
+    recipe = load_recipe(resolve_recipe_path("tiny-cpu"), ["actor.micro_batch_tokens=4096"])
+    shape = memory.model_shape(recipe)
+    assert shape.by_segments  # sdpa: the packed layout builds no [L,L] mask (tests/test_packed_forward.py)
+    by_segments = memory.worker_peak_estimate(recipe, shape, 50)
+    dense = memory.worker_peak_estimate(recipe, replace(shape, by_segments=False), 50)
+    tokens, pairs = memory.micro_batch_extent(recipe, 50)
+    assert pairs < tokens**2 and memory.micro_batch_extent(recipe, 50, by_segments=False) == (tokens, tokens**2)
+    assert dense.update - by_segments.update >= tokens**2 * memory.DENSE_MASK_PAIR_BYTES

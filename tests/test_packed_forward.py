@@ -11,6 +11,7 @@ from transformers import Qwen2Config
 from tlt_cli.bench import update_roofline
 from tlt_cli.config import ActorConfig
 from tlt_cli.rollout.types import Completion
+from tlt_cli.training import packed_forward
 from tlt_cli.training.actor import Actor, packs
 from tlt_cli.training.grpo import policy_loss
 from tlt_cli.training.logprobs import token_logprobs
@@ -287,3 +288,38 @@ def test_a_model_with_layers_the_layout_does_not_reproduce_trains_padded_rows_an
     assert not packs(config, chunked)
     (line,) = capsys.readouterr().out.splitlines()
     assert "right-padded rows" in line and "chunked_attention" in line
+
+
+def layout_storage_bytes(layout):
+    """The bytes each tensor of a packed layout stores (a view of one value stores one)."""
+    tensors = (layout.input_ids, layout.position_ids, layout.attention_mask, layout.gather_index, layout.window_mask)
+    return [tensor.untyped_storage().nbytes() for tensor in tensors if tensor is not None]
+
+
+def test_a_large_packed_micro_batch_laid_out_by_segments_builds_no_square_mask():
+    """33k tokens once took 0.41 -> 5.83 GB just to lay out: the masks were [L,L] although no kernel read them."""
+    completions = [
+        Completion(row, tuple(range(3, 1003)) if row < 4 else tuple(range(4, 1004)), [5] * 4000, True, 0.0, 1.0)
+        for row in range(8)
+    ]
+    batch = build_policy_batch(completions, torch.zeros(8), pad_token_id=0, group_size=GROUP)
+    layout = packed_layout(batch, share_prompt=True, window=WINDOW, by_segments=True)
+    assert layout.length == 2 * 1000 + 8 * 4000 and layout.attention_mask.shape == (1, 1, layout.length, layout.length)
+    assert max(layout_storage_bytes(layout)) < layout.length**2 // 1000
+
+
+@pytest.mark.parametrize("family", WINDOWED_MODELS)
+def test_a_decoder_that_attends_by_segments_gets_no_square_mask_and_eager_gets_the_dense_one(family, monkeypatch):
+    layouts = []
+    monkeypatch.setattr(
+        packed_forward, "packed_layout", lambda *arguments: layouts.append(packed_layout(*arguments)) or layouts[-1]
+    )
+    model = WINDOWED_MODELS[family]().float()
+    batch = grouped_batch()
+    with torch.no_grad():
+        for attention in ("sdpa", "eager"):
+            model.config._attn_implementation = attention
+            packed_hidden(model.get_decoder(), batch, share_prompt=True)
+    by_segments, dense = layouts
+    assert max(layout_storage_bytes(by_segments)) < by_segments.length**2
+    assert dense.attention_mask.untyped_storage().nbytes() == dense.length**2

@@ -45,7 +45,8 @@ runner = CliRunner()
 WRONG_VALUES = {
     int: ["abc", "[1, 2]"],
     float: ["fast", "{a: 1}"],
-    bool: ["maybe", "[true]"],
+    # OmegaConf reads "yes", "off" and any number as a bool; a boolean key takes true or false only
+    bool: ["maybe", "[true]", "'yes'", "2", "off"],
     str: ["{a: 1}", "[a, b]"],
     str | None: ["{a: 1}"],
     tuple[int, ...]: ["{a: 1}", "[a, b]"],

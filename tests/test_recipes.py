@@ -66,9 +66,13 @@ def test_an_override_without_a_value_says_so():
 
 def test_recipe_files_read_yes_no_on_off_as_words_and_refuse_repeated_keys(tmp_path):
     recipe_file = tmp_path / "words.yaml"
-    recipe_file.write_text("run:\n  name: off\nspeculative:\n  mode: off\nrollout:\n  sglang:\n    colocated: no\n")
+    recipe_file.write_text("run:\n  name: off\nspeculative:\n  mode: off\nrollout:\n  sglang:\n    colocated: false\n")
     recipe = load_checked_recipe(recipe_file)
     assert recipe.run.name == "off" and recipe.speculative.mode == "off" and recipe.rollout.sglang.colocated is False
+    # a boolean key takes true or false only: OmegaConf would read the word (or a number) as a bool
+    recipe_file.write_text("rollout:\n  sglang:\n    colocated: no\n")
+    with pytest.raises(RecipeError, match="key 'rollout.sglang.colocated' has the wrong type \\('no' is not true or"):
+        load_checked_recipe(recipe_file)
     recipe_file.write_text("run:\n  name: a\nrun:\n  name: b\n")
     with pytest.raises(RecipeError, match="line 3: key 'run' appears twice"):
         load_checked_recipe(recipe_file)

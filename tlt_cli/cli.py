@@ -15,10 +15,12 @@ Errors a user can cause print one line and exit with code 2; a failed run exits 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
 import json
 import signal
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated
 
@@ -130,23 +132,21 @@ def train(
     from tlt_cli.processes.driver import TrainingFailed
     from tlt_cli.trainers import train as run_training
 
-    previous_sigterm = signal.signal(signal.SIGTERM, _interrupt_on_sigterm)
     run_directory: Path | None = None
     try:
-        recipe, resume_directory = _resolve_run(arguments, resume)
-        run_directory = resume_directory or Path(recipe.run.output_dir).expanduser() / recipe.run.name
-        summary = run_training(recipe, console, resume_directory, keep_log, all_columns=columns == ColumnSet.all)
+        with _sigterm_interrupts():
+            recipe, resume_directory = _resolve_run(arguments, resume)
+            run_directory = resume_directory or Path(recipe.run.output_dir).expanduser() / recipe.run.name
+            summary = run_training(recipe, console, resume_directory, keep_log, all_columns=columns == ColumnSet.all)
     except UserError as error:
         raise fail(str(error)) from None
     except TrainingFailed as error:
         raise fail(str(error), code=1) from None
     except KeyboardInterrupt as interrupt:
-        how, code = ("terminated", SIGTERM_EXIT) if isinstance(interrupt, Terminated) else ("interrupted", 130)
+        how, code = _stopped(interrupt)
         if run_directory is None:  # stopped while the recipe was read: no run to continue
             raise fail(f"{how} before the run started.", code) from None
         raise fail(f"{how}; {_after_interrupt(run_directory)}.", code) from None
-    finally:
-        signal.signal(signal.SIGTERM, previous_sigterm)
     console.print(f"done: {len(summary.steps)} steps, run directory {summary.run_directory}", markup=False)
 
 
@@ -165,6 +165,21 @@ def _interrupt_on_sigterm(signum: int, frame: object) -> None:
     # a second SIGTERM must not cut the clean stop short (SIGKILL still can)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     raise Terminated
+
+
+@contextlib.contextmanager
+def _sigterm_interrupts() -> Iterator[None]:
+    """Within: SIGTERM raises Terminated, so the command stops as on Ctrl-C, its clean-up run."""
+    previous = signal.signal(signal.SIGTERM, _interrupt_on_sigterm)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _stopped(interrupt: KeyboardInterrupt) -> tuple[str, int]:
+    """How a command was stopped and the exit code the shell gives it: Ctrl-C's 130, SIGTERM's 143."""
+    return ("terminated", SIGTERM_EXIT) if isinstance(interrupt, Terminated) else ("interrupted", 130)
 
 
 def _resolve_run(arguments: list[str], resume: Path | None) -> tuple[Recipe, Path | None]:
@@ -478,9 +493,13 @@ def export_policy(
     from tlt_cli.export_policy import export_policy as run_export
 
     try:
-        summary = run_export(run, output, step)
+        with _sigterm_interrupts():
+            summary = run_export(run, output, step)
     except UserError as error:  # a ModelLoadError or CheckpointError too
         raise fail(str(error)) from None
+    except KeyboardInterrupt as interrupt:
+        how, code = _stopped(interrupt)
+        raise fail(f"{how}; nothing was exported (its staging folder is removed).", code) from None
     for warning in summary.warnings:
         error_console.print(f"warning: {warning}", markup=False, highlight=False, soft_wrap=True)
     console.print(

@@ -10,12 +10,16 @@ or the one after RL step `step`), loads them into the run recipe's model (`polic
 into a temporary sibling folder, reloads that folder with `AutoModelForCausalLM.from_pretrained` and checks
 its log-probs on held-out prompts of the run's task equal the checkpoint's exactly, and only then renames
 it into place: a full disk or a failed check leaves no half-written output. An output folder that exists
-and is not empty is refused, never replaced, and so is the current folder or one above it (`.`, `..`): the
-export renames a new folder into OUT's place, which would pull the folder out from under the shell.
+and is not empty is refused, never replaced, and so are the current folder or one above it (`.`, `..`: the
+export renames a new folder into OUT's place, which would pull the folder out from under the shell), a symbolic
+link (the rename would not write through it) and a folder inside the run's checkpoints/ (a later checkpoint of the
+run removes it). The staging folder, `.OUT.tmp-<pid>`, goes however the export ends but SIGKILL (`tlt
+export-policy` turns SIGTERM into an interrupt); the next export into OUT removes one whose exporter is gone.
 """
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import shutil
@@ -41,6 +45,7 @@ from tlt_cli.config import Recipe
 from tlt_cli.drafter import library
 from tlt_cli.drafter.model import CONFIG_FILE
 from tlt_cli.errors import UserError, writing
+from tlt_cli.process_status import process_running
 from tlt_cli.recipe_checks import load_checked_recipe
 from tlt_cli.tasks.prompts import encode_prompt
 from tlt_cli.training import setup
@@ -78,14 +83,15 @@ class PolicyExport:
 def export_policy(run_directory: Path, output_dir: Path, step: int | None = None) -> PolicyExport:
     """Export, check by reloading with transformers, then rename into place (see the module docstring)."""
     run_directory = Path(run_directory)
-    _check_output(Path(output_dir))
+    _check_output(Path(output_dir), run_directory)
     # lexically absolute (`policy/..` is its parent), so the staging folder is OUT's sibling whatever OUT's spelling
     output_dir = Path(os.path.abspath(output_dir))
     checkpoint = run_checkpoint(run_directory, step)
     recipe = _run_recipe(run_directory)
     policy, tokenizer = _policy(recipe, checkpoint.directory)
     prompt_ids = held_out_prompt_ids(recipe, tokenizer, CHECK_PROMPTS)
-    staging = output_dir.with_name(f".{output_dir.name}.tmp-{os.getpid()}")
+    staging = output_dir.with_name(f"{_staging_prefix(output_dir)}{os.getpid()}")
+    _remove_abandoned_staging(output_dir)
     shutil.rmtree(staging, ignore_errors=True)
     try:
         with writing(output_dir, WRITE_ADVICE, PolicyExportError):
@@ -128,11 +134,34 @@ def _hold_drafter(recipe: Recipe, checkpoint: Checkpoint, policy_folder: Path) -
     return library.publish(setup.model_cache(recipe), policy_folder, drafter_folder, record)
 
 
-def _check_output(output_dir: Path) -> None:
+def _staging_prefix(output_dir: Path) -> str:
+    """The name of OUT's staging folders up to the exporter's pid: `.OUT.tmp-`."""
+    return f".{output_dir.name}.tmp-"
+
+
+def _remove_abandoned_staging(output_dir: Path) -> None:
+    """Remove OUT's staging folders whose exporter is no longer running (a killed export's whole model copy)."""
+    prefix = _staging_prefix(output_dir)
+    for folder in output_dir.parent.glob(f"{glob.escape(prefix)}*"):
+        exporter = folder.name.removeprefix(prefix)
+        if exporter.isdigit() and not process_running(int(exporter)):
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def _check_output(output_dir: Path, run_directory: Path) -> None:
     where, here = Path(os.path.abspath(output_dir)), Path.cwd()
     if where == here or where in here.parents:
         raise PolicyExportError(
             f"{output_dir} is the current folder or holds it; name a new folder to export into, such as policy/."
+        )
+    if output_dir.is_symlink():
+        raise PolicyExportError(
+            f"{output_dir} is a symbolic link; name a new folder to export into (the export never writes through one)."
+        )
+    if where.resolve().is_relative_to((run_directory / "checkpoints").resolve()):
+        raise PolicyExportError(
+            f"{output_dir} is inside the run's checkpoints/, which the run's later checkpoints replace; export "
+            "elsewhere, such as policy/."
         )
     if output_dir.exists() and not output_dir.is_dir():
         raise PolicyExportError(f"{output_dir} exists and is not a folder; choose another output folder.")

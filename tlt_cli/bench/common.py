@@ -35,7 +35,7 @@ from transformers import PreTrainedTokenizerBase
 from tlt_cli.atomic_files import write_atomically
 from tlt_cli.config import FRESH_DRAFTER_STARTS, DrafterStart, Recipe, RolloutDtype, SpeculativeMode
 from tlt_cli.engine.sampling import SamplingParams
-from tlt_cli.errors import UserError, writing
+from tlt_cli.errors import UserError, nearest_existing, writing
 from tlt_cli.recipe_checks import load_checked_recipe
 from tlt_cli.recipes import resolve_recipe_path
 from tlt_cli.rollout.decode_plan import DecodePlan
@@ -60,6 +60,18 @@ MAX_BENCH_ROWS = 1024
 
 class BenchError(UserError):
     """A benchmark option a user gave that cannot run; the message names the option."""
+
+
+def check_out(out: Path) -> None:
+    """Refuse, before any measurement, an --out the JSON cannot be written to: a folder, a path under a file, or
+    one in a folder this user cannot write."""
+    if out.is_dir():
+        raise BenchError(f"--out {out} is a folder; give the JSON file to write, such as {out / 'bench.json'}.")
+    existing = nearest_existing(out.parent)
+    if not existing.is_dir():
+        raise BenchError(f"--out {out} lies under {existing}, which is a file; give a file in a folder.")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise BenchError(f"--out {out} cannot be written (no permission in {existing}); give a writable file.")
 
 
 def bench_recipe(recipe_name: str, overrides: list[str]) -> Recipe:

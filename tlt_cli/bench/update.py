@@ -1,7 +1,7 @@
 """`tlt bench update`: one worker's GRPO update, variant against variant, each measurement in a fresh process.
 
-    tlt bench update --recipe real-cpu --variant off:actor.shared_prompt=false,actor.micro_batch_tokens=0 \
-        --variant on:actor.shared_prompt=true --repeats 2 rollout.max_new_tokens=128
+    tlt bench update --recipe real-cpu --variant off:actor.share_prompt=false,actor.micro_batch_tokens=0 \
+        --variant on:actor.share_prompt=true --repeats 2 rollout.max_new_tokens=128
     tlt bench update --recipe real-cpu --variant fp32:actor.precision=fp32 --variant bf16:actor.precision=bf16
     tlt bench update --recipe tiny-cpu --profile        # the update by operator category and its roofline by phase
     tlt bench update --recipe tiny-cpu --steps 30 speculative.mode=off   # a worker's peaks, step after step
@@ -34,6 +34,7 @@ from tlt_cli.bench.common import (
     BenchReport,
     Progress,
     bench_recipe,
+    check_out,
     named_variants,
     print_load,
     print_processor,
@@ -44,8 +45,9 @@ from tlt_cli.bench.common import (
 
 # the variant of a benchmark given none: the recipe as it is
 RECIPE_VARIANT = "recipe"
-# the most rollout-and-update steps a measurement runs (--steps)
+# the most rollout-and-update steps a measurement runs (--steps), and the most repeats of each variant (--repeats)
 MAX_STEPS = 1000
+MAX_REPEATS = 100
 GIGA = 1e9
 
 
@@ -73,15 +75,17 @@ def parse_variants(texts: tuple[str, ...], overrides: list[str]) -> dict[str, li
     return {name: [*overrides, *own] for name, own in named_variants(texts).items()}
 
 
-def check_settings(settings: UpdateSettings) -> None:
-    if settings.repeats < 1:
-        raise BenchError(f"--repeats is {settings.repeats}; give 1 or more.")
+def check_settings(settings: UpdateSettings, out: Path) -> None:
+    """Refuse, before anything is measured, options out of range and an --out that cannot be written."""
+    if not 1 <= settings.repeats <= MAX_REPEATS:
+        raise BenchError(f"--repeats is {settings.repeats}; give 1..{MAX_REPEATS} repeats of each variant.")
     if not 0 <= settings.steps <= MAX_STEPS:
         raise BenchError(f"--steps is {settings.steps}; give 0..{MAX_STEPS} rollout-and-update steps.")
     if settings.response_tokens < 0:
         raise BenchError(
             f"--response-tokens is {settings.response_tokens}; give a mean length, or 0 for the worst case."
         )
+    check_out(out)
 
 
 def schedule(variants: list[str], repeats: int) -> list[tuple[int, str]]:
@@ -181,9 +185,9 @@ def render(console: Console, runs: list[dict], summary: dict, settings: UpdateSe
         "step peak GB",
         "loss",
     ]
-    batch = (
-        f"responses {settings.response_tokens} tokens on average" if settings.response_tokens else "worst-case batch"
-    )
+    batch = "worst-case batch"
+    if settings.response_tokens:
+        batch = f"response lengths long-tailed around {settings.response_tokens} tokens, each at most max_new_tokens"
     render_table(console, f"one worker's GRPO update, {batch} (GB = 1e9 bytes)", columns, rows)
     for name, ratio in summary["speed_against_first"].items():
         say(console, f"{name} vs {summary['first']}: update {speed_words(ratio)}")
@@ -255,7 +259,7 @@ def run_update_bench(
     recipe_name: str, overrides: list[str], settings: UpdateSettings, out: Path, console: Console
 ) -> dict:
     """`tlt bench update`: check every variant, measure each repeat in a fresh process, print, write the JSON."""
-    check_settings(settings)
+    check_settings(settings, out)
     variants = parse_variants(settings.variants, overrides)
     for variant_overrides in variants.values():  # a variant tlt train would refuse is refused before any runs
         bench_recipe(recipe_name, variant_overrides)

@@ -33,6 +33,7 @@ import torch
 from tlt_cli.bench import update_roofline
 from tlt_cli.bench.update_profile import label_update_parts, profile_update
 from tlt_cli.config import Recipe, load_recipe
+from tlt_cli.processes.op_build import EXTENSIONS_FOLDER, built_deepspeed_ops
 from tlt_cli.processes.worker_process import exit_with_parent
 from tlt_cli.recipes import resolve_recipe_path
 from tlt_cli.rollout.types import Completion, RolloutRequest
@@ -79,12 +80,15 @@ def measure(recipe_name: str, overrides: list[str], profile: bool, steps: int, r
 
 
 def join_one_rank(recipe: Recipe) -> None:
-    """This process as the one rank of a CPU process group, DeepSpeed's compiled ops where a worker keeps them."""
+    """This process as the one rank of a CPU process group, DeepSpeed's compiled ops where a worker keeps them (built
+    under tlt's build lock, op_build.py)."""
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", DS_ACCELERATOR="cpu")
     os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
-    os.environ["TORCH_EXTENSIONS_DIR"] = str(setup.model_cache(recipe) / "torch_extensions")
+    extensions_directory = setup.model_cache(recipe) / EXTENSIONS_FOLDER
+    os.environ["TORCH_EXTENSIONS_DIR"] = str(extensions_directory)
     from tlt_cli.processes.distributed import import_deepspeed
 
+    built_deepspeed_ops(extensions_directory, tell=print)
     import_deepspeed().init_distributed(dist_backend="gloo")
 
 
@@ -189,49 +193,59 @@ def profiled_update(recipe: Recipe, actor: Actor, batch: PolicyBatch, plan: RunP
 def rollout_and_update_steps(
     recipe: Recipe, plan: RunPlan, actor: Actor, tokenizer, drafter_folder: Path | None, steps: int
 ):
-    """Each step's rollout and update peaks of this one rank (module docstring), as it finishes."""
-    task, sampling, group_size = setup.task(recipe), setup.sampling(recipe), recipe.train.group_size
+    """Each step's rollout and update peaks of this one rank (module docstring), as it finishes; the rollout
+    backend's run folder is a temporary one, removed with the backend stopped once the steps end."""
     drafter = None
     if setup.drafter_needed(recipe):
         drafter = setup.starting_drafter(recipe, drafter_folder, actor.policy)
-    place = setup.BackendPlace(0, 0, Path(tempfile.mkdtemp(prefix="tlt-bench-update-")), plan)
-    backend = setup.rollout_backend(recipe, actor.policy, tokenizer, drafter, place)
-    backend.start()
-    for step in range(steps):
-        first = step * recipe.train.prompts_per_step
-        problems = [task.problem(first + index) for index in range(recipe.prompts_per_worker)]
-        requests = [
-            RolloutRequest(number * group_size + sample, tuple(encode_prompt(tokenizer, problem.prompt)), number)
-            for number, problem in enumerate(problems)
-            for sample in range(group_size)
+    with tempfile.TemporaryDirectory(prefix="tlt-bench-update-") as run_folder:
+        place = setup.BackendPlace(0, 0, Path(run_folder), plan)
+        backend = setup.rollout_backend(recipe, actor.policy, tokenizer, drafter, place)
+        backend.start()
+        try:
+            for step in range(steps):
+                yield measured_step(recipe, actor, tokenizer, backend, step)
+        finally:
+            backend.stop()
+
+
+def measured_step(recipe: Recipe, actor: Actor, tokenizer, backend, step: int) -> dict:
+    """One step of the task's rollout, reward, group advantages and update, with its peaks."""
+    task, sampling, group_size = setup.task(recipe), setup.sampling(recipe), recipe.train.group_size
+    first = step * recipe.train.prompts_per_step
+    problems = [task.problem(first + index) for index in range(recipe.prompts_per_worker)]
+    requests = [
+        RolloutRequest(number * group_size + sample, tuple(encode_prompt(tokenizer, problem.prompt)), number)
+        for number, problem in enumerate(problems)
+        for sample in range(group_size)
+    ]
+    memory.reset_peak_resident()
+    completions, _ = backend.generate(requests, sampling, recipe.run.seed + step, None)
+    rollout_peak = memory.peak_resident_bytes()
+    memory.reset_peak_resident()
+    rewards = torch.tensor(
+        [
+            task.reward(
+                problems[completion.request_id // group_size],
+                tokenizer.decode(completion.response_ids, skip_special_tokens=True),
+            )
+            for completion in completions
         ]
-        memory.reset_peak_resident()
-        completions, _ = backend.generate(requests, sampling, recipe.run.seed + step, None)
-        rollout_peak = memory.peak_resident_bytes()
-        memory.reset_peak_resident()
-        rewards = torch.tensor(
-            [
-                task.reward(
-                    problems[completion.request_id // group_size],
-                    tokenizer.decode(completion.response_ids, skip_special_tokens=True),
-                )
-                for completion in completions
-            ]
-        )
-        started = time.perf_counter()
-        advantages = group_advantages(rewards, group_size)
-        actor.update(actor.policy_batch(completions, advantages, tokenizer.pad_token_id, group_size))
-        update_seconds = time.perf_counter() - started
-        backend.after_update(f"step-{step + 1}", None, ())
-        yield {
-            "step": step,
-            "response_tokens": sum(len(completion.response_ids) for completion in completions),
-            "longest_response": max(len(completion.response_ids) for completion in completions),
-            "update_seconds": update_seconds,
-            "rollout_peak_gb": rollout_peak / memory.GB,
-            "update_peak_gb": memory.peak_resident_bytes() / memory.GB,
-            "resident_after_gb": memory.resident_bytes() / memory.GB,
-        }
+    )
+    started = time.perf_counter()
+    advantages = group_advantages(rewards, group_size)
+    actor.update(actor.policy_batch(completions, advantages, tokenizer.pad_token_id, group_size))
+    update_seconds = time.perf_counter() - started
+    backend.after_update(f"step-{step + 1}", None, ())
+    return {
+        "step": step,
+        "response_tokens": sum(len(completion.response_ids) for completion in completions),
+        "longest_response": max(len(completion.response_ids) for completion in completions),
+        "update_seconds": update_seconds,
+        "rollout_peak_gb": rollout_peak / memory.GB,
+        "update_peak_gb": memory.peak_resident_bytes() / memory.GB,
+        "resident_after_gb": memory.resident_bytes() / memory.GB,
+    }
 
 
 if __name__ == "__main__":

@@ -35,8 +35,9 @@ MAX_NESTING = 32
 
 class _RecipeYamlLoader(yaml.SafeLoader):
     """YAML 1.2 booleans: only true and false. YAML 1.1 also reads yes/no/on/off as booleans, which
-    would turn `speculative.mode: off` or `run.name=off` into False; as words they stay strings, and
-    boolean keys still accept them (OmegaConf converts "off" to False for a bool field). A key given
+    would turn `speculative.mode: off` or `run.name=off` into False; as words they stay strings, and a
+    boolean key refuses them, as any value but true or false (`_boolean_refusal`: OmegaConf would read
+    "yes", "off" or 2 as a bool). A key given
     twice in one mapping is an error, not a silent override, and so is an alias (`*name`): a recipe
     writes its values out, and an alias can nest itself or expand a few lines into billions of nodes."""
 
@@ -161,6 +162,9 @@ def recipe_from_config(
 ) -> Recipe:
     """Merge a loaded config and overrides onto the schema: a Recipe with the right keys and types."""
     schema = OmegaConf.structured(Recipe)
+    refusal = _first_boolean_refusal(OmegaConf.to_container(loaded))
+    if refusal is not None:
+        raise RecipeError(f"{origin}: {refusal}")
     try:
         merged = OmegaConf.merge(schema, loaded)
     except (OmegaConfBaseException, TypeError) as error:
@@ -203,6 +207,9 @@ def _apply_override(merged: DictConfig, override: str) -> DictConfig:
         raise RecipeError(f"override '{shown}': the value is not valid YAML ({_first_line(error)}).") from None
     if isinstance(content, str) and control:
         raise holds_control
+    refusal = _boolean_refusal(key, content)
+    if refusal is not None:
+        raise RecipeError(f"override '{shown}': {refusal}")
     try:
         return OmegaConf.merge(merged, parsed)
     except (OmegaConfBaseException, TypeError) as error:
@@ -243,6 +250,26 @@ def _describe(error: OmegaConfBaseException | TypeError) -> str:
     if "Missing mandatory value" in message:
         return f"key '{key}' must be set."
     return f"key '{key}': {message}."
+
+
+def _boolean_refusal(key: str, value: Any) -> str | None:
+    """The refusal of `value` for a boolean key that is not true or false (OmegaConf would read "yes", "off", 1 or
+    2 as a bool); None for any other key or value."""
+    if _key_type(key) is bool and not isinstance(value, bool):
+        return f"key '{key}' has the wrong type ({value!r} is not true or false)."
+    return None
+
+
+def _first_boolean_refusal(content: Any, prefix: str = "") -> str | None:
+    """The first `_boolean_refusal` among a recipe file's values (nested sections included), or None."""
+    if not isinstance(content, dict):
+        return None
+    for name, value in content.items():
+        key = f"{prefix}{name}"
+        refusal = _first_boolean_refusal(value, f"{key}.") if isinstance(value, dict) else _boolean_refusal(key, value)
+        if refusal is not None:
+            return refusal
+    return None
 
 
 def _key_type(key: str) -> Any:

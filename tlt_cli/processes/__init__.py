@@ -18,6 +18,7 @@ whatever body each process runs (the caller hands the driver the trainer's):
   hostfile.py          DeepSpeed hostfiles: parsing, checks, the launcher command
   event_channel.py     authenticated TCP channel from launched ranks to the driver
   distributed.py       process-group init (gloo / NCCL) and the rollout barrier
+  op_build.py          DeepSpeed's CPU op built under a lock tlt owns, which the kernel releases when its holder dies
   machine_checks.py    does this machine have the GPUs, SGLang and /dev/shm the recipe needs
   step_records.py      the workers' step reports turned into trace records
   worker_process.py    what each worker process does first: exit with the driver, output to its log

@@ -4,7 +4,8 @@
 joins a gloo group; on GPUs it joins an NCCL group on `cuda:<local rank>`, the convention of the
 DeepSpeed launcher. The driver starts its workers inside `visible_gpus(actor.devices)` (the
 DeepSpeed launcher does the same from its `--include`), so every rank sees exactly the actor's
-GPUs and local rank r of a node uses the r-th of them.
+GPUs and local rank r of a node uses the r-th of them. Before it joins, a rank builds DeepSpeed's CPU op under
+tlt's build lock (op_build.py), so no rank waits for good on a build another run abandoned.
 A rank whose DeepSpeed made a shared-memory all-reduce buffer (one node, under the launcher) unlinks
 it once every rank has mapped it (shared_memory.py), so no way the run ends can leave it in /dev/shm;
 where /dev/shm cannot be written, DeepSpeed makes none and all-reduces through the process group.
@@ -41,17 +42,14 @@ import torch
 import torch.distributed
 
 from tlt_cli.process_status import process_running
-from tlt_cli.shared_memory import deepspeed_buffers_if_writable, rank_buffer, release_own_buffer, remove_unheld
+from tlt_cli.processes.op_build import built_deepspeed_ops
+from tlt_cli.shared_memory import deepspeed_buffers_if_writable, rank_buffer, release_own_buffer
 
 POLL_SECONDS = 0.005
 STORE_TIMEOUT = timedelta(minutes=30)
 LOOPBACK_INTERFACE = "lo"
 RENDEZVOUS_PREFIX = "tlt-rendezvous-"
 PROCESS_GROUP_FILE = "process-group"
-# the file torch's extension builder (torch/utils/cpp_extension.py) holds in an op's build folder while it builds
-BUILD_LOCK_NAME = "lock"
-# where workers build DeepSpeed's CPU ops, under the model cache (TORCH_EXTENSIONS_DIR: worker_loop.py)
-EXTENSIONS_FOLDER = "torch_extensions"
 BARRIER_FILE = "rollout-barrier"
 # the rollout barrier's deadline runs this much past workers.step_timeout_s: the driver, which sees
 # every rank's progress, names the stuck rank first; the barrier is the backstop of a rank whose
@@ -113,21 +111,6 @@ def private_rendezvous_directory() -> Path:
     return Path(tempfile.mkdtemp(prefix=f"{RENDEZVOUS_PREFIX}{os.getpid()}-"))
 
 
-def remove_abandoned_build_locks(extensions_directory: Path) -> list[Path]:
-    """Remove the build locks (`<op>/lock`) in TORCH_EXTENSIONS_DIR that no live process holds open; the ones
-    removed. torch's extension builder (torch/utils/file_baton.py) creates the lock and keeps its descriptor open
-    until the build ends, and every other process waits, with no limit, until the file is gone: a lock no process
-    holds open is a killed build's (Ctrl-C or kill -9 of a first run), and every later run would wait on it forever."""
-    return remove_unheld(build_locks(extensions_directory), extensions_directory)
-
-
-def build_locks(extensions_directory: Path) -> list[Path]:
-    """The build locks (`<op>/lock`) in TORCH_EXTENSIONS_DIR, held or not (none when it does not exist)."""
-    if not extensions_directory.is_dir():
-        return []
-    return sorted(extensions_directory.glob(f"**/{BUILD_LOCK_NAME}"))
-
-
 def remove_abandoned_rendezvous() -> list[Path]:
     """Remove the rendezvous folders in the system's temporary folder whose driver is no longer running (a killed
     run's); the ones removed."""
@@ -167,9 +150,14 @@ def visible_gpus(gpus: Sequence[int]) -> Iterator[None]:
 
 
 def init_worker_process(
-    address: WorkerAddress, threads: int, extensions_dir: Path, on_gpus: bool = False
+    address: WorkerAddress,
+    threads: int,
+    extensions_dir: Path,
+    on_gpus: bool = False,
+    tell: Callable[[str], None] = print,
 ) -> torch.device:
-    """Set the environment DeepSpeed reads, join the process group (gloo on CPU, NCCL on GPUs); the rank's device."""
+    """Set the environment DeepSpeed reads, build its CPU op under tlt's build lock (op_build.py: `tell` hears whose
+    build it waits for, then that it builds), join the process group (gloo on CPU, NCCL on GPUs); the rank's device."""
     os.environ.update(
         RANK=str(address.rank),
         LOCAL_RANK=str(address.rank_on_node),
@@ -184,6 +172,7 @@ def init_worker_process(
     device = torch.device("cuda", address.rank_on_node) if on_gpus else torch.device("cpu")
     if on_gpus:
         torch.cuda.set_device(device)
+    built_deepspeed_ops(extensions_dir, tell)
     backend = "nccl" if on_gpus else "gloo"
     rendezvous = {} if address.rendezvous_directory is None else one_node_rendezvous(address)
     with deepspeed_buffers_if_writable():  # a read-only /dev/shm: no buffers, the process group all-reduces

@@ -6,7 +6,8 @@ hands each process the `WorkerSpec` that `RunSpec.for_rank` makes of it with the
 the job (picklable: spawned processes get it as an argument; launched ranks rebuild the `RunSpec` from
 the run directory, launch_files.py, and add the place the DeepSpeed launcher gave them). A process,
 whatever trainer it runs (tlt's worker loop, tlt_cli/training/worker_loop.py, or TRL's,
-tlt_cli/integrations/trl_run.py), sends the driver `WorkerProgress` as it enters each part of a step,
+tlt_cli/integrations/trl_run.py), sends the driver `WorkerStarting` while its start-up waits on another
+process (another run's op build), `WorkerProgress` as it enters each part of a step,
 one `WorkerStepReport` per step, and finally `WorkerFinished` or `WorkerFailed`. The driver (driver.py)
 turns the reports into trace records (step_records.py) and names a stuck rank from the progress
 (step_deadline.py).
@@ -113,6 +114,15 @@ class WorkerFailed:
 @dataclass(frozen=True)
 class WorkerFinished:
     worker: int
+
+
+@dataclass(frozen=True)
+class WorkerStarting:
+    """What a rank's start-up waits on (another run's DeepSpeed op build): the driver shows it before the first
+    step; no step's clock runs."""
+
+    worker: int
+    activity: str
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,6 @@ trace's run record (`plan_facts`).
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -16,29 +15,20 @@ from rich.console import Console
 
 from tlt_cli.config import DrafterStart, Recipe
 from tlt_cli.display import PhaseProgress
-from tlt_cli.errors import UserError
-from tlt_cli.processes.distributed import (
-    EXTENSIONS_FOLDER,
-    build_locks,
-    remove_abandoned_build_locks,
-    remove_abandoned_rendezvous,
-)
+from tlt_cli.processes.distributed import remove_abandoned_rendezvous
+from tlt_cli.processes.op_build import EXTENSIONS_FOLDER, remove_abandoned_build_locks
 from tlt_cli.sglang.server_files import remove_abandoned_server_files
 from tlt_cli.shared_memory import remove_abandoned_buffers
 from tlt_cli.tuning.run_plan import RunPlan
 
-# the longest the driver waits for another process's build of DeepSpeed's CPU op in the same cache (the build
-# takes about 2 minutes on 2 loaded cores), and how often it looks
-BUILD_WAIT_SECONDS = 1800.0
-BUILD_POLL_SECONDS = 0.5
 
-
-def remove_what_killed_runs_left(console: Console, cache: Path, build_wait_seconds: float = BUILD_WAIT_SECONDS) -> None:
+def remove_what_killed_runs_left(console: Console, cache: Path) -> None:
     """Free the DeepSpeed /dev/shm segments and multiprocessing semaphores (shared_memory.py) and remove the
-    rendezvous folders, the build locks of DeepSpeed's ops in `cache` (distributed.py) and SGLang servers' files
+    rendezvous folders, torch's build locks of DeepSpeed's ops in `cache` (op_build.py) and SGLang servers' files
     (sglang/server_files.py) that killed runs left, saying so in one line; whatever backend this run uses. A build
-    another live process runs in `cache` is waited for first, at most `build_wait_seconds` (wait_for_op_builds)."""
-    wait_for_op_builds(console, cache / EXTENSIONS_FOLDER, build_wait_seconds)
+    another live process runs in `cache` is waited for by the workers, under tlt's build lock (op_build.py)."""
+    for lock in remove_abandoned_build_locks(cache / EXTENSIONS_FOLDER):
+        console.print(f"removed the build lock {lock} a killed run left (its builder is gone)", markup=False)
     removed = remove_abandoned_buffers()
     if removed:
         console.print(f"removed {len(removed)} shared-memory file(s) a killed run left in /dev/shm", markup=False)
@@ -46,29 +36,6 @@ def remove_what_killed_runs_left(console: Console, cache: Path, build_wait_secon
     servers = remove_abandoned_server_files()
     if servers:
         console.print(f"removed the files of {len(servers)} SGLang server(s) a killed run left", markup=False)
-
-
-def wait_for_op_builds(console: Console, extensions_directory: Path, seconds: float) -> None:
-    """Before any worker starts: remove the build locks whose builder is gone (one line each), and wait for those a
-    live builder holds (another run building DeepSpeed's op in this cache: torch's builder makes every other process
-    wait on its lock with no limit), saying so once; a UserError naming the lock when `seconds` pass."""
-    deadline = time.monotonic() + seconds
-    announced = False
-    while True:
-        for lock in remove_abandoned_build_locks(extensions_directory):
-            console.print(f"removed the build lock {lock} a killed run left (its builder is gone)", markup=False)
-        held = build_locks(extensions_directory)
-        if not held:
-            return
-        if time.monotonic() >= deadline:
-            raise UserError(
-                f"DeepSpeed's op build lock {held[0]} is still held by a live process after {seconds:g} s; let that "
-                "build end (or stop the run that builds), then run again."
-            )
-        if not announced:
-            console.print(f"waiting for another process's DeepSpeed op build ({held[0]}), at most {seconds:g} s")
-            announced = True
-        time.sleep(BUILD_POLL_SECONDS)
 
 
 def prepare_drafter(

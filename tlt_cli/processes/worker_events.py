@@ -1,7 +1,8 @@
 """The driver's event loop: the running workers' reports turned into trace records, and the failure named.
 
 `run_workers` starts the workers (local_workers.py, or launched_workers.py with a hostfile) and drains their
-events (messages.py): progress feeds the step deadline (step_deadline.py), a step's reports from every worker
+events (messages.py): what a starting rank waits on is shown before the first step, progress feeds the step
+deadline (step_deadline.py), a step's reports from every worker
 become its trace records and display row (step_records.py), warnings go under the live table and into the
 trace. A failure ends the loop with the error naming the worker that failed first (`first_failure`: a worker
 killed without a word before its peers failed in their collectives, else the earliest raised). Whatever way
@@ -25,6 +26,7 @@ from tlt_cli.processes.messages import (
     WorkerFailed,
     WorkerFinished,
     WorkerProgress,
+    WorkerStarting,
     WorkerStepReport,
 )
 from tlt_cli.processes.run_directory import TRACE_FILE
@@ -124,6 +126,9 @@ def _drain_events(
         if isinstance(event, WorkerProgress):
             deadline.progress(event)
             activity = f"worker {event.worker} at step {event.step}: {event.activity}"
+            continue
+        if isinstance(event, WorkerStarting):
+            activity = f"worker {event.worker}: {event.activity}"
             continue
         if isinstance(event, WorkerFailed):
             raise _first_failure(workers, event, finished)

@@ -12,7 +12,8 @@ workers, the drafter (with its gradients and AdamW state when the sidecar trains
 hidden states, the rollout's KV cache and hidden states (with the rollout log-probs' chunk; bfloat16 when
 `rollout.dtype` says so, float32 for `auto`, which may choose either) with the decode model's own weight copies
 (freed before the update, tlt_cli/rollout/embedded.py), or else the update's saved activations for its largest
-micro-batch (`micro_batch_extent`: padded rows, or packed groups where the model packs; with
+micro-batch (`micro_batch_extent`: padded rows, or packed groups where the model packs, attending by segments
+or, on a kernel that does not, over the whole square with its dense masks, `dense_mask_bytes`; with
 `actor.gradient_checkpointing`, each layer's input and a few layers' activations) and the log-prob chunk.
 With `actor.precision: bf16` on CPU the module, its gradients and AdamW state stay float32 (the master copy),
 the update's forward adds autocast's bfloat16 copy of the weights, and the saved activations are bfloat16; on
@@ -54,6 +55,9 @@ RECOMPUTED_LAYERS = 7
 ATTENTION_PAIR_BYTES = 9
 # [chunk, V] float32 buffers alive at once in the chunked log-prob backward (logits, their gradient)
 LOGPROB_BUFFERS = 2
+# bytes per (query, key) pair of the dense masks a packed micro-batch keeps when its decoder does not attend by
+# segments (packed_forward.py `packed_layout`): a boolean and its additive float32 copy, for full and windowed layers
+DENSE_MASK_PAIR_BYTES = 2 * (1 + FLOAT32_BYTES)
 # the drafter sidecar keeps, per token besides its hidden state, the token id (int64) and two boolean masks
 SIDECAR_TOKEN_BYTES = 8 + 2
 PROC_STATUS = Path("/proc/self/status")
@@ -122,6 +126,9 @@ class ModelShape:
     vocab_size: int
     # whether the actor can pack the model's micro-batches (packed_forward.py `packing_supported`); else it pads rows
     packs: bool = True
+    # whether a packed micro-batch attends by segments (packed_forward.py `attends_by_segments`): no [L,L] mask is
+    # built; else its dense masks are, and its attention covers the whole square
+    by_segments: bool = True
 
 
 @dataclass(frozen=True)
@@ -177,7 +184,7 @@ def model_shape(recipe: Recipe) -> ModelShape:
     from transformers import AutoModelForCausalLM
 
     from tlt_cli.models.loading import load_config_and_tokenizer
-    from tlt_cli.training.packed_forward import packing_supported
+    from tlt_cli.training.packed_forward import attends_by_segments, packing_supported
 
     config, _ = load_config_and_tokenizer(recipe.model.path, trust_remote_code=recipe.model.trust_remote_code)
     with torch.device("meta"):
@@ -195,6 +202,7 @@ def model_shape(recipe: Recipe) -> ModelShape:
         key_value_width=getattr(config, "num_key_value_heads", heads) * head_dim,
         vocab_size=config.vocab_size,
         packs=packing_supported(config) is None,
+        by_segments=attends_by_segments(model.config),
     )
 
 
@@ -232,13 +240,15 @@ def worker_peak_estimate(recipe: Recipe, shape: ModelShape, prompt_tokens: int) 
     rollout_bytes = BFLOAT16_BYTES if recipe.rollout.dtype == RolloutDtype.bfloat16 else FLOAT32_BYTES
     per_token = shape.layers * 2 * shape.key_value_width + shape.hidden
     rollout = samples * sequence_tokens * per_token * rollout_bytes + logprob_chunk
-    micro_batch_tokens, attention_pairs = micro_batch_extent(recipe, prompt_tokens, shape.packs)
+    micro_batch_tokens, attention_pairs = micro_batch_extent(recipe, prompt_tokens, shape.packs, shape.by_segments)
     saved_per_layer = SAVED_PER_HIDDEN * shape.hidden + SAVED_PER_INTERMEDIATE * shape.intermediate
     # recomputation keeps each layer's input, and in backward a few layers' activations at a time
     kept_layers = RECOMPUTED_LAYERS if recipe.actor.gradient_checkpointing else shape.layers
     inputs = shape.layers * shape.hidden if recipe.actor.gradient_checkpointing else 0
     saved_per_token = inputs + kept_layers * saved_per_layer
-    attention = attention_pairs * kept_layers * ATTENTION_PAIR_BYTES
+    attention = attention_pairs * kept_layers * ATTENTION_PAIR_BYTES + dense_mask_bytes(
+        recipe, shape, micro_batch_tokens
+    )
     activations = micro_batch_tokens * saved_per_token * activation_bytes
     autocast_weights = _bfloat16_weight_copies(recipe, shape, kept_layers) if bf16 and on_cpu else 0
     return MemoryEstimate(
@@ -255,14 +265,17 @@ def worker_peak_estimate(recipe: Recipe, shape: ModelShape, prompt_tokens: int) 
     )
 
 
-def micro_batch_extent(recipe: Recipe, prompt_tokens: int, packs: bool = True) -> tuple[int, int]:
+def micro_batch_extent(
+    recipe: Recipe, prompt_tokens: int, packs: bool = True, by_segments: bool = True
+) -> tuple[int, int]:
     """The tokens and (query, key) pairs of the update's largest micro-batch, every response max_new_tokens long:
     micro_batch_size padded rows, or as many whole groups as micro_batch_tokens holds (one at least), packed
-    with each prompt once under share_prompt and attending by segments (tlt_cli/training/packed_forward.py);
-    padded rows also when the model cannot pack (`packs` False, as the actor decides)."""
+    with each prompt once under share_prompt and attending by segments (tlt_cli/training/packed_forward.py; every
+    pair of the packed square where it does not, `by_segments` False); padded rows also when the model cannot pack
+    (`packs` False, as the actor decides)."""
     response, group_size = recipe.rollout.max_new_tokens, recipe.train.group_size
     sequence = prompt_tokens + response
-    if not recipe.actor.micro_batch_tokens or not packs:
+    if not recipe.actor.micro_batch_tokens or not packs:  # padded rows
         rows = min(recipe.actor.micro_batch_size, recipe.samples_per_worker)
         return rows * sequence, rows * sequence**2
     if recipe.actor.share_prompt:
@@ -271,7 +284,16 @@ def micro_batch_extent(recipe: Recipe, prompt_tokens: int, packs: bool = True) -
     else:
         group_tokens, group_pairs = group_size * sequence, group_size * sequence**2
     groups = min(max(1, recipe.actor.micro_batch_tokens // group_tokens), recipe.prompts_per_worker)
-    return groups * group_tokens, groups * group_pairs
+    tokens = groups * group_tokens
+    return tokens, groups * group_pairs if by_segments else tokens**2
+
+
+def dense_mask_bytes(recipe: Recipe, shape: ModelShape, micro_batch_tokens: int) -> int:
+    """The dense [L,L] masks of the largest packed micro-batch, where its decoder does not attend by segments;
+    nothing where it does (no mask is built) or where the update pads rows."""
+    if shape.by_segments or not (recipe.actor.micro_batch_tokens and shape.packs):
+        return 0
+    return micro_batch_tokens**2 * DENSE_MASK_PAIR_BYTES
 
 
 def layer_linear_parameters(shape: ModelShape) -> int:

@@ -9,11 +9,12 @@ their prompt once, followed by each response:
     positions:  0 .. P-1   P .. P+R0-1  P .. P+R1-1    0 .. P'-1
     attends:    causal     prompt + its own response, causally; nothing across groups
 
-The mask is a [1,1,L,L] boolean (True: may attend) handed to the decoder as a prepared 4D mask, and the
-positions make every token's rotary position the one it has in its own row. So each response token
-sees exactly the keys and values it sees in the padded layout, and the output [B,T,H] is gathered back to
-that layout: the prompt's states are shared by the group's rows, and in backward their gradients add up
-over the group, which is the padded update's gradient (Prefix Grouper, arXiv 2506.05433). Log-probs,
+The mask is a [1,1,L,L] boolean (True: may attend) handed to the decoder as a prepared 4D mask (where the decoder
+attends by segments, segmented_attention.py, only the segments it carries are read, so it is one stored value seen
+as [1,1,L,L]: no L x L tensor is built), and the positions make every token's rotary position the one it has in its
+own row. So each response token sees exactly the keys and values it sees in the padded layout, and the output
+[B,T,H] is gathered back to that layout: the prompt's states are shared by the group's rows, and in backward their
+gradients add up over the group, which is the padded update's gradient (Prefix Grouper, arXiv 2506.05433). Log-probs,
 the loss and the drafter's features read the gathered states exactly as before; the rows' padding
 positions hold some packed state the response mask never reads.
 
@@ -69,8 +70,9 @@ def _layer_types(config) -> set[str]:
 class PackedLayout:
     """One micro-batch packed into a single sequence of L tokens.
 
-    input_ids, position_ids: [1,L]; attention_mask: [1,1,L,L] bool (True: query may attend to key);
-    window_mask: [1,1,L,L] bool, attention_mask within the sliding window (None without one);
+    input_ids, position_ids: [1,L]; attention_mask: [1,1,L,L] bool (True: query may attend to key; laid out by
+    segments, a view of one True that carries the segments); window_mask: [1,1,L,L] bool, attention_mask within
+    the sliding window (None without one);
     gather_index: [B,T] the packed position of each row's token (0 on padding).
     """
 
@@ -101,9 +103,13 @@ def attention_segments(batch: PolicyBatch, share_prompt: bool) -> list[tuple[int
     return segments
 
 
-def packed_layout(batch: PolicyBatch, share_prompt: bool, window: int | None = None) -> PackedLayout:
+def packed_layout(
+    batch: PolicyBatch, share_prompt: bool, window: int | None = None, by_segments: bool = False
+) -> PackedLayout:
     """Pack the batch's rows (see the module docstring); groups share their prompt when share_prompt; with a
-    sliding window, a second mask within it."""
+    sliding window, a second mask within it. by_segments: the decoder attends by segments (`attends_by_segments`),
+    which reads the masks' segments and never their values, so no [L,L] mask is built: each is one stored value
+    seen as [1,1,L,L]."""
     device = batch.input_ids.device
     tokens, positions, groups, segments, packed_groups = [], [], [], [], []
     gather_index = torch.zeros_like(batch.input_ids)
@@ -130,28 +136,34 @@ def packed_layout(batch: PolicyBatch, share_prompt: bool, window: int | None = N
             offset += length - prompt_length
         packed_groups.append(PackedGroup(prompt, tuple(responses)))
     group_of, segment_of, position_of = torch.cat(groups), torch.cat(segments), torch.cat(positions)
-    mask = _attention_mask(group_of, segment_of)
-    window_mask = None
-    if window is not None:
-        # a query sees the keys of its own row only, so row positions compare: key position > query position - W
-        near = position_of[None, :] > position_of[:, None] - window
-        window_mask = segmented_mask((mask & near)[None, None], packed_groups, window)
+    if by_segments:
+        allowed, within_window = _unread_mask(offset, device), _unread_mask(offset, device)
+    else:
+        allowed = _attention_mask(group_of, segment_of)[None, None]
+        within_window = None if window is None else allowed & _window_mask(position_of, window)[None, None]
     return PackedLayout(
         input_ids=torch.cat(tokens)[None],
         position_ids=position_of[None],
-        attention_mask=segmented_mask(mask[None, None], packed_groups),
+        attention_mask=segmented_mask(allowed, packed_groups),
         gather_index=gather_index,
-        window_mask=window_mask,
+        window_mask=None if window is None else segmented_mask(within_window, packed_groups, window),
     )
+
+
+def attends_by_segments(config) -> bool:
+    """Whether a model of `config` computes a packed micro-batch's attention by segments (segmented_attention.py):
+    it uses sdpa, the fused kernel that module calls. Otherwise its kernel reads the dense [L,L] masks."""
+    return config._attn_implementation in ("sdpa", ATTENTION_NAME)
 
 
 def packed_hidden(decoder: nn.Module, batch: PolicyBatch, share_prompt: bool) -> torch.Tensor:
     """The decoder's last hidden states [B,T,H] for the batch's right-padded rows, computed over its packed
     layout (equal to running the decoder on the rows, within floating-point rounding)."""
-    layout = packed_layout(batch, share_prompt, attention_window(decoder.config))
+    by_segments = attends_by_segments(decoder.config)
+    layout = packed_layout(batch, share_prompt, attention_window(decoder.config), by_segments)
     window_mask = layout.attention_mask if layout.window_mask is None else layout.window_mask
     masks = {FULL_ATTENTION: layout.attention_mask, SLIDING_ATTENTION: window_mask}
-    if decoder.config._attn_implementation not in ("sdpa", ATTENTION_NAME):
+    if not by_segments:
         # eager and other kernels add the mask to the scores: 0 where allowed, the dtype's lowest elsewhere
         masks = {kind: _additive(mask, decoder.dtype) for kind, mask in masks.items()}
     with packed_attention(decoder):
@@ -178,9 +190,21 @@ def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def packed_attention(model: nn.Module) -> contextlib.AbstractContextManager:
     """Where a packed forward, or the backward that recomputes it, runs: the model attends by segments
     (segmented_attention.py) when it uses sdpa, the fused kernel that function calls; as it is otherwise."""
-    if model.config._attn_implementation in ("sdpa", ATTENTION_NAME):
+    if attends_by_segments(model.config):
         return segmented_attention(model.config)
     return contextlib.nullcontext()
+
+
+def _unread_mask(length: int, device: torch.device) -> torch.Tensor:
+    """A [1,1,L,L] boolean view of one stored True: the shape the decoder expects, for attention that reads only
+    the segments it carries."""
+    return torch.ones((1, 1, 1, 1), dtype=torch.bool, device=device).expand(1, 1, length, length)
+
+
+def _window_mask(position_of: torch.Tensor, window: int) -> torch.Tensor:
+    """[L,L] True where the key is within the query's sliding window: a query sees the keys of its own row only
+    (the attention mask), so row positions compare: key position > query position - W."""
+    return position_of[None, :] > position_of[:, None] - window
 
 
 def _attention_mask(group_of: torch.Tensor, segment_of: torch.Tensor) -> torch.Tensor:

@@ -30,8 +30,16 @@ from tlt_cli.config import CPU_DEVICES
 from tlt_cli.engine.sampling import NonFiniteDrafts, NonFiniteLogits
 from tlt_cli.errors import TrainingDiverged
 from tlt_cli.plugins import PluginHost, StepContext, agree_across_workers, build_plugins
-from tlt_cli.processes.distributed import EXTENSIONS_FOLDER, RolloutBarrier, barrier_timeout, init_worker_process
-from tlt_cli.processes.messages import WorkerFailed, WorkerFinished, WorkerProgress, WorkerSpec, WorkerStepReport
+from tlt_cli.processes.distributed import RolloutBarrier, barrier_timeout, init_worker_process
+from tlt_cli.processes.messages import (
+    WorkerFailed,
+    WorkerFinished,
+    WorkerProgress,
+    WorkerSpec,
+    WorkerStarting,
+    WorkerStepReport,
+)
+from tlt_cli.processes.op_build import EXTENSIONS_FOLDER
 from tlt_cli.processes.worker_process import exit_with_parent, redirect_output
 from tlt_cli.rollout.backend import sampling_seed
 from tlt_cli.rollout.types import Completion, RolloutRequest
@@ -94,6 +102,7 @@ class WorkerLoop:
             recipe.workers.threads_per_worker,
             spec.model_cache / EXTENSIONS_FOLDER,
             on_gpus=recipe.actor.devices != CPU_DEVICES,
+            tell=lambda activity: events.put(WorkerStarting(self.rank, activity)),
         )
         torch.manual_seed(recipe.run.seed)
         policy, self.tokenizer = setup.policy_and_tokenizer(recipe)
