@@ -57,6 +57,7 @@ from tlt_cli.config import (
     range_problem,
 )
 from tlt_cli.errors import UserError
+from tlt_cli.integrations.trl_summary import EndOfTrainingLine, RolloutTally
 from tlt_cli.integrations.trl_support import (
     check_trainer_supported,
     check_trl_version,
@@ -288,6 +289,8 @@ class TltRollout:
         self.drafter: EagleDrafter | None = None
         self.sidecar: Any | None = None
         self.records: list[RolloutRecord] = []
+        # every rollout of this process, for the line printed when TRL's training ends (trl_summary.py)
+        self.tally = RolloutTally()
         self.pending_state: Path | None = None
 
     def __call__(self, prompts: list, trainer: Any) -> dict[str, list]:
@@ -305,9 +308,11 @@ class TltRollout:
             completions = [_cut_at_eos(completion, eos_ids) for completion in completions]
             sidecar_metrics = self.sidecar.after_rollout(self.rollouts, completions) if self.sidecar else {}
         idle_end = self.sidecar.wait_end if self.sidecar is not None else busy_end
-        self.records.append(
-            self._record(trainer, process, processes, start, busy_end, idle_end, completions, sidecar_metrics)
-        )
+        record = self._record(trainer, process, processes, start, busy_end, idle_end, completions, sidecar_metrics)
+        self.records.append(record)
+        if self.rollouts == 0:
+            trainer.add_callback(EndOfTrainingLine(self.tally, _progress))
+        self.tally.add(record)
         self.rollouts += 1
         return {
             "prompt_ids": [list(completion.prompt_ids) for completion in completions],
