@@ -86,3 +86,17 @@ def test_a_trace_without_timing_by_batch_size_says_it_is_not_measured():
         if record["type"] == "sd_config":
             del record["batch_seconds"]
     assert "not measured" in sd_effect_sentence(trace_sd_effect(records))
+
+
+def test_tlt_rollouts_end_line_tallies_every_rollout_and_gives_the_same_verdict():
+    from tlt_cli.integrations.trl_summary import RolloutTally
+
+    tally = RolloutTally()
+    plain_usage = {"batch_sizes": {"4": 400}, "batch_seconds": {"4": 4.0}, "batch_tokens": {"4": 1600}}
+    sd_usage = {"batch_sizes": {"1": 100}, "batch_seconds": {"1": 2.0}, "batch_tokens": {"1": 300}}
+    tally.add(0, 0, 1, {"off": plain_usage}, (0, 0))
+    tally.add(1, 0, 1, {"off": plain_usage, "s4-k1-t5": sd_usage}, (200, 100))
+    line = tally.line()
+    assert line.startswith("done: 2 rollouts, 10.0 s decoding, SD in 20% of it; SD paid in this run: its steps")
+    assert "1.50x" in line
+    assert RolloutTally().line() == "done: 0 rollouts, 0.0 s decoding; SD did not run."

@@ -312,7 +312,11 @@ class TltRollout:
         self.records.append(record)
         if self.rollouts == 0:
             trainer.add_callback(EndOfTrainingLine(self.tally, _progress))
-        self.tally.add(record)
+        drafts = (
+            sum(request.accepted_draft_tokens for request in record.requests),
+            sum(request.verify_passes for request in record.requests),
+        )
+        self.tally.add(record.rollout, process, processes, record.sd_usage, drafts)
         self.rollouts += 1
         return {
             "prompt_ids": [list(completion.prompt_ids) for completion in completions],

@@ -11,16 +11,14 @@ against the same process's plain steps at the same batch sizes.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from transformers import TrainerCallback
 
 from tlt_cli.sd_effect import RowsTiming, measured_sd_effect, record_timings, sd_effect_sentence
 from tlt_cli.speculative.types import OFF
-
-if TYPE_CHECKING:
-    from tlt_cli.integrations.trl import RolloutRecord
 
 
 @dataclass
@@ -34,13 +32,17 @@ class RolloutTally:
     accepted_tokens: int = 0
     verify_passes: int = 0
 
-    def add(self, record: RolloutRecord) -> None:
+    def add(
+        self, rollout: int, process: int, processes: int, sd_usage: Mapping[str, dict], drafts: tuple[int, int]
+    ) -> None:
+        """One rollout's record (trl.py `RolloutRecord`): its number, this process and how many there are, its usage
+        by SD configuration (ConfigUsage fields) and its (accepted draft tokens, verify passes)."""
         self.rollouts += 1
-        self.process, self.processes = record.process, record.processes
-        for label, usage in record.sd_usage.items():
-            self.timings.extend(record_timings({**usage, "config": label, "step": record.rollout}))
-        self.accepted_tokens += sum(request.accepted_draft_tokens for request in record.requests)
-        self.verify_passes += sum(request.verify_passes for request in record.requests)
+        self.process, self.processes = process, processes
+        for label, usage in sd_usage.items():
+            self.timings.extend(record_timings({**usage, "config": label, "step": rollout}))
+        self.accepted_tokens += drafts[0]
+        self.verify_passes += drafts[1]
 
     def line(self) -> str:
         """The end line (module docstring)."""

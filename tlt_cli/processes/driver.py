@@ -19,7 +19,7 @@ stops the others and a `TrainingFailed` names the first to fail (run_failures.py
 when the error is the user's); its traceback goes to the run's log (`run.log`), the run directory keeps every
 complete checkpoint for `--resume`, and a new run that failed before its first step is removed again (with
 `keep_log`, all but its logs stay). A worker that spends more than `workers.step_timeout_s` in one step ends
-the run as a failure does (step_deadline.py); SIGTERM ends it as Ctrl-C does (tlt_cli/cli.py). Workers start
+the run as a failure does (step_deadline.py); SIGTERM ends it as Ctrl-C does (tlt_cli/cli/__init__.py). Workers start
 with only the actor's GPUs visible. Whatever way the run ends, the driver finally stops every SGLang server
 process group the workers recorded in the run directory (on this machine: with a hostfile of several nodes
 each worker stops its own, and DeepSpeed ends the ranks' process trees).

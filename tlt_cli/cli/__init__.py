@@ -10,7 +10,9 @@
     tlt bench rollout | costs | update | runs --recipe RECIPE [key=value ...] [--out bench.json]
     tlt --version
 
-Errors a user can cause print one line and exit with code 2; a failed run exits with 1.
+Errors a user can cause print one line and exit with code 2; a failed run exits with 1. This module holds the app
+and the commands of a run; `tlt bench` is cli/bench.py, `tlt drafter` cli/drafter.py, and cli/output.py what they
+all print through.
 """
 
 from __future__ import annotations
@@ -25,7 +27,6 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.console import Console
 from rich.markup import escape
 
 from tlt_cli.calibration.settings import (
@@ -34,6 +35,9 @@ from tlt_cli.calibration.settings import (
     parse_batch_sizes,
 )
 from tlt_cli.checkpoint import CheckpointError, next_run_advice
+from tlt_cli.cli.bench import bench_app
+from tlt_cli.cli.drafter import drafter_app
+from tlt_cli.cli.output import USAGE_ERROR, console, error_console, fail
 from tlt_cli.config import Recipe, load_recipe
 from tlt_cli.display import LEGEND
 from tlt_cli.errors import UserError
@@ -47,10 +51,6 @@ app = typer.Typer(
 )
 recipes_app = typer.Typer(help="List, show and validate recipes.", no_args_is_help=True)
 app.add_typer(recipes_app, name="recipes")
-console = Console()
-error_console = Console(stderr=True)
-
-USAGE_ERROR = 2
 
 
 class ColumnSet(str, enum.Enum):
@@ -62,12 +62,6 @@ class ColumnSet(str, enum.Enum):
 
 # the shell's code for a process ended by SIGTERM (128 + 15), as Ctrl-C's is 130
 SIGTERM_EXIT = 143
-
-
-def fail(message: str, code: int = USAGE_ERROR) -> typer.Exit:
-    # escaped: a message can quote text with brackets (a gloo error's "[/path/pair.cc:537]"), which is not markup
-    error_console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
-    return typer.Exit(code)
 
 
 def _version(value: bool) -> None:
@@ -516,182 +510,5 @@ def export_policy(
         )
 
 
-drafter_app = typer.Typer(help="The drafter tlt holds for a model: warm one up.", no_args_is_help=True)
 app.add_typer(drafter_app, name="drafter")
-
-
-@drafter_app.command("warmup", context_settings={"allow_extra_args": False})
-def drafter_warmup(
-    arguments: Annotated[
-        list[str],
-        typer.Argument(
-            help="RECIPE (a YAML file or a shipped recipe name) then key=value overrides.", show_default=False
-        ),
-    ],
-) -> None:
-    """Warm up the recipe's drafter offline (as drafter.init=warmup does), cache it and make it the one tlt holds for
-    the model, so every later run on the model starts with it. Stopped after its generation, it resumes there."""
-    from tlt_cli.display import PhaseProgress
-    from tlt_cli.drafter.warmup import report_lines
-    from tlt_cli.training.setup import model_cache, warmed_up_drafter
-
-    try:
-        recipe = load_recipe(resolve_recipe_path(arguments[0]), arguments[1:])
-        with PhaseProgress(console, "drafter warm-up") as progress:
-            folder, report = warmed_up_drafter(recipe, model_cache(recipe), progress)
-    except UserError as error:
-        raise fail(str(error)) from None
-    except KeyboardInterrupt:
-        raise fail("interrupted; run the same command again to continue from what was sampled.", 130) from None
-    if report is None:
-        console.print(f"the recipe's warm-up is already cached in {folder}; tlt holds it for the model", markup=False)
-        return
-    for line in report_lines(report, recipe.rollout.temperature):
-        console.print(line, markup=False)
-    console.print(f"cached in {folder}, held for the model", markup=False)
-
-
-bench_app = typer.Typer(
-    help="Benchmarks on this machine, over a recipe: each prints a table and writes JSON naming the machine.",
-    no_args_is_help=True,
-)
 app.add_typer(bench_app, name="bench")
-RecipeOption = Annotated[str, typer.Option("--recipe", help="A YAML recipe or a shipped recipe name.")]
-OverridesArgument = Annotated[
-    list[str] | None, typer.Argument(help="key=value overrides of the recipe.", show_default=False)
-]
-RepeatsOption = Annotated[int, typer.Option(help="Times each measurement is repeated.")]
-
-
-def _bench_out(name: str) -> typer.Option:
-    return typer.Option("--out", help=f"The JSON file to write (default: bench-{name}.json).")
-
-
-@bench_app.command("rollout", context_settings={"allow_extra_args": False})
-def bench_rollout(
-    recipe: RecipeOption,
-    overrides: OverridesArgument = None,
-    batch_sizes: Annotated[str, typer.Option(help="Rows a rollout generates, comma-separated.")] = "1,4,16",
-    dtypes: Annotated[str, typer.Option(help="Rollout dtypes, comma-separated (default: the recipe's).")] = "",
-    fixed: Annotated[
-        str, typer.Option(help="Fixed SD shapes compared with auto and plain: s<steps>-k<topk>-t<tokens>, ngram<N>.")
-    ] = "ngram4,s2-k1-t3,s4-k1-t5,s2-k1-t3+ngram4",
-    repeats: RepeatsOption = 2,
-    first_prompt: Annotated[int, typer.Option(help="The task problem the first rollout's prompts start at.")] = 100_000,
-    generate: Annotated[
-        bool, typer.Option("--generate", help="Also run transformers' generate on the same rows (no tlt engine).")
-    ] = False,
-    out: Annotated[Path, _bench_out("rollout")] = Path("bench-rollout.json"),
-) -> None:
-    """Whole rollouts with SD auto vs plain decoding vs fixed shapes: whether and how much SD pays here."""
-    from tlt_cli.bench.rollout import RolloutSettings, run_rollout_bench
-
-    settings = RolloutSettings(batch_sizes, dtypes, fixed, repeats, first_prompt, generate)
-    try:
-        run_rollout_bench(recipe, list(overrides or []), settings, out, console)
-    except UserError as error:
-        raise fail(str(error)) from None
-
-
-@bench_app.command("costs", context_settings={"allow_extra_args": False})
-def bench_costs(
-    recipe: RecipeOption,
-    overrides: OverridesArgument = None,
-    rows: Annotated[str, typer.Option(help="Running rows of a pass, comma-separated.")] = "1,2,4,8,16",
-    tokens: Annotated[
-        str, typer.Option(help="Tokens per row of a pass (1: a plain step), comma-separated.")
-    ] = "1,2,4,8",
-    dtypes: Annotated[str, typer.Option(help="Rollout dtypes, comma-separated (default: the recipe's).")] = "",
-    repeats: RepeatsOption = 3,
-    out: Annotated[Path, _bench_out("costs")] = Path("bench-costs.json"),
-) -> None:
-    """What a plain step and a verify pass cost on this machine, per running rows x tokens per row."""
-    from tlt_cli.bench.costs import CostSettings, run_costs_bench
-
-    try:
-        run_costs_bench(recipe, list(overrides or []), CostSettings(rows, tokens, dtypes, repeats), out, console)
-    except UserError as error:
-        raise fail(str(error)) from None
-
-
-@bench_app.command("update", context_settings={"allow_extra_args": False})
-def bench_update(
-    recipe: RecipeOption,
-    overrides: OverridesArgument = None,
-    variant: Annotated[
-        list[str] | None,
-        typer.Option(help="NAME:key=value,key=value, a variant of the recipe (repeatable; the first is the baseline)."),
-    ] = None,
-    repeats: RepeatsOption = 2,
-    profile: Annotated[
-        bool, typer.Option("--profile", help="Also profile an update: by operator category, its roofline by phase.")
-    ] = False,
-    steps: Annotated[int, typer.Option(help="Rollout-and-update steps after the update, with their peaks.")] = 0,
-    response_tokens: Annotated[
-        int,
-        typer.Option(
-            help="Mean response length of the measured batch, lengths drawn long-tailed (0: every response "
-            "rollout.max_new_tokens long, the worst case)."
-        ),
-    ] = 0,
-    out: Annotated[Path, _bench_out("update")] = Path("bench-update.json"),
-) -> None:
-    """One worker's GRPO update per variant, each in a fresh process: seconds, product-rate share, peak memory."""
-    from tlt_cli.bench.update import MeasurementFailed, UpdateSettings, run_update_bench
-
-    settings = UpdateSettings(tuple(variant or ()), repeats, profile, steps, response_tokens)
-    try:
-        run_update_bench(recipe, list(overrides or []), settings, out, console)
-    except UserError as error:
-        raise fail(str(error)) from None
-    except MeasurementFailed as error:
-        raise fail(str(error), code=1) from None
-
-
-@bench_app.command("runs", context_settings={"allow_extra_args": False})
-def bench_runs(
-    recipe: RecipeOption,
-    overrides: OverridesArgument = None,
-    variants: Annotated[
-        str,
-        typer.Option(
-            help="Variants, comma-separated, the first the baseline: off, tlt, auto, adaptive, trl, embedded."
-        ),
-    ] = "off,tlt",
-    seeds: Annotated[str, typer.Option(help="run.seed of each run, comma-separated.")] = "0",
-    steps: Annotated[int, typer.Option(help="Training steps of each run.")] = 20,
-    skip: Annotated[int, typer.Option(help="First steps of each run left out of the time means.")] = 0,
-    variant_override: Annotated[
-        list[str] | None, typer.Option(help="VARIANT:key=value, an override of one variant only (repeatable).")
-    ] = None,
-    output_dir: Annotated[Path, typer.Option(help="Where the runs' folders go.")] = Path("runs/bench-runs"),
-    from_runs: Annotated[bool, typer.Option("--from-runs", help="Summarize the runs left in --output-dir.")] = False,
-    variant: Annotated[
-        list[str] | None, typer.Option(help="NAME:key=value,key=value, a variant of its own (repeatable).")
-    ] = None,
-    fidelity: Annotated[
-        bool,
-        typer.Option("--fidelity", help="Step by step: does the rollout sample the learner? (own variants: SD off)"),
-    ] = False,
-    out: Annotated[Path, _bench_out("runs")] = Path("bench-runs.json"),
-) -> None:
-    """End-to-end tlt train runs, variants x seeds: step, rollout and update seconds, lengths, reward, rollout KL."""
-    from tlt_cli.bench.runs import RunsSettings, TrainingRunFailed, run_runs_bench
-
-    settings = RunsSettings(
-        variants,
-        seeds,
-        steps,
-        skip,
-        tuple(variant_override or ()),
-        output_dir,
-        from_runs,
-        tuple(variant or ()),
-        fidelity,
-    )
-    try:
-        run_runs_bench(recipe, list(overrides or []), settings, out, console)
-    except UserError as error:
-        raise fail(str(error)) from None
-    except TrainingRunFailed as error:
-        raise fail(str(error), code=1) from None
