@@ -153,7 +153,7 @@ def test_pass_costs_refuse_times_and_grids_that_would_divide_by_zero_or_stall_ea
 
 def _schedules(chosen: tuple[int, ...] = (1, 4, 2)) -> dict:
     """A mode-auto cost schedule and a rule-table (adaptive) schedule, each having chosen for `chosen` batch sizes."""
-    from tlt_cli.config.schema import SpeculativeMode, SpeculativeSection
+    from tlt_cli.config import SpeculativeMode, SpeculativeSection
     from tlt_cli.speculative.cost_schedule import CostSchedule, candidate_configs
     from tlt_cli.speculative.modes import adaptive_schedule
     from tlt_cli.training.setup import speculative_plan
@@ -230,7 +230,7 @@ def test_an_embedded_rollout_resumed_from_a_checkpoint_without_schedule_state_wa
     """speculative.mode off -> auto: SD off wrote no schedule state; the checkpoint is complete."""
     from test_speculative import TargetAsDrafter, tiny_target
 
-    from tlt_cli.config.schema import SpeculativeMode, SpeculativeSection
+    from tlt_cli.config import SpeculativeMode, SpeculativeSection
     from tlt_cli.rollout.embedded import EmbeddedRollout
     from tlt_cli.training.setup import speculative_plan
 

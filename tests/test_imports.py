@@ -160,6 +160,7 @@ def test_the_recipe_schema_imports_nothing_heavy():
     assert [name for name in loaded if name.startswith("tlt_cli.")] == [
         "tlt_cli.atomic_files",
         "tlt_cli.config",
+        "tlt_cli.config.choices",
         "tlt_cli.config.loading",
         "tlt_cli.config.ranges",
         "tlt_cli.config.schema",

@@ -23,7 +23,8 @@ from omegaconf.errors import OmegaConfBaseException
 from yaml import YAMLError
 
 from tlt_cli.atomic_files import not_a_file
-from tlt_cli.config.schema import Recipe, RecipeChoice, RecipeError
+from tlt_cli.config.choices import RecipeChoice, RecipeError
+from tlt_cli.config.schema import Recipe
 from tlt_cli.errors import did_you_mean
 
 # a recipe is a few KB of YAML; refusing bigger files keeps a mistaken path from hanging the parser
