@@ -21,7 +21,6 @@ from tlt_cli.processes.fidelity_guard import FidelityGuard, fidelity_advice, rou
 from tlt_cli.processes.hostfile import runs_on_this_machine
 from tlt_cli.processes.launched_workers import LaunchedWorkers
 from tlt_cli.processes.local_workers import LocalWorkers
-from tlt_cli.processes.op_build import EXTENSIONS_FOLDER, op_built
 from tlt_cli.processes.messages import (
     RunSpec,
     WorkerBody,
@@ -31,6 +30,7 @@ from tlt_cli.processes.messages import (
     WorkerStarting,
     WorkerStepReport,
 )
+from tlt_cli.processes.op_build import EXTENSIONS_FOLDER, op_built
 from tlt_cli.processes.run_directory import TRACE_FILE
 from tlt_cli.processes.run_failures import RunDiverged, TrainingFailed, WorkerInputError
 from tlt_cli.processes.run_trace import RunTrace
