@@ -22,7 +22,7 @@ import json
 import signal
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
@@ -40,6 +40,9 @@ from tlt_cli.errors import UserError
 from tlt_cli.recipes import recipe_file, resolve_recipe_path, shipped_recipes
 from tlt_cli.versions import out_of_range_warnings, version_table
 
+if TYPE_CHECKING:
+    from tlt_cli.processes.driver import RunSummary
+
 app = typer.Typer(
     help="tlt: faster RL training of reasoning LLMs with lossless speculative decoding in the rollout long tail.",
     no_args_is_help=True,
@@ -51,6 +54,8 @@ console = Console()
 error_console = Console(stderr=True)
 
 USAGE_ERROR = 2
+# `tlt train`'s first line, once the recipe's keys are checked and before the heavy imports
+LOADING_LINE = "tlt train: loading torch, transformers and DeepSpeed, then checking the recipe against the model"
 
 
 class ColumnSet(str, enum.Enum):
@@ -124,30 +129,37 @@ def train(
 ) -> None:
     """Run GRPO training with the TLT machinery on."""
     arguments = list(arguments or [])
-    if resume is None and arguments and "=" not in arguments[0]:
-        try:
-            recipe_file(arguments[0])  # a mistyped recipe is refused at once, before torch loads (seconds)
-        except UserError as error:
-            raise fail(str(error)) from None
-    from tlt_cli.processes.driver import TrainingFailed
-    from tlt_cli.trainers import train as run_training
-
     run_directory: Path | None = None
     try:
         with _sigterm_interrupts():
             recipe, resume_directory = _resolve_run(arguments, resume)
             run_directory = resume_directory or Path(recipe.run.output_dir).expanduser() / recipe.run.name
-            summary = run_training(recipe, console, resume_directory, keep_log, all_columns=columns == ColumnSet.all)
+            summary = _run_training(recipe, resume_directory, keep_log, all_columns=columns == ColumnSet.all)
     except UserError as error:
         raise fail(str(error)) from None
-    except TrainingFailed as error:
-        raise fail(str(error), code=1) from None
     except KeyboardInterrupt as interrupt:
         how, code = _stopped(interrupt)
         if run_directory is None:  # stopped while the recipe was read: no run to continue
             raise fail(f"{how} before the run started.", code) from None
         raise fail(f"{how}; {_after_interrupt(run_directory)}.", code) from None
     console.print(f"done: {len(summary.steps)} steps, run directory {summary.run_directory}", markup=False)
+
+
+def _run_training(recipe: Recipe, resume_directory: Path | None, keep_log: bool, all_columns: bool) -> RunSummary:
+    """The run (tlt_cli/trainers.py), its TrainingFailed one sentence and exit 1."""
+    from tlt_cli.processes.driver import TrainingFailed
+    from tlt_cli.trainers import train as run_training
+
+    try:
+        return run_training(recipe, console, resume_directory, keep_log, all_columns=all_columns)
+    except TrainingFailed as error:
+        raise fail(str(error), code=1) from None
+
+
+def _loading_heavy_modules() -> None:
+    """The line before torch, transformers and DeepSpeed load (tens of seconds on a loaded machine), so the
+    console does not open with a silent wait."""
+    console.print(LOADING_LINE, markup=False, highlight=False, soft_wrap=True)
 
 
 def _after_interrupt(run_directory: Path) -> str:
@@ -193,7 +205,10 @@ def _resolve_run(arguments: list[str], resume: Path | None) -> tuple[Recipe, Pat
             f"--resume {resume} is not a directory; pass the run directory printed when the run started."
         )
     if resume is None:
-        return _whole_checked_recipe(load_recipe(recipe_file(arguments[0]), overrides), new_run=True), None
+        recipe = load_recipe(recipe_file(arguments[0]), overrides)  # keys and values checked before torch loads
+        _loading_heavy_modules()
+        return _whole_checked_recipe(recipe, new_run=True), None
+    _loading_heavy_modules()  # a resume reads its run directory with modules that import torch
     from tlt_cli.processes.resume_settings import resumed_recipe
 
     recipe = resumed_recipe(resume, arguments[0] if has_recipe else None, overrides)
