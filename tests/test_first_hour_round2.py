@@ -9,9 +9,14 @@ import sys
 import textwrap
 from pathlib import Path
 
+from tests import test_export, test_export_policy
 from tlt_cli.cli import LOADING_LINE
 from tlt_cli.processes import op_build
 from tlt_cli.processes.worker_events import starting_sentence
+
+# fixtures: a run directory with checkpoints, and a drafter folder beside its tiny target and recipe
+trained_run = test_export_policy.trained_run
+drafter_folder = test_export.drafter_folder
 
 # `tlt train` through the CLI in a fresh interpreter: whether torch was imported by the time it answered
 TRAIN_WITHOUT_TORCH = """
@@ -40,7 +45,9 @@ sys.meta_path.insert(0, StopAtTorch())
 
 
 def run_python(code: str, tmp_path: Path, *arguments: str) -> subprocess.CompletedProcess:
-    environment = {**os.environ, "TLT_CACHE_DIR": str(tmp_path / "cache"), "COLUMNS": "100"}
+    # DS_ACCELERATOR unset, as in a user's shell (an in-process DeepSpeed fixture sets it in this one)
+    environment = {key: value for key, value in os.environ.items() if key != "DS_ACCELERATOR"}
+    environment.update(TLT_CACHE_DIR=str(tmp_path / "cache"), COLUMNS="100")
     return subprocess.run(
         [sys.executable, "-c", textwrap.dedent(code), *arguments],
         capture_output=True,
@@ -89,3 +96,50 @@ def test_the_op_build_is_announced_only_when_the_cache_lacks_the_built_op(tmp_pa
     assert said == [], "a built op is loaded in a second: nothing may say it builds"
     assert builds == ["built", "built"], "torch's loader still runs (it loads the .so)"
     assert starting_sentence(2, extensions) == "starting 2 worker(s): each loads the model"
+
+
+# an export through the CLI in a fresh interpreter, as a user runs it: its output, then whether DeepSpeed was imported
+EXPORT = """
+import sys
+from typer.testing import CliRunner
+from tlt_cli.cli import app
+
+result = CliRunner().invoke(app, sys.argv[1:])
+print(result.output, end="")
+print("exit", result.exit_code, "deepspeed imported", "deepspeed" in sys.modules)
+"""
+
+
+def test_export_policy_prints_no_deepspeed_warning_and_writes_every_file_with_the_umasks_mode(tmp_path, trained_run):
+    run, _ = trained_run
+    out = tmp_path / "policy"
+    previous = os.umask(0o022)
+    try:
+        exported = run_python(EXPORT, tmp_path, "export-policy", str(run), str(out))
+    finally:
+        os.umask(previous)
+    assert exported.stdout.strip().splitlines()[-1].startswith("exit 0"), exported.stdout + exported.stderr
+    assert "Setting accelerator" not in exported.stdout + exported.stderr
+    modes = {path.name: oct(path.stat().st_mode & 0o777) for path in out.iterdir()}
+    assert modes["model.safetensors"] == "0o644" and set(modes.values()) == {"0o644"}, modes
+
+
+def test_export_drafter_says_what_it_measures_before_it_measures_without_deepspeeds_warning(tmp_path, drafter_folder):
+    drafter, recipe, _ = drafter_folder
+    out = tmp_path / "out"
+    previous = os.umask(0o022)
+    try:
+        exported = run_python(
+            EXPORT, tmp_path, "export-drafter", str(drafter), str(out), "--recipe", str(recipe), "--prompts", "1"
+        )
+    finally:
+        os.umask(previous)
+    lines = exported.stdout.strip().splitlines()
+    assert lines[-1].startswith("exit 0 "), exported.stdout + exported.stderr
+    assert "Setting accelerator" not in exported.stdout + exported.stderr
+    measuring = [number for number, line in enumerate(lines) if line.startswith("measuring the drafter's accept")]
+    exported_line = [number for number, line in enumerate(lines) if line.startswith("exported ")]
+    assert measuring and exported_line and measuring[0] < exported_line[0], exported.stdout
+    assert "1 held-out prompts, one at a time, up to 40 new tokens each with 4 draft tokens" in lines[measuring[0]]
+    modes = {path.name: oct(path.stat().st_mode & 0o777) for path in out.iterdir()}
+    assert set(modes.values()) == {"0o644"}, modes

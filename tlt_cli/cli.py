@@ -441,6 +441,11 @@ def calibrate(
         raise fail(str(error)) from None
 
 
+def _progress(line: str) -> None:
+    """A command's progress line, as it is (no markup)."""
+    console.print(line, markup=False, highlight=False, soft_wrap=True)
+
+
 @app.command("export-drafter")
 def export_drafter(
     source: Annotated[
@@ -472,13 +477,18 @@ def export_drafter(
     ] = None,
 ) -> None:
     """Export the trained drafter as a Hugging Face folder SGLang serves as an EAGLE draft model."""
+    from tlt_cli.processes.distributed import choose_deepspeed_accelerator
+
+    choose_deepspeed_accelerator()  # before transformers imports DeepSpeed, which warns when it guesses
     from tlt_cli.export import export_drafter as run_export
     from tlt_cli.models.loading import ModelLoadError
     from tlt_cli.sglang.drafter_format import DrafterFormatError
 
     recipe_path = resolve_recipe_path(recipe) if recipe is not None else None
     try:
-        summary = run_export(source, output, recipe_path, include_shared, force, prompts, max_new_tokens, draft_steps)
+        summary = run_export(
+            source, output, recipe_path, include_shared, force, prompts, max_new_tokens, draft_steps, tell=_progress
+        )
     except (DrafterFormatError, ModelLoadError) as error:  # ExportError is a DrafterFormatError
         raise fail(str(error)) from None
     for warning in summary.warnings:
@@ -505,6 +515,9 @@ def export_policy(
     ] = None,
 ) -> None:
     """Export the trained policy at a checkpoint as a Hugging Face folder (AutoModelForCausalLM.from_pretrained)."""
+    from tlt_cli.processes.distributed import choose_deepspeed_accelerator
+
+    choose_deepspeed_accelerator()  # before transformers imports DeepSpeed, which warns when it guesses
     from tlt_cli.export_policy import export_policy as run_export
 
     try:
