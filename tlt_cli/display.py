@@ -250,6 +250,10 @@ class TrainingDisplay:
         return table
 
 
+# the steps the summary averages at a run's start and at its end; a run of fewer than twice as many shows each step
+SUMMARY_WINDOW = 5
+
+
 def render_summary(
     console: Console,
     records: list[dict[str, Any]],
@@ -265,16 +269,14 @@ def render_summary(
     table = Table(title="run summary", title_justify="left", show_header=False)
     table.add_column("metric")
     table.add_column("value", justify="right")
-    window = min(5, len(records))
-    first, last = records[:window], records[-window:]
-
-    def mean(rows: list[dict[str, Any]], key: str) -> float:
-        return mean_of([row[key] for row in rows])
-
     table.add_row("steps run", str(len(records)))
-    table.add_row(f"mean reward, first {window} steps", f"{mean(first, 'mean_reward'):.3f}")
-    table.add_row(f"mean reward, last {window} steps", f"{mean(last, 'mean_reward'):.3f}")
-    table.add_row("mean step seconds", f"{mean(records, 'step_seconds'):.2f}")
+    rewards = [row["mean_reward"] for row in records]
+    if len(rewards) >= 2 * SUMMARY_WINDOW:
+        table.add_row(f"mean reward, first {SUMMARY_WINDOW} steps", f"{mean_of(rewards[:SUMMARY_WINDOW]):.3f}")
+        table.add_row(f"mean reward, last {SUMMARY_WINDOW} steps", f"{mean_of(rewards[-SUMMARY_WINDOW:]):.3f}")
+    else:
+        table.add_row("mean reward of each step", ", ".join(f"{reward:.3f}" for reward in rewards))
+    table.add_row("mean step seconds", f"{mean_of([row['step_seconds'] for row in records]):.2f}")
     table.add_row(
         "rollout share of step time",
         f"{sum(r['rollout_seconds'] for r in records) / max(sum(r['step_seconds'] for r in records), 1e-9):.0%}",
@@ -286,11 +288,13 @@ def render_summary(
             used = sum(r.get(key) or 0.0 for r in records)
             table.add_row(f"idle worker-seconds spent {what}", f"{used:.1f} ({used / max(idle_seconds, 1e-9):.0%})")
     accept_lengths = [r["accept_length"] for r in records if r.get("accept_length") is not None]
-    if accept_lengths:
+    if len(accept_lengths) >= 2 * SUMMARY_WINDOW:
         table.add_row(
-            f"accept length, first {window} -> last {window} SD steps",
-            f"{mean_of(accept_lengths[:window]):.2f} -> {mean_of(accept_lengths[-window:]):.2f}",
+            f"accept length, first {SUMMARY_WINDOW} -> last {SUMMARY_WINDOW} SD steps",
+            f"{mean_of(accept_lengths[:SUMMARY_WINDOW]):.2f} -> {mean_of(accept_lengths[-SUMMARY_WINDOW:]):.2f}",
         )
+    elif accept_lengths:  # too few steps for two windows that do not overlap: each step once
+        table.add_row("accept length of each SD step", ", ".join(f"{length:.2f}" for length in accept_lengths))
     on_seconds = sum(r.get("sd_on_seconds") or 0.0 for r in records)
     off_seconds = sum(r.get("sd_off_seconds") or 0.0 for r in records)
     if on_seconds + off_seconds > 0:
