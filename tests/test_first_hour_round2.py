@@ -3,15 +3,20 @@ exports that say what they measure and write their files with one mode, and the 
 
 from __future__ import annotations
 
+import io
 import os
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
-from tests import test_export, test_export_policy
+from rich.console import Console
+
+from tests import test_display, test_export, test_export_policy
 from tlt_cli.cli import LOADING_LINE
+from tlt_cli.display import TrainingDisplay
 from tlt_cli.processes import op_build
+from tlt_cli.processes.resume_point import resuming_sentence
 from tlt_cli.processes.worker_events import starting_sentence
 
 # fixtures: a run directory with checkpoints, and a drafter folder beside its tiny target and recipe
@@ -143,3 +148,17 @@ def test_export_drafter_says_what_it_measures_before_it_measures_without_deepspe
     assert "1 held-out prompts, one at a time, up to 40 new tokens each with 4 draft tokens" in lines[measuring[0]]
     modes = {path.name: oct(path.stat().st_mode & 0o777) for path in out.iterdir()}
     assert set(modes.values()) == {"0o644"}, modes
+
+
+def test_a_resumed_runs_live_count_starts_at_its_resumed_step_and_the_resume_names_it():
+    output = io.StringIO()
+    terminal = Console(file=output, width=100, force_terminal=True)
+    with TrainingDisplay(terminal, "tlt train tiny-cpu", 6, start_step=3) as display:
+        display.add_step({**test_display.BASE, "step": 3})
+    assert "tlt train tiny-cpu: step 4/6" in output.getvalue()
+    assert "step 1/6" not in output.getvalue()
+    assert resuming_sentence(Path("runs/tiny-cpu/checkpoints/step_000003"), 3, 6) == (
+        "resuming from runs/tiny-cpu/checkpoints/step_000003, written after step 2: the run continues at step 3 of "
+        "steps 0-5"
+    )
+    assert resuming_sentence(Path("c"), 6, 6) == "resuming from c: all 6 steps are done, none is left to run"

@@ -165,8 +165,10 @@ class TrainingDisplay:
         total_steps: int,
         plugin_columns: tuple[MetricColumn, ...] = (),
         all_columns: bool = False,
+        start_step: int = 0,
     ):
-        self.console, self.title, self.total_steps = console, title, total_steps
+        # start_step: the first step this process runs (a resume's), so the count reads "step 4/6" on step 3
+        self.console, self.title, self.total_steps, self.start_step = console, title, total_steps, start_step
         plugin_cells = tuple((column.title, column.key, column.template) for column in plugin_columns)
         self.base_columns = WATCHED_COLUMNS + (MORE_COLUMNS if all_columns else ())
         self.optional_columns = WATCHED_OPTIONAL_COLUMNS + (MORE_OPTIONAL_COLUMNS + plugin_cells if all_columns else ())
@@ -239,7 +241,8 @@ class TrainingDisplay:
         return self.base_columns + present
 
     def _table(self) -> Table:
-        table = Table(title=Text(f"{self.title}: step {len(self.records)}/{self.total_steps}"), title_justify="left")
+        done = self.start_step + len(self.records)
+        table = Table(title=Text(f"{self.title}: step {done}/{self.total_steps}"), title_justify="left")
         columns = self._columns()
         for name, _, _ in columns:
             table.add_column(name, justify="right")

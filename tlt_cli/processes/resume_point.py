@@ -47,7 +47,23 @@ def resume_point(run_directory: Path, recipe: Recipe, console: Console) -> tuple
     check_same_model(run_directory, recipe)
     for warning in warnings:
         console.print(f"warning: {warning}", markup=False, highlight=False, soft_wrap=True)
+    console.print(
+        resuming_sentence(checkpoint.directory, checkpoint.next_step, recipe.train.steps),
+        markup=False,
+        highlight=False,
+        soft_wrap=True,
+    )
     return checkpoint.directory, checkpoint.next_step
+
+
+def resuming_sentence(checkpoint_directory: Path, next_step: int, total_steps: int) -> str:
+    """The line that says where a resume starts: the checkpoint and the step (steps count from 0)."""
+    if next_step >= total_steps:
+        return f"resuming from {checkpoint_directory}: all {total_steps} steps are done, none is left to run"
+    return (
+        f"resuming from {checkpoint_directory}, written after step {next_step - 1}: the run continues at step "
+        f"{next_step} of steps 0-{total_steps - 1}"
+    )
 
 
 def check_same_model(run_directory: Path, recipe: Recipe) -> None:
