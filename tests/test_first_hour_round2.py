@@ -11,9 +11,10 @@ import textwrap
 from pathlib import Path
 
 from rich.console import Console
+from typer.testing import CliRunner
 
-from tests import test_display, test_export, test_export_policy
-from tlt_cli.cli import LOADING_LINE
+from tests import test_display, test_export, test_export_policy, test_profile
+from tlt_cli.cli import LOADING_LINE, app
 from tlt_cli.display import TrainingDisplay
 from tlt_cli.processes import op_build
 from tlt_cli.processes.resume_point import resuming_sentence
@@ -162,3 +163,18 @@ def test_a_resumed_runs_live_count_starts_at_its_resumed_step_and_the_resume_nam
         "steps 0-5"
     )
     assert resuming_sentence(Path("c"), 6, 6) == "resuming from c: all 6 steps are done, none is left to run"
+
+
+def test_tlt_profiles_tables_fit_100_columns_and_leave_out_depths_no_pass_drafted(tmp_path):
+    records = test_profile.hand_made_trace()
+    for record in records:
+        if "accepted_by_depth" in record:  # a chain of 8 draft tokens a pass of which only 3 were drafted
+            record["accepted_by_depth"] = [*record["accepted_by_depth"], 0, 0, 0, 0, 0]
+            record["proposed_by_depth"] = [*record["proposed_by_depth"], 0, 0, 0, 0, 0]
+    test_profile.write_jsonl(tmp_path / "trace.jsonl", records)
+    result = CliRunner().invoke(app, ["profile", str(tmp_path), "--no-plots"], env={"COLUMNS": "100"})
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert max(len(line) for line in lines) <= 100 and "…" not in result.output, result.output
+    depth_rows = [line.split()[1] for line in lines if line.startswith("│") and line.count("│") == 6]
+    assert depth_rows == ["1", "2", "3"], result.output
