@@ -178,3 +178,15 @@ def test_tlt_profiles_tables_fit_100_columns_and_leave_out_depths_no_pass_drafte
     assert max(len(line) for line in lines) <= 100 and "…" not in result.output, result.output
     depth_rows = [line.split()[1] for line in lines if line.startswith("│") and line.count("│") == 6]
     assert depth_rows == ["1", "2", "3"], result.output
+
+
+def test_tlts_own_lines_wrap_at_word_boundaries_in_a_terminal_and_stay_one_line_in_a_log():
+    sentence = " ".join(f"word{number:03d}" for number in range(40))  # 319 characters, no word cut at 100
+    terminal_output, log_output = io.StringIO(), io.StringIO()
+    terminal = Console(file=terminal_output, width=100, force_terminal=True, color_system=None)
+    TrainingDisplay(terminal, "run", 2).progress(sentence)  # a preparation line, before the live table starts
+    wrapped = terminal_output.getvalue().splitlines()
+    assert " ".join(wrapped).split() == sentence.split() and len(wrapped) == 4, wrapped
+    assert all(len(line) <= 100 for line in wrapped)
+    TrainingDisplay(Console(file=log_output, width=100), "run", 2).progress(sentence)
+    assert log_output.getvalue().splitlines() == [sentence]

@@ -35,7 +35,7 @@ from tlt_cli.calibration.settings import (
 )
 from tlt_cli.checkpoint import CheckpointError, next_run_advice
 from tlt_cli.config import Recipe, load_recipe
-from tlt_cli.display import LEGEND
+from tlt_cli.display import LEGEND, keeps_one_line
 from tlt_cli.errors import UserError
 from tlt_cli.recipes import recipe_file, resolve_recipe_path, shipped_recipes
 from tlt_cli.versions import out_of_range_warnings, version_table
@@ -71,7 +71,9 @@ SIGTERM_EXIT = 143
 
 def fail(message: str, code: int = USAGE_ERROR) -> typer.Exit:
     # escaped: a message can quote text with brackets (a gloo error's "[/path/pair.cc:537]"), which is not markup
-    error_console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
+    error_console.print(
+        f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=keeps_one_line(error_console)
+    )
     return typer.Exit(code)
 
 
@@ -96,7 +98,9 @@ def main(
 ) -> None:
     """tlt: faster RL training of reasoning LLMs."""
     for warning in out_of_range_warnings():
-        error_console.print(f"[bold yellow]warning:[/] {escape(warning)}", highlight=False, soft_wrap=True)
+        error_console.print(
+            f"[bold yellow]warning:[/] {escape(warning)}", highlight=False, soft_wrap=keeps_one_line(error_console)
+        )
 
 
 @app.command(context_settings={"allow_extra_args": False})
@@ -159,7 +163,7 @@ def _run_training(recipe: Recipe, resume_directory: Path | None, keep_log: bool,
 def _loading_heavy_modules() -> None:
     """The line before torch, transformers and DeepSpeed load (tens of seconds on a loaded machine), so the
     console does not open with a silent wait."""
-    console.print(LOADING_LINE, markup=False, highlight=False, soft_wrap=True)
+    console.print(LOADING_LINE, markup=False, highlight=False, soft_wrap=keeps_one_line(console))
 
 
 def _after_interrupt(run_directory: Path) -> str:
@@ -226,7 +230,7 @@ def _whole_checked_recipe(recipe: Recipe, new_run: bool) -> Recipe:
             "ships may run.",
             markup=False,
             highlight=False,
-            soft_wrap=True,
+            soft_wrap=keeps_one_line(error_console),
         )
     return recipe
 
@@ -250,7 +254,7 @@ def recipes_show(name: Annotated[str, typer.Argument(help="A shipped recipe name
             commented_yaml(load_checked_recipe(recipe_file(name))),
             highlight=False,
             markup=False,
-            soft_wrap=True,
+            soft_wrap=keeps_one_line(console),
         )
     except UserError as error:
         raise fail(str(error)) from None
@@ -278,10 +282,14 @@ def recipes_validate(
                 if holds_run(run_directory)
                 else ""
             )
-            console.print(f"ok  {name}: valid{existing}", highlight=False, markup=False, soft_wrap=True)
+            console.print(
+                f"ok  {name}: valid{existing}", highlight=False, markup=False, soft_wrap=keeps_one_line(console)
+            )
         except UserError as error:
             invalid += 1
-            error_console.print(f"[bold red]invalid[/] {escape(str(error))}", highlight=False, soft_wrap=True)
+            error_console.print(
+                f"[bold red]invalid[/] {escape(str(error))}", highlight=False, soft_wrap=keeps_one_line(error_console)
+            )
     if invalid:
         raise typer.Exit(USAGE_ERROR)
 
@@ -443,7 +451,7 @@ def calibrate(
 
 def _progress(line: str) -> None:
     """A command's progress line, as it is (no markup)."""
-    console.print(line, markup=False, highlight=False, soft_wrap=True)
+    console.print(line, markup=False, highlight=False, soft_wrap=keeps_one_line(console))
 
 
 @app.command("export-drafter")
@@ -492,7 +500,9 @@ def export_drafter(
     except (DrafterFormatError, ModelLoadError) as error:  # ExportError is a DrafterFormatError
         raise fail(str(error)) from None
     for warning in summary.warnings:
-        error_console.print(f"warning: {warning}", markup=False, highlight=False, soft_wrap=True)
+        error_console.print(
+            f"warning: {warning}", markup=False, highlight=False, soft_wrap=keeps_one_line(error_console)
+        )
     measurement = summary.measurement
     console.print(
         f"exported {summary.architecture} drafter to {summary.output_dir}: "
@@ -500,7 +510,7 @@ def export_drafter(
         f"({measurement.verify_passes} verify passes on {measurement.prompts} held-out prompts; reload reproduces "
         f"{summary.reloaded_accept_length:.3f}); model card in README.md",
         highlight=False,
-        soft_wrap=True,
+        soft_wrap=keeps_one_line(console),
     )
 
 
@@ -529,18 +539,20 @@ def export_policy(
         how, code = _stopped(interrupt)
         raise fail(f"{how}; nothing was exported (its staging folder is removed).", code) from None
     for warning in summary.warnings:
-        error_console.print(f"warning: {warning}", markup=False, highlight=False, soft_wrap=True)
+        error_console.print(
+            f"warning: {warning}", markup=False, highlight=False, soft_wrap=keeps_one_line(error_console)
+        )
     console.print(
         f"exported the policy after RL step {summary.rl_step} ({summary.dtype}) to {summary.output_dir}; reloaded "
         f"with transformers, its log-probs equal the checkpoint's on {summary.checked_prompts} held-out prompts",
         highlight=False,
-        soft_wrap=True,
+        soft_wrap=keeps_one_line(console),
     )
     if summary.held_drafter is not None:
         console.print(
             "the run's drafter is held for the exported policy: a run on it starts with that drafter",
             highlight=False,
-            soft_wrap=True,
+            soft_wrap=keeps_one_line(console),
         )
 
 

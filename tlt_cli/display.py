@@ -199,7 +199,7 @@ class TrainingDisplay:
 
     def progress(self, message: str) -> None:
         """A progress line of the run's preparation, printed above the table."""
-        self.console.print(Text(message), soft_wrap=True)
+        self.console.print(Text(message), soft_wrap=keeps_one_line(self.console))
 
     def before_first_step(self, activity: str | None) -> None:
         """Until the first step's row, a line every PROGRESS_SECONDS: the seconds since launch and what the workers
@@ -251,6 +251,12 @@ class TrainingDisplay:
         for message in self.notes[-3:]:
             table.caption = message
         return table
+
+
+def keeps_one_line(console: Console) -> bool:
+    """`soft_wrap` for tlt's own lines: in a terminal rich wraps them at word boundaries at its width (a soft-wrapped
+    line was cut mid-word by the terminal at 100 columns); in a log or a pipe each stays one line, for grep."""
+    return not console.is_terminal
 
 
 # the steps the summary averages at a run's start and at its end; a run of fewer than twice as many shows each step

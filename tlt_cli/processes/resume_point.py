@@ -14,6 +14,7 @@ from rich.console import Console
 
 from tlt_cli.checkpoint import CheckpointError
 from tlt_cli.config import Recipe, load_recipe
+from tlt_cli.display import keeps_one_line
 from tlt_cli.errors import UserError
 from tlt_cli.models.identity import identity_difference, model_identity
 from tlt_cli.models.loading import load_config_and_tokenizer
@@ -46,12 +47,12 @@ def resume_point(run_directory: Path, recipe: Recipe, console: Console) -> tuple
         )
     check_same_model(run_directory, recipe)
     for warning in warnings:
-        console.print(f"warning: {warning}", markup=False, highlight=False, soft_wrap=True)
+        console.print(f"warning: {warning}", markup=False, highlight=False, soft_wrap=keeps_one_line(console))
     console.print(
         resuming_sentence(checkpoint.directory, checkpoint.next_step, recipe.train.steps),
         markup=False,
         highlight=False,
-        soft_wrap=True,
+        soft_wrap=keeps_one_line(console),
     )
     return checkpoint.directory, checkpoint.next_step
 
@@ -106,5 +107,5 @@ def resumed_changes(run_directory: Path, recipe: Recipe, console: Console) -> di
     changes = changed_settings(load_recipe(run_directory / RECIPE_FILE), recipe)
     if not changes:
         return {}
-    console.print(describe_changes(changes), markup=False, highlight=False, soft_wrap=True)
+    console.print(describe_changes(changes), markup=False, highlight=False, soft_wrap=keeps_one_line(console))
     return {"changed_settings": {key: list(values) for key, values in changes.items()}}
