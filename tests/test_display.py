@@ -143,7 +143,7 @@ def test_before_the_first_step_a_progress_line_names_what_the_workers_do():
         display.before_first_step("worker 0 at step 1: rollout")  # a row is shown: no more progress lines
     waiting = [line for line in output.getvalue().splitlines() if "waiting for the first step" in line]
     assert len(waiting) == 2
-    assert waiting[0].endswith("workers starting (loading the model, DeepSpeed building its ops)")
+    assert waiting[0].endswith("workers starting (importing torch and DeepSpeed, loading the model)")
     assert waiting[1].endswith("worker 0 at step 0: rollout")
 
 

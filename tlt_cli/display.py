@@ -69,7 +69,7 @@ MORE_LEGEND = (
     "K3 KL between the rollout's and the learner's log-probs; bf16 KL: a bfloat16 learner's K3 KL from its "
     "float32 weights; IS w max: the largest importance weight pi_old/pi_rollout."
 )
-# before the first step's row, a progress line at most this often (workers starting, DeepSpeed building its ops)
+# before the first step's row, a progress line at most this often (workers starting, building or waiting for an op)
 PROGRESS_SECONDS = 10.0
 # a step where more than this share of responses ran to rollout.max_new_tokens is warned about (once a run)
 CUT_SHARE_WARNING = 0.2
@@ -208,7 +208,7 @@ class TrainingDisplay:
         if self.records or now - self.last_progress < PROGRESS_SECONDS:
             return
         self.last_progress = now
-        doing = activity or "workers starting (loading the model, DeepSpeed building its ops)"
+        doing = activity or "workers starting (importing torch and DeepSpeed, loading the model)"
         self.progress(f"{now - self.started:.0f} s, waiting for the first step: {doing}")
 
     def add_step(self, record: dict[str, Any]) -> None:
