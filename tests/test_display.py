@@ -88,13 +88,23 @@ def test_sd_and_sidecar_metrics_appear_in_the_live_rows():
 
 
 def test_summary_reports_idle_time_used_by_the_drafter_and_accept_length(tmp_path):
-    records = [{**BASE, "step": step, "accept_length": 2.0 + step, "drafter_train_seconds": 0.2} for step in range(6)]
+    records = [{**BASE, "step": step, "accept_length": 2.0 + step, "drafter_train_seconds": 0.2} for step in range(10)]
     output = io.StringIO()
     render_summary(Console(file=output, width=200), records, tmp_path, plugin_idle_uses(["drafter_sidecar"]))
     text = output.getvalue()
     assert "idle worker-seconds spent training the drafter" in text
-    assert "1.2 (50%)" in text  # 1.2 of 2.4 idle worker-seconds
-    assert "4.00 -> 5.00" in text  # steps 0-4 vs steps 1-5
+    assert "2.0 (50%)" in text  # 2.0 of 4.0 idle worker-seconds
+    assert "accept length, first 5 -> last 5 SD steps" in text and "4.00 -> 9.00" in text  # steps 0-4 vs 5-9
+
+
+def test_a_summary_of_fewer_steps_than_two_windows_shows_each_step_once(tmp_path):
+    records = [{**BASE, "step": step, "mean_reward": 0.5 + step / 10, "accept_length": 2.0 + step} for step in (0, 1)]
+    output = io.StringIO()
+    render_summary(Console(file=output, width=100), records, tmp_path)
+    text = output.getvalue()
+    assert "first" not in text and "last" not in text, text
+    assert "mean reward of each step" in text and "0.500, 0.600" in text
+    assert "accept length of each SD step" in text and "2.00, 3.00" in text
 
 
 def test_a_plugin_column_shows_only_when_its_plugin_declares_it():
@@ -133,7 +143,7 @@ def test_before_the_first_step_a_progress_line_names_what_the_workers_do():
         display.before_first_step("worker 0 at step 1: rollout")  # a row is shown: no more progress lines
     waiting = [line for line in output.getvalue().splitlines() if "waiting for the first step" in line]
     assert len(waiting) == 2
-    assert waiting[0].endswith("workers starting (loading the model, DeepSpeed building its ops)")
+    assert waiting[0].endswith("workers starting (importing torch and DeepSpeed, loading the model)")
     assert waiting[1].endswith("worker 0 at step 0: rollout")
 
 

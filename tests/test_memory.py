@@ -7,7 +7,7 @@ from dataclasses import replace
 import pytest
 from typer.testing import CliRunner
 
-from tlt_cli.cli import app
+from tlt_cli.cli import LOADING_LINE, app
 from tlt_cli.config import RecipeError, load_recipe
 from tlt_cli.preflight import check_memory
 from tlt_cli.recipes import resolve_recipe_path
@@ -80,7 +80,7 @@ def test_tlt_train_refuses_a_recipe_that_cannot_fit_in_one_sentence_with_exit_2(
         app, ["train", "tiny-cpu", "rollout.max_new_tokens=2000000", f"run.output_dir={tmp_path}", "run.name=huge"]
     )
     assert result.exit_code == 2, result.output
-    (line,) = [line for line in result.output.strip().splitlines() if line]
+    (line,) = [line for line in result.output.strip().splitlines() if line and line != LOADING_LINE]
     assert "2 workers would need about" in line and "GB available" in line
     assert "lower workers.count, train.prompts_per_step or rollout.max_new_tokens" in line
     assert not (tmp_path / "huge").exists()

@@ -24,7 +24,7 @@ import safetensors.torch
 import torch
 from typer.testing import CliRunner
 
-from tlt_cli.cli import app
+from tlt_cli.cli import LOADING_LINE, app
 from tlt_cli.config import (
     Bfloat16Rounding,
     DrafterLossKind,
@@ -316,7 +316,7 @@ def run_both(folder: Path, output: str, recipe_argument: str, overrides: tuple[s
 def assert_one_line(result) -> str:
     assert result.exit_code == 2, result.output
     assert "Traceback" not in result.output and result.exception is None or isinstance(result.exception, SystemExit)
-    lines = result.output.strip().splitlines()
+    lines = result.output.replace(LOADING_LINE + "\n", "").strip().splitlines()  # `tlt train`'s line before torch
     assert len(lines) == 1 and len(lines[0]) < 600, result.output
     return lines[0]
 

@@ -52,6 +52,28 @@ def write_atomically(path: Path, text: str | bytes) -> None:
     fsync_path(path.parent)
 
 
+def current_umask() -> int:
+    """The process's umask (Linux names it in /proc/self/status; elsewhere it is set and restored at once)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def files_with_the_umasks_mode(folder: Path) -> None:
+    """Give each regular file in `folder` the mode a plain `open` makes (0666 less the umask: 0644 under the usual
+    022); a writer that went through a private temporary file (safetensors under transformers) left 0600."""
+    mode = 0o666 & ~current_umask()
+    for path in folder.iterdir():
+        if path.is_file() and not path.is_symlink():
+            path.chmod(mode)
+
+
 # the most bytes a record (a measurement, a checkpoint's state, a run's small files) is read to: a larger one is damage
 RECORD_LIMIT_BYTES = 16 << 20
 

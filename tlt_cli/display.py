@@ -69,7 +69,7 @@ MORE_LEGEND = (
     "K3 KL between the rollout's and the learner's log-probs; bf16 KL: a bfloat16 learner's K3 KL from its "
     "float32 weights; IS w max: the largest importance weight pi_old/pi_rollout."
 )
-# before the first step's row, a progress line at most this often (workers starting, DeepSpeed building its ops)
+# before the first step's row, a progress line at most this often (workers starting, building or waiting for an op)
 PROGRESS_SECONDS = 10.0
 # a step where more than this share of responses ran to rollout.max_new_tokens is warned about (once a run)
 CUT_SHARE_WARNING = 0.2
@@ -165,8 +165,10 @@ class TrainingDisplay:
         total_steps: int,
         plugin_columns: tuple[MetricColumn, ...] = (),
         all_columns: bool = False,
+        start_step: int = 0,
     ):
-        self.console, self.title, self.total_steps = console, title, total_steps
+        # start_step: the first step this process runs (a resume's), so the count reads "step 4/6" on step 3
+        self.console, self.title, self.total_steps, self.start_step = console, title, total_steps, start_step
         plugin_cells = tuple((column.title, column.key, column.template) for column in plugin_columns)
         self.base_columns = WATCHED_COLUMNS + (MORE_COLUMNS if all_columns else ())
         self.optional_columns = WATCHED_OPTIONAL_COLUMNS + (MORE_OPTIONAL_COLUMNS + plugin_cells if all_columns else ())
@@ -197,7 +199,7 @@ class TrainingDisplay:
 
     def progress(self, message: str) -> None:
         """A progress line of the run's preparation, printed above the table."""
-        self.console.print(Text(message), soft_wrap=True)
+        self.console.print(Text(message), soft_wrap=keeps_one_line(self.console))
 
     def before_first_step(self, activity: str | None) -> None:
         """Until the first step's row, a line every PROGRESS_SECONDS: the seconds since launch and what the workers
@@ -206,7 +208,7 @@ class TrainingDisplay:
         if self.records or now - self.last_progress < PROGRESS_SECONDS:
             return
         self.last_progress = now
-        doing = activity or "workers starting (loading the model, DeepSpeed building its ops)"
+        doing = activity or "workers starting (importing torch and DeepSpeed, loading the model)"
         self.progress(f"{now - self.started:.0f} s, waiting for the first step: {doing}")
 
     def add_step(self, record: dict[str, Any]) -> None:
@@ -239,7 +241,8 @@ class TrainingDisplay:
         return self.base_columns + present
 
     def _table(self) -> Table:
-        table = Table(title=Text(f"{self.title}: step {len(self.records)}/{self.total_steps}"), title_justify="left")
+        done = self.start_step + len(self.records)
+        table = Table(title=Text(f"{self.title}: step {done}/{self.total_steps}"), title_justify="left")
         columns = self._columns()
         for name, _, _ in columns:
             table.add_column(name, justify="right")
@@ -248,6 +251,16 @@ class TrainingDisplay:
         for message in self.notes[-3:]:
             table.caption = message
         return table
+
+
+def keeps_one_line(console: Console) -> bool:
+    """`soft_wrap` for tlt's own lines: in a terminal rich wraps them at word boundaries at its width (a soft-wrapped
+    line was cut mid-word by the terminal at 100 columns); in a log or a pipe each stays one line, for grep."""
+    return not console.is_terminal
+
+
+# the steps the summary averages at a run's start and at its end; a run of fewer than twice as many shows each step
+SUMMARY_WINDOW = 5
 
 
 def render_summary(
@@ -265,16 +278,14 @@ def render_summary(
     table = Table(title="run summary", title_justify="left", show_header=False)
     table.add_column("metric")
     table.add_column("value", justify="right")
-    window = min(5, len(records))
-    first, last = records[:window], records[-window:]
-
-    def mean(rows: list[dict[str, Any]], key: str) -> float:
-        return mean_of([row[key] for row in rows])
-
     table.add_row("steps run", str(len(records)))
-    table.add_row(f"mean reward, first {window} steps", f"{mean(first, 'mean_reward'):.3f}")
-    table.add_row(f"mean reward, last {window} steps", f"{mean(last, 'mean_reward'):.3f}")
-    table.add_row("mean step seconds", f"{mean(records, 'step_seconds'):.2f}")
+    rewards = [row["mean_reward"] for row in records]
+    if len(rewards) >= 2 * SUMMARY_WINDOW:
+        table.add_row(f"mean reward, first {SUMMARY_WINDOW} steps", f"{mean_of(rewards[:SUMMARY_WINDOW]):.3f}")
+        table.add_row(f"mean reward, last {SUMMARY_WINDOW} steps", f"{mean_of(rewards[-SUMMARY_WINDOW:]):.3f}")
+    else:
+        table.add_row("mean reward of each step", ", ".join(f"{reward:.3f}" for reward in rewards))
+    table.add_row("mean step seconds", f"{mean_of([row['step_seconds'] for row in records]):.2f}")
     table.add_row(
         "rollout share of step time",
         f"{sum(r['rollout_seconds'] for r in records) / max(sum(r['step_seconds'] for r in records), 1e-9):.0%}",
@@ -286,11 +297,13 @@ def render_summary(
             used = sum(r.get(key) or 0.0 for r in records)
             table.add_row(f"idle worker-seconds spent {what}", f"{used:.1f} ({used / max(idle_seconds, 1e-9):.0%})")
     accept_lengths = [r["accept_length"] for r in records if r.get("accept_length") is not None]
-    if accept_lengths:
+    if len(accept_lengths) >= 2 * SUMMARY_WINDOW:
         table.add_row(
-            f"accept length, first {window} -> last {window} SD steps",
-            f"{mean_of(accept_lengths[:window]):.2f} -> {mean_of(accept_lengths[-window:]):.2f}",
+            f"accept length, first {SUMMARY_WINDOW} -> last {SUMMARY_WINDOW} SD steps",
+            f"{mean_of(accept_lengths[:SUMMARY_WINDOW]):.2f} -> {mean_of(accept_lengths[-SUMMARY_WINDOW:]):.2f}",
         )
+    elif accept_lengths:  # too few steps for two windows that do not overlap: each step once
+        table.add_row("accept length of each SD step", ", ".join(f"{length:.2f}" for length in accept_lengths))
     on_seconds = sum(r.get("sd_on_seconds") or 0.0 for r in records)
     off_seconds = sum(r.get("sd_off_seconds") or 0.0 for r in records)
     if on_seconds + off_seconds > 0:

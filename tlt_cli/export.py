@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -138,8 +139,10 @@ def export_drafter(
     prompts: int = 8,
     max_new_tokens: int | None = None,
     draft_steps: int = 4,
+    tell: Callable[[str], None] = lambda line: None,
 ) -> ExportSummary:
-    """Export, validate by reloading, then rename into place (see the module docstring)."""
+    """Export, validate by reloading, then rename into place (see the module docstring); `tell` hears what it
+    measures before it measures (minutes on CPU)."""
     output_dir = Path(output_dir)
     folder = _check_output(output_dir, force, Path(source))
     drafter_source = resolve_source(Path(source), recipe_path)
@@ -149,6 +152,11 @@ def export_drafter(
     except DrafterLoadError as error:
         raise ExportError(str(error)) from None
     probe = held_out_probe(drafter_source.recipe, tokenizer, prompts, max_new_tokens, draft_steps)
+    tell(
+        f"measuring the drafter's accept length on {prompts} held-out prompts, one at a time, up to "
+        f"{probe.max_new_tokens} new tokens each with {draft_steps} draft tokens a verify pass, then again on the "
+        "reloaded export (minutes on CPU)"
+    )
     measurement = measure_accept_length(target, drafter, probe)
     # created like any folder (the umask decides its mode), under a name no other export uses
     staging = folder.with_name(f".{folder.name}.tmp-{os.getpid()}")
@@ -164,6 +172,7 @@ def export_drafter(
             with writing(output_dir, WRITE_ADVICE, ExportError):
                 save_token_map(drafter.vocabulary, staging / TOKEN_MAP_FILE)
             files.append(TOKEN_MAP_FILE)
+        tell(f"accept length {measurement.accept_length:.3f}; measuring the reloaded export on the same prompts")
         reloaded = measure_accept_length(target, load_exported_drafter(staging, target), probe)
         _check_reproduced(measurement, reloaded, output_dir)
         summary = ExportSummary(

@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 
+from tlt_cli.atomic_files import files_with_the_umasks_mode
 from tlt_cli.checkpoint import (
     DRAFTER_DIRECTORY,
     LATEST_FILE,
@@ -98,6 +99,7 @@ def export_policy(run_directory: Path, output_dir: Path, step: int | None = None
             staging.mkdir(parents=True)
             policy.save_pretrained(staging, safe_serialization=True)
             tokenizer.save_pretrained(staging)
+            files_with_the_umasks_mode(staging)
         _check_reload(policy, staging, prompt_ids, output_dir)
         held = _hold_drafter(recipe, checkpoint, staging)
         summary = PolicyExport(

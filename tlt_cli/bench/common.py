@@ -34,6 +34,7 @@ from transformers import PreTrainedTokenizerBase
 
 from tlt_cli.atomic_files import write_atomically
 from tlt_cli.config import FRESH_DRAFTER_STARTS, DrafterStart, Recipe, RolloutDtype, SpeculativeMode
+from tlt_cli.display import keeps_one_line
 from tlt_cli.engine.sampling import SamplingParams
 from tlt_cli.errors import UserError, nearest_existing, writing
 from tlt_cli.recipe_checks import load_checked_recipe
@@ -187,7 +188,7 @@ def load_lines(load_average: float, cores: int) -> list[str]:
 def print_load(console: Console, cores: int) -> None:
     """Print `load_lines` for the load average now."""
     for line in load_lines(os.getloadavg()[0], cores):
-        console.print(line, highlight=False, soft_wrap=True)
+        console.print(line, highlight=False, soft_wrap=keeps_one_line(console))
 
 
 def print_processor(console: Console, machine: dict) -> None:
@@ -290,7 +291,7 @@ def pair_with_plan(pair: ModelPair, plan: DecodePlan) -> ModelPair:
 
 def say(console: Console, line: str) -> None:
     """One line of a benchmark's own, printed as it is (no markup, no wrapping: a log keeps it whole)."""
-    console.print(line, markup=False, highlight=False, soft_wrap=True)
+    console.print(line, markup=False, highlight=False, soft_wrap=keeps_one_line(console))
 
 
 def auto_speculative_plan(recipe: Recipe) -> SpeculativePlan:

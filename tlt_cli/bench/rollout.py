@@ -53,6 +53,7 @@ from tlt_cli.bench.common import (
 )
 from tlt_cli.bench.identity import first_divergences, same_verdict
 from tlt_cli.config import Recipe
+from tlt_cli.display import keeps_one_line
 from tlt_cli.engine.sampling import SamplingParams
 from tlt_cli.rollout.model_pair import ModelPair, fixed_decoder, shard_engine
 from tlt_cli.rollout.types import RolloutRequest
@@ -333,7 +334,7 @@ def render(console: Console, cells: dict, summary: dict) -> None:
     title = "whole rollouts: response tokens / seconds (tokens/s median, ratio to plain), last repeat"
     render_table(console, title, ["dtype, batch", *names, "auto's decode steps by configuration"], rows)
     for line in verdict(summary):
-        console.print(line, highlight=False, soft_wrap=True)
+        console.print(line, highlight=False, soft_wrap=keeps_one_line(console))
 
 
 def json_results(cells: dict) -> dict:

@@ -48,6 +48,7 @@ from tlt_cli.bench.common import (
     speed_words,
 )
 from tlt_cli.config import MAX_SEED
+from tlt_cli.display import keeps_one_line
 from tlt_cli.processes.run_directory import TRACE_FILE
 from tlt_cli.recipes import resolve_recipe_path
 from tlt_cli.sd_effect import sd_effect_sentence, trace_sd_effect
@@ -473,7 +474,7 @@ def render(console: Console, summary: dict) -> None:
     render_table(console, "rollout by step (over the seeds)", step_columns, step_rows)
     baseline = summary["baseline"]
     for name, figures in summary["against_baseline"].items():
-        console.print(comparison_line(name, baseline, figures), highlight=False, soft_wrap=True)
+        console.print(comparison_line(name, baseline, figures), highlight=False, soft_wrap=keeps_one_line(console))
 
 
 def comparison_line(name: str, baseline: str, figures: dict) -> str:
@@ -520,7 +521,9 @@ def run_runs_bench(recipe_name: str, overrides: list[str], settings: RunsSetting
     render(console, summary)
     summary["own_verdicts"] = own_verdicts(plan, settings.output_dir, summary)
     for run, verdict in summary["own_verdicts"].items():
-        console.print(verdict_line(run, summary["baseline"], verdict), highlight=False, soft_wrap=True)
+        console.print(
+            verdict_line(run, summary["baseline"], verdict), highlight=False, soft_wrap=keeps_one_line(console)
+        )
     results = {"variants": plan.variants, "steps": steps}
     if settings.fidelity:
         results["fidelity_warnings"] = {

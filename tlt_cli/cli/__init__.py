@@ -24,7 +24,7 @@ import json
 import signal
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.markup import escape
@@ -39,10 +39,13 @@ from tlt_cli.cli.bench import bench_app
 from tlt_cli.cli.drafter import drafter_app
 from tlt_cli.cli.output import USAGE_ERROR, console, error_console, fail
 from tlt_cli.config import Recipe, load_recipe
-from tlt_cli.display import LEGEND
+from tlt_cli.display import LEGEND, keeps_one_line
 from tlt_cli.errors import UserError
 from tlt_cli.recipes import recipe_file, resolve_recipe_path, shipped_recipes
 from tlt_cli.versions import out_of_range_warnings, version_table
+
+if TYPE_CHECKING:
+    from tlt_cli.processes.driver import RunSummary
 
 app = typer.Typer(
     help="tlt: faster RL training of reasoning LLMs with lossless speculative decoding in the rollout long tail.",
@@ -51,6 +54,8 @@ app = typer.Typer(
 )
 recipes_app = typer.Typer(help="List, show and validate recipes.", no_args_is_help=True)
 app.add_typer(recipes_app, name="recipes")
+# `tlt train`'s first line, once the recipe's keys are checked and before the heavy imports
+LOADING_LINE = "tlt train: loading torch, transformers and DeepSpeed, then checking the recipe against the model"
 
 
 class ColumnSet(str, enum.Enum):
@@ -85,7 +90,9 @@ def main(
 ) -> None:
     """tlt: faster RL training of reasoning LLMs."""
     for warning in out_of_range_warnings():
-        error_console.print(f"[bold yellow]warning:[/] {escape(warning)}", highlight=False, soft_wrap=True)
+        error_console.print(
+            f"[bold yellow]warning:[/] {escape(warning)}", highlight=False, soft_wrap=keeps_one_line(error_console)
+        )
 
 
 @app.command(context_settings={"allow_extra_args": False})
@@ -118,30 +125,37 @@ def train(
 ) -> None:
     """Run GRPO training with the TLT machinery on."""
     arguments = list(arguments or [])
-    if resume is None and arguments and "=" not in arguments[0]:
-        try:
-            recipe_file(arguments[0])  # a mistyped recipe is refused at once, before torch loads (seconds)
-        except UserError as error:
-            raise fail(str(error)) from None
-    from tlt_cli.processes.driver import TrainingFailed
-    from tlt_cli.trainers import train as run_training
-
     run_directory: Path | None = None
     try:
         with _sigterm_interrupts():
             recipe, resume_directory = _resolve_run(arguments, resume)
             run_directory = resume_directory or Path(recipe.run.output_dir).expanduser() / recipe.run.name
-            summary = run_training(recipe, console, resume_directory, keep_log, all_columns=columns == ColumnSet.all)
+            summary = _run_training(recipe, resume_directory, keep_log, all_columns=columns == ColumnSet.all)
     except UserError as error:
         raise fail(str(error)) from None
-    except TrainingFailed as error:
-        raise fail(str(error), code=1) from None
     except KeyboardInterrupt as interrupt:
         how, code = _stopped(interrupt)
         if run_directory is None:  # stopped while the recipe was read: no run to continue
             raise fail(f"{how} before the run started.", code) from None
         raise fail(f"{how}; {_after_interrupt(run_directory)}.", code) from None
     console.print(f"done: {len(summary.steps)} steps, run directory {summary.run_directory}", markup=False)
+
+
+def _run_training(recipe: Recipe, resume_directory: Path | None, keep_log: bool, all_columns: bool) -> RunSummary:
+    """The run (tlt_cli/trainers.py), its TrainingFailed one sentence and exit 1."""
+    from tlt_cli.processes.driver import TrainingFailed
+    from tlt_cli.trainers import train as run_training
+
+    try:
+        return run_training(recipe, console, resume_directory, keep_log, all_columns=all_columns)
+    except TrainingFailed as error:
+        raise fail(str(error), code=1) from None
+
+
+def _loading_heavy_modules() -> None:
+    """The line before torch, transformers and DeepSpeed load (tens of seconds on a loaded machine), so the
+    console does not open with a silent wait."""
+    console.print(LOADING_LINE, markup=False, highlight=False, soft_wrap=keeps_one_line(console))
 
 
 def _after_interrupt(run_directory: Path) -> str:
@@ -187,7 +201,10 @@ def _resolve_run(arguments: list[str], resume: Path | None) -> tuple[Recipe, Pat
             f"--resume {resume} is not a directory; pass the run directory printed when the run started."
         )
     if resume is None:
-        return _whole_checked_recipe(load_recipe(recipe_file(arguments[0]), overrides), new_run=True), None
+        recipe = load_recipe(recipe_file(arguments[0]), overrides)  # keys and values checked before torch loads
+        _loading_heavy_modules()
+        return _whole_checked_recipe(recipe, new_run=True), None
+    _loading_heavy_modules()  # a resume reads its run directory with modules that import torch
     from tlt_cli.processes.resume_settings import resumed_recipe
 
     recipe = resumed_recipe(resume, arguments[0] if has_recipe else None, overrides)
@@ -205,7 +222,7 @@ def _whole_checked_recipe(recipe: Recipe, new_run: bool) -> Recipe:
             "ships may run.",
             markup=False,
             highlight=False,
-            soft_wrap=True,
+            soft_wrap=keeps_one_line(error_console),
         )
     return recipe
 
@@ -229,7 +246,7 @@ def recipes_show(name: Annotated[str, typer.Argument(help="A shipped recipe name
             commented_yaml(load_checked_recipe(recipe_file(name))),
             highlight=False,
             markup=False,
-            soft_wrap=True,
+            soft_wrap=keeps_one_line(console),
         )
     except UserError as error:
         raise fail(str(error)) from None
@@ -257,10 +274,14 @@ def recipes_validate(
                 if holds_run(run_directory)
                 else ""
             )
-            console.print(f"ok  {name}: valid{existing}", highlight=False, markup=False, soft_wrap=True)
+            console.print(
+                f"ok  {name}: valid{existing}", highlight=False, markup=False, soft_wrap=keeps_one_line(console)
+            )
         except UserError as error:
             invalid += 1
-            error_console.print(f"[bold red]invalid[/] {escape(str(error))}", highlight=False, soft_wrap=True)
+            error_console.print(
+                f"[bold red]invalid[/] {escape(str(error))}", highlight=False, soft_wrap=keeps_one_line(error_console)
+            )
     if invalid:
         raise typer.Exit(USAGE_ERROR)
 
@@ -420,6 +441,11 @@ def calibrate(
         raise fail(str(error)) from None
 
 
+def _progress(line: str) -> None:
+    """A command's progress line, as it is (no markup)."""
+    console.print(line, markup=False, highlight=False, soft_wrap=keeps_one_line(console))
+
+
 @app.command("export-drafter")
 def export_drafter(
     source: Annotated[
@@ -451,17 +477,24 @@ def export_drafter(
     ] = None,
 ) -> None:
     """Export the trained drafter as a Hugging Face folder SGLang serves as an EAGLE draft model."""
+    from tlt_cli.processes.distributed import choose_deepspeed_accelerator
+
+    choose_deepspeed_accelerator()  # before transformers imports DeepSpeed, which warns when it guesses
     from tlt_cli.export import export_drafter as run_export
     from tlt_cli.models.loading import ModelLoadError
     from tlt_cli.sglang.drafter_format import DrafterFormatError
 
     recipe_path = resolve_recipe_path(recipe) if recipe is not None else None
     try:
-        summary = run_export(source, output, recipe_path, include_shared, force, prompts, max_new_tokens, draft_steps)
+        summary = run_export(
+            source, output, recipe_path, include_shared, force, prompts, max_new_tokens, draft_steps, tell=_progress
+        )
     except (DrafterFormatError, ModelLoadError) as error:  # ExportError is a DrafterFormatError
         raise fail(str(error)) from None
     for warning in summary.warnings:
-        error_console.print(f"warning: {warning}", markup=False, highlight=False, soft_wrap=True)
+        error_console.print(
+            f"warning: {warning}", markup=False, highlight=False, soft_wrap=keeps_one_line(error_console)
+        )
     measurement = summary.measurement
     console.print(
         f"exported {summary.architecture} drafter to {summary.output_dir}: "
@@ -469,7 +502,7 @@ def export_drafter(
         f"({measurement.verify_passes} verify passes on {measurement.prompts} held-out prompts; reload reproduces "
         f"{summary.reloaded_accept_length:.3f}); model card in README.md",
         highlight=False,
-        soft_wrap=True,
+        soft_wrap=keeps_one_line(console),
     )
 
 
@@ -484,6 +517,9 @@ def export_policy(
     ] = None,
 ) -> None:
     """Export the trained policy at a checkpoint as a Hugging Face folder (AutoModelForCausalLM.from_pretrained)."""
+    from tlt_cli.processes.distributed import choose_deepspeed_accelerator
+
+    choose_deepspeed_accelerator()  # before transformers imports DeepSpeed, which warns when it guesses
     from tlt_cli.export_policy import export_policy as run_export
 
     try:
@@ -495,18 +531,20 @@ def export_policy(
         how, code = _stopped(interrupt)
         raise fail(f"{how}; nothing was exported (its staging folder is removed).", code) from None
     for warning in summary.warnings:
-        error_console.print(f"warning: {warning}", markup=False, highlight=False, soft_wrap=True)
+        error_console.print(
+            f"warning: {warning}", markup=False, highlight=False, soft_wrap=keeps_one_line(error_console)
+        )
     console.print(
         f"exported the policy after RL step {summary.rl_step} ({summary.dtype}) to {summary.output_dir}; reloaded "
         f"with transformers, its log-probs equal the checkpoint's on {summary.checked_prompts} held-out prompts",
         highlight=False,
-        soft_wrap=True,
+        soft_wrap=keeps_one_line(console),
     )
     if summary.held_drafter is not None:
         console.print(
             "the run's drafter is held for the exported policy: a run on it starts with that drafter",
             highlight=False,
-            soft_wrap=True,
+            soft_wrap=keeps_one_line(console),
         )
 
 

@@ -6,6 +6,8 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
+from tlt_cli.display import keeps_one_line
+
 console = Console()
 error_console = Console(stderr=True)
 
@@ -14,5 +16,7 @@ USAGE_ERROR = 2
 
 def fail(message: str, code: int = USAGE_ERROR) -> typer.Exit:
     # escaped: a message can quote text with brackets (a gloo error's "[/path/pair.cc:537]"), which is not markup
-    error_console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
+    error_console.print(
+        f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=keeps_one_line(error_console)
+    )
     return typer.Exit(code)

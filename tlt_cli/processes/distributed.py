@@ -123,10 +123,17 @@ def remove_abandoned_rendezvous() -> list[Path]:
     return removed
 
 
-def import_deepspeed() -> ModuleType:
-    """DeepSpeed, with its CPU accelerator chosen when there is no GPU (it reads DS_ACCELERATOR at import)."""
+def choose_deepspeed_accelerator() -> None:
+    """DS_ACCELERATOR set to cpu where there is no GPU (unless set already), before anything imports DeepSpeed:
+    transformers and accelerate import it at their own import, and it warns "Setting accelerator to CPU" when it
+    has to guess."""
     if not torch.cuda.is_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+
+def import_deepspeed() -> ModuleType:
+    """DeepSpeed, with its CPU accelerator chosen when there is no GPU (it reads DS_ACCELERATOR at import)."""
+    choose_deepspeed_accelerator()
     import deepspeed
 
     return deepspeed

@@ -194,7 +194,7 @@ def _train_in(
     try:
         with (
             TrainingDisplay(
-                console, f"tlt train {recipe.run.name}", recipe.train.steps, columns, all_columns
+                console, f"tlt train {recipe.run.name}", recipe.train.steps, columns, all_columns, run_spec.start_step
             ) as display,
             loggers.running(run, warn=display.note),
         ):

@@ -29,6 +29,9 @@ from tlt_cli.shared_memory import remove_unheld
 
 # where workers build DeepSpeed's CPU ops, under the model cache (TORCH_EXTENSIONS_DIR: distributed.py)
 EXTENSIONS_FOLDER = "torch_extensions"
+# the op DeepSpeed's CPU process group builds (deepspeed/ops/op_builder/cpu/comm.py ShareMemCommBuilder.NAME): torch
+# writes it as `<TORCH_EXTENSIONS_DIR>/<name>/<name>.so`
+SHARED_MEMORY_OP = "deepspeed_shm_comm"
 # the file torch's extension builder holds in an op's build folder while it builds
 BUILD_LOCK_NAME = "lock"
 # the file tlt's builders flock in TORCH_EXTENSIONS_DIR while they build; it holds the holder's pid
@@ -48,10 +51,17 @@ def built_deepspeed_ops(
     """DeepSpeed's CPU op built in `extensions_directory` (TORCH_EXTENSIONS_DIR, set before), under tlt's build
     lock: a lock another process holds is waited for at most `seconds`; `tell` hears of the wait, then the build."""
     with op_build_lock(extensions_directory, tell, seconds):
-        tell("building DeepSpeed's CPU op (minutes on a cache's first run, then loaded from it)")
+        if not op_built(extensions_directory):
+            tell("building DeepSpeed's CPU op (minutes, once per cache)")
         remove_abandoned_build_locks(extensions_directory)  # none can be live: every builder holds tlt's lock
         with interrupted_once():
             build_shared_memory_op()
+
+
+def op_built(extensions_directory: Path) -> bool:
+    """Whether DeepSpeed's CPU op is compiled in `extensions_directory` (its .so there: torch then loads it in a
+    second, and nothing says it builds)."""
+    return (extensions_directory / SHARED_MEMORY_OP / f"{SHARED_MEMORY_OP}.so").is_file()
 
 
 @contextlib.contextmanager

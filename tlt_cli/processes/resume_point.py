@@ -14,6 +14,7 @@ from rich.console import Console
 
 from tlt_cli.checkpoint import CheckpointError
 from tlt_cli.config import Recipe, load_recipe
+from tlt_cli.display import keeps_one_line
 from tlt_cli.errors import UserError
 from tlt_cli.models.identity import identity_difference, model_identity
 from tlt_cli.models.loading import load_config_and_tokenizer
@@ -46,8 +47,24 @@ def resume_point(run_directory: Path, recipe: Recipe, console: Console) -> tuple
         )
     check_same_model(run_directory, recipe)
     for warning in warnings:
-        console.print(f"warning: {warning}", markup=False, highlight=False, soft_wrap=True)
+        console.print(f"warning: {warning}", markup=False, highlight=False, soft_wrap=keeps_one_line(console))
+    console.print(
+        resuming_sentence(checkpoint.directory, checkpoint.next_step, recipe.train.steps),
+        markup=False,
+        highlight=False,
+        soft_wrap=keeps_one_line(console),
+    )
     return checkpoint.directory, checkpoint.next_step
+
+
+def resuming_sentence(checkpoint_directory: Path, next_step: int, total_steps: int) -> str:
+    """The line that says where a resume starts: the checkpoint and the step (steps count from 0)."""
+    if next_step >= total_steps:
+        return f"resuming from {checkpoint_directory}: all {total_steps} steps are done, none is left to run"
+    return (
+        f"resuming from {checkpoint_directory}, written after step {next_step - 1}: the run continues at step "
+        f"{next_step} of steps 0-{total_steps - 1}"
+    )
 
 
 def check_same_model(run_directory: Path, recipe: Recipe) -> None:
@@ -90,5 +107,5 @@ def resumed_changes(run_directory: Path, recipe: Recipe, console: Console) -> di
     changes = changed_settings(load_recipe(run_directory / RECIPE_FILE), recipe)
     if not changes:
         return {}
-    console.print(describe_changes(changes), markup=False, highlight=False, soft_wrap=True)
+    console.print(describe_changes(changes), markup=False, highlight=False, soft_wrap=keeps_one_line(console))
     return {"changed_settings": {key: list(values) for key, values in changes.items()}}

@@ -12,6 +12,7 @@ it ends, the workers are stopped and the SGLang servers they recorded in the run
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import Any, Protocol
 
 from tlt_cli.config import CPU_DEVICES
@@ -29,6 +30,7 @@ from tlt_cli.processes.messages import (
     WorkerStarting,
     WorkerStepReport,
 )
+from tlt_cli.processes.op_build import EXTENSIONS_FOLDER, op_built
 from tlt_cli.processes.run_directory import TRACE_FILE
 from tlt_cli.processes.run_failures import RunDiverged, TrainingFailed, WorkerInputError
 from tlt_cli.processes.run_trace import RunTrace
@@ -61,10 +63,7 @@ class WorkerGroup(Protocol):
 
 def run_workers(run_spec: RunSpec, body: WorkerBody, trace: RunTrace, display: TrainingDisplay) -> None:
     recipe = run_spec.recipe
-    display.progress(
-        f"starting {recipe.workers.count} worker(s): each loads the model, and DeepSpeed builds its ops on a "
-        "machine's first run (minutes, once)"
-    )
+    display.progress(starting_sentence(recipe.workers.count, run_spec.model_cache / EXTENSIONS_FOLDER))
     workers = _start_workers(run_spec, body)
     guard = _fidelity_guard(run_spec)
     try:
@@ -73,6 +72,13 @@ def run_workers(run_spec: RunSpec, body: WorkerBody, trace: RunTrace, display: T
         workers.stop()
         if recipe.workers.hostfile is None or runs_on_this_machine(recipe):
             stop_recorded_servers(run_spec.run_directory, recipe.rollout.sglang.stop_timeout_s)
+
+
+def starting_sentence(count: int, extensions_directory: Path) -> str:
+    """The line before the workers start: the op build is named only when the cache lacks the built op."""
+    if op_built(extensions_directory):
+        return f"starting {count} worker(s): each loads the model"
+    return f"starting {count} worker(s): each loads the model, and DeepSpeed builds its ops first (minutes, once)"
 
 
 def _start_workers(run_spec: RunSpec, body: WorkerBody) -> WorkerGroup:

@@ -84,24 +84,31 @@ def _lengths_table(profile: Profile) -> Table:
 
 
 def _steps_table(profile: Profile) -> Table:
-    table = Table(title="rollout per step", title_justify="left")
+    # each header's words at most 7 letters, so rich wraps them (never cuts one) and the table fits 100 columns
+    table = Table(
+        title="rollout per step",
+        title_justify="left",
+        caption=f"tail: the slowest worker's seconds with 1-{profile.projection.tail_batch} requests in flight; "
+        "proj.: the rollout the projection model predicts (below)",
+        caption_justify="left",
+    )
     columns = (
         "step",
         "rollout s",
         "step s",
-        "idle worker-s",
+        "idle worker s",
         "idle %",
         "<half busy %",
         "some idle %",
-        "slowest's tail s",
-        "projected rollout s",
-        "peak GB/worker",
+        "tail s",
+        "proj. rollout s",
+        "peak GB a worker",
     )
     for column in columns:
         table.add_column(column, justify="right")
     hidden = len(profile.steps) - VISIBLE_STEPS
     if hidden > 0:
-        table.add_row(f"({hidden} earlier)", *[""] * (len(columns) - 1))
+        table.add_row(f"{hidden} earlier", *[""] * (len(columns) - 1))
     for step in profile.steps[-VISIBLE_STEPS:]:
         table.add_row(*_step_cells(step))
     step_seconds = "-" if profile.step_seconds is None else f"{profile.step_seconds:.2f}"
@@ -217,6 +224,8 @@ def _render_speculative(console: Console, profile: Profile) -> None:
         for column in ("depth", "drafted", "accepted", "rate %", "adds to accept length"):
             table.add_column(column, justify="right")
         for depth in profile.accept_by_depth:
+            if depth.proposed == 0:  # a depth no verify pass drafted: a row of zeros
+                continue
             table.add_row(
                 str(depth.depth),
                 str(depth.proposed),
