@@ -4,15 +4,18 @@ Two things grew a worker by about 30 MB a step in bfloat16 (BENCHMARKS.md "Memor
 - kernel caches. torch computes bfloat16 products through ideep and oneDNN, which keep one computation (ideep's
   LRU cache, `LRU_CACHE_CAPACITY`) and one kernel (oneDNN's primitive cache, `ONEDNN_PRIMITIVE_CACHE_CAPACITY`)
   per input shape, 1024 of each by default; packed micro-batches change their token count at every micro-batch and
-  the rollout its row count at every decode step, so both caches filled with shapes never seen again. Both are
-  read when torch first uses them, so they belong in the environment a worker starts with: `worker_environment`
+  the rollout its row count at every decode step, so both caches filled with shapes never seen again (a bfloat16
+  256x512 product at 391 row counts held 219 MB at the defaults, 34 MB at 64 entries each). Both are read at
+  torch's first bfloat16 product, so they belong in the environment a worker starts with: `worker_environment`
   (each variable only where the user has not set it), applied by `worker_memory_settings` around the spawn in
-  tlt_cli/processes/local_workers.py and given to the DeepSpeed launcher in tlt_cli/processes/launched_workers.py.
+  tlt_cli/processes/local_workers.py, given to the DeepSpeed launcher in tlt_cli/processes/launched_workers.py and
+  to `tlt bench update`'s measuring process, and set again by every rank as it joins its process group
+  (tlt_cli/processes/distributed.py `init_worker_process`: a rank on another node inherits nothing from tlt).
 - glibc malloc's free lists. What the rollout and the update free stays resident in malloc's arenas, scattered, so
   the next phase touches new pages beside it. `return_freed_memory` (malloc_trim(0)) hands the free pages back to
   the kernel; the worker calls it at the end of each phase (tlt_cli/training/memory_parts.py).
-`malloc_counts` reads mallinfo2 (what malloc holds in use and free) for the per-part accounting. All three are
-no-ops where the C library is not glibc.
+`malloc_counts` reads mallinfo2 (what malloc holds in use and free) for the per-part accounting. Where the C library
+is not glibc, it gives None and `return_freed_memory` does nothing.
 """
 
 from __future__ import annotations
