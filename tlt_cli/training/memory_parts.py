@@ -62,18 +62,16 @@ class MemoryParts:
 def live_tensor_bytes(owners: dict[str, list[torch.Tensor]]) -> dict[str, int]:
     """Bytes of every live CPU tensor's storage, each storage counted once, under the first owner (in `owners`'
     order) that holds a tensor on it; the storages no owner holds under "other_tensors"."""
+    owners = {owner: [tensor for tensor in tensors if _in_memory(tensor)] for owner, tensors in owners.items()}
     owner_of: dict[int, str] = {}
     for owner, tensors in owners.items():
         for tensor in tensors:
             owner_of.setdefault(_storage_key(tensor), owner)
     storages: dict[int, int] = {}
+    # every tensor object Python tracks (about 0.1 s for a worker's half a million objects)
     for candidate in gc.get_objects():
         # type(), not isinstance: reading __class__ of some module-level objects warns
-        if (
-            issubclass(type(candidate), torch.Tensor)
-            and candidate.device.type == "cpu"
-            and candidate.layout == torch.strided
-        ):
+        if issubclass(type(candidate), torch.Tensor) and _in_memory(candidate):
             storages[_storage_key(candidate)] = candidate.untyped_storage().nbytes()
     for tensor in (tensor for tensors in owners.values() for tensor in tensors):
         storages[_storage_key(tensor)] = tensor.untyped_storage().nbytes()
@@ -81,6 +79,11 @@ def live_tensor_bytes(owners: dict[str, list[torch.Tensor]]) -> dict[str, int]:
     for key, size in storages.items():
         totals[owner_of.get(key, "other_tensors")] += size
     return totals
+
+
+def _in_memory(tensor: torch.Tensor) -> bool:
+    """Whether the tensor's storage lives in this process's memory (CPU, dense), not on a GPU."""
+    return tensor.device.type == "cpu" and tensor.layout == torch.strided
 
 
 def _storage_key(tensor: torch.Tensor) -> int:
