@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from recipe_overrides import DETERMINISTIC, TLT, small_run
 
+from tlt_cli.training.memory_parts import PART_NAMES
 from tlt_cli.versions import installed_versions
 
 
@@ -39,6 +40,13 @@ def test_two_steps_write_trace_checkpoint_and_summary(small_model, tmp_path):
         peaks = [max(worker["memory_rollout_peak_gb"], worker["memory_update_peak_gb"]) for worker in own]
         assert min(peaks) > 0.1 and step["memory_peak_gb"] == max(peaks)
     assert "peak resident memory of a worker" in result.stdout
+    # each worker's resident set at its step's end by part (tlt_cli/training/memory_parts.py), what malloc_trim gave
+    # back after it, and no warning: the peak stays within the estimate
+    for worker in workers:
+        parts = {name: worker[f"memory_{name}_gb"] for name in PART_NAMES}
+        assert parts["policy_weights"] > 0 and parts["optimizer"] > 0 and 0.1 < sum(parts.values()) < 10
+        assert worker["memory_returned_gb"] > -0.05
+    assert "passed the estimate" not in result.stdout
     # the slower worker of each step has no idle time; the other waits for it
     for step in (0, 1):
         idle = sorted(worker["idle_seconds"] for worker in workers if worker["step"] == step)

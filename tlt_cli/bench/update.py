@@ -42,6 +42,7 @@ from tlt_cli.bench.common import (
     say,
     speed_words,
 )
+from tlt_cli.memory_hygiene import worker_environment
 
 # the variant of a benchmark given none: the recipe as it is
 RECIPE_VARIANT = "recipe"
@@ -105,7 +106,9 @@ def measure_in_fresh_process(recipe_name: str, overrides: list[str], settings: U
         "parent": os.getpid(),
     }
     command = [sys.executable, "-m", "tlt_cli.bench.update_worker", json.dumps(request)]
-    finished = subprocess.run(command, capture_output=True, text=True, check=False)
+    # with the kernel caches bounded as in tlt train's workers (memory_hygiene.py), so its peaks are theirs
+    environment = {**os.environ, **worker_environment()}
+    finished = subprocess.run(command, capture_output=True, text=True, check=False, env=environment)
     if finished.returncode != 0:
         last = (finished.stderr.strip().splitlines() or ["no output"])[-1]
         raise MeasurementFailed(f"the update with {' '.join(overrides) or 'the recipe as it is'} failed ({last}).")

@@ -15,7 +15,8 @@ the process's threads: steadier on a shared machine), its peak resident memory (
 tlt's estimate (training/memory.py), and the share of torch's product rate it reached (update_roofline.py: the
 products of the update's own shapes timed in this process). With profile: a second update under torch.profiler,
 by category and by phase (update_profile.py). With steps N: N steps of the task's rollout (the recipe's embedded
-backend), reward, group advantages and update, each step's rollout and update peaks.
+backend), reward, group advantages and update, each step's rollout and update peaks (malloc's free pages returned
+after each phase, and the kernel caches bounded by update.py, as in a worker: tlt_cli/memory_hygiene.py).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import torch
 from tlt_cli.bench import update_roofline
 from tlt_cli.bench.update_profile import label_update_parts, profile_update
 from tlt_cli.config import Recipe, load_recipe
+from tlt_cli.memory_hygiene import return_freed_memory
 from tlt_cli.processes.op_build import EXTENSIONS_FOLDER, built_deepspeed_ops
 from tlt_cli.processes.worker_process import exit_with_parent
 from tlt_cli.recipes import resolve_recipe_path
@@ -222,6 +224,7 @@ def measured_step(recipe: Recipe, actor: Actor, tokenizer, backend, step: int) -
     memory.reset_peak_resident()
     completions, _ = backend.generate(requests, sampling, recipe.run.seed + step, None)
     rollout_peak = memory.peak_resident_bytes()
+    return_freed_memory()  # as a worker does after each phase (training/memory_parts.py)
     memory.reset_peak_resident()
     rewards = torch.tensor(
         [
@@ -237,7 +240,7 @@ def measured_step(recipe: Recipe, actor: Actor, tokenizer, backend, step: int) -
     actor.update(actor.policy_batch(completions, advantages, tokenizer.pad_token_id, group_size))
     update_seconds = time.perf_counter() - started
     backend.after_update(f"step-{step + 1}", None, ())
-    return {
+    measured = {
         "step": step,
         "response_tokens": sum(len(completion.response_ids) for completion in completions),
         "longest_response": max(len(completion.response_ids) for completion in completions),
@@ -246,6 +249,8 @@ def measured_step(recipe: Recipe, actor: Actor, tokenizer, backend, step: int) -
         "update_peak_gb": memory.peak_resident_bytes() / memory.GB,
         "resident_after_gb": memory.resident_bytes() / memory.GB,
     }
+    return_freed_memory()
+    return measured
 
 
 if __name__ == "__main__":

@@ -41,6 +41,7 @@ from typing import Any
 import torch
 import torch.distributed
 
+from tlt_cli.memory_hygiene import worker_environment
 from tlt_cli.process_status import process_running
 from tlt_cli.processes.op_build import built_deepspeed_ops
 from tlt_cli.shared_memory import deepspeed_buffers_if_writable, rank_buffer, release_own_buffer
@@ -175,6 +176,9 @@ def init_worker_process(
         # DeepSpeed picks its accelerator from this at import: a CPU actor stays on CPU on a GPU machine too
         DS_ACCELERATOR="cuda" if on_gpus else "cpu",
     )
+    # the kernel caches' bounds, read at torch's first bfloat16 product: a rank the DeepSpeed launcher started on
+    # another node did not inherit them from tlt (memory_hygiene.py)
+    os.environ.update(worker_environment())
     torch.set_num_threads(threads)
     device = torch.device("cuda", address.rank_on_node) if on_gpus else torch.device("cpu")
     if on_gpus:

@@ -35,6 +35,7 @@ from typing import Any
 
 from tlt_cli.config import Recipe
 from tlt_cli.errors import UserError
+from tlt_cli.memory_hygiene import worker_environment
 from tlt_cli.process_status import process_running
 from tlt_cli.processes.distributed import free_port, private_rendezvous_directory
 from tlt_cli.processes.event_channel import EventListener
@@ -90,7 +91,13 @@ class LaunchedWorkers:
         with self.log_path.open("a", encoding="utf-8") as log:
             self.log_start = log.tell()  # a resumed run's log holds earlier launches too
             self.launcher = subprocess.Popen(
-                command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+                command,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                # its ranks on this machine inherit the kernel caches' bounds (memory_hygiene.py)
+                env={**os.environ, **worker_environment()},
             )
 
     def _log(self, line: str) -> None:

@@ -2,9 +2,9 @@
 
 The default of `tlt train` (no `workers.hostfile`). `LocalWorkers` starts the worker body it is
 given (the trainer's, chosen by tlt_cli/trainers.py) in `workers.count` processes (with
-only the actor's GPUs visible) and offers the driver loop (driver.py) the same three calls as a
-DeepSpeed launch (launched_workers.py): `next_event`, `failure` when none comes (a worker died
-without reporting) and `stop`.
+only the actor's GPUs visible, and tlt_cli/memory_hygiene.py's bounds on the kernel caches) and offers
+the driver loop (driver.py) the same three calls as a DeepSpeed launch (launched_workers.py):
+`next_event`, `failure` when none comes (a worker died without reporting) and `stop`.
 The workers meet in a private folder of their own (distributed.py `private_rendezvous_directory`):
 no rank opens a TCP store, and gloo binds to loopback.
 """
@@ -19,6 +19,7 @@ import signal
 from collections.abc import Sequence
 from typing import Any
 
+from tlt_cli.memory_hygiene import worker_memory_settings
 from tlt_cli.processes.distributed import WorkerAddress, private_rendezvous_directory, visible_gpus
 from tlt_cli.processes.messages import RunSpec, WorkerBody
 
@@ -44,7 +45,8 @@ class LocalWorkers:
             )
             for rank in range(world_size)
         ]
-        with visible_gpus(gpus):
+        # the kernel caches' bounds are read when torch first uses them: in the environment the workers start with
+        with visible_gpus(gpus), worker_memory_settings():
             for process in self.processes:
                 process.start()
 

@@ -81,6 +81,8 @@ class WorkerStepReport:
     # adaptive SD: decode steps, tokens and seconds per configuration label; warnings (collapse, recovery)
     sd_usage: dict[str, dict[str, float]] = field(default_factory=dict)
     sd_warnings: list[str] = field(default_factory=list)
+    # the worker's memory past the estimate made before the run (tlt_cli/training/memory_parts.py), once a run
+    memory_warnings: list[str] = field(default_factory=list)
     checkpoint: str | None = None
 
 

@@ -204,7 +204,7 @@ def _record_step(
         trace.write({"type": "warning", "kind": "fidelity", "figure": figure, "step": step, "message": message})
         display.note(message)
     for report in reports:
-        for warning in report.sd_warnings:
+        for warning in report.sd_warnings + report.memory_warnings:
             _warn(report, f"worker {report.worker}: {warning}", trace, display)
         for failure in report.plugin_failures:
             _warn(

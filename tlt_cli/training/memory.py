@@ -16,12 +16,14 @@ micro-batch (`micro_batch_extent`: padded rows, or packed groups where the model
 or, on a kernel that does not, over the whole square with its dense masks, `dense_mask_bytes`; with
 `actor.gradient_checkpointing`, each layer's input and a few layers' activations) and the log-prob chunk.
 With `actor.precision: bf16` on CPU the module, its gradients and AdamW state stay float32 (the master copy),
-the update's forward adds autocast's bfloat16 copy of the weights, and the saved activations are bfloat16; on
-GPUs DeepSpeed's bf16 mode makes the module itself bfloat16. The
-constants are per-token costs measured on SmolLM2-135M (BENCHMARKS.md "Memory per worker") and
-scale with the model's shape. `memory_problem(recipe)` says, in one sentence, when a run's workers on this
-machine would not fit in MemAvailable; the checks when a run starts (tlt_cli/preflight.py `check_memory`)
-refuse the run with it.
+the update's forward adds autocast's bfloat16 copy of the weights, the saved activations weigh as float32's (autocast
+keeps most of them float32) and ideep's and oneDNN's kernel caches add their bounded share; on
+GPUs DeepSpeed's bf16 mode makes the module itself bfloat16. The per-token
+constants are costs measured on SmolLM2-135M (BENCHMARKS.md "Memory per worker") and
+scale with the model's shape; the runtime and the kernel caches were measured on tiny-cpu workers whose every phase
+returns its freed memory (BENCHMARKS.md "Memory flat per step (issue 63)"). `memory_problem(recipe)` says, in one
+sentence, when a run's workers on this machine would not fit in MemAvailable; the checks when a run starts
+(tlt_cli/preflight.py `check_memory`) refuse the run with it.
 """
 
 from __future__ import annotations
@@ -38,9 +40,13 @@ from tlt_cli.training.logprobs import CHUNK_TOKENS
 GB = 1e9
 FLOAT32_BYTES = 4
 BFLOAT16_BYTES = 2
-# Python, torch, transformers, DeepSpeed and gloo imported and initialised, with what the allocator and
-# DeepSpeed hold beyond the parts below at the update's peak (fitted to SmolLM2-135M updates, BENCHMARKS.md)
-RUNTIME_BYTES = 1.2e9
+# Python, torch, transformers, DeepSpeed and gloo imported and initialised, with what malloc keeps beyond the parts
+# below at a phase's peak once each phase's freed memory goes back (tlt_cli/memory_hygiene.py): a tiny-cpu worker
+# holds 0.49 GB besides its tensors after a float32 step (BENCHMARKS.md "Memory flat per step (issue 63)")
+RUNTIME_BYTES = 0.55e9
+# bfloat16 on CPU: ideep's and oneDNN's kernel caches (64 shapes each) with their compiled code; a tiny-cpu worker's
+# base after a step is 0.15 GB higher in bf16 than in fp32 (same BENCHMARKS.md section)
+KERNEL_CACHE_BYTES = 0.15e9
 # AdamW keeps two float32 moments per parameter; ZeRO 1-2 also keep a float32 master copy of their part
 ADAM_MOMENTS = 2
 # float32 values the decoder saves for backward per token and layer, in units of (hidden, intermediate)
@@ -146,6 +152,7 @@ class MemoryEstimate:
     decode_copies: int
     update: int
     autocast_casts: int = 0
+    kernel_caches: int = 0
 
     @property
     def training_state(self) -> int:
@@ -154,14 +161,15 @@ class MemoryEstimate:
 
     @property
     def total_bytes(self) -> int:
-        resident = self.runtime + self.weights + self.training_state + self.drafter + self.sidecar
+        resident = self.runtime + self.kernel_caches + self.weights + self.training_state + self.drafter + self.sidecar
         return resident + max(self.rollout + self.decode_copies, self.update + self.autocast_casts)
 
     def describe(self) -> str:
         parts = (
-            f"runtime {self.runtime / GB:.2f}, weights {self.weights / GB:.2f}, gradients {self.gradients / GB:.2f}, "
-            f"optimizer {self.optimizer / GB:.2f}, drafter and its optimizer {self.drafter / GB:.2f}, sidecar buffers "
-            f"{self.sidecar / GB:.2f}; rollout cache {self.rollout / GB:.2f} and decode copies "
+            f"runtime {self.runtime / GB:.2f}, kernel caches {self.kernel_caches / GB:.2f}, "
+            f"weights {self.weights / GB:.2f}, gradients {self.gradients / GB:.2f}, "
+            f"optimizer {self.optimizer / GB:.2f}, drafter and its optimizer {self.drafter / GB:.2f}, "
+            f"sidecar buffers {self.sidecar / GB:.2f}; rollout cache {self.rollout / GB:.2f} and decode copies "
             f"{self.decode_copies / GB:.2f}, or update activations {self.update / GB:.2f} and autocast casts "
             f"{self.autocast_casts / GB:.2f}"
         )
@@ -222,9 +230,11 @@ def worker_peak_estimate(recipe: Recipe, shape: ModelShape, prompt_tokens: int) 
     workers = recipe.workers.count
     bf16 = recipe.actor.precision == Precision.bf16
     on_cpu = recipe.actor.devices == CPU_DEVICES
-    # the module's own dtype (the rollout's KV cache follows it) and that of the update's saved activations
+    # the module's own dtype (the rollout's KV cache follows it) and that of the update's saved activations: on CPU
+    # autocast keeps most saved values float32 (norms, residuals, attention), so a bf16 update's peak measured as
+    # float32's (tiny-cpu: 0.35 against 0.37 GB over the worker's base, BENCHMARKS.md issue 63)
     weight_bytes = BFLOAT16_BYTES if bf16 and not on_cpu else FLOAT32_BYTES
-    activation_bytes = BFLOAT16_BYTES if bf16 else FLOAT32_BYTES
+    activation_bytes = BFLOAT16_BYTES if bf16 and not on_cpu else FLOAT32_BYTES
     copies = 2 if recipe.actor.kl_coef > 0 else 1
     parameters = shape.parameters
     # ZeRO 1-2 split the AdamW state and its float32 master copy over the workers; ZeRO 2 keeps its part of
@@ -262,6 +272,7 @@ def worker_peak_estimate(recipe: Recipe, shape: ModelShape, prompt_tokens: int) 
         decode_copies=shape.layers * layer_linear_parameters(shape) * rollout_bytes,
         update=activations + attention + logprob_chunk,
         autocast_casts=autocast_weights,
+        kernel_caches=int(KERNEL_CACHE_BYTES) if bf16 and on_cpu else 0,
     )
 
 

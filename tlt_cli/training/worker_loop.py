@@ -7,7 +7,8 @@ the recipe through setup.py. Each step reads as the dataflow: rollout the shard 
 others (idle) -> reward -> advantages -> log-probs -> actor update -> rollout backend brought up
 to date -> report to the driver -> checkpoint when due. Every rank sends its `WorkerStepReport`
 (tlt_cli/processes/messages.py), with its resident peaks in the step's rollout and update
-(training/memory.py), to the driver with `events.put` (a multiprocessing queue, or the TCP channel
+(training/memory.py) and its resident set by part (training/memory_parts.py, which also returns what each
+phase freed), to the driver with `events.put` (a multiprocessing queue, or the TCP channel
 of tlt_cli/processes/event_channel.py); the driver writes the trace. The rollout goes
 through the RolloutBackend (tlt_cli/rollout/backend.py) `rollout.backend` names: the embedded
 engine sharing the actor's weights, or the SGLang servers this rank owns, which it starts before
@@ -49,6 +50,7 @@ from tlt_cli.trace import request_record
 from tlt_cli.training import memory, setup
 from tlt_cli.training.actor import Actor
 from tlt_cli.training.grpo import group_advantages
+from tlt_cli.training.memory_parts import MemoryWatch
 
 # prompts of the step (one per group) a rollout backend that pushes weights probes acceptance on
 PROBE_PROMPTS = 2
@@ -133,6 +135,7 @@ class WorkerLoop:
         plugins = build_plugins(recipe.plugins.enabled, dict(recipe.plugins.options), recipe)
         self.plugins = PluginHost(plugins, agree=agree_across_workers)
         self.sampling = setup.sampling(recipe)
+        self.memory = MemoryWatch.for_recipe(recipe, self.actor.policy, self.actor.engine.optimizer, self.drafter)
         if spec.resume_from is not None:
             self.actor.load(spec.resume_from)
             self.rollout_backend.load_state(self._rollout_state_path(spec.resume_from))
@@ -200,6 +203,7 @@ class WorkerLoop:
         self.barrier.wait(step, while_idle=self._hook("on_worker_idle", context))
         idle_end = time.time()
         rollout_peak = memory.peak_resident_bytes()
+        self.memory.phase_end()
         memory.reset_peak_resident()
         self.progress(step, "in the reward and update")
         self.plugins.call("on_rollout_end", context)
@@ -210,7 +214,9 @@ class WorkerLoop:
             self.rollout_backend.after_update(f"step-{step + 1}", context.drafter_version, self.probe_prompts(shard))
         )
         self.plugins.call("on_weights_updated", context)
-        context.metrics.update(step_memory_metrics(rollout_peak, memory.peak_resident_bytes()))
+        update_peak = memory.peak_resident_bytes()
+        context.metrics.update(step_memory_metrics(rollout_peak, update_peak))
+        context.metrics.update(self.memory.step_end(step, rollout_peak, update_peak))
         return WorkerStepReport(
             step=step,
             worker=self.rank,
@@ -228,6 +234,7 @@ class WorkerLoop:
             plugin_failures=[vars(failure) for failure in self.plugins.take_failures()],
             sd_usage={label: vars(usage) for label, usage in self.rollout_backend.take_usage().items()},
             sd_warnings=self.rollout_backend.take_warnings(),
+            memory_warnings=self.memory.take_warnings(),
         )
 
     def progress(self, step: int, activity: str, waiting: bool = False) -> None:
