@@ -39,6 +39,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "tlt_cli.shared_memory",
             "tlt_cli.process_status",
             "tlt_cli.atomic_files",
+            "tlt_cli.memory_hygiene",
         ),
     ),
     ("tasks", ("tlt_cli.tasks",)),
