@@ -44,8 +44,7 @@ from tlt_cli.rollout.model_pair import ModelPair
 from tlt_cli.rollout.types import RolloutRequest
 from tlt_cli.speculative.plan import SpeculativePlan
 from tlt_cli.tasks.base import Task
-from tlt_cli.tasks.prompts import encode_prompt
-from tlt_cli.training import setup
+from tlt_cli.training import setup, step
 from tlt_cli.tuning.cache import machine_key
 from tlt_cli.tuning.threads import torch_threads
 
@@ -311,11 +310,8 @@ def grouped_requests(
     problem `first_prompt` on, group_size samples each (fewer when rows < group_size), the samples of a prompt
     one group (n-gram drafts read the siblings)."""
     group_size = min(recipe.train.group_size, rows)
-    prompts = [
-        tuple(encode_prompt(tokenizer, task.problem(first_prompt + number).prompt))
-        for number in range(-(-rows // group_size))
-    ]
-    return [RolloutRequest(row, prompts[row // group_size], group=row // group_size) for row in range(rows)]
+    problems = [task.problem(first_prompt + number) for number in range(-(-rows // group_size))]
+    return step.grouped_requests(step.encoded_prompts(tokenizer, problems), group_size, rows)
 
 
 def render_table(console: Console, title: str, columns: list[str], rows: list[list[str]]) -> None:

@@ -14,9 +14,11 @@ actor (packed by groups when it packs). Measured: the first update's wall-clock 
 the process's threads: steadier on a shared machine), its peak resident memory (VmHWM, reset before) against
 tlt's estimate (training/memory.py), and the share of torch's product rate it reached (update_roofline.py: the
 products of the update's own shapes timed in this process). With profile: a second update under torch.profiler,
-by category and by phase (update_profile.py). With steps N: N steps of the task's rollout (the recipe's embedded
-backend), reward, group advantages and update, each step's rollout and update peaks (malloc's free pages returned
-after each phase, and the kernel caches bounded by update.py, as in a worker: tlt_cli/memory_hygiene.py).
+by category and by phase (update_profile.py). With steps N: N of the run's steps as its rank 0 builds them
+(training/step.py: the shard's prompts and sampling seed of each step, the recipe's embedded backend, reward, group
+advantages and update), on the policy the measured updates left, each step's rollout and update peaks (malloc's
+free pages returned after each phase, and the kernel caches bounded by update.py, as in a worker:
+tlt_cli/memory_hygiene.py).
 """
 
 from __future__ import annotations
@@ -38,12 +40,19 @@ from tlt_cli.memory_hygiene import return_freed_memory
 from tlt_cli.processes.op_build import EXTENSIONS_FOLDER, built_deepspeed_ops
 from tlt_cli.processes.worker_process import exit_with_parent
 from tlt_cli.recipes import resolve_recipe_path
-from tlt_cli.rollout.types import Completion, RolloutRequest
-from tlt_cli.tasks.prompts import encode_prompt
+from tlt_cli.rollout.types import Completion
 from tlt_cli.training import memory, setup
 from tlt_cli.training.actor import Actor
-from tlt_cli.training.grpo import group_advantages
 from tlt_cli.training.policy_batch import PolicyBatch
+from tlt_cli.training.step import (
+    encoded_prompts,
+    grpo_update,
+    shard_problems,
+    shard_rewards,
+    shard_sampling_seed,
+    step_shard,
+    worker_actor,
+)
 from tlt_cli.tuning.run_plan import RunPlan
 from tlt_cli.tuning.threads import torch_threads
 
@@ -70,7 +79,7 @@ def measure(recipe_name: str, overrides: list[str], profile: bool, steps: int, r
         drafter_folder, _ = setup.prepare_drafter(recipe, setup.model_cache(recipe))
         recipe, plan = setup.planned_run(recipe, drafter_folder)
         policy, tokenizer = setup.policy_and_tokenizer(recipe)
-        actor = Actor(policy, recipe.actor, recipe.samples_per_worker, setup.reference_policy(recipe))
+        actor = worker_actor(recipe, policy)
         batch = measured_batch(recipe, actor, tokenizer, response_tokens)
         result = {"precision": str(plan.update.precision), **timed_update(recipe, actor, batch)}
         result["roofline"] = roofline_report(recipe, actor, batch, plan, result["update_cpu_seconds"])
@@ -101,9 +110,10 @@ def measured_batch(recipe: Recipe, actor: Actor, tokenizer, response_tokens: int
     task, group_size, longest = setup.task(recipe), recipe.train.group_size, recipe.rollout.max_new_tokens
     vocab_size = actor.policy.config.vocab_size
     generator = torch.Generator().manual_seed(recipe.run.seed)
+    prompts = encoded_prompts(tokenizer, shard_problems(recipe, task, 0, 0))
     completions = []
     for index in range(recipe.samples_per_worker):
-        prompt_ids = tuple(encode_prompt(tokenizer, task.problem(index // group_size).prompt))
+        prompt_ids = prompts[index // group_size]
         length = longest
         if response_tokens:
             drawn = -response_tokens * torch.log1p(-torch.rand((), generator=generator))
@@ -212,32 +222,18 @@ def rollout_and_update_steps(
 
 
 def measured_step(recipe: Recipe, actor: Actor, tokenizer, backend, step: int) -> dict:
-    """One step of the task's rollout, reward, group advantages and update, with its peaks."""
+    """One step of the task's rollout, reward, group advantages and update, with its peaks: rank 0's shard and
+    sampling seed of the run's step `step` (training/step.py), so its responses are the run's."""
     task, sampling, group_size = setup.task(recipe), setup.sampling(recipe), recipe.train.group_size
-    first = step * recipe.train.prompts_per_step
-    problems = [task.problem(first + index) for index in range(recipe.prompts_per_worker)]
-    requests = [
-        RolloutRequest(number * group_size + sample, tuple(encode_prompt(tokenizer, problem.prompt)), number)
-        for number, problem in enumerate(problems)
-        for sample in range(group_size)
-    ]
+    shard = step_shard(recipe, task, tokenizer, step, 0)
     memory.reset_peak_resident()
-    completions, _ = backend.generate(requests, sampling, recipe.run.seed + step, None)
+    completions, _ = backend.generate(shard.requests, sampling, shard_sampling_seed(recipe, step, 0), None)
     rollout_peak = memory.peak_resident_bytes()
     return_freed_memory()  # as a worker does after each phase (training/memory_parts.py)
     memory.reset_peak_resident()
-    rewards = torch.tensor(
-        [
-            task.reward(
-                problems[completion.request_id // group_size],
-                tokenizer.decode(completion.response_ids, skip_special_tokens=True),
-            )
-            for completion in completions
-        ]
-    )
+    rewards = shard_rewards(task, tokenizer, shard, completions, group_size)
     started = time.perf_counter()
-    advantages = group_advantages(rewards, group_size)
-    actor.update(actor.policy_batch(completions, advantages, tokenizer.pad_token_id, group_size))
+    grpo_update(actor, completions, rewards, group_size, tokenizer.pad_token_id)
     update_seconds = time.perf_counter() - started
     backend.after_update(f"step-{step + 1}", None, ())
     measured = {

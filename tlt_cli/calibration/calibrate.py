@@ -43,8 +43,8 @@ from tlt_cli.speculative.rules import RuleTableError, parse_label
 from tlt_cli.speculative.shapes import shape_problem, topk_fit_problem
 from tlt_cli.speculative.types import OFF, SpeculativeConfig
 from tlt_cli.tasks.base import Task
-from tlt_cli.tasks.prompts import encode_prompt
 from tlt_cli.training import setup
+from tlt_cli.training.step import encoded_prompts, grouped_requests
 from tlt_cli.tuning.threads import torch_threads
 
 CALIBRATION_DIRECTORY_SUFFIX = "-calibration"
@@ -237,15 +237,8 @@ def _shard_maker(
     prompts_per_shard = recipe.train.prompts_per_step // recipe.workers.count
 
     def requests_for(repeat: int) -> list[RolloutRequest]:
-        prompts = [
-            tuple(encode_prompt(tokenizer, task.problem(repeat * prompts_per_shard + number).prompt))
-            for number in range(prompts_per_shard)
-        ]
-        # the group_size samples of a prompt are one group (n-gram proposals from siblings)
-        return [
-            RolloutRequest(row, prompts[row // recipe.train.group_size], group=row // recipe.train.group_size)
-            for row in range(prompts_per_shard * recipe.train.group_size)
-        ]
+        problems = [task.problem(repeat * prompts_per_shard + number) for number in range(prompts_per_shard)]
+        return grouped_requests(encoded_prompts(tokenizer, problems), recipe.train.group_size)
 
     return requests_for
 

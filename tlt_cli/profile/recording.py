@@ -1,8 +1,8 @@
 """Record a fresh rollout of a recipe for `tlt profile`, without training.
 
 `record_rollout(recipe, steps, trace_path)` loads the recipe's policy and task, then for each
-step generates the same prompts `tlt train` would (step s, worker w gets the w-th slice of step
-s's prompts, `group_size` samples each, sampling seeded by (seed, step, worker)) with the embedded
+step generates the same prompts `tlt train` would (training/step.py: step s, worker w gets the w-th slice of
+step s's prompts, `group_size` samples each, sampling seeded by (seed, step, worker)) with the embedded
 engine, its linear layers in the recipe's `rollout.linear_forms` as a worker's, and writes a tlt
 trace (request, worker and step records) that `load_records` reads back.
 
@@ -29,13 +29,12 @@ from transformers import PreTrainedTokenizerBase
 from tlt_cli.config import Recipe
 from tlt_cli.engine.sampling import SamplingParams
 from tlt_cli.profile.records import ProfileRecords, read_trace_records
-from tlt_cli.rollout.backend import sampling_seed
 from tlt_cli.rollout.generate_loop import EmbeddedEngine
-from tlt_cli.rollout.types import Completion, RolloutRequest
+from tlt_cli.rollout.types import Completion
 from tlt_cli.tasks.base import Task
-from tlt_cli.tasks.prompts import encode_prompt
 from tlt_cli.trace import TraceWriter
 from tlt_cli.training import memory, setup
+from tlt_cli.training.step import shard_sampling_seed, step_shard
 from tlt_cli.tuning.threads import torch_threads
 from tlt_cli.versions import installed_versions
 
@@ -108,9 +107,10 @@ def _record_step(
     """Request records of every shard, then one worker record per shard, then the step record."""
     requests, busy_ends = [], []
     for worker in range(recipe.workers.count):
-        shard = _shard_requests(recipe, task, tokenizer, step, worker)
+        requests_of_shard = step_shard(recipe, task, tokenizer, step, worker).requests
+        generator = torch.Generator().manual_seed(shard_sampling_seed(recipe, step, worker))
         call_start = time.time()
-        completions = engine.generate(shard, sampling, _generator(recipe.run.seed, step, worker))
+        completions = engine.generate(requests_of_shard, sampling, generator)
         # as if every worker had started its shard at the step's start
         shift = step_start - call_start
         busy_ends.append(time.time() + shift)
@@ -138,31 +138,6 @@ def _record_step(
         "idle_worker_seconds": sum(worker["idle_seconds"] for worker in workers),
     }
     return requests + workers + [step_record]
-
-
-def _shard_requests(
-    recipe: Recipe, task: Task, tokenizer: PreTrainedTokenizerBase, step: int, worker: int
-) -> list[RolloutRequest]:
-    """The prompts `tlt train` gives this worker at this step (tlt_cli/training/worker_loop.py, WorkerLoop.shard)."""
-    prompts_per_worker = recipe.prompts_per_worker
-    first = step * recipe.train.prompts_per_step + worker * prompts_per_worker
-    requests = []
-    for problem_number in range(prompts_per_worker):
-        prompt_ids = tuple(encode_prompt(tokenizer, task.problem(first + problem_number).prompt))
-        for sample in range(recipe.train.group_size):
-            requests.append(
-                RolloutRequest(
-                    request_id=problem_number * recipe.train.group_size + sample,
-                    prompt_ids=prompt_ids,
-                    group=problem_number,
-                )
-            )
-    return requests
-
-
-def _generator(seed: int, step: int, worker: int) -> torch.Generator:
-    """The sampling seed `tlt train` uses for (seed, step, worker)."""
-    return torch.Generator().manual_seed(sampling_seed(seed, step, worker))
 
 
 def _request_record(step: int, worker: int, completion: Completion, shift: float) -> dict[str, Any]:

@@ -20,7 +20,6 @@ from __future__ import annotations
 import os
 import socket
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -42,26 +41,14 @@ from tlt_cli.processes.messages import (
 )
 from tlt_cli.processes.op_build import EXTENSIONS_FOLDER
 from tlt_cli.processes.worker_process import exit_with_parent, redirect_output
-from tlt_cli.rollout.backend import sampling_seed
-from tlt_cli.rollout.types import Completion, RolloutRequest
-from tlt_cli.tasks.base import Problem
-from tlt_cli.tasks.prompts import encode_prompt
+from tlt_cli.rollout.types import Completion
 from tlt_cli.trace import request_record
 from tlt_cli.training import memory, setup
-from tlt_cli.training.actor import Actor
-from tlt_cli.training.grpo import group_advantages
 from tlt_cli.training.memory_parts import MemoryWatch
+from tlt_cli.training.step import StepShard, grpo_update, shard_rewards, shard_sampling_seed, step_shard, worker_actor
 
 # prompts of the step (one per group) a rollout backend that pushes weights probes acceptance on
 PROBE_PROMPTS = 2
-
-
-@dataclass
-class StepShard:
-    """This rank's problems for one step, with one request per (problem, sample)."""
-
-    problems: list[Problem]
-    requests: list[RolloutRequest] = field(default_factory=list)
 
 
 def step_memory_metrics(rollout_peak: int, update_peak: int) -> dict[str, float]:
@@ -109,8 +96,7 @@ class WorkerLoop:
         torch.manual_seed(recipe.run.seed)
         policy, self.tokenizer = setup.policy_and_tokenizer(recipe)
         self.task = setup.task(recipe)
-        self.prompts_per_worker = recipe.prompts_per_worker
-        self.actor = Actor(policy, recipe.actor, recipe.samples_per_worker, setup.reference_policy(recipe))
+        self.actor = worker_actor(recipe, policy)
         self.actor.engine.eval()
         self.drafter = None
         if setup.drafter_needed(recipe):
@@ -196,7 +182,7 @@ class WorkerLoop:
         memory.reset_peak_resident()
         self.progress(step, "in the rollout")
         self.plugins.call("on_rollout_start", context)
-        shard = self.shard(step)
+        shard = step_shard(self.recipe, self.task, self.tokenizer, step, self.rank)
         completions, busy_end = self.rollout(step, shard, context)
         self.barrier.mark_done(step)
         self.progress(step, "waiting at the rollout barrier", waiting=True)
@@ -207,9 +193,16 @@ class WorkerLoop:
         memory.reset_peak_resident()
         self.progress(step, "in the reward and update")
         self.plugins.call("on_rollout_end", context)
-        rewards = self.score(shard, completions)
+        rewards = shard_rewards(self.task, self.tokenizer, shard, completions, self.recipe.train.group_size)
         reward_end = time.time()
-        update = self.update(completions, rewards, self._hook("on_hidden_states", context))
+        update = grpo_update(
+            self.actor,
+            completions,
+            rewards,
+            self.recipe.train.group_size,
+            self.tokenizer.pad_token_id,
+            self._hook("on_hidden_states", context),
+        )
         context.metrics.update(
             self.rollout_backend.after_update(f"step-{step + 1}", context.drafter_version, self.probe_prompts(shard))
         )
@@ -244,7 +237,10 @@ class WorkerLoop:
     def rollout(self, step: int, shard: StepShard, context: StepContext) -> tuple[list[Completion], float]:
         """This rank's completions, sorted by request id, and when its last request finished."""
         return self.rollout_backend.generate(
-            shard.requests, self.sampling, self.sampling_seed(step), self._hook("on_request_finished", context)
+            shard.requests,
+            self.sampling,
+            shard_sampling_seed(self.recipe, step, self.rank),
+            self._hook("on_request_finished", context),
         )
 
     def probe_prompts(self, shard: StepShard) -> list[tuple[int, ...]]:
@@ -256,43 +252,6 @@ class WorkerLoop:
         if not self.plugins.wants(hook):
             return None
         return lambda *arguments: self.plugins.call(hook, context, *arguments)
-
-    def shard(self, step: int) -> StepShard:
-        """This rank's prompts for `step`: a fixed slice of the step's prompts, so data order is deterministic."""
-        first = step * self.recipe.train.prompts_per_step + self.rank * self.prompts_per_worker
-        problems = [self.task.problem(first + offset) for offset in range(self.prompts_per_worker)]
-        shard = StepShard(problems)
-        group_size = self.recipe.train.group_size
-        for problem_number, problem in enumerate(problems):
-            prompt_ids = tuple(encode_prompt(self.tokenizer, problem.prompt))
-            for sample in range(group_size):
-                shard.requests.append(
-                    RolloutRequest(
-                        request_id=problem_number * group_size + sample, prompt_ids=prompt_ids, group=problem_number
-                    )
-                )
-        return shard
-
-    def sampling_seed(self, step: int) -> int:
-        """Sampling randomness derived from (seed, step, rank): a resumed step draws the same samples."""
-        return sampling_seed(self.recipe.run.seed, step, self.rank)
-
-    def score(self, shard: StepShard, completions: list[Completion]) -> torch.Tensor:
-        group_size = self.recipe.train.group_size
-        rewards = []
-        for completion in completions:
-            problem = shard.problems[completion.request_id // group_size]
-            response = self.tokenizer.decode(completion.response_ids, skip_special_tokens=True)
-            rewards.append(self.task.reward(problem, response))
-        return torch.tensor(rewards, dtype=torch.float32)
-
-    def update(self, completions: list[Completion], rewards: torch.Tensor, on_hidden_states=None) -> dict[str, float]:
-        """GRPO update on this rank's completions (sorted by request id, so groups are consecutive)."""
-        advantages = group_advantages(rewards, self.recipe.train.group_size)
-        batch = self.actor.policy_batch(
-            completions, advantages, self.tokenizer.pad_token_id, self.recipe.train.group_size
-        )
-        return self.actor.update(batch, on_hidden_states).as_dict()
 
     def request_record(self, step: int, completion: Completion, reward: float) -> dict[str, Any]:
         stats = completion.speculative
