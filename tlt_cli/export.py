@@ -392,6 +392,39 @@ def target_description(source: DrafterSource, target: PreTrainedModel) -> str:
     )
 
 
+def shared_weights_line(include_shared: bool, drafter_config: PretrainedConfig) -> str:
+    """The model card's word on the embedding and lm_head: in the folder, or left to SGLang's sharing."""
+    if not include_shared:
+        return (
+            "not included: SGLang shares the target's embedding and lm_head with the draft "
+            "(eagle_worker_v2.init_lm_head)"
+        )
+    names = "embed_tokens.weight" if drafter_config.tie_word_embeddings else "embed_tokens.weight, lm_head.weight"
+    return (
+        f"included ({names}) for loaders without the target at hand; "
+        f"SGLang {SGLANG_VERSIONS_CHECKED} binds the target's own"
+    )
+
+
+def depth_table_rows(measurement: AcceptMeasurement) -> str:
+    """The model card's rows of acceptance per draft depth: drafted, accepted, rate."""
+    return "\n".join(
+        f"| {depth + 1} | {proposed} | {accepted} | {accepted / proposed if proposed else 0.0:.2f} |"
+        for depth, (proposed, accepted) in enumerate(zip(measurement.proposed_by_depth, measurement.accepted_by_depth))
+    )
+
+
+def measured_on_line(measurement: AcceptMeasurement, task_name: str) -> str:
+    """What the model card's accept length was measured on."""
+    last_problem = measurement.first_problem_index + measurement.prompts - 1
+    return (
+        f"{measurement.prompts} held-out prompts of task `{task_name}` "
+        f"(problems {measurement.first_problem_index}-{last_problem}, after every problem the run drew), "
+        f"greedy, chain of {measurement.draft_steps} draft tokens, batch size 1, at most "
+        f"{measurement.max_new_tokens} new tokens, in tlt's embedded engine"
+    )
+
+
 def model_card(summary: ExportSummary, source: DrafterSource, drafter_config: PretrainedConfig) -> str:
     """README.md of the export: what it is, how well it drafts, how to serve it, and what differs under SGLang."""
     measurement = summary.measurement
@@ -402,31 +435,13 @@ def model_card(summary: ExportSummary, source: DrafterSource, drafter_config: Pr
         if source.checkpoint_dir is None
         else f"tlt export-policy {source.checkpoint_dir.parent.parent} {served_target} --step {source.rl_step}\n"
     )
-    shared_names = (
-        "embed_tokens.weight" if drafter_config.tie_word_embeddings else "embed_tokens.weight, lm_head.weight"
-    )
-    shared = (
-        f"included ({shared_names}) for loaders without the target at hand; "
-        f"SGLang {SGLANG_VERSIONS_CHECKED} binds the target's own"
-        if summary.include_shared
-        else "not included: SGLang shares the target's embedding and lm_head with the draft "
-        "(eagle_worker_v2.init_lm_head)"
-    )
+    shared = shared_weights_line(summary.include_shared, drafter_config)
     architecture = (
         f"`{summary.architecture}`: 1 decoder layer, hidden {drafter_config.hidden_size}, "
         f"vocabulary {drafter_config.vocab_size}"
     )
-    depth_rows = "\n".join(
-        f"| {depth + 1} | {proposed} | {accepted} | {accepted / proposed if proposed else 0.0:.2f} |"
-        for depth, (proposed, accepted) in enumerate(zip(measurement.proposed_by_depth, measurement.accepted_by_depth))
-    )
-    last_problem = measurement.first_problem_index + measurement.prompts - 1
-    measured_on = (
-        f"{measurement.prompts} held-out prompts of task `{source.recipe.task.name}` "
-        f"(problems {measurement.first_problem_index}-{last_problem}, after every problem the run drew), "
-        f"greedy, chain of {steps} draft tokens, batch size 1, at most {measurement.max_new_tokens} new tokens, "
-        "in tlt's embedded engine"
-    )
+    depth_rows = depth_table_rows(measurement)
+    measured_on = measured_on_line(measurement, source.recipe.task.name)
     token_map = (
         f" \\\n    --speculative-token-map {Path(summary.output_dir) / TOKEN_MAP_FILE}"
         if TOKEN_MAP_FILE in summary.files

@@ -410,16 +410,9 @@ def calibrate(
     ] = None,
 ) -> None:
     """Measure SD off vs SD configurations by running batch size on this machine and write the adaptive rule table."""
-    from tlt_cli.calibration.calibrate import calibrate as run_calibration
-    from tlt_cli.calibration.recipe_text import RecipeEditError, check_recipe_to_rewrite, write_rules_into_recipe
-    from tlt_cli.calibration.report import render_calibration, write_calibration
-
-    def show(label: str, repeat: int) -> None:
-        status.update(f"calibrating: shard {repeat + 1} of {repeats}, {label}")
+    from tlt_cli.calibration.recipe_text import RecipeEditError
 
     try:
-        if write_recipe is not None:  # refused before the measurement, not after it
-            check_recipe_to_rewrite(write_recipe)
         settings = CalibrationSettings(
             parse_batch_sizes(batch_sizes),
             tuple(part for part in configs.split(",") if part.strip()),
@@ -427,18 +420,35 @@ def calibrate(
             margin,
             candidates,
         )
-        with console.status(
-            "loading the model pair (the tiny model and the drafter warm-up run once, then are cached)"
-        ) as status:
-            result = run_calibration(recipe, list(overrides or []), settings, output, on_shard=show)
-        render_calibration(console, result)
-        json_path, fragment_path = write_calibration(result)
-        console.print(f"wrote {json_path} and {fragment_path}", highlight=False)
-        if write_recipe is not None:
-            write_rules_into_recipe(write_recipe, result.rules, result.command)
-            console.print(f"rewrote speculative.rules in {write_recipe}", highlight=False)
+        calibrate_and_report(recipe, list(overrides or []), settings, output, write_recipe)
     except (RecipeEditError, UserError) as error:
         raise fail(str(error)) from None
+
+
+def calibrate_and_report(
+    recipe: str, overrides: list[str], settings: CalibrationSettings, output: Path | None, write_recipe: Path | None
+) -> None:
+    """`tlt calibrate`'s work: measure with a status line of the shard it is on, print and write the result, and
+    rewrite the recipe's rules when asked (a recipe that cannot be rewritten is refused before measuring)."""
+    from tlt_cli.calibration.calibrate import calibrate as run_calibration
+    from tlt_cli.calibration.recipe_text import check_recipe_to_rewrite, write_rules_into_recipe
+    from tlt_cli.calibration.report import render_calibration, write_calibration
+
+    def show(label: str, repeat: int) -> None:
+        status.update(f"calibrating: shard {repeat + 1} of {settings.repeats}, {label}")
+
+    if write_recipe is not None:  # refused before the measurement, not after it
+        check_recipe_to_rewrite(write_recipe)
+    with console.status(
+        "loading the model pair (the tiny model and the drafter warm-up run once, then are cached)"
+    ) as status:
+        result = run_calibration(recipe, overrides, settings, output, on_shard=show)
+    render_calibration(console, result)
+    json_path, fragment_path = write_calibration(result)
+    console.print(f"wrote {json_path} and {fragment_path}", highlight=False)
+    if write_recipe is not None:
+        write_rules_into_recipe(write_recipe, result.rules, result.command)
+        console.print(f"rewrote speculative.rules in {write_recipe}", highlight=False)
 
 
 def _progress(line: str) -> None:
