@@ -28,7 +28,6 @@ follow the target. The drafter reads them with detached weights, so no gradient 
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import json
 import os
@@ -103,13 +102,12 @@ class SharedTargetModules:
 
 
 def drafter_config_from(target_config: PretrainedConfig) -> PretrainedConfig:
-    """A copy of the target config with one decoder layer, attending through SDPA (bool masks)."""
-    config = copy.deepcopy(target_config)
-    config.num_hidden_layers = 1
-    if getattr(config, "layer_types", None) is not None:
-        config.layer_types = config.layer_types[:1]
-    config._attn_implementation = "sdpa"
-    return config
+    """The target's config with one decoder layer, attending through SDPA (bool masks): made by the config's own
+    class from the target's fields, as a saved config loads."""
+    fields = {**target_config.to_dict(), "num_hidden_layers": 1, "attn_implementation": "sdpa"}
+    if fields.get("layer_types") is not None:
+        fields["layer_types"] = fields["layer_types"][:1]
+    return type(target_config).from_dict(fields)
 
 
 def target_fingerprint(target_config: PretrainedConfig) -> str:

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from transformers import PreTrainedModel
 
 from tlt_cli.training.policy_batch import PolicyBatch
 from tlt_cli.training.segmented_attention import ATTENTION_NAME, PackedGroup, segmented_attention, segmented_mask
@@ -187,11 +188,11 @@ def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, torch.finfo(dtype).min)
 
 
-def packed_attention(model: nn.Module) -> contextlib.AbstractContextManager:
+def packed_attention(model: PreTrainedModel) -> contextlib.AbstractContextManager:
     """Where a packed forward, or the backward that recomputes it, runs: the model attends by segments
     (segmented_attention.py) when it uses sdpa, the fused kernel that function calls; as it is otherwise."""
     if attends_by_segments(model.config):
-        return segmented_attention(model.config)
+        return segmented_attention(model)
     return contextlib.nullcontext()
 
 

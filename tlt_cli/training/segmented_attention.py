@@ -14,7 +14,7 @@ window of W tokens gets the mask built for its layer type, which carries W as we
 keys of the W row positions up to its own (transformers' key position > query position - W), within its segment
 as everywhere. The layout's segments (and window) ride on the mask tensor itself (`segmented_mask`), so
 gradient checkpointing's recomputation in backward, which calls each layer again with the same mask, finds them
-too. `segmented_attention(config)` switches a model's
+too. `segmented_attention(model)` switches a model's
 attention to this function while its packed forward or backward runs (transformers' AttentionInterface, the
 documented extension point); a mask without segments falls back to transformers' sdpa.
 """
@@ -26,7 +26,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
-from transformers import AttentionInterface
+from transformers import AttentionInterface, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 ATTENTION_NAME = "tlt_segmented"
@@ -52,14 +52,15 @@ def segmented_mask(mask: torch.Tensor, groups: list[PackedGroup], window: int | 
 
 
 @contextlib.contextmanager
-def segmented_attention(config) -> Iterator[None]:
-    """Within: the model of `config` computes attention by segments where its mask carries them."""
-    previous = config._attn_implementation
-    config._attn_implementation = ATTENTION_NAME
+def segmented_attention(model: PreTrainedModel) -> Iterator[None]:
+    """Within: `model` computes attention by segments where its mask carries them (switched with transformers'
+    public `set_attn_implementation`, and back to what it was after)."""
+    previous = model.config._attn_implementation
+    model.set_attn_implementation(ATTENTION_NAME)
     try:
         yield
     finally:
-        config._attn_implementation = previous
+        model.set_attn_implementation(previous)
 
 
 def attend_by_segments(
