@@ -93,6 +93,9 @@ def test_rollout_compares_auto_plain_and_fixed_shapes_per_batch_size(tiny_pair_r
             # transformers' generate decodes the same tokens as the engine (a float32 tie at most)
             assert figures["identity"] == "yes" or (figures is cell["generate"] and figures["identity"] == "tie")
             assert 1 <= figures["response_tokens"] <= rows * 12 and figures["decode_steps"] >= 1
+            # the ratio to plain, repeat by repeat (the same prompts), spans the median's
+            low, high = figures["vs_plain_range"]
+            assert figures["repeats"] == 2 and low <= figures["vs_plain"] <= high
         runs = written["results"][key]["runs"]
         assert all(len(repeats) == 2 for repeats in runs.values())
 
@@ -472,3 +475,30 @@ def test_runs_fidelity_shows_every_step_and_the_guards_warnings_of_its_own_varia
         "rollout.dtype=bfloat16",
     ]
     assert written["results"]["fidelity_warnings"] == {"fp32-seed0": [], "bf16-seed0": ["the rollout drifts"]}
+
+
+def test_runs_comparisons_carry_their_spread_over_paired_steps_and_say_one_sample_is_one():
+    steps = {
+        "off": {0: [step(10.0, 20.0, 0.5), step(10.0, 20.0, 0.5), step(10.0, 20.0, 0.5)]},
+        "tlt": {0: [step(99.0, 99.0, 0.5), step(5.0, 15.0, 0.5), step(8.0, 18.0, 0.5, tokens=80)]},
+    }
+    figures = summarize(steps, skip=1)["against_baseline"]["tlt"]
+    # steps 1 and 2 of seed 0 paired: rollout 100/5 vs 100/10 -> 2.0x, 80/8 vs 100/10 -> 1.0x
+    assert figures["paired_steps"] == 2
+    assert figures["rollout_ratio_range"] == pytest.approx([1.0, 2.0])
+    assert figures["step_ratio_range"] == pytest.approx([(20 / 100) / (18 / 80), (20 / 100) / (15 / 100)])
+    line = comparison_line("tlt", "off", figures)
+    assert "step by step: rollout 1.00x-2.00x" in line and "over 2 steps x seeds" in line
+    one = summarize({name: {0: by_seed[0][:2]} for name, by_seed in steps.items()}, skip=1)["against_baseline"]["tlt"]
+    assert "one step: one sample, no spread" in comparison_line("tlt", "off", one)
+
+
+def test_rollout_verdicts_carry_the_repeats_spread_or_say_one_repeat_is_one_sample():
+    spread = rollout_cell(5.0, 1.2)
+    spread["auto"] |= {"vs_plain_range": [1.1, 1.3], "repeats": 3}
+    (line,) = verdict({"float32 B=8": spread})
+    assert "(auto 1.10x-1.30x plain over 3 repeats)" in line
+    single = rollout_cell(5.0, 1.2)
+    single["auto"] |= {"vs_plain_range": [1.2, 1.2], "repeats": 1}
+    (line,) = verdict({"float32 B=8": single})
+    assert "one repeat: one sample, no spread" in line

@@ -264,7 +264,8 @@ def _divergences(pair: ModelPair, requests: list[RolloutRequest], plain: TimedRo
 
 
 def summarize(cells: dict) -> dict:
-    """Per cell and variant: median tokens/s, its ratio to plain, the last repeat's response tokens, seconds and
+    """Per cell and variant: median tokens/s, its ratio to plain, the range of its repeats' ratios to plain's repeat
+    with the same prompts, the repeats, the last repeat's response tokens, seconds and
     decode steps, and at temperature 0 the rows identical to plain's and the identity verdict (None when
     sampling)."""
     summary = {}
@@ -276,9 +277,16 @@ def summarize(cells: dict) -> dict:
         summary[key] = {}
         for name, runs in cell["runs"].items():
             rows = sum(len(run.responses) for run in runs)
+            # repeat r's rate against plain's repeat r: the same prompts and seed
+            paired = [
+                (run.tokens / run.seconds) / (plain.tokens / plain.seconds)
+                for run, plain in zip(runs, cell["runs"][PLAIN])
+            ]
             summary[key][name] = {
                 "tokens_per_second": rates[name],
                 "vs_plain": rates[name] / rates[PLAIN],
+                "vs_plain_range": [min(paired), max(paired)],
+                "repeats": len(runs),
                 "response_tokens": runs[-1].tokens,
                 "seconds": runs[-1].seconds,
                 "decode_steps": runs[-1].decode_steps,
@@ -306,6 +314,7 @@ def verdict(summary: dict) -> list[str]:
         best = max(fixed, key=fixed.get) if fixed else None
         fastest = max([auto, *fixed.values()])
         pays = f"SD pays here, up to {fastest:.2f}x plain's rate" if fastest > 1.0 else "SD does not pay here"
+        pays += repeat_spread(variants[AUTO])
         shape = f"; the best fixed shape, {best}, {speed_words(fixed[best])}" if best is not None else ""
         engine = (
             f"; plain is {speed_words(1 / variants[GENERATE]['vs_plain'])} than generate"
@@ -314,6 +323,16 @@ def verdict(summary: dict) -> list[str]:
         )
         lines.append(f"{key}: {pays}: auto {speed_words(auto)} than plain{shape}{engine}")
     return lines
+
+
+def repeat_spread(figures: dict) -> str:
+    """How far a variant's ratio to plain ranged over its repeats, in words ('' for figures without repeats)."""
+    if "repeats" not in figures:
+        return ""
+    if figures["repeats"] == 1:
+        return " (one repeat: one sample, no spread)"
+    low, high = figures["vs_plain_range"]
+    return f" (auto {low:.2f}x-{high:.2f}x plain over {figures['repeats']} repeats)"
 
 
 def render(console: Console, cells: dict, summary: dict) -> None:

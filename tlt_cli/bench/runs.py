@@ -332,6 +332,32 @@ def reward_gap(per_seed_rewards: dict[str, list[float]], baseline: str, candidat
     }
 
 
+def paired_spread(baseline: dict[int, list[dict]], candidate: dict[int, list[dict]], skip: int) -> dict:
+    """The spread of the comparison over the timed steps (after `skip`) of each seed, step s of the candidate
+    against step s of the baseline with the same seed: the lowest and highest rollout ratio (response tokens per
+    second) and step ratio (step seconds per response token), and how many such pairs there were (none where a
+    record has no token count)."""
+    rollout, step = [], []
+    for seed, records in candidate.items():
+        for base, cand in list(zip(baseline.get(seed, []), records))[skip:]:
+            if not (base.get("response_tokens") and cand.get("response_tokens")):
+                continue
+            rollout.append(
+                (cand["response_tokens"] / cand["rollout_seconds"])
+                / (base["response_tokens"] / base["rollout_seconds"])
+            )
+            step.append(
+                (base["step_seconds"] / base["response_tokens"]) / (cand["step_seconds"] / cand["response_tokens"])
+            )
+    if not rollout:
+        return {"paired_steps": 0}
+    return {
+        "paired_steps": len(rollout),
+        "rollout_ratio_range": [min(rollout), max(rollout)],
+        "step_ratio_range": [min(step), max(step)],
+    }
+
+
 def summarize(steps: dict[str, dict[int, list[dict]]], skip: int) -> dict:
     """Per variant and seed the FIGURES' means (times over the steps after `skip`, the rest over all); per variant
     pooled over seeds; each later variant against the first."""
@@ -345,7 +371,11 @@ def summarize(steps: dict[str, dict[int, list[dict]]], skip: int) -> dict:
     rewards = {name: [means["mean_reward"] for means in by_seed.values()] for name, by_seed in per_run.items()}
     baseline, *candidates = list(steps)
     comparisons = {
-        name: {**side_by_side(pooled[baseline], pooled[name]), **reward_gap(rewards, baseline, name)}
+        name: {
+            **side_by_side(pooled[baseline], pooled[name]),
+            **paired_spread(steps[baseline], steps[name], skip),
+            **reward_gap(rewards, baseline, name),
+        }
         for name in candidates
     }
     return {
@@ -481,7 +511,7 @@ def comparison_line(name: str, baseline: str, figures: dict) -> str:
     """One variant against the baseline in words: speeds as 'faster' or 'slower', the Amdahl bound only where the
     rollout got faster, and the reward gap beside the seed-to-seed noise (or 'one seed: no noise estimate')."""
     rollout, step = speed_words(figures["rollout_ratio"]), speed_words(figures["step_ratio"])
-    speeds = f"{name} vs {baseline}: rollout {rollout}, step {step}"
+    speeds = f"{name} vs {baseline}: rollout {rollout}, step {step}{spread_words(figures)}"
     share = f"{baseline}'s rollout is {figures['baseline_rollout_share']:.0%} of its step"
     if figures["rollout_ratio"] <= 1.0:
         bound = f"; {share}, and SD did not speed it up, so there is no speed-up to bound"
@@ -498,6 +528,19 @@ def comparison_line(name: str, baseline: str, figures: dict) -> str:
         else f"against a seed-to-seed std of {figures['seed_std']:.3f}"
     )
     return f"{speeds}{bound}; reward gap {figures['gap']:+.3f} ({noise})"
+
+
+def spread_words(figures: dict) -> str:
+    """The comparison's spread over its paired steps in words ('' where there were none to pair)."""
+    pairs = figures.get("paired_steps", 0)
+    if not pairs:
+        return ""
+    (rollout_low, rollout_high), (step_low, step_high) = figures["rollout_ratio_range"], figures["step_ratio_range"]
+    sample = "one step: one sample, no spread" if pairs == 1 else f"over {pairs} steps x seeds"
+    return (
+        f" (step by step: rollout {rollout_low:.2f}x-{rollout_high:.2f}x, step {step_low:.2f}x-{step_high:.2f}x "
+        f"the baseline's speed; {sample})"
+    )
 
 
 def _figure(value: float | None, figure: str) -> str:
