@@ -39,6 +39,7 @@ from tlt_cli.checkpoint import CheckpointError, load_checkpoint_file
 from tlt_cli.engine.sampling import SamplingParams
 from tlt_cli.rollout.decode_plan import DecodePlan
 from tlt_cli.rollout.generate_loop import EmbeddedEngine
+from tlt_cli.rollout.response_history import ResponseHistory, history_path
 from tlt_cli.rollout.types import Completion, RolloutRequest
 from tlt_cli.speculative.cost_schedule import CostSchedule
 from tlt_cli.speculative.modes import AdaptiveSpeculativeDecoder, speculative_decoder
@@ -72,6 +73,9 @@ class EmbeddedRollout:
             speculative_decoder(speculative, drafter, seed, self.decode.pass_costs) if speculative is not None else None
         )
         self.schedule = decoder.adaptive_schedule if isinstance(decoder, AdaptiveSpeculativeDecoder) else None
+        # earlier responses per prompt, n-gram draft sources when the prompt comes back (None: SD off)
+        self.history = ResponseHistory() if decoder is not None else None
+        self.warnings: list[str] = []  # the backend's own, beside the schedule's
         if not drafter_trained and isinstance(self.schedule, CostSchedule):
             self.schedule.drafter_untrained()
         # the drafter version the schedule's measurements are of (StepContext.drafter_version; None: not trained)
@@ -101,9 +105,13 @@ class EmbeddedRollout:
         """The engine's completions sorted by request id, with their rollout log-probs (temperature 1, the
         learner's definition); every random draw comes from `seed` (policy's device)."""
         generator = torch.Generator(self.engine.device).manual_seed(seed)
+        if self.history is not None:
+            requests = self.history.attached(requests)
         completions = self.engine.generate(
             requests, sampling, generator, on_request_finished=on_request_finished, logprob_temperature=1.0
         )
+        if self.history is not None:
+            self.history.record(completions)
         busy_end = time.time()
         # the trainer's update comes next: it has the copies' memory until after_update rebuilds them
         self.engine.decode_model.release()
@@ -138,16 +146,24 @@ class EmbeddedRollout:
         return self.schedule.take_usage() if self.schedule is not None else {}
 
     def take_warnings(self) -> list[str]:
-        return self.schedule.take_warnings() if self.schedule is not None else []
+        warnings, self.warnings = self.warnings, []
+        return warnings + (self.schedule.take_warnings() if self.schedule is not None else [])
 
     def save_state(self, path: Path) -> None:
-        """The adaptive schedule's state (nothing without one)."""
+        """The adaptive schedule's state at `path` (nothing without one), and the response history beside it
+        (response_history.py `history_path`; nothing with SD off)."""
         if self.schedule is not None:
             torch.save(self.schedule.state_dict(), path)
+        if self.history is not None:
+            torch.save(self.history.state_dict(), history_path(path))
 
     def load_state(self, path: Path) -> None:
         """The adaptive schedule's state from a checkpoint; one that is missing (SD did not adapt when it was
-        written), of another schedule or damaged is a warning and a fresh schedule (speculative/schedule_state.py)."""
+        written), of another schedule or damaged is a warning and a fresh schedule (speculative/schedule_state.py).
+        The response history beside it; a checkpoint without one (written before tlt kept it, or with SD off)
+        starts an empty one, and a damaged one is a warning and an empty one."""
+        if self.history is not None:
+            self._load_history(history_path(path))
         if self.schedule is None:
             return
         if not path.exists():
@@ -161,6 +177,15 @@ class EmbeddedRollout:
         warning = restored_schedule(self.schedule, saved, path)
         if warning is not None:
             self.schedule.warnings.append(warning)
+
+    def _load_history(self, path: Path) -> None:
+        if not path.exists():
+            return
+        try:
+            self.history.load_state_dict(load_checkpoint_file(path))
+        except (CheckpointError, KeyError, TypeError, ValueError) as error:
+            self.history = ResponseHistory()
+            self.warnings.append(f"the response history {path} does not load ({error}); it starts empty.")
 
     def stop(self) -> None:
         """Nothing to release."""

@@ -22,11 +22,14 @@ class RolloutRequest:
 
     group: the requests of one group (GRPO's G samples of one prompt) draft from each other's text
     with n-gram proposals (tlt_cli/speculative/ngram.py); None: the request is a group of its own.
+    history: earlier responses to the same prompt (earlier epochs), n-gram draft sources of its group too
+    (tlt_cli/rollout/response_history.py).
     """
 
     request_id: int
     prompt_ids: tuple[int, ...]
     group: int | None = None
+    history: tuple[tuple[int, ...], ...] = ()
 
 
 @dataclass

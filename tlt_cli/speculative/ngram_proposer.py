@@ -1,4 +1,5 @@
-"""The n-gram index as a draft source: each row's group of prompt and sibling responses, growing and finished.
+"""The n-gram index as a draft source: each row's group of prompt and sibling responses, growing and finished,
+and the earlier responses to its prompt (RolloutRequest.history).
 
 The speculative decoder (tlt_cli/speculative/decoder.py) keeps one `NgramProposer` behind the `Proposer`
 hooks (tlt_cli/speculative/proposer.py) when a shape may draft n-grams. `begin` starts a fresh
@@ -41,14 +42,27 @@ class NgramProposer:
         self.by_finished_siblings: dict[int, list[int]] = {}
 
     def begin(self, batch: RunningBatch, requests: Sequence[GroupedPrompt]) -> None:
-        """A fresh index over the requests' prompts (requests[i] is batch row i)."""
+        """A fresh index over the requests' prompts (requests[i] is batch row i, sequence i of the index), then
+        each group's earlier responses (once a group), as finished sequences after them."""
         self.index = NgramIndex()
         self._indexed_tokens = [0] * len(requests)
         self.by_finished_siblings = {}
-        for position, request in enumerate(requests):
+        groups = [
             # a request without a group is a group of its own
-            group = ("group", request.group) if request.group is not None else ("request", position)
+            ("group", request.group) if request.group is not None else ("request", position)
+            for position, request in enumerate(requests)
+        ]
+        for group, request in zip(groups, requests):
             self.index.add_sequence(group, request.prompt_ids)
+        with_history = {}
+        for group, request in zip(groups, requests):
+            if request.history:
+                with_history.setdefault(group, request)
+        for group, request in with_history.items():
+            for response in request.history:
+                sequence = self.index.add_sequence(group, request.prompt_ids)
+                self.index.extend(sequence, response)
+                self.index.finish(sequence)
 
     def propose(
         self, batch: RunningBatch, config: SpeculativeConfig, sampling: SamplingParams, generator: torch.Generator

@@ -35,11 +35,13 @@ Proposal = TypeVar("Proposal", covariant=True)
 
 
 class GroupedPrompt(Protocol):
-    """What speculative decoding reads of a request (a RolloutRequest has both): the prompt the n-gram
-    index starts from, and the group whose responses draft from each other (None: a group of its own)."""
+    """What speculative decoding reads of a request (a RolloutRequest has all three): the prompt the n-gram
+    index starts from, the group whose responses draft from each other (None: a group of its own), and earlier
+    responses to the prompt that draft for the group too."""
 
     prompt_ids: tuple[int, ...]
     group: int | None
+    history: tuple[tuple[int, ...], ...]
 
 
 @dataclass(frozen=True)
