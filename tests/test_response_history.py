@@ -31,10 +31,10 @@ def test_the_history_keeps_the_last_responses_of_the_prompts_seen_last():
     history.record([completion((3,), [9]), completion((4,), [])])  # an empty response is not kept
     requests = history.attached([RolloutRequest(0, (1,)), RolloutRequest(1, (2,)), RolloutRequest(2, (3,))])
     # prompt 1 was the least recently seen of three: dropped; prompt 2 keeps its one response
-    assert [request.history for request in requests] == [(), ((8,),), ((9,),)]
+    assert [[list(response) for response in request.history] for request in requests] == [[], [[8]], [[9]]]
     restored = ResponseHistory(responses_per_prompt=2, prompts=2)
     restored.load_state_dict(history.state_dict())
-    assert restored.attached([RolloutRequest(0, (2,))])[0].history == ((8,),)
+    assert [list(response) for response in restored.attached([RolloutRequest(0, (2,))])[0].history] == [[8]]
 
 
 def accepted(completions: list[Completion]) -> int:

@@ -14,6 +14,7 @@ saves it beside its SD schedule at each checkpoint, so a resumed run drafts as t
 from __future__ import annotations
 
 import dataclasses
+from array import array
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 from pathlib import Path
@@ -22,22 +23,23 @@ from tlt_cli.rollout.types import Completion, RolloutRequest
 
 # responses kept per prompt: one GRPO group's worth at the default group size
 RESPONSES_PER_PROMPT = 4
-# prompts kept, the least recently seen dropped first: about 40 MB of token ids at 512-token responses
+# prompts kept, the least recently seen dropped first: at most 2048 x (4 x 512-token responses and a 300-token
+# prompt) x 4 bytes, about 19 MB of token ids (kept as int32 arrays, not Python ints)
 PROMPTS = 2048
 
 
 class ResponseHistory:
-    """The last responses per prompt (see the module docstring)."""
+    """The last responses per prompt (see the module docstring), as int32 arrays keyed by the prompt's bytes."""
 
     def __init__(self, responses_per_prompt: int = RESPONSES_PER_PROMPT, prompts: int = PROMPTS) -> None:
         self.responses_per_prompt = responses_per_prompt
         self.prompts = prompts
-        self._responses: OrderedDict[tuple[int, ...], deque[tuple[int, ...]]] = OrderedDict()
+        self._responses: OrderedDict[bytes, deque[array]] = OrderedDict()
 
     def attached(self, requests: Sequence[RolloutRequest]) -> list[RolloutRequest]:
         """The requests, each with its prompt's earlier responses (oldest first) as its history."""
         return [
-            dataclasses.replace(request, history=tuple(self._responses.get(request.prompt_ids, ())))
+            dataclasses.replace(request, history=tuple(self._responses.get(token_bytes(request.prompt_ids), ())))
             for request in requests
         ]
 
@@ -46,18 +48,19 @@ class ResponseHistory:
         for completion in completions:
             if not completion.response_ids:
                 continue
-            prompt = tuple(completion.prompt_ids)
+            prompt = token_bytes(completion.prompt_ids)
             kept = self._responses.pop(prompt, None) or deque(maxlen=self.responses_per_prompt)
-            kept.append(tuple(completion.response_ids))
+            kept.append(array("i", completion.response_ids))
             self._responses[prompt] = kept
         while len(self._responses) > self.prompts:
             self._responses.popitem(last=False)
 
     def state_dict(self) -> dict:
-        """What a checkpoint keeps: the prompts in order of last use with their responses."""
+        """What a checkpoint keeps: the prompts in order of last use with their responses, as lists of ids."""
         return {
             "prompts": [
-                [list(prompt), [list(response) for response in kept]] for prompt, kept in self._responses.items()
+                [array("i", prompt).tolist(), [response.tolist() for response in kept]]
+                for prompt, kept in self._responses.items()
             ]
         }
 
@@ -65,8 +68,13 @@ class ResponseHistory:
         """Restore what `state_dict` returned."""
         self._responses.clear()
         for prompt, responses in state["prompts"]:
-            kept = deque((tuple(response) for response in responses), maxlen=self.responses_per_prompt)
-            self._responses[tuple(prompt)] = kept
+            kept = deque((array("i", response) for response in responses), maxlen=self.responses_per_prompt)
+            self._responses[token_bytes(prompt)] = kept
+
+
+def token_bytes(token_ids: Sequence[int]) -> bytes:
+    """A prompt's ids as the history's key: their int32 bytes."""
+    return array("i", token_ids).tobytes()
 
 
 def history_path(schedule_path: Path) -> Path:

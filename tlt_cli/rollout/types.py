@@ -7,6 +7,7 @@ speculative decoding did for it (`SpeculativeStats`, tlt_cli/speculative/types.p
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -29,7 +30,7 @@ class RolloutRequest:
     request_id: int
     prompt_ids: tuple[int, ...]
     group: int | None = None
-    history: tuple[tuple[int, ...], ...] = ()
+    history: tuple[Sequence[int], ...] = field(default=(), compare=False)
 
 
 @dataclass

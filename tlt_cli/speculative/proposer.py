@@ -41,7 +41,7 @@ class GroupedPrompt(Protocol):
 
     prompt_ids: tuple[int, ...]
     group: int | None
-    history: tuple[tuple[int, ...], ...]
+    history: tuple[Sequence[int], ...]
 
 
 @dataclass(frozen=True)
