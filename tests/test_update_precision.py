@@ -159,3 +159,24 @@ def test_a_bf16_recipe_passes_the_checks_on_cpu_and_maps_to_trls_own_bf16(tmp_pa
 
     # TRL allows bf16 on CPU (accelerate's bfloat16 autocast over the float32 model)
     assert GRPOConfig(**arguments).bf16
+
+
+@pytest.mark.parametrize("share_prompt", [True, False])
+def test_a_packing_actors_precision_is_timed_on_one_packed_micro_batch_of_whole_groups(share_prompt):
+    from tlt_cli.training.packed_forward import micro_batch_count
+
+    tokens = update_precision.MEASURED_TOKENS
+    group, prompt = update_precision.MEASURED_GROUP_SIZE, update_precision.MEASURED_PROMPT_TOKENS
+    packed_group = prompt + group * (tokens - prompt) if share_prompt else group * tokens
+    batch = update_precision.measured_packed_micro_batch(32, 2 * packed_group + 1, share_prompt)
+    # two whole groups fit the budget, each group's rows one prompt: the actor packs them as one micro-batch
+    assert batch.size == 2 * group and batch.group_ids.tolist() == [0] * group + [1] * group
+    for start in (0, group):
+        rows = batch.input_ids[start : start + group, :prompt]
+        assert (rows == rows[0]).all()
+    assert micro_batch_count(batch, 2 * packed_group + 1, share_prompt) == 1
+    # a budget under one group still measures one group, as the actor trains a larger group alone
+    assert update_precision.measured_packed_micro_batch(32, 10, share_prompt).size == group
+    config = ActorConfig(micro_batch_tokens=2 * packed_group, share_prompt=share_prompt, gradient_checkpointing=True)
+    seconds = update_precision.measure_update_seconds(tiny_policy(), config, rounds=1)
+    assert set(seconds) == {"fp32", "bf16"} and all(value > 0 for value in seconds.values())

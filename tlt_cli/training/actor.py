@@ -178,8 +178,7 @@ class Actor:
         """`forward_logprobs` over the micro-batch's packed layout (packed_forward.py) when the actor packs."""
         if not self.packs:
             return forward_logprobs(model, batch)
-        hidden = packed_hidden(model.get_decoder(), batch, self.config.share_prompt)
-        return hidden, _response_logprobs(model, hidden, batch)
+        return packed_forward_logprobs(model, batch, self.config.share_prompt)
 
     def precision(self, rounded: bool = False) -> contextlib.AbstractContextManager:
         """The context of the actor's forwards: bfloat16 autocast on CPU with `actor.precision: bf16`; rounded:
@@ -418,6 +417,15 @@ def forward_logprobs(model: PreTrainedModel, batch: PolicyBatch) -> tuple[torch.
     """The decoder's last hidden states [b,t,H] and the response tokens' float32 log-probs [b,t] (0 elsewhere)."""
     output = model.get_decoder()(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False)
     hidden = output.last_hidden_state
+    return hidden, _response_logprobs(model, hidden, batch)
+
+
+def packed_forward_logprobs(
+    model: PreTrainedModel, batch: PolicyBatch, share_prompt: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`forward_logprobs` computed over the micro-batch's packed layout (packed_forward.py), each group's prompt
+    once with `share_prompt`; call it where the model attends by segments (`packed_attention`)."""
+    hidden = packed_hidden(model.get_decoder(), batch, share_prompt)
     return hidden, _response_logprobs(model, hidden, batch)
 
 

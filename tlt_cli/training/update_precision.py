@@ -6,8 +6,11 @@ concrete precision and the `UpdatePrecision` (tlt_cli/tuning/run_plan.py) that t
 record show. `fp32` and `bf16` are kept as written. For `auto` on CPU it loads the policy (`load_policy`,
 only when no record is cached) and times what one micro-batch of the update costs
 (`measure_update_seconds`): the actor's own forward (`forward_logprobs` under `update_autocast`,
-recomputation as the recipe sets it) and backward, on a micro-batch of micro_batch_size random
-sequences of MEASURED_TOKENS tokens, ROUNDS interleaved rounds after a warm-up of each, the best time
+recomputation as the recipe sets it) and backward, on the micro-batch the actor runs: with
+actor.micro_batch_tokens on a model that packs, whole groups of MEASURED_GROUP_SIZE random sequences of
+MEASURED_TOKENS tokens sharing their prompt, as many as fit, packed and attending by segments as the actor
+packs them (`packed_forward_logprobs`); else micro_batch_size right-padded random sequences of MEASURED_TOKENS
+tokens. ROUNDS interleaved rounds after a warm-up of each, the best time
 of each precision counting; bf16 is chosen only if it is at least MARGIN faster, so nothing gets
 slower. The figures are cached per machine and model (`<cache_dir>/update_precision/<hash>.json`,
 keyed like the linear-form plan: tlt_cli/tuning/cache.py) and read back on the next
@@ -27,9 +30,16 @@ from transformers import PreTrainedModel
 
 from tlt_cli.config import CPU_DEVICES, ActorConfig, Bfloat16Rounding, Precision, Recipe
 from tlt_cli.processes.machine_checks import BF16_MIN_CAPABILITY
-from tlt_cli.training.actor import RESOLVED_PRECISIONS, enable_recomputation, forward_logprobs, update_autocast
+from tlt_cli.training.actor import (
+    RESOLVED_PRECISIONS,
+    enable_recomputation,
+    forward_logprobs,
+    packed_forward_logprobs,
+    update_autocast,
+)
 from tlt_cli.training.grpo import policy_loss
 from tlt_cli.training.memory import model_shape
+from tlt_cli.training.packed_forward import packed_attention, packing_supported
 from tlt_cli.training.policy_batch import PolicyBatch
 from tlt_cli.training.rounded_compute import RoundedLinearWeights
 from tlt_cli.tuning.cache import cached_record, machine_key, positive_figures
@@ -37,11 +47,13 @@ from tlt_cli.tuning.run_plan import UpdatePrecision
 from tlt_cli.tuning.threads import torch_threads
 
 CACHE_FOLDER = "update_precision"
-MEASUREMENT_FORMAT = 1
+MEASUREMENT_FORMAT = 2
 # tokens per measured sequence: a prompt and a response of the lengths real-cpu's task meets (p50 66-85)
 MEASURED_TOKENS = 256
 # the first tokens of each measured sequence count as its prompt (no log-probs); the rest as its response
 MEASURED_PROMPT_TOKENS = 64
+# sequences of a measured group when the actor packs: one prompt, this many responses (a GRPO group of 4)
+MEASURED_GROUP_SIZE = 4
 ROUNDS = 2
 # bf16 must be this much faster than fp32 to be chosen (timing noise must not make the update slower)
 MARGIN = 0.05
@@ -107,6 +119,8 @@ def measurement_key(recipe: Recipe, device: torch.device) -> dict:
         **machine_key(device),
         "model": asdict(model_shape(recipe)),
         "micro_batch_size": recipe.actor.micro_batch_size,
+        "micro_batch_tokens": recipe.actor.micro_batch_tokens,
+        "share_prompt": recipe.actor.share_prompt,
         "tokens": MEASURED_TOKENS,
         "gradient_checkpointing": recipe.actor.gradient_checkpointing,
         "bfloat16_rounding": recipe.actor.bfloat16_rounding.value,
@@ -119,7 +133,12 @@ def measure_update_seconds(policy: PreTrainedModel, config: ActorConfig, rounds:
     if config.gradient_checkpointing:
         enable_recomputation(policy)
     policy.train()
-    batch = measured_micro_batch(policy.config.vocab_size, config.micro_batch_size, MEASURED_TOKENS)
+    packed = bool(config.micro_batch_tokens) and packing_supported(policy.config) is None
+    vocab_size = policy.config.vocab_size
+    if packed:
+        batch = measured_packed_micro_batch(vocab_size, config.micro_batch_tokens, config.share_prompt)
+    else:
+        batch = measured_micro_batch(vocab_size, config.micro_batch_size, MEASURED_TOKENS)
     # bf16 as the actor runs it: with its rounded copies, cast in the warm-up round (an update casts once for
     # all its micro-batches), or autocast's per-use casts
     rounded = None
@@ -131,7 +150,7 @@ def measure_update_seconds(policy: PreTrainedModel, config: ActorConfig, rounds:
         for precision in order:
             copies = rounded.active() if rounded is not None and precision == Precision.bf16 else nullcontext()
             with copies:
-                seconds = _forward_backward_seconds(policy, batch, replace(config, precision=precision))
+                seconds = _forward_backward_seconds(policy, batch, replace(config, precision=precision), packed)
             if round_index > 0:
                 best[precision] = min(best[precision], seconds)
     policy.zero_grad(set_to_none=True)
@@ -152,11 +171,41 @@ def measured_micro_batch(vocab_size: int, sequences: int, tokens: int) -> Policy
     )
 
 
-def _forward_backward_seconds(policy: PreTrainedModel, batch: PolicyBatch, config: ActorConfig) -> float:
-    """Seconds of the actor's single-pass micro-batch: forward in config.precision, the GRPO loss, backward."""
+def measured_packed_micro_batch(vocab_size: int, micro_batch_tokens: int, share_prompt: bool) -> PolicyBatch:
+    """Whole groups of MEASURED_GROUP_SIZE random sequences of MEASURED_TOKENS tokens, the first
+    MEASURED_PROMPT_TOKENS of a group's sequences one shared prompt: as many groups as fit `micro_batch_tokens`
+    packed (each prompt once with share_prompt), at least one, as the actor packs a micro-batch."""
+    response_tokens = MEASURED_TOKENS - MEASURED_PROMPT_TOKENS
+    packed_group = (
+        MEASURED_PROMPT_TOKENS + MEASURED_GROUP_SIZE * response_tokens
+        if share_prompt
+        else MEASURED_GROUP_SIZE * MEASURED_TOKENS
+    )
+    groups = max(1, micro_batch_tokens // packed_group)
+    batch = measured_micro_batch(vocab_size, groups * MEASURED_GROUP_SIZE, MEASURED_TOKENS)
+    group_ids = torch.arange(groups).repeat_interleave(MEASURED_GROUP_SIZE)
+    prompts = batch.input_ids[::MEASURED_GROUP_SIZE, :MEASURED_PROMPT_TOKENS]
+    batch.input_ids[:, :MEASURED_PROMPT_TOKENS] = prompts.repeat_interleave(MEASURED_GROUP_SIZE, dim=0)
+    return replace(batch, group_ids=group_ids)
+
+
+def _forward_backward_seconds(policy: PreTrainedModel, batch: PolicyBatch, config: ActorConfig, packed: bool) -> float:
+    """Seconds of the actor's single-pass micro-batch: forward in config.precision, the GRPO loss, backward;
+    packed: over its packed layout, attending by segments in forward and in backward's recomputation."""
     started = time.perf_counter()
+    with packed_attention(policy) if packed else nullcontext():
+        _forward_backward(policy, batch, config, packed)
+    policy.zero_grad(set_to_none=True)
+    return time.perf_counter() - started
+
+
+def _forward_backward(policy: PreTrainedModel, batch: PolicyBatch, config: ActorConfig, packed: bool) -> None:
+    """The actor's forward in config.precision (packed or padded rows), the GRPO loss and its backward."""
     with update_autocast(config.precision, batch.input_ids.device):
-        _, logprobs = forward_logprobs(policy, batch)
+        if packed:
+            _, logprobs = packed_forward_logprobs(policy, batch, config.share_prompt)
+        else:
+            _, logprobs = forward_logprobs(policy, batch)
     loss = policy_loss(
         logprobs=logprobs,
         old_logprobs=logprobs.detach(),
@@ -166,5 +215,3 @@ def _forward_backward_seconds(policy: PreTrainedModel, batch: PolicyBatch, confi
         total_response_tokens=batch.response_token_count,
     ).loss
     loss.backward()
-    policy.zero_grad(set_to_none=True)
-    return time.perf_counter() - started
