@@ -174,16 +174,46 @@ MARGINAL = (
     ],
 )
 def test_auto_chooses_bfloat16_where_it_makes_the_rollout_faster_by_the_margin(figures, speculates, chosen):
-    assert choose_dtype(*figures, speculates) == chosen
+    assert choose_dtype(*ends_only(figures), speculates) == chosen
+
+
+def ends_only(figures, rows=16):
+    """(plain steps by batch size, verify) of a (1-row step, batch step, verify) triple: no rung between."""
+    step, batch, verify = figures
+    return {1: step, rows: batch}, verify
 
 
 def test_the_predicted_speedup_weighs_the_full_batch_and_the_tail_by_their_share_of_time():
-    step, batch, verify = EPYC
-    # half the time at 16 rows (1.78x faster), half in the tail: verify passes (1.68x) or 1-row steps (0.89x)
+    plain, verify = ends_only(EPYC)
+    # speculating: half the time at 16 rows (1.78x faster), half in verify passes (1.68x)
     expected_speculating = 1 / (0.5 * 89.0 / 158.1 + 0.5 * 86.4 / 145.0)
-    expected_sd_off = 1 / (0.5 * 89.0 / 158.1 + 0.5 * 54.1 / 48.0)
-    assert precision.bfloat16_speedup(step, batch, verify, True) == pytest.approx(expected_speculating)
-    assert precision.bfloat16_speedup(step, batch, verify, False) == pytest.approx(expected_sd_off)
+    # SD off: as many plain steps at each batch size of the tail (here 1 and 16 rows)
+    expected_sd_off = (48.0 + 158.1) / (54.1 + 89.0)
+    assert precision.bfloat16_speedup(plain, verify, True) == pytest.approx(expected_speculating)
+    assert precision.bfloat16_speedup(plain, verify, False) == pytest.approx(expected_sd_off)
+
+
+# plain steps by running batch size on a CPU where bfloat16 loses badly at one row and wins from two rows up
+FLOAT32_STEPS = {1: 48.0, 2: 60.0, 4: 80.0, 8: 110.0, 16: 158.0}
+BFLOAT16_STEPS = {1: 70.0, 2: 52.0, 4: 55.0, 8: 68.0, 16: 89.0}
+
+
+def test_the_sd_off_dtype_is_chosen_by_plain_steps_at_every_batch_size_of_the_tail():
+    plain = {rows: {"float32": FLOAT32_STEPS[rows], "bfloat16": BFLOAT16_STEPS[rows]} for rows in FLOAT32_STEPS}
+    # every batch size a plain tail decodes at counts: bfloat16 wins at 2-16 rows, so it is chosen
+    assert precision.bfloat16_speedup(plain, {}, False) == pytest.approx(456.0 / 334.0)
+    assert choose_dtype(plain, {}, False) == "bfloat16"
+    # the same ends with bfloat16 slower at the rows between: the rows between decide it
+    slower_between = {rows: {"float32": 50.0, "bfloat16": 80.0} for rows in (2, 4, 8)}
+    assert choose_dtype(plain | slower_between, {}, False) == "float32"
+    # the weighing that looked at one row for the whole tail chose float32 for these figures (0.99x predicted)
+    assert 1 / (0.5 * 89.0 / 158.0 + 0.5 * 70.0 / 48.0) < 1 + precision.MARGIN
+
+
+def test_the_plain_rungs_are_the_powers_of_two_below_the_rows_and_the_rows():
+    assert precision.plain_rungs(1) == (1,)
+    assert precision.plain_rungs(6) == (1, 2, 4, 6)
+    assert precision.plain_rungs(16) == (1, 2, 4, 8, 16)
 
 
 def test_auto_measures_once_per_machine_model_and_batch_then_reads_the_cache(tmp_path, monkeypatch):
@@ -192,16 +222,16 @@ def test_auto_measures_once_per_machine_model_and_batch_then_reads_the_cache(tmp
     choice = rollout_precision("auto", target, None, tmp_path, workload)
     assert choice.reason == "measured" and choice.dtype in ("float32", "bfloat16")
     assert (choice.rows, choice.speculates) == (6, True)
-    figures = (choice.step_ms, choice.batch_step_ms, choice.verify_ms)
+    figures = (choice.step_ms, choice.batch_step_ms, choice.verify_ms, *choice.tail_step_ms.values())
+    assert set(choice.tail_step_ms) == {"2", "4"}
     assert all(set(values) == {"float32", "bfloat16"} for values in figures)
     assert all(value > 0 for values in figures for value in values.values())
-    assert choice.dtype == choose_dtype(*figures, True)
+    assert choice.dtype == choose_dtype(choice.plain_step_ms(), choice.verify_ms, True)
     (cached,) = (tmp_path / CACHE_FOLDER).glob("*.json")
     stored = json.loads(cached.read_text())
     assert stored["key"]["rows"] == 6
-    assert {name: stored[name] for name in ("step_ms", "batch_step_ms", "verify_ms")} == dict(
-        zip(("step_ms", "batch_step_ms", "verify_ms"), figures)
-    )
+    names = ("step_ms", "batch_step_ms", "verify_ms", "tail_step_ms")
+    assert {name: stored[name] for name in names} == {name: getattr(choice, name) for name in names}
 
     def no_measuring(*arguments):
         raise AssertionError("measured again although the cache holds this machine, model and batch")
@@ -210,7 +240,8 @@ def test_auto_measures_once_per_machine_model_and_batch_then_reads_the_cache(tmp
     assert rollout_precision("auto", target, None, tmp_path, workload) == choice
     # the same figures weighed for a tail that does not speculate: read, not measured
     plain = rollout_precision("auto", target, None, tmp_path, RolloutWorkload(rows=6, speculates=False))
-    assert plain.batch_step_ms == choice.batch_step_ms and plain.dtype == choose_dtype(*figures, False)
+    assert plain.batch_step_ms == choice.batch_step_ms
+    assert plain.dtype == choose_dtype(choice.plain_step_ms(), choice.verify_ms, False)
     # another batch, or another model (another vocabulary), is measured anew
     with pytest.raises(AssertionError, match="measured again"):
         rollout_precision("auto", target, None, tmp_path, RolloutWorkload(rows=2, speculates=True))
@@ -243,7 +274,7 @@ def test_the_embedded_rollout_decodes_in_the_chosen_dtype_and_says_why(tmp_path)
     lines = [*plan.log_lines, *rollout.start()]
     assert lines[0].startswith(f"rollout dtype: {record['dtype']} (measured: float32 step ")
     assert "3-row step" in lines[0] and "16-token verify" in lines[0]
-    assert "a 3-row rollout, SD off, predicted " in lines[0]
+    assert "a 3-row rollout, SD off, steps at 1, 2, 3 rows, predicted " in lines[0]
     completions, _ = rollout.generate(requests_for(3, seed=2), SamplingParams(5, temperature=0.0), seed=0)
     assert [len(completion.response_ids) for completion in completions] == [5, 5, 5]
 

@@ -11,8 +11,9 @@ taken at that size's seconds (a step is never cheaper with more rows, so this fa
 size would have taken plain (tokens / rows) steps there; the effect is that time over SD's own, for the run and
 for each step (the spread). What it saved, against the run's whole decode time, is its effect on the rollout.
 tlt_cli/display.py's `render_summary` (through `trace_sd_effect`) and tlt_cli/profile/analysis.py both call
-`measured_sd_effect`, so the two say the same of the same run. Where SD did not pay, the sentence names the
-setting that turns it off.
+`measured_sd_effect`, so the two say the same of the same run; mode auto's check against plain decoding
+(tlt_cli/speculative/plain_check.py) prices SD's steps with the same `plain_seconds_for` while the run decodes.
+Where SD did not pay, the sentence names the setting that turns it off.
 """
 
 from __future__ import annotations
@@ -82,6 +83,14 @@ def plain_step_seconds(timings: Iterable[RowsTiming]) -> tuple[numpy.ndarray, nu
     return numpy.array(sizes, dtype=float), numpy.array([seconds[size] / steps[size] for size in sizes])
 
 
+def plain_seconds_for(timing: RowsTiming, plain: tuple[numpy.ndarray, numpy.ndarray]) -> float:
+    """What plain decoding would have taken for `timing`'s tokens at its batch size, from `plain_step_seconds`
+    (interpolated between the sizes plain ran at, below the smallest taken at its seconds)."""
+    sizes, seconds_per_step = plain
+    # plain decoding emits one token a row a step: these tokens at these rows take tokens / rows plain steps
+    return timing.tokens / timing.rows * float(numpy.interp(timing.rows, sizes, seconds_per_step))
+
+
 def measured_sd_effect(timings: Iterable[RowsTiming], accepted_tokens: int, verify_passes: int) -> SdEffect | None:
     """The effect from the run's decode steps by configuration, step and batch size, and its requests' accepted
     draft tokens and verify passes; None when the run lacks SD steps or plain steps to compare."""
@@ -91,13 +100,11 @@ def measured_sd_effect(timings: Iterable[RowsTiming], accepted_tokens: int, veri
     speculated = [timing for timing in timings if timing.config != PLAIN_LABEL]
     if plain is None or length is None or not speculated:
         return None
-    sizes, seconds_per_step = plain
+    sizes, _ = plain
     sd_seconds: dict[int, float] = defaultdict(float)
     plain_seconds: dict[int, float] = defaultdict(float)
     for timing in speculated:
-        # plain decoding emits one token a row a step: SD's tokens at these rows took tokens / rows plain steps
-        plain_step = float(numpy.interp(timing.rows, sizes, seconds_per_step))
-        plain_seconds[timing.step] += timing.tokens / timing.rows * plain_step
+        plain_seconds[timing.step] += plain_seconds_for(timing, plain)
         sd_seconds[timing.step] += timing.seconds
     steps = sorted(sd_seconds)
     return SdEffect(

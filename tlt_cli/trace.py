@@ -13,6 +13,7 @@ step_records.py; fields in docs/running.md, "The run directory"):
              config, and the decode steps, tokens and seconds spent in it, and per draft
              source (drafter, ngram) its verify passes and accepted tokens, and the collapses and
              recoveries of a draft source or bucket at its steps (the console shows only each one's first)
+             and mode auto's drops of it where the run measured it slower than plain (plain_drops)
   warning    one per warning shown under the live table (SD collapse, a plugin disabled, an
              SGLang sync): step, worker, message, and details (a failing plugin's traceback)
   step       one per step: timings (rollout, reward, update, step) and metrics, with

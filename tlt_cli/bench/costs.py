@@ -6,8 +6,9 @@ grid speculative/costs.py's `PassCosts` holds and mode auto chooses with, measur
 Per dtype it takes the decode plan `tlt train` makes (common.run_decode_plan: the dtype and the linear forms)
 and times the target's forward over each rows x tokens point, logits included, over a 64-token prefix, as
 tuning/pass_costs.py measures it (a plain step is 1 token a row; a verify pass the root and its drafted nodes),
-the best of --repeats rounds; and the drafter's forward over a few entry counts. Beside each point: the cost
-per token against a plain step of as many rows (below 1/tokens a token, a verify pass is nearly free).
+the stable median of at most --repeats rounds (tuning/timing.py `stable_medians`); and the drafter's forward
+over a few entry counts. Beside each point: the cost per token against a plain step of as many rows (below
+1/tokens a token, a verify pass is nearly free).
 """
 
 from __future__ import annotations
@@ -84,12 +85,20 @@ def bench_costs(
     to `progress` as it starts and ends."""
     costs = {}
     for dtype in grid.dtypes:
-        with progress.measuring(f"{dtype}: {len(grid.rows)} rows x {len(grid.tokens)} tokens, {grid.rounds} round(s)"):
+        with progress.measuring(
+            f"{dtype}: {len(grid.rows)} rows x {len(grid.tokens)} tokens, at most {grid.rounds} round(s)"
+        ):
             plan = run_decode_plan(recipe, drafter_folder, dtype, max(grid.rows))
             label = dtype_label(dtype, plan)
             report.decode_plans[label] = plan.to_dict()
             costs[label] = measure_pass_costs(
-                pair.target, pair.drafter, plan.torch_dtype, plan.linear_plan, grid.rows, grid.tokens, grid.rounds
+                pair.target,
+                pair.drafter,
+                plan.torch_dtype,
+                plan.linear_plan,
+                grid.rows,
+                grid.tokens,
+                most_rounds=grid.rounds,
             )
     return costs
 

@@ -418,6 +418,13 @@ def _precision_records(record: dict[str, Any], where: str) -> dict[str, Precisio
             name: {dtype: _number(values, dtype, float, f"{inside}, {name}") for dtype in values}
             for name, values in figures.items()
         }
+        tail = choice.get("tail_step_ms") or {}  # the plain steps between one row and `rows`: newer traces only
+        if not isinstance(tail, dict) or not all(isinstance(values, dict) for values in tail.values()):
+            raise ProfileInputError(f"{inside}: 'tail_step_ms' must be an object of rows to milliseconds by dtype.")
+        figures["tail_step_ms"] = {
+            str(rung): {dtype: _number(values, dtype, float, f"{inside}, tail_step_ms {rung}") for dtype in values}
+            for rung, values in tail.items()
+        }
         rows = _number(choice, "rows", int, inside, default=1)
         speculates = choice.get("speculates", False)
         if rows < 1 or not isinstance(speculates, bool):

@@ -28,7 +28,9 @@ REFRESH_STEPS steps pass), so a run of plain steps pays a dictionary read for it
 candidate. When the drafter has trained since its passes were measured (`drafter_changed`, called by the rollout
 backend before the next rollout), only DRAFTER_CHANGE_KEEP of what was measured of it counts and a collapse of the
 old drafter is lifted, so a drafter that learned is tried and exploited in the next rollout's first steps; a fresh
-drafter starts so collapsed (`drafter_untrained`), so the first rollout does not explore random drafts.
+drafter starts so collapsed (`drafter_untrained`), so the first rollout does not explore random drafts. The run's
+own steps have the last word (plain_check.py `PlainCheck`): a configuration they measured slower than plain decoding
+at a batch size is not chosen there, explored or re-probed until its growing interval has passed.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from tlt_cli.speculative.acceptance_estimates import PRIOR_THROUGH, AcceptanceEs
 from tlt_cli.speculative.collapse import COLLAPSED, RECOVERED, CollapseWatch
 from tlt_cli.speculative.costs import PassCosts
 from tlt_cli.speculative.draft_counts import StepCounts
+from tlt_cli.speculative.plain_check import PlainCheck
 from tlt_cli.speculative.step_overheads import StepOverheads
 from tlt_cli.speculative.types import (
     DRAFT_SOURCES,
@@ -116,6 +119,7 @@ class CostSchedule(ScheduleReports):
         # per draft source: (SD steps it drafted in, moving average of tokens per verify pass over them)
         self.recent: dict[str, tuple[int, float]] = {}
         self.steps = 0
+        self.plain_check = PlainCheck(reprobe_steps)
         super().__init__()
         # the last choice: (config, rows, predicted tokens, predicted seconds, its passes' seconds)
         self._last: tuple[SpeculativeConfig | None, int, float, float, float] | None = None
@@ -133,6 +137,7 @@ class CostSchedule(ScheduleReports):
         rates = {
             config: batch_size * tokens / (seconds + catch_up * drafts)
             for config, (tokens, seconds, _, drafts) in predictions.items()
+            if self.plain_check.allows(label_of(config), batch_size, self.steps)
         }
         best = max(rates, key=rates.get)
         config = self._explored(rates, best) or best
@@ -204,12 +209,13 @@ class CostSchedule(ScheduleReports):
         self, rates: dict[SpeculativeConfig | None, float], best: SpeculativeConfig | None
     ) -> SpeculativeConfig | None:
         """A candidate to try instead of the best, or None (see the module docstring)."""
-        if not self.candidates:
+        allowed = [config for config in self.candidates if config in rates]
+        if not allowed:
             return None
         if self.steps % self.reprobe_steps == 0:
-            pool = list(self.candidates)
+            pool = allowed
         elif self.random.random() < EXPLORE_SHARE:
-            pool = [config for config in self.candidates if rates[config] >= PLAUSIBLE * rates[best]]
+            pool = [config for config in allowed if rates[config] >= PLAUSIBLE * rates[best]]
         else:
             return None
         pool = [config for config in pool if config != best]
@@ -230,6 +236,11 @@ class CostSchedule(ScheduleReports):
         usage.predicted_seconds += predicted_seconds
         usage.add_step_at(step.batch_size, step.seconds, step.tokens)
         self.overheads.observe(label, _family(config), step.batch_size, pass_seconds, step.seconds)
+        drops = self.plain_check.drops
+        message = self.plain_check.observe(label, step.batch_size, step.seconds, step.tokens, self.steps)
+        usage.plain_drops += self.plain_check.drops - drops
+        if message is not None:
+            self.warnings.append(message)
         if config is not None and counts is not None:
             usage.add_draft_counts(counts.passes_by_source, counts.accepted_by_source)
             self.acceptance.observe(config, counts.accepted_per_row)
@@ -294,6 +305,7 @@ class CostSchedule(ScheduleReports):
             "steps": self.steps,
             "last_run": dict(self.last_run),
             "random": self.random.getstate(),
+            "plain_check": self.plain_check.state_dict(),
         }
 
     def load_state_dict(self, saved: dict) -> None:
@@ -307,6 +319,8 @@ class CostSchedule(ScheduleReports):
         self.recent = {source: (int(steps), float(tokens)) for source, (steps, tokens) in saved["recent"].items()}
         self.steps, self.last_run = saved["steps"], dict(saved["last_run"])
         self.random.setstate(saved["random"])
+        # a checkpoint from before the check against plain decoding starts it afresh
+        self.plain_check.load_state_dict(saved.get("plain_check", {}))
 
 
 def _family(config: SpeculativeConfig | None) -> str:

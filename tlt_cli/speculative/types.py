@@ -70,6 +70,9 @@ class ConfigUsage:
     # the console shows only each one's first of the run (tlt_cli/speculative/collapse.py), the trace counts all
     collapses: int = 0
     recoveries: int = 0
+    # mode auto: the times the run's own steps measured these slower than plain decoding at a batch size, which
+    # dropped them there for a while (tlt_cli/speculative/plain_check.py; the console shows the run's first)
+    plain_drops: int = 0
 
     def add_step_at(self, batch_size: int, seconds: float, tokens: int) -> None:
         """One decode step of these at `batch_size` running rows: its count, seconds and tokens by batch size."""

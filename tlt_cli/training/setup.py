@@ -459,7 +459,11 @@ def decode_plan_for(
     workload = RolloutWorkload(rows, speculates)
     precision = rollout_precision(dtype, policy, linear_plan, cache_dir, workload, correctable, stochastic_rounding)
     pass_costs = (
-        measured_pass_costs(policy, drafter, precision.torch_dtype, linear_plan, cache_dir, rows) if costs else None
+        measured_pass_costs(
+            policy, drafter, precision.torch_dtype, linear_plan, cache_dir, rows, precision.shared_pass_ms()
+        )
+        if costs
+        else None
     )
     lines = [precision.describe()]
     if linear_plan is not None:

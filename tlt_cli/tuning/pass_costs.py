@@ -6,8 +6,11 @@
 forward of `policy` in `dtype` and the measured linear-form plan (as the rollout decodes), the target's pass over
 every point of a grid of running rows (1, 2, 4, ... up to the rows a worker decodes, at most 32) x tokens per row
 (1, 2, 4, 8, 16), logits included, over a 64-token prefix (tuning/timing.py), and the drafter's forward over 1-32
-entries. Each point is the best of ROUNDS timings. For SmolLM2-135M on a 2-core CPU it takes a few seconds; it is
-cached per machine, model, dtype, plan and grid (`<cache_dir>/pass_costs/<hash>.json`, tuning/cache.py) and read
+entries. Each point is its stable median over interleaved rounds (tuning/timing.py `stable_medians`). The points the
+dtype probe measured in this dtype (tuning/precision.py `PrecisionChoice.shared_pass_ms`: the plain steps of its
+tail and its 4 x 4 verify) come in as `shared_ms` and are taken, not timed again, so the probe and the grid plan
+with one figure for each pass. For SmolLM2-135M on a 2-core CPU it takes a few seconds; it is cached per machine,
+model, dtype, plan, grid and shared figures (`<cache_dir>/pass_costs/<hash>.json`, tuning/cache.py) and read
 back by every later run. A model the owned forward does not decode gets no costs (None): `auto` then keeps SD off.
 """
 
@@ -25,15 +28,14 @@ from tlt_cli.engine.llama_family import refusal
 from tlt_cli.speculative.costs import PassCosts
 from tlt_cli.tuning.cache import cached_record, machine_key
 from tlt_cli.tuning.precision import model_key
-from tlt_cli.tuning.timing import block_pass, milliseconds, random_prefix, repeats_for
+from tlt_cli.tuning.timing import MOST_ROUNDS, block_pass, pass_timer, random_prefix, stable_medians
 
 CACHE_FOLDER = "pass_costs"
-MEASUREMENT_FORMAT = 1
+MEASUREMENT_FORMAT = 2
 ROWS = (1, 2, 4, 8, 16, 32)
 TOKENS = (1, 2, 4, 8, 16)
 DRAFTER_ENTRIES = (1, 2, 4, 8, 16, 32)
 PREFIX_TOKENS = 64
-ROUNDS = 2
 
 
 def measured_pass_costs(
@@ -43,13 +45,16 @@ def measured_pass_costs(
     linear_plan: LinearFormPlan | None,
     cache_dir: Path,
     most_rows: int,
+    shared_ms: dict[tuple[int, int], float] | None = None,
 ) -> PassCosts | None:
     """The pass costs of decoding `policy` (and drafting with `drafter`) in `dtype` with the plan, for batches of
-    up to `most_rows` rows, cached (see the module docstring); None for a model outside the owned forward."""
+    up to `most_rows` rows, cached (see the module docstring); shared_ms: (rows, tokens) -> milliseconds of the
+    grid's points already measured in this planning; None for a model outside the owned forward."""
     if refusal(policy) is not None:
         return None
     rows = tuple(value for value in ROWS if value <= max(1, most_rows)) or (1,)
     dtype_name = str(dtype).removeprefix("torch.")
+    shared = {point: ms for point, ms in (shared_ms or {}).items() if point[0] in rows and point[1] in TOKENS}
     key = {
         "format": MEASUREMENT_FORMAT,
         **machine_key(next(policy.parameters()).device),
@@ -58,10 +63,11 @@ def measured_pass_costs(
         "dtype": dtype_name,
         "rows": list(rows),
         "tokens": list(TOKENS),
+        "shared_ms": [[*point, ms] for point, ms in sorted(shared.items())],
     }
 
     def measure() -> dict:
-        return measure_pass_costs(policy, drafter, dtype, linear_plan, rows).to_dict()
+        return measure_pass_costs(policy, drafter, dtype, linear_plan, rows, shared_ms=shared).to_dict()
 
     record, _ = cached_record(cache_dir, CACHE_FOLDER, key, measure, valid_record)
     return PassCosts.from_dict(record)
@@ -88,29 +94,29 @@ def measure_pass_costs(
     linear_plan: LinearFormPlan | None,
     rows: tuple[int, ...] = ROWS,
     tokens: tuple[int, ...] = TOKENS,
-    rounds: int = ROUNDS,
+    most_rounds: int = MOST_ROUNDS,
+    shared_ms: dict[tuple[int, int], float] | None = None,
 ) -> PassCosts:
-    """Time the grid (see the module docstring)."""
+    """Time the grid (see the module docstring), each point's stable median of at most `most_rounds` rounds; the
+    points of `shared_ms` ((rows, tokens) -> milliseconds) are taken as they are."""
+    shared_ms = shared_ms or {}
     device = next(policy.parameters()).device
     model = decode_model_for(policy, dtype=dtype, linear_plan=linear_plan)
     prefix = random_prefix(policy, max(rows), PREFIX_TOKENS)
-    target_ms = tuple(
-        tuple(_best_ms(block_pass(model, prefix, row_count, token_count), rounds, device) for token_count in tokens)
+    timers = {
+        (row_count, token_count): pass_timer(block_pass(model, prefix, row_count, token_count), device)
         for row_count in rows
-    )
-    model.release()
-    drafter_ms = (
-        tuple(_best_ms(_drafter_pass(drafter, entries), rounds, device) for entries in DRAFTER_ENTRIES)
-        if drafter is not None
-        else ()
-    )
+        for token_count in tokens
+        if (row_count, token_count) not in shared_ms
+    }
     entries = DRAFTER_ENTRIES if drafter is not None else ()
+    timers |= {("drafter", count): pass_timer(_drafter_pass(drafter, count), device) for count in entries}
+    medians, _ = stable_medians(timers, most_rounds=most_rounds)
+    model.release()
+    figures = {point: round(ms, 4) for point, ms in medians.items()} | shared_ms
+    target_ms = tuple(tuple(figures[row_count, token_count] for token_count in tokens) for row_count in rows)
+    drafter_ms = tuple(figures["drafter", count] for count in entries)
     return PassCosts(rows, tokens, target_ms, entries, drafter_ms, str(dtype).removeprefix("torch."))
-
-
-def _best_ms(run, rounds: int, device: torch.device) -> float:
-    repeats = repeats_for(run, device)
-    return round(min(milliseconds(run, repeats, device) for _ in range(rounds)), 4)
 
 
 def _drafter_pass(drafter: nn.Module, entries: int):

@@ -13,18 +13,23 @@ trace's record (`to_record()`).
 measures it first (about 2 s for SmolLM2-135M, milliseconds for the built-in tiny model): the owned decode
 forward of `policy` (tlt_cli/engine/llama_family.py) in each dtype, float32 with the measured linear-form
 plan a worker uses, times the passes a rollout makes (logits included, over a 64-token prefix, in interleaved
-rounds; best CPU time counts, so load from other processes moves it little): a decode step of the rollout's
-full batch (`RolloutWorkload.rows`, a worker's sequences of one step, at most MAX_MEASURED_ROWS), a 1-row
-decode step and a 16-token verify pass (4 rows x 4 tokens).
+rounds until each figure's median is stable: tuning/timing.py `stable_medians`; CPU time counts, so load from
+other processes moves it little): a plain decode step at each running batch size of `plain_rungs(rows)` (the
+rollout's full batch, `RolloutWorkload.rows`, at most MAX_MEASURED_ROWS, and each power of two below it down to
+one row: the batch sizes its long tail decodes at) and a 16-token verify pass (4 rows x 4 tokens). The plan's
+pass-cost grid (tuning/pass_costs.py) takes the figures it shares with these (`shared_pass_ms`) instead of timing
+those passes again, so the plan holds one figure for each pass.
 
-The choice weighs a rollout as TLT sees it: HEAD_SHARE of its time decoding the full batch, the rest in the
-tail, where it speculates (a verify pass per round) or, with SD off, decodes one row at a time. bfloat16 is
-chosen when that rollout is predicted at least MARGIN faster in it (its samples differ slightly from the float32
-learner's, so a small gain does not pay for that). On a CPU without AMX (an AMD EPYC with avx512_bf16,
-SmolLM2-135M) bfloat16 loses at one row (0.94x) and wins at four (1.52x) and in a verify (1.83x): one figure
-alone would choose wrong. A model outside the owned family decodes through transformers in its own dtype:
-`auto` keeps it, and so it does for a learner that cannot correct the mismatch (`correctable=False`: a user's own
-TRL GRPOTrainer, whose loss tlt's rollout cannot reach; docs/trl.md).
+The choice weighs a rollout as TLT sees it. With SD off, it decodes plain at every running batch size from its full
+batch down to one row: response lengths spread about exponentially, so the batch halves in about as many decode
+steps each time, and every rung of `plain_rungs` is weighed as the same number of steps. Speculating, HEAD_SHARE of
+its time decodes the full batch and the rest is the tail, a verify pass per round. bfloat16 is chosen when that
+rollout is predicted at least MARGIN faster in it (its samples differ slightly from the float32 learner's, so a
+small gain does not pay for that). On a CPU without AMX (an AMD EPYC with avx512_bf16, SmolLM2-135M) bfloat16
+loses at one row (0.94x) and wins at four (1.52x) and in a verify (1.83x): one figure alone would choose wrong. A
+model outside the owned family decodes through transformers in its own dtype: `auto` keeps it, and so it does for
+a learner that cannot correct the mismatch (`correctable=False`: a user's own TRL GRPOTrainer, whose loss tlt's
+rollout cannot reach; docs/trl.md).
 
 Cache: `<cache_dir>/rollout_precision/<hash>.json` holds the figures, keyed by the machine (tuning/cache.py),
 the model's shapes, the linear-form plan and the measured row count, written atomically under a file lock so
@@ -34,7 +39,7 @@ concurrent ranks measure once; the choice is made from them for each workload.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -46,13 +51,12 @@ from tlt_cli.engine.linear_forms import LinearFormPlan
 from tlt_cli.engine.llama_family import refusal
 from tlt_cli.rollout.decode_plan import DECODE_DTYPES
 from tlt_cli.tuning.cache import cached_record, machine_key, positive_figures
-from tlt_cli.tuning.timing import block_pass, milliseconds, random_prefix, repeats_for
+from tlt_cli.tuning.timing import block_pass, pass_timer, random_prefix, stable_medians
 
 CACHE_FOLDER = "rollout_precision"
-MEASUREMENT_FORMAT = 2
-# the figures a measurement records, each in milliseconds per dtype name
+MEASUREMENT_FORMAT = 3
+# the figures a measurement records, each in milliseconds per dtype name (tail_step_ms: per rung, then dtype)
 FIGURES = ("step_ms", "batch_step_ms", "verify_ms")
-ROUNDS = 5
 PREFIX_TOKENS = 64
 VERIFY_ROWS, VERIFY_TOKENS = 4, 4
 # the full-batch step is measured at most this wide (a wider batch is compute-bound already: the ratio holds)
@@ -76,13 +80,21 @@ class RolloutWorkload:
         return max(1, min(self.rows, MAX_MEASURED_ROWS))
 
 
+def plain_rungs(rows: int) -> tuple[int, ...]:
+    """The running batch sizes a plain rollout of `rows` rows (measured_rows) is weighed at, ascending: every power of
+    two below `rows`, and `rows` (module docstring)."""
+    rungs = [1 << exponent for exponent in range(max(1, rows).bit_length()) if 1 << exponent < rows]
+    return (*rungs, max(1, rows))
+
+
 @dataclass(frozen=True)
 class PrecisionChoice:
     """The rollout's dtype and why: `given` (the recipe named it), `measured` (auto, figures below) or
     `model dtype: ...` (auto on a model the owned forward does not decode, or for a learner that cannot correct the
     mismatch). step_ms / batch_step_ms / verify_ms: per
-    dtype name, the best 1-row decode step, `rows`-row decode step and 16-token verify, in milliseconds (empty
-    unless measured); speculates: whether the tail was weighed as verify passes."""
+    dtype name, the stable median 1-row decode step, `rows`-row decode step and 16-token verify, in milliseconds
+    (empty unless measured); tail_step_ms: per running batch size between those two (`plain_rungs`, as text), the
+    decode step per dtype name; speculates: whether the tail was weighed as verify passes."""
 
     dtype: str
     reason: str
@@ -91,6 +103,7 @@ class PrecisionChoice:
     batch_step_ms: dict[str, float] = field(default_factory=dict)
     rows: int = 1
     speculates: bool = False
+    tail_step_ms: dict[str, dict[str, float]] = field(default_factory=dict)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -99,6 +112,20 @@ class PrecisionChoice:
     @property
     def workload(self) -> RolloutWorkload:
         return RolloutWorkload(self.rows, self.speculates)
+
+    def plain_step_ms(self) -> dict[int, dict[str, float]]:
+        """Per running batch size of `plain_rungs`, the plain decode step in milliseconds per dtype name."""
+        rungs = plain_rungs(self.workload.measured_rows)
+        between = {int(rows): figures for rows, figures in self.tail_step_ms.items()}
+        return {1: self.step_ms, **between, rungs[-1]: self.batch_step_ms}
+
+    def shared_pass_ms(self) -> dict[tuple[int, int], float]:
+        """(rows, tokens per row) -> milliseconds of the passes measured here in the chosen dtype: what the pass-cost
+        grid takes instead of timing them again (empty unless measured)."""
+        if not _complete(self.step_ms, self.batch_step_ms, self.verify_ms):
+            return {}
+        passes = {(rows, 1): figures[self.dtype] for rows, figures in self.plain_step_ms().items()}
+        return passes | {(VERIFY_ROWS, VERIFY_TOKENS): self.verify_ms[self.dtype]}
 
     def describe(self) -> str:
         """One line for the run log: the dtype, the figures that chose it and the speed-up they predict."""
@@ -114,8 +141,8 @@ class PrecisionChoice:
         )
         if not with_batch:  # a trace written before the batch step was measured
             return f"rollout dtype: {self.dtype} ({self.reason}: {figures})"
-        predicted = bfloat16_speedup(self.step_ms, self.batch_step_ms, self.verify_ms, self.speculates)
-        tail = "speculating" if self.speculates else "SD off"
+        predicted = bfloat16_speedup(self.plain_step_ms(), self.verify_ms, self.speculates)
+        tail = "speculating" if self.speculates else f"SD off, steps at {', '.join(map(str, plain_rungs(rows)))} rows"
         return (
             f"rollout dtype: {self.dtype} ({self.reason}: {figures}; "
             f"a {rows}-row rollout, {tail}, predicted {predicted:.2f}x faster in bfloat16)"
@@ -159,73 +186,96 @@ def rollout_precision(
     record, _ = cached_record(
         cache_dir, CACHE_FOLDER, key, lambda: _measured_record(policy, linear_plan, rows), valid_record
     )
-    step_ms, batch_step_ms, verify_ms = record["step_ms"], record["batch_step_ms"], record["verify_ms"]
-    dtype = choose_dtype(step_ms, batch_step_ms, verify_ms, workload.speculates)
-    return PrecisionChoice(dtype, "measured", step_ms, verify_ms, batch_step_ms, workload.rows, workload.speculates)
+    measured = PrecisionChoice(
+        "float32",
+        "measured",
+        record["step_ms"],
+        record["verify_ms"],
+        record["batch_step_ms"],
+        workload.rows,
+        workload.speculates,
+        record["tail_step_ms"],
+    )
+    return replace(measured, dtype=choose_dtype(measured.plain_step_ms(), measured.verify_ms, workload.speculates))
 
 
 def bfloat16_speedup(
-    step_ms: dict[str, float], batch_step_ms: dict[str, float], verify_ms: dict[str, float], speculates: bool
+    plain_step_ms: dict[int, dict[str, float]], verify_ms: dict[str, float], speculates: bool
 ) -> float:
-    """How much faster a rollout is predicted in bfloat16: HEAD_SHARE of float32's time at the full batch, the rest
-    in the tail (verify passes when it speculates, else 1-row steps), each part scaled by bfloat16's ratio."""
-    tail_ms = verify_ms if speculates else step_ms
-    bfloat16_time = HEAD_SHARE * batch_step_ms["bfloat16"] / batch_step_ms["float32"] + (1 - HEAD_SHARE) * (
-        tail_ms["bfloat16"] / tail_ms["float32"]
+    """How much faster a rollout is predicted in bfloat16, from its plain steps per running batch size (rows ->
+    dtype -> ms, `plain_rungs`) and its verify pass: speculating, HEAD_SHARE of float32's time at the full batch
+    and the rest in verify passes, each part scaled by bfloat16's ratio; with SD off, the same number of decode
+    steps at every batch size (module docstring)."""
+    if not speculates:
+        return sum(step["float32"] for step in plain_step_ms.values()) / sum(
+            step["bfloat16"] for step in plain_step_ms.values()
+        )
+    full_batch = plain_step_ms[max(plain_step_ms)]
+    bfloat16_time = HEAD_SHARE * full_batch["bfloat16"] / full_batch["float32"] + (1 - HEAD_SHARE) * (
+        verify_ms["bfloat16"] / verify_ms["float32"]
     )
     return 1 / bfloat16_time
 
 
-def choose_dtype(
-    step_ms: dict[str, float], batch_step_ms: dict[str, float], verify_ms: dict[str, float], speculates: bool
-) -> str:
-    """bfloat16 when it makes the rollout (full batch, then the tail) at least MARGIN faster; else float32."""
-    speedup = bfloat16_speedup(step_ms, batch_step_ms, verify_ms, speculates)
+def choose_dtype(plain_step_ms: dict[int, dict[str, float]], verify_ms: dict[str, float], speculates: bool) -> str:
+    """bfloat16 when it makes the rollout (bfloat16_speedup) at least MARGIN faster; else float32."""
+    speedup = bfloat16_speedup(plain_step_ms, verify_ms, speculates)
     return "bfloat16" if speedup >= 1 + MARGIN else "float32"
 
 
 def measure_precision(
-    policy: nn.Module, linear_plan: LinearFormPlan | None, rows: int, rounds: int = ROUNDS
-) -> tuple[dict[str, float], dict[str, float], dict[str, float]]:
-    """(1-row step ms, `rows`-row step ms, 16-token verify ms) per dtype name: the owned forward's best of `rounds`
-    interleaved rounds (one row wide, the batch step is the 1-row step, timed once)."""
-    passes = {name: _timed_passes(policy, dtype, linear_plan, rows) for name, dtype in DECODE_DTYPES.items()}
-    best: dict[str, dict[str, float]] = {}
+    policy: nn.Module, linear_plan: LinearFormPlan | None, rows: int
+) -> tuple[dict[int, dict[str, float]], dict[str, float]]:
+    """(plain step ms per running batch size of `plain_rungs(rows)`, 16-token verify ms), each per dtype name: the
+    owned forward's stable medians over interleaved rounds (tuning/timing.py `stable_medians`)."""
+    device = _device_of(policy)
+    timers = {
+        (name, kind): pass_timer(run, device)
+        for name, dtype in DECODE_DTYPES.items()
+        for kind, run in _timed_passes(policy, dtype, linear_plan, rows).items()
+    }
     with torch.no_grad():
-        device = _device_of(policy)
-        repeats = {
-            name: {kind: repeats_for(run, device) for kind, run in runs.items()} for name, runs in passes.items()
-        }
-        for _ in range(rounds):
-            for name, runs in passes.items():
-                for kind, run in runs.items():
-                    figures = best.setdefault(kind, {})
-                    figures[name] = min(figures.get(name, float("inf")), milliseconds(run, repeats[name][kind], device))
-    return best["step_ms"], best.get("batch_step_ms", dict(best["step_ms"])), best["verify_ms"]
+        medians, _ = stable_medians(timers)
+    plain = {rung: {name: medians[name, rung] for name in DECODE_DTYPES} for rung in plain_rungs(rows)}
+    return plain, {name: medians[name, "verify"] for name in DECODE_DTYPES}
 
 
 def valid_record(record: dict) -> bool:
-    """Whether a stored record holds a finite positive time per dtype for each figure (tlt_cli/tuning/cache.py)."""
-    return all(positive_figures(record.get(figure), DECODE_DTYPES) for figure in FIGURES)
+    """Whether a stored record holds a finite positive time per dtype for each figure, and for each rung between
+    one row and its key's rows (tlt_cli/tuning/cache.py)."""
+    rungs = plain_rungs(record["key"]["rows"])[1:-1]
+    tail = record.get("tail_step_ms")
+    return (
+        all(positive_figures(record.get(figure), DECODE_DTYPES) for figure in FIGURES)
+        and isinstance(tail, dict)
+        and set(tail) == {str(rung) for rung in rungs}
+        and all(positive_figures(tail[str(rung)], DECODE_DTYPES) for rung in rungs)
+    )
 
 
 def _measured_record(policy: nn.Module, linear_plan: LinearFormPlan | None, rows: int) -> dict:
-    figures = zip(FIGURES, measure_precision(policy, linear_plan, rows))
-    return {name: {key: round(value, 3) for key, value in values.items()} for name, values in figures}
+    plain, verify = measure_precision(policy, linear_plan, rows)
+    rounded = {rung: {name: round(value, 3) for name, value in figures.items()} for rung, figures in plain.items()}
+    rungs = plain_rungs(rows)
+    return {
+        "step_ms": rounded[1],
+        "batch_step_ms": rounded[rungs[-1]],
+        "tail_step_ms": {str(rung): rounded[rung] for rung in rungs[1:-1]},
+        "verify_ms": {name: round(value, 3) for name, value in verify.items()},
+    }
 
 
 def _timed_passes(
     policy: nn.Module, dtype: torch.dtype, linear_plan: LinearFormPlan | None, rows: int
-) -> dict[str, Callable[[], None]]:
-    """A 1-row decode step, a `rows`-row decode step (when rows > 1) and a VERIFY_ROWS x VERIFY_TOKENS verify, by
-    the name of their figures, each with its logits, over a prefilled prefix of PREFIX_TOKENS (timing.py)."""
+) -> dict[int | str, Callable[[], None]]:
+    """A decode step at each running batch size of `plain_rungs(rows)` (by its rows) and a VERIFY_ROWS x
+    VERIFY_TOKENS verify (`verify`), each with its logits, over a prefilled prefix of PREFIX_TOKENS (timing.py)."""
     model = decode_model_for(policy, dtype=dtype, linear_plan=linear_plan)
     prefix = random_prefix(policy, max(VERIFY_ROWS, rows), PREFIX_TOKENS)
-    passes = {
-        "step_ms": block_pass(model, prefix, 1, 1),
-        "verify_ms": block_pass(model, prefix, VERIFY_ROWS, VERIFY_TOKENS),
+    passes: dict[int | str, Callable[[], None]] = {
+        rung: block_pass(model, prefix, rung, 1) for rung in plain_rungs(rows)
     }
-    return passes | ({"batch_step_ms": block_pass(model, prefix, rows, 1)} if rows > 1 else {})
+    return passes | {"verify": block_pass(model, prefix, VERIFY_ROWS, VERIFY_TOKENS)}
 
 
 def model_key(policy: nn.Module, linear_plan: LinearFormPlan | None) -> dict:

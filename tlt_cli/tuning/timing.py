@@ -5,21 +5,33 @@
 plain decode step at tokens 1, a verify pass above); repeating the call measures the same pass, since it writes
 past the prefix each time. `milliseconds(run, repeats)` is the process CPU time of one call (time this process
 computed, not time it waited for a core on a loaded machine), `repeats_for(run)` how many back-to-back calls last
-about SHORTEST_TIMING_MS. tuning/precision.py (float32 against bfloat16) and tuning/pass_costs.py (the adaptive
-engine's grid of rows x tokens) time with these.
+about SHORTEST_TIMING_MS. `stable_medians(timers)` repeats a set of timings in interleaved rounds until each one's
+median over its rounds so far agrees with its median a round earlier within STABLE_TOLERANCE (at least LEAST_ROUNDS
+rounds, at most MOST_ROUNDS): a figure is measured until it stops moving, not a fixed number of times.
+tuning/precision.py (float32 against bfloat16) and tuning/pass_costs.py (the adaptive engine's grid of rows x
+tokens) time with these.
 """
 
 from __future__ import annotations
 
 import math
+import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable, Mapping
+from typing import TypeVar
 
 import torch
 
 # each timing repeats its pass until it lasts about this long (CPU milliseconds)
 SHORTEST_TIMING_MS = 20.0
 CPU = torch.device("cpu")
+# a figure is stable when its median over its rounds moved by at most this share in its latest round
+STABLE_TOLERANCE = 0.03
+# the rounds every figure is timed at least (a median of two is their mean) and at most (a machine never settling)
+LEAST_ROUNDS = 3
+MOST_ROUNDS = 9
+
+Key = TypeVar("Key", bound=Hashable)
 
 
 def random_prefix(policy: torch.nn.Module, rows: int, tokens: int) -> torch.Tensor:
@@ -75,3 +87,37 @@ def repeats_for(run: Callable[[], None], device: torch.device = CPU) -> int:
     """How many back-to-back calls of `run` last about SHORTEST_TIMING_MS (tiny models' passes take microseconds)."""
     once = milliseconds(run, 1, device)
     return max(1, math.ceil(SHORTEST_TIMING_MS / max(once, 1e-3)))
+
+
+def pass_timer(run: Callable[[], None], device: torch.device = CPU) -> Callable[[], float]:
+    """A timer of `run` for `stable_medians`: the milliseconds of one call, over `repeats_for(run)` calls."""
+    repeats = repeats_for(run, device)
+    return lambda: milliseconds(run, repeats, device)
+
+
+def stable_medians(
+    timers: Mapping[Key, Callable[[], float]],
+    tolerance: float = STABLE_TOLERANCE,
+    least_rounds: int = LEAST_ROUNDS,
+    most_rounds: int = MOST_ROUNDS,
+) -> tuple[dict[Key, float], int]:
+    """(each timer's median milliseconds, the rounds it took): every round calls each timer once (interleaved, so a
+    change of load falls on all alike), and rounds go on until every figure's median agrees with its median of one
+    round earlier within `tolerance` (relative), from `least_rounds` (at most `most_rounds`) to `most_rounds`."""
+    samples: dict[Key, list[float]] = {key: [] for key in timers}
+    least_rounds = min(least_rounds, most_rounds)
+    for rounds in range(1, most_rounds + 1):
+        previous = {key: statistics.median(values) for key, values in samples.items() if values}
+        for key, timer in timers.items():
+            samples[key].append(timer())
+        medians = {key: statistics.median(values) for key, values in samples.items()}
+        if rounds >= least_rounds and all(
+            key in previous and _agree(previous[key], medians[key], tolerance) for key in medians
+        ):
+            return medians, rounds
+    return medians, most_rounds
+
+
+def _agree(before: float, after: float, tolerance: float) -> bool:
+    """Whether two medians differ by at most `tolerance` of the larger."""
+    return abs(after - before) <= tolerance * max(abs(before), abs(after))
