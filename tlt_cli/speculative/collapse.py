@@ -24,6 +24,9 @@ from collections.abc import Iterable
 
 COLLAPSED = "collapsed"
 RECOVERED = "recovered"
+# SD steps a bucket or draft source must have measured before its accept length can count as collapsed (both
+# schedules: rule_schedule.py, cost_schedule.py)
+COLLAPSE_MIN_STEPS = 4
 # tokens per verify pass above the collapse threshold a collapsed figure must reach to count as recovered
 RECOVERY_MARGIN = 0.15
 

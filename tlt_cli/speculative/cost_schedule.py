@@ -38,7 +38,7 @@ from __future__ import annotations
 import random
 
 from tlt_cli.speculative.acceptance_estimates import PRIOR_THROUGH, AcceptanceEstimates
-from tlt_cli.speculative.collapse import COLLAPSED, RECOVERED, CollapseWatch
+from tlt_cli.speculative.collapse import COLLAPSE_MIN_STEPS, COLLAPSED, RECOVERED, CollapseWatch
 from tlt_cli.speculative.costs import PassCosts
 from tlt_cli.speculative.draft_counts import StepCounts
 from tlt_cli.speculative.plain_check import PlainCheck
@@ -64,10 +64,9 @@ REFRESH_STEPS = 16
 MIN_PASS_SHARE = 0.5
 # weight of the newest verify pass in a model-free label's average width
 WIDTH_SMOOTHING = 0.1
-# a source's recent tokens per verify pass: weight of the newest step (as the rule table's schedule weighs it), and
-# the steps it must have drafted in before it can count as collapsed
+# a source's recent tokens per verify pass: weight of the newest step (as the rule table's schedule weighs it); it
+# can count as collapsed once it has drafted in COLLAPSE_MIN_STEPS steps (collapse.py)
 RECENT_SMOOTHING = 0.3
-COLLAPSE_MIN_STEPS = 4
 # share of the old drafter's measured passes that still count after it trained (a rollout re-measures the rest)
 DRAFTER_CHANGE_KEEP = 0.1
 

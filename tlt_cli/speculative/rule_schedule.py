@@ -25,7 +25,7 @@ import statistics
 from collections import deque
 from dataclasses import dataclass, field
 
-from tlt_cli.speculative.collapse import COLLAPSED, RECOVERED, CollapseWatch
+from tlt_cli.speculative.collapse import COLLAPSE_MIN_STEPS, COLLAPSED, RECOVERED, CollapseWatch
 from tlt_cli.speculative.draft_counts import StepCounts
 from tlt_cli.speculative.rules import UNBOUNDED, Rule, bucket_edges
 from tlt_cli.speculative.types import (
@@ -38,7 +38,6 @@ from tlt_cli.speculative.types import (
 )
 
 ACCEPT_SMOOTHING = 0.3  # weight of the newest step in the accept-length moving average
-COLLAPSE_MIN_STEPS = 4  # SD steps a bucket must have measured before its accept length can count as collapsed
 
 
 @dataclass
