@@ -22,10 +22,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tlt_cli.speculative.types import DRAFT_SOURCES, SpeculativeConfig
+from tlt_cli.speculative.types import DRAFT_SOURCES, DRAFTER_SOURCE, NGRAM_SOURCE, SpeculativeConfig
 
 # prior share of passes accepting the first drafted token, and the ratio of each next depth to the one before
-PRIOR_THROUGH = {"drafter": 0.5, "ngram": 0.3}
+PRIOR_THROUGH = {DRAFTER_SOURCE: 0.5, NGRAM_SOURCE: 0.3}
 PRIOR_PASSES = 4.0
 # weight of older passes kept per new pass: about the last 1 / (1 - DECAY) passes count
 DECAY = 0.998
@@ -159,9 +159,9 @@ def _chains_of(config: SpeculativeConfig) -> list[tuple[str, int]]:
     """The (source, depth) chains `config` drafts: the drafter's to its depth, the n-gram index's up to its tokens."""
     chains = []
     if config.uses_drafter:
-        chains.append(("drafter", config.steps))
+        chains.append((DRAFTER_SOURCE, config.steps))
     if config.uses_ngram:
-        chains.append(("ngram", config.ngram_tokens))
+        chains.append((NGRAM_SOURCE, config.ngram_tokens))
     return chains
 
 

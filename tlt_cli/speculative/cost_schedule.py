@@ -45,6 +45,8 @@ from tlt_cli.speculative.plain_check import PlainCheck
 from tlt_cli.speculative.step_overheads import StepOverheads
 from tlt_cli.speculative.types import (
     DRAFT_SOURCES,
+    DRAFTER_SOURCE,
+    NGRAM_SOURCE,
     OFF,
     ConfigUsage,
     DecodeStep,
@@ -125,7 +127,7 @@ class CostSchedule(ScheduleReports):
 
     @property
     def uses_ngram(self) -> bool:
-        return "ngram" in draft_sources(self.candidates)
+        return NGRAM_SOURCE in draft_sources(self.candidates)
 
     def __call__(self, batch_size: int) -> SpeculativeConfig | None:
         self.steps += 1
@@ -280,17 +282,17 @@ class CostSchedule(ScheduleReports):
     def drafter_untrained(self) -> None:
         """The drafter is fresh (random weights): keep it off, without a warning, but for re-probes, until it trains
         (`drafter_changed`): its chains and the hybrids drafting from it are expected to accept nothing."""
-        self.collapsed.add("drafter")
-        self.recent["drafter"] = (0, 1.0)  # one token a pass (nothing accepted) until it has drafted
-        self.acceptance.prior_through["drafter"] = 0.0
+        self.collapsed.add(DRAFTER_SOURCE)
+        self.recent[DRAFTER_SOURCE] = (0, 1.0)  # one token a pass (nothing accepted) until it has drafted
+        self.acceptance.prior_through[DRAFTER_SOURCE] = 0.0
         self._predictions.clear()
 
     def drafter_changed(self) -> None:
         """The drafter trained since its passes were measured: discount them, lift its collapse (module docstring)."""
-        self.acceptance.forget("drafter", DRAFTER_CHANGE_KEEP)
-        self.acceptance.prior_through["drafter"] = PRIOR_THROUGH["drafter"]
-        self.collapsed.discard("drafter")
-        self.recent.pop("drafter", None)
+        self.acceptance.forget(DRAFTER_SOURCE, DRAFTER_CHANGE_KEEP)
+        self.acceptance.prior_through[DRAFTER_SOURCE] = PRIOR_THROUGH[DRAFTER_SOURCE]
+        self.collapsed.discard(DRAFTER_SOURCE)
+        self.recent.pop(DRAFTER_SOURCE, None)
         self._predictions.clear()
 
     def state_dict(self) -> dict:

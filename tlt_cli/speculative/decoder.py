@@ -51,7 +51,14 @@ from tlt_cli.speculative.ngram_proposer import NgramProposer
 from tlt_cli.speculative.proposer import Commit, GroupedPrompt, Proposer
 from tlt_cli.speculative.shapes import shape_problem, topk_fit_problem
 from tlt_cli.speculative.tree import DraftTree, root_only, rows_by_source, with_chosen_chains, with_ngram_branch
-from tlt_cli.speculative.types import DRAFT_SOURCES, DecodeStep, SpeculativeConfig, SpeculativeStats
+from tlt_cli.speculative.types import (
+    DRAFT_SOURCES,
+    DRAFTER_SOURCE,
+    NGRAM_SOURCE,
+    DecodeStep,
+    SpeculativeConfig,
+    SpeculativeStats,
+)
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -180,7 +187,7 @@ class SpeculativeDecoder:
             tree = self.drafter_proposer.propose(batch, config, sampling, generator)
         else:
             tree = root_only(batch.pending)
-        drafted = {"drafter": model_drafts, "ngram": config.uses_ngram}
+        drafted = {DRAFTER_SOURCE: model_drafts, NGRAM_SOURCE: config.uses_ngram}
         if ngram_rows is not None:
             tree, row_sources = with_chosen_chains(tree, proposals, ngram_rows), rows_by_source(ngram_rows)
         else:

@@ -17,7 +17,7 @@ import torch
 
 from tlt_cli.speculative.acceptance import Verdict
 from tlt_cli.speculative.tree import DraftTree
-from tlt_cli.speculative.types import DRAFT_SOURCES, SpeculativeConfig, SpeculativeStats
+from tlt_cli.speculative.types import DRAFT_SOURCES, DRAFTER_SOURCE, NGRAM_SOURCE, SpeculativeConfig, SpeculativeStats
 
 # weight of the newest verify pass in a row's running mean of accepted drafts per source (picks_source shapes)
 SOURCE_SMOOTHING = 0.3
@@ -71,7 +71,10 @@ class DraftCounts:
         the drafter first, then the n-gram index, then keeps to the one with the higher running mean of
         accepted drafts (ties: the drafter); a row with no proposal drafts with the model."""
         means = self.source_means
-        drafter_mean, ngram_mean = means[:, DRAFT_SOURCES.index("drafter")], means[:, DRAFT_SOURCES.index("ngram")]
+        drafter_mean, ngram_mean = (
+            means[:, DRAFT_SOURCES.index(DRAFTER_SOURCE)],
+            means[:, DRAFT_SOURCES.index(NGRAM_SOURCE)],
+        )
         proposes = torch.tensor([len(proposal) > 0 for proposal in proposals], device=means.device)
         return proposes & ~drafter_mean.isnan() & (ngram_mean.isnan() | (ngram_mean > drafter_mean))
 

@@ -28,6 +28,7 @@ from torch import nn
 from tlt_cli.engine.kv_cache import SlotCache, block_attention_mask, keep_rows_of
 from tlt_cli.engine.linear_forms import FormedCopy, LinearFormPlan
 from tlt_cli.speculative.tree import ChainBuilder, DraftTree, TreeBuilder, gather_rows
+from tlt_cli.speculative.types import DRAFTER_SOURCE
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -70,7 +71,7 @@ class DrafterRows:
 class DrafterProposer:
     """Drafts chains and trees with `drafter` (see the module docstring)."""
 
-    source = "drafter"
+    source = DRAFTER_SOURCE
 
     def __init__(self, drafter: nn.Module) -> None:
         self.drafter = drafter

@@ -15,7 +15,7 @@ from tlt_cli.speculative.costs import PassCosts
 from tlt_cli.speculative.decoder import SpeculativeDecoder
 from tlt_cli.speculative.plan import SpeculationMode, SpeculativePlan
 from tlt_cli.speculative.rule_schedule import AdaptiveSchedule
-from tlt_cli.speculative.types import DecodeStep
+from tlt_cli.speculative.types import DRAFTER_SOURCE, DecodeStep
 
 if TYPE_CHECKING:
     import torch
@@ -71,7 +71,7 @@ def speculative_decoder(
         schedule = CostSchedule(candidates, pass_costs, plan.collapse_accept_length, plan.reprobe_steps, seed=seed)
         return AdaptiveSpeculativeDecoder(drafter, schedule)
     if plan.mode == SpeculationMode.adaptive:
-        if drafter is None and "drafter" in plan.draft_sources:
+        if drafter is None and DRAFTER_SOURCE in plan.draft_sources:
             return None
         return AdaptiveSpeculativeDecoder(drafter, adaptive_schedule(plan, seed))
     if drafter is None:

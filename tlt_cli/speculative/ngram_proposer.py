@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from tlt_cli.speculative.ngram import NgramIndex
-from tlt_cli.speculative.types import DRAFT_SOURCES
+from tlt_cli.speculative.types import DRAFT_SOURCES, NGRAM_SOURCE
 
 if TYPE_CHECKING:
     from collections.abc import Iterable, Sequence
@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 class NgramProposer:
     """Proposes what followed each row's last tokens in its group (see the module docstring)."""
 
-    source = "ngram"
+    source = NGRAM_SOURCE
 
     def __init__(self) -> None:
         self.index = NgramIndex()

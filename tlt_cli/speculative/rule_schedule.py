@@ -29,6 +29,7 @@ from tlt_cli.speculative.collapse import COLLAPSE_MIN_STEPS, COLLAPSED, RECOVERE
 from tlt_cli.speculative.draft_counts import StepCounts
 from tlt_cli.speculative.rules import UNBOUNDED, Rule, bucket_edges
 from tlt_cli.speculative.types import (
+    NGRAM_SOURCE,
     ConfigUsage,
     DecodeStep,
     ScheduleReports,
@@ -112,7 +113,7 @@ class AdaptiveSchedule(ScheduleReports):
     @property
     def uses_ngram(self) -> bool:
         """Whether any configuration of the table drafts with the n-gram index."""
-        return "ngram" in draft_sources(config for rule in self.rules for config in rule.configs)
+        return NGRAM_SOURCE in draft_sources(config for rule in self.rules for config in rule.configs)
 
     def observe_step(self, step: DecodeStep, counts: StepCounts | None = None) -> None:
         """The engine's record of the decode step the last choice was for (every row verified if SD

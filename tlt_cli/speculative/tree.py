@@ -31,7 +31,7 @@ from typing import Protocol
 import torch
 
 from tlt_cli.engine.sampling import SamplingParams, apply_sampling, sample
-from tlt_cli.speculative.types import DRAFT_SOURCES, SpeculativeConfig
+from tlt_cli.speculative.types import DRAFT_SOURCES, DRAFTER_SOURCE, NGRAM_SOURCE, SpeculativeConfig
 
 
 class DraftVocabulary(Protocol):
@@ -76,7 +76,7 @@ class DraftTree:
         drafted = torch.ones_like(self.tokens, dtype=torch.bool)
         drafted[:, 0] = False
         none = torch.zeros_like(drafted)
-        return torch.stack([drafted if source == "drafter" else none for source in DRAFT_SOURCES], dim=2)
+        return torch.stack([drafted if source == DRAFTER_SOURCE else none for source in DRAFT_SOURCES], dim=2)
 
 
 @dataclass
@@ -257,7 +257,7 @@ def with_ngram_branch(tree: DraftTree, proposals: list[list[int]]) -> DraftTree:
     node_index = torch.arange(width, device=device)[None, :].expand(batch_size, -1)
     by_drafter = (node_index > 0) & (node_index < node_count)
     by_ngram = padded(from_ngram, False)
-    sources = torch.stack([by_drafter if source == "drafter" else by_ngram for source in DRAFT_SOURCES], dim=2)
+    sources = torch.stack([by_drafter if source == DRAFTER_SOURCE else by_ngram for source in DRAFT_SOURCES], dim=2)
     return DraftTree(
         tokens=padded(tokens, 0),
         parents=parent_index,
@@ -309,7 +309,7 @@ def with_chosen_chains(chain: DraftTree, proposals: list[list[int]], ngram_rows:
 def rows_by_source(ngram_rows: torch.Tensor) -> torch.Tensor:
     """[B, len(DRAFT_SOURCES)] bool: the one source each row drafts from in a one-source-per-row step
     (ngram_rows [B]: the rows verifying n-gram proposals; the others the drafter's chain)."""
-    return torch.stack([ngram_rows if source == "ngram" else ~ngram_rows for source in DRAFT_SOURCES], dim=1)
+    return torch.stack([ngram_rows if source == NGRAM_SOURCE else ~ngram_rows for source in DRAFT_SOURCES], dim=1)
 
 
 def ancestor_mask(parents: torch.Tensor, max_depth: int) -> torch.Tensor:

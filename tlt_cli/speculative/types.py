@@ -83,10 +83,10 @@ class ConfigUsage:
 
     def add_draft_counts(self, passes_by_source: Mapping[str, int], accepted_by_source: Mapping[str, int]) -> None:
         """One verify pass's counts per draft source (draft_counts.py `StepCounts`), added to this configuration's."""
-        self.drafter_verify_passes += passes_by_source["drafter"]
-        self.drafter_accepted_tokens += accepted_by_source["drafter"]
-        self.ngram_verify_passes += passes_by_source["ngram"]
-        self.ngram_accepted_tokens += accepted_by_source["ngram"]
+        self.drafter_verify_passes += passes_by_source[DRAFTER_SOURCE]
+        self.drafter_accepted_tokens += accepted_by_source[DRAFTER_SOURCE]
+        self.ngram_verify_passes += passes_by_source[NGRAM_SOURCE]
+        self.ngram_accepted_tokens += accepted_by_source[NGRAM_SOURCE]
 
 
 class ScheduleReports:
@@ -113,15 +113,16 @@ MAX_DRAFT_TOPK = 64
 MAX_VERIFIED_TOKENS = 1024
 
 # where a drafted token came from: the trained drafter, or the model-free n-gram index
-DRAFT_SOURCES = ("drafter", "ngram")
+DRAFTER_SOURCE, NGRAM_SOURCE = "drafter", "ngram"
+DRAFT_SOURCES = (DRAFTER_SOURCE, NGRAM_SOURCE)
 
 
 def draft_sources(configs: Iterable[SpeculativeConfig | None]) -> frozenset[str]:
     """The DRAFT_SOURCES any of `configs` drafts from (None, plain decoding, drafts from none)."""
     configs = [config for config in configs if config is not None]
     uses = {
-        "drafter": any(config.uses_drafter for config in configs),
-        "ngram": any(config.uses_ngram for config in configs),
+        DRAFTER_SOURCE: any(config.uses_drafter for config in configs),
+        NGRAM_SOURCE: any(config.uses_ngram for config in configs),
     }
     return frozenset(source for source in DRAFT_SOURCES if uses[source])
 
