@@ -81,6 +81,11 @@ class Checkpoint:
     def next_step(self) -> int:
         return int(self.state["next_step"])
 
+    @property
+    def last_step(self) -> int:
+        """The RL step it was written after, counted from 0 as the trace and the live table count (step_000003: 2)."""
+        return self.next_step - 1
+
 
 def checkpoint_name(next_step: int) -> str:
     return f"step_{next_step:06d}"
