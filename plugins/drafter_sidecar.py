@@ -7,7 +7,8 @@ section (lr, weight_decay, window_steps, batch_size, update_share). In every wor
     RL steps;
   - trains on each micro-batch's features as the update produces them, every response token of
     the step first, then replays from the window, spending at most update_share of the update's
-    own time (measured as it goes, so the bound holds on any machine and model): the update
+    own time (measured as it goes, so the bound holds on any machine and model; a step starts only when the
+    drafter's seconds with it, predicted from its recent steps, stay within the share): the update
     sees every token of every step, where the idle tail alone gave a real model 0-29 steps;
   - while its worker waits for the others (`on_worker_idle`), runs short drafter training steps for idle_duty of
     the wait, pausing between them (a worker still decoding next door shares the memory bus with it)
@@ -54,6 +55,8 @@ from tlt_plugins.drafter_sidecar_state import state_problem
 LOGGER = logging.getLogger(__name__)
 # how often a paused idle worker checks whether the rollout is over (its delay to the step, at most)
 PAUSE_POLL_SECONDS = 0.01
+# how many of the drafter's latest steps (idle and in the update) predict the next one's seconds
+PREDICTING_STEPS = 8
 
 # what recipes enable it by (`plugins.enabled: [drafter_sidecar]`): its entry point in the tlt.plugins group
 PLUGIN_NAME = "drafter_sidecar"
@@ -134,6 +137,8 @@ class DrafterSidecar:
         self.update_started: float | None = None
         self.update_steps = 0
         self.update_seconds = 0.0
+        # the seconds of the drafter's latest steps: the cost of its next step in the update, predicted
+        self.recent_step_seconds: deque[float] = deque(maxlen=PREDICTING_STEPS)
         # [V] float64: tokens emitted by this worker's responses since the last rollout end, and by every worker's
         # over the run (what a reduced draft vocabulary follows); built when the drafter is attached
         self.emitted_now: torch.Tensor | None = None
@@ -225,13 +230,21 @@ class DrafterSidecar:
             started = self.clock()
             with torch.enable_grad():  # the actor may call from its no-grad log-prob pass
                 self._train_step(batch)
-            self.update_seconds += self.clock() - started
+            step_seconds = self.clock() - started
+            self.recent_step_seconds.append(step_seconds)
+            self.update_seconds += step_seconds
             self.update_steps += 1
 
     def _update_budget_left(self) -> bool:
-        """Whether the drafter's seconds in this update are below update_share x the update's other seconds."""
+        """Whether one more drafter step keeps the drafter's seconds in this update within update_share x the
+        update's other seconds: its cost predicted as the mean of the latest steps (before any was measured, whether
+        the seconds so far are below the share: one step's granularity, once a run)."""
         elapsed = self.clock() - self.update_started
-        return self.update_seconds < self.settings.update_share * (elapsed - self.update_seconds)
+        allowed = self.settings.update_share * (elapsed - self.update_seconds)
+        if not self.recent_step_seconds:
+            return self.update_seconds < allowed
+        predicted = sum(self.recent_step_seconds) / len(self.recent_step_seconds)
+        return self.update_seconds + predicted <= allowed
 
     def _train_step(self, batch: DrafterBatch) -> bool:
         """One drafter step, counted toward the next average when it was finite (returned)."""
@@ -248,6 +261,7 @@ class DrafterSidecar:
             started = self.clock()
             self.steps_done += self._train_step(self._sample_batch())
             step_seconds = self.clock() - started
+            self.recent_step_seconds.append(step_seconds)
             self.train_seconds += step_seconds
             self._pause(step_seconds * (1 - duty) / duty, rollout_over)
 

@@ -196,6 +196,36 @@ def test_the_update_share_bounds_the_drafter_seconds_over_many_micro_batches():
     assert step_context.metrics["drafter_update_steps"] >= 4
 
 
+def test_a_drafter_step_starts_in_the_update_only_when_its_predicted_seconds_keep_the_share():
+    """The cap holds, not one step past it: the drafter's update seconds the trace records stay within update_share
+    of the update's other seconds after every micro-batch, each step's cost predicted from the steps measured (here
+    one idle step of the rollout before, each step one second of the test's clock)."""
+    target = tiny_target()
+    clock = ManualClock()
+    sidecar, drafter = started_sidecar(target, batch_size=2, update_share=0.1)
+    sidecar.clock = clock
+    train_step = sidecar.trainer.train_step
+
+    def one_second_step(batch):
+        clock.now += 1.0
+        return train_step(batch)
+
+    sidecar.trainer.train_step = one_second_step
+    feed(sidecar, target, 0)
+    polls = iter([False, True])
+    sidecar.on_worker_idle(context(0, target, drafter), lambda: next(polls))  # one step of the idle tail
+    sidecar.on_rollout_end(context(0, target, drafter))
+    update_started = clock.now
+    step_context = context(1, target, drafter)
+    for micro_batch in range(6):
+        clock.now += 7.0  # each micro-batch's forward and backward
+        sidecar.on_hidden_states(step_context, *_micro_batch(target, step=1, seed=micro_batch))
+        drafter_seconds = step_context.metrics.get("drafter_update_seconds", 0.0)
+        other_seconds = clock.now - update_started - drafter_seconds
+        assert drafter_seconds <= 0.1 * other_seconds, (micro_batch, drafter_seconds, other_seconds)
+    assert step_context.metrics["drafter_update_steps"] >= 3
+
+
 @pytest.mark.parametrize("update_share", [0.0, 0.05])
 def test_no_drafter_step_in_the_update_with_a_zero_share_or_outside_an_update(update_share):
     target = tiny_target()
