@@ -53,6 +53,49 @@ def test_the_measuring_process_exits_with_a_killed_bench(tmp_path):
     assert not outlived(measuring, 30), "the measuring process outlived the killed bench by 30 s"
 
 
+# the measuring process's one-rank group joined as the bench joins it, held until the test has looked at its sockets
+JOINED = """
+import shutil, sys
+from tlt_cli.bench.update_worker import join_one_rank
+from tlt_cli.config import load_recipe
+from tlt_cli.processes.distributed import private_rendezvous_directory
+from tlt_cli.recipes import resolve_recipe_path
+
+rendezvous = private_rendezvous_directory()
+try:
+    join_one_rank(load_recipe(resolve_recipe_path("tiny-cpu"), []), rendezvous)
+    print("joined", flush=True)
+    sys.stdin.readline()
+finally:
+    shutil.rmtree(rendezvous)
+"""
+
+
+def test_the_measuring_processs_group_listens_on_no_interface_but_loopback(tmp_path):
+    """torch's TCPStore listened on every interface (`*:29733`); the group now meets in a file, as tlt train's do."""
+    import psutil
+
+    script = tmp_path / "joined.py"
+    script.write_text(textwrap.dedent(JOINED))
+    joined = subprocess.Popen(
+        [sys.executable, str(script)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=os.environ.copy()
+    )
+    try:
+        said = ""
+        while said != "joined" and joined.poll() is None:
+            said = joined.stdout.readline().strip()
+        assert said == "joined", f"the process group was not joined (exit {joined.poll()})"
+        listening = [
+            connection.laddr
+            for connection in psutil.Process(joined.pid).net_connections(kind="tcp")
+            if connection.status == psutil.CONN_LISTEN
+        ]
+        assert all(address.ip in ("127.0.0.1", "::1") for address in listening), listening
+    finally:
+        joined.communicate("\n", timeout=60)
+    assert joined.returncode == 0
+
+
 # a rank that holds tlt's build lock while it builds (the build faked: torch's baton held, and a long sleep)
 BUILDER = """
 import sys, time
