@@ -1,7 +1,9 @@
 """Faults of round 7 (issue 65) that need real processes: `tlt bench update`'s measuring process exits with the
-bench when the bench is killed, as `tlt train`'s workers do; DeepSpeed's op build runs under a lock tlt owns, so a
-rank waits for another's build naming its holder within a bound, a build stopped with Ctrl-C removes torch's lock,
-and a second run on one cache reaches its step 0 once the first is stopped during its build."""
+bench when the bench is killed, as `tlt train`'s workers do, and its process group listens on no interface but
+loopback; DeepSpeed's op build runs under a lock tlt owns, so a rank waits for another's build naming its holder
+within a bound, a build stopped with Ctrl-C removes torch's lock, the build's compilers (a real build, stopped as it
+compiles) stop with the rank killed or stopped, and a second run on one cache reaches its step 0 once the first is
+stopped during its build."""
 
 from __future__ import annotations
 
@@ -158,6 +160,53 @@ def test_a_build_stopped_by_ctrl_c_then_the_drivers_sigterm_removes_torchs_lock(
     builder.send_signal(signal.SIGTERM)
     assert builder.wait(timeout=30) != 0
     assert not left.exists(), "the interrupted build left torch's lock, on which every later build waits for good"
+
+
+# a rank that builds DeepSpeed's op for real into an empty extensions folder (argv[1])
+BUILDING_RANK = """
+import sys
+from pathlib import Path
+from tlt_cli.processes.op_build import built_deepspeed_ops
+
+built_deepspeed_ops(Path(sys.argv[1]), lambda said: print(said, flush=True))
+"""
+# the processes that show a build is compiling (ninja, and gcc's compiler proper)
+COMPILERS = ("ninja", "cc1plus")
+
+
+@pytest.mark.parametrize("stop", [signal.SIGKILL, signal.SIGTERM])
+def test_the_builds_compilers_stop_with_the_rank_that_builds(tmp_path, stop):
+    """Ninja and its compilers ran on for about 2 minutes after the rank that built was killed, while the next run
+    removed the lock and rebuilt into the same folder: none is left 5 s after the rank is killed or stopped."""
+    import psutil
+
+    extensions = tmp_path / "torch_extensions"
+    environment = {**os.environ, "TORCH_EXTENSIONS_DIR": str(extensions), "DS_ACCELERATOR": "cpu"}
+    rank = subprocess.Popen([sys.executable, "-c", BUILDING_RANK, str(extensions)], env=environment)
+    try:
+        deadline = time.monotonic() + faults.HANG_GUARD_SECONDS
+        compilers = []
+        while not compilers and rank.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+            descendants = psutil.Process(rank.pid).children(recursive=True)
+            compilers = [process for process in descendants if _name(process) in COMPILERS]
+        assert compilers, "the build started no compiler"
+        building = [process.pid for process in descendants]  # the build's child, ninja, the compilers' shells
+        rank.send_signal(stop)
+        rank.wait(timeout=60)
+    finally:
+        rank.kill()
+        rank.wait()
+    survivors = [pid for pid in building if outlived(pid, 5)]
+    assert not survivors, f"the build's processes {survivors} outlived the rank stopped by {stop.name} by 5 s"
+    assert not (extensions / "deepspeed_shm_comm" / "lock").exists(), "the stopped build left torch's lock"
+
+
+def _name(process) -> str:
+    try:
+        return process.name()
+    except Exception:  # noqa: BLE001 - a process gone between the listing and the look
+        return ""
 
 
 @pytest.mark.slow
