@@ -7,7 +7,8 @@ section (lr, weight_decay, window_steps, batch_size, update_share). In every wor
     RL steps;
   - trains on each micro-batch's features as the update produces them, every response token of
     the step first, then replays from the window, spending at most update_share of the update's
-    own time (measured as it goes, so the bound holds on any machine and model): the update
+    own time (measured as it goes, so the bound holds on any machine and model; a step starts only when the
+    drafter's seconds with it, predicted from its recent steps, stay within the share): the update
     sees every token of every step, where the idle tail alone gave a real model 0-29 steps;
   - while its worker waits for the others (`on_worker_idle`), runs short drafter training steps for idle_duty of
     the wait, pausing between them (a worker still decoding next door shares the memory bus with it)
@@ -21,7 +22,8 @@ section (lr, weight_decay, window_steps, batch_size, update_share). In every wor
     worker's next rollout speculates with its own copy, trained on through the update (an SGLang
     server gets the average, a step later). An average that is not finite is discarded and the
     last good drafter kept;
-  - saves and restores its state with checkpoints: drafter weights, optimizer and buffer window.
+  - saves and restores its state with checkpoints: drafter weights, optimizer and buffer window; a state that is
+    missing, damaged (drafter_sidecar_state.py), or another drafter's is one warning and a fresh sidecar.
 It ships with tlt but plugs in as a third party's plugin would (tlt_cli/plugins.py): the entry
 point `drafter_sidecar` of the `tlt.plugins` group names this class, and the core never names it.
 The core learns what it needs from class attributes: `trains_drafter` (the run builds a drafter),
@@ -42,16 +44,19 @@ from typing import Any
 
 import torch
 
-from tlt_cli.checkpoint import DRAFTER_DIRECTORY, load_checkpoint_file
+from tlt_cli.checkpoint import DRAFTER_DIRECTORY, CheckpointError, load_checkpoint_file
 from tlt_cli.config import DrafterConfig, Recipe, RolloutConfig, RunConfig
 from tlt_cli.drafter.loss import objective_named
 from tlt_cli.drafter.model import save_drafter
 from tlt_cli.drafter.trainer import DrafterBatch, DrafterTrainer
 from tlt_cli.plugins import MetricColumn
+from tlt_plugins.drafter_sidecar_state import state_problem
 
 LOGGER = logging.getLogger(__name__)
 # how often a paused idle worker checks whether the rollout is over (its delay to the step, at most)
 PAUSE_POLL_SECONDS = 0.01
+# how many of the drafter's latest steps (idle and in the update) predict the next one's seconds
+PREDICTING_STEPS = 8
 
 # what recipes enable it by (`plugins.enabled: [drafter_sidecar]`): its entry point in the tlt.plugins group
 PLUGIN_NAME = "drafter_sidecar"
@@ -132,6 +137,8 @@ class DrafterSidecar:
         self.update_started: float | None = None
         self.update_steps = 0
         self.update_seconds = 0.0
+        # the seconds of the drafter's latest steps: the cost of its next step in the update, predicted
+        self.recent_step_seconds: deque[float] = deque(maxlen=PREDICTING_STEPS)
         # [V] float64: tokens emitted by this worker's responses since the last rollout end, and by every worker's
         # over the run (what a reduced draft vocabulary follows); built when the drafter is attached
         self.emitted_now: torch.Tensor | None = None
@@ -152,16 +159,42 @@ class DrafterSidecar:
 
     def _attach(self, drafter: torch.nn.Module, rank: int) -> None:
         self.drafter, self.rank = drafter, rank
+        self._start_fresh()
+        if self.pending_state is not None:
+            self._restore_or_start_fresh(self.pending_state)
+            self.pending_state = None
+        self.last_good = _copy_parameters(drafter)
+
+    def _start_fresh(self) -> None:
+        """A new trainer over the attached drafter, an empty window, the worker's seed, no counts."""
+        drafter = self.drafter
         self.trainer = DrafterTrainer(
             drafter, lr=self.settings.lr, weight_decay=self.settings.weight_decay, objective=self.objective
         )
-        self.generator.manual_seed(self.seed * 7919 + rank)
+        self.window, self.version, self.steps_since_average = deque(), 0, 0
+        self.generator.manual_seed(self.seed * 7919 + self.rank)
         self.emitted_now = torch.zeros(drafter.target_vocab_size, dtype=torch.float64)
         self.emitted_total = torch.zeros(drafter.target_vocab_size, dtype=torch.float64)
-        if self.pending_state is not None:
-            self._restore(self.pending_state)
-            self.pending_state = None
-        self.last_good = _copy_parameters(drafter)
+
+    def _restore_or_start_fresh(self, state: dict) -> None:
+        """Restore a whole state; one that does not fit this drafter (another drafter's shapes or vocabulary) is a
+        warning, and the drafter goes back to its starting weights and draft vocabulary under a fresh sidecar."""
+        starting_weights = _copy_parameters(self.drafter)
+        vocabulary = self.drafter.vocabulary
+        starting_vocabulary = vocabulary.target_ids.clone() if vocabulary.is_reduced else None
+        try:
+            self._restore(state)
+        except Exception as error:  # noqa: BLE001 - a state that does not fit is a fresh start, never a disabled sidecar
+            LOGGER.warning(
+                "drafter sidecar state does not fit this run's drafter (%s: %s): the sidecar starts fresh.",
+                type(error).__name__,
+                str(error).splitlines()[0][:200] if str(error) else "",
+            )
+            _load_parameters(self.drafter, starting_weights)
+            if starting_vocabulary is not None:
+                vocabulary.target_ids.copy_(starting_vocabulary)
+                self.drafter.refresh_draft_head()
+            self._start_fresh()
 
     def on_request_finished(self, context: Any, completion: Any) -> None:
         """Count the response's tokens (the draft vocabulary follows them at rollout end)."""
@@ -197,13 +230,21 @@ class DrafterSidecar:
             started = self.clock()
             with torch.enable_grad():  # the actor may call from its no-grad log-prob pass
                 self._train_step(batch)
-            self.update_seconds += self.clock() - started
+            step_seconds = self.clock() - started
+            self.recent_step_seconds.append(step_seconds)
+            self.update_seconds += step_seconds
             self.update_steps += 1
 
     def _update_budget_left(self) -> bool:
-        """Whether the drafter's seconds in this update are below update_share x the update's other seconds."""
+        """Whether one more drafter step keeps the drafter's seconds in this update within update_share x the
+        update's other seconds: its cost predicted as the mean of the latest steps (before any was measured, whether
+        the seconds so far are below the share: one step's granularity, once a run)."""
         elapsed = self.clock() - self.update_started
-        return self.update_seconds < self.settings.update_share * (elapsed - self.update_seconds)
+        allowed = self.settings.update_share * (elapsed - self.update_seconds)
+        if not self.recent_step_seconds:
+            return self.update_seconds < allowed
+        predicted = sum(self.recent_step_seconds) / len(self.recent_step_seconds)
+        return self.update_seconds + predicted <= allowed
 
     def _train_step(self, batch: DrafterBatch) -> bool:
         """One drafter step, counted toward the next average when it was finite (returned)."""
@@ -220,6 +261,7 @@ class DrafterSidecar:
             started = self.clock()
             self.steps_done += self._train_step(self._sample_batch())
             step_seconds = self.clock() - started
+            self.recent_step_seconds.append(step_seconds)
             self.train_seconds += step_seconds
             self._pause(step_seconds * (1 - duty) / duty, rollout_over)
 
@@ -308,8 +350,16 @@ class DrafterSidecar:
                 "checkpoint %s has no drafter sidecar state (%s): the sidecar starts fresh.", directory, path
             )
             return
-        # the buffer window pickles as StepData of DrafterBatch tensors: the only classes it may hold
-        self.pending_state = load_checkpoint_file(path, allowed_classes=(StepData, DrafterBatch))
+        try:  # the buffer window pickles as StepData of DrafterBatch tensors: the only classes it may hold
+            saved = load_checkpoint_file(path, allowed_classes=(StepData, DrafterBatch))
+        except CheckpointError as error:
+            LOGGER.warning("%s; the drafter sidecar starts fresh.", str(error).rstrip("."))
+            return
+        problem = state_problem(saved, StepData)
+        if problem is not None:
+            LOGGER.warning("drafter sidecar state %s is damaged (%s): the sidecar starts fresh.", path, problem)
+            return
+        self.pending_state = saved
 
     def _state(self) -> dict:
         return {

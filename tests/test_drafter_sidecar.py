@@ -13,7 +13,7 @@ from tiny_models import tiny_qwen2
 from tlt_cli.config import DrafterConfig
 from tlt_cli.drafter.model import EagleDrafter
 from tlt_cli.drafter.vocabulary import DraftVocabulary
-from tlt_cli.plugins import StepContext
+from tlt_cli.plugins import PluginHost, StepContext
 from tlt_cli.processes.distributed import free_port
 from tlt_cli.rollout.types import Completion
 from tlt_cli.training.policy_batch import build_policy_batch
@@ -196,6 +196,36 @@ def test_the_update_share_bounds_the_drafter_seconds_over_many_micro_batches():
     assert step_context.metrics["drafter_update_steps"] >= 4
 
 
+def test_a_drafter_step_starts_in_the_update_only_when_its_predicted_seconds_keep_the_share():
+    """The cap holds, not one step past it: the drafter's update seconds the trace records stay within update_share
+    of the update's other seconds after every micro-batch, each step's cost predicted from the steps measured (here
+    one idle step of the rollout before, each step one second of the test's clock)."""
+    target = tiny_target()
+    clock = ManualClock()
+    sidecar, drafter = started_sidecar(target, batch_size=2, update_share=0.1)
+    sidecar.clock = clock
+    train_step = sidecar.trainer.train_step
+
+    def one_second_step(batch):
+        clock.now += 1.0
+        return train_step(batch)
+
+    sidecar.trainer.train_step = one_second_step
+    feed(sidecar, target, 0)
+    polls = iter([False, True])
+    sidecar.on_worker_idle(context(0, target, drafter), lambda: next(polls))  # one step of the idle tail
+    sidecar.on_rollout_end(context(0, target, drafter))
+    update_started = clock.now
+    step_context = context(1, target, drafter)
+    for micro_batch in range(6):
+        clock.now += 7.0  # each micro-batch's forward and backward
+        sidecar.on_hidden_states(step_context, *_micro_batch(target, step=1, seed=micro_batch))
+        drafter_seconds = step_context.metrics.get("drafter_update_seconds", 0.0)
+        other_seconds = clock.now - update_started - drafter_seconds
+        assert drafter_seconds <= 0.1 * other_seconds, (micro_batch, drafter_seconds, other_seconds)
+    assert step_context.metrics["drafter_update_steps"] >= 3
+
+
 @pytest.mark.parametrize("update_share", [0.0, 0.05])
 def test_no_drafter_step_in_the_update_with_a_zero_share_or_outside_an_update(update_share):
     target = tiny_target()
@@ -276,6 +306,84 @@ def test_a_checkpoint_written_without_the_sidecar_starts_it_fresh(tmp_path, capl
     sidecar.on_checkpoint_load(tmp_path)  # a plain run's checkpoint, resumed with TLT on
     assert sidecar.pending_state is None
     assert "starts fresh" in caplog.text
+
+
+def saved_sidecar(target, directory):
+    """A sidecar that trained a few idle steps, its state checkpointed into `directory`; its state file."""
+    sidecar, drafter = started_sidecar(target)
+    feed(sidecar, target, 0)
+    polls = iter([False] * 3 + [True])
+    sidecar.on_worker_idle(context(1, target, drafter), lambda: next(polls))
+    sidecar.on_checkpoint_save(directory)
+    return directory / "drafter_sidecar" / "rank-0.pt"
+
+
+def resumed_through_the_host(target, directory):
+    """A new sidecar resumed from `directory` as a worker does (through PluginHost), at its first rollout; the
+    sidecar, its drafter and the host."""
+    sidecar = DrafterSidecar(recipe())
+    sidecar.name = "drafter_sidecar"
+    host = PluginHost([sidecar])
+    host.call("on_checkpoint_load", directory)
+    drafter = EagleDrafter(target, seed=2)
+    host.call("on_rollout_start", context(1, target, drafter))
+    return sidecar, drafter, host
+
+
+def test_a_state_file_with_4_kb_zeroed_and_its_size_kept_is_damage_and_the_sidecar_starts_fresh(tmp_path, caplog):
+    target = tiny_target()
+    path = saved_sidecar(target, tmp_path)
+    size = path.stat().st_size
+    with path.open("r+b") as handle:
+        handle.seek(size // 2)
+        handle.write(bytes(4096))
+    assert path.stat().st_size == size
+    sidecar, drafter, host = resumed_through_the_host(target, tmp_path)
+    assert host.failures == [] and not host.disabled
+    assert f"checkpoint file {path} is damaged (record" in caplog.text
+    assert "the drafter sidecar starts fresh" in caplog.text
+    assert not sidecar.window and sidecar.trainer.steps_taken == 0
+    fresh = EagleDrafter(target, seed=2)
+    assert all(torch.equal(value, fresh.state_dict()[name]) for name, value in drafter.state_dict().items())
+
+
+@pytest.mark.parametrize(
+    ("saved", "said"),
+    [
+        ({}, "it has no 'trainer', 'window', 'version', 'generator'"),
+        ([1, 2], "it holds a list"),
+        ({"trainer": None, "window": [], "version": 0, "generator": "seed"}, "'generator' is not a random"),
+        ({"trainer": {}, "window": [], "version": 0, "generator": torch.Generator().get_state()}, "'trainer' lacks"),
+    ],
+)
+def test_a_loadable_but_incomplete_state_is_one_warning_and_a_fresh_sidecar_never_a_disabled_one(
+    tmp_path, caplog, saved, said
+):
+    target = tiny_target()
+    (tmp_path / "drafter_sidecar").mkdir()
+    torch.save(saved, tmp_path / "drafter_sidecar" / "rank-0.pt")
+    sidecar, drafter, host = resumed_through_the_host(target, tmp_path)
+    assert host.failures == [] and not host.disabled
+    assert f"drafter sidecar state {tmp_path / 'drafter_sidecar' / 'rank-0.pt'} is damaged ({said}" in caplog.text
+    assert "the sidecar starts fresh" in caplog.text
+    feed(sidecar, target, 1)
+    polls = iter([False, True])
+    host.call("on_worker_idle", context(1, target, drafter), lambda: next(polls))
+    assert sidecar.steps_done == 1 and host.failures == []
+
+
+def test_another_drafters_state_is_a_warning_and_the_drafter_keeps_its_starting_weights(tmp_path, caplog):
+    target = tiny_target()
+    path = saved_sidecar(target, tmp_path)
+    saved = torch.load(path, weights_only=False)
+    saved["trainer"]["drafter"]["fc.weight"] = torch.zeros(3, 3)  # another drafter's shape
+    torch.save(saved, path)
+    sidecar, drafter, host = resumed_through_the_host(target, tmp_path)
+    assert host.failures == [] and not host.disabled
+    assert "drafter sidecar state does not fit this run's drafter (RuntimeError" in caplog.text
+    fresh = EagleDrafter(target, seed=2)
+    assert all(torch.equal(value, fresh.state_dict()[name]) for name, value in drafter.state_dict().items())
+    assert not sidecar.window and sidecar.version == 0
 
 
 @pytest.mark.parametrize(("idle_duty", "steps"), [(1.0, 20), (0.25, 5), (0.0, 0)])

@@ -203,12 +203,12 @@ def test_run_directory_exports_the_latest_checkpoint_against_the_actor_weights_o
 
     source = resolve_source(run, None)
     target, _ = load_target(source)
-    assert source.rl_step == 3 and torch.equal(target.model.norm.weight, policy.model.norm.weight)
+    assert source.rl_step == 2 and torch.equal(target.model.norm.weight, policy.model.norm.weight)
     result = runner.invoke(app, ["export-drafter", str(run), str(tmp_path / "out"), "--prompts", "2"])
     assert result.exit_code == 0, result.output
     assert "accept length" in result.output and "reload reproduces" in result.output
     card = (tmp_path / "out" / "README.md").read_text()
-    assert "after 3 RL steps" in card and "--model-path policy-step-3" in card
+    assert "after RL step 2" in card and "--model-path policy-step-2" in card
 
     again = runner.invoke(app, ["export-drafter", str(run), str(tmp_path / "out")])
     assert again.exit_code == 2 and "not empty" in again.output

@@ -58,12 +58,13 @@ def test_export_loads_in_transformers_with_the_checkpoints_log_probs_exactly(tmp
     out = tmp_path / "policy"
     result = runner.invoke(app, ["export-policy", str(run), str(out)])
     assert result.exit_code == 0, result.output
-    assert "after RL step 3" in result.output and "log-probs equal the checkpoint's" in result.output
+    assert "checkpoint step_000003, written after RL step 2" in result.output
+    assert "log-probs equal the checkpoint's" in result.output
     assert {"config.json", "model.safetensors", "tlt_policy.json", "tokenizer_config.json"} <= {
         path.name for path in out.iterdir()
     }
     assert not [path for path in tmp_path.iterdir() if path.name.startswith(".policy")]  # no staging left
-    assert json.loads((out / "tlt_policy.json").read_text())["rl_step"] == 3
+    assert json.loads((out / "tlt_policy.json").read_text())["rl_step"] == 2
     # the run's drafter is held for the exported policy, so a run on `out` starts with it (drafter.init auto)
     assert "the run's drafter is held for the exported policy" in result.output
     held, record = library.newest(setup.model_cache(load_checked_recipe(run / "recipe.yaml")), out)
@@ -90,10 +91,26 @@ def test_step_picks_an_earlier_checkpoint_and_an_empty_output_folder_is_filled(t
     run, policies = trained_run
     out = tmp_path / "policy-2"
     out.mkdir()
-    result = runner.invoke(app, ["export-policy", str(run), str(out), "--step", "2"])
+    result = runner.invoke(app, ["export-policy", str(run), str(out), "--step", "1"])
     assert result.exit_code == 0, result.output
     loaded = AutoModelForCausalLM.from_pretrained(out).eval()
     assert torch.equal(loaded.model.norm.weight, policies[2].model.norm.weight)
+
+
+def test_step_numbers_count_from_0_as_the_trace_does(tmp_path, trained_run):
+    """step_000003 holds next_step 3, written after the trace's steps 0, 1 and 2: `--step 2` is that checkpoint, and
+    the output, tlt_policy.json and the refusal of `--step 3` say step 2, as the trace and --resume do."""
+    run, policies = trained_run
+    out = tmp_path / "policy"
+    result = runner.invoke(app, ["export-policy", str(run), str(out), "--step", "2"])
+    assert result.exit_code == 0, result.output
+    assert "exported the policy of checkpoint step_000003, written after RL step 2" in result.output
+    assert json.loads((out / "tlt_policy.json").read_text())["rl_step"] == 2
+    loaded = AutoModelForCausalLM.from_pretrained(out).eval()
+    assert torch.equal(loaded.model.norm.weight, policies[3].model.norm.weight)
+    refused = runner.invoke(app, ["export-policy", str(run), str(tmp_path / "later"), "--step", "3"])
+    assert refused.exit_code == 2, refused.output
+    assert "no checkpoint written after step 3; its checkpoints were written after steps 1, 2" in refused.output
 
 
 def test_refusals_are_one_sentence_and_write_nothing(tmp_path, trained_run):
@@ -102,7 +119,7 @@ def test_refusals_are_one_sentence_and_write_nothing(tmp_path, trained_run):
     (tmp_path / "full" / "notes.txt").write_text("keep me")
     cases = {
         (str(run), str(tmp_path / "full")): "is not empty",
-        (str(run), str(tmp_path / "a"), "--step", "7"): "no checkpoint after step 7; its checkpoints: 2, 3",
+        (str(run), str(tmp_path / "a"), "--step", "7"): "no checkpoint written after step 7; its checkpoints were",
         (str(tmp_path / "nowhere"), str(tmp_path / "b")): "is not a run directory",
     }
     for arguments, message in cases.items():
@@ -129,8 +146,8 @@ def test_the_drafter_cards_serving_command_exports_the_policy_first(tmp_path, tr
     result = runner.invoke(app, ["export-drafter", str(run), str(tmp_path / "drafter"), "--prompts", "1"])
     assert result.exit_code == 0, result.output
     card = (tmp_path / "drafter" / "README.md").read_text()
-    assert f"tlt export-policy {run} policy-step-3 --step 3\n" in card
-    assert "--model-path policy-step-3 " in card
+    assert f"tlt export-policy {run} policy-step-2 --step 2\n" in card
+    assert "--model-path policy-step-2 " in card
 
 
 def test_a_link_and_a_folder_in_the_runs_checkpoints_are_refused_in_one_sentence(tmp_path, trained_run):

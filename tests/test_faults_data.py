@@ -194,6 +194,20 @@ def test_a_weights_only_load_refuses_code_and_names_the_file(tmp_path):
     assert "\n" not in str(refused.value) and not marker.exists()
 
 
+def test_a_file_with_bytes_zeroed_and_its_size_kept_is_refused_naming_the_file(tmp_path):
+    import torch
+
+    path = tmp_path / "state.pt"
+    torch.save({"weights": torch.arange(4096, dtype=torch.float32)}, path)
+    size = path.stat().st_size
+    with path.open("r+b") as handle:
+        handle.seek(size // 2)
+        handle.write(bytes(4096))
+    with pytest.raises(CheckpointError, match=r"state.pt is damaged \(record state/data/0 does not match") as refused:
+        load_checkpoint_file(path)
+    assert "\n" not in str(refused.value)
+
+
 @pytest.fixture
 def wrong_shape_model(tmp_path) -> Path:
     """The shipped tiny model's folder with one tensor one row too long."""

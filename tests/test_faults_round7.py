@@ -1,7 +1,9 @@
 """Faults of round 7 (issue 65) that need real processes: `tlt bench update`'s measuring process exits with the
-bench when the bench is killed, as `tlt train`'s workers do; DeepSpeed's op build runs under a lock tlt owns, so a
-rank waits for another's build naming its holder within a bound, a build stopped with Ctrl-C removes torch's lock,
-and a second run on one cache reaches its step 0 once the first is stopped during its build."""
+bench when the bench is killed, as `tlt train`'s workers do, and its process group listens on no interface but
+loopback; DeepSpeed's op build runs under a lock tlt owns, so a rank waits for another's build naming its holder
+within a bound, a build stopped with Ctrl-C removes torch's lock, the build's compilers (a real build, stopped as it
+compiles) stop with the rank killed or stopped, and a second run on one cache reaches its step 0 once the first is
+stopped during its build."""
 
 from __future__ import annotations
 
@@ -51,6 +53,49 @@ def test_the_measuring_process_exits_with_a_killed_bench(tmp_path):
     bench.wait()
     # it may still import torch when the bench dies: it exits as its imports end and it first looks
     assert not outlived(measuring, 30), "the measuring process outlived the killed bench by 30 s"
+
+
+# the measuring process's one-rank group joined as the bench joins it, held until the test has looked at its sockets
+JOINED = """
+import shutil, sys
+from tlt_cli.bench.update_worker import join_one_rank
+from tlt_cli.config import load_recipe
+from tlt_cli.processes.distributed import private_rendezvous_directory
+from tlt_cli.recipes import resolve_recipe_path
+
+rendezvous = private_rendezvous_directory()
+try:
+    join_one_rank(load_recipe(resolve_recipe_path("tiny-cpu"), []), rendezvous)
+    print("joined", flush=True)
+    sys.stdin.readline()
+finally:
+    shutil.rmtree(rendezvous)
+"""
+
+
+def test_the_measuring_processs_group_listens_on_no_interface_but_loopback(tmp_path):
+    """torch's TCPStore listened on every interface (`*:29733`); the group now meets in a file, as tlt train's do."""
+    import psutil
+
+    script = tmp_path / "joined.py"
+    script.write_text(textwrap.dedent(JOINED))
+    joined = subprocess.Popen(
+        [sys.executable, str(script)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=os.environ.copy()
+    )
+    try:
+        said = ""
+        while said != "joined" and joined.poll() is None:
+            said = joined.stdout.readline().strip()
+        assert said == "joined", f"the process group was not joined (exit {joined.poll()})"
+        listening = [
+            connection.laddr
+            for connection in psutil.Process(joined.pid).net_connections(kind="tcp")
+            if connection.status == psutil.CONN_LISTEN
+        ]
+        assert all(address.ip in ("127.0.0.1", "::1") for address in listening), listening
+    finally:
+        joined.communicate("\n", timeout=60)
+    assert joined.returncode == 0
 
 
 # a rank that holds tlt's build lock while it builds (the build faked: torch's baton held, and a long sleep)
@@ -115,6 +160,53 @@ def test_a_build_stopped_by_ctrl_c_then_the_drivers_sigterm_removes_torchs_lock(
     builder.send_signal(signal.SIGTERM)
     assert builder.wait(timeout=30) != 0
     assert not left.exists(), "the interrupted build left torch's lock, on which every later build waits for good"
+
+
+# a rank that builds DeepSpeed's op for real into an empty extensions folder (argv[1])
+BUILDING_RANK = """
+import sys
+from pathlib import Path
+from tlt_cli.processes.op_build import built_deepspeed_ops
+
+built_deepspeed_ops(Path(sys.argv[1]), lambda said: print(said, flush=True))
+"""
+# the processes that show a build is compiling (ninja, and gcc's compiler proper)
+COMPILERS = ("ninja", "cc1plus")
+
+
+@pytest.mark.parametrize("stop", [signal.SIGKILL, signal.SIGTERM])
+def test_the_builds_compilers_stop_with_the_rank_that_builds(tmp_path, stop):
+    """Ninja and its compilers ran on for about 2 minutes after the rank that built was killed, while the next run
+    removed the lock and rebuilt into the same folder: none is left 5 s after the rank is killed or stopped."""
+    import psutil
+
+    extensions = tmp_path / "torch_extensions"
+    environment = {**os.environ, "TORCH_EXTENSIONS_DIR": str(extensions), "DS_ACCELERATOR": "cpu"}
+    rank = subprocess.Popen([sys.executable, "-c", BUILDING_RANK, str(extensions)], env=environment)
+    try:
+        deadline = time.monotonic() + faults.HANG_GUARD_SECONDS
+        compilers = []
+        while not compilers and rank.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+            descendants = psutil.Process(rank.pid).children(recursive=True)
+            compilers = [process for process in descendants if _name(process) in COMPILERS]
+        assert compilers, "the build started no compiler"
+        building = [process.pid for process in descendants]  # the build's child, ninja, the compilers' shells
+        rank.send_signal(stop)
+        rank.wait(timeout=60)
+    finally:
+        rank.kill()
+        rank.wait()
+    survivors = [pid for pid in building if outlived(pid, 5)]
+    assert not survivors, f"the build's processes {survivors} outlived the rank stopped by {stop.name} by 5 s"
+    assert not (extensions / "deepspeed_shm_comm" / "lock").exists(), "the stopped build left torch's lock"
+
+
+def _name(process) -> str:
+    try:
+        return process.name()
+    except Exception:  # noqa: BLE001 - a process gone between the listing and the look
+        return ""
 
 
 @pytest.mark.slow

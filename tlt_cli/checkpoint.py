@@ -15,7 +15,10 @@ naming the file system and its free bytes; the driver then removes the staging f
 
 `load_checkpoint_file` is how every `.pt` file of a run directory is read: `torch.load` restricted to
 tensors and plain data (`weights_only=True`) plus the few classes a caller names, so a copied or
-shared run directory cannot run code on `--resume`.
+shared run directory cannot run code on `--resume`. Before loading it checks every record of the file's zip
+archive against the CRC-32 torch.save wrote for it (torch.load does not), so bytes zeroed or overwritten with the
+size kept are a `CheckpointError` naming the file, never a silently different tensor; the check reads the file
+once more (about 0.4 s per GB on the 2-core test machine).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import pickle
 import re
 import shutil
 import warnings
+import zipfile
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,6 +51,8 @@ DRAFTER_DIRECTORY = "drafter"
 FILE_SIZES_KEY = "file_sizes"
 # step_000010: the step number, at least six digits wide (ordered by number, so step_1000000 follows step_999999)
 CHECKPOINT_NAME = re.compile(r"step_(\d{6,})")
+# how a zip archive (torch.save's format since torch 1.6) begins: a local file header
+ZIP_MAGIC = b"PK\x03\x04"
 # the lines of torch.load's weights-only refusal that are advice, not the reason
 TORCH_LOAD_ADVICE = ("Weights only load failed", "Check the documentation")
 # errno values of a write refused for want of room: the file system is full, or the user's quota is
@@ -74,6 +80,11 @@ class Checkpoint:
     @property
     def next_step(self) -> int:
         return int(self.state["next_step"])
+
+    @property
+    def last_step(self) -> int:
+        """The RL step it was written after, counted from 0 as the trace and the live table count (step_000003: 2)."""
+        return self.next_step - 1
 
 
 def checkpoint_name(next_step: int) -> str:
@@ -243,10 +254,14 @@ def load_checkpoint_file(path: Path, allowed_classes: Iterable[type] = (), map_l
 
     Trade-off: `weights_only=True` refuses any object the caller did not name, so a class added to
     a saved state later must be named here too (a resume then says which global was refused); in
-    exchange a copied or shared run directory can never run code. CheckpointError names the file.
+    exchange a copied or shared run directory can never run code. CheckpointError names the file, also when a
+    record's bytes differ from its recorded CRC-32 (`damaged_record`).
     """
     import torch
 
+    damage = damaged_record(path)
+    if damage is not None:
+        raise CheckpointError(f"checkpoint file {path} is damaged ({damage}); its bytes changed after it was written.")
     try:
         # torch warns that a plain pickle's protocol is not its default: noise beside the refusal
         with torch.serialization.safe_globals(list(allowed_classes)), warnings.catch_warnings():
@@ -259,6 +274,22 @@ def load_checkpoint_file(path: Path, allowed_classes: Iterable[type] = (), map_l
             f"checkpoint file {path} cannot be loaded safely ({load_failure_reason(error)}): it is damaged or was not "
             "written by tlt, and tlt loads only tensors and plain data from a run directory."
         ) from None
+
+
+def damaged_record(path: Path) -> str | None:
+    """What is wrong with a zip-format `.pt` file whose records do not match their CRC-32 or whose archive is broken;
+    None when every record matches, or when the file is no zip archive (torch.load then says what it is)."""
+    try:
+        with path.open("rb") as handle:
+            if handle.read(len(ZIP_MAGIC)) != ZIP_MAGIC:
+                return None
+            with zipfile.ZipFile(handle) as archive:
+                failed = archive.testzip()
+    except FileNotFoundError:
+        return None
+    except (zipfile.BadZipFile, EOFError, OSError, ValueError, NotImplementedError) as error:
+        return f"its zip archive is broken: {_first_sentence(str(error)) or type(error).__name__}"
+    return f"record {failed} does not match its CRC-32" if failed is not None else None
 
 
 def load_failure_reason(error: Exception) -> str:

@@ -81,7 +81,8 @@ class DrafterSource:
 
     drafter_dir: Path
     recipe: Recipe
-    # RL steps completed when the checkpoint was written (None for a drafter folder outside a run)
+    # the RL step the checkpoint was written after, counted from 0 as the trace counts (step_000003: 2; None for a
+    # drafter folder outside a run)
     rl_step: int | None
     # the checkpoint whose actor weights are the target (None: the recipe's model as it is)
     checkpoint_dir: Path | None
@@ -250,7 +251,7 @@ def _checkpoint_source(checkpoint_dir: Path, recipe_path: Path | None) -> Drafte
     except CheckpointError as error:
         raise ExportError(str(error)) from None
     return DrafterSource(
-        drafter_dir, _recipe(recipe_path or run_recipe), rl_step=state["next_step"], checkpoint_dir=checkpoint_dir
+        drafter_dir, _recipe(recipe_path or run_recipe), rl_step=state["next_step"] - 1, checkpoint_dir=checkpoint_dir
     )
 
 
@@ -387,7 +388,7 @@ def target_description(source: DrafterSource, target: PreTrainedModel) -> str:
     if source.rl_step is None:
         return folder
     return (
-        f"{source.recipe.model.path} after {source.rl_step} RL steps "
+        f"{source.recipe.model.path} after RL step {source.rl_step} "
         f"(actor weights in {source.checkpoint_dir / CHECKPOINT_TAG})"
     )
 

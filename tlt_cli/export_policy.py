@@ -1,8 +1,9 @@
 """`tlt export-policy`: the trained policy at a run's checkpoint as a Hugging Face folder `transformers` loads.
 
 `export_policy(run_directory, output_dir, step)` reads the actor weights of a checkpoint (the run's latest,
-or the one after RL step `step`), loads them into the run recipe's model (`policy_at_checkpoint`, which
-`tlt export-drafter` uses for its target too) and writes, with `save_pretrained`,
+or the one written after RL step `step`, counted from 0 as the trace counts: step 2 is checkpoints/step_000003),
+loads them into the run recipe's model (`policy_at_checkpoint`, which `tlt export-drafter` uses for its target too)
+and writes, with `save_pretrained`,
   config.json, generation_config.json   the model's config; float32, the dtype the actor trains in on CPU
   model.safetensors                     the weights
   tokenizer files                       the run's tokenizer, so the folder is complete on its own
@@ -69,7 +70,7 @@ class PolicyExport:
     output_dir: str
     run_directory: str
     checkpoint: str
-    # RL steps completed when the checkpoint was written
+    # the RL step the checkpoint was written after, counted from 0 as the trace counts (step_000003: 2)
     rl_step: int
     model: str
     dtype: str
@@ -106,7 +107,7 @@ def export_policy(run_directory: Path, output_dir: Path, step: int | None = None
             output_dir=str(output_dir),
             run_directory=str(run_directory),
             checkpoint=str(checkpoint.directory),
-            rl_step=checkpoint.next_step,
+            rl_step=checkpoint.last_step,
             model=recipe.model.path,
             dtype=str(policy.dtype).removeprefix("torch."),
             checked_prompts=len(prompt_ids),
@@ -129,7 +130,7 @@ def _hold_drafter(recipe: Recipe, checkpoint: Checkpoint, policy_folder: Path) -
     if not (drafter_folder / CONFIG_FILE).is_file():
         return None
     record = library.DrafterRecord(
-        source=f"run {recipe.run.name}, step {checkpoint.next_step - 1} (its exported policy)",
+        source=f"run {recipe.run.name}, step {checkpoint.last_step} (its exported policy)",
         model=recipe.model.path,
         temperature=recipe.rollout.temperature,
     )
@@ -174,7 +175,7 @@ def _check_output(output_dir: Path, run_directory: Path) -> None:
 
 
 def run_checkpoint(run_directory: Path, step: int | None) -> Checkpoint:
-    """The run's latest complete checkpoint, or the one written after RL step `step`."""
+    """The run's latest complete checkpoint, or the one written after RL step `step` (from 0: step_<step + 1>)."""
     checkpoints = run_directory / "checkpoints"
     if not run_directory.is_dir() or not checkpoints.is_dir():
         raise PolicyExportError(f"{run_directory} is not a run directory with checkpoints; pass runs/<run.name>.")
@@ -183,10 +184,13 @@ def run_checkpoint(run_directory: Path, step: int | None) -> Checkpoint:
             if not (checkpoints / LATEST_FILE).is_file():
                 raise PolicyExportError(f"{run_directory} has no complete checkpoint to export yet.")
             return latest_checkpoint(run_directory)
-        folder = checkpoints / checkpoint_name(step)
+        folder = checkpoints / checkpoint_name(step + 1)
         if not folder.is_dir():
-            steps = ", ".join(str(checkpoint_number(path)) for path in numbered_checkpoints(checkpoints)) or "none"
-            raise PolicyExportError(f"{run_directory} has no checkpoint after step {step}; its checkpoints: {steps}.")
+            steps = ", ".join(str(checkpoint_number(path) - 1) for path in numbered_checkpoints(checkpoints))
+            raise PolicyExportError(
+                f"{run_directory} has no checkpoint written after step {step}; its checkpoints were written after "
+                f"steps {steps or 'none'} (steps count from 0, as the trace and the live table count)."
+            )
         return Checkpoint(folder, checked_state(folder))
     except CheckpointError as error:
         raise PolicyExportError(str(error)) from None

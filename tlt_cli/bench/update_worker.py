@@ -5,7 +5,8 @@ when asked, that update profiled against its roofline and a few steps of rollout
         '{"recipe": "tiny-cpu", "overrides": [], "profile": false, "steps": 0, "response_tokens": 0}'
 
 tlt_cli/bench/update.py starts it once per variant and repeat, so each measurement has its own peak memory,
-allocator and process group, and reads the JSON line it prints last. The process is one rank holding the whole
+allocator and process group (joined as tlt train's workers join theirs: in a file of a private folder, no
+listening port), and reads the JSON line it prints last. The process is one rank holding the whole
 optimizer state, planned as the driver plans a run (setup.py `planned_run`: actor.precision resolved, the decode
 plan), with one worker's actor as the worker loop builds it. Its measured batch: prompts_per_step /
 workers.count prompts of the task x group_size random responses, every one max_new_tokens long (the worst case)
@@ -24,7 +25,7 @@ tlt_cli/memory_hygiene.py).
 from __future__ import annotations
 
 import json
-import os
+import shutil
 import sys
 import tempfile
 import time
@@ -37,7 +38,8 @@ from tlt_cli.bench import update_roofline
 from tlt_cli.bench.update_profile import label_update_parts, profile_update
 from tlt_cli.config import Recipe, load_recipe
 from tlt_cli.memory_hygiene import return_freed_memory
-from tlt_cli.processes.op_build import EXTENSIONS_FOLDER, built_deepspeed_ops
+from tlt_cli.processes.distributed import WorkerAddress, init_worker_process, private_rendezvous_directory
+from tlt_cli.processes.op_build import EXTENSIONS_FOLDER
 from tlt_cli.processes.worker_process import exit_with_parent
 from tlt_cli.recipes import resolve_recipe_path
 from tlt_cli.rollout.types import Completion
@@ -65,15 +67,25 @@ PROFILE_RATE_DTYPES = ["fp32", "bf16"]
 def main() -> None:
     """The process entry point: the request (JSON) in argv[1], the result as the last line of stdout."""
     request = json.loads(sys.argv[1])
-    exit_with_parent(None, request.get("parent"))  # without one (run by hand): its parent
+    rendezvous_directory = private_rendezvous_directory()  # where its process group meets: no port
+    # exits with the bench (without a "parent", run by hand: with its parent), removing the folder
+    exit_with_parent(rendezvous_directory, request.get("parent"))
     arguments = (request["recipe"], request["overrides"], request["profile"], request["steps"])
-    print(json.dumps(measure(*arguments, request["response_tokens"])))
+    try:
+        result = measure(*arguments, request["response_tokens"], rendezvous_directory)
+    finally:
+        shutil.rmtree(rendezvous_directory, ignore_errors=True)
+    print(json.dumps(result))
 
 
-def measure(recipe_name: str, overrides: list[str], profile: bool, steps: int, response_tokens: int) -> dict:
-    """One worker's first update on its measured batch (module docstring); the profile and steps when asked."""
+def measure(
+    recipe_name: str, overrides: list[str], profile: bool, steps: int, response_tokens: int, rendezvous_directory: Path
+) -> dict:
+    """One worker's first update on its measured batch (module docstring); the profile and steps when asked. The
+    process group meets in `rendezvous_directory` (distributed.py `private_rendezvous_directory`, which the caller
+    removes)."""
     recipe = load_recipe(resolve_recipe_path(recipe_name), overrides)
-    join_one_rank(recipe)
+    join_one_rank(recipe, rendezvous_directory)
     torch.manual_seed(recipe.run.seed)
     with torch_threads(recipe.workers.threads_per_worker):
         drafter_folder, _ = setup.prepare_drafter(recipe, setup.model_cache(recipe))
@@ -90,17 +102,14 @@ def measure(recipe_name: str, overrides: list[str], profile: bool, steps: int, r
     return result
 
 
-def join_one_rank(recipe: Recipe) -> None:
-    """This process as the one rank of a CPU process group, DeepSpeed's compiled ops where a worker keeps them (built
-    under tlt's build lock, op_build.py)."""
-    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", DS_ACCELERATOR="cpu")
-    os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+def join_one_rank(recipe: Recipe, rendezvous_directory: Path) -> None:
+    """This process as the one rank of a CPU process group, joined as `tlt train`'s workers join theirs
+    (distributed.py `init_worker_process`): DeepSpeed's compiled ops where a worker keeps them (built under tlt's
+    build lock), and the group met in a file in `rendezvous_directory`, so no port listens (torch's TCPStore would
+    listen on every interface)."""
+    address = WorkerAddress(0, 1, master_port=0, rendezvous_directory=rendezvous_directory)
     extensions_directory = setup.model_cache(recipe) / EXTENSIONS_FOLDER
-    os.environ["TORCH_EXTENSIONS_DIR"] = str(extensions_directory)
-    from tlt_cli.processes.distributed import import_deepspeed
-
-    built_deepspeed_ops(extensions_directory, tell=print)
-    import_deepspeed().init_distributed(dist_backend="gloo")
+    init_worker_process(address, recipe.workers.threads_per_worker, extensions_directory, tell=print)
 
 
 def measured_batch(recipe: Recipe, actor: Actor, tokenizer, response_tokens: int) -> PolicyBatch:

@@ -523,7 +523,12 @@ def export_policy(
         Path, typer.Argument(help="New folder to write: config.json, model.safetensors, tokenizer files.")
     ],
     step: Annotated[
-        int | None, typer.Option(help="The checkpoint written after this RL step (default: the latest).")
+        int | None,
+        typer.Option(
+            min=0,
+            help="The checkpoint written after this RL step, counted from 0 as the trace and the live table count "
+            "(step 2: checkpoints/step_000003; default: the latest).",
+        ),
     ] = None,
 ) -> None:
     """Export the trained policy at a checkpoint as a Hugging Face folder (AutoModelForCausalLM.from_pretrained)."""
@@ -545,7 +550,8 @@ def export_policy(
             f"warning: {warning}", markup=False, highlight=False, soft_wrap=keeps_one_line(error_console)
         )
     console.print(
-        f"exported the policy after RL step {summary.rl_step} ({summary.dtype}) to {summary.output_dir}; reloaded "
+        f"exported the policy of checkpoint {Path(summary.checkpoint).name}, written after RL step {summary.rl_step} "
+        f"({summary.dtype}), to {summary.output_dir}; reloaded "
         f"with transformers, its log-probs equal the checkpoint's on {summary.checked_prompts} held-out prompts",
         highlight=False,
         soft_wrap=keeps_one_line(console),

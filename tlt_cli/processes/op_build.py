@@ -12,14 +12,26 @@ with one sentence. While
 it builds, the first SIGINT or SIGTERM raises KeyboardInterrupt and later ones are ignored, so torch's clean-up
 removes its lock before the process ends. The driver, before any worker starts, removes torch locks a killed run
 left (`remove_abandoned_build_locks`, with a line each).
+
+The compiling itself (torch runs ninja, ninja its compilers, each in a process group of its own) happens in a child
+process, `python -m tlt_cli.processes.op_build` (`build_in_own_group`), that is a subreaper (PR_SET_CHILD_SUBREAPER:
+the compilers of a killed ninja become its children, not init's). It gets SIGTERM when the rank that builds dies
+however it dies (PR_SET_PDEATHSIG), as when the rank is stopped; then, once torch's clean-up has killed ninja and
+removed its lock, it kills every process left under it and reaps them. So no compiler outlives the build's rank
+(they ran on for about 2 minutes after a killed driver, while the next run rebuilt into the same folder). An op
+compiled already is loaded in the rank itself (a second; no child).
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import fcntl
+import importlib
 import os
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -36,6 +48,14 @@ SHARED_MEMORY_OP = "deepspeed_shm_comm"
 BUILD_LOCK_NAME = "lock"
 # the file tlt's builders flock in TORCH_EXTENSIONS_DIR while they build; it holds the holder's pid
 OP_BUILD_LOCK = "tlt-op-build.lock"
+# what the build's child process calls: DeepSpeed's shared-memory op build, as its process-group set-up calls it
+SHARED_MEMORY_BUILD = "deepspeed.comm.torch:build_shm_op"
+# Linux's prctl options: the signal a process gets when the thread that started it ends; orphans of its descendants
+# reparented to it
+PR_SET_PDEATHSIG = 1
+PR_SET_CHILD_SUBREAPER = 36
+# how long a stopped build's processes have to end on SIGTERM (compilers removing their temporary files) before SIGKILL
+STOP_GRACE_SECONDS = 2.0
 # the longest a rank waits for another process's build (it takes about 2 minutes on 2 loaded cores)
 BUILD_WAIT_SECONDS = 1800.0
 BUILD_POLL_SECONDS = 0.5
@@ -129,10 +149,100 @@ def interrupted_once() -> Iterator[None]:
 
 def build_shared_memory_op() -> None:
     """DeepSpeed's shared-memory all-reduce op, built as its process-group set-up builds it first
-    (deepspeed/comm/torch.py `build_shm_op`; nothing where the accelerator has none): compiled once per cache."""
+    (deepspeed/comm/torch.py `build_shm_op`; nothing where the accelerator has none): compiled once per cache, in a
+    process group of its own (`build_in_own_group`); loaded here when compiled already."""
+    if not op_built(Path(os.environ["TORCH_EXTENSIONS_DIR"])):
+        build_in_own_group(SHARED_MEMORY_BUILD)
     from deepspeed.comm.torch import build_shm_op
 
     build_shm_op()
+
+
+def build_in_own_group(build: str) -> None:
+    """Call `build` ("module:function") in a child process (`main`) of a process group of its own (a Ctrl-C reaches it
+    only through this rank), and wait for it; stopped here (KeyboardInterrupt), the child is told with SIGTERM and
+    waited for: it stops every process under it."""
+    child = subprocess.Popen(
+        [sys.executable, "-m", "tlt_cli.processes.op_build", build, str(os.getpid())],
+        start_new_session=True,
+        preexec_fn=_parent_death_signal(),
+    )
+    try:
+        returned = child.wait()
+    except BaseException:
+        child.terminate()
+        child.wait()
+        raise
+    if returned != 0:
+        raise RuntimeError(f"DeepSpeed's op build ({build}) failed with exit status {returned}; its output is above.")
+
+
+def _parent_death_signal() -> Callable[[], None] | None:
+    """A pre-exec hook asking Linux to send the child SIGTERM when the thread that started it ends (None elsewhere),
+    its prctl resolved here so the child makes one call between fork and exec."""
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    return lambda: prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def main() -> None:
+    """The build's child: argv is the build ("module:function") and the pid of the rank that started it. A subreaper;
+    stopped (SIGTERM, SIGINT), or finding that rank gone, it lets torch's clean-up kill ninja and remove its lock,
+    then stops every process left under it (the compilers) and exits 130."""
+    build, starter = sys.argv[1], int(sys.argv[2])
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1)
+    try:
+        with interrupted_once():
+            if os.getppid() != starter:  # the rank died before the death signal was asked for
+                raise KeyboardInterrupt
+            module, _, function = build.partition(":")
+            getattr(importlib.import_module(module), function)()
+    except KeyboardInterrupt:
+        stop_descendants()
+        sys.exit(130)
+
+
+def stop_descendants() -> None:
+    """Stop every process under this one and reap them, until none is left: SIGTERM first (a compiler's driver then
+    removes its temporary files), SIGKILL to those still there after STOP_GRACE_SECONDS. As a subreaper, the orphans
+    of a killed process under it become its own children, which it reaps."""
+    told: set[int] = set()
+    deadline = time.monotonic() + STOP_GRACE_SECONDS
+    while descendants := _descendants(os.getpid()):
+        overdue = time.monotonic() > deadline
+        for pid in descendants:
+            if overdue or pid not in told:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL if overdue else signal.SIGTERM)
+                told.add(pid)
+        if not _reaped_children():
+            return
+        time.sleep(BUILD_POLL_SECONDS / 10)
+
+
+def _reaped_children() -> bool:
+    """Reap this process's exited children; False when it has none left."""
+    try:
+        while os.waitpid(-1, os.WNOHANG)[0]:
+            pass
+    except ChildProcessError:
+        return False
+    return True
+
+
+def _descendants(pid: int) -> list[int]:
+    """The processes under `pid` (children of any of its threads, theirs, and so on), from /proc."""
+    children = []
+    for children_file in Path(f"/proc/{pid}/task").glob("*/children"):
+        with contextlib.suppress(OSError):
+            children += [int(child) for child in children_file.read_text().split()]
+    return children + [grandchild for child in children for grandchild in _descendants(child)]
+
+
+if __name__ == "__main__":
+    main()
 
 
 def remove_abandoned_build_locks(extensions_directory: Path) -> list[Path]:
