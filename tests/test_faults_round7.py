@@ -21,7 +21,7 @@ import test_faults as faults
 from process_checks import outlived
 from recipe_overrides import small_run
 
-from tlt_cli.processes.op_build import OP_BUILD_LOCK, OpBuildTimeout, op_build_lock
+from tlt_cli.processes.op_build import BUILD_TEMPORARY_PREFIX, OP_BUILD_LOCK, OpBuildTimeout, op_build_lock
 from tlt_cli.trace import read_trace
 
 # the bench's own way of starting a measurement (bench/update.py), in a process the test can kill
@@ -180,8 +180,10 @@ def test_the_builds_compilers_stop_with_the_rank_that_builds(tmp_path, stop):
     removed the lock and rebuilt into the same folder: none is left 5 s after the rank is killed or stopped."""
     import psutil
 
-    extensions = tmp_path / "torch_extensions"
+    extensions, temporary = tmp_path / "torch_extensions", tmp_path / "tmp"
+    temporary.mkdir()
     environment = {**os.environ, "TORCH_EXTENSIONS_DIR": str(extensions), "DS_ACCELERATOR": "cpu"}
+    environment["TMPDIR"] = str(temporary)
     rank = subprocess.Popen([sys.executable, "-c", BUILDING_RANK, str(extensions)], env=environment)
     try:
         deadline = time.monotonic() + faults.HANG_GUARD_SECONDS
@@ -200,6 +202,8 @@ def test_the_builds_compilers_stop_with_the_rank_that_builds(tmp_path, stop):
     survivors = [pid for pid in building if outlived(pid, 5)]
     assert not survivors, f"the build's processes {survivors} outlived the rank stopped by {stop.name} by 5 s"
     assert not (extensions / "deepspeed_shm_comm" / "lock").exists(), "the stopped build left torch's lock"
+    # the compilers' temporary files were the build's own (gcc left an empty /tmp/cc*.s when killed mid-file)
+    assert not list(extensions.glob(f"{BUILD_TEMPORARY_PREFIX}*")) and not list(temporary.iterdir())
 
 
 def _name(process) -> str:

@@ -29,9 +29,11 @@ import ctypes
 import fcntl
 import importlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -50,6 +52,8 @@ BUILD_LOCK_NAME = "lock"
 OP_BUILD_LOCK = "tlt-op-build.lock"
 # what the build's child process calls: DeepSpeed's shared-memory op build, as its process-group set-up calls it
 SHARED_MEMORY_BUILD = "deepspeed.comm.torch:build_shm_op"
+# the build's own temporary folder in TORCH_EXTENSIONS_DIR, the compilers' TMPDIR
+BUILD_TEMPORARY_PREFIX = "tlt-op-build-tmp-"
 # Linux's prctl options: the signal a process gets when the thread that started it ends; orphans of its descendants
 # reparented to it
 PR_SET_PDEATHSIG = 1
@@ -161,18 +165,26 @@ def build_shared_memory_op() -> None:
 def build_in_own_group(build: str) -> None:
     """Call `build` ("module:function") in a child process (`main`) of a process group of its own (a Ctrl-C reaches it
     only through this rank), and wait for it; stopped here (KeyboardInterrupt), the child is told with SIGTERM and
-    waited for: it stops every process under it."""
-    child = subprocess.Popen(
-        [sys.executable, "-m", "tlt_cli.processes.op_build", build, str(os.getpid())],
-        start_new_session=True,
-        preexec_fn=_parent_death_signal(),
-    )
+    waited for: it stops every process under it. The compilers' temporary files go to a folder of the build's own
+    (its TMPDIR, in TORCH_EXTENSIONS_DIR), removed when the build ends however it ends, by the child or here."""
+    extensions_directory = Path(os.environ["TORCH_EXTENSIONS_DIR"])
+    extensions_directory.mkdir(parents=True, exist_ok=True)
+    temporary = tempfile.mkdtemp(prefix=BUILD_TEMPORARY_PREFIX, dir=extensions_directory)
     try:
-        returned = child.wait()
-    except BaseException:
-        child.terminate()
-        child.wait()
-        raise
+        child = subprocess.Popen(
+            [sys.executable, "-m", "tlt_cli.processes.op_build", build, str(os.getpid()), temporary],
+            env={**os.environ, "TMPDIR": temporary},
+            start_new_session=True,
+            preexec_fn=_parent_death_signal(),
+        )
+        try:
+            returned = child.wait()
+        except BaseException:
+            child.terminate()
+            child.wait()
+            raise
+    finally:
+        shutil.rmtree(temporary, ignore_errors=True)
     if returned != 0:
         raise RuntimeError(f"DeepSpeed's op build ({build}) failed with exit status {returned}; its output is above.")
 
@@ -188,10 +200,11 @@ def _parent_death_signal() -> Callable[[], None] | None:
 
 
 def main() -> None:
-    """The build's child: argv is the build ("module:function") and the pid of the rank that started it. A subreaper;
+    """The build's child: argv is the build ("module:function"), the pid of the rank that started it and the build's
+    temporary folder (its TMPDIR, removed as it ends). A subreaper;
     stopped (SIGTERM, SIGINT), or finding that rank gone, it lets torch's clean-up kill ninja and remove its lock,
     then stops every process left under it (the compilers) and exits 130."""
-    build, starter = sys.argv[1], int(sys.argv[2])
+    build, starter, temporary = sys.argv[1], int(sys.argv[2]), sys.argv[3]
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1)
     try:
         with interrupted_once():
@@ -202,6 +215,8 @@ def main() -> None:
     except KeyboardInterrupt:
         stop_descendants()
         sys.exit(130)
+    finally:
+        shutil.rmtree(temporary, ignore_errors=True)  # what a compiler stopped mid-file left there
 
 
 def stop_descendants() -> None:
