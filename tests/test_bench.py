@@ -19,6 +19,7 @@ from tlt_cli.bench.common import load_lines, speed_words
 from tlt_cli.bench.rollout import MIN_TIMED_SECONDS, verdict
 from tlt_cli.bench.runs import amdahl_bound, comparison_line, render, reward_gap, side_by_side, summarize
 from tlt_cli.cli import app
+from tlt_cli.trace import numbered_records
 
 runner = CliRunner()
 MACHINE_FIELDS = {
@@ -315,7 +316,7 @@ def test_bad_input_is_one_sentence_and_exit_2(tiny_pair_recipe, tmp_path, monkey
 
 def fake_run(folder: Path, steps: int, planned: int | None = None, **figures) -> Path:
     """A run folder whose trace holds a run record of `planned` steps and `steps` step records (made up figures)."""
-    folder.mkdir(parents=True)
+    folder.mkdir(parents=True, exist_ok=True)
     records = [{"type": "run", "name": folder.name, "steps": planned or steps}]
     step = {"step_seconds": 2.0, "rollout_seconds": 1.0, "update_seconds": 1.0, "mean_reward": 0.5, **figures}
     records += [{"type": "step", "step": number, **step} for number in range(steps)]
@@ -416,12 +417,33 @@ def test_runs_never_replaces_a_folder_it_did_not_make(tiny_pair_recipe, tmp_path
     assert notes.read_text() == "a user's notes\n"
     (notes.parent / bench_runs.BENCH_MARKER).write_text("")  # one this command made is replaced
     trained = []
-    monkeypatch.setattr(bench_runs, "train", lambda *arguments: trained.append(arguments[1]))
-    monkeypatch.setattr(
-        bench_runs, "step_records", lambda _: [{"step": 0, "step_seconds": 2.0, "rollout_seconds": 1.0}]
-    )
+
+    def made_up_training(recipe_path, name, overrides, steps, output):
+        trained.append(name)
+        fake_run(output / name, steps)
+
+    monkeypatch.setattr(bench_runs, "train", made_up_training)
     result = runs_from(tiny_pair_recipe, tmp_path / "runs", tmp_path / "out.json")
     assert result.exit_code == 0 and trained == ["off-seed0"], result.output
+
+
+def test_runs_reads_each_runs_trace_once(tiny_pair_recipe, tmp_path, monkeypatch):
+    """The tables, a speculating run's own verdict and --fidelity's warnings all read one reading of the trace."""
+    output = tmp_path / "runs"
+    for name in ("off-seed0", "tlt-seed0"):
+        fake_run(output / name, steps=2)
+    reads = []
+
+    def counted_reading(path, error):
+        reads.append(Path(path).parent.name)
+        return numbered_records(path, error)
+
+    monkeypatch.setattr(bench_runs, "numbered_records", counted_reading)
+    command = ["bench", "runs", "--recipe", str(tiny_pair_recipe), "--variants", "off,tlt", "--steps", "2"]
+    command += ["--output-dir", str(output), "--out", str(tmp_path / "out.json"), "--from-runs", "--fidelity"]
+    result = runner.invoke(app, command)
+    assert result.exit_code == 0, result.output
+    assert sorted(reads) == ["off-seed0", "tlt-seed0"]
 
 
 def test_runs_per_step_pools_seeds_into_a_rate_and_sets_it_beside_the_baselines_with_the_drafters_figures():

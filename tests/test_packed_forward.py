@@ -23,6 +23,7 @@ from tlt_cli.training.packed_forward import (
     packed_length,
     packed_micro_batches,
     packing_supported,
+    packs_micro_batches,
 )
 from tlt_cli.training.policy_batch import build_policy_batch
 
@@ -283,6 +284,8 @@ def test_a_model_with_layers_the_layout_does_not_reproduce_trains_padded_rows_an
     assert packing_supported(windowed) is None and packing_supported(Qwen2Config()) is None
     assert "chunked_attention" in packing_supported(chunked)
     config = ActorConfig(micro_batch_tokens=64)
+    assert packs_micro_batches(64, windowed) and not packs_micro_batches(0, windowed)
+    assert not packs_micro_batches(64, chunked)
     assert packs(config, windowed) and not packs(replace(config, micro_batch_tokens=0), chunked)
     assert capsys.readouterr().out == ""
     assert not packs(config, chunked)

@@ -1,15 +1,18 @@
 """Earlier responses to a prompt as n-gram draft sources (tlt_cli/rollout/response_history.py): bounded per prompt
 and in prompts, handed to the n-gram proposer when the prompt comes back, lossless, saved and restored with the
-rollout backend's state, and a damaged saved history is a warning and an empty one."""
+rollout backend's state, and a damaged saved history is a warning and an empty one. Only a rollout that drafts from
+the n-gram index keeps one: with SD off or drafter-only configurations nothing reads it, and a checkpoint has none."""
 
 from __future__ import annotations
 
+import pytest
 import torch
-from test_ngram import grouped_requests
-from test_speculative import frequent_token, generate, tiny_target
+from test_ngram import grid_costs_for_widths, grouped_requests
+from test_speculative import TargetAsDrafter, frequent_token, generate, tiny_target
 
-from tlt_cli.config import SpeculativeSection
+from tlt_cli.config import SpeculativeMode, SpeculativeSection
 from tlt_cli.engine.sampling import SamplingParams
+from tlt_cli.rollout.decode_plan import DecodePlan
 from tlt_cli.rollout.embedded import EmbeddedRollout
 from tlt_cli.rollout.response_history import ResponseHistory, history_path
 from tlt_cli.rollout.types import Completion, RolloutRequest
@@ -75,3 +78,50 @@ def test_a_damaged_saved_history_is_a_warning_and_an_empty_history(tmp_path):
     (warning,) = [line for line in rollout.take_warnings() if "response history" in line]
     assert str(history_path(state)) in warning and warning.endswith("it starts empty.")
     assert rollout.history.attached([RolloutRequest(0, (1, 2))])[0].history == ()
+
+
+# (speculative section, whether the rollout drafts from n-grams): mode auto's candidates include n-gram chains
+SECTIONS = {
+    "off": (SpeculativeSection(mode=SpeculativeMode.off), False),
+    "fixed drafter": (SpeculativeSection(mode=SpeculativeMode.fixed, steps=2), False),
+    "default table": (SpeculativeSection(mode=SpeculativeMode.adaptive), False),
+    "n-gram table": (NGRAM_ONLY, True),
+    "auto": (SpeculativeSection(mode=SpeculativeMode.auto), True),
+}
+
+
+@pytest.mark.parametrize("name", SECTIONS)
+def test_only_a_rollout_that_drafts_n_grams_keeps_and_checkpoints_a_response_history(tmp_path, name):
+    section, drafts_ngrams = SECTIONS[name]
+    target = tiny_target()
+    rollout = EmbeddedRollout(
+        target,
+        64,
+        0,
+        speculative_plan(section),
+        TargetAsDrafter(target),
+        decode=DecodePlan(pass_costs=grid_costs_for_widths()),
+    )
+    rollout.generate(grouped_requests(2, 2, seed=3), GREEDY, seed=0)
+    state = tmp_path / "step_000000" / "adaptive-schedule-rank-0.pt"
+    state.parent.mkdir()
+    rollout.save_state(state)
+    assert (rollout.history is not None) == drafts_ngrams
+    assert history_path(state).is_file() == drafts_ngrams
+    if not drafts_ngrams:
+        assert [path.name for path in state.parent.iterdir()] in ([], [state.name])
+
+
+def test_a_checkpoint_with_a_history_resumes_a_rollout_that_drafts_no_n_grams(tmp_path):
+    target = tiny_target()
+    requests = grouped_requests(2, 2, seed=3)
+    ngram_rollout = EmbeddedRollout(target, 64, 0, speculative_plan(NGRAM_ONLY))
+    ngram_rollout.generate(requests, GREEDY, seed=0)
+    state = tmp_path / "adaptive-schedule-rank-0.pt"
+    ngram_rollout.save_state(state)
+    drafter_only = speculative_plan(SpeculativeSection(mode=SpeculativeMode.adaptive))
+    resumed = EmbeddedRollout(target, 64, 0, drafter_only, TargetAsDrafter(target))
+    resumed.load_state(state)
+    assert resumed.history is None and resumed.take_warnings() == []
+    completions, _ = resumed.generate(requests, GREEDY, seed=1)
+    assert len(completions) == len(requests)

@@ -303,12 +303,12 @@ def task_and_sampling(recipe: Recipe) -> tuple[Task, SamplingParams]:
     return setup.task(recipe), setup.sampling(recipe)
 
 
-def grouped_requests(
+def bench_requests(
     recipe: Recipe, tokenizer: PreTrainedTokenizerBase, task: Task, rows: int, first_prompt: int
 ) -> list[RolloutRequest]:
-    """`rows` requests grouped as a GRPO step groups them: ceil(rows / group_size) prompts of the task from
-    problem `first_prompt` on, group_size samples each (fewer when rows < group_size), the samples of a prompt
-    one group (n-gram drafts read the siblings)."""
+    """A benchmark's `rows` requests of the recipe's task, grouped as a GRPO step groups them (training/step.py
+    `grouped_requests`): ceil(rows / group_size) prompts from problem `first_prompt` on, group_size samples each
+    (fewer when rows < group_size), the samples of a prompt one group (n-gram drafts read the siblings)."""
     group_size = min(recipe.train.group_size, rows)
     problems = [task.problem(first_prompt + number) for number in range(-(-rows // group_size))]
     return step.grouped_requests(step.encoded_prompts(tokenizer, problems), group_size, rows)

@@ -37,8 +37,8 @@ from tlt_cli.bench.common import (
     Progress,
     auto_speculative_plan,
     bench_recipe,
+    bench_requests,
     dtype_label,
-    grouped_requests,
     model_pair,
     pair_with_plan,
     parse_dtypes,
@@ -244,7 +244,7 @@ def measure_cell(
     runs: dict[str, list[TimedRollout]] = {name: [] for name in runners}
     divergences: dict[str, list[dict]] = {name: [] for name in runners}
     for repeat in range(grid.repeats):
-        requests = grouped_requests(recipe, tokenizer, task, rows, grid.first_prompt + repeat * rows)
+        requests = bench_requests(recipe, tokenizer, task, rows, grid.first_prompt + repeat * rows)
         for name, run in runners.items():
             runs[name].append(run(requests, sampling, recipe.run.seed + repeat))
             if sampling.greedy:

@@ -114,6 +114,16 @@ class RunsSettings:
 
 
 @dataclass(frozen=True)
+class RunTraces:
+    """Every run's trace, each read once (`trace_records`): `steps`, variant -> seed -> its step records (the
+    tables and comparisons); `records`, run name -> every record of its trace (the run's own SD verdict, the
+    fidelity guard's warnings)."""
+
+    steps: dict[str, dict[int, list[dict]]]
+    records: dict[str, list[dict]]
+
+
+@dataclass(frozen=True)
 class RunsPlan:
     """The settings parsed: variant -> its overrides (VARIANTS', the shared ones, then its own --variant-override:
     the last of a key wins), and the seeds."""
@@ -212,11 +222,10 @@ def trace_records(run_directory: Path) -> list[dict]:
     return records
 
 
-def step_records(run_directory: Path) -> list[dict]:
-    """The step records of a complete run (`trace_records`); a BenchError naming the run when it has fewer steps
-    than it was to train."""
+def step_records(run_directory: Path, records: list[dict]) -> list[dict]:
+    """The step records of a complete run from its trace's `records` (`trace_records`); a BenchError naming the
+    run when it has fewer steps than it was to train."""
     trace = run_directory / TRACE_FILE
-    records = trace_records(run_directory)
     planned = [record.get("steps") for record in records if record["type"] == "run"]
     steps = [record for record in records if record["type"] == "step"]
     if not planned or not isinstance(planned[-1], int) or isinstance(planned[-1], bool):
@@ -243,9 +252,9 @@ def check_figures(record: dict, where: str) -> None:
             raise BenchError(f"{where}: '{figure}' is {value!r}; the run's trace is damaged.")
 
 
-def run_all(recipe_path: Path, plan: RunsPlan, settings: RunsSettings, console: Console) -> dict:
-    """variant -> seed -> its step records: trained in turn now, or read from the runs an earlier call left."""
-    steps: dict[str, dict[int, list[dict]]] = {name: {} for name in plan.variants}
+def run_all(recipe_path: Path, plan: RunsPlan, settings: RunsSettings, console: Console) -> RunTraces:
+    """Every run's trace and its step records: trained in turn now, or read from the runs an earlier call left."""
+    traces = RunTraces({name: {} for name in plan.variants}, {})
     if not settings.from_runs:
         check_output_folders(plan, settings.output_dir)
     progress = Progress(console, len(plan.seeds) * len(plan.variants))
@@ -262,14 +271,15 @@ def run_all(recipe_path: Path, plan: RunsPlan, settings: RunsSettings, console: 
                         settings.steps,
                         settings.output_dir,
                     )
-            steps[name][seed] = step_records(settings.output_dir / folder)
-    return steps
+            records = trace_records(settings.output_dir / folder)
+            traces.steps[name][seed] = step_records(settings.output_dir / folder, records)
+            traces.records[folder] = records
+    return traces
 
 
-def fidelity_warnings(run_directory: Path) -> list[str]:
-    """The fidelity guard's warnings in a run's trace (records of kind 'fidelity'), in order."""
-    records = numbered_records(run_directory / TRACE_FILE, BenchError)
-    return [str(record.get("message")) for _, record in records if record.get("kind") == "fidelity"]
+def fidelity_warnings(records: list[dict]) -> list[str]:
+    """The fidelity guard's warnings in a run's trace `records` (records of kind 'fidelity'), in order."""
+    return [str(record.get("message")) for record in records if record.get("kind") == "fidelity"]
 
 
 def render_fidelity(console: Console, steps: dict[str, dict[int, list[dict]]], warnings: dict[str, list[str]]) -> None:
@@ -442,14 +452,15 @@ def _run_means(records: list[dict], skip: int) -> dict:
     }
 
 
-def own_verdicts(plan: RunsPlan, output: Path, summary: dict) -> dict[str, dict]:
+def own_verdicts(plan: RunsPlan, records: dict[str, list[dict]], summary: dict) -> dict[str, dict]:
     """Run name -> what each later variant's run says of SD by its own measure (tlt_cli/sd_effect.py, the sentence
     its summary printed) and whether that agrees in direction with the A/B: SD's decode against all of it plain,
-    beside the variant's rollout ratio to the baseline. Runs that did not speculate are left out."""
+    beside the variant's rollout ratio to the baseline, from each run's trace `records` (run name -> its
+    records). Runs that did not speculate are left out."""
     verdicts = {}
     for name, figures in summary["against_baseline"].items():
         for seed in plan.seeds:
-            effect = trace_sd_effect(trace_records(output / run_name(name, seed)))
+            effect = trace_sd_effect(records[run_name(name, seed)])
             if effect is None:
                 continue
             verdicts[run_name(name, seed)] = {
@@ -559,22 +570,22 @@ def run_runs_bench(recipe_name: str, overrides: list[str], settings: RunsSetting
     report = BenchReport.start("tlt bench runs", recipe_name, overrides, settings, plan.seeds, 1)
     if not settings.from_runs:  # the load while training; runs read back were timed under another
         print_load(console, report.machine["usable_cores"])
-    steps = run_all(resolve_recipe_path(recipe_name), plan, settings, console)
-    summary = summarize(steps, settings.skip)
+    traces = run_all(resolve_recipe_path(recipe_name), plan, settings, console)
+    summary = summarize(traces.steps, settings.skip)
     render(console, summary)
-    summary["own_verdicts"] = own_verdicts(plan, settings.output_dir, summary)
+    summary["own_verdicts"] = own_verdicts(plan, traces.records, summary)
     for run, verdict in summary["own_verdicts"].items():
         console.print(
             verdict_line(run, summary["baseline"], verdict), highlight=False, soft_wrap=keeps_one_line(console)
         )
-    results = {"variants": plan.variants, "steps": steps}
+    results = {"variants": plan.variants, "steps": traces.steps}
     if settings.fidelity:
         results["fidelity_warnings"] = {
-            run_name(name, seed): fidelity_warnings(settings.output_dir / run_name(name, seed))
+            run_name(name, seed): fidelity_warnings(traces.records[run_name(name, seed)])
             for seed in plan.seeds
             for name in plan.variants
         }
-        render_fidelity(console, steps, results["fidelity_warnings"])
+        render_fidelity(console, traces.steps, results["fidelity_warnings"])
     written = report.write(out, results, summary)
     if not settings.from_runs:
         print_load(console, report.machine["usable_cores"])

@@ -73,8 +73,10 @@ class EmbeddedRollout:
             speculative_decoder(speculative, drafter, seed, self.decode.pass_costs) if speculative is not None else None
         )
         self.schedule = decoder.adaptive_schedule if isinstance(decoder, AdaptiveSpeculativeDecoder) else None
-        # earlier responses per prompt, n-gram draft sources when the prompt comes back (None: SD off)
-        self.history = ResponseHistory() if decoder is not None else None
+        # earlier responses per prompt, n-gram draft sources when the prompt comes back; kept only where the
+        # decoder keeps an n-gram index, which reads them (None: SD off, or no configuration drafts n-grams)
+        drafts_ngrams = decoder is not None and decoder.ngram_proposer is not None
+        self.history = ResponseHistory() if drafts_ngrams else None
         self.warnings: list[str] = []  # the backend's own, beside the schedule's
         if not drafter_trained and isinstance(self.schedule, CostSchedule):
             self.schedule.drafter_untrained()
@@ -151,7 +153,7 @@ class EmbeddedRollout:
 
     def save_state(self, path: Path) -> None:
         """The adaptive schedule's state at `path` (nothing without one), and the response history beside it
-        (response_history.py `history_path`; nothing with SD off)."""
+        (response_history.py `history_path`; nothing where no configuration drafts from the n-gram index)."""
         if self.schedule is not None:
             torch.save(self.schedule.state_dict(), path)
         if self.history is not None:
@@ -160,8 +162,10 @@ class EmbeddedRollout:
     def load_state(self, path: Path) -> None:
         """The adaptive schedule's state from a checkpoint; one that is missing (SD did not adapt when it was
         written), of another schedule or damaged is a warning and a fresh schedule (speculative/schedule_state.py).
-        The response history beside it; a checkpoint without one (written before tlt kept it, or with SD off)
-        starts an empty one, and a damaged one is a warning and an empty one."""
+        The response history beside it, read only where a configuration drafts from the n-gram index (else none
+        is kept, and one a checkpoint holds is left unread); a checkpoint without one (written before tlt kept
+        it, or by a run that drafted no n-grams) starts an empty one, and a damaged one is a warning and an empty
+        one."""
         if self.history is not None:
             self._load_history(history_path(path))
         if self.schedule is None:

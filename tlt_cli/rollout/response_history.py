@@ -7,8 +7,9 @@ responses the rollout produced for it, for the PROMPTS prompts seen most recentl
 request its prompt's earlier responses (RolloutRequest.history), which the n-gram proposer indexes beside the
 prompt and the siblings of the request's group (tlt_cli/speculative/ngram_proposer.py); `record(completions)`
 adds a call's responses once it ends. Drafts are only proposals that the target verifies, so the history changes
-speed, never the distribution of what is sampled. The embedded rollout backend (embedded.py) keeps one per worker and
-saves it beside its SD schedule at each checkpoint, so a resumed run drafts as the uninterrupted one.
+speed, never the distribution of what is sampled. The embedded rollout backend (embedded.py) keeps one per worker
+whose decoder drafts from the n-gram index (none with SD off or drafter-only configurations, where nothing reads it)
+and saves it beside its SD schedule at each checkpoint, so a resumed run drafts as the uninterrupted one.
 """
 
 from __future__ import annotations

@@ -43,6 +43,7 @@ from tlt_cli.training.packed_forward import (
     packed_hidden,
     packed_micro_batches,
     packing_supported,
+    packs_micro_batches,
 )
 from tlt_cli.training.policy_batch import PolicyBatch, build_policy_batch, micro_batches
 from tlt_cli.training.rollout_correction import MismatchTotals, importance_weights, k3_total
@@ -367,18 +368,16 @@ def enable_recomputation(policy: PreTrainedModel) -> None:
 
 
 def packs(config: ActorConfig, model_config) -> bool:
-    """Whether the actor packs its micro-batches: actor.micro_batch_tokens set and a model that can pack
-    (packed_forward.py `packing_supported`); when it cannot, one line says so and the update pads rows."""
-    if not config.micro_batch_tokens:
-        return False
-    reason = packing_supported(model_config)
-    if reason is not None:
+    """Whether the actor packs its micro-batches (packed_forward.py `packs_micro_batches`); when
+    actor.micro_batch_tokens asks it to and the model cannot, one line says so and the update pads rows."""
+    packed = packs_micro_batches(config.micro_batch_tokens, model_config)
+    if config.micro_batch_tokens and not packed:
         print(
             f"actor: training right-padded rows of actor.micro_batch_size, not packed micro-batches: "
-            f"{model_config.model_type} cannot pack ({reason})",
+            f"{model_config.model_type} cannot pack ({packing_supported(model_config)})",
             flush=True,
         )
-    return reason is None
+    return packed
 
 
 def deepspeed_config(config: ActorConfig, accumulation_steps: int) -> dict:

@@ -23,7 +23,8 @@ A sliding window (Mistral's `sliding_window`, Qwen2's and Qwen3's `use_sliding_w
 last W row positions: those layers get a second mask, the first one within the window, and the decoder takes a
 mask per layer type as the rollout's transformers path does (tlt_cli/engine/transformers_path.py).
 `packing_supported(config)` is the one place that says when a model cannot pack (another kind of layer, such as
-chunked or linear attention); the actor then trains padded rows and says so.
+chunked or linear attention), and `packs_micro_batches(micro_batch_tokens, config)` whether the update packs: the
+actor (which says so when it trains padded rows instead) and the update-precision measurement both ask it.
 """
 
 from __future__ import annotations
@@ -51,6 +52,11 @@ def packing_supported(config) -> str | None:
     if others:
         return f"layer type {', '.join(others)} is not {FULL_ATTENTION} or {SLIDING_ATTENTION}"
     return None
+
+
+def packs_micro_batches(micro_batch_tokens: int, config) -> bool:
+    """Whether the update packs its micro-batches: actor.micro_batch_tokens set and a model of `config` that can."""
+    return bool(micro_batch_tokens) and packing_supported(config) is None
 
 
 def attention_window(config) -> int | None:

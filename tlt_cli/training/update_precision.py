@@ -39,7 +39,7 @@ from tlt_cli.training.actor import (
 )
 from tlt_cli.training.grpo import policy_loss
 from tlt_cli.training.memory import model_shape
-from tlt_cli.training.packed_forward import packed_attention, packing_supported
+from tlt_cli.training.packed_forward import packed_attention, packs_micro_batches
 from tlt_cli.training.policy_batch import PolicyBatch
 from tlt_cli.training.rounded_compute import RoundedLinearWeights
 from tlt_cli.tuning.cache import cached_record, machine_key, positive_figures
@@ -133,7 +133,7 @@ def measure_update_seconds(policy: PreTrainedModel, config: ActorConfig, rounds:
     if config.gradient_checkpointing:
         enable_recomputation(policy)
     policy.train()
-    packed = bool(config.micro_batch_tokens) and packing_supported(policy.config) is None
+    packed = packs_micro_batches(config.micro_batch_tokens, policy.config)
     vocab_size = policy.config.vocab_size
     if packed:
         batch = measured_packed_micro_batch(vocab_size, config.micro_batch_tokens, config.share_prompt)
