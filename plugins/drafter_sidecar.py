@@ -22,6 +22,9 @@ section (lr, weight_decay, window_steps, batch_size, update_share). In every wor
     worker's next rollout speculates with its own copy, trained on through the update (an SGLang
     server gets the average, a step later). An average that is not finite is discarded and the
     last good drafter kept;
+  - when the drafter diverged in a rollout and the worker gave it fresh weights in place (`on_drafter_reset`,
+    training/drafter_divergence.py), starts a fresh optimizer over them, with the window kept (the policy's
+    features are still good); when the worker turned the drafter off, trains and averages it no more;
   - saves and restores its state with checkpoints: drafter weights, optimizer and buffer window; a state that is
     missing, damaged (drafter_sidecar_state.py), or another drafter's is one warning and a fresh sidecar.
 It ships with tlt but plugs in as a third party's plugin would (tlt_cli/plugins.py): the entry
@@ -143,6 +146,8 @@ class DrafterSidecar:
         # over the run (what a reduced draft vocabulary follows); built when the drafter is attached
         self.emitted_now: torch.Tensor | None = None
         self.emitted_total: torch.Tensor | None = None
+        # the drafter diverged again soon after a reset and the worker turned it off: nothing to train
+        self.drafter_off = False
         self._reset_counters()
 
     def _reset_counters(self) -> None:
@@ -168,13 +173,26 @@ class DrafterSidecar:
     def _start_fresh(self) -> None:
         """A new trainer over the attached drafter, an empty window, the worker's seed, no counts."""
         drafter = self.drafter
-        self.trainer = DrafterTrainer(
-            drafter, lr=self.settings.lr, weight_decay=self.settings.weight_decay, objective=self.objective
-        )
+        self.trainer = self._new_trainer()
         self.window, self.version, self.steps_since_average = deque(), 0, 0
         self.generator.manual_seed(self.seed * 7919 + self.rank)
         self.emitted_now = torch.zeros(drafter.target_vocab_size, dtype=torch.float64)
         self.emitted_total = torch.zeros(drafter.target_vocab_size, dtype=torch.float64)
+
+    def _new_trainer(self) -> DrafterTrainer:
+        """A trainer with a fresh AdamW over the attached drafter's parameters."""
+        return DrafterTrainer(
+            self.drafter, lr=self.settings.lr, weight_decay=self.settings.weight_decay, objective=self.objective
+        )
+
+    def on_drafter_reset(self, context: Any, turned_off: bool) -> None:
+        """The drafter diverged and has fresh weights in place: a fresh optimizer over them, no steps toward the next
+        average (on every worker alike, so the average is skipped), the fresh weights the last good ones; the version
+        keeps counting (servers reload the drafter when it moves). turned_off: no more training or averaging."""
+        self.trainer = self._new_trainer()
+        self.steps_since_average, self.loss_sum = 0, 0.0
+        self.last_good = _copy_parameters(self.drafter)
+        self.drafter_off = turned_off
 
     def _restore_or_start_fresh(self, state: dict) -> None:
         """Restore a whole state; one that does not fit this drafter (another drafter's shapes or vocabulary) is a
@@ -204,6 +222,8 @@ class DrafterSidecar:
 
     def on_hidden_states(self, context: Any, batch: Any, hidden_states: torch.Tensor) -> None:
         """Keep this micro-batch's features (dropping steps older than the window); in the update, train on them."""
+        if self.drafter_off:
+            return
         started = self.clock()
         features = DrafterBatch.from_sequences(
             batch.input_ids, hidden_states.detach(), batch.response_mask.bool(), batch.attention_mask.bool()
@@ -257,7 +277,7 @@ class DrafterSidecar:
     def on_worker_idle(self, context: Any, rollout_over: Any) -> None:
         """Train until the rollout is over, one short step at a time, for idle_duty of the wait (pausing between)."""
         duty = self.settings.idle_duty
-        while duty > 0 and self.window and not rollout_over():
+        while duty > 0 and self.window and not self.drafter_off and not rollout_over():
             started = self.clock()
             self.steps_done += self._train_step(self._sample_batch())
             step_seconds = self.clock() - started
@@ -288,7 +308,9 @@ class DrafterSidecar:
     def on_rollout_end(self, context: Any) -> None:
         """Average the workers' drafters, weighted by their steps since the last average; keep the last good one if
         not finite; a reduced draft vocabulary follows the tokens emitted so far. The update phase (reward, update:
-        its drafter steps) begins here."""
+        its drafter steps) begins here. A drafter turned off (on every worker alike) has nothing to average."""
+        if self.drafter_off:
+            return
         started = self.clock()
         self._follow_emitted_tokens(context.world_size)
         # on the drafter's device, the process group's (an NCCL group all-reduces only GPU tensors)

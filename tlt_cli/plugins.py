@@ -7,8 +7,9 @@ third party adds one by declaring an entry point in its own package, without tou
 Every worker process builds a `PluginHost` and calls its hooks in this order per step:
 
     on_rollout_start -> on_request_finished (per request) -> on_worker_idle (repeatedly, until
-    the whole rollout is over) -> on_rollout_end -> on_hidden_states (per actor micro-batch)
-    -> on_weights_updated;   on_checkpoint_save / on_checkpoint_load when checkpoints move.
+    the whole rollout is over) -> [on_drafter_reset, on every worker, when the drafter diverged in the
+    rollout] -> on_rollout_end -> on_hidden_states (per actor micro-batch) -> on_weights_updated;
+    on_checkpoint_save / on_checkpoint_load when checkpoints move.
 
 A hook that raises disables its plugin for the rest of the run; the host records the error by
 plugin name (the driver shows it and writes it to the trace). Hooks that talk across workers
@@ -110,6 +111,10 @@ class WorkerPlugin(Protocol):
 
     def on_worker_idle(self, context: StepContext, rollout_over: Callable[[], bool]) -> None:
         """Called repeatedly while this worker waits for the others; return soon after rollout_over() is True."""
+
+    def on_drafter_reset(self, context: StepContext, turned_off: bool) -> None:
+        """The drafter diverged in this rollout and got fresh weights in place (a plugin that trains it starts
+        afresh: its optimizer too); turned_off: no rollout drafts with it again this run (stop training it)."""
 
     def on_rollout_end(self, context: StepContext) -> None: ...
 

@@ -6,7 +6,7 @@ drafter's logits, so the draft distribution q and the target distribution p are 
 acceptance stays exact. Temperature 0 means greedy: the distribution is a point mass on the argmax; a
 positive one is at least MIN_TEMPERATURE (the recipe's bound). `sample` raises `NonFiniteLogits` when a row
 has no finite probability mass (logits that are NaN or infinite: a diverged policy), which the worker turns
-into one sentence naming the step (tlt_cli/training/worker_loop.py).
+into one sentence naming the step (tlt_cli/training/worker_loop.py); a drafter's are caught by the decoder.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ class NonFiniteLogits(ArithmeticError):
 
 class NonFiniteDrafts(NonFiniteLogits):
     """The drafter's logits are not finite: the drafter diverged, not the policy (its drafts are sampled through
-    the same check; tlt_cli/speculative/decoder.py names them as the drafter's)."""
+    the same check; tlt_cli/speculative/decoder.py names them as the drafter's, and decodes that step plainly)."""
 
 
 @dataclass(frozen=True)

@@ -83,6 +83,10 @@ class WorkerStepReport:
     sd_warnings: list[str] = field(default_factory=list)
     # the worker's memory past the estimate made before the run (tlt_cli/training/memory_parts.py), once a run
     memory_warnings: list[str] = field(default_factory=list)
+    # what the ranks agreed to do about a drafter that diverged in this step's rollout (training/drafter_divergence.py:
+    # "reset" or "off"; None: it did not), and the line that says so (the same on every rank)
+    drafter_divergence: str | None = None
+    drafter_divergence_message: str | None = None
     checkpoint: str | None = None
 
 

@@ -83,6 +83,8 @@ def _step_record(
         # responses that ran to rollout.max_new_tokens (no EOS): their rewards score cut answers
         "responses_cut_share": sum(not record.get("finished_by_eos", True) for record in requests) / len(requests),
         "accept_length": accept_length(accepted, verify_passes),
+        # "reset" or "off" when the drafter diverged in this step's rollout (the ranks agree on it), else None
+        "drafter_divergence": reports[0].drafter_divergence,
         **{f"actor_{name}": value for name, value in update.items()},
         **_speculation_totals(reports),
         **_plugin_totals(reports),

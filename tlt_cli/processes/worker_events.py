@@ -203,6 +203,8 @@ def _record_step(
         step = records[-1]["step"]
         trace.write({"type": "warning", "kind": "fidelity", "figure": figure, "step": step, "message": message})
         display.note(message)
+    if reports[0].drafter_divergence_message is not None:  # every rank says the same line: show it once
+        _warn(reports[0], reports[0].drafter_divergence_message, trace, display)
     for report in reports:
         for warning in report.sd_warnings + report.memory_warnings:
             _warn(report, f"worker {report.worker}: {warning}", trace, display)

@@ -7,6 +7,8 @@ A worker (tlt_cli/training/worker_loop.py), or any other trainer, holds one `Rol
     ...actor update...
     metrics = backend.after_update("step-1", drafter_version, probe_prompts)   # weight push + probe
     usage, warnings = backend.take_usage(), backend.take_warnings()           # per step, for the trace
+    if backend.drafter_diverged():                # the last rollout finished without its drafter's drafts
+        backend.drafter_replaced(turned_off=False)                            # fresh weights given in place
     backend.save_state(path) / backend.load_state(path)                       # with the checkpoint
     backend.stop()                                                            # however the run ends
 
@@ -73,6 +75,12 @@ class RolloutBackend(Protocol):
 
     def take_warnings(self) -> list[str]:
         """Warnings since the last call (SD collapse or recovery, weight-sync notes), each once."""
+
+    def drafter_diverged(self) -> bool:
+        """Whether the drafter's drafts stopped being finite in the latest `generate` (it finished without them)."""
+
+    def drafter_replaced(self, turned_off: bool) -> None:
+        """The drafter diverged and got fresh weights in place; turned_off: no rollout drafts with it again."""
 
     def save_state(self, path: Path) -> None:
         """Save what must survive a resume (the adaptive schedule's learning) to `path`, if anything."""

@@ -132,6 +132,20 @@ class EmbeddedRollout:
                 self.schedule.drafter_changed()
         return {}
 
+    def drafter_diverged(self) -> bool:
+        """Whether the drafter's drafts stopped being finite in the latest `generate` (the decoder then finished the
+        call without the drafter: speculative/decoder.py)."""
+        decoder = self.engine.speculative
+        return decoder is not None and decoder.drafter_diverged
+
+    def drafter_replaced(self, turned_off: bool) -> None:
+        """The drafter got fresh weights in place: mode auto keeps it off (n-grams or plain decoding) until it has
+        trained, as for a fresh drafter at the start; turned_off: no later step drafts with it."""
+        if isinstance(self.schedule, CostSchedule):
+            self.schedule.drafter_untrained()
+        if turned_off:
+            self.engine.speculative.drafter_off = True
+
     def refresh_copies(self) -> None:
         """Copy the policy's current weights into the decode model's own tensors (the drafter's formed copy
         re-reads its own at the start of every generate call)."""

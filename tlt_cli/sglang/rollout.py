@@ -151,6 +151,13 @@ class SGLangRollout:
         warnings, self.warnings = self.warnings, []
         return warnings
 
+    def drafter_diverged(self) -> bool:
+        """Never seen here: the servers draft and verify themselves, and report no drafter that diverged."""
+        return False
+
+    def drafter_replaced(self, turned_off: bool) -> None:
+        """Nothing to do (drafter_diverged is never true): a drafter the sidecar moves is pushed by after_update."""
+
     def save_state(self, path: Path) -> None:
         """Nothing to save: the servers' adaptive state starts afresh with them."""
 

@@ -20,6 +20,13 @@ decoding. An SD step, for every running row at once:
 Rejected entries in either cache sit past the row's committed length and are simply overwritten
 later. EOS and max_new_tokens inside an accepted run are cut by the engine, which ends the row.
 
+A drafter that diverged (its logits, or the draft distribution acceptance draws with, not finite: NonFiniteDrafts)
+costs the call nothing it keeps: that step has committed nothing yet (its verify entries sit past the committed
+lengths), so every row decodes it plainly from its last committed token, and the rest of the call drafts without
+the drafter (a shape's n-gram part, else plain decoding): the target still samples every token. `drafter_diverged`
+tells the caller (the worker resets the drafter: tlt_cli/training/drafter_divergence.py); `drafter_off` keeps the
+drafter out of every later step.
+
 Shapes (SpeculativeConfig labels): a drafter's chain or tree (`s4-k1-t5`, `s4-k2-t8`); model-free
 (`ngram4`: steps 0) has no drafter run, and needs no drafter; hybrid (`s2-k1-t3+ngram4`) hangs the
 n-gram proposals from the root of the drafter's chain or tree as one more branch, merged where tokens
@@ -63,7 +70,7 @@ from tlt_cli.speculative.types import (
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
-# what a decode step whose drafts could not be sampled says (the worker names drafter.lr: training/worker_loop.py)
+# what a decode step whose drafts could not be sampled says (caught in `step`, which decodes that step plainly)
 DRAFTS_NOT_FINITE = "the drafter's logits are not finite"
 
 
@@ -118,6 +125,10 @@ class SpeculativeDecoder:
         self.counts = DraftCounts.empty(0, torch.device("cpu"))
         # the latest step's StepCounts (None after a plain step), for the adaptive schedule
         self.last_step: StepCounts | None = None
+        # the drafter's drafts stopped being finite in this generate call (begin clears it): no later step uses it
+        self.drafter_diverged = False
+        # the run turned the drafter off (it diverged again soon after a reset): no step drafts with it
+        self.drafter_off = False
 
     def use_linear_plan(self, plan: LinearFormPlan) -> None:
         """Draft through a decode-time copy of the drafter whose linear layers compute in the plan's forms
@@ -144,6 +155,7 @@ class SpeculativeDecoder:
         """Start a generate call: zero counters, and each proposer's fresh state (requests[i] is batch row i):
         the drafter's head re-read and an empty drafter cache, a new n-gram index over the prompts."""
         self.counts = DraftCounts.empty(batch.size, batch.lengths.device)
+        self.drafter_diverged = False
         for proposer in self.proposers:
             proposer.begin(batch, requests)
 
@@ -151,11 +163,31 @@ class SpeculativeDecoder:
         self, target: DecodeTarget, batch: RunningBatch, sampling: SamplingParams, generator: torch.Generator
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One decoding step; returns the emitted tokens [B, E] and counts [B]. With a shape: one
-        draft-verify-accept-commit round; with None from the schedule: plain decoding."""
+        draft-verify-accept-commit round; with None from the schedule: plain decoding. A shape that drafts with a
+        drafter that diverged or is off keeps only its n-gram part (none: plain decoding)."""
         config = self._config_for(batch.size)
         self.last_step = None
+        if config is not None and config.uses_drafter and (self.drafter_diverged or self.drafter_off):
+            config = config.model_free_part
         if config is None:
             return target.decode_step(batch, sampling, generator)
+        try:
+            return self._speculative_step(target, batch, config, sampling, generator)
+        except NonFiniteDrafts:
+            # nothing is committed yet: every row decodes this step plainly from its last committed token
+            self.drafter_diverged = True
+            return target.decode_step(batch, sampling, generator)
+
+    def _speculative_step(
+        self,
+        target: DecodeTarget,
+        batch: RunningBatch,
+        config: SpeculativeConfig,
+        sampling: SamplingParams,
+        generator: torch.Generator,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Draft, verify, accept, commit; NonFiniteDrafts (before any commit) when the drafter's distribution is not
+        finite."""
         try:
             draft = self._draft(batch, config, sampling, generator)
         except NonFiniteLogits as error:  # sampled from the drafter's logits: the drafter diverged, not the policy

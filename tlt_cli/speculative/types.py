@@ -166,6 +166,11 @@ class SpeculativeConfig:
         """The drafter's shape alone (no n-gram branch)."""
         return SpeculativeConfig(self.steps, self.topk, self.draft_tokens)
 
+    @property
+    def model_free_part(self) -> SpeculativeConfig | None:
+        """The n-gram branch alone (model-free: no drafter pass), or None when the shape drafts no n-grams."""
+        return SpeculativeConfig(0, ngram_tokens=self.ngram_tokens) if self.uses_ngram else None
+
     def label(self) -> str:
         ngram = f"ngram{self.ngram_tokens}"
         if not self.uses_drafter:

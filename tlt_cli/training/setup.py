@@ -9,9 +9,10 @@ worker (tlt_cli/integrations/trl_run.py), the driver's drafter preparation (tlt_
   speculative_plan                          the `speculative` section as a SpeculativePlan, its rule table
                                             parsed and checked here, the one place it is read
   drafter_needed, prepare_drafter,          whether a run needs a drafter (it speculates, or a plugin
-  starting_drafter                          trains one), its starting folder (a cached warm-up, whose
-                                            draft vocabulary the warm-up chooses, or a saved folder)
-                                            and the drafter itself over a policy
+  starting_drafter, fresh_drafter           trains one), its starting folder (a cached warm-up, whose
+                                            draft vocabulary the warm-up chooses, or a saved folder),
+                                            the drafter itself over a policy, and a freshly initialised one
+                                            (also what a drafter that diverged is reset to)
   planned_run                               the run's plan (tuning/run_plan.py), made once by the driver before
                                             the workers start: the actor's update precision (update_precision.py,
                                             handed the policy's loader), the decode plan and the speculative plan;
@@ -310,11 +311,20 @@ def starting_drafter(recipe: Recipe, folder: Path | None, policy: PreTrainedMode
     `prepare_drafter` gave: tlt's layout or an EAGLE folder `tlt export-drafter` wrote, training/drafter_folder.py), or
     freshly initialised from run.seed: with drafter.init online over the task
     prompts' vocabulary (drafter/online_start.py), with random over the whole vocabulary."""
-    from tlt_cli.drafter.model import EagleDrafter
     from tlt_cli.training.drafter_folder import load_named_drafter
 
     if folder is not None:
         return load_named_drafter(folder, policy)
+    return fresh_drafter(recipe, policy)
+
+
+def fresh_drafter(recipe: Recipe, policy: PreTrainedModel) -> EagleDrafter:
+    """A drafter over `policy` freshly initialised from run.seed: over the whole vocabulary with drafter.init random,
+    else as drafter.init online builds it, over the task prompts' vocabulary (drafter/online_start.py). A run's
+    starting drafter without a folder, and the one a drafter that diverged is reset to
+    (training/drafter_divergence.py)."""
+    from tlt_cli.drafter.model import EagleDrafter
+
     if recipe.drafter.init == DrafterStart.random:
         return EagleDrafter(policy, seed=recipe.run.seed)
     from tlt_cli.drafter.online_start import online_drafter

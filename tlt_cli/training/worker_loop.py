@@ -4,7 +4,8 @@
 spawned by the driver (one per rank), or run by tlt_cli/processes/launched_rank.py in a rank the
 DeepSpeed launcher started. Its parts (policy, task, drafter, rollout backend, sampling) come from
 the recipe through setup.py. Each step reads as the dataflow: rollout the shard -> wait for the
-others (idle) -> reward -> advantages -> log-probs -> actor update -> rollout backend brought up
+others (idle) -> a drafter that diverged in the rollout reset or turned off, alike on every rank
+(drafter_divergence.py) -> reward -> advantages -> log-probs -> actor update -> rollout backend brought up
 to date -> report to the driver -> checkpoint when due. Every rank sends its `WorkerStepReport`
 (tlt_cli/processes/messages.py), with its resident peaks in the step's rollout and update
 (training/memory.py) and its resident set by part (training/memory_parts.py, which also returns what each
@@ -27,7 +28,7 @@ import torch
 
 from tlt_cli.checkpoint import save_collectively
 from tlt_cli.config import CPU_DEVICES
-from tlt_cli.engine.sampling import NonFiniteDrafts, NonFiniteLogits
+from tlt_cli.engine.sampling import NonFiniteLogits
 from tlt_cli.errors import TrainingDiverged
 from tlt_cli.plugins import PluginHost, StepContext, agree_across_workers, build_plugins
 from tlt_cli.processes.distributed import RolloutBarrier, barrier_timeout, init_worker_process
@@ -44,6 +45,7 @@ from tlt_cli.processes.worker_process import exit_with_parent, redirect_output
 from tlt_cli.rollout.types import Completion
 from tlt_cli.trace import request_record
 from tlt_cli.training import memory, setup
+from tlt_cli.training.drafter_divergence import DrafterAction, DrafterWatch, reset_in_place
 from tlt_cli.training.memory_parts import MemoryWatch
 from tlt_cli.training.step import StepShard, grpo_update, shard_rewards, shard_sampling_seed, step_shard, worker_actor
 
@@ -121,6 +123,7 @@ class WorkerLoop:
         plugins = build_plugins(recipe.plugins.enabled, dict(recipe.plugins.options), recipe)
         self.plugins = PluginHost(plugins, agree=agree_across_workers)
         self.sampling = setup.sampling(recipe)
+        self.drafter_watch = DrafterWatch(recipe.drafter)
         self.memory = MemoryWatch.for_recipe(recipe, self.actor.policy, self.actor.engine.optimizer, self.drafter)
         if spec.resume_from is not None:
             self.actor.load(spec.resume_from)
@@ -149,14 +152,9 @@ class WorkerLoop:
 
     def divergence(self, step: int, error: ArithmeticError | TrainingDiverged) -> str:
         """One sentence: what stopped being finite at `step`, and the likely cause (the model or the temperature
-        before this run updated it; the learning rate after)."""
+        before this run updated it; the learning rate after). Only the policy's: a drafter that diverged does not
+        stop the run (settle_drafter)."""
         recipe = self.recipe
-        if isinstance(error, NonFiniteDrafts):  # the policy may be fine: the drafter's drafts are not
-            drafter = recipe.drafter
-            return (
-                f"step {step}: {error}, so the drafter diverged, not the policy (most likely drafter.lr {drafter.lr} "
-                f"or drafter.warmup_lr {drafter.warmup_lr} is too high)"
-            )
         if step > self.spec.start_step:
             cause = f"most likely actor.lr {recipe.actor.lr} is too high"
         elif isinstance(error, NonFiniteLogits):
@@ -188,6 +186,7 @@ class WorkerLoop:
         self.progress(step, "waiting at the rollout barrier", waiting=True)
         self.barrier.wait(step, while_idle=self._hook("on_worker_idle", context))
         idle_end = time.time()
+        drafter_action = self.settle_drafter(step, context)
         rollout_peak = memory.peak_resident_bytes()
         self.memory.phase_end()
         memory.reset_peak_resident()
@@ -228,7 +227,25 @@ class WorkerLoop:
             sd_usage={label: vars(usage) for label, usage in self.rollout_backend.take_usage().items()},
             sd_warnings=self.rollout_backend.take_warnings(),
             memory_warnings=self.memory.take_warnings(),
+            drafter_divergence=drafter_action.action if drafter_action is not None else None,
+            drafter_divergence_message=drafter_action.message if drafter_action is not None else None,
         )
+
+    def settle_drafter(self, step: int, context: StepContext) -> DrafterAction | None:
+        """After the rollout barrier: what every rank agreed to do about a drafter that diverged in the rollout on any
+        of them (drafter_divergence.py), done: fresh weights in place, and the drafter turned off if it diverged
+        again soon."""
+        if self.drafter is None:
+            return None
+        action = self.drafter_watch.after_rollout(step, self.rollout_backend.drafter_diverged())
+        if action is None:
+            return None
+        # turned off too: no checkpoint keeps, and no later run starts from, the diverged weights
+        reset_in_place(self.drafter, setup.fresh_drafter(self.recipe, self.actor.policy))
+        self.rollout_backend.drafter_replaced(action.turned_off)
+        self.plugins.call("on_drafter_reset", context, action.turned_off)
+        print(f"worker {self.rank}: {action.message}", flush=True)
+        return action
 
     def progress(self, step: int, activity: str, waiting: bool = False) -> None:
         """Tell the driver what this rank does now in `step` (its step deadline names a stuck rank by it)."""
