@@ -10,8 +10,9 @@ recomputation as the recipe sets it) and backward, on the micro-batch the actor 
 actor.micro_batch_tokens on a model that packs, whole groups of MEASURED_GROUP_SIZE random sequences of
 MEASURED_TOKENS tokens sharing their prompt, as many as fit, packed and attending by segments as the actor
 packs them (`packed_forward_logprobs`); else micro_batch_size right-padded random sequences of MEASURED_TOKENS
-tokens. ROUNDS interleaved rounds after a warm-up of each, the best time
-of each precision counting; bf16 is chosen only if it is at least MARGIN faster, so nothing gets
+tokens. At most ROUNDS interleaved rounds after a warm-up of each, the best time
+of each precision counting, and fewer where a round already decides (`decided`: bf16's time CLEAR_GAP or more of
+fp32's away from the margin); bf16 is chosen only if it is at least MARGIN faster, so nothing gets
 slower. The figures are cached per machine and model (`<cache_dir>/update_precision/<hash>.json`,
 keyed like the linear-form plan: tlt_cli/tuning/cache.py) and read back on the next
 run. On GPUs `auto` is bf16 where every actor GPU has compute capability 8.0 or newer, unmeasured.
@@ -57,6 +58,8 @@ MEASURED_GROUP_SIZE = 4
 ROUNDS = 2
 # bf16 must be this much faster than fp32 to be chosen (timing noise must not make the update slower)
 MARGIN = 0.05
+# a round whose bf16 time is this share of fp32's or more away from the margin decides: no more rounds
+CLEAR_GAP = 0.2
 
 
 def resolve_update_precision(
@@ -112,6 +115,13 @@ def faster_precision(seconds: dict[str, float]) -> Precision:
     return Precision.bf16 if seconds[Precision.bf16] < (1 - MARGIN) * seconds[Precision.fp32] else Precision.fp32
 
 
+def decided(seconds: dict[str, float]) -> bool:
+    """Whether bf16's best time so far is so far from (1 - MARGIN) of fp32's, at least CLEAR_GAP of it either way,
+    that another round of timing would not change the choice (faster_precision)."""
+    share = seconds[Precision.bf16] / seconds[Precision.fp32]
+    return abs(share - (1 - MARGIN)) >= CLEAR_GAP
+
+
 def measurement_key(recipe: Recipe, device: torch.device) -> dict:
     """What the measurement depends on: this machine, the model's parameter shapes, the micro-batch's shape."""
     return {
@@ -129,7 +139,8 @@ def measurement_key(recipe: Recipe, device: torch.device) -> dict:
 
 
 def measure_update_seconds(policy: PreTrainedModel, config: ActorConfig, rounds: int = ROUNDS) -> dict[str, float]:
-    """Best seconds of one micro-batch's forward + backward in each precision, interleaved (module docstring)."""
+    """Best seconds of one micro-batch's forward + backward in each precision, interleaved, over at most `rounds`
+    rounds, fewer once one decides (module docstring)."""
     if config.gradient_checkpointing:
         enable_recomputation(policy)
     policy.train()
@@ -153,6 +164,8 @@ def measure_update_seconds(policy: PreTrainedModel, config: ActorConfig, rounds:
                 seconds = _forward_backward_seconds(policy, batch, replace(config, precision=precision), packed)
             if round_index > 0:
                 best[precision] = min(best[precision], seconds)
+        if round_index > 0 and decided(best):
+            break
     policy.zero_grad(set_to_none=True)
     return {precision: round(value, 4) for precision, value in best.items()}
 
