@@ -4,7 +4,7 @@
 (tlt_cli/training/setup.py `planned_run`, in the driver before any worker starts); it gives the recipe with a
 concrete precision and the `UpdatePrecision` (tlt_cli/tuning/run_plan.py) that the console and the trace's run
 record show. `fp32` and `bf16` are kept as written. For `auto` on CPU it loads the policy (`load_policy`,
-only when no record is cached) and times what one micro-batch of the update costs
+only when no record is cached) and times, in process CPU time, what one micro-batch of the update costs
 (`measure_update_seconds`): the actor's own forward (`forward_logprobs` under `update_autocast`,
 recomputation as the recipe sets it) and backward, on the micro-batch the actor runs: with
 actor.micro_batch_tokens on a model that packs, whole groups of MEASURED_GROUP_SIZE random sequences of
@@ -20,7 +20,6 @@ run. On GPUs `auto` is bf16 where every actor GPU has compute capability 8.0 or 
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import asdict, replace
@@ -46,9 +45,10 @@ from tlt_cli.training.rounded_compute import RoundedLinearWeights
 from tlt_cli.tuning.cache import cached_record, machine_key, positive_figures
 from tlt_cli.tuning.run_plan import UpdatePrecision
 from tlt_cli.tuning.threads import torch_threads
+from tlt_cli.tuning.timing import milliseconds
 
 CACHE_FOLDER = "update_precision"
-MEASUREMENT_FORMAT = 2
+MEASUREMENT_FORMAT = 3
 # tokens per measured sequence: a prompt and a response of the lengths real-cpu's task meets (p50 66-85)
 MEASURED_TOKENS = 256
 # the first tokens of each measured sequence count as its prompt (no log-probs); the rest as its response
@@ -203,13 +203,17 @@ def measured_packed_micro_batch(vocab_size: int, micro_batch_tokens: int, share_
 
 
 def _forward_backward_seconds(policy: PreTrainedModel, batch: PolicyBatch, config: ActorConfig, packed: bool) -> float:
-    """Seconds of the actor's single-pass micro-batch: forward in config.precision, the GRPO loss, backward;
-    packed: over its packed layout, attending by segments in forward and in backward's recomputation."""
-    started = time.perf_counter()
-    with packed_attention(policy) if packed else nullcontext():
-        _forward_backward(policy, batch, config, packed)
-    policy.zero_grad(set_to_none=True)
-    return time.perf_counter() - started
+    """CPU seconds of the actor's single-pass micro-batch: forward in config.precision, the GRPO loss, backward;
+    packed: over its packed layout, attending by segments in forward and in backward's recomputation. Process time
+    (tuning/timing.py `milliseconds`, the dtype probe's clock): the time this process waited for a core on a loaded
+    machine does not count."""
+
+    def run() -> None:
+        with packed_attention(policy) if packed else nullcontext():
+            _forward_backward(policy, batch, config, packed)
+        policy.zero_grad(set_to_none=True)
+
+    return milliseconds(run, 1) / 1e3
 
 
 def _forward_backward(policy: PreTrainedModel, batch: PolicyBatch, config: ActorConfig, packed: bool) -> None:
