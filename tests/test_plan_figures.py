@@ -29,41 +29,60 @@ def sequence_timer(values):
 def test_a_figure_is_timed_until_its_last_two_medians_agree():
     # medians: 10, 15, 10, 10 -> the third and fourth agree: four rounds
     medians, rounds = stable_medians({"step": sequence_timer([10.0, 20.0, 10.0, 10.0, 50.0])})
-    assert (medians, rounds) == ({"step": 10.0}, 4)
+    assert (medians, rounds) == ({"step": 10.0}, {"step": 4})
 
 
 def test_at_least_the_least_rounds_are_timed_even_when_the_first_agree():
     medians, rounds = stable_medians({"step": sequence_timer([10.0])}, least_rounds=3)
-    assert (medians, rounds) == ({"step": 10.0}, 3)
+    assert (medians, rounds) == ({"step": 10.0}, {"step": 3})
 
 
-def test_every_figure_must_be_stable_and_the_rounds_stop_at_their_cap():
-    calls = {"steady": 0}
+def counted_timer(value, calls, key):
+    """A timer that returns `value` and counts its calls in calls[key]."""
 
-    def steady():
-        calls["steady"] += 1
-        return 5.0
+    def timer():
+        calls[key] = calls.get(key, 0) + 1
+        return value
 
-    # a figure that doubles every round never settles: the cap ends it, and the steady one is timed as often
+    return timer
+
+
+def test_a_settled_figure_is_timed_no_more_and_the_rounds_stop_at_their_cap():
+    calls = {}
+    # a figure that doubles every round never settles: the cap ends it; the steady one stops at the least rounds
     growing = sequence_timer([2.0**power for power in range(20)])
-    medians, rounds = stable_medians({"steady": steady, "growing": growing}, most_rounds=6)
-    assert rounds == 6 and calls["steady"] == 6
+    medians, rounds = stable_medians({"steady": counted_timer(5.0, calls, "steady"), "growing": growing}, most_rounds=6)
+    assert rounds == {"steady": 3, "growing": 6} and calls["steady"] == 3
     assert medians == {"steady": 5.0, "growing": (4.0 + 8.0) / 2}  # the median of 1, 2, 4, ..., 32
 
 
+def test_figures_compared_with_each_other_are_timed_in_the_same_rounds_until_all_settle():
+    calls = {}
+    timers = {
+        ("float32", "step"): counted_timer(5.0, calls, "float32 step"),
+        ("bfloat16", "step"): sequence_timer([2.0**power for power in range(20)]),
+        ("float32", "verify"): counted_timer(7.0, calls, "float32 verify"),
+    }
+    _, rounds = stable_medians(timers, most_rounds=6, compared=lambda key: key[1])
+    # the steady step goes on beside its unsettled bfloat16 twin; the verify, compared with no unsettled one, stops
+    assert rounds == {("float32", "step"): 6, ("bfloat16", "step"): 6, ("float32", "verify"): 3}
+    assert calls == {"float32 step": 6, "float32 verify": 3}
+
+
 def test_one_round_at_most_is_one_round():
-    assert stable_medians({"step": sequence_timer([3.0, 9.0])}, most_rounds=1) == ({"step": 3.0}, 1)
+    assert stable_medians({"step": sequence_timer([3.0, 9.0])}, most_rounds=1) == ({"step": 3.0}, {"step": 1})
 
 
 def test_the_probe_and_the_grid_plan_with_one_figure_for_each_pass_they_share(tmp_path, monkeypatch):
-    timed = []
-    block_pass = pass_costs.block_pass
+    timed, prefills = [], []
+    block_passes = pass_costs.block_passes
 
-    def recorded_block_pass(model, prefix, rows, tokens):
-        timed.append((rows, tokens))
-        return block_pass(model, prefix, rows, tokens)
+    def recorded_block_passes(model, prefix, rows, token_counts):
+        prefills.append(rows)
+        timed.extend((rows, tokens) for tokens in token_counts)
+        return block_passes(model, prefix, rows, token_counts)
 
-    monkeypatch.setattr(pass_costs, "block_pass", recorded_block_pass)
+    monkeypatch.setattr(pass_costs, "block_passes", recorded_block_passes)
     policy = tiny_target()
     drafter = EagleDrafter(policy, seed=0)
     plan = decode_plan_for(policy, drafter, "auto", "off", tmp_path, rows=6, speculates=True, costs=True)
@@ -82,6 +101,8 @@ def test_the_probe_and_the_grid_plan_with_one_figure_for_each_pass_they_share(tm
     # the grid timed none of those passes again
     assert timed and not {(1, 1), (2, 1), (4, 1), (4, 4)} & set(timed)
     assert len(timed) == len(grid) - 4
+    # one prefill for each row count, shared by its token counts
+    assert sorted(prefills) == list(costs.rows)
 
 
 def test_a_new_probe_is_a_new_grid(tmp_path):

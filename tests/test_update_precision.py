@@ -180,3 +180,20 @@ def test_a_packing_actors_precision_is_timed_on_one_packed_micro_batch_of_whole_
     config = ActorConfig(micro_batch_tokens=2 * packed_group, share_prompt=share_prompt, gradient_checkpointing=True)
     seconds = update_precision.measure_update_seconds(tiny_policy(), config, rounds=1)
     assert set(seconds) == {"fp32", "bf16"} and all(value > 0 for value in seconds.values())
+
+
+@pytest.mark.parametrize(("bf16_seconds", "timed_rounds"), [(0.5, 1), (1.3, 1), (0.9, 2)])
+def test_a_round_whose_precisions_are_far_apart_decides_and_a_close_one_is_timed_again(
+    bf16_seconds, timed_rounds, monkeypatch
+):
+    timed = []
+
+    def set_seconds(policy, batch, config, packed):
+        timed.append(config.precision)
+        return {"fp32": 1.0, "bf16": bf16_seconds}[config.precision]
+
+    monkeypatch.setattr(update_precision, "_forward_backward_seconds", set_seconds)
+    seconds = update_precision.measure_update_seconds(tiny_policy(), ActorConfig(), rounds=2)
+    # the warm-up of each precision, then a round each: bf16 at 0.5 or 1.3 of fp32 is decided by the first,
+    # at 0.9 (0.05 from the margin) it is timed again
+    assert len(timed) == 2 * (1 + timed_rounds) and seconds == {"fp32": 1.0, "bf16": bf16_seconds}

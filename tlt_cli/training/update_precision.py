@@ -4,14 +4,15 @@
 (tlt_cli/training/setup.py `planned_run`, in the driver before any worker starts); it gives the recipe with a
 concrete precision and the `UpdatePrecision` (tlt_cli/tuning/run_plan.py) that the console and the trace's run
 record show. `fp32` and `bf16` are kept as written. For `auto` on CPU it loads the policy (`load_policy`,
-only when no record is cached) and times what one micro-batch of the update costs
+only when no record is cached) and times, in process CPU time, what one micro-batch of the update costs
 (`measure_update_seconds`): the actor's own forward (`forward_logprobs` under `update_autocast`,
 recomputation as the recipe sets it) and backward, on the micro-batch the actor runs: with
 actor.micro_batch_tokens on a model that packs, whole groups of MEASURED_GROUP_SIZE random sequences of
 MEASURED_TOKENS tokens sharing their prompt, as many as fit, packed and attending by segments as the actor
 packs them (`packed_forward_logprobs`); else micro_batch_size right-padded random sequences of MEASURED_TOKENS
-tokens. ROUNDS interleaved rounds after a warm-up of each, the best time
-of each precision counting; bf16 is chosen only if it is at least MARGIN faster, so nothing gets
+tokens. At most ROUNDS interleaved rounds after a warm-up of each, the best time
+of each precision counting, and fewer where a round already decides (`decided`: bf16's time CLEAR_GAP or more of
+fp32's away from the margin); bf16 is chosen only if it is at least MARGIN faster, so nothing gets
 slower. The figures are cached per machine and model (`<cache_dir>/update_precision/<hash>.json`,
 keyed like the linear-form plan: tlt_cli/tuning/cache.py) and read back on the next
 run. On GPUs `auto` is bf16 where every actor GPU has compute capability 8.0 or newer, unmeasured.
@@ -19,7 +20,6 @@ run. On GPUs `auto` is bf16 where every actor GPU has compute capability 8.0 or 
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import asdict, replace
@@ -45,9 +45,10 @@ from tlt_cli.training.rounded_compute import RoundedLinearWeights
 from tlt_cli.tuning.cache import cached_record, machine_key, positive_figures
 from tlt_cli.tuning.run_plan import UpdatePrecision
 from tlt_cli.tuning.threads import torch_threads
+from tlt_cli.tuning.timing import milliseconds
 
 CACHE_FOLDER = "update_precision"
-MEASUREMENT_FORMAT = 2
+MEASUREMENT_FORMAT = 3
 # tokens per measured sequence: a prompt and a response of the lengths real-cpu's task meets (p50 66-85)
 MEASURED_TOKENS = 256
 # the first tokens of each measured sequence count as its prompt (no log-probs); the rest as its response
@@ -57,6 +58,8 @@ MEASURED_GROUP_SIZE = 4
 ROUNDS = 2
 # bf16 must be this much faster than fp32 to be chosen (timing noise must not make the update slower)
 MARGIN = 0.05
+# a round whose bf16 time is this share of fp32's or more away from the margin decides: no more rounds
+CLEAR_GAP = 0.2
 
 
 def resolve_update_precision(
@@ -112,6 +115,13 @@ def faster_precision(seconds: dict[str, float]) -> Precision:
     return Precision.bf16 if seconds[Precision.bf16] < (1 - MARGIN) * seconds[Precision.fp32] else Precision.fp32
 
 
+def decided(seconds: dict[str, float]) -> bool:
+    """Whether bf16's best time so far is so far from (1 - MARGIN) of fp32's, at least CLEAR_GAP of it either way,
+    that another round of timing would not change the choice (faster_precision)."""
+    share = seconds[Precision.bf16] / seconds[Precision.fp32]
+    return abs(share - (1 - MARGIN)) >= CLEAR_GAP
+
+
 def measurement_key(recipe: Recipe, device: torch.device) -> dict:
     """What the measurement depends on: this machine, the model's parameter shapes, the micro-batch's shape."""
     return {
@@ -129,7 +139,8 @@ def measurement_key(recipe: Recipe, device: torch.device) -> dict:
 
 
 def measure_update_seconds(policy: PreTrainedModel, config: ActorConfig, rounds: int = ROUNDS) -> dict[str, float]:
-    """Best seconds of one micro-batch's forward + backward in each precision, interleaved (module docstring)."""
+    """Best seconds of one micro-batch's forward + backward in each precision, interleaved, over at most `rounds`
+    rounds, fewer once one decides (module docstring)."""
     if config.gradient_checkpointing:
         enable_recomputation(policy)
     policy.train()
@@ -153,6 +164,8 @@ def measure_update_seconds(policy: PreTrainedModel, config: ActorConfig, rounds:
                 seconds = _forward_backward_seconds(policy, batch, replace(config, precision=precision), packed)
             if round_index > 0:
                 best[precision] = min(best[precision], seconds)
+        if round_index > 0 and decided(best):
+            break
     policy.zero_grad(set_to_none=True)
     return {precision: round(value, 4) for precision, value in best.items()}
 
@@ -190,13 +203,17 @@ def measured_packed_micro_batch(vocab_size: int, micro_batch_tokens: int, share_
 
 
 def _forward_backward_seconds(policy: PreTrainedModel, batch: PolicyBatch, config: ActorConfig, packed: bool) -> float:
-    """Seconds of the actor's single-pass micro-batch: forward in config.precision, the GRPO loss, backward;
-    packed: over its packed layout, attending by segments in forward and in backward's recomputation."""
-    started = time.perf_counter()
-    with packed_attention(policy) if packed else nullcontext():
-        _forward_backward(policy, batch, config, packed)
-    policy.zero_grad(set_to_none=True)
-    return time.perf_counter() - started
+    """CPU seconds of the actor's single-pass micro-batch: forward in config.precision, the GRPO loss, backward;
+    packed: over its packed layout, attending by segments in forward and in backward's recomputation. Process time
+    (tuning/timing.py `milliseconds`, the dtype probe's clock): the time this process waited for a core on a loaded
+    machine does not count."""
+
+    def run() -> None:
+        with packed_attention(policy) if packed else nullcontext():
+            _forward_backward(policy, batch, config, packed)
+        policy.zero_grad(set_to_none=True)
+
+    return milliseconds(run, 1) / 1e3
 
 
 def _forward_backward(policy: PreTrainedModel, batch: PolicyBatch, config: ActorConfig, packed: bool) -> None:

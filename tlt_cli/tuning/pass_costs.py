@@ -16,6 +16,7 @@ back by every later run. A model the owned forward does not decode gets no costs
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -28,7 +29,7 @@ from tlt_cli.engine.llama_family import refusal
 from tlt_cli.speculative.costs import PassCosts
 from tlt_cli.tuning.cache import cached_record, machine_key
 from tlt_cli.tuning.precision import model_key
-from tlt_cli.tuning.timing import MOST_ROUNDS, block_pass, pass_timer, random_prefix, stable_medians
+from tlt_cli.tuning.timing import MOST_ROUNDS, block_passes, pass_timer, random_prefix, stable_medians
 
 CACHE_FOLDER = "pass_costs"
 MEASUREMENT_FORMAT = 2
@@ -104,10 +105,9 @@ def measure_pass_costs(
     model = decode_model_for(policy, dtype=dtype, linear_plan=linear_plan)
     prefix = random_prefix(policy, max(rows), PREFIX_TOKENS)
     timers = {
-        (row_count, token_count): pass_timer(block_pass(model, prefix, row_count, token_count), device)
+        (row_count, token_count): pass_timer(run, device)
         for row_count in rows
-        for token_count in tokens
-        if (row_count, token_count) not in shared_ms
+        for token_count, run in _unshared_passes(model, prefix, row_count, tokens, shared_ms).items()
     }
     entries = DRAFTER_ENTRIES if drafter is not None else ()
     timers |= {("drafter", count): pass_timer(_drafter_pass(drafter, count), device) for count in entries}
@@ -117,6 +117,14 @@ def measure_pass_costs(
     target_ms = tuple(tuple(figures[row_count, token_count] for token_count in tokens) for row_count in rows)
     drafter_ms = tuple(figures["drafter", count] for count in entries)
     return PassCosts(rows, tokens, target_ms, entries, drafter_ms, str(dtype).removeprefix("torch."))
+
+
+def _unshared_passes(
+    model, prefix: torch.Tensor, rows: int, tokens: tuple[int, ...], shared_ms: dict[tuple[int, int], float]
+) -> dict[int, Callable[[], None]]:
+    """The target's passes at `rows` rows for each of `tokens` not in `shared_ms`, over one prefill (timing.py)."""
+    unshared = tuple(token_count for token_count in tokens if (rows, token_count) not in shared_ms)
+    return block_passes(model, prefix, rows, unshared) if unshared else {}
 
 
 def _drafter_pass(drafter: nn.Module, entries: int):

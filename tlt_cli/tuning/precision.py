@@ -51,7 +51,7 @@ from tlt_cli.engine.linear_forms import LinearFormPlan
 from tlt_cli.engine.llama_family import refusal
 from tlt_cli.rollout.decode_plan import DECODE_DTYPES
 from tlt_cli.tuning.cache import cached_record, machine_key, positive_figures
-from tlt_cli.tuning.timing import block_pass, pass_timer, random_prefix, stable_medians
+from tlt_cli.tuning.timing import block_passes, pass_timer, random_prefix, stable_medians
 
 CACHE_FOLDER = "rollout_precision"
 MEASUREMENT_FORMAT = 3
@@ -234,8 +234,8 @@ def measure_precision(
         for name, dtype in DECODE_DTYPES.items()
         for kind, run in _timed_passes(policy, dtype, linear_plan, rows).items()
     }
-    with torch.no_grad():
-        medians, _ = stable_medians(timers)
+    with torch.no_grad():  # a pass's two dtypes are compared: timed in the same rounds
+        medians, _ = stable_medians(timers, compared=lambda key: key[1])
     plain = {rung: {name: medians[name, rung] for name in DECODE_DTYPES} for rung in plain_rungs(rows)}
     return plain, {name: medians[name, "verify"] for name in DECODE_DTYPES}
 
@@ -269,13 +269,19 @@ def _timed_passes(
     policy: nn.Module, dtype: torch.dtype, linear_plan: LinearFormPlan | None, rows: int
 ) -> dict[int | str, Callable[[], None]]:
     """A decode step at each running batch size of `plain_rungs(rows)` (by its rows) and a VERIFY_ROWS x
-    VERIFY_TOKENS verify (`verify`), each with its logits, over a prefilled prefix of PREFIX_TOKENS (timing.py)."""
+    VERIFY_TOKENS verify (`verify`), each with its logits, over a prefilled prefix of PREFIX_TOKENS (timing.py), one
+    prefill for each row count."""
     model = decode_model_for(policy, dtype=dtype, linear_plan=linear_plan)
     prefix = random_prefix(policy, max(VERIFY_ROWS, rows), PREFIX_TOKENS)
-    passes: dict[int | str, Callable[[], None]] = {
-        rung: block_pass(model, prefix, rung, 1) for rung in plain_rungs(rows)
+    token_counts = {rung: [1] for rung in plain_rungs(rows)}
+    token_counts.setdefault(VERIFY_ROWS, []).append(VERIFY_TOKENS)
+    runs = {
+        (row_count, tokens): run
+        for row_count, counts in token_counts.items()
+        for tokens, run in block_passes(model, prefix, row_count, tuple(counts)).items()
     }
-    return passes | {"verify": block_pass(model, prefix, VERIFY_ROWS, VERIFY_TOKENS)}
+    passes: dict[int | str, Callable[[], None]] = {rung: runs[rung, 1] for rung in plain_rungs(rows)}
+    return passes | {"verify": runs[VERIFY_ROWS, VERIFY_TOKENS]}
 
 
 def model_key(policy: nn.Module, linear_plan: LinearFormPlan | None) -> dict:

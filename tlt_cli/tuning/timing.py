@@ -1,13 +1,15 @@
 """Timing the decode model's passes the way a rollout makes them, for the per-machine measurements of tuning/.
 
-`block_pass(model, prefix, rows, tokens)` prefills `rows` rows of `prefix` into a fresh cache of the decode model
-(tlt_cli/engine) and returns a call that runs one pass of `tokens` tokens per row past it, logits included (a
-plain decode step at tokens 1, a verify pass above); repeating the call measures the same pass, since it writes
-past the prefix each time. `milliseconds(run, repeats)` is the process CPU time of one call (time this process
-computed, not time it waited for a core on a loaded machine), `repeats_for(run)` how many back-to-back calls last
-about SHORTEST_TIMING_MS. `stable_medians(timers)` repeats a set of timings in interleaved rounds until each one's
-median over its rounds so far agrees with its median a round earlier within STABLE_TOLERANCE (at least LEAST_ROUNDS
-rounds, at most MOST_ROUNDS): a figure is measured until it stops moving, not a fixed number of times.
+`block_passes(model, prefix, rows, token_counts)` prefills `rows` rows of `prefix` once into a fresh cache of the
+decode model (tlt_cli/engine) and returns, per count of `token_counts`, a call that runs one pass of that many tokens
+per row past it, logits included (a plain decode step at 1 token, a verify pass above); repeating a call measures
+the same pass, since it writes past the prefix each time. `milliseconds(run, repeats)` is the process CPU time of
+one call (time this process computed, not time it waited for a core on a loaded machine), `repeats_for(run)` how
+many back-to-back calls last about SHORTEST_TIMING_MS. `stable_medians(timers)` repeats a set of timings in
+interleaved rounds, each one until its median over its rounds so far agrees with its median a round earlier within
+STABLE_TOLERANCE (at least LEAST_ROUNDS rounds, at most MOST_ROUNDS): a figure is measured until it stops moving,
+not a fixed number of times, and one that settled is not timed on while others settle (figures compared with each
+other settle together).
 tuning/precision.py (float32 against bfloat16) and tuning/pass_costs.py (the adaptive engine's grid of rows x
 tokens) time with these.
 """
@@ -42,22 +44,33 @@ def random_prefix(policy: torch.nn.Module, rows: int, tokens: int) -> torch.Tens
     return torch.randint(vocabulary, (rows, tokens), generator=generator, device=device)
 
 
-def block_pass(model, prefix: torch.Tensor, rows: int, tokens: int) -> Callable[[], None]:
-    """One pass of `tokens` tokens for each of `rows` rows over a prefilled prefix (see the module docstring);
+def block_passes(
+    model, prefix: torch.Tensor, rows: int, token_counts: tuple[int, ...]
+) -> dict[int, Callable[[], None]]:
+    """Per count in `token_counts`, one pass of that many tokens for each of `rows` rows over one prefilled prefix
+    (see the module docstring): the prefix is prefilled once, into a cache that holds the longest block past it;
     prefix: [at least rows, prefix tokens] token ids."""
     device = prefix.device
     prefix_tokens = prefix.shape[1]
-    cache = model.new_cache(rows, prefix_tokens + tokens)
+    cache = model.new_cache(rows, prefix_tokens + max(token_counts))
     positions = torch.arange(prefix_tokens, device=device).expand(rows, prefix_tokens)
     causal = torch.ones(prefix_tokens, prefix_tokens, dtype=torch.bool, device=device).tril()
     with torch.no_grad():
         model.forward_block(cache, prefix[:rows], positions, positions, prefix_tokens, causal.expand(rows, 1, -1, -1))
+    return {tokens: _pass_past_prefix(model, cache, prefix[:rows], tokens) for tokens in token_counts}
+
+
+def _pass_past_prefix(model, cache, prefix: torch.Tensor, tokens: int) -> Callable[[], None]:
+    """One pass of `tokens` tokens per row of `cache`, written past its prefilled `prefix` ([rows, prefix tokens])
+    and attending to it; each call writes the same slots, so it measures the same pass."""
+    device = prefix.device
+    rows, prefix_tokens = prefix.shape
     kv_length = prefix_tokens + tokens
     visible = torch.ones(tokens, kv_length, dtype=torch.bool, device=device)
     visible[:, prefix_tokens:] = torch.ones(tokens, tokens, dtype=torch.bool, device=device).tril()
     visible = visible.expand(rows, 1, -1, -1)
     block_positions = (prefix_tokens + torch.arange(tokens, device=device)).expand(rows, tokens)
-    block_ids = prefix[:rows, :tokens]
+    block_ids = prefix[:, :tokens]
 
     def run() -> None:
         with torch.no_grad():
@@ -100,22 +113,37 @@ def stable_medians(
     tolerance: float = STABLE_TOLERANCE,
     least_rounds: int = LEAST_ROUNDS,
     most_rounds: int = MOST_ROUNDS,
-) -> tuple[dict[Key, float], int]:
-    """(each timer's median milliseconds, the rounds it took): every round calls each timer once (interleaved, so a
-    change of load falls on all alike), and rounds go on until every figure's median agrees with its median of one
-    round earlier within `tolerance` (relative), from `least_rounds` (at most `most_rounds`) to `most_rounds`."""
+    compared: Callable[[Key], Hashable] = lambda key: key,
+) -> tuple[dict[Key, float], dict[Key, int]]:
+    """(each timer's median milliseconds, the rounds it was timed): every round calls each timer still timed once
+    (interleaved, so a change of load falls on all of them alike), and a timer is timed until its median agrees with
+    its median of one round earlier within `tolerance` (relative), from `least_rounds` (at most `most_rounds`) to
+    `most_rounds` rounds. Timers whose figures are compared with each other (the same `compared(key)`: one pass in
+    two dtypes) go on together until every one of them is stable, so they are timed in the same rounds."""
     samples: dict[Key, list[float]] = {key: [] for key in timers}
+    timed = set(timers)
+    rounds: dict[Key, int] = {}
     least_rounds = min(least_rounds, most_rounds)
-    for rounds in range(1, most_rounds + 1):
-        previous = {key: statistics.median(values) for key, values in samples.items() if values}
+    for round_count in range(1, most_rounds + 1):
         for key, timer in timers.items():
-            samples[key].append(timer())
-        medians = {key: statistics.median(values) for key, values in samples.items()}
-        if rounds >= least_rounds and all(
-            key in previous and _agree(previous[key], medians[key], tolerance) for key in medians
-        ):
-            return medians, rounds
-    return medians, most_rounds
+            if key in timed:
+                samples[key].append(timer())
+        unstable = {compared(key) for key in timed if not _stable(samples[key], tolerance, least_rounds)}
+        for key in list(timed):
+            if round_count == most_rounds or compared(key) not in unstable:
+                timed.discard(key)
+                rounds[key] = round_count
+        if not timed:
+            break
+    return {key: statistics.median(values) for key, values in samples.items()}, rounds
+
+
+def _stable(values: list[float], tolerance: float, least_rounds: int) -> bool:
+    """Whether `values` has at least `least_rounds` (and two) samples and its median moved by at most `tolerance`
+    in its latest one."""
+    if len(values) < max(2, least_rounds):
+        return False
+    return _agree(statistics.median(values[:-1]), statistics.median(values), tolerance)
 
 
 def _agree(before: float, after: float, tolerance: float) -> bool:
