@@ -143,9 +143,12 @@ def test_export_drafter_says_what_it_measures_before_it_measures_without_deepspe
     lines = exported.stdout.strip().splitlines()
     assert lines[-1].startswith("exit 0 "), exported.stdout + exported.stderr
     assert "Setting accelerator" not in exported.stdout + exported.stderr
+    loading = [number for number, line in enumerate(lines) if line.startswith("loading the target ")]
     measuring = [number for number, line in enumerate(lines) if line.startswith("measuring the drafter's accept")]
     exported_line = [number for number, line in enumerate(lines) if line.startswith("exported ")]
-    assert measuring and exported_line and measuring[0] < exported_line[0], exported.stdout
+    assert loading and measuring and exported_line, exported.stdout
+    assert lines[0] == "tlt export-drafter: loading torch and transformers", exported.stdout
+    assert loading[0] < measuring[0] < exported_line[0], exported.stdout
     assert "1 held-out prompts, one at a time, up to 40 new tokens each with 4 draft tokens" in lines[measuring[0]]
     modes = {path.name: oct(path.stat().st_mode & 0o777) for path in out.iterdir()}
     assert set(modes.values()) == {"0o644"}, modes

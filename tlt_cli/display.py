@@ -174,7 +174,6 @@ class TrainingDisplay:
         self.optional_columns = WATCHED_OPTIONAL_COLUMNS + (MORE_OPTIONAL_COLUMNS + plugin_cells if all_columns else ())
         self.legend = LEGEND + (f" {MORE_LEGEND}" if all_columns else " More columns: tlt train --columns all.")
         self.records: list[dict[str, Any]] = []
-        self.notes: list[Text] = []
         self.warned_cut = False
         self.started = self.last_progress = time.monotonic()
         self._live = Live(self._table(), console=console, auto_refresh=False) if console.is_terminal else None
@@ -190,12 +189,9 @@ class TrainingDisplay:
             self._live.__exit__(*exception)
 
     def note(self, message: str) -> None:
-        """A one-time message (a warning, a checkpoint) shown under the table, as plain text."""
-        self.notes.append(Text(message))
-        if self._live is None:
-            self.console.print(self.notes[-1], soft_wrap=True)
-        else:
-            self._live.update(self._table(), refresh=True)
+        """A one-time message (a warning, a checkpoint) as plain text: in a terminal printed above the live table, so
+        every note stays on the screen in order (a collapse before its recovery), wrapped at word boundaries."""
+        self.console.print(Text(message), soft_wrap=keeps_one_line(self.console))
 
     def progress(self, message: str) -> None:
         """A progress line of the run's preparation, printed above the table."""
@@ -248,8 +244,6 @@ class TrainingDisplay:
             table.add_column(name, justify="right")
         for record in self.records[-VISIBLE_STEPS:]:
             table.add_row(*(_cell(record, key, template) for _, key, template in columns))
-        for message in self.notes[-3:]:
-            table.caption = message
         return table
 
 

@@ -147,6 +147,7 @@ def export_drafter(
     output_dir = Path(output_dir)
     folder = _check_output(output_dir, force, Path(source))
     drafter_source = resolve_source(Path(source), recipe_path)
+    tell(loading_sentence(drafter_source))
     target, tokenizer = load_target(drafter_source)
     try:
         drafter = load_drafter(drafter_source.drafter_dir, target)
@@ -270,6 +271,12 @@ def load_target(source: DrafterSource) -> tuple[PreTrainedModel, PreTrainedToken
         return policy_at_checkpoint(source.recipe, source.checkpoint_dir, advice="pass --recipe with the run's model")
     except CheckpointError as error:
         raise ExportError(str(error)) from None
+
+
+def loading_sentence(source: DrafterSource) -> str:
+    """The line before the target and the drafter load: which model, with which checkpoint's weights, which drafter."""
+    weights = "" if source.checkpoint_dir is None else f" with the actor weights of {source.checkpoint_dir}"
+    return f"loading the target {source.recipe.model.path}{weights} and the drafter in {source.drafter_dir}"
 
 
 def held_out_probe(

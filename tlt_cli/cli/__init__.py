@@ -56,6 +56,8 @@ recipes_app = typer.Typer(help="List, show and validate recipes.", no_args_is_he
 app.add_typer(recipes_app, name="recipes")
 # `tlt train`'s first line, once the recipe's keys are checked and before the heavy imports
 LOADING_LINE = "tlt train: loading torch, transformers and DeepSpeed, then checking the recipe against the model"
+# export-drafter's first line, before torch and transformers load (seconds, tens on a loaded machine)
+EXPORT_DRAFTER_LOADING_LINE = "tlt export-drafter: loading torch and transformers"
 
 
 class ColumnSet(str, enum.Enum):
@@ -487,6 +489,7 @@ def export_drafter(
     ] = None,
 ) -> None:
     """Export the trained drafter as a Hugging Face folder SGLang serves as an EAGLE draft model."""
+    _progress(EXPORT_DRAFTER_LOADING_LINE)
     from tlt_cli.processes.distributed import choose_deepspeed_accelerator
 
     choose_deepspeed_accelerator()  # before transformers imports DeepSpeed, which warns when it guesses

@@ -179,7 +179,8 @@ def _rates(measured: float | None, predicted: float | None) -> str:
 def _render_speculative(console: Console, profile: Profile) -> None:
     if profile.sd_time:
         table = Table(title="decoding time by SD configuration", title_justify="left")
-        table.add_column("config")
+        # the labels at their full width (s2-k1-t3+ngram8 was cut at 100 columns); the other columns wrap instead
+        table.add_column("config", no_wrap=True, min_width=max(len(entry.config) for entry in profile.sd_time))
         columns = (
             "seconds",
             "share %",
