@@ -311,3 +311,51 @@ def test_a_log_gets_a_progress_line_with_what_is_left():
             time.sleep(0.01)
     assert "drafter warm-up: generate 4/16, " in log.getvalue()
     assert "s left" in progress.line()
+
+
+def test_a_drafter_trained_further_keeps_its_start_unless_training_beats_it(monkeypatch):
+    from tlt_cli.drafter import warmup
+
+    target = tiny_qwen2(VOCAB_SIZE, 0, 64, hidden_size=32, tie_word_embeddings=True)
+    sequences = torch.randint(0, VOCAB_SIZE, (2, 12), generator=torch.Generator().manual_seed(3))
+    hidden = target.get_decoder()(input_ids=sequences).last_hidden_state.detach()
+    batch = DrafterBatch.from_sequences(sequences, hidden, torch.ones_like(sequences, dtype=torch.bool))
+    drafter = EagleDrafter(target, seed=0)
+    start = {name: value.clone() for name, value in drafter.state_dict().items()}
+    monkeypatch.setattr(warmup, "EVALUATE_EVERY", 2)
+    trainer = DrafterTrainer(drafter, lr=1e-2)
+    scores = iter([0.4, 0.45, 0.44, 0.43])  # every evaluation below the start's 0.5
+    losses = warmup.train_on_buckets(trainer, [batch], 8, 0, evaluate=lambda: next(scores), start_score=0.5)
+    assert len(losses) == 8
+    for name, value in drafter.state_dict().items():
+        torch.testing.assert_close(value, start[name])
+
+
+def test_a_recipes_first_warm_up_trains_the_held_drafter_further_on_prompts_of_its_own(tmp_path, small_model):
+    from tlt_cli.drafter.initial import first_warmup_prompt
+    from tlt_cli.drafter.warmup import FRESH_START
+
+    cache = tmp_path / "cache"
+    settings = ["drafter.init=warmup", "drafter.warmup_prompts=8", "drafter.warmup_batch_size=4"]
+    settings += ["rollout.max_new_tokens=16", "drafter.warmup_lr=3e-3"]
+    first = recipe_for(small_model, *settings, "drafter.warmup_steps=60", "run.name=first")
+    first_folder, first_report = setup.warmed_up_drafter(first, cache)
+    assert first_report["started_from"] == FRESH_START
+    held, record = library.newest(cache, small_model)
+    assert record.source == "the warm-up of first"
+    # another recipe on the model (another warm-up key): its warm-up starts from the held drafter, not afresh
+    second = recipe_for(small_model, *settings, "drafter.warmup_steps=2", "run.name=second")
+    second_folder, second_report = setup.warmed_up_drafter(second, cache)
+    assert second_folder != first_folder
+    assert second_report["started_from"].startswith("the drafter tlt held, from the warm-up of first")
+    assert second_report["draft_vocab_size"] == first_report["draft_vocab_size"]
+    assert second_report["held_out_acceptance_before"] > first_report["held_out_acceptance_before"] + 0.1, (
+        "the second warm-up starts from the first's trained drafter, not from fresh weights"
+    )
+    assert second_report["held_out_accept_length"] >= 1 + second_report["held_out_acceptance_before"] - 1e-6, (
+        "a drafter trained further is never left worse on the held-out responses than it came"
+    )
+    block = first_warmup_prompt(held, 8 + 32)
+    assert block > 0 and block % 40 == 0, "it samples a block of prompts of its own, not the first warm-up's"
+    # the second recipe's warm-up is cached now: the next call reads it back
+    assert setup.warmed_up_drafter(second, cache) == (second_folder, None)

@@ -65,6 +65,9 @@ EVALUATE_EVERY = 50
 PLATEAU_GAIN = 0.005
 PLATEAU_EVALUATIONS = 3
 
+# WarmupReport.started_from of a warm-up that trained a fresh drafter
+FRESH_START = "a fresh drafter"
+
 # (phase, done, total): phase is one of "generate", "prompt states", "train", "evaluate"
 WarmupProgress = Callable[[str, int, int], None]
 
@@ -84,7 +87,8 @@ class WarmupReport:
     prompt_seconds: the prompts' hidden states; train_seconds: the steps and the evaluations among them;
     evaluate_seconds: the held-out evaluations before and after; learning_curve: (step, held-out acceptance, held-out
     accept length) at each evaluation during training; steps: the steps taken (fewer than asked when the accept
-    length stopped rising).
+    length stopped rising); started_from: what it trained (FRESH_START, or the held drafter it trained further, as the
+    console names it).
     """
 
     steps: int
@@ -108,15 +112,17 @@ class WarmupReport:
     train_seconds: float
     evaluate_seconds: float
     learning_curve: list[tuple[int, float, float]] = field(default_factory=list)
+    started_from: str = FRESH_START
 
 
 def report_lines(report: dict, temperature: float) -> list[str]:
     """The console's lines on a finished warm-up (a `WarmupReport` as a dict), sampled at `temperature`."""
     by_depth = ", ".join(f"{acceptance:.1%}" for acceptance in report["held_out_acceptance_by_depth"])
     curve = ", ".join(f"{step}: {accept_length:.2f}" for step, _, accept_length in report["learning_curve"])
+    trained = "" if report["started_from"] == FRESH_START else f" (trained further: {report['started_from']})"
     return [
-        f"drafter warmed up: a sampled draft token is accepted {report['held_out_acceptance']:.1%} of the time on "
-        f"held-out responses at T={temperature:g} (from {report['held_out_acceptance_before']:.1%}), top-1 "
+        f"drafter warmed up{trained}: a sampled draft token is accepted {report['held_out_acceptance']:.1%} of the "
+        f"time on held-out responses at T={temperature:g} (from {report['held_out_acceptance_before']:.1%}), top-1 "
         f"agreement {report['held_out_accuracy']:.1%}",
         f"draft tokens 1, 2, ... of a chain accepted {by_depth}: about {report['held_out_accept_length']:.2f} tokens "
         "a verify pass",
@@ -282,11 +288,13 @@ def train_on_buckets(
     seed: int,
     progress: WarmupProgress | None = None,
     evaluate: Callable[[], float] | None = None,
+    start_score: float | None = None,
 ) -> list[float]:
     """Up to `steps` train steps, each on a bucket drawn uniformly (seeded), the learning rate decaying on a
     cosine from the trainer's to a tenth of it; returns each step's total loss. With `evaluate` (a held-out
     score, higher is better), it is called every EVALUATE_EVERY steps: training stops once the score rose less
-    than PLATEAU_GAIN over PLATEAU_EVALUATIONS evaluations, and the drafter is left at its best-scored weights."""
+    than PLATEAU_GAIN over PLATEAU_EVALUATIONS evaluations, and the drafter is left at its best-scored weights;
+    start_score: the starting weights' score (a drafter trained further), which they keep unless training beats it."""
     generator = torch.Generator().manual_seed(seed)
     choices = torch.randint(0, len(buckets), (steps,), generator=generator).tolist()
     base_lr = trainer.optimizer.param_groups[0]["lr"]
@@ -294,6 +302,8 @@ def train_on_buckets(
     losses: list[float] = []
     scores: list[float] = []
     best: tuple[float, dict] | None = None
+    if start_score is not None:
+        best = (start_score, copy.deepcopy(trainer.drafter.state_dict()))
     for step, choice in enumerate(choices, start=1):
         losses.append(float(trainer.train_step(buckets[choice]).total))
         schedule.step()
@@ -403,12 +413,15 @@ def collect_warmup_data(
     seed: int,
     progress: WarmupProgress | None = None,
     dtype: torch.dtype | None = None,
+    first_prompt: int = 0,
 ) -> WarmupData:
-    """Phases 1 and 2: sampled training responses (task prompts 0..train_prompts-1) and held-out responses
-    sampled alike (the next held_out_prompts prompts, in the same batch), with their hidden states (float32).
-    dtype: what the engine decodes in (None: the model's own), GENERATION_ROWS prompts at a time."""
+    """Phases 1 and 2: sampled training responses (task prompts first_prompt.. on, train_prompts of them) and
+    held-out responses sampled alike (the next held_out_prompts prompts, in the same batch), with their hidden
+    states (float32). dtype: what the engine decodes in (None: the model's own), GENERATION_ROWS prompts at a time;
+    first_prompt: where in the task's prompts to start (a warm-up that trains a held drafter further samples
+    prompts it has not trained on)."""
     start = time.perf_counter()
-    prompts = encode_prompts(tokenizer, task, range(train_prompts + held_out_prompts))
+    prompts = encode_prompts(tokenizer, task, range(first_prompt, first_prompt + train_prompts + held_out_prompts))
     report = (lambda done: progress("generate", done, len(prompts))) if progress is not None else None
     if report is not None:
         # the bar (and its clock) starts now, not when the first response ends
@@ -442,20 +455,17 @@ def train_warmup_drafter(
     draft_vocab_size: int = 0,
     objective: DrafterObjective = EAGLE_OBJECTIVE,
     progress: WarmupProgress | None = None,
+    start: EagleDrafter | None = None,
 ) -> tuple[EagleDrafter, WarmupReport]:
-    """Phases 3 and 4 on collected data: a fresh drafter over the chosen vocabulary, trained
-    `steps` steps with `objective` on length buckets of `batch_size` sequences, evaluated on the held-out
-    responses."""
-    vocabulary = choose_vocabulary(
-        [completion.response_ids for completion in data.train],
-        draft_vocab_size,
-        target.config.vocab_size,
-        tokenizer.eos_token_id,
-    )
+    """Phases 3 and 4 on collected data: a fresh drafter over the chosen vocabulary (or `start`, trained further
+    over its own vocabulary, never left worse on the held-out responses than it came), trained `steps` steps with
+    `objective` on length buckets of `batch_size` sequences, evaluated on the held-out responses."""
     pad_token_id = tokenizer.pad_token_id
     train_buckets = length_buckets(data.train, data.train_prompt_states, batch_size, pad_token_id)
     held_out_buckets = length_buckets(data.held_out, data.held_out_prompt_states, EVALUATION_BUCKET_SIZE, pad_token_id)
-    drafter = EagleDrafter(target, seed=seed, vocabulary=vocabulary)
+    drafter = start if start is not None else fresh_warmup_drafter(target, tokenizer, data, draft_vocab_size, seed)
+    vocabulary = drafter.vocabulary
+    drafter.train()
     trainer = DrafterTrainer(drafter, lr=lr, weight_decay=weight_decay, objective=objective)
     evaluate_start = time.perf_counter()
     before = held_out_metrics(drafter, held_out_buckets, objective)
@@ -469,7 +479,8 @@ def train_warmup_drafter(
         learning_curve.append((trainer.steps_taken + trainer.steps_skipped, metrics.acceptance, metrics.accept_length))
         return metrics.accept_length
 
-    step_losses = train_on_buckets(trainer, train_buckets, steps, seed, progress, held_out_accept_length)
+    start_score = before.accept_length if start is not None else None
+    step_losses = train_on_buckets(trainer, train_buckets, steps, seed, progress, held_out_accept_length, start_score)
     train_seconds = time.perf_counter() - train_start
     evaluate_start = time.perf_counter()
     if progress is not None:
@@ -503,6 +514,19 @@ def train_warmup_drafter(
         evaluate_seconds=evaluate_seconds,
         learning_curve=learning_curve,
     )
+
+
+def fresh_warmup_drafter(
+    target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, data: WarmupData, draft_vocab_size: int, seed: int
+) -> EagleDrafter:
+    """A fresh drafter over the N tokens the target emitted most often in the training responses."""
+    vocabulary = choose_vocabulary(
+        [completion.response_ids for completion in data.train],
+        draft_vocab_size,
+        target.config.vocab_size,
+        tokenizer.eos_token_id,
+    )
+    return EagleDrafter(target, seed=seed, vocabulary=vocabulary)
 
 
 def warm_up_drafter(

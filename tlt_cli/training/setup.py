@@ -157,13 +157,15 @@ def prepare_drafter(
 def warmed_up_drafter(recipe: Recipe, cache: Path, progress: WarmupProgress | None = None) -> tuple[Path, dict | None]:
     """(folder, report) of the recipe's offline warm-up (`drafter.init: warmup`, `tlt drafter warmup`): read from
     the cache (report None), or run now, saved there and published to the library as the model's newest drafter.
-    A warm-up stopped after its sampling keeps what it sampled, and the next one trains on it."""
+    A warm-up that runs trains the drafter tlt holds for the model further when there is one (on prompts of
+    its own), else a fresh one. Stopped after its sampling, it keeps what it sampled, and the next one trains on
+    it."""
     from tlt_cli.drafter.initial import cached_warmup, warmup_folder
 
     folder = warmup_folder(recipe, cache)
     if cached_warmup(folder):
         return folder, None
-    report = warm_up_into(recipe, folder, progress)
+    report = warm_up_into(recipe, folder, progress, held_drafter(recipe, cache))
     publish_drafter(
         recipe,
         cache,
@@ -234,12 +236,16 @@ def publish_drafter(
     return library.publish(cache, model_folder(model_path or recipe.model.path), drafter_folder, record)
 
 
-def warm_up_into(recipe: Recipe, folder: Path, progress: WarmupProgress | None) -> dict:
-    """Run the recipe's offline warm-up (drafter/warmup.py) and save its drafter in `folder`; its report. The
+def warm_up_into(recipe: Recipe, folder: Path, progress: WarmupProgress | None, start: Path | None = None) -> dict:
+    """Run the recipe's offline warm-up (drafter/warmup.py) and save its drafter in `folder`; its report. It trains
+    the drafter saved in `start` further (a fresh one when None), sampling prompts from `first_warmup_prompt`. The
     target samples in `warmup_dtype`; what it sampled is kept beside `folder` until the drafter is saved, so a
     warm-up stopped in training resumes there."""
-    from tlt_cli.drafter.model import save_drafter
+    from tlt_cli.drafter.initial import first_warmup_prompt
+    from tlt_cli.drafter.library import record_of
+    from tlt_cli.drafter.model import load_drafter, save_drafter
     from tlt_cli.drafter.warmup import (
+        FRESH_START,
         HELD_OUT_PROMPTS,
         collect_warmup_data,
         load_warmup_data,
@@ -264,6 +270,7 @@ def warm_up_into(recipe: Recipe, folder: Path, progress: WarmupProgress | None) 
             recipe.run.seed,
             progress,
             warmup_dtype(recipe, target.device),
+            first_warmup_prompt(start, recipe.drafter.warmup_prompts + HELD_OUT_PROMPTS),
         )
         folder.parent.mkdir(parents=True, exist_ok=True)
         save_warmup_data(data, data_path)
@@ -278,10 +285,13 @@ def warm_up_into(recipe: Recipe, folder: Path, progress: WarmupProgress | None) 
         draft_vocab_size=recipe.drafter.vocab_size,
         objective=drafter_objective(recipe),
         progress=progress,
+        start=load_drafter(start, target) if start is not None else None,
     )
     save_drafter(drafter, folder)
     data_path.unlink(missing_ok=True)
-    return asdict(report)
+    record = record_of(start) if start is not None else None
+    started_from = FRESH_START if start is None else f"the drafter tlt held, {record.describe() if record else start}"
+    return {**asdict(report), "started_from": started_from}
 
 
 def warmup_dtype(recipe: Recipe, device: torch.device) -> torch.dtype:
