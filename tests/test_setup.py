@@ -25,7 +25,7 @@ from tlt_cli.speculative.modes import AdaptiveSpeculativeDecoder, speculative_de
 from tlt_cli.speculative.plan import SpeculationMode
 from tlt_cli.speculative.rules import RuleTableError
 from tlt_cli.speculative.types import SpeculativeConfig
-from tlt_cli.training import setup, update_precision
+from tlt_cli.training import rollout_backends, setup, update_precision
 from tlt_cli.tuning.cache import record_path
 from tlt_cli.tuning.run_plan import RunPlan, UpdatePrecision
 from tlt_cli.tuning.threads import torch_threads
@@ -90,8 +90,8 @@ def run_plan(recipe: Recipe, decode: DecodePlan | None = None) -> RunPlan:
 def test_the_embedded_backend_generates_with_the_policy_it_is_given(tmp_path):
     recipe = recipe_with(SpeculativeMode.off, [], linear_forms="off", temperature=0.0, max_new_tokens=3)
     policy = tiny_qwen2(vocab_size=32, seed=3).eval()
-    backend = setup.rollout_backend(
-        recipe, policy, Tokens(), None, setup.BackendPlace(0, 0, tmp_path, run_plan(recipe))
+    backend = rollout_backends.rollout_backend(
+        recipe, policy, Tokens(), None, rollout_backends.BackendPlace(0, 0, tmp_path, run_plan(recipe))
     )
     assert isinstance(backend, EmbeddedRollout)
     completions, _ = backend.generate([RolloutRequest(0, (2, 3, 4))], setup.sampling(recipe), seed=5)
@@ -103,7 +103,9 @@ def test_the_embedded_backend_generates_with_the_policy_it_is_given(tmp_path):
 def test_an_unknown_rollout_backend_is_refused_in_one_sentence(tmp_path):
     recipe = recipe_with(SpeculativeMode.off, [], backend="vllm")
     with pytest.raises(ValueError, match="rollout.backend is 'vllm'; use one of embedded, sglang"):
-        setup.rollout_backend(recipe, None, Tokens(), None, setup.BackendPlace(0, 0, tmp_path, run_plan(recipe)))
+        rollout_backends.rollout_backend(
+            recipe, None, Tokens(), None, rollout_backends.BackendPlace(0, 0, tmp_path, run_plan(recipe))
+        )
 
 
 def test_the_speculative_plan_is_the_sections_values_with_its_rule_table_parsed_once():
@@ -177,8 +179,8 @@ def test_the_decode_plan_is_resolved_once_in_setup_and_the_rollout_measures_noth
         monkeypatch.setattr(module, name, no_measurement)
     policy, tokenizer = setup.policy_and_tokenizer(recipe)
     drafter = setup.starting_drafter(recipe, None, policy)
-    place = setup.BackendPlace(0, 0, tmp_path, run_plan(recipe, plan))
-    backend = setup.rollout_backend(recipe, policy, tokenizer, drafter, place)
+    place = rollout_backends.BackendPlace(0, 0, tmp_path, run_plan(recipe, plan))
+    backend = rollout_backends.rollout_backend(recipe, policy, tokenizer, drafter, place)
     assert isinstance(backend, EmbeddedRollout) and backend.engine.decode_model.dtype == plan.torch_dtype
     completions, _ = backend.generate([RolloutRequest(0, (2, 3, 4), group=0)], setup.sampling(recipe), seed=1)
     assert completions[0].response_ids
@@ -195,13 +197,15 @@ def test_a_workers_backend_speculates_as_the_run_plan_says_and_reads_no_choice_o
     plan = dataclasses.replace(run_plan(recipe), speculative=fixed)
     policy = tiny_qwen2(vocab_size=32, seed=3).eval()
     drafter = setup.starting_drafter(recipe, None, policy)
-    backend = setup.rollout_backend(recipe, policy, Tokens(), drafter, setup.BackendPlace(0, 0, tmp_path, plan))
+    backend = rollout_backends.rollout_backend(
+        recipe, policy, Tokens(), drafter, rollout_backends.BackendPlace(0, 0, tmp_path, plan)
+    )
     assert backend.engine.speculative is not None and backend.engine.speculative.schedule(4) == SpeculativeConfig(
         2, 1, 3
     )
     assert (
-        setup.rollout_backend(
-            recipe, policy, Tokens(), drafter, setup.BackendPlace(0, 0, tmp_path, run_plan(recipe))
+        rollout_backends.rollout_backend(
+            recipe, policy, Tokens(), drafter, rollout_backends.BackendPlace(0, 0, tmp_path, run_plan(recipe))
         ).engine.speculative
         is None
     )

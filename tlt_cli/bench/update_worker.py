@@ -43,7 +43,7 @@ from tlt_cli.processes.op_build import EXTENSIONS_FOLDER
 from tlt_cli.processes.worker_process import exit_with_parent
 from tlt_cli.recipes import resolve_recipe_path
 from tlt_cli.rollout.types import Completion
-from tlt_cli.training import memory, setup
+from tlt_cli.training import memory, rollout_backends, setup
 from tlt_cli.training.actor import Actor
 from tlt_cli.training.policy_batch import PolicyBatch
 from tlt_cli.training.step import (
@@ -220,8 +220,8 @@ def rollout_and_update_steps(
     if setup.drafter_needed(recipe):
         drafter = setup.starting_drafter(recipe, drafter_folder, actor.policy)
     with tempfile.TemporaryDirectory(prefix="tlt-bench-update-") as run_folder:
-        place = setup.BackendPlace(0, 0, Path(run_folder), plan)
-        backend = setup.rollout_backend(recipe, actor.policy, tokenizer, drafter, place)
+        place = rollout_backends.BackendPlace(0, 0, Path(run_folder), plan)
+        backend = rollout_backends.rollout_backend(recipe, actor.policy, tokenizer, drafter, place)
         backend.start()
         try:
             for step in range(steps):

@@ -13,7 +13,7 @@ A worker (tlt_cli/training/worker_loop.py), or any other trainer, holds one `Rol
     backend.stop()                                                            # however the run ends
 
 Two implementations, chosen by name from the recipe's `rollout.backend` in the composition root
-(tlt_cli/training/setup.py, `BACKEND_FACTORIES`):
+(tlt_cli/training/rollout_backends.py, `BACKEND_FACTORIES`):
   - `embedded` (tlt_cli/rollout/embedded.py): the in-process engine on the actor's own module, so
     there is nothing to start, push or stop; constructible without a recipe or a worker;
   - `sglang` (tlt_cli/sglang/rollout.py): this worker's SGLang servers, imported only when chosen so

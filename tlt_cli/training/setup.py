@@ -25,18 +25,16 @@ worker (tlt_cli/integrations/trl_run.py), the driver's drafter preparation (tlt_
                                             no recipe)
   model_pair                                the one loader of a target and its starting drafter for every command
                                             that measures (rollout/model_pair.py), decoding by a decode plan
-  rollout_backend                           the RolloutBackend `rollout.backend` names (BACKEND_FACTORIES), built
-                                            with the run's plan (BackendPlace)
+The RolloutBackend `rollout.backend` names is built from a recipe beside it, in rollout_backends.py.
 Below this module nothing reads a recipe to build a part: the engines, backends and drafters
 take explicit arguments.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from tlt_cli.config import (
     CPU_DEVICES,
@@ -68,7 +66,6 @@ if TYPE_CHECKING:
     from tlt_cli.drafter.model import EagleDrafter
     from tlt_cli.drafter.warmup import WarmupProgress
     from tlt_cli.engine.linear_forms import LinearFormPlan
-    from tlt_cli.rollout.backend import RolloutBackend
     from tlt_cli.rollout.decode_plan import DecodePlan
     from tlt_cli.rollout.model_pair import ModelPair
     from tlt_cli.tasks.base import Task
@@ -531,75 +528,3 @@ def _decode_device(recipe: Recipe):
         return torch.device("cpu")
     devices = recipe.actor.devices
     return torch.device("cuda", int(devices[0] if isinstance(devices, (list, tuple)) else devices))
-
-
-@dataclass(frozen=True)
-class BackendPlace:
-    """Where a worker's rollout backend runs: its rank, its index on its node, the run directory, and the run's
-    plan (`planned_run`, made by the driver): how the rollout decodes and what it speculates with;
-    drafter_trained: False for a fresh drafter (drafter.init online or random), which mode auto keeps off until
-    it has trained."""
-
-    worker: int
-    rank_on_node: int
-    run_directory: Path
-    plan: RunPlan
-    drafter_trained: bool = True
-
-
-def _embedded(
-    recipe: Recipe, policy: nn.Module, tokenizer: Any, drafter: nn.Module | None, place: BackendPlace
-) -> RolloutBackend:
-    from tlt_cli.rollout.embedded import EmbeddedRollout
-
-    return EmbeddedRollout(
-        policy,
-        tokenizer.eos_token_id,
-        tokenizer.pad_token_id,
-        place.plan.speculative,
-        drafter,
-        seed=recipe.run.seed,
-        decode=place.plan.decode,
-        drafter_trained=place.drafter_trained,
-    )
-
-
-def _sglang(
-    recipe: Recipe, policy: nn.Module, tokenizer: Any, drafter: nn.Module | None, place: BackendPlace
-) -> RolloutBackend:
-    from tlt_cli.models.loading import model_folder
-    from tlt_cli.processes.hostfile import ranks_per_node
-    from tlt_cli.sglang.adaptive import batch_rules
-    from tlt_cli.sglang.rollout import SGLangRollout, servers_of_worker
-
-    return SGLangRollout(
-        policy,
-        drafter,
-        # rollout.sglang.gpus are the GPUs of each node, shared among the ranks of that node
-        servers_of_worker(recipe.rollout.sglang, place.rank_on_node, ranks_per_node(recipe)),
-        str(model_folder(recipe.model.path)),
-        batch_rules(place.plan.speculative),
-        eos_token_id=tokenizer.eos_token_id,
-        seed=recipe.run.seed,
-        run_directory=place.run_directory,
-        worker=place.worker,
-    )
-
-
-# rollout.backend -> the factory of that backend (the SGLang one imports SGLang's client only when chosen); TRL's
-# own generation (rollout.backend trl) is no tlt backend: tlt_cli/integrations/trl_run.py leaves TRL to generate
-BACKEND_FACTORIES: dict[RolloutBackendName, Callable[..., RolloutBackend]] = {
-    RolloutBackendName.embedded: _embedded,
-    RolloutBackendName.sglang: _sglang,
-}
-
-
-def rollout_backend(
-    recipe: Recipe, policy: nn.Module, tokenizer: Any, drafter: nn.Module | None, place: BackendPlace
-) -> RolloutBackend:
-    """The backend the recipe's `rollout.backend` names, not started yet: it generates with (or pushes the
-    weights of) `policy`, speculates with `drafter` (None: none), stops at the tokenizer's EOS."""
-    name = recipe.rollout.backend
-    if name not in BACKEND_FACTORIES:
-        raise ValueError(f"rollout.backend is '{name}'; use one of {', '.join(BACKEND_FACTORIES)}.")
-    return BACKEND_FACTORIES[name](recipe, policy, tokenizer, drafter, place)

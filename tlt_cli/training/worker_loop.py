@@ -44,7 +44,7 @@ from tlt_cli.processes.op_build import EXTENSIONS_FOLDER
 from tlt_cli.processes.worker_process import exit_with_parent, redirect_output
 from tlt_cli.rollout.types import Completion
 from tlt_cli.trace import request_record
-from tlt_cli.training import memory, setup
+from tlt_cli.training import memory, rollout_backends, setup
 from tlt_cli.training.drafter_divergence import DrafterAction, DrafterWatch, reset_in_place
 from tlt_cli.training.memory_parts import MemoryWatch
 from tlt_cli.training.step import StepShard, grpo_update, shard_rewards, shard_sampling_seed, step_shard, worker_actor
@@ -106,12 +106,12 @@ class WorkerLoop:
             self.drafter = setup.starting_drafter(recipe, spec.drafter_init, self.actor.policy).to(
                 self.actor.device, self.actor.dtype
             )
-        self.rollout_backend = setup.rollout_backend(
+        self.rollout_backend = rollout_backends.rollout_backend(
             recipe,
             self.actor.policy,
             self.tokenizer,
             self.drafter,
-            setup.BackendPlace(
+            rollout_backends.BackendPlace(
                 self.rank,
                 spec.address.rank_on_node,
                 spec.run_directory,
