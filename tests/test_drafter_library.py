@@ -259,14 +259,19 @@ def test_the_warm_up_data_reads_back_whole_and_a_damaged_file_counts_as_absent(t
     assert load_warmup_data(tmp_path / "none.pt") is None
 
 
-def test_training_stops_once_held_out_acceptance_stops_rising_and_keeps_the_best(monkeypatch):
-    from tlt_cli.drafter import warmup
-
+def drafter_and_batch() -> tuple[EagleDrafter, DrafterBatch]:
+    """A fresh drafter over a tiny Qwen2 and one batch of two random 12-token sequences with the target's states."""
     target = tiny_qwen2(VOCAB_SIZE, 0, 64, hidden_size=32, tie_word_embeddings=True)
     sequences = torch.randint(0, VOCAB_SIZE, (2, 12), generator=torch.Generator().manual_seed(3))
     hidden = target.get_decoder()(input_ids=sequences).last_hidden_state.detach()
     batch = DrafterBatch.from_sequences(sequences, hidden, torch.ones_like(sequences, dtype=torch.bool))
-    drafter = EagleDrafter(target, seed=0)
+    return EagleDrafter(target, seed=0), batch
+
+
+def test_training_stops_once_held_out_acceptance_stops_rising_and_keeps_the_best(monkeypatch):
+    from tlt_cli.drafter import warmup
+
+    drafter, batch = drafter_and_batch()
     trainer = DrafterTrainer(drafter, lr=1e-3)
     monkeypatch.setattr(warmup, "EVALUATE_EVERY", 2)
     scores = iter([0.1, 0.5, 0.502, 0.501, 0.503, 0.9])  # flat after the second evaluation
@@ -316,11 +321,7 @@ def test_a_log_gets_a_progress_line_with_what_is_left():
 def test_a_drafter_trained_further_keeps_its_start_unless_training_beats_it(monkeypatch):
     from tlt_cli.drafter import warmup
 
-    target = tiny_qwen2(VOCAB_SIZE, 0, 64, hidden_size=32, tie_word_embeddings=True)
-    sequences = torch.randint(0, VOCAB_SIZE, (2, 12), generator=torch.Generator().manual_seed(3))
-    hidden = target.get_decoder()(input_ids=sequences).last_hidden_state.detach()
-    batch = DrafterBatch.from_sequences(sequences, hidden, torch.ones_like(sequences, dtype=torch.bool))
-    drafter = EagleDrafter(target, seed=0)
+    drafter, batch = drafter_and_batch()
     start = {name: value.clone() for name, value in drafter.state_dict().items()}
     monkeypatch.setattr(warmup, "EVALUATE_EVERY", 2)
     trainer = DrafterTrainer(drafter, lr=1e-2)
