@@ -17,7 +17,6 @@ from tlt_cli.drafter.warmup import (
     held_out_metrics,
     length_buckets,
     load_warmup_data,
-    train_warmup_drafter,
 )
 from tlt_cli.training import setup
 
@@ -37,17 +36,8 @@ held_buckets = length_buckets(
 results = {"samples": str(samples), "train_sequences": len(data.train), "steps": steps, "runs": []}
 for depths in depth_values:
     start = time.perf_counter()
-    settings = recipe.drafter
-    drafter, report = train_warmup_drafter(
-        target,
-        tokenizer,
-        data,
-        steps,
-        settings.warmup_batch_size,
-        settings.warmup_lr,
-        recipe.run.seed,
-        draft_vocab_size=settings.vocab_size,
-        objective=acceptance_objective(temperature, depths),
+    drafter, report = setup.train_recipe_drafter(
+        recipe, target, tokenizer, data, steps, acceptance_objective(temperature, depths)
     )
     metrics = held_out_metrics(drafter, held_buckets, acceptance_objective(temperature, EVALUATED_DEPTHS))
     run = {

@@ -61,17 +61,8 @@ for size, start in variants:
     subset = replace(data, train=data.train[:size], train_prompt_states=data.train_prompt_states[:size])
     warmup.EagleDrafter = LastLayerDrafter if start == "last-layer" else EagleDrafter
     began = time.perf_counter()
-    settings = recipe.drafter
-    drafter, report = warmup.train_warmup_drafter(
-        target,
-        tokenizer,
-        subset,
-        steps,
-        settings.warmup_batch_size,
-        settings.warmup_lr,
-        recipe.run.seed,
-        draft_vocab_size=settings.vocab_size,
-        objective=acceptance_objective(temperature, depths),
+    drafter, report = setup.train_recipe_drafter(
+        recipe, target, tokenizer, subset, steps, acceptance_objective(temperature, depths)
     )
     held = warmup.held_out_metrics(drafter, held_buckets, scored)
     seen = warmup.held_out_metrics(drafter, seen_buckets, scored)

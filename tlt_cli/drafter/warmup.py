@@ -65,7 +65,7 @@ EVALUATE_EVERY = 50
 PLATEAU_GAIN = 0.005
 PLATEAU_EVALUATIONS = 3
 
-# WarmupReport.started_from of a warm-up that trained a fresh drafter
+# a warm-up report's "started_from" (training/setup.py `warm_up_into`) when it trained a fresh drafter
 FRESH_START = "a fresh drafter"
 
 # (phase, done, total): phase is one of "generate", "prompt states", "train", "evaluate"
@@ -87,8 +87,7 @@ class WarmupReport:
     prompt_seconds: the prompts' hidden states; train_seconds: the steps and the evaluations among them;
     evaluate_seconds: the held-out evaluations before and after; learning_curve: (step, held-out acceptance, held-out
     accept length) at each evaluation during training; steps: the steps taken (fewer than asked when the accept
-    length stopped rising); started_from: what it trained (FRESH_START, or the held drafter it trained further, as the
-    console names it).
+    length stopped rising).
     """
 
     steps: int
@@ -112,11 +111,11 @@ class WarmupReport:
     train_seconds: float
     evaluate_seconds: float
     learning_curve: list[tuple[int, float, float]] = field(default_factory=list)
-    started_from: str = FRESH_START
 
 
 def report_lines(report: dict, temperature: float) -> list[str]:
-    """The console's lines on a finished warm-up (a `WarmupReport` as a dict), sampled at `temperature`."""
+    """The console's lines on a finished warm-up (a `WarmupReport` as a dict with what it "started_from", as
+    training/setup.py `warm_up_into` returns it), sampled at `temperature`."""
     by_depth = ", ".join(f"{acceptance:.1%}" for acceptance in report["held_out_acceptance_by_depth"])
     curve = ", ".join(f"{step}: {accept_length:.2f}" for step, _, accept_length in report["learning_curve"])
     trained = "" if report["started_from"] == FRESH_START else f" (trained further: {report['started_from']})"

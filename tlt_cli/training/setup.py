@@ -64,7 +64,7 @@ if TYPE_CHECKING:
 
     from tlt_cli.drafter.loss import DrafterObjective
     from tlt_cli.drafter.model import EagleDrafter
-    from tlt_cli.drafter.warmup import WarmupProgress
+    from tlt_cli.drafter.warmup import WarmupData, WarmupProgress, WarmupReport
     from tlt_cli.engine.linear_forms import LinearFormPlan
     from tlt_cli.rollout.decode_plan import DecodePlan
     from tlt_cli.rollout.model_pair import ModelPair
@@ -247,7 +247,6 @@ def warm_up_into(recipe: Recipe, folder: Path, progress: WarmupProgress | None, 
         collect_warmup_data,
         load_warmup_data,
         save_warmup_data,
-        train_warmup_drafter,
     )
 
     target, tokenizer = policy_and_tokenizer(recipe)
@@ -271,24 +270,52 @@ def warm_up_into(recipe: Recipe, folder: Path, progress: WarmupProgress | None, 
         )
         folder.parent.mkdir(parents=True, exist_ok=True)
         save_warmup_data(data, data_path)
-    drafter, report = train_warmup_drafter(
+    drafter, report = train_recipe_drafter(
+        recipe,
         target,
         tokenizer,
         data,
-        steps=recipe.drafter.warmup_steps,
-        batch_size=recipe.drafter.warmup_batch_size,
-        lr=recipe.drafter.warmup_lr,
-        seed=recipe.run.seed,
-        draft_vocab_size=recipe.drafter.vocab_size,
-        objective=drafter_objective(recipe),
-        progress=progress,
-        start=load_drafter(start, target) if start is not None else None,
+        recipe.drafter.warmup_steps,
+        drafter_objective(recipe),
+        progress,
+        load_drafter(start, target) if start is not None else None,
     )
     save_drafter(drafter, folder)
     data_path.unlink(missing_ok=True)
     record = record_of(start) if start is not None else None
     started_from = FRESH_START if start is None else f"the drafter tlt held, {record.describe() if record else start}"
     return {**asdict(report), "started_from": started_from}
+
+
+def train_recipe_drafter(
+    recipe: Recipe,
+    target: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    data: WarmupData,
+    steps: int,
+    objective: DrafterObjective,
+    progress: WarmupProgress | None = None,
+    start: EagleDrafter | None = None,
+) -> tuple[EagleDrafter, WarmupReport]:
+    """The warm-up's training (drafter/warmup.py `train_warmup_drafter`) on collected `data` with the recipe's
+    drafter settings (batch, learning rate, draft vocabulary, seed), `steps` steps of `objective`, from `start`
+    (None: a fresh drafter); the warm-up's and the drafter benchmarks' one way to train."""
+    from tlt_cli.drafter.warmup import train_warmup_drafter
+
+    settings = recipe.drafter
+    return train_warmup_drafter(
+        target,
+        tokenizer,
+        data,
+        steps=steps,
+        batch_size=settings.warmup_batch_size,
+        lr=settings.warmup_lr,
+        seed=recipe.run.seed,
+        draft_vocab_size=settings.vocab_size,
+        objective=objective,
+        progress=progress,
+        start=start,
+    )
 
 
 def warmup_dtype(recipe: Recipe, device: torch.device) -> torch.dtype:
